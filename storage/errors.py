@@ -1,0 +1,105 @@
+"""Typed errors of the transfer queue.
+
+Every error the store can return has a stable wire ``code`` so that a client in another process
+re-raises the same type. Errors never carry tracebacks or objects across the wire: only the code
+and a human-readable message naming what was wrong.
+
+Lifecycle: a node raises one of these inside a verb; the server turns it into an error reply
+(``wire.ErrorReply``); the client turns the reply back into the same exception class.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class. ``code`` is the stable identifier used on the wire."""
+
+    code = "store_error"
+
+
+class BadRequest(StoreError):
+    """The request is malformed: wrong header fields or types, sizes, invalid Arrow data."""
+
+    code = "bad_request"
+
+
+class SchemaMismatch(BadRequest):
+    """A batch's columns or types do not match the table's declared schema."""
+
+    code = "schema_mismatch"
+
+
+class UnknownTable(StoreError):
+    code = "unknown_table"
+
+
+class TableExists(StoreError):
+    code = "table_exists"
+
+
+class UnknownTask(StoreError):
+    code = "unknown_task"
+
+
+class UnknownRows(StoreError):
+    """A row id names no live row on this node (never put, or already released)."""
+
+    code = "unknown_rows"
+
+
+class CellAlreadyWritten(StoreError):
+    """A (row, column) cell is written at most once; overwriting needs the admin verb."""
+
+    code = "cell_already_written"
+
+
+class LeaseExpired(StoreError):
+    """Fencing: the lease passed its deadline (or was revoked); its rows may belong to another
+    consumer now, so writes and acks carrying it are refused."""
+
+    code = "lease_expired"
+
+
+class UnknownLease(LeaseExpired):
+    """The lease id was never issued by this node, or was already acked/released."""
+
+    code = "unknown_lease"
+
+
+class StoreFull(StoreError):
+    """``put`` would exceed the table's row or byte capacity and its timeout elapsed."""
+
+    code = "store_full"
+
+
+class ShuttingDown(StoreError):
+    """The node is shutting down; long waits end early with this error."""
+
+    code = "shutting_down"
+
+
+class Unavailable(StoreError):
+    """Client side: no reply from a node within the request timeout."""
+
+    code = "unavailable"
+
+
+class AuthError(StoreError):
+    code = "auth_error"
+
+
+_BY_CODE: dict[str, type[StoreError]] = {}
+
+
+def _register(cls: type[StoreError]) -> None:
+    _BY_CODE[cls.code] = cls
+    for sub in cls.__subclasses__():
+        _register(sub)
+
+
+_register(StoreError)
+
+
+def error_from_code(code: str, message: str) -> StoreError:
+    """Rebuild the typed exception for a wire error code (unknown codes give ``StoreError``)."""
+    return _BY_CODE.get(code, StoreError)(message)

@@ -1,0 +1,165 @@
+"""What a table is: its declared schema, its tasks, its limits, and the records the verbs return.
+
+The store knows nothing about RL. A *table* holds rows (samples) and columns (fields). Its user
+columns are declared once, as an Arrow schema, when the table is created; the store adds the
+metadata columns listed in ``META_COLUMNS`` (never writable by users).
+
+A *task* (e.g. ``"reward"``) declares the columns it needs. A row is *ready* for a task once every
+one of those columns is written, and stays ready until a consumer of that task claims it. Each task
+consumes every row exactly once per row lifecycle, independently of the other tasks.
+
+Per (row, task) lifecycle::
+
+    PENDING --(last needed column written)--> READY --claim--> LEASED --ack--> CONSUMED
+                                                ^                 |
+                                                +--expire/release-+--(deliveries > max)--> DEAD
+
+A row is freed (its memory released) once every task has CONSUMED it (DEAD rows are kept, for
+inspection, until ``clear``).
+
+Row ids are stable 64-bit integers: the top 16 bits name the shard (``shard_id``), the low 48 bits
+a sequence number within that shard, so any client can route a row id to its shard without a lookup.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+ROW_ID = "row_id"
+"""Column present in every claimed batch: the stable 64-bit row id (uint64)."""
+
+SHARD_BITS = 16
+SEQ_BITS = 64 - SHARD_BITS
+SEQ_MASK = (1 << SEQ_BITS) - 1
+
+
+def make_row_id(shard_id: int, seq: int) -> int:
+    return (shard_id << SEQ_BITS) | seq
+
+
+def shard_of(row_id: int) -> int:
+    return row_id >> SEQ_BITS
+
+
+# Store-kept metadata. These names are reserved: a user schema may not declare them.
+META_COLUMNS: dict[str, pa.DataType] = {
+    ROW_ID: pa.uint64(),  # stable id, see module docstring
+    "created_at": pa.float64(),  # wall-clock seconds when the row was put
+    # Per-task delivery count is returned as "deliveries" (uint16) in a claimed batch: how many
+    # times this row was handed to the claiming task, this delivery included (1 = first time).
+    "deliveries": pa.uint16(),
+}
+
+
+class RowState(enum.IntEnum):
+    """The per-(row, task) state; see the lifecycle in the module docstring."""
+
+    PENDING = 0
+    READY = 1
+    LEASED = 2
+    CONSUMED = 3
+    DEAD = 4
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A consumer task of a table: its name and the columns that make a row ready for it."""
+
+    name: str
+    needs: tuple[str, ...]
+    # If True, claims hand out only complete groups (all ``TableSpec.group_size`` rows of a group
+    # ready), and never split a group across leases.
+    whole_groups: bool = False
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """Declared once at ``create_table``; immutable afterwards."""
+
+    name: str
+    schema: pa.Schema  # user columns only (no META_COLUMNS)
+    tasks: tuple[TaskSpec, ...]
+    # Optional grouping: rows sharing a value of this int64 column form a group of exactly
+    # ``group_size`` rows, which must arrive in one ``put`` (so a group never spans shards).
+    group_column: str | None = None
+    group_size: int | None = None
+    # Back-pressure: ``put`` waits (up to its timeout) while the table holds this many rows/bytes.
+    capacity_rows: int = 1_000_000
+    capacity_bytes: int = 8 << 30
+    # Leases: default deadline, and the delivery count past which a row is quarantined (DEAD).
+    lease_seconds: float = 60.0
+    max_deliveries: int = 5
+    # Persistence: None = memory only; else a directory per node for the append-only log and
+    # snapshots. fsync: "always" (durable when acknowledged), "interval", "never" (OS decides).
+    persist_dir: str | None = None
+    fsync: str = "always"
+    fsync_interval_s: float = 0.05
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What ``claim`` returns: the claimed rows and the right to write/ack them until ``deadline``.
+
+    ``batch`` holds the requested columns plus ``row_id`` and ``deliveries``. An empty lease
+    (``num_rows == 0``) means the wait timed out with nothing ready; it needs no ack.
+    """
+
+    lease_id: int  # unique per node (includes the node epoch); 0 for an empty lease
+    table: str
+    task: str
+    shard_id: int
+    deadline: float  # wall-clock seconds
+    batch: pa.RecordBatch
+
+    @property
+    def num_rows(self) -> int:
+        return self.batch.num_rows
+
+    @property
+    def row_ids(self) -> list[int]:
+        return self.batch.column(ROW_ID).to_pylist()
+
+
+@dataclass
+class TaskStats:
+    """Counts of rows per state for one (table, shard, task)."""
+
+    pending: int = 0
+    ready: int = 0
+    in_flight: int = 0  # LEASED
+    consumed: int = 0
+    dead: int = 0
+    redelivered_total: int = 0  # rows handed out again after an expiry or failed release
+    dead_reasons: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ShardStats:
+    shard_id: int
+    rows: int  # live rows held (not yet freed)
+    bytes: int  # memory held by this shard's column data
+    tasks: dict[str, TaskStats]
+
+
+@dataclass
+class TableStats:
+    table: str
+    shards: list[ShardStats]
+
+    def task_total(self, task: str) -> TaskStats:
+        """Sum of one task's counts over all shards."""
+        total = TaskStats()
+        for shard in self.shards:
+            s = shard.tasks[task]
+            total.pending += s.pending
+            total.ready += s.ready
+            total.in_flight += s.in_flight
+            total.consumed += s.consumed
+            total.dead += s.dead
+            total.redelivered_total += s.redelivered_total
+            for reason, n in s.dead_reasons.items():
+                total.dead_reasons[reason] = total.dead_reasons.get(reason, 0) + n
+        return total
