@@ -1,1 +1,91 @@
-"""storage package."""
+"""storage: the sharded, Arrow-backed transfer queue over ZeroMQ (the project's data store).
+
+Public API::
+
+    import storage
+    client = storage.connect("tcp://127.0.0.1:5555")          # or a list, one address per node
+    with storage.embedded(num_shards=2) as store:             # a real Server in a thread, inproc://
+        client = store.client()                               # one Client per thread
+
+The embedded form runs the same code path as the network (ROUTER server loop, wire validation,
+DEALER client), only over ``inproc://`` (or a 127.0.0.1 port with ``tcp=True``).
+Layering: ``storage`` imports neither ``workers`` nor ``streamflow``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from storage.client import Client, CurveClientKeys, connect
+from storage.errors import StoreError
+from storage.schema import Lease, TableSpec, TableStats, TaskSpec
+
+if TYPE_CHECKING:
+    from storage.server import Server, ServerConfig, serve
+
+
+def __getattr__(name: str) -> Any:
+    # The server module is imported lazily so that `python -m storage.server` does not find it
+    # already imported by this package (runpy warns about that).
+    if name in ("Server", "ServerConfig", "serve"):
+        from storage import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module 'storage' has no attribute {name!r}")
+
+__all__ = [
+    "Client", "CurveClientKeys", "EmbeddedStore", "Lease", "Server", "ServerConfig", "StoreError",
+    "TableSpec", "TableStats", "TaskSpec", "connect", "embedded", "serve",
+]
+
+
+class EmbeddedStore:
+    """A store node served from a background thread of this process, plus clients for it.
+
+    Lifecycle: constructed started; ``close()`` (or leaving the ``with`` block) closes every
+    client it made, stops the server (parked waits get ShuttingDown) and ends its ZeroMQ context.
+    ``client()`` is thread-safe; each Client it returns belongs to the thread that uses it.
+    """
+
+    def __init__(self, num_shards: int = 1, *, node_index: int = 0, tcp: bool = False,
+                 metrics_port: int | None = None, **client_kwargs: Any) -> None:
+        from storage.server import Server, ServerConfig, inproc_address
+
+        self.context = zmq.Context()
+        bind = "tcp://127.0.0.1:0" if tcp else inproc_address()
+        config = ServerConfig(bind=(bind,), num_shards=num_shards, node_index=node_index,
+                              metrics_port=metrics_port)
+        self.server: Server = Server(config, context=self.context).start()
+        self.address = self.server.addresses[0]
+        self._client_kwargs = client_kwargs
+        self._clients: list[Client] = []
+        self._lock = threading.Lock()
+
+    def client(self, **kwargs: Any) -> Client:
+        """A new Client on this store (thread-safe to call; use the Client from one thread)."""
+        c = Client(self.address, context=self.context, **{**self._client_kwargs, **kwargs})
+        with self._lock:
+            self._clients.append(c)
+        return c
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for c in clients:
+            c.close()
+        self.server.stop()
+        self.context.term()
+
+    def __enter__(self) -> EmbeddedStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def embedded(num_shards: int = 1, **kwargs: Any) -> EmbeddedStore:
+    """Start an in-process store node (see EmbeddedStore); use it as a context manager."""
+    return EmbeddedStore(num_shards, **kwargs)

@@ -1,0 +1,93 @@
+"""Column data of a shard: Arrow chunks as they arrived, and the gather that builds a claimed batch.
+
+A shard never copies column data on arrival. Every ``put`` and every ``write`` becomes one
+*source*: the Arrow arrays of that request, kept as received (zero-copy slices of the request's
+frame when the server decoded it that way). Each (row, column) cell points at ``(source, offset)``.
+A source is freed once no live cell points at it any more (``refs`` counts live cells), which is
+how memory held goes down in whole chunks.
+
+``gather`` turns the (source, offset) pairs of the claimed rows into one contiguous Arrow array:
+a zero-copy slice when the rows are a contiguous run of one source (the common streaming case:
+rows claimed in the order they were put), otherwise ``take`` per run and one concat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+# Beyond this many runs of alternating sources, gathering per source and permuting once is cheaper
+# than one small ``take`` per run.
+_MAX_RUNS = 32
+
+
+@dataclass(slots=True)
+class Source:
+    """The arrays of one put/write request, indexed by column id, and their accounting."""
+
+    arrays: dict[int, pa.Array]
+    nbytes: int
+    refs: int  # live (row, column) cells pointing here; freed at 0
+
+
+def _take(arr: pa.Array, off: np.ndarray) -> pa.Array:
+    n = len(off)
+    o0 = int(off[0])
+    if n == 1:
+        return arr.slice(o0, 1)
+    if int(off[-1]) - o0 == n - 1 and bool((np.diff(off) == 1).all()):
+        return arr.slice(o0, n)
+    return arr.take(pa.array(off, type=pa.int64()))
+
+
+def gather(sources: dict[int, Source], col: int, src: np.ndarray, off: np.ndarray) -> pa.Array:
+    """The cells (src[i], off[i]) of column ``col`` as one array, in row order. ``src`` >= 0."""
+    n = len(src)
+    bounds = np.flatnonzero(src[1:] != src[:-1]) + 1
+    if len(bounds) == 0:
+        return _take(sources[int(src[0])].arrays[col], off)
+    if len(bounds) < _MAX_RUNS:
+        starts = np.concatenate(([0], bounds))
+        ends = np.concatenate((bounds, [n]))
+        pieces = [
+            _take(sources[int(src[s])].arrays[col], off[s:e])
+            for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
+        return pa.concat_arrays(pieces)
+    # Many interleaved sources: one take per source, then one permutation back to row order.
+    order = np.argsort(src, kind="stable")
+    sorted_src = src[order]
+    cuts = np.flatnonzero(sorted_src[1:] != sorted_src[:-1]) + 1
+    starts = np.concatenate(([0], cuts)).tolist()
+    ends = np.concatenate((cuts, [n])).tolist()
+    pieces = [
+        _take(sources[int(sorted_src[s])].arrays[col], off[order[s:e]])
+        for s, e in zip(starts, ends, strict=True)
+    ]
+    merged = pa.concat_arrays(pieces)
+    inverse = np.empty(n, dtype=np.int64)
+    inverse[order] = np.arange(n)
+    return merged.take(pa.array(inverse))
+
+
+def gather_with_nulls(
+    sources: dict[int, Source], col: int, typ: pa.DataType, src: np.ndarray, off: np.ndarray
+) -> pa.Array:
+    """Like ``gather`` but cells with ``src < 0`` (never written) come back as nulls."""
+    written = src >= 0
+    n = len(src)
+    if bool(written.all()) and n:
+        return gather(sources, col, src, off)
+    if not bool(written.any()):
+        return pa.nulls(n, type=typ)
+    values = gather(sources, col, src[written], off[written])
+    # take() with null indices yields nulls: scatter the written values back into row order.
+    idx = np.full(n, 0, dtype=np.int64)
+    idx[written] = np.arange(int(written.sum()))
+    return values.take(pa.array(idx, mask=~written))
+
+
+def batch_nbytes(arrays: dict[int, pa.Array]) -> int:
+    return sum(a.nbytes for a in arrays.values())

@@ -1,0 +1,357 @@
+"""The store client: explicit verbs over one ZeroMQ DEALER socket per store node.
+
+Owns: routing (row-id-keyed verbs go to the node owning the row's shard: ``shard_id >> 8`` is the
+node index), placement of puts (the node with the shallowest depth hint, piggybacked on put
+replies), multi-node claims (probe without waiting, then one server-side long poll per node; the
+first lease wins, the others are cancelled and any late lease is released cleanly), request
+timeouts and reconnection.
+
+Threading: a ``Client`` is used from ONE thread (ZeroMQ sockets are not thread-safe). Make one
+client per thread; they may share a ``zmq.Context`` (``EmbeddedStore.client()`` does).
+
+Replies are matched by ``req_id``. When a request times out the client raises ``Unavailable``,
+closes that node's socket and opens a fresh one (ZeroMQ then reconnects with exponential backoff,
+100 ms .. 5 s), so a late reply to a timed-out request can never be taken for another's. The
+outcome of a timed-out mutating request is unknown (see the guarantees in ``storage/wire.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import zmq
+
+from storage import wire
+from storage.errors import StoreError, Unavailable
+from storage.schema import ROW_ID, SEQ_BITS, Lease, TableSpec, TableStats
+
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+
+
+@dataclass
+class CurveClientKeys:
+    """CURVE keys of a client: its own key pair and the server's public key (z85 bytes)."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_public_key: bytes
+
+
+class _Conn:
+    """One node: its socket (replaced after a timeout), node index and placement hint."""
+
+    def __init__(self, client: Client, address: str) -> None:
+        self.client = client
+        self.address = address
+        self.node_index: int | None = None
+        self.depth = 0  # live rows of the last-put table, from the last put reply
+        self.sock = self._open()
+
+    def _open(self) -> zmq.Socket:
+        c = self.client
+        sock = c.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        sock.setsockopt(zmq.MAXMSGSIZE, c.max_message_bytes)
+        if c.curve is not None:
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, c.curve.public_key)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, c.curve.secret_key)
+            sock.setsockopt(zmq.CURVE_SERVERKEY, c.curve.server_public_key)
+        sock.connect(self.address)
+        return sock
+
+    def reset(self) -> None:
+        self.sock.close(linger=0)
+        self.sock = self._open()
+
+
+class Client:
+    """Talks to one or more store nodes. Use from one thread; ``close()`` when done."""
+
+    def __init__(self, addresses: str | Sequence[str], *, context: zmq.Context | None = None,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+                 curve: CurveClientKeys | None = None) -> None:
+        if isinstance(addresses, str):
+            addresses = [addresses]
+        if not addresses:
+            raise ValueError("Client needs at least one store address")
+        self.context = context or zmq.Context.instance()
+        self.request_timeout = request_timeout
+        self.max_message_bytes = max_message_bytes
+        self.curve = curve
+        self._req_ids = itertools.count(1)
+        self._conns = [_Conn(self, a) for a in addresses]
+        self._by_node: dict[int, _Conn] | None = None
+        self._rr = 0
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def _send(self, conn: _Conn, verb: str, args: dict[str, Any], bodies: Sequence[Any] = ()) -> int:
+        req_id = next(self._req_ids)
+        conn.sock.send_multipart(wire.encode_request(verb, req_id, args, bodies), copy=False)
+        return req_id
+
+    def _recv(self, conn: _Conn, req_id: int, timeout: float) -> wire.Reply:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not conn.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                if time.monotonic() < deadline:
+                    continue
+                conn.reset()  # a late reply must land on a socket nobody reads any more
+                raise Unavailable(f"no reply from {conn.address} within {timeout:.3g} s")
+            reply = wire.decode_reply(conn.sock.recv_multipart(copy=False))
+            if reply.req_id == req_id:
+                return reply
+            # A reply to an earlier request (e.g. a cancelled claim): not ours, drop it.
+
+    def _call(self, conn: _Conn, verb: str, args: dict[str, Any], bodies: Sequence[Any] = (),
+              *, wait: float = 0.0) -> wire.Reply:
+        req_id = self._send(conn, verb, args, bodies)
+        reply = self._recv(conn, req_id, wait + self.request_timeout)
+        if reply.error is not None:
+            raise reply.error
+        return reply
+
+    def _nodes(self) -> dict[int, _Conn]:
+        """node index -> connection, learned once with "hello" (only needed with several nodes)."""
+        if self._by_node is None:
+            by_node = {}
+            for conn in self._conns:
+                conn.node_index = int(self._call(conn, "hello", {}).result["node_index"])
+                by_node[conn.node_index] = conn
+            self._by_node = by_node
+        return self._by_node
+
+    def _conn_for_shard(self, shard_id: int) -> _Conn:
+        if len(self._conns) == 1:
+            return self._conns[0]
+        node = shard_id >> 8
+        try:
+            return self._nodes()[node]
+        except KeyError:
+            raise StoreError(f"no connected node serves shard {shard_id} (node {node})") from None
+
+    # -- admin verbs -----------------------------------------------------------------------------
+    def create_table(self, spec: TableSpec) -> None:
+        """Create the table on every node (idempotent for an equal spec)."""
+        for conn in self._conns:
+            self._call(conn, "create_table", {"spec": wire.spec_to_wire(spec)})
+
+    def drop_table(self, table: str) -> None:
+        for conn in self._conns:
+            self._call(conn, "drop_table", {"table": table})
+
+    def tables(self) -> list[str]:
+        names: set[str] = set()
+        for conn in self._conns:
+            names.update(self._call(conn, "tables", {}).result["tables"])
+        return sorted(names)
+
+    def stats(self, table: str) -> TableStats:
+        """Per-shard, per-task counts, merged over every node."""
+        parts = [wire.stats_from_wire(self._call(c, "stats", {"table": table}).result["stats"])
+                 for c in self._conns]
+        return wire.merge_stats(parts)
+
+    def clear(self, table: str, *, dead: bool = False) -> int:
+        """Free consumed rows (and DEAD ones with dead=True); returns rows freed."""
+        return sum(int(self._call(c, "clear", {"table": table, "dead": dead}).result["freed"])
+                   for c in self._conns)
+
+    def snapshot(self, table: str) -> list[str]:
+        """Snapshot the table on every node; returns the snapshot paths."""
+        return [str(self._call(c, "snapshot", {"table": table}).result["path"])
+                for c in self._conns]
+
+    # -- data verbs ------------------------------------------------------------------------------
+    def put(self, table: str, data: pa.RecordBatch | pa.Table, *, timeout: float = 30.0,
+            shard_id: int | None = None) -> np.ndarray:
+        """Create rows; returns their uint64 row ids. Waits server-side up to ``timeout`` s for
+        capacity, then raises StoreFull."""
+        batch = wire.to_batch(data)
+        if shard_id is not None:
+            conn = self._conn_for_shard(shard_id)
+        else:
+            conn = self._shallowest()
+        reply = self._call(conn, "put", {"table": table, "timeout": float(timeout),
+                                         "shard_id": shard_id},
+                           [wire.write_batch(batch)], wait=timeout)
+        conn.depth = int(reply.result.get("depth", 0))
+        return wire.row_ids_from_bytes(reply.result["row_ids"])
+
+    def _shallowest(self) -> _Conn:
+        if len(self._conns) == 1:
+            return self._conns[0]
+        self._rr += 1  # ties go round-robin
+        n = len(self._conns)
+        return min((self._conns[(self._rr + i) % n] for i in range(n)), key=lambda c: c.depth)
+
+    def claim(self, table: str, task: str, columns: Sequence[str], max_rows: int, *,
+              min_rows: int = 1, whole_groups: bool = False, timeout: float = 0.0,
+              lease_seconds: float | None = None) -> Lease:
+        """Lease up to ``max_rows`` rows ready for ``task``. Waits server-side up to ``timeout`` s
+        for ``min_rows`` rows; at the timeout takes whatever is ready (possibly an empty lease,
+        ``num_rows == 0``, which needs no ack). Raises ShuttingDown if a node shuts down."""
+        args = {"table": table, "task": task, "columns": list(columns), "max_rows": int(max_rows),
+                "min_rows": int(min_rows), "whole_groups": bool(whole_groups),
+                "lease_seconds": lease_seconds}
+        if len(self._conns) == 1:
+            return self._claim_one(self._conns[0], args, float(timeout))
+        return self._claim_many(args, float(timeout))
+
+    def _lease(self, args: dict[str, Any], reply: wire.Reply) -> Lease:
+        batch = wire.read_batch(reply.bodies[0], "claim reply") if reply.bodies else None
+        if batch is None:
+            raise StoreError("claim reply without a batch")
+        r = reply.result
+        return Lease(int(r["lease_id"]), args["table"], args["task"], int(r["shard_id"]),
+                     float(r["deadline"]), batch)
+
+    def _claim_one(self, conn: _Conn, args: dict[str, Any], timeout: float) -> Lease:
+        reply = self._call(conn, "claim", {**args, "timeout": timeout}, wait=timeout)
+        return self._lease(args, reply)
+
+    def _claim_many(self, args: dict[str, Any], timeout: float) -> Lease:
+        # 1) probe every node without waiting, fullest-first is unknown so round-robin the start.
+        self._rr += 1
+        order = [self._conns[(self._rr + i) % len(self._conns)] for i in range(len(self._conns))]
+        last: Lease | None = None
+        for conn in order:
+            lease = self._claim_one(conn, args, 0.0)
+            if lease.num_rows >= args["min_rows"] or (timeout <= 0 and lease.num_rows):
+                return lease
+            if lease.num_rows:  # fewer than min_rows: hand back, keep looking / waiting
+                self.release(lease)
+            last = lease
+        if timeout <= 0:
+            assert last is not None
+            return last
+        # 2) one long poll per node; the first non-empty lease wins, the others are cancelled.
+        pending = {self._send(c, "claim", {**args, "timeout": timeout}): c for c in order}
+        won: Lease | None = None
+        failure: StoreError | None = None
+        deadline = time.monotonic() + timeout + self.request_timeout
+        poller = zmq.Poller()
+        for c in order:
+            poller.register(c.sock, zmq.POLLIN)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for c in pending.values():
+                    c.reset()
+                raise failure or Unavailable(f"no claim reply within {timeout:.3g} s")
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            for req_id, conn in list(pending.items()):
+                if conn.sock not in ready:
+                    continue
+                while conn.sock.poll(0):
+                    reply = wire.decode_reply(conn.sock.recv_multipart(copy=False))
+                    if reply.req_id != req_id:
+                        continue  # stale
+                    del pending[req_id]
+                    if reply.error is not None:
+                        # ShuttingDown (or any error) ends the wait everywhere.
+                        failure = failure or reply.error
+                        self._cancel_all(pending)
+                    else:
+                        lease = self._lease(args, reply)
+                        if lease.num_rows and won is None:
+                            won = lease
+                            self._cancel_all(pending)
+                        elif lease.num_rows:
+                            self.release(lease)  # lost the race: hand back cleanly
+                        else:
+                            last = lease
+                    break
+        if won is not None:
+            return won
+        if failure is not None:
+            raise failure
+        assert last is not None
+        return last
+
+    def _cancel_all(self, pending: dict[int, _Conn]) -> None:
+        for req_id, conn in pending.items():
+            conn.sock.send_multipart(wire.encode_request("cancel", next(self._req_ids),
+                                                         {"target": req_id}))
+            # The cancel's own reply is skipped as stale by the req_id match.
+
+    def write(self, table: str, lease_or_row_ids: Lease | Sequence[int] | np.ndarray,
+              columns: pa.RecordBatch | pa.Table, *, ack: bool = False,
+              overwrite: bool = False) -> None:
+        """Add columns to existing rows. With a Lease the write is fenced (refused once the lease
+        expired) and ``ack=True`` acks the lease atomically with the write. ``columns`` rows are in
+        the order of the lease's rows / the given row ids, unless it carries a ``row_id`` column."""
+        batch = wire.to_batch(columns)
+        if isinstance(lease_or_row_ids, Lease):
+            lease = lease_or_row_ids
+            if ROW_ID not in batch.schema.names:
+                batch = _with_row_ids(batch, lease.batch.column(ROW_ID))
+            conn = self._conn_for_shard(lease.shard_id)
+            self._call(conn, "write", {"table": table, "lease_id": lease.lease_id, "ack": ack,
+                                       "overwrite": overwrite}, [wire.write_batch(batch)])
+            return
+        if ack:
+            raise ValueError("write(ack=True) needs a Lease, not row ids")
+        row_ids = np.asarray(lease_or_row_ids, dtype=np.uint64)
+        if ROW_ID not in batch.schema.names:
+            batch = _with_row_ids(batch, pa.array(row_ids, type=pa.uint64()))
+        else:
+            row_ids = batch.column(ROW_ID).to_numpy()
+        nodes = (row_ids >> np.uint64(SEQ_BITS + 8)).astype(np.int64)
+        for node in np.unique(nodes):
+            part = batch if len(np.unique(nodes)) == 1 else batch.filter(pa.array(nodes == node))
+            conn = self._conn_for_shard(int(node) << 8)
+            self._call(conn, "write", {"table": table, "lease_id": None, "ack": False,
+                                       "overwrite": overwrite}, [wire.write_batch(part)])
+
+    def ack(self, lease: Lease) -> None:
+        """Mark the lease's rows consumed by its task. Fenced: LeaseExpired/UnknownLease."""
+        if lease.lease_id:
+            self._call(self._conn_for_shard(lease.shard_id), "ack",
+                       {"table": lease.table, "lease_id": lease.lease_id})
+
+    def extend(self, lease: Lease, seconds: float | None = None) -> float:
+        """Renew the lease (``seconds`` from now, default the table's); returns the new deadline."""
+        reply = self._call(self._conn_for_shard(lease.shard_id), "extend",
+                           {"table": lease.table, "lease_id": lease.lease_id, "seconds": seconds})
+        return float(reply.result["deadline"])
+
+    def release(self, lease: Lease, error: str | None = None) -> None:
+        """Hand the rows back now. ``error`` counts as a failed delivery (and is the dead-letter
+        reason if the row ends DEAD); None is a clean hand-back."""
+        if lease.lease_id:
+            self._call(self._conn_for_shard(lease.shard_id), "release",
+                       {"table": lease.table, "lease_id": lease.lease_id, "error": error})
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.sock.close(linger=0)
+        self._conns = []
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _with_row_ids(batch: pa.RecordBatch, row_ids: pa.Array) -> pa.RecordBatch:
+    if len(row_ids) != batch.num_rows:
+        raise ValueError(f"columns batch has {batch.num_rows} rows but {len(row_ids)} row ids")
+    return pa.RecordBatch.from_arrays([row_ids, *batch.columns],
+                                      names=[ROW_ID, *batch.schema.names])
+
+
+def connect(addresses: str | Sequence[str], **kwargs: Any) -> Client:
+    """A Client for one node address or a list of them (one per node)."""
+    return Client(addresses, **kwargs)

@@ -1,0 +1,159 @@
+"""Prometheus metrics of one store node.
+
+Owns: a private ``CollectorRegistry`` (so several nodes, e.g. embedded ones in tests, never clash
+in the process-global registry), the counters fed by the node's ``NodeEvents`` callbacks, the
+per-verb request-duration histogram and byte counters fed by the server, the gauges refreshed from
+``node.stats()`` by the server loop, and the optional ``/metrics`` HTTP endpoint (127.0.0.1 by
+default).
+
+Threading: every ``on_*``/``observe_*``/``refresh`` call comes from the server's loop thread; the
+HTTP thread only reads (prometheus-client's metric objects are thread-safe).
+
+Label cardinality is bounded: table, task and shard come from table specs (a handful each), verb
+from ``wire.VERBS``, and dead-letter reasons are mapped onto ``DEAD_REASONS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from storage.schema import TableStats
+
+DEAD_REASONS = ("lease_expired", "consumer_error", "other")
+_DURATION_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+
+def dead_reason_label(reason: str) -> str:
+    """A free-text dead-letter reason -> one of DEAD_REASONS (the text stays in stats)."""
+    text = reason.lower()
+    if "expired" in text:
+        return "lease_expired"
+    if text:
+        return "consumer_error"
+    return "other"
+
+
+class _StatsSource(Protocol):
+    def table_names(self) -> list[str]: ...
+
+    def stats(self, table: str) -> TableStats: ...
+
+
+class StoreMetrics:
+    """Implements the node's ``NodeEvents`` protocol plus the server-side request metrics."""
+
+    def __init__(self, node_index: int = 0, registry: CollectorRegistry | None = None) -> None:
+        self.node_index = node_index
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        p = "streamflow_store_"
+        self.queue_depth = Gauge(p + "queue_depth_rows", "Rows READY for a task (queue depth).",
+                                 ["table", "task", "shard"], registry=r)
+        self.in_flight = Gauge(p + "in_flight_rows", "Rows LEASED to a consumer of a task.",
+                               ["table", "task", "shard"], registry=r)
+        self.dead_rows = Gauge(p + "dead_rows", "Rows quarantined (DEAD) for a task, held until clear.",
+                               ["table", "task", "shard"], registry=r)
+        self.memory = Gauge(p + "memory_bytes", "Column bytes held by a table on this node.",
+                            ["table"], registry=r)
+        self.rows_held = Gauge(p + "rows", "Live rows held by a table on this node.",
+                               ["table"], registry=r)
+        self.rows_put = Counter(p + "rows_put_total", "Rows created by put.", ["table"], registry=r)
+        self.rows_acked = Counter(p + "rows_acked_total", "Rows consumed (acked) by a task.",
+                                  ["table", "task"], registry=r)
+        self.rows_claimed = Counter(p + "rows_claimed_total", "Rows handed out in leases.",
+                                    ["table", "task"], registry=r)
+        self.rows_redelivered = Counter(p + "rows_redelivered_total",
+                                        "Rows made claimable again after an expiry or failed release.",
+                                        ["table", "task"], registry=r)
+        self.rows_dead = Counter(p + "rows_dead_total", "Rows quarantined, by bounded reason.",
+                                 ["table", "task", "reason"], registry=r)
+        self.lease_expiries = Counter(p + "lease_expiries_total", "Leases that passed their deadline.",
+                                      ["table", "task"], registry=r)
+        self.bytes_received = Counter(p + "bytes_received_total", "Request bytes received.", registry=r)
+        self.bytes_sent = Counter(p + "bytes_sent_total", "Reply bytes sent.", registry=r)
+        self.bytes_written = Counter(p + "bytes_written_total", "Column bytes added by put and write.",
+                                     ["table"], registry=r)
+        self.request_duration = Histogram(p + "request_duration_seconds",
+                                          "Time from request received to reply sent, per verb "
+                                          "(long-polled claims and parked puts include their wait).",
+                                          ["verb"], buckets=_DURATION_BUCKETS, registry=r)
+        self.bad_requests = Counter(p + "bad_requests_total", "Requests refused as malformed.",
+                                    registry=r)
+        self._gauge_keys: set[tuple[str, str, str]] = set()
+        self._tables: set[str] = set()
+        self._http: Any = None
+
+    # -- NodeEvents ------------------------------------------------------------------------------
+    def on_put(self, table: str, shard_id: int, rows: int, nbytes: int) -> None:
+        self.rows_put.labels(table).inc(rows)
+        self.bytes_written.labels(table).inc(nbytes)
+
+    def on_write(self, table: str, shard_id: int, nbytes: int) -> None:
+        self.bytes_written.labels(table).inc(nbytes)
+
+    def on_claim(self, table: str, task: str, shard_id: int, rows: int) -> None:
+        self.rows_claimed.labels(table, task).inc(rows)
+
+    def on_ack(self, table: str, task: str, shard_id: int, rows: int) -> None:
+        self.rows_acked.labels(table, task).inc(rows)
+
+    def on_redeliver(self, table: str, task: str, shard_id: int, rows: int) -> None:
+        self.rows_redelivered.labels(table, task).inc(rows)
+
+    def on_dead(self, table: str, task: str, shard_id: int, rows: int, reason: str) -> None:
+        self.rows_dead.labels(table, task, dead_reason_label(reason)).inc(rows)
+
+    def on_lease_expired(self, table: str, task: str, shard_id: int, leases: int) -> None:
+        self.lease_expiries.labels(table, task).inc(leases)
+
+    # -- server side -----------------------------------------------------------------------------
+    def observe_request(self, verb: str, seconds: float) -> None:
+        self.request_duration.labels(verb).observe(seconds)
+
+    def refresh(self, node: _StatsSource) -> None:
+        """Set the gauges from node.stats(); label sets of dropped tables/shards are removed."""
+        keys: set[tuple[str, str, str]] = set()
+        tables = set(node.table_names())
+        for table in tables:
+            stats = node.stats(table)
+            self.memory.labels(table).set(sum(s.bytes for s in stats.shards))
+            self.rows_held.labels(table).set(sum(s.rows for s in stats.shards))
+            for shard in stats.shards:
+                for task, t in shard.tasks.items():
+                    key = (table, task, str(shard.shard_id))
+                    keys.add(key)
+                    self.queue_depth.labels(*key).set(t.ready)
+                    self.in_flight.labels(*key).set(t.in_flight)
+                    self.dead_rows.labels(*key).set(t.dead)
+        for key in self._gauge_keys - keys:
+            for g in (self.queue_depth, self.in_flight, self.dead_rows):
+                _remove(g, key)
+        for table in self._tables - tables:
+            _remove(self.memory, (table,))
+            _remove(self.rows_held, (table,))
+        self._gauge_keys, self._tables = keys, tables
+
+    def start_http(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve /metrics on addr:port (0 = pick a free port); returns the bound port."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        self._http = server
+        return int(server.server_port)
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def _remove(metric: Gauge, key: Iterable[str]) -> None:
+    try:
+        metric.remove(*key)
+    except KeyError:
+        pass

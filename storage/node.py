@@ -1,0 +1,641 @@
+"""StoreNode: the in-process, single-threaded, non-blocking state machine of one store node.
+
+Owns the node's tables, each split into ``num_shards`` ``Shard``s, and every live lease. No
+sockets, threads or sleeping: the server's loop thread calls the verbs one at a time, parks what
+must wait (``claim`` returning None, ``put`` raising StoreFull) and wakes it on state changes, and
+drives time with ``expire()`` at ``next_deadline()``. Every verb validates its whole input before
+mutating anything, so a failed verb changes nothing (all-or-nothing).
+
+Ids. Global shard ids are ``(node_index << 8) | local_index``. Lease ids are
+``(epoch << 48) | counter`` with a random nonzero 15-bit ``epoch`` fixed at construction (15, not
+16, bits so that lease ids stay positive int64 everywhere): leases issued before a restart are
+unknown afterwards (UnknownLease), and ids of leases that expired here are remembered (bounded)
+so that a zombie gets LeaseExpired rather than UnknownLease.
+
+Fencing. A lease whose deadline is <= clock() is expired, whether or not ``expire()`` has run
+yet: every verb that takes a lease first expires what is due, then checks the lease.
+
+Choices where the contract is silent:
+- a task with ``whole_groups=True`` is always served whole groups (the ``whole_groups`` argument
+  may be left False); asking ``whole_groups=True`` for a task without it is a BadRequest;
+- ``claim`` may ask for any column the task needs, ``created_at``, or any column written for
+  every row it would hand out (else BadRequest naming the column; nothing is leased);
+- ``TaskStats.consumed`` is cumulative (rows acked since the table was created), so it keeps
+  counting after rows are freed; ``dead`` counts rows currently held DEAD;
+- a put that could never fit (more rows/bytes than the capacity) is a BadRequest, not StoreFull;
+- groups are identified within one put; ``clear(dead=True)`` frees whole groups.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import os
+import random
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from storage.errors import (
+    BadRequest,
+    LeaseExpired,
+    SchemaMismatch,
+    StoreFull,
+    TableExists,
+    UnknownLease,
+    UnknownRows,
+    UnknownTable,
+    UnknownTask,
+)
+from storage.persist import TableStore
+from storage.schema import META_COLUMNS, ROW_ID, SEQ_BITS, Lease, TableSpec, TableStats
+from storage.shard import LeaseRec, Shard, split_row_ids
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_EXPIRED_MEMORY = 65536  # expired lease ids remembered for LeaseExpired (vs UnknownLease)
+_MAX_LEASE_SECONDS = 7 * 24 * 3600.0
+_MAX_ERROR_LEN = 500
+
+
+class NodeEvents(Protocol):
+    """Hooks the server's metrics implement; called synchronously after each state change."""
+
+    def on_put(self, table: str, shard_id: int, rows: int, nbytes: int) -> None: ...
+    def on_write(self, table: str, shard_id: int, nbytes: int) -> None: ...
+    def on_claim(self, table: str, task: str, shard_id: int, rows: int) -> None: ...
+    def on_ack(self, table: str, task: str, shard_id: int, rows: int) -> None: ...
+    def on_redeliver(self, table: str, task: str, shard_id: int, rows: int) -> None: ...
+    def on_dead(self, table: str, task: str, shard_id: int, rows: int, reason: str) -> None: ...
+    def on_lease_expired(self, table: str, task: str, shard_id: int, leases: int) -> None: ...
+
+
+class NullEvents:
+    """NodeEvents that ignores everything."""
+
+    def on_put(self, table: str, shard_id: int, rows: int, nbytes: int) -> None: ...
+    def on_write(self, table: str, shard_id: int, nbytes: int) -> None: ...
+    def on_claim(self, table: str, task: str, shard_id: int, rows: int) -> None: ...
+    def on_ack(self, table: str, task: str, shard_id: int, rows: int) -> None: ...
+    def on_redeliver(self, table: str, task: str, shard_id: int, rows: int) -> None: ...
+    def on_dead(self, table: str, task: str, shard_id: int, rows: int, reason: str) -> None: ...
+    def on_lease_expired(self, table: str, task: str, shard_id: int, leases: int) -> None: ...
+
+
+@dataclass
+class _Table:
+    spec: TableSpec
+    shards: dict[int, Shard]
+    col_index: dict[str, int]
+    task_index: dict[str, int]
+    store: TableStore | None = None
+    claim_cols: dict[tuple[int, tuple[str, ...]], tuple[list[str], list[int], list[int]]] = field(
+        default_factory=dict
+    )
+
+    def rows(self) -> int:
+        return sum(s.num_alive for s in self.shards.values())
+
+    def nbytes(self) -> int:
+        return sum(s.bytes for s in self.shards.values())
+
+
+def validate_spec(spec: TableSpec) -> None:
+    """BadRequest naming the first bad field of a table spec."""
+    if not isinstance(spec, TableSpec):
+        raise BadRequest("spec must be a TableSpec")
+    if not isinstance(spec.name, str) or not _NAME.match(spec.name):
+        raise BadRequest(f"name: {spec.name!r} is not 1-128 chars of [A-Za-z0-9_.-]")
+    if not isinstance(spec.schema, pa.Schema):
+        raise BadRequest("schema: must be a pyarrow.Schema")
+    names = spec.schema.names
+    if len(set(names)) != len(names):
+        raise BadRequest(f"schema: duplicate column names in {names}")
+    for name in names:
+        if name in META_COLUMNS:
+            raise BadRequest(f"schema: column {name!r} is reserved store metadata")
+    if not spec.tasks:
+        raise BadRequest("tasks: a table needs at least one task")
+    task_names = [t.name for t in spec.tasks]
+    if len(set(task_names)) != len(task_names) or not all(_NAME.match(n) for n in task_names):
+        raise BadRequest(f"tasks: names must be unique and match [A-Za-z0-9_.-]: {task_names}")
+    for t in spec.tasks:
+        for c in t.needs:
+            if c not in names:
+                raise BadRequest(f"tasks[{t.name}].needs: unknown column {c!r}")
+        if t.whole_groups and spec.group_column is None:
+            raise BadRequest(f"tasks[{t.name}].whole_groups: the table has no group_column")
+    if (spec.group_column is None) != (spec.group_size is None):
+        raise BadRequest("group_column and group_size: set both or neither")
+    if spec.group_column is not None:
+        if spec.group_column not in names:
+            raise BadRequest(f"group_column: unknown column {spec.group_column!r}")
+        if spec.schema.field(spec.group_column).type != pa.int64():
+            raise BadRequest(f"group_column: {spec.group_column!r} must be int64")
+        if not isinstance(spec.group_size, int) or not 1 <= spec.group_size <= 65535:
+            raise BadRequest(f"group_size: {spec.group_size!r} is not an int in [1, 65535]")
+    if not isinstance(spec.capacity_rows, int) or spec.capacity_rows < 1:
+        raise BadRequest(f"capacity_rows: {spec.capacity_rows!r} must be a positive int")
+    if not isinstance(spec.capacity_bytes, int) or spec.capacity_bytes < 1:
+        raise BadRequest(f"capacity_bytes: {spec.capacity_bytes!r} must be a positive int")
+    if not _positive(spec.lease_seconds):
+        raise BadRequest(f"lease_seconds: {spec.lease_seconds!r} must be a positive number")
+    if not isinstance(spec.max_deliveries, int) or not 1 <= spec.max_deliveries <= 65535:
+        raise BadRequest(f"max_deliveries: {spec.max_deliveries!r} is not an int in [1, 65535]")
+    if spec.fsync not in ("always", "interval", "never"):
+        raise BadRequest(f"fsync: {spec.fsync!r} is not one of always, interval, never")
+    if not _positive(spec.fsync_interval_s):
+        raise BadRequest(f"fsync_interval_s: {spec.fsync_interval_s!r} must be positive")
+    if spec.persist_dir is not None and not isinstance(spec.persist_dir, str):
+        raise BadRequest("persist_dir: must be a path string or None")
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _as_batch(batch: pa.RecordBatch | pa.Table, what: str) -> pa.RecordBatch:
+    if isinstance(batch, pa.Table):
+        batches = batch.combine_chunks().to_batches()
+        return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=batch.schema)
+    if not isinstance(batch, pa.RecordBatch):
+        raise BadRequest(f"{what}: expected a pyarrow RecordBatch, got {type(batch).__name__}")
+    return batch
+
+
+class StoreNode:
+    """One store node's tables, shards and leases. Not thread-safe: one caller thread."""
+
+    def __init__(
+        self,
+        node_index: int = 0,
+        num_shards: int = 1,
+        *,
+        clock: Callable[[], float] = time.time,
+        events: NodeEvents | None = None,
+    ) -> None:
+        if not 0 <= node_index < 256:
+            raise BadRequest(f"node_index: {node_index} not in [0, 256)")
+        if not 1 <= num_shards <= 256:
+            raise BadRequest(f"num_shards: {num_shards} not in [1, 256]")
+        self.node_index = node_index
+        self.shard_ids = [(node_index << 8) | i for i in range(num_shards)]
+        self.clock = clock
+        self.events: NodeEvents = events if events is not None else NullEvents()
+        self.epoch = random.SystemRandom().randrange(1, 1 << 15)
+        self._lease_counter = 0
+        self._tables: dict[str, _Table] = {}
+        self._leases: dict[int, tuple[_Table, Shard, LeaseRec]] = {}
+        self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped lazily
+        self._expired: OrderedDict[int, None] = OrderedDict()
+
+    # ----------------------------------------------------------------------------- tables
+    def create_table(self, spec: TableSpec) -> None:
+        validate_spec(spec)
+        existing = self._tables.get(spec.name)
+        if existing is not None:
+            if existing.spec == spec:
+                return
+            raise TableExists(f"table {spec.name!r} exists with a different spec")
+        tb = _Table(
+            spec=spec,
+            shards={sid: Shard(sid, spec) for sid in self.shard_ids},
+            col_index={n: i for i, n in enumerate(spec.schema.names)},
+            task_index={t.name: i for i, t in enumerate(spec.tasks)},
+        )
+        if spec.persist_dir is not None:
+            tb.store = TableStore(spec, os.path.join(spec.persist_dir, spec.name), self.node_index)
+            tb.store.recover(tb.shards)
+        self._tables[spec.name] = tb
+
+    def drop_table(self, name: str) -> None:
+        tb = self._table(name)
+        for lid in [lid for lid, e in self._leases.items() if e[0] is tb]:
+            del self._leases[lid]
+        if tb.store is not None:
+            tb.store.destroy()
+        del self._tables[name]
+
+    def table_names(self) -> list[str]:
+        return list(self._tables)
+
+    def table_spec(self, name: str) -> TableSpec:
+        return self._table(name).spec
+
+    def _table(self, name: str) -> _Table:
+        tb = self._tables.get(name) if isinstance(name, str) else None
+        if tb is None:
+            raise UnknownTable(f"no table {name!r} on node {self.node_index}")
+        return tb
+
+    def _task(self, tb: _Table, task: str) -> int:
+        t = tb.task_index.get(task) if isinstance(task, str) else None
+        if t is None:
+            raise UnknownTask(f"table {tb.spec.name!r} has no task {task!r}")
+        return t
+
+    # ----------------------------------------------------------------------------- put
+    def has_capacity(self, table: str, num_rows: int, num_bytes: int) -> bool:
+        tb = self._table(table)
+        return (
+            tb.rows() + num_rows <= tb.spec.capacity_rows
+            and tb.nbytes() + num_bytes <= tb.spec.capacity_bytes
+        )
+
+    def put(self, table: str, batch: pa.RecordBatch, *, shard_id: int | None = None) -> np.ndarray:
+        tb = self._table(table)
+        spec = tb.spec
+        batch = _as_batch(batch, "put")
+        for name in batch.schema.names:
+            if name in META_COLUMNS:
+                raise SchemaMismatch(f"column {name!r} is store metadata and cannot be put")
+        arrays = self._check_columns(tb, batch)
+        n, nbytes = batch.num_rows, batch.nbytes
+        if n == 0:
+            return np.empty(0, dtype=np.uint64)
+        if n > spec.capacity_rows or nbytes > spec.capacity_bytes:
+            raise BadRequest(
+                f"put of {n} rows / {nbytes} bytes can never fit table {table!r} "
+                f"(capacity {spec.capacity_rows} rows / {spec.capacity_bytes} bytes)"
+            )
+        order = self._group_order(tb, batch) if spec.group_column else None
+        if order is not None:
+            batch = batch.take(pa.array(order))
+            arrays = {tb.col_index[f.name]: batch.column(i) for i, f in enumerate(batch.schema)}
+        if shard_id is None:
+            shard = min(tb.shards.values(), key=lambda s: s.num_alive)
+        elif shard_id in tb.shards:
+            shard = tb.shards[shard_id]
+        else:
+            raise BadRequest(f"shard_id: {shard_id} is not served by node {self.node_index}")
+        if not self.has_capacity(table, n, nbytes):
+            raise StoreFull(f"table {table!r} is full ({tb.rows()} rows, {tb.nbytes()} bytes held)")
+        now = self.clock()
+        if tb.store is not None:
+            tb.store.log_put(shard.shard_id, shard.next_seq, now, batch)
+        start = shard.put(arrays, n, now)
+        seqs = np.arange(start, start + n, dtype=np.int64)
+        if order is not None:
+            seqs[order] = seqs.copy()  # row i of the caller's batch got seq start + rank(i)
+        self.events.on_put(table, shard.shard_id, n, nbytes)
+        return shard.row_ids(seqs)
+
+    def _check_columns(self, tb: _Table, batch: pa.RecordBatch) -> dict[int, pa.Array]:
+        """Schema + full Arrow validation; {column id: array} of user columns."""
+        schema, arrays = tb.spec.schema, {}
+        names = batch.schema.names
+        if len(set(names)) != len(names):
+            raise SchemaMismatch(f"duplicate column names in batch: {names}")
+        for i, f in enumerate(batch.schema):
+            if f.name == ROW_ID:
+                continue
+            c = tb.col_index.get(f.name)
+            if c is None:
+                raise SchemaMismatch(f"table {tb.spec.name!r} has no column {f.name!r}")
+            expected = schema.field(c)
+            if f.type != expected.type:
+                raise SchemaMismatch(
+                    f"column {f.name!r}: expected type {expected.type}, got {f.type}"
+                )
+            col = batch.column(i)
+            if not expected.nullable and col.null_count:
+                raise SchemaMismatch(f"column {f.name!r} is not nullable but has nulls")
+            arrays[c] = col
+        try:
+            batch.validate(full=True)
+        except (pa.ArrowInvalid, pa.ArrowException) as e:
+            raise BadRequest(f"invalid Arrow data: {e}") from None
+        return arrays
+
+    def _group_order(self, tb: _Table, batch: pa.RecordBatch) -> np.ndarray | None:
+        """None if the batch's groups are already consecutive runs, else the stable sort order."""
+        name, g = tb.spec.group_column, tb.spec.group_size or 1
+        if name not in batch.schema.names:
+            raise SchemaMismatch(f"column {name!r} (the group column) is required in a put")
+        col = batch.column(name)
+        if col.null_count:
+            raise SchemaMismatch(f"column {name!r} (the group column) has nulls")
+        ids = col.to_numpy()
+        if len(ids) % g:
+            raise BadRequest(f"put of {len(ids)} rows is not whole groups of {g} ({name!r})")
+        runs = ids.reshape(-1, g)
+        if bool((runs == runs[:, :1]).all()) and len(np.unique(runs[:, 0])) == len(runs):
+            return None
+        order = np.argsort(ids, kind="stable")
+        runs = ids[order].reshape(-1, g)
+        if not bool((runs == runs[:, :1]).all()):
+            raise BadRequest(f"every {name!r} value must appear exactly {g} times in a put")
+        return order
+
+    # ----------------------------------------------------------------------------- claim
+    def ready_count(
+        self,
+        table: str,
+        task: str,
+        *,
+        whole_groups: bool = False,
+        shards: Sequence[int] | None = None,
+    ) -> int:
+        tb = self._table(table)
+        t = self._task(tb, task)
+        units = sum(s.ready_units(t) for s in self._shards(tb, shards))
+        return units * (tb.spec.group_size or 1) if tb.spec.tasks[t].whole_groups else units
+
+    def _shards(self, tb: _Table, shards: Sequence[int] | None) -> list[Shard]:
+        if shards is None:
+            return list(tb.shards.values())
+        out = []
+        for sid in shards:
+            shard = tb.shards.get(sid)
+            if shard is None:
+                raise BadRequest(f"shards: {sid} is not served by node {self.node_index}")
+            out.append(shard)
+        return out
+
+    def _claim_columns(
+        self, tb: _Table, t: int, columns: Sequence[str]
+    ) -> tuple[list[str], list[int], list[int]]:
+        """(names, column ids with -1 = created_at, ids to check as written), cached."""
+        key = (t, tuple(columns))
+        hit = tb.claim_cols.get(key)
+        if hit is not None:
+            return hit
+        needs = set(tb.spec.tasks[t].needs)
+        names: list[str] = []
+        cols: list[int] = []
+        check: list[int] = []
+        for name in columns:
+            if not isinstance(name, str):
+                raise BadRequest(f"columns: {name!r} is not a column name")
+            if name in (ROW_ID, "deliveries") or name in names:
+                continue
+            if name == "created_at":
+                names.append(name)
+                cols.append(-1)
+                continue
+            c = tb.col_index.get(name)
+            if c is None:
+                raise BadRequest(f"columns: table {tb.spec.name!r} has no column {name!r}")
+            names.append(name)
+            cols.append(c)
+            if name not in needs:
+                check.append(c)
+        if len(tb.claim_cols) < 1024:
+            tb.claim_cols[key] = (names, cols, check)
+        return names, cols, check
+
+    def claim(
+        self,
+        table: str,
+        task: str,
+        columns: Sequence[str],
+        max_rows: int,
+        *,
+        min_rows: int = 1,
+        whole_groups: bool = False,
+        lease_seconds: float | None = None,
+        shards: Sequence[int] | None = None,
+    ) -> Lease | None:
+        self._expire_due()
+        tb = self._table(table)
+        t = self._task(tb, task)
+        spec = tb.spec
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise BadRequest(f"max_rows: {max_rows!r} must be a positive int")
+        if not isinstance(min_rows, int) or not 1 <= min_rows <= max_rows:
+            raise BadRequest(f"min_rows: {min_rows!r} must be an int in [1, max_rows]")
+        seconds = spec.lease_seconds if lease_seconds is None else lease_seconds
+        if not _positive(seconds) or seconds > _MAX_LEASE_SECONDS:
+            raise BadRequest(
+                f"lease_seconds: {lease_seconds!r} must be in (0, {_MAX_LEASE_SECONDS}]"
+            )
+        whole = spec.tasks[t].whole_groups
+        if whole_groups and not whole:
+            raise BadRequest(f"whole_groups: task {task!r} was not declared with whole_groups=True")
+        names, cols, check = self._claim_columns(tb, t, columns)
+        g = (spec.group_size or 1) if whole else 1
+        max_units, min_units = max_rows // g, -(-min_rows // g)
+        if max_units < 1:
+            raise BadRequest(f"max_rows: {max_rows} is smaller than one group ({g} rows)")
+        candidates = self._shards(tb, shards)
+        shard = max(candidates, key=lambda s: s.ready_units(t))
+        if shard.ready_units(t) < min_units:
+            return None
+        idx = shard.pop_ready(t, max_units)
+        if len(idx) < min_units * g:
+            shard.unpop(t, idx)
+            return None
+        if check:
+            try:
+                shard.check_written(idx, check)
+            except BadRequest:
+                shard.unpop(t, idx)
+                raise
+        self._lease_counter += 1
+        lease_id = (self.epoch << SEQ_BITS) | self._lease_counter
+        deadline = self.clock() + seconds
+        rec = LeaseRec(lease_id, t, shard.seqs[idx].copy(), deadline, seconds)
+        shard.lease_rows(t, idx, rec)
+        batch = shard.batch(idx, t, names, cols)
+        self._leases[lease_id] = (tb, shard, rec)
+        heapq.heappush(self._deadlines, (deadline, lease_id))
+        if tb.store is not None:
+            tb.store.log_rows("claim", shard.shard_id, rec.seqs, task=task)
+        self.events.on_claim(table, task, shard.shard_id, len(idx))
+        return Lease(lease_id, table, task, shard.shard_id, deadline, batch)
+
+    # ----------------------------------------------------------------------------- write / ack
+    def write(
+        self,
+        table: str,
+        batch: pa.RecordBatch,
+        *,
+        lease_id: int | None = None,
+        ack: bool = False,
+        overwrite: bool = False,
+    ) -> None:
+        tb = self._table(table)
+        batch = _as_batch(batch, "write")
+        if ack and lease_id is None:
+            raise BadRequest("ack=True needs a lease_id")
+        if ROW_ID not in batch.schema.names:
+            raise BadRequest("write: the batch needs a 'row_id' column")
+        for name in batch.schema.names:
+            if name in META_COLUMNS and name != ROW_ID:
+                raise SchemaMismatch(f"column {name!r} is store metadata and cannot be written")
+        rid_col = batch.column(ROW_ID)
+        if rid_col.type != pa.uint64() or rid_col.null_count:
+            raise SchemaMismatch(
+                f"column 'row_id': expected type uint64 without nulls, got {rid_col.type}"
+            )
+        arrays = self._check_columns(tb, batch)
+        row_ids = rid_col.to_numpy()
+        if len(np.unique(row_ids)) != len(row_ids):
+            raise BadRequest("write: duplicate row ids in the batch")
+        entry = self._live_lease(tb, lease_id) if lease_id is not None else None
+        shard_of, seqs = split_row_ids(row_ids)
+        plan: list[tuple[Shard, np.ndarray, np.ndarray]] = []  # (shard, batch positions, idx)
+        touched = np.unique(shard_of).tolist()
+        for sid in touched:
+            shard = tb.shards.get(sid)
+            if shard is None:
+                raise UnknownRows(f"row ids of shard {sid} are not on node {self.node_index}")
+            pos = np.arange(len(row_ids)) if len(touched) == 1 else np.flatnonzero(shard_of == sid)
+            plan.append((shard, pos, shard.locate(seqs[pos])))
+        if entry is not None:
+            _, lshard, rec = entry
+            for shard, _pos, idx in plan:
+                if shard is not lshard or not bool(
+                    (shard.lease[rec.task, idx] == rec.lease_id).all()
+                ):
+                    raise BadRequest(f"write: some rows are not part of lease {lease_id}")
+        for shard, _pos, idx in plan:
+            shard.check_write(idx, list(arrays), overwrite)
+        for shard, pos, idx in plan:
+            whole = len(pos) == len(row_ids)
+            part = arrays if whole else {c: a.take(pa.array(pos)) for c, a in arrays.items()}
+            if tb.store is not None and part:
+                sub = batch if whole else batch.take(pa.array(pos))
+                tb.store.log_write(
+                    shard.shard_id, shard.seqs[idx], sub.drop_columns([ROW_ID]), overwrite
+                )
+            if part:
+                shard.write(idx, part, np.arange(len(pos), dtype=np.int32))
+                self.events.on_write(table, shard.shard_id, sum(a.nbytes for a in part.values()))
+        if ack and entry is not None:
+            self._ack(*entry)
+
+    def ack(self, table: str, lease_id: int) -> None:
+        tb = self._table(table)
+        self._ack(*self._live_lease(tb, lease_id))
+
+    def _ack(self, tb: _Table, shard: Shard, rec: LeaseRec) -> None:
+        del self._leases[rec.lease_id]
+        shard.leases.pop(rec.lease_id, None)
+        task = tb.spec.tasks[rec.task].name
+        if tb.store is not None:
+            tb.store.log_rows("ack", shard.shard_id, rec.seqs, task=task)
+        shard.consume(rec.task, shard.locate(rec.seqs))
+        self.events.on_ack(tb.spec.name, task, shard.shard_id, len(rec.seqs))
+
+    def _live_lease(self, tb: _Table, lease_id: int) -> tuple[_Table, Shard, LeaseRec]:
+        self._expire_due()
+        entry = self._leases.get(lease_id) if isinstance(lease_id, int) else None
+        if entry is None or entry[0] is not tb:
+            if lease_id in self._expired:
+                raise LeaseExpired(
+                    f"lease {lease_id} expired; its rows may be held by another consumer"
+                )
+            raise UnknownLease(f"lease {lease_id!r} is not live on table {tb.spec.name!r}")
+        return entry
+
+    def extend(self, table: str, lease_id: int, seconds: float | None = None) -> float:
+        tb = self._table(table)
+        _, _, rec = self._live_lease(tb, lease_id)
+        seconds = rec.lease_seconds if seconds is None else seconds
+        if not _positive(seconds) or seconds > _MAX_LEASE_SECONDS:
+            raise BadRequest(f"seconds: {seconds!r} must be in (0, {_MAX_LEASE_SECONDS}]")
+        rec.deadline = self.clock() + seconds
+        heapq.heappush(self._deadlines, (rec.deadline, lease_id))
+        return rec.deadline
+
+    def release(self, table: str, lease_id: int, *, error: str | None = None) -> None:
+        tb = self._table(table)
+        if error is not None and not isinstance(error, str):
+            raise BadRequest("error: must be a string or None")
+        entry = self._live_lease(tb, lease_id)
+        self._end_lease(entry, failed=error is not None, error=error and error[:_MAX_ERROR_LEN])
+
+    # ----------------------------------------------------------------------------- time
+    def expire(self) -> int:
+        now = self.clock()
+        count = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, lid = heapq.heappop(self._deadlines)
+            entry = self._leases.get(lid)
+            if entry is None or entry[2].deadline != deadline:
+                continue  # acked, released or extended since
+            self._end_lease(entry, failed=True, error=None)
+            self._expired[lid] = None
+            if len(self._expired) > _EXPIRED_MEMORY:
+                self._expired.popitem(last=False)
+            tb, shard, rec = entry
+            self.events.on_lease_expired(
+                tb.spec.name, tb.spec.tasks[rec.task].name, shard.shard_id, 1
+            )
+            count += 1
+        return count
+
+    def _expire_due(self) -> None:
+        if self._deadlines and self._deadlines[0][0] <= self.clock():
+            self.expire()
+
+    def _end_lease(
+        self, entry: tuple[_Table, Shard, LeaseRec], *, failed: bool, error: str | None
+    ) -> None:
+        tb, shard, rec = entry
+        del self._leases[rec.lease_id]
+        table, task = tb.spec.name, tb.spec.tasks[rec.task].name
+        if tb.store is not None and not failed:
+            tb.store.log_rows("release", shard.shard_id, rec.seqs, task=task)
+        ready, dead = shard.end_lease(rec, failed=failed, error=error)
+        if failed and ready:
+            self.events.on_redeliver(table, task, shard.shard_id, ready)
+        for reason, seqs in dead.items():
+            if tb.store is not None:
+                tb.store.log_rows("dead", shard.shard_id, seqs, task=task, reason=reason)
+            self.events.on_dead(table, task, shard.shard_id, len(seqs), reason)
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines:
+            deadline, lid = self._deadlines[0]
+            entry = self._leases.get(lid)
+            if entry is not None and entry[2].deadline == deadline:
+                return deadline
+            heapq.heappop(self._deadlines)
+        return None
+
+    # ----------------------------------------------------------------------------- admin
+    def stats(self, table: str) -> TableStats:
+        tb = self._table(table)
+        return TableStats(table=table, shards=[s.stats() for s in tb.shards.values()])
+
+    def clear(self, table: str, *, dead: bool = False) -> int:
+        tb = self._table(table)
+        if not dead:
+            return 0  # rows consumed by every task are freed as soon as the last ack lands
+        freed = 0
+        for shard in tb.shards.values():
+            seqs = shard.clear_dead()
+            if tb.store is not None and len(seqs):
+                tb.store.log_rows("free", shard.shard_id, seqs)
+            freed += len(seqs)
+        return freed
+
+    def snapshot(self, table: str) -> str:
+        tb = self._table(table)
+        if tb.store is None:
+            raise BadRequest(f"table {table!r} has no persist_dir")
+        return tb.store.snapshot(tb.shards)
+
+    def sync(self) -> None:
+        now = time.monotonic()
+        for tb in self._tables.values():
+            if tb.store is not None:
+                tb.store.sync(now)
+
+    def memory_bytes(self) -> int:
+        return sum(tb.nbytes() for tb in self._tables.values())
+
+    def close(self) -> None:
+        for tb in self._tables.values():
+            if tb.store is not None:
+                tb.store.close()
+        self._tables.clear()
+        self._leases.clear()
+        self._deadlines.clear()

@@ -1,0 +1,528 @@
+"""One shard of one table: the per-row state machine, in numpy arrays, and its ready queues.
+
+Owns, for the rows of one (table, shard): their cells (``(source, offset)`` pointers into the Arrow
+chunks of ``storage._columns``), and per (row, task) the state, delivery count, holding lease and
+dead reason. Single-threaded and non-blocking: the caller (``StoreNode``) serializes every call.
+
+Layout. Rows live in *dense* arrays ordered by sequence number (``seqs`` ascending). A row id's
+sequence maps to its dense index with one vectorized ``searchsorted``. Freed rows are only marked
+dead (``alive = False``) and removed in bulk by ``_compact`` once they are at least half of the
+array, so arrays stay within ~2x the live rows whatever order rows are freed in, and compaction
+costs O(1) amortized per row. Dense indices therefore change at compaction: anything kept across
+calls (ready queues, leases) holds sequences, never indices.
+
+Ready queues (one per task) hold the sequences of READY rows in FIFO order, so ``claim`` costs
+O(rows claimed), never O(rows resident). A READY row is in its task's queue exactly once: it is
+pushed when it becomes READY (last needed cell written, lease expired or released) and popped by
+the claim that leases it. The only stale entries are rows freed by ``clear_dead``; pops skip them.
+
+Groups. A grouped put is reordered so each group's rows get consecutive sequences; ``gpos`` is a
+row's position in its group. For a whole-group task the queue holds group *leaders* (first row),
+pushed when ``gready`` (READY rows of the group, kept at the leader) reaches ``group_size``. While
+a group is queued none of its rows is consumed by that task, hence none is freed, hence the group
+is contiguous in the dense arrays: its rows are ``leader_index + arange(group_size)``.
+
+Invariants (checked by tests/storage/test_shard_properties.py): ``counts[t, s]`` equals the number
+of live rows in state ``s`` for task ``t``; a row is LEASED for a task iff ``lease[t, row]`` names a
+live lease of that task holding it; a row is freed once every task CONSUMED it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from storage._columns import Source, gather, gather_with_nulls
+from storage.errors import BadRequest, CellAlreadyWritten, UnknownRows
+from storage.schema import SEQ_BITS, SEQ_MASK, RowState, ShardStats, TableSpec, TaskStats
+
+PENDING, READY, LEASED, CONSUMED, DEAD = (int(s) for s in RowState)
+_NUM_STATES = len(RowState)
+_COMPACT_MIN = 4096
+_ROW_ARRAYS = (
+    "seqs",
+    "alive",
+    "created",
+    "gpos",
+    "src",
+    "off",
+    "state",
+    "deliv",
+    "lease",
+    "reason",
+    "gready",
+)
+
+
+class SeqQueue:
+    """FIFO of int64 sequences, stored as a deque of numpy pieces (push/pop cost per piece)."""
+
+    __slots__ = ("_parts", "_head", "size")
+
+    def __init__(self) -> None:
+        self._parts: deque[np.ndarray] = deque()
+        self._head = 0
+        self.size = 0  # entries held, stale ones included
+
+    def push(self, seqs: np.ndarray) -> None:
+        if len(seqs):
+            self._parts.append(seqs)
+            self.size += len(seqs)
+
+    def push_front(self, seqs: np.ndarray) -> None:
+        if len(seqs):
+            if self._head:
+                self._parts[0] = self._parts[0][self._head :]
+                self._head = 0
+            self._parts.appendleft(seqs)
+            self.size += len(seqs)
+
+    def pop(self, n: int) -> np.ndarray:
+        out: list[np.ndarray] = []
+        need = n
+        while need and self._parts:
+            first = self._parts[0]
+            avail = len(first) - self._head
+            if avail <= need:
+                out.append(first[self._head :])
+                self._parts.popleft()
+                self._head = 0
+                need -= avail
+            else:
+                out.append(first[self._head : self._head + need])
+                self._head += need
+                need = 0
+        self.size -= n - need
+        if len(out) == 1:
+            return out[0]
+        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class LeaseRec:
+    """A live lease: which task holds which rows (by sequence) until when."""
+
+    lease_id: int
+    task: int
+    seqs: np.ndarray  # int64 sequences of the leased rows, in batch order
+    deadline: float
+    lease_seconds: float
+
+
+class Shard:
+    """Rows of one table on one shard. See the module docstring for layout and invariants."""
+
+    def __init__(self, shard_id: int, spec: TableSpec) -> None:
+        self.shard_id = shard_id
+        self.spec = spec
+        self.row_id_base = np.uint64(shard_id << SEQ_BITS)
+        self.columns = list(spec.schema.names)
+        col_index = {name: i for i, name in enumerate(self.columns)}
+        self.task_names = [t.name for t in spec.tasks]
+        self.needs = [np.array([col_index[c] for c in t.needs], dtype=np.int64) for t in spec.tasks]
+        self.whole = [t.whole_groups for t in spec.tasks]
+        self.group_size = spec.group_size or 1
+        num_cols, num_tasks = len(self.columns), len(spec.tasks)
+        self.n = 0  # dense slots in use (live + freed-not-yet-compacted)
+        self.num_alive = 0
+        self.next_seq = 0
+        self.seqs = np.empty(0, dtype=np.int64)
+        self.alive = np.empty(0, dtype=bool)
+        self.created = np.empty(0, dtype=np.float64)
+        self.gpos = np.empty(0, dtype=np.int64)
+        self.src = np.empty((num_cols, 0), dtype=np.int32)  # -1 = cell not written
+        self.off = np.empty((num_cols, 0), dtype=np.int32)
+        self.state = np.empty((num_tasks, 0), dtype=np.uint8)
+        self.deliv = np.empty((num_tasks, 0), dtype=np.uint16)
+        self.lease = np.empty((num_tasks, 0), dtype=np.int64)  # 0 = not leased
+        self.reason = np.empty((num_tasks, 0), dtype=np.int32)  # index into reasons, -1 = none
+        self.gready = np.empty((num_tasks, 0), dtype=np.int32)  # READY rows of group, at leader
+        self.counts = np.zeros((num_tasks, _NUM_STATES), dtype=np.int64)
+        self.consumed_total = np.zeros(num_tasks, dtype=np.int64)
+        self.redelivered_total = np.zeros(num_tasks, dtype=np.int64)
+        self.ready_groups = np.zeros(num_tasks, dtype=np.int64)
+        self.queues = [SeqQueue() for _ in spec.tasks]
+        self.sources: dict[int, Source] = {}
+        self.next_source = 0
+        self.bytes = 0
+        self.reasons: list[str] = []
+        self._reason_index: dict[str, int] = {}
+        self.leases: dict[int, LeaseRec] = {}
+        self.log: object | None = None  # persist.ShardLog when the table persists
+
+    # ----------------------------------------------------------------------------- row lookup
+    def row_ids(self, seqs: np.ndarray) -> np.ndarray:
+        return seqs.astype(np.uint64) | self.row_id_base
+
+    def locate(self, seqs: np.ndarray) -> np.ndarray:
+        """Dense indices of live rows; UnknownRows naming the first few missing row ids."""
+        idx, ok = self._find(seqs)
+        if not bool(ok.all()):
+            missing = self.row_ids(seqs[~ok][:5]).tolist()
+            raise UnknownRows(f"shard {self.shard_id}: no live row with id(s) {missing}")
+        return idx
+
+    def _find(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = self.n
+        idx = np.searchsorted(self.seqs[:n], seqs)
+        clipped = np.minimum(idx, max(n - 1, 0))
+        ok = (idx < n) & (self.seqs[clipped] == seqs) & self.alive[clipped] if n else idx < 0
+        return clipped, ok
+
+    def _reason_id(self, text: str) -> int:
+        rid = self._reason_index.get(text)
+        if rid is None:
+            rid = self._reason_index[text] = len(self.reasons)
+            self.reasons.append(text)
+        return rid
+
+    # ----------------------------------------------------------------------------- storage
+    def _grow(self, extra: int) -> None:
+        need = self.n + extra
+        if need <= len(self.seqs):
+            return
+        cap = max(need, 2 * len(self.seqs), 1024)
+
+        def grown(a: np.ndarray, fill: int | float | bool) -> np.ndarray:
+            out = np.full((*a.shape[:-1], cap), fill, dtype=a.dtype)
+            out[..., : self.n] = a[..., : self.n]
+            return out
+
+        self.seqs, self.alive = grown(self.seqs, 0), grown(self.alive, False)
+        self.created, self.gpos = grown(self.created, 0.0), grown(self.gpos, 0)
+        self.src, self.off = grown(self.src, -1), grown(self.off, 0)
+        self.state, self.deliv = grown(self.state, PENDING), grown(self.deliv, 0)
+        self.lease, self.reason = grown(self.lease, 0), grown(self.reason, -1)
+        self.gready = grown(self.gready, 0)
+
+    def _compact(self) -> None:
+        keep = np.flatnonzero(self.alive[: self.n])
+        k = len(keep)
+        for name in _ROW_ARRAYS:
+            a = getattr(self, name)
+            a[..., :k] = a[..., keep]
+        self.alive[k : self.n] = False
+        self.n = k
+
+    def _add_source(self, arrays: dict[int, pa.Array], refs: int) -> int:
+        sid = self.next_source
+        self.next_source += 1
+        nbytes = sum(a.nbytes for a in arrays.values())
+        self.sources[sid] = Source(arrays, nbytes, refs)
+        self.bytes += nbytes
+        return sid
+
+    def _unref(self, src: np.ndarray) -> None:
+        src = src[src >= 0]
+        if not len(src):
+            return
+        ids, cnt = np.unique(src, return_counts=True)
+        for sid, c in zip(ids.tolist(), cnt.tolist(), strict=True):
+            source = self.sources[sid]
+            source.refs -= c
+            if source.refs <= 0:
+                self.bytes -= source.nbytes
+                del self.sources[sid]
+
+    def append(
+        self,
+        seqs: np.ndarray,
+        created: np.ndarray | float,
+        arrays: dict[int, pa.Array],
+        written: dict[int, np.ndarray] | None = None,
+        gpos: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Append rows (ascending seqs above every existing one) as PENDING; returns indices.
+
+        ``written[c]`` masks the cells of ``arrays[c]`` that count as written (snapshot restore);
+        None = all of them (a put).
+        """
+        k = len(seqs)
+        if written is not None:  # a column with no written cell needs no source
+            arrays = {c: a for c, a in arrays.items() if bool(written[c].any())}
+        self._grow(k)
+        idx = np.arange(self.n, self.n + k)
+        self.n += k
+        self.num_alive += k
+        self.next_seq = max(self.next_seq, int(seqs[-1]) + 1)
+        self.seqs[idx], self.alive[idx], self.created[idx] = seqs, True, created
+        # Slots past n may hold rows moved away by _compact: reset every per-row field.
+        self.gpos[idx] = 0 if gpos is None else gpos
+        self.src[:, idx], self.off[:, idx] = -1, 0
+        self.state[:, idx], self.deliv[:, idx], self.lease[:, idx] = PENDING, 0, 0
+        self.reason[:, idx], self.gready[:, idx] = -1, 0
+        if written is None:
+            refs = k * len(arrays)
+        else:
+            refs = sum(int(written[c].sum()) for c in arrays)
+        sid = self._add_source(arrays, refs)
+        positions = np.arange(k, dtype=np.int32)
+        for c in arrays:
+            mask = None if written is None else written[c]
+            self.src[c, idx] = sid if mask is None else np.where(mask, sid, -1)
+            self.off[c, idx] = positions
+        self.counts[:, PENDING] += k
+        return idx
+
+    def put(self, arrays: dict[int, pa.Array], num_rows: int, created_at: float) -> int:
+        """Create rows (batch already validated, grouped rows consecutive). Returns first seq."""
+        start = self.next_seq
+        seqs = np.arange(start, start + num_rows, dtype=np.int64)
+        gpos = seqs - start
+        gpos %= self.group_size
+        idx = self.append(seqs, created_at, arrays, gpos=gpos)
+        self.refresh_ready(idx, list(arrays))
+        return start
+
+    def check_write(self, idx: np.ndarray, cols: Sequence[int], overwrite: bool) -> None:
+        if overwrite:
+            return
+        for c in cols:
+            taken = self.src[c, idx] >= 0
+            if bool(taken.any()):
+                rid = self.row_ids(self.seqs[idx[taken][:1]])[0]
+                raise CellAlreadyWritten(
+                    f"column {self.columns[c]!r} of row {int(rid)} is already written"
+                )
+
+    def write(self, idx: np.ndarray, arrays: dict[int, pa.Array], offsets: np.ndarray) -> None:
+        """Point cells (idx, c) at ``arrays[c][offsets]``; caller ran ``check_write``."""
+        k = len(idx)
+        for c in arrays:
+            self._unref(self.src[c, idx])  # overwrite: the old cells are no longer live
+        sid = self._add_source(arrays, k * len(arrays))
+        for c in arrays:
+            self.src[c, idx] = sid
+            self.off[c, idx] = offsets
+        self.refresh_ready(idx, list(arrays))
+
+    def refresh_ready(self, idx: np.ndarray, cols: Sequence[int]) -> None:
+        """PENDING rows among idx whose needs are now all written become READY."""
+        written = set(cols)
+        for t, needs in enumerate(self.needs):
+            if needs.size and not written.intersection(needs.tolist()):
+                continue
+            cand = idx[self.state[t, idx] == PENDING]
+            if needs.size and len(cand):
+                cand = cand[(self.src[needs[:, None], cand] >= 0).all(axis=0)]
+            if len(cand):
+                self._make_ready(t, cand)
+
+    # ----------------------------------------------------------------------------- transitions
+    def _transition(self, t: int, idx: np.ndarray, new: int) -> None:
+        old = self.state[t, idx]
+        self.counts[t] -= np.bincount(old, minlength=_NUM_STATES)
+        self.counts[t, new] += len(idx)
+        self.state[t, idx] = new
+
+    def _make_ready(self, t: int, idx: np.ndarray) -> None:
+        self._transition(t, idx, READY)
+        if not self.whole[t]:
+            self.queues[t].push(self.seqs[idx])
+            return
+        leaders = idx - self.gpos[idx]
+        np.add.at(self.gready[t], leaders, 1)
+        leaders = np.unique(leaders)
+        full = leaders[self.gready[t, leaders] >= self.group_size]
+        self.ready_groups[t] += len(full)
+        self.queues[t].push(self.seqs[full])
+
+    def ready_units(self, t: int) -> int:
+        """Claimable units for task t: complete groups for a whole-group task, else rows."""
+        return int(self.ready_groups[t] if self.whole[t] else self.counts[t, READY])
+
+    def pop_ready(self, t: int, units: int) -> np.ndarray:
+        """Dense indices of up to ``units`` ready units (rows, or whole groups' rows), dequeued."""
+        q, got, g = self.queues[t], [], self.group_size
+        need = units
+        while need and q.size:
+            seqs = q.pop(need)
+            idx, ok = self._find(seqs)
+            ok &= self.state[t, idx] == READY
+            if self.whole[t]:
+                ok &= self.gready[t, idx] >= g
+            idx = idx[ok]
+            need -= len(idx)
+            got.append(idx)
+        lead = np.concatenate(got) if got else np.empty(0, dtype=np.int64)
+        if not self.whole[t]:
+            return lead
+        self.gready[t, lead] = 0
+        self.ready_groups[t] -= len(lead)
+        return (lead[:, None] + np.arange(g)).ravel()
+
+    def unpop(self, t: int, idx: np.ndarray) -> None:
+        """Undo ``pop_ready`` (the claim failed validation): requeue at the front."""
+        if self.whole[t]:
+            lead = idx[:: self.group_size]
+            self.gready[t, lead] = self.group_size
+            self.ready_groups[t] += len(lead)
+            self.queues[t].push_front(self.seqs[lead])
+        else:
+            self.queues[t].push_front(self.seqs[idx])
+
+    def lease_rows(self, t: int, idx: np.ndarray, rec: LeaseRec) -> None:
+        self._transition(t, idx, LEASED)
+        self.deliv[t, idx] += 1
+        self.lease[t, idx] = rec.lease_id
+        self.leases[rec.lease_id] = rec
+
+    def check_written(self, idx: np.ndarray, cols: Sequence[int]) -> None:
+        for c in cols:
+            if not bool((self.src[c, idx] >= 0).all()):
+                raise BadRequest(
+                    f"column {self.columns[c]!r} is not written for every claimable row "
+                    "(claim only columns the task needs or that every row has)"
+                )
+
+    def batch(
+        self, idx: np.ndarray, t: int, names: Sequence[str], cols: Sequence[int]
+    ) -> pa.RecordBatch:
+        """The claimed batch: requested columns (col id -1 = created_at), row_id, deliveries."""
+        arrays: list[pa.Array] = []
+        for c in cols:
+            if c < 0:
+                arrays.append(pa.array(self.created[idx], type=pa.float64()))
+            else:
+                arrays.append(gather(self.sources, c, self.src[c, idx], self.off[c, idx]))
+        arrays.append(pa.array(self.row_ids(self.seqs[idx]), type=pa.uint64()))
+        arrays.append(pa.array(self.deliv[t, idx], type=pa.uint16()))
+        return pa.RecordBatch.from_arrays(arrays, names=[*names, "row_id", "deliveries"])
+
+    def cells(self, idx: np.ndarray, c: int) -> pa.Array:
+        """Column ``c`` of rows idx with nulls for unwritten cells (snapshots)."""
+        typ = self.spec.schema.field(c).type
+        return gather_with_nulls(self.sources, c, typ, self.src[c, idx], self.off[c, idx])
+
+    def end_lease(
+        self, rec: LeaseRec, *, failed: bool, error: str | None
+    ) -> tuple[int, dict[str, np.ndarray]]:
+        """Hand a lease's rows back: READY again, or DEAD past max_deliveries if ``failed``.
+
+        Returns (rows made ready again, {reason: seqs of rows made dead}).
+        """
+        self.leases.pop(rec.lease_id, None)
+        t = rec.task
+        idx = self.locate(rec.seqs)
+        self.lease[t, idx] = 0
+        if not failed:
+            self.deliv[t, idx] -= 1  # a clean hand-back is not a failed delivery
+            self._make_ready(t, idx)
+            return len(idx), {}
+        deliv = self.deliv[t, idx]
+        dead = deliv >= self.spec.max_deliveries
+        dead_rows: dict[str, np.ndarray] = {}
+        if bool(dead.any()):
+            for n in np.unique(deliv[dead]).tolist():
+                text = error if error is not None else f"lease expired {n} times"
+                rows = idx[dead & (deliv == n)]
+                self.mark_dead(t, rows, text)
+                prev = dead_rows.get(text)
+                seqs = self.seqs[rows]
+                dead_rows[text] = seqs if prev is None else np.concatenate((prev, seqs))
+        live = idx[~dead]
+        if len(live):
+            self._make_ready(t, live)
+            self.redelivered_total[t] += len(live)
+        return len(live), dead_rows
+
+    def mark_dead(self, t: int, idx: np.ndarray, reason: str) -> None:
+        self._transition(t, idx, DEAD)
+        self.lease[t, idx] = 0
+        self.reason[t, idx] = self._reason_id(reason)
+
+    def consume(self, t: int, idx: np.ndarray) -> int:
+        """Rows -> CONSUMED for task t; frees rows every task consumed. Returns rows freed."""
+        self._transition(t, idx, CONSUMED)
+        self.lease[t, idx] = 0
+        self.consumed_total[t] += len(idx)
+        done = idx[(self.state[:, idx] == CONSUMED).all(axis=0)]
+        self.free(done)
+        return len(done)
+
+    def free(self, idx: np.ndarray) -> None:
+        """Release rows' memory (their chunks once no live cell points there)."""
+        if not len(idx):
+            return
+        for t in range(len(self.needs)):
+            self.counts[t] -= np.bincount(self.state[t, idx], minlength=_NUM_STATES)
+        for c in range(len(self.columns)):
+            self._unref(self.src[c, idx])
+        self.src[:, idx] = -1
+        self.alive[idx] = False
+        self.num_alive -= len(idx)
+        if self.n - self.num_alive > max(_COMPACT_MIN, self.n // 2):
+            self._compact()
+
+    def clear_dead(self) -> np.ndarray:
+        """Free rows DEAD for some task and leased by none (whole groups). Returns their seqs."""
+        idx = np.flatnonzero(self.alive[: self.n])
+        states = self.state[:, idx]
+        dead = (states == DEAD).any(axis=0)
+        leased = (states == LEASED).any(axis=0)
+        if self.spec.group_size:
+            keys = self.seqs[idx] - self.gpos[idx]
+            _, group = np.unique(keys, return_inverse=True)
+            dead = np.bincount(group, weights=dead)[group] > 0
+            leased = np.bincount(group, weights=leased)[group] > 0
+        idx = idx[dead & ~leased]
+        for t, whole in enumerate(self.whole):
+            if not whole:
+                continue
+            ready = idx[self.state[t, idx] == READY]
+            lead = np.unique(ready - self.gpos[ready])
+            full = lead[self.gready[t, lead] >= self.group_size]
+            self.ready_groups[t] -= len(full)
+            self.gready[t, lead] = 0
+        seqs = self.seqs[idx].copy()
+        self.free(idx)
+        return seqs
+
+    def rebuild_queues(self) -> None:
+        """Recompute ready queues and group counters from the states (after recovery); rows
+        LEASED at that point come back READY, since leases do not survive a restart."""
+        self.leases.clear()
+        live = np.flatnonzero(self.alive[: self.n])
+        for t in range(len(self.needs)):
+            self.queues[t] = SeqQueue()
+            self.gready[t, :] = 0
+            self.ready_groups[t] = 0
+            self.lease[t, :] = 0
+            ready = live[np.isin(self.state[t, live], (READY, LEASED))]
+            if len(ready):
+                self._make_ready(t, ready)
+
+    # ----------------------------------------------------------------------------- stats
+    def stats(self) -> ShardStats:
+        tasks: dict[str, TaskStats] = {}
+        live = np.flatnonzero(self.alive[: self.n])
+        for t, name in enumerate(self.task_names):
+            c = self.counts[t]
+            reasons: dict[str, int] = {}
+            if c[DEAD]:
+                r = self.reason[t, live][self.state[t, live] == DEAD]
+                for rid, k in zip(*np.unique(r, return_counts=True), strict=True):
+                    reasons[self.reasons[int(rid)]] = int(k)
+            tasks[name] = TaskStats(
+                pending=int(c[PENDING]),
+                ready=int(c[READY]),
+                in_flight=int(c[LEASED]),
+                consumed=int(self.consumed_total[t]),
+                dead=int(c[DEAD]),
+                redelivered_total=int(self.redelivered_total[t]),
+                dead_reasons=reasons,
+            )
+        return ShardStats(
+            shard_id=self.shard_id, rows=self.num_alive, bytes=self.bytes, tasks=tasks
+        )
+
+
+def split_row_ids(row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(shard ids, int64 sequences) of uint64 row ids."""
+    shards = (row_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
+    seqs = (row_ids & np.uint64(SEQ_MASK)).astype(np.int64)
+    return shards, seqs

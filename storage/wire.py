@@ -1,0 +1,510 @@
+"""The store's wire format: frame layout, header validation, Arrow and record encodings.
+
+Owns: how a request/reply is laid out in ZeroMQ frames, the per-verb header schema (field names,
+types, bounds), the limits applied to anything read from a socket, and the msgpack encodings of
+``TableSpec`` and ``TableStats``. Never pickle; msgpack ext types are refused; Arrow is the only
+binary body format.
+
+Frame layout (one ZeroMQ multipart message; the ROUTER prepends the peer identity)::
+
+    request: [header: msgpack map {v, verb, req_id, <verb fields>}] [body: Arrow IPC stream]*
+    reply:   [header: msgpack map {ok, req_id, error: {code, message} | nil, <results>}] [body]*
+
+Bodies are Arrow IPC *streams* holding exactly one record batch (``put``: the new rows; ``write``:
+``row_id`` + the new columns; a ``claim`` reply: the leased rows). Bodies of at least
+``ZERO_COPY_BYTES`` are sent as zero-copy frames; received bodies are wrapped, not copied.
+Row ids in headers travel as little-endian uint64 bytes (``row_ids``), never as msgpack arrays.
+
+Limits on anything read from a socket: the whole message <= ``max_message_bytes`` (ZeroMQ
+``MAXMSGSIZE`` drops bigger ones before we see them); header <= ``MAX_HEADER_BYTES``; msgpack
+strings/bins/arrays/maps bounded, nesting <= ``MAX_DEPTH``; at most ``MAX_BODIES`` bodies; every
+Arrow body is fully validated (``validate(full=True)``) before the node sees it. A request that
+breaks any rule gets a ``BadRequest`` reply naming the field; it never reaches the node.
+
+Delivery guarantees (the store as a whole, enforced by the node, transported here):
+- At-least-once per (row, task): a claim hands rows out under a lease with a deadline; a lease not
+  acked/extended in time expires and its rows become claimable again with ``deliveries`` + 1. Past
+  ``max_deliveries`` a row is quarantined (DEAD) with its reason, visible in stats, never dropped.
+- Exactly-once *consumption* per (row, task) is the consumer's job: ack after processing, and
+  treat ``deliveries > 1`` as a possible duplicate of work done before a crash.
+- Fencing: a write or ack carrying an expired/unknown lease is refused (``LeaseExpired`` /
+  ``UnknownLease``), so a zombie consumer cannot overwrite its successor. Each (row, column) cell
+  is written at most once (``CellAlreadyWritten``) unless overwritten by the admin flag.
+- Back-pressure: ``put`` beyond a table's capacity waits server-side up to its timeout, then fails
+  with ``StoreFull``. Writes never wait (refusing them could deadlock a pipeline).
+- Replies: a reply is matched to its request by ``req_id``; a client that times out drops its
+  socket, so a late reply can never be taken for another request's. A lost reply to a mutating
+  verb means "unknown outcome": a lost put may have created rows; a lost claim's rows come back
+  after the lease deadline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import pyarrow as pa
+
+from storage.errors import BadRequest, StoreError, error_from_code
+from storage.schema import ShardStats, TableSpec, TableStats, TaskSpec, TaskStats
+
+PROTOCOL_VERSION = 1
+ZERO_COPY_BYTES = 64 * 1024  # bodies at least this big are sent without copying
+MAX_HEADER_BYTES = 1 << 20
+MAX_DEPTH = 8  # nesting of the header map (spec/stats are the deepest, at 5)
+MAX_BODIES = 4
+MAX_NAME_LEN = 256
+MAX_LIST_LEN = 4096  # columns, shards, tasks per request
+MAX_ROWS_PER_CLAIM = 10_000_000
+MAX_TIMEOUT_S = 24 * 3600.0
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+_UNPACK_LIMITS = dict(
+    raw=False,
+    strict_map_key=True,
+    use_list=True,
+    max_str_len=MAX_HEADER_BYTES,
+    max_bin_len=MAX_HEADER_BYTES,
+    max_array_len=1 << 16,
+    max_map_len=1 << 12,
+    max_ext_len=0,
+)
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise BadRequest(f"msgpack ext type {code} is not allowed")
+
+
+# -- header schema --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class F:
+    """One header field: its kind, whether it must be present, its default, None allowed."""
+
+    kind: str  # "str" | "name" | "int" | "float" | "bool" | "names" | "ints" | "bytes" | "map"
+    required: bool = False
+    default: Any = None
+    nullable: bool = False
+    lo: float | None = None  # inclusive bounds for numbers
+    hi: float | None = None
+
+
+_TABLE = F("name", required=True)
+_TASK = F("name", required=True)
+_LEASE = F("int", required=True, lo=0, hi=(1 << 64) - 1)
+_TIMEOUT = F("float", default=0.0, lo=0.0, hi=MAX_TIMEOUT_S)
+
+# verb -> field name -> rule. Unknown fields are refused (a typo must not be silently ignored).
+VERBS: dict[str, dict[str, F]] = {
+    "hello": {},
+    "tables": {},
+    "create_table": {"spec": F("map", required=True)},
+    "drop_table": {"table": _TABLE},
+    "put": {"table": _TABLE, "timeout": _TIMEOUT, "shard_id": F("int", nullable=True, lo=0, hi=65535)},
+    "claim": {
+        "table": _TABLE,
+        "task": _TASK,
+        "columns": F("names", required=True),
+        "max_rows": F("int", required=True, lo=1, hi=MAX_ROWS_PER_CLAIM),
+        "min_rows": F("int", default=1, lo=1, hi=MAX_ROWS_PER_CLAIM),
+        "whole_groups": F("bool", default=False),
+        "timeout": _TIMEOUT,
+        "lease_seconds": F("float", nullable=True, lo=0.001, hi=MAX_TIMEOUT_S),
+        "shards": F("ints", nullable=True),
+    },
+    "write": {
+        "table": _TABLE,
+        "lease_id": F("int", nullable=True, lo=0, hi=(1 << 64) - 1),
+        "ack": F("bool", default=False),
+        "overwrite": F("bool", default=False),
+    },
+    "ack": {"table": _TABLE, "lease_id": _LEASE},
+    "extend": {
+        "table": _TABLE,
+        "lease_id": _LEASE,
+        "seconds": F("float", nullable=True, lo=0.001, hi=MAX_TIMEOUT_S),
+    },
+    "release": {
+        "table": _TABLE,
+        "lease_id": _LEASE,
+        "error": F("str", nullable=True),
+    },
+    "stats": {"table": _TABLE},
+    "clear": {"table": _TABLE, "dead": F("bool", default=False)},
+    "snapshot": {"table": _TABLE},
+    "cancel": {"target": F("int", required=True, lo=0, hi=(1 << 64) - 1)},
+}
+# Verbs whose request carries exactly one Arrow body.
+BODY_VERBS = frozenset({"put", "write"})
+# Verbs that change durable state: the server fsyncs (fsync="always") before replying to them.
+MUTATING_VERBS = frozenset({"put", "write", "ack", "release", "clear", "create_table"})
+
+
+def _check_value(verb: str, name: str, rule: F, value: Any) -> Any:
+    where = f"{verb}.{name}"
+    if value is None:
+        if rule.nullable:
+            return None
+        raise BadRequest(f"header field {where!r} must not be null")
+    kind = rule.kind
+    if kind in ("str", "name"):
+        if not isinstance(value, str):
+            raise BadRequest(f"header field {where!r} must be a string, got {type(value).__name__}")
+        if kind == "name" and not (0 < len(value) <= MAX_NAME_LEN):
+            raise BadRequest(f"header field {where!r} must be 1..{MAX_NAME_LEN} characters")
+        if kind == "str" and len(value) > 4096:
+            raise BadRequest(f"header field {where!r} is longer than 4096 characters")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise BadRequest(f"header field {where!r} must be a bool, got {type(value).__name__}")
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequest(f"header field {where!r} must be an int, got {type(value).__name__}")
+        _check_bounds(where, rule, value)
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BadRequest(f"header field {where!r} must be a number, got {type(value).__name__}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise BadRequest(f"header field {where!r} must be finite")
+        _check_bounds(where, rule, value)
+        return value
+    if kind in ("names", "ints"):
+        if not isinstance(value, list):
+            raise BadRequest(f"header field {where!r} must be a list, got {type(value).__name__}")
+        if len(value) > MAX_LIST_LEN:
+            raise BadRequest(f"header field {where!r} has more than {MAX_LIST_LEN} items")
+        item = F("name") if kind == "names" else F("int", lo=0, hi=65535)
+        return [_check_value(verb, f"{name}[{i}]", item, v) for i, v in enumerate(value)]
+    if kind == "map":
+        if not isinstance(value, dict):
+            raise BadRequest(f"header field {where!r} must be a map, got {type(value).__name__}")
+        return value
+    if kind == "bytes":
+        if not isinstance(value, bytes):
+            raise BadRequest(f"header field {where!r} must be bytes, got {type(value).__name__}")
+        return value
+    raise AssertionError(f"unknown rule kind {kind}")  # a bug in VERBS, not bad input
+
+
+def _check_bounds(where: str, rule: F, value: float) -> None:
+    if rule.lo is not None and value < rule.lo:
+        raise BadRequest(f"header field {where!r} must be >= {rule.lo}, got {value}")
+    if rule.hi is not None and value > rule.hi:
+        raise BadRequest(f"header field {where!r} must be <= {rule.hi}, got {value}")
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of a decoded msgpack value, iteratively (no recursion on hostile input)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        cur, d = stack.pop()
+        if isinstance(cur, dict):
+            deepest = max(deepest, d)
+            if d > MAX_DEPTH:
+                return d
+            stack.extend((v, d + 1) for v in cur.values())
+        elif isinstance(cur, list):
+            deepest = max(deepest, d)
+            if d > MAX_DEPTH:
+                return d
+            stack.extend((v, d + 1) for v in cur)
+    return deepest
+
+
+def unpack_header(data: bytes | memoryview) -> dict[str, Any]:
+    """Decode a header frame with strict limits; BadRequest for anything but a bounded map."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise BadRequest(f"header frame is {len(data)} bytes, limit {MAX_HEADER_BYTES}")
+    try:
+        obj = msgpack.unpackb(data, ext_hook=_no_ext, **_UNPACK_LIMITS)
+    except BadRequest:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise BadRequest(f"header frame is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(f"header frame must be a msgpack map, got {type(obj).__name__}")
+    if _depth(obj) > MAX_DEPTH:
+        raise BadRequest(f"header nesting deeper than {MAX_DEPTH}")
+    return obj
+
+
+def pack_header(header: dict[str, Any]) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+# -- requests and replies -------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """A validated request: ``args`` holds every field of the verb (defaults filled in)."""
+
+    verb: str
+    req_id: int
+    args: dict[str, Any]
+    bodies: list[pa.Buffer] = field(default_factory=list)
+
+
+@dataclass
+class Reply:
+    ok: bool
+    req_id: int
+    result: dict[str, Any]
+    error: StoreError | None = None
+    bodies: list[pa.Buffer] = field(default_factory=list)
+
+
+def encode_request(verb: str, req_id: int, args: dict[str, Any], bodies: Sequence[Any] = ()) -> list:
+    header = {"v": PROTOCOL_VERSION, "verb": verb, "req_id": req_id}
+    header.update(args)
+    return [pack_header(header), *bodies]
+
+
+def peek_req_id(header: dict[str, Any]) -> int:
+    """The req_id to answer with, even when the rest of the header is bad (0 if unusable)."""
+    rid = header.get("req_id")
+    if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < (1 << 64):
+        return rid
+    return 0
+
+
+def decode_request(frames: Sequence[Any]) -> Request:
+    """Validate a request's frames (header rules, body count, sizes). Bodies stay Arrow buffers;
+    parse them with ``read_batch``. Raises BadRequest with ``.req_id`` set when known."""
+    if not frames:
+        raise BadRequest("empty message")
+    header = unpack_header(_bytes_view(frames[0]))
+    req_id = peek_req_id(header)
+    try:
+        return _validate(header, req_id, frames[1:])
+    except BadRequest as exc:
+        exc.req_id = req_id  # type: ignore[attr-defined]
+        raise
+
+
+def _validate(header: dict[str, Any], req_id: int, bodies: Sequence[Any]) -> Request:
+    if header.get("v") != PROTOCOL_VERSION:
+        raise BadRequest(f"header field 'v' must be {PROTOCOL_VERSION}, got {header.get('v')!r}")
+    if "req_id" not in header or peek_req_id(header) != header["req_id"]:
+        raise BadRequest("header field 'req_id' must be an int in [0, 2**64)")
+    verb = header.get("verb")
+    if not isinstance(verb, str) or verb not in VERBS:
+        raise BadRequest(f"header field 'verb' must be one of {sorted(VERBS)}, got {verb!r}")
+    rules = VERBS[verb]
+    unknown = set(header) - set(rules) - {"v", "verb", "req_id"}
+    if unknown:
+        raise BadRequest(f"unknown header fields for {verb!r}: {sorted(unknown)}")
+    args: dict[str, Any] = {}
+    for name, rule in rules.items():
+        if name not in header:
+            if rule.required:
+                raise BadRequest(f"missing header field {verb}.{name!r}")
+            args[name] = rule.default
+        else:
+            args[name] = _check_value(verb, name, rule, header[name])
+    want = 1 if verb in BODY_VERBS else 0
+    if len(bodies) != want:
+        raise BadRequest(f"{verb!r} takes {want} Arrow body frame(s), got {len(bodies)}")
+    return Request(verb, req_id, args, [pa.py_buffer(_bytes_view(b)) for b in bodies])
+
+
+def encode_reply(req_id: int, result: dict[str, Any], bodies: Sequence[Any] = ()) -> list:
+    header = {"ok": True, "req_id": req_id, "error": None}
+    header.update(result)
+    return [pack_header(header), *bodies]
+
+
+def encode_error(req_id: int, exc: StoreError) -> list:
+    err = {"code": exc.code, "message": str(exc)[:4096]}
+    return [pack_header({"ok": False, "req_id": req_id, "error": err})]
+
+
+def decode_reply(frames: Sequence[Any]) -> Reply:
+    """Decode a reply (client side). A malformed reply raises BadRequest (the server is buggy or
+    not a store)."""
+    if not frames:
+        raise BadRequest("empty reply")
+    header = unpack_header(_bytes_view(frames[0]))
+    ok, req_id = header.pop("ok", None), peek_req_id(header)
+    header.pop("req_id", None)
+    err = header.pop("error", None)
+    bodies = [pa.py_buffer(_bytes_view(b)) for b in frames[1:]]
+    if ok is True:
+        return Reply(True, req_id, header, None, bodies)
+    if not isinstance(err, dict):
+        raise BadRequest("reply is neither ok nor a typed error")
+    code, message = err.get("code"), err.get("message")
+    exc = error_from_code(str(code), str(message))
+    return Reply(False, req_id, header, exc, bodies)
+
+
+def _bytes_view(frame: Any) -> bytes | memoryview:
+    """A zmq.Frame (copy=False), bytes or buffer -> something msgpack/Arrow can read, no copy."""
+    buf = getattr(frame, "buffer", None)
+    return buf if buf is not None else frame
+
+
+# -- Arrow bodies ---------------------------------------------------------------------------------
+
+
+def write_batch(batch: pa.RecordBatch) -> pa.Buffer:
+    """One record batch -> Arrow IPC stream bytes (uncompressed, so a reader can bound its memory
+    by the message size)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue()
+
+
+def read_batch(buf: pa.Buffer | bytes, what: str = "body") -> pa.RecordBatch:
+    """Arrow IPC stream bytes -> one fully validated record batch (BadRequest otherwise)."""
+    try:
+        reader = pa.ipc.open_stream(buf)
+        batches = list(reader)
+    except (pa.ArrowException, ValueError, OSError, MemoryError) as exc:
+        raise BadRequest(f"{what} is not a valid Arrow IPC stream: {exc}") from None
+    if len(batches) != 1:
+        raise BadRequest(f"{what} must hold exactly one record batch, got {len(batches)}")
+    batch = batches[0]
+    try:
+        batch.validate(full=True)
+    except (pa.ArrowException, ValueError) as exc:
+        raise BadRequest(f"{what} fails Arrow validation: {exc}") from None
+    return batch
+
+
+def to_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
+    """A RecordBatch or Table -> one RecordBatch (a Table's chunks are concatenated)."""
+    if isinstance(data, pa.RecordBatch):
+        return data
+    if isinstance(data, pa.Table):
+        return data.combine_chunks().to_batches(max_chunksize=None)[0] if data.num_rows else (
+            pa.RecordBatch.from_pylist([], schema=data.schema)
+        )
+    raise TypeError(f"expected a pyarrow RecordBatch or Table, got {type(data).__name__}")
+
+
+def row_ids_to_bytes(row_ids: np.ndarray | Sequence[int]) -> bytes:
+    return np.asarray(row_ids, dtype="<u8").tobytes()
+
+
+def row_ids_from_bytes(data: bytes) -> np.ndarray:
+    if len(data) % 8:
+        raise BadRequest("row_ids bytes length is not a multiple of 8")
+    return np.frombuffer(data, dtype="<u8").astype(np.uint64, copy=False)
+
+
+# -- TableSpec and TableStats as msgpack maps -----------------------------------------------------
+
+_SPEC_SCALARS: dict[str, F] = {
+    "group_column": F("name", nullable=True),
+    "group_size": F("int", nullable=True, lo=1, hi=1 << 20),
+    "capacity_rows": F("int", lo=1, hi=1 << 48),
+    "capacity_bytes": F("int", lo=1, hi=1 << 50),
+    "lease_seconds": F("float", lo=0.001, hi=MAX_TIMEOUT_S),
+    "max_deliveries": F("int", lo=1, hi=65535),
+    "persist_dir": F("str", nullable=True),
+    "fsync": F("name"),
+    "fsync_interval_s": F("float", lo=0.0, hi=3600.0),
+}
+
+
+def spec_to_wire(spec: TableSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": spec.name,
+        "schema": spec.schema.serialize().to_pybytes(),
+        "tasks": [
+            {"name": t.name, "needs": list(t.needs), "whole_groups": t.whole_groups}
+            for t in spec.tasks
+        ],
+    }
+    for key in _SPEC_SCALARS:
+        out[key] = getattr(spec, key)
+    return out
+
+
+def spec_from_wire(data: dict[str, Any]) -> TableSpec:
+    """Rebuild a TableSpec, checking every field's type (BadRequest naming the field). Semantic
+    checks (columns exist, tasks unique, ...) are the node's."""
+    unknown = set(data) - {"name", "schema", "tasks"} - set(_SPEC_SCALARS)
+    if unknown:
+        raise BadRequest(f"unknown spec fields: {sorted(unknown)}")
+    for key in ("name", "schema", "tasks"):
+        if key not in data:
+            raise BadRequest(f"missing spec field {key!r}")
+    name = _check_value("spec", "name", F("name"), data["name"])
+    raw_schema = _check_value("spec", "schema", F("bytes"), data["schema"])
+    try:
+        schema = pa.ipc.read_schema(pa.py_buffer(raw_schema))
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise BadRequest(f"spec.schema is not an Arrow IPC schema: {exc}") from None
+    tasks_raw = data["tasks"]
+    if not isinstance(tasks_raw, list) or len(tasks_raw) > MAX_LIST_LEN:
+        raise BadRequest("spec.tasks must be a list of task maps")
+    tasks = []
+    for i, t in enumerate(tasks_raw):
+        if not isinstance(t, dict) or set(t) - {"name", "needs", "whole_groups"}:
+            raise BadRequest(f"spec.tasks[{i}] must be a map with name, needs, whole_groups")
+        if "name" not in t or "needs" not in t:
+            raise BadRequest(f"spec.tasks[{i}] needs fields 'name' and 'needs'")
+        tasks.append(
+            TaskSpec(
+                name=_check_value("spec", f"tasks[{i}].name", F("name"), t["name"]),
+                needs=tuple(_check_value("spec", f"tasks[{i}].needs", F("names"), t["needs"])),
+                whole_groups=_check_value(
+                    "spec", f"tasks[{i}].whole_groups", F("bool"), t.get("whole_groups", False)
+                ),
+            )
+        )
+    kwargs = {}
+    for key, rule in _SPEC_SCALARS.items():
+        if key in data:
+            kwargs[key] = _check_value("spec", key, rule, data[key])
+    return TableSpec(name=name, schema=schema, tasks=tuple(tasks), **kwargs)
+
+
+def stats_to_wire(stats: TableStats) -> dict[str, Any]:
+    return {
+        "table": stats.table,
+        "shards": [
+            {
+                "shard_id": s.shard_id,
+                "rows": s.rows,
+                "bytes": s.bytes,
+                "tasks": {
+                    name: [t.pending, t.ready, t.in_flight, t.consumed, t.dead,
+                           t.redelivered_total, dict(t.dead_reasons)]
+                    for name, t in s.tasks.items()
+                },
+            }
+            for s in stats.shards
+        ],
+    }
+
+
+def stats_from_wire(data: dict[str, Any]) -> TableStats:
+    try:
+        shards = []
+        for s in data["shards"]:
+            tasks = {}
+            for name, v in s["tasks"].items():
+                tasks[name] = TaskStats(*[int(x) for x in v[:6]], dead_reasons=dict(v[6]))
+            shards.append(ShardStats(int(s["shard_id"]), int(s["rows"]), int(s["bytes"]), tasks))
+        return TableStats(str(data["table"]), shards)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise BadRequest(f"malformed stats reply: {exc}") from None
+
+
+def merge_stats(parts: Sequence[TableStats]) -> TableStats:
+    """Stats of one table from several nodes -> one TableStats (shard ids are globally unique)."""
+    shards = sorted((s for p in parts for s in p.shards), key=lambda s: s.shard_id)
+    return TableStats(parts[0].table if parts else "", shards)

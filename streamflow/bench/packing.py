@@ -1,0 +1,268 @@
+"""Benchmark: shared-prompt packing vs unpacked rows, forward+backward of one group.
+
+For each (P, L, G) a group of G responses of L tokens after a P-token prompt is scored (log-probs
+of every response token, summed and back-propagated) by a small Qwen2-style model, once as G
+unpacked ``prompt + response`` rows and once packed as ``prompt + r1 + ... + rG``. Reported beside
+the theoretical token ratio (G*P + sum L) / (P + sum L):
+
+- tokens: real tokens through the model (``PackedBatch.num_tokens``);
+- time: packing + forward + backward, the best of ``--repeats`` runs after a first run;
+- peak memory: the first run's resident-set high-water mark minus the resident set just before it
+  (Linux ``VmHWM`` after a reset through ``/proc/self/clear_refs``), i.e. activations, gradients
+  and temporaries. Each side runs in a fresh child process by default so that the allocator's cache
+  of one side never hides the other's peak.
+
+Target (issue 5): where the token saving is large, the time saving (1 - 1/time_ratio) reaches at
+least 80 % of the token saving (1 - 1/token_ratio); ``target_met`` says so per case.
+
+Output: a table, then one JSON line ``{"bench": "packing", "cases": [...]}`` (with ``--json`` the
+table goes to stderr and stdout holds only the JSON line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+FULL_CASES = [(512, 512, 8), (2048, 256, 16), (64, 512, 8)]
+QUICK_CASES = [(64, 16, 4), (8, 48, 2)]
+LARGE_SAVING = 0.3  # token saving above which the 80 % target applies
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+
+FULL_MODEL = ModelShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=1024, vocab=4096)
+QUICK_MODEL = ModelShape(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vocab=64)
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def measure(
+    P: int,
+    L: int,
+    G: int,
+    *,
+    packed: bool,
+    shape: ModelShape,
+    repeats: int,
+    threads: int,
+    attention: str = "segments",
+) -> dict[str, Any]:
+    """One side of one case in THIS process: tokens, best time, first-run peak memory."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from workers.packing import PackGroup, batch_logprobs, pack_groups, unpacked_rows
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=max(P + L, 64),
+        tie_word_embeddings=True,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, shape.vocab, (P + G * L,), generator=gen).tolist()
+    group = PackGroup(0, ids[:P], [ids[P + i * L : P + (i + 1) * L] for i in range(G)])
+
+    def step() -> int:
+        if packed:
+            batch = pack_groups([group], token_budget=P + G * L)
+        else:
+            batch = unpacked_rows([group])
+        logp = batch_logprobs(model, batch, attention=attention)  # type: ignore[arg-type]
+        loss = -torch.cat([t for g in logp for t in g]).sum()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return batch.num_tokens
+
+    base = _rss_bytes("VmRSS")
+    exact_peak = _reset_peak()
+    start = time.perf_counter()
+    tokens = step()
+    first = time.perf_counter() - start
+    peak = _rss_bytes("VmHWM") - base if exact_peak else -1
+    times = [first]
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    best = min(times[1:]) if repeats > 0 else first
+    return {"tokens": tokens, "seconds": best, "peak_bytes": peak}
+
+
+def _measure_in_child(spec: dict[str, Any]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "streamflow.bench.packing", "--child", json.dumps(spec)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark child failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _case(P: int, L: int, G: int, shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
+    sides = {}
+    for packed in (False, True):
+        spec = {
+            "P": P,
+            "L": L,
+            "G": G,
+            "packed": packed,
+            "shape": asdict(shape),
+            "repeats": args.repeats,
+            "threads": args.threads,
+            "attention": args.attention,
+        }
+        if not args.isolate:
+            sides[packed] = measure(
+                P,
+                L,
+                G,
+                packed=packed,
+                shape=shape,
+                repeats=args.repeats,
+                threads=args.threads,
+                attention=args.attention,
+            )
+        else:
+            sides[packed] = _measure_in_child(spec)
+    unp, pk = sides[False], sides[True]
+    theory = (G * P + G * L) / (P + G * L)
+    token_ratio = unp["tokens"] / pk["tokens"]
+    time_ratio = unp["seconds"] / pk["seconds"]
+    # None when a peak could not be measured (no /proc reset, or in-process with a warm allocator)
+    mem_ok = unp["peak_bytes"] > 0 and pk["peak_bytes"] > 0
+    mem_ratio = round(unp["peak_bytes"] / pk["peak_bytes"], 4) if mem_ok else None
+    token_saving = 1 - 1 / token_ratio
+    time_saving = 1 - 1 / time_ratio
+    share = time_saving / token_saving if token_saving > 0 else float("nan")
+    return {
+        "P": P,
+        "L": L,
+        "G": G,
+        "theoretical_token_ratio": round(theory, 4),
+        "tokens_unpacked": unp["tokens"],
+        "tokens_packed": pk["tokens"],
+        "token_ratio": round(token_ratio, 4),
+        "seconds_unpacked": round(unp["seconds"], 4),
+        "seconds_packed": round(pk["seconds"], 4),
+        "time_ratio": round(time_ratio, 4),
+        "peak_bytes_unpacked": unp["peak_bytes"],
+        "peak_bytes_packed": pk["peak_bytes"],
+        "peak_memory_ratio": mem_ratio,
+        "time_saving_share_of_token_saving": round(share, 4),
+        "target_applies": token_saving >= LARGE_SAVING,
+        "target_met": bool(token_saving < LARGE_SAVING or share >= 0.8),
+    }
+
+
+def _table(cases: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'P':>5} {'L':>4} {'G':>3} | {'tokens unp/pk':>15} {'ratio':>5} {'theory':>6} | "
+        f"{'fwd+bwd s unp/pk':>17} {'ratio':>5} | {'peak MiB unp/pk':>16} {'ratio':>5} | "
+        f"{'saving share':>12}"
+    )
+    lines = [head, "-" * len(head)]
+    mib = 1024 * 1024
+    for c in cases:
+        lines.append(
+            f"{c['P']:>5} {c['L']:>4} {c['G']:>3} | "
+            f"{c['tokens_unpacked']:>7}/{c['tokens_packed']:<7} {c['token_ratio']:>5.2f} "
+            f"{c['theoretical_token_ratio']:>6.2f} | "
+            f"{c['seconds_unpacked']:>8.3f}/{c['seconds_packed']:<8.3f} {c['time_ratio']:>5.2f} | "
+            f"{c['peak_bytes_unpacked'] / mib:>7.0f}/{c['peak_bytes_packed'] / mib:<8.0f} "
+            f"{_fmt(c['peak_memory_ratio'])} | {_share(c)}"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(ratio: float | None) -> str:
+    return "  n/a" if ratio is None else f"{ratio:>5.2f}"
+
+
+def _share(case: dict[str, Any]) -> str:
+    if not case["target_applies"]:
+        return f"{'(small saving)':>12}"
+    mark = "" if case["target_met"] else " (below 80 %)"
+    return f"{case['time_saving_share_of_token_saving']:>11.0%}{mark}"
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark; prints the table then one JSON line. Returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="streamflow bench packing", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--json", action="store_true", help="stdout holds only the JSON line")
+    parser.add_argument("--quick", action="store_true", help="tiny model and cases (for tests)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs after the first")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
+    parser.add_argument("--attention", choices=["segments", "mask"], default="segments")
+    parser.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each side in a fresh child process (default: on, off with --quick)",
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        spec = json.loads(args.child)
+        shape = ModelShape(**spec.pop("shape"))
+        print(json.dumps(measure(shape=shape, **spec)))
+        return 0
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 2
+    if args.isolate is None:
+        args.isolate = not args.quick
+    if args.repeats < 0 or args.threads < 1:
+        parser.error("--repeats must be >= 0 and --threads >= 1")
+    shape = QUICK_MODEL if args.quick else FULL_MODEL
+    cases = [_case(P, L, G, shape, args) for P, L, G in (QUICK_CASES if args.quick else FULL_CASES)]
+    out = sys.stderr if args.json else sys.stdout
+    print(
+        f"shared-prompt packing, Qwen2 hidden={shape.hidden} layers={shape.layers} "
+        f"vocab={shape.vocab}, fp32, {args.threads} threads, attention={args.attention}",
+        file=out,
+    )
+    print(_table(cases), file=out)
+    print(json.dumps({"bench": "packing", "model": asdict(shape), "cases": cases}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,218 @@
+"""The ``streamflow`` command line: run, store serve, bench, report.
+
+Owns: argument parsing and the wiring of each subcommand to the module that does the work.
+Each subcommand imports its module lazily, so ``streamflow run --dry-run`` or ``streamflow
+report`` never import torch, and a broken optional engine cannot break unrelated commands.
+
+Exit codes: 0 success; 1 the run (or bench, or server) failed; 2 usage or configuration error;
+130 interrupted (Ctrl-C). Errors are one line on stderr (``error: <key>: <what was wrong>``);
+tracebacks only for unexpected errors at ``run.log_level=DEBUG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import pkgutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from streamflow.config import ConfigError, config_warnings, dump_yaml, load_config
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageError(Exception):
+    """Bad command-line usage that argparse cannot see (unknown bench, bad run directory)."""
+
+
+def _error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="streamflow", description="Streaming dataflow engine for RL post-training of LLMs."
+    )
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a GRPO job from a YAML config")
+    run.add_argument("config", help="YAML config file (e.g. configs/quickstart.yaml)")
+    run.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. trainer.lr=1e-4")
+    run.add_argument(
+        "--dry-run", action="store_true", help="validate, print the resolved config, start nothing"
+    )
+    run.set_defaults(handler=_cmd_run)
+
+    store = sub.add_parser("store", help="transfer-queue store node")
+    store_sub = store.add_subparsers(dest="store_command", required=True, metavar="ACTION")
+    serve = store_sub.add_parser("serve", help="serve one store node in the foreground")
+    serve.add_argument("--config", help="take num_shards/host/port from this run config's store")
+    serve.add_argument(
+        "--bind", action="append", help="address to bind (repeatable; default tcp://127.0.0.1:5555)"
+    )
+    serve.add_argument("--shards", type=int, help="number of shards on this node")
+    serve.add_argument("--node-index", type=int, default=0, help="index of this node")
+    serve.add_argument("--metrics-port", type=int, help="Prometheus port (0 = pick a free one)")
+    serve.add_argument("--ready-file", help="write the bound addresses here (JSON) once serving")
+    serve.add_argument("--dry-run", action="store_true", help="print the server config and exit")
+    serve.set_defaults(handler=_cmd_store_serve)
+
+    bench = sub.add_parser("bench", help="run a benchmark: streamflow bench NAME [args...]")
+    bench.add_argument("name", help="benchmark name (a module of streamflow/bench, or 'store')")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    bench.set_defaults(handler=_cmd_bench)
+
+    report = sub.add_parser("report", help="print a run's report, or compare two runs")
+    report.add_argument("run_dir", help="run directory")
+    report.add_argument("run_dir_b", nargs="?", help="second run directory to compare with")
+    report.set_defaults(handler=_cmd_report)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        # `run CONFIG a=1 --dry-run b=2`: overrides after an option arrive as extras.
+        if (
+            extra
+            and args.command == "run"
+            and all("=" in e and not e.startswith("-") for e in extra)
+        ):
+            args.overrides += extra
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # argparse exits on --help (0) and on usage errors (2)
+        return int(exc.code or 0)
+    try:
+        return int(args.handler(args))
+    except ConfigError as err:
+        _error(str(err))
+        return EXIT_USAGE
+    except UsageError as err:
+        _error(str(err))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return EXIT_INTERRUPTED
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    for note in config_warnings(cfg):
+        print(f"warning: {note}", file=sys.stderr)
+    if args.dry_run:
+        sys.stdout.write(dump_yaml(cfg))
+        return EXIT_OK
+    logging.basicConfig(
+        level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    from streamflow import controller  # heavy (torch, workers): only when really running
+
+    try:
+        summary = controller.run(cfg)
+    except KeyboardInterrupt:
+        raise
+    except Exception as err:  # the run failed: one line naming the error, never "success"
+        if cfg.run.log_level == "DEBUG":
+            logging.getLogger("streamflow").exception("run failed")
+        _error(f"run failed: {type(err).__name__}: {err}")
+        return EXIT_FAILED
+    status = getattr(summary, "status", "ok")
+    if Path(cfg.run.output_dir, "metrics.jsonl").exists():
+        from streamflow.report import render_report
+
+        try:
+            sys.stdout.write(render_report(cfg.run.output_dir))
+        except Exception as err:  # the run itself succeeded; a report glitch must not hide that
+            _error(f"could not render the report: {err}")
+    if status == "interrupted":
+        _error("run interrupted")
+        return EXIT_INTERRUPTED
+    if status != "ok":
+        _error(f"run {status}: {getattr(summary, 'error', None) or 'see the log above'}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+# -- store serve ----------------------------------------------------------------------------------
+
+
+def _cmd_store_serve(args: argparse.Namespace) -> int:
+    from storage.server import ServerConfig, serve
+
+    shards, bind = 1, ["tcp://127.0.0.1:5555"]
+    if args.config:
+        store = load_config(args.config).store
+        shards, bind = store.num_shards, [f"tcp://{store.host}:{store.port or 5555}"]
+    try:
+        server_config = ServerConfig(
+            bind=tuple(args.bind or bind),
+            num_shards=args.shards if args.shards is not None else shards,
+            node_index=args.node_index,
+            metrics_port=args.metrics_port,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.dry_run:
+        print(server_config)
+        return EXIT_OK
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve(server_config, ready_file=args.ready_file)
+    return EXIT_OK
+
+
+# -- bench ----------------------------------------------------------------------------------------
+
+
+def available_benches() -> list[str]:
+    """Modules of streamflow/bench (each exposes main(argv)), plus 'store' (storage.bench)."""
+    import streamflow.bench as bench_pkg
+
+    names = {m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if not m.name.startswith("_")}
+    return sorted(names | {"store"})
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    names = available_benches()
+    if args.name not in names:
+        raise UsageError(f"unknown bench {args.name!r}; available: {', '.join(names)}")
+    module_name = "storage.bench" if args.name == "store" else f"streamflow.bench.{args.name}"
+    try:
+        module: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+        raise UsageError(
+            f"bench {args.name!r} is not installed ({module_name} is missing)"
+        ) from None
+    rc = module.main(list(args.args))
+    return EXIT_OK if rc is None else int(rc)
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from streamflow.report import ReportError, render_comparison, render_report
+
+    try:
+        if args.run_dir_b:
+            text = render_comparison(args.run_dir, args.run_dir_b)
+        else:
+            text = render_report(args.run_dir)
+    except ReportError as err:
+        raise UsageError(str(err)) from None
+    sys.stdout.write(text)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,286 @@
+"""The run's own report: ``streamflow report RUN_DIR [RUN_DIR_B]`` and the end-of-run summary.
+
+Owns: reading a run directory back (``load_run``), stage utilisation and idle time computed from
+the timeline spans (``stage_usage``), and rendering the human-readable table of one run
+(``render_report``) or of two runs side by side (``render_comparison``).
+
+Invariants: the report only reads the run directory (plus regenerating ``plots/*.png`` when they
+are missing); it works on finished, failed and still-running runs (``summary.json`` missing →
+the summary is recomputed from ``metrics.jsonl``). Utilisation of a stage is the union of its
+workers' busy intervals divided by (workers × timeline window), so overlapping stages each count
+fully: the sum over stages can exceed 100 % — that overlap is the point of streaming.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from streamflow.rundir import STAGES, IterationRecord, RunDir, RunSummary, StageSpan
+
+
+class ReportError(ValueError):
+    """The path is not a readable run directory."""
+
+
+@dataclass
+class StageUsage:
+    """How busy one stage was over the timeline window."""
+
+    workers: int  # distinct workers that ran the stage
+    busy_seconds: float  # sum over workers of the union of their busy intervals
+    idle_seconds: float  # workers x window - busy
+    utilisation: float  # busy / (workers x window), in [0, 1]
+
+
+@dataclass
+class RunData:
+    path: Path
+    name: str
+    summary: RunSummary
+    records: list[IterationRecord]
+    spans: list[StageSpan]
+    plots: list[Path]
+
+
+def _union_length(intervals: Sequence[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start  # type: ignore[operator]
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start  # type: ignore[operator]
+    return total
+
+
+def stage_usage(spans: Sequence[StageSpan]) -> tuple[dict[str, StageUsage], float, float]:
+    """Per-stage usage, the timeline window (seconds) and the seconds during which at least two
+    different stages were busy at once (the overlap streaming buys)."""
+    if not spans:
+        return {}, 0.0, 0.0
+    window = max(s.end for s in spans) - min(s.start for s in spans)
+    usage: dict[str, StageUsage] = {}
+    for stage in sorted(
+        {s.stage for s in spans},
+        key=lambda st: (st not in STAGES, STAGES.index(st) if st in STAGES else 0, st),
+    ):
+        by_worker: dict[str, list[tuple[float, float]]] = {}
+        for s in spans:
+            if s.stage == stage:
+                by_worker.setdefault(s.worker, []).append((s.start, s.end))
+        busy = sum(_union_length(iv) for iv in by_worker.values())
+        capacity = len(by_worker) * window
+        usage[stage] = StageUsage(
+            workers=len(by_worker),
+            busy_seconds=busy,
+            idle_seconds=max(capacity - busy, 0.0),
+            utilisation=busy / capacity if capacity > 0 else 0.0,
+        )
+    # Sweep: +1/-1 per stage at span edges; overlap is where >= 2 stages have open spans.
+    events = sorted([(s.start, 1, s.stage) for s in spans] + [(s.end, -1, s.stage) for s in spans])
+    open_count: dict[str, int] = {}
+    overlap, last_t = 0.0, events[0][0]
+    for t, delta, stage in events:
+        if sum(1 for n in open_count.values() if n > 0) >= 2:
+            overlap += t - last_t
+        open_count[stage] = open_count.get(stage, 0) + delta
+        last_t = t
+    return usage, window, overlap
+
+
+def load_run(path: str | Path, *, make_plots: bool = True) -> RunData:
+    """Read a run directory; regenerate missing plots when ``make_plots``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ReportError(f"not a run directory: {path} does not exist")
+    has_any = any((path / f).exists() for f in ("summary.json", "metrics.jsonl"))
+    if not has_any:
+        raise ReportError(f"not a run directory: {path} has neither summary.json nor metrics.jsonl")
+    run_dir = RunDir(path)
+    records, spans = run_dir.read_metrics(), run_dir.read_spans()
+    config: dict[str, Any] = {}
+    if run_dir.config_path.exists():
+        config = yaml.safe_load(run_dir.config_path.read_text()) or {}
+    run_section = config.get("run", {}) if isinstance(config, dict) else {}
+    summary = run_dir.read_summary() or RunSummary.from_records(
+        run_section.get("mode", "?"), records, status="incomplete"
+    )
+    name = summary.name or run_section.get("name") or path.name
+    plots = [run_dir.plots / "rewards.png", run_dir.plots / "timeline.png"]
+    if make_plots and not all(p.exists() for p in plots[: 1 + bool(spans)]):
+        run_dir.write_plots()
+    return RunData(path, name, summary, records, spans, [p for p in plots if p.exists()])
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _num(v: float | None, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _arrow(a: float | None, b: float | None) -> str:
+    return f"{_num(a)} → {_num(b)}"
+
+
+# (section, label, value getter for the ratio column or None, text)
+Row = tuple[str, str, float | None, str]
+
+
+def _rows(run: RunData) -> list[Row]:
+    s = run.summary
+    sync_share = s.weight_sync_seconds_total / s.wall_seconds if s.wall_seconds else 0.0
+    per_sync = s.weight_sync_seconds_total / s.weight_sync_count if s.weight_sync_count else 0.0
+    rows: list[Row] = [
+        ("run", "mode / status", None, f"{s.mode} / {s.status}"),
+        ("run", "iterations", None, str(s.iterations)),
+        ("throughput", "samples", s.samples, str(s.samples)),
+        ("throughput", "generated tokens", s.generated_tokens, str(s.generated_tokens)),
+        ("throughput", "wall seconds", s.wall_seconds, f"{s.wall_seconds:.2f}"),
+        ("throughput", "samples/s", s.samples_per_second, f"{s.samples_per_second:.2f}"),
+        ("throughput", "tokens/s", s.tokens_per_second, f"{s.tokens_per_second:.1f}"),
+        (
+            "learning",
+            "reward first → last",
+            None,
+            _arrow(s.reward_mean_first, s.reward_mean_last),
+        ),
+        (
+            "learning",
+            "accuracy first → last",
+            None,
+            _arrow(s.accuracy_first, s.accuracy_last),
+        ),
+        ("learning", "reward failures", s.reward_failures, str(s.reward_failures)),
+        (
+            "staleness",
+            "mean / max observed",
+            s.max_staleness_observed,
+            f"{s.staleness_mean:.2f} / {s.max_staleness_observed}",
+        ),
+        ("weight sync", "count", s.weight_sync_count, str(s.weight_sync_count)),
+        (
+            "weight sync",
+            "total seconds (share of wall)",
+            s.weight_sync_seconds_total,
+            f"{s.weight_sync_seconds_total:.3f} ({sync_share:.1%})",
+        ),
+        ("weight sync", "seconds per sync", per_sync or None, f"{per_sync:.3f}"),
+        (
+            "weight sync",
+            "bytes total",
+            s.weight_sync_bytes_total,
+            _bytes(s.weight_sync_bytes_total),
+        ),
+    ]
+    usage, window, overlap = stage_usage(run.spans)
+    if usage:  # utilisation is measured over the recorded timeline, not process start-up
+        rows.append(("stages", "timeline window s", window, f"{window:.2f}"))
+    for stage, u in usage.items():
+        rows.append(
+            (
+                "stages",
+                f"{stage} utilisation ({u.workers} worker{'s' * (u.workers > 1)})",
+                u.utilisation,
+                f"{u.utilisation:.1%}",
+            )
+        )
+        rows.append(
+            (
+                "stages",
+                f"{stage} busy / idle s",
+                u.busy_seconds,
+                f"{u.busy_seconds:.2f} / {u.idle_seconds:.2f}",
+            )
+        )
+    if usage:
+        share = overlap / window if window else 0.0
+        rows.append(("stages", "≥2 stages busy at once", overlap, f"{overlap:.2f} s ({share:.1%})"))
+    elif s.stage_busy_seconds:  # no timeline recorded: fall back to the summary's busy totals
+        for stage, busy in s.stage_busy_seconds.items():
+            rows.append(("stages", f"{stage} busy s", busy, f"{busy:.2f}"))
+    return rows
+
+
+def _render(build: Callable[[Console], None]) -> str:
+    buf = io.StringIO()
+    console = Console(file=buf, width=110, color_system=None, force_terminal=False)
+    build(console)
+    return buf.getvalue()
+
+
+def render_report(run_dir: str | Path) -> str:
+    """The human-readable report of one run (tables as plain text, plus the plot paths)."""
+    run = load_run(run_dir)
+
+    def build(console: Console) -> None:
+        console.print(f"StreamFlow run '{run.name}': {run.path}", soft_wrap=True)
+        table = Table()
+        table.add_column("section", style="bold")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        section = None
+        for sec, label, _, text in _rows(run):
+            if section is not None and sec != section:
+                table.add_section()
+            table.add_row(sec if sec != section else "", label, text)
+            section = sec
+        console.print(table)
+        if run.summary.error:
+            console.print(f"error: {run.summary.error}", soft_wrap=True)
+        for p in run.plots:
+            console.print(f"plot: {p}", soft_wrap=True)
+
+    return _render(build)
+
+
+def render_comparison(run_a: str | Path, run_b: str | Path) -> str:
+    """Two runs side by side, with B/A for every numeric metric (e.g. speedup in samples/s)."""
+    a, b = load_run(run_a), load_run(run_b)
+    rows_a = {(sec, label): (v, t) for sec, label, v, t in _rows(a)}
+    rows_b = {(sec, label): (v, t) for sec, label, v, t in _rows(b)}
+    keys = list(rows_a) + [k for k in rows_b if k not in rows_a]
+
+    def build(console: Console) -> None:
+        console.print(f"A = {a.name}: {a.path}", soft_wrap=True)
+        console.print(f"B = {b.name}: {b.path}", soft_wrap=True)
+        table = Table()
+        for col, just in (
+            ("section", "left"),
+            ("metric", "left"),
+            ("A", "right"),
+            ("B", "right"),
+            ("B/A", "right"),
+        ):
+            table.add_column(col, justify=just)  # type: ignore[arg-type]
+        section = None
+        for sec, label in keys:
+            va, ta = rows_a.get((sec, label), (None, "-"))
+            vb, tb = rows_b.get((sec, label), (None, "-"))
+            ratio = f"{vb / va:.2f}×" if va and vb is not None and va > 0 else ""
+            if section is not None and sec != section:
+                table.add_section()
+            table.add_row(sec if sec != section else "", label, ta, tb, ratio)
+            section = sec
+        console.print(table)
+        for run, tag in ((a, "A"), (b, "B")):
+            for p in run.plots:
+                console.print(f"plot {tag}: {p}", soft_wrap=True)
+
+    return _render(build)

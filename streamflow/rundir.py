@@ -1,0 +1,407 @@
+"""The run directory: what a run leaves behind, and the records written into it.
+
+Layout (``run.output_dir``)::
+
+    config.yaml      the resolved config (reload it with streamflow.config.load_config)
+    metrics.jsonl    one IterationRecord per line, appended and flushed after every iteration
+    timeline.jsonl   StageSpan lines (who ran which stage when), appended as they arrive
+    summary.json     the RunSummary, written atomically (tmp file + rename) at the end
+    checkpoints/     the trainer's checkpoints
+    plots/           rewards.png (reward and accuracy per iteration), timeline.png (Gantt)
+
+Invariants: a reader never sees a half-written ``summary.json`` (atomic rename); every line of
+the ``.jsonl`` files is one complete JSON object once its write returned (lines are flushed);
+readers ignore keys they do not know, so older run directories stay readable as records grow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from streamflow.config import RunConfig, dump_yaml
+
+# Stage names follow the worker roles; spans with other names are drawn grey.
+STAGES = ("rollout", "reward", "reference", "trainer", "weight_sync", "eval")
+STAGE_COLORS = {
+    "rollout": "#4C72B0",
+    "reward": "#55A868",
+    "reference": "#8172B2",
+    "trainer": "#C44E52",
+    "weight_sync": "#DD8452",
+    "eval": "#937860",
+}
+
+
+@dataclass
+class IterationRecord:
+    """What one RL iteration did: one line of metrics.jsonl (None = not measured this iteration)."""
+
+    iteration: int  # 0-based iteration index
+    policy_version: int  # trainer's policy version after this iteration's update
+    reward_mean: float  # mean reward over the iteration's trained samples
+    reward_std: float = 0.0  # std of those rewards
+    accuracy: float | None = None  # held-out eval accuracy (None when not evaluated this iteration)
+    samples: int = 0  # responses trained on this iteration
+    generated_tokens: int = 0  # response tokens generated for them
+    loss: float | None = None  # GRPO loss of the update
+    kl: float | None = None  # mean k3 KL to the reference (None when the reference is off)
+    clip_fraction: float | None = None  # fraction of tokens whose ratio was clipped
+    grad_norm: float | None = None  # gradient norm before clipping
+    staleness_mean: float = 0.0  # mean (trainer version - behaviour version) of trained samples
+    staleness_max: int = 0  # max of the same
+    weight_sync_seconds: float = 0.0  # time spent publishing/loading weights this iteration
+    weight_sync_bytes: int = 0  # bytes of weights moved this iteration
+    reward_failures: int = 0  # samples whose verifier raised or timed out (scored as failed)
+    wall_seconds: float = 0.0  # wall time of the iteration
+    stage_busy_seconds: dict[str, float] = field(default_factory=dict)  # stage -> busy seconds
+    queue_depths: dict[str, int] = field(
+        default_factory=dict
+    )  # task -> rows waiting at iteration end
+    timestamp: float = 0.0  # unix time at the end of the iteration
+
+
+@dataclass
+class StageSpan:
+    """One busy interval of one worker (a lane of the timeline): [start, end) in unix seconds."""
+
+    stage: str  # one of STAGES (others are drawn grey)
+    worker: str  # e.g. "rollout-0"; one Gantt lane per worker
+    start: float  # unix seconds
+    end: float  # unix seconds, >= start
+    iteration: int  # iteration the work belongs to (-1: rows of several iterations)
+    rows: int = 0  # rows processed in the span
+    tokens: int = 0  # tokens generated / processed in the span
+
+
+@dataclass
+class RunSummary:
+    """The run in one object: summary.json. Rates are over the run's wall time."""
+
+    mode: str  # sync | periodic | async
+    iterations: int  # iterations completed
+    samples: int  # responses trained on
+    generated_tokens: int  # response tokens generated for them
+    wall_seconds: float  # wall time of the RL loop
+    samples_per_second: float
+    tokens_per_second: float
+    reward_mean_first: float | None  # reward of the first iteration
+    reward_mean_last: float | None  # reward of the last iteration
+    accuracy_first: float | None  # first held-out accuracy measured
+    accuracy_last: float | None  # last held-out accuracy measured
+    max_staleness_observed: int  # max policy-version lag of any trained sample
+    staleness_mean: float = 0.0  # mean lag over iterations
+    weight_sync_count: int = 0  # weight syncs performed
+    weight_sync_seconds_total: float = 0.0
+    weight_sync_bytes_total: int = 0
+    reward_failures: int = 0  # samples whose verifier failed or timed out
+    stage_busy_seconds: dict[str, float] = field(default_factory=dict)  # stage -> busy seconds
+    final_policy_version: int = 0
+    name: str = ""  # run.name
+    status: str = "ok"  # ok | failed | interrupted
+    error: str | None = None  # the failure, when status != ok
+
+    @classmethod
+    def from_records(
+        cls,
+        mode: str,
+        records: Sequence[IterationRecord],
+        wall_seconds: float | None = None,
+        **extra: Any,
+    ) -> RunSummary:
+        """Aggregate iteration records; ``wall_seconds`` defaults to the sum over iterations.
+        ``extra`` sets the remaining fields (name, status, error, ...)."""
+        wall = sum(r.wall_seconds for r in records) if wall_seconds is None else wall_seconds
+        samples = sum(r.samples for r in records)
+        tokens = sum(r.generated_tokens for r in records)
+        accuracies = [r.accuracy for r in records if r.accuracy is not None]
+        busy: dict[str, float] = {}
+        for r in records:
+            for stage, seconds in r.stage_busy_seconds.items():
+                busy[stage] = busy.get(stage, 0.0) + seconds
+        syncs = [r for r in records if r.weight_sync_bytes > 0 or r.weight_sync_seconds > 0]
+        values: dict[str, Any] = dict(
+            mode=mode,
+            iterations=len(records),
+            samples=samples,
+            generated_tokens=tokens,
+            wall_seconds=wall,
+            samples_per_second=samples / wall if wall > 0 else 0.0,
+            tokens_per_second=tokens / wall if wall > 0 else 0.0,
+            reward_mean_first=records[0].reward_mean if records else None,
+            reward_mean_last=records[-1].reward_mean if records else None,
+            accuracy_first=accuracies[0] if accuracies else None,
+            accuracy_last=accuracies[-1] if accuracies else None,
+            max_staleness_observed=max((r.staleness_max for r in records), default=0),
+            staleness_mean=statistics.fmean(r.staleness_mean for r in records) if records else 0.0,
+            weight_sync_count=len(syncs),
+            weight_sync_seconds_total=sum(r.weight_sync_seconds for r in records),
+            weight_sync_bytes_total=sum(r.weight_sync_bytes for r in records),
+            reward_failures=sum(r.reward_failures for r in records),
+            stage_busy_seconds=busy,
+            final_policy_version=records[-1].policy_version if records else 0,
+        )
+        values.update(extra)
+        return cls(**values)
+
+
+def record_from_dict(cls: type[Any], data: dict[str, Any]) -> Any:
+    """Build a record dataclass from JSON, ignoring keys this version does not know."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _json_line(obj: Any) -> str:
+    # NaN/inf are not JSON: write null so every line stays parseable by any JSON reader.
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(dataclasses.asdict(obj)), allow_nan=False)
+
+
+class RunDir:
+    """A run directory on disk. Creating one makes the directory and its ``plots/`` and
+    ``checkpoints/`` folders; the writers append or replace the files described above."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.plots.mkdir(exist_ok=True)
+        self.checkpoints.mkdir(exist_ok=True)
+        self._metrics_file: IO[str] | None = None
+        self._timeline_file: IO[str] | None = None
+
+    # Paths ------------------------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def timeline_path(self) -> Path:
+        return self.path / "timeline.jsonl"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def plots(self) -> Path:
+        return self.path / "plots"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    # Writers ----------------------------------------------------------------------------
+    def write_config(self, cfg: RunConfig) -> Path:
+        _atomic_write(self.config_path, dump_yaml(cfg))
+        return self.config_path
+
+    def append_metrics(self, record: IterationRecord) -> None:
+        if self._metrics_file is None:
+            self._metrics_file = self.metrics_path.open("a")
+        self._metrics_file.write(_json_line(record) + "\n")
+        self._metrics_file.flush()
+
+    def append_spans(self, spans: Iterable[StageSpan]) -> None:
+        if self._timeline_file is None:
+            self._timeline_file = self.timeline_path.open("a")
+        for span in spans:
+            self._timeline_file.write(_json_line(span) + "\n")
+        self._timeline_file.flush()
+
+    def write_summary(self, summary: RunSummary) -> Path:
+        data = json.loads(_json_line(summary))
+        _atomic_write(self.summary_path, json.dumps(data, indent=2) + "\n")
+        return self.summary_path
+
+    def write_plots(self, iteration: int | None = None) -> list[Path]:
+        """(Re)draw plots/rewards.png and plots/timeline.png from the files on disk."""
+        out = []
+        records = self.read_metrics()
+        if records:
+            out.append(plot_rewards(records, self.plots / "rewards.png"))
+        spans = self.read_spans()
+        if spans:
+            out.append(plot_timeline(spans, iteration, self.plots / "timeline.png"))
+        return out
+
+    def close(self) -> None:
+        for f in (self._metrics_file, self._timeline_file):
+            if f is not None:
+                f.close()
+        self._metrics_file = self._timeline_file = None
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Readers ----------------------------------------------------------------------------
+    def read_metrics(self) -> list[IterationRecord]:
+        return [record_from_dict(IterationRecord, d) for d in _read_jsonl(self.metrics_path)]
+
+    def read_spans(self) -> list[StageSpan]:
+        return [record_from_dict(StageSpan, d) for d in _read_jsonl(self.timeline_path)]
+
+    def read_summary(self) -> RunSummary | None:
+        if not self.summary_path.exists():
+            return None
+        return record_from_dict(RunSummary, json.loads(self.summary_path.read_text()))
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            # A run killed mid-write may leave a torn last line; everything before it is valid.
+            break
+    return out
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots (matplotlib, Agg backend; imported lazily because it costs ~0.5 s)
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_rewards(records: Sequence[IterationRecord], path: str | Path) -> Path:
+    """Reward mean (+/- std band) and held-out accuracy per iteration, side by side, as PNG."""
+    plt = _pyplot()
+    path = Path(path)
+    its = [r.iteration for r in records]
+    mean = [r.reward_mean for r in records]
+    std = [r.reward_std for r in records]
+    fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax_r.plot(its, mean, marker="o", ms=3, color=STAGE_COLORS["reward"], label="reward mean")
+    ax_r.fill_between(
+        its,
+        [m - s for m, s in zip(mean, std, strict=True)],
+        [m + s for m, s in zip(mean, std, strict=True)],
+        color=STAGE_COLORS["reward"],
+        alpha=0.2,
+        label="+/- std",
+    )
+    ax_r.set(title="Reward (trained samples)", xlabel="iteration", ylabel="reward")
+    ax_r.legend(loc="lower right", fontsize=8)
+    evals = [(r.iteration, r.accuracy) for r in records if r.accuracy is not None]
+    if evals:
+        ax_a.plot(*zip(*evals, strict=True), marker="o", ms=3, color=STAGE_COLORS["trainer"])
+        ax_a.set_ylim(-0.02, 1.02)
+    else:
+        ax_a.text(0.5, 0.5, "no evaluation", ha="center", va="center", transform=ax_a.transAxes)
+    ax_a.set(title="Held-out accuracy", xlabel="iteration", ylabel="accuracy")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_r, ax_a):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _lane_key(worker: str, stage: str) -> tuple[int, str]:
+    return (STAGES.index(stage) if stage in STAGES else len(STAGES), worker)
+
+
+def plot_timeline(spans: Sequence[StageSpan], iteration: int | None, path: str | Path) -> Path:
+    """Gantt chart of one iteration: one lane per worker, bars coloured by stage. Work of other
+    iterations that overlaps the window (async pipelining) is drawn faded and hatched.
+    ``iteration=None`` picks the middle iteration (steady state rather than warm-up)."""
+    if not spans:
+        raise ValueError("plot_timeline needs at least one span")
+    plt = _pyplot()
+    path = Path(path)
+    iterations = sorted({s.iteration for s in spans if s.iteration >= 0})
+    if iteration is None and not iterations:
+        raise ValueError("no span names an iteration (all are -1)")
+    k = iterations[len(iterations) // 2] if iteration is None else iteration
+    own = [s for s in spans if s.iteration == k]
+    if not own:
+        raise ValueError(f"no spans for iteration {k}; iterations present: {iterations}")
+    t0, t1 = min(s.start for s in own), max(s.end for s in own)
+    shown = [s for s in spans if s.end > t0 and s.start < t1]
+    lanes: dict[str, tuple[int, str]] = {}
+    for s in shown:
+        key = _lane_key(s.worker, s.stage)
+        lanes[s.worker] = min(lanes.get(s.worker, key), key)
+    order = sorted(lanes, key=lambda w: lanes[w])
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(order)))
+    for s in shown:
+        y = order.index(s.worker)
+        start, end = max(s.start, t0) - t0, min(s.end, t1) - t0
+        mine = s.iteration == k
+        ax.broken_barh(
+            [(start, max(end - start, 1e-6))],
+            (y - 0.4, 0.8),
+            facecolors=STAGE_COLORS.get(s.stage, "#999999"),
+            alpha=1.0 if mine else 0.35,
+            hatch=None if mine else "//",
+            edgecolor="white",
+            linewidth=0.3,
+        )
+    ax.set_yticks(range(len(order)), order)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(t1 - t0, 1e-3))
+    ax.set(
+        xlabel=f"seconds since the start of iteration {k}", title=f"Stage timeline, iteration {k}"
+    )
+    stages = [st for st in STAGES if any(s.stage == st for s in shown)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=STAGE_COLORS[st]) for st in stages]
+    ax.legend(
+        handles,
+        stages,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.25 - 0.05 * (len(order) < 4)),
+        ncol=len(stages) or 1,
+        fontsize=8,
+        frameon=False,
+    )
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,213 @@
+"""The `streamflow` CLI: run/--dry-run, errors and exit codes, bench dispatch, store serve."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+import streamflow.bench
+from streamflow import cli
+from streamflow.cli import main
+from streamflow.config import config_from_dict, load_config
+from streamflow.rundir import RunSummary
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+@pytest.fixture
+def fake_controller(monkeypatch):
+    """A stand-in streamflow.controller that records calls instead of starting processes."""
+    module = types.ModuleType("streamflow.controller")
+    module.calls = []
+    module.outcome = lambda cfg: RunSummary.from_records(cfg.run.mode, [])
+
+    def run(cfg):
+        module.calls.append(cfg)
+        return module.outcome(cfg)
+
+    module.run = run
+    monkeypatch.setitem(sys.modules, "streamflow.controller", module)
+    return module
+
+
+def test_dry_run_prints_resolved_yaml_and_starts_nothing(fake_controller, capsys, tmp_path):
+    out_dir = tmp_path / "out"
+    rc = main(["run", TINY, "trainer.lr=0.5", "--dry-run", f"run.output_dir={out_dir}"])
+    assert rc == 0
+    assert fake_controller.calls == []
+    assert not out_dir.exists()
+    printed = config_from_dict(yaml.safe_load(capsys.readouterr().out))
+    assert printed == load_config(TINY, ["trainer.lr=0.5", f"run.output_dir={out_dir}"])
+    assert printed.trainer.lr == 0.5
+
+
+def test_dry_run_does_not_import_the_engine():
+    code = (
+        "import sys; from streamflow.cli import main; "
+        f"rc = main(['run', {TINY!r}, '--dry-run']); "
+        "heavy = [m for m in ('torch', 'streamflow.controller', 'workers') if m in sys.modules]; "
+        "print(rc, heavy)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def test_run_calls_controller(fake_controller, capsys):
+    rc = main(["run", TINY, "run.mode=sync", "run.output_dir=/nonexistent/never-written"])
+    assert rc == 0
+    assert [c.run.mode for c in fake_controller.calls] == ["sync"]
+
+
+def test_run_failure_exits_nonzero_with_one_line(fake_controller, capsys):
+    def boom(cfg):
+        raise RuntimeError("worker reward-0 exited with code 3: ZeroDivisionError")
+
+    fake_controller.outcome = boom
+    assert main(["run", TINY]) == 1
+    err = capsys.readouterr().err
+    assert "run failed: RuntimeError: worker reward-0 exited with code 3" in err
+    assert "Traceback" not in err
+
+
+def test_run_failed_summary_is_not_success(fake_controller, capsys):
+    fake_controller.outcome = lambda cfg: RunSummary.from_records(
+        "periodic", [], status="failed", error="trainer-0 died"
+    )
+    assert main(["run", TINY]) == 1
+    assert "trainer-0 died" in capsys.readouterr().err
+
+
+def test_keyboard_interrupt_exits_130(fake_controller, capsys):
+    def interrupt(cfg):
+        raise KeyboardInterrupt
+
+    fake_controller.outcome = interrupt
+    assert main(["run", TINY]) == 130
+    # The controller may also catch Ctrl-C itself and return an "interrupted" summary.
+    fake_controller.outcome = lambda cfg: RunSummary.from_records(
+        "sync", [], status="interrupted", error="interrupted by the user"
+    )
+    assert main(["run", TINY]) == 130
+    assert "run interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["run", TINY, "trainer.lrr=1"], "trainer.lrr: unknown key"),
+        (["run", TINY, "trainer.lr=x"], "trainer.lr: expected float, got 'x'"),
+        (["run", TINY, "run.mode=fast"], "run.mode: must be one of 'sync', 'periodic', 'async'"),
+        (["run", TINY, "trainer.lr"], "bad override 'trainer.lr'"),
+        (["run", "missing.yaml", "--dry-run"], "config file not found: missing.yaml"),
+    ],
+)
+def test_config_errors_are_one_line_exit_2(fake_controller, capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert fake_controller.calls == []
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main([]) == 2
+    assert main(["run", TINY, "--bogus"]) == 2
+    assert main(["frobnicate"]) == 2
+    assert main(["--help"]) == 0
+    assert "run" in capsys.readouterr().out
+
+
+def test_warnings_for_ignored_settings(capsys):
+    assert main(["run", TINY, "run.mode=sync", "run.max_staleness=2", "--dry-run"]) == 0
+    assert "warning: run.max_staleness=2 is ignored in mode 'sync'" in capsys.readouterr().err
+
+
+def test_bench_unknown_lists_available(capsys):
+    assert main(["bench", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown bench 'nope'; available:" in err and "store" in err
+
+
+def test_bench_dispatches_to_module_main(tmp_path, monkeypatch, capsys):
+    (tmp_path / "fakebench.py").write_text(
+        "def main(argv):\n    print('fakebench got', argv)\n    return 3\n"
+    )
+    monkeypatch.setattr(streamflow.bench, "__path__", [*streamflow.bench.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "streamflow.bench.fakebench", raising=False)
+    assert "fakebench" in cli.available_benches()
+    assert main(["bench", "fakebench", "--json", "--iterations", "2"]) == 3
+    assert "fakebench got ['--json', '--iterations', '2']" in capsys.readouterr().out
+    sys.modules.pop("streamflow.bench.fakebench", None)
+
+
+def test_store_serve_dry_run(tmp_path, capsys):
+    assert main(["store", "serve", "--dry-run", "--shards", "3", "--node-index", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "num_shards=3" in out and "node_index=1" in out and "127.0.0.1" in out
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("store:\n  num_shards: 4\n  port: 6000\n")
+    assert main(["store", "serve", "--config", str(cfg), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "num_shards=4" in out and "tcp://127.0.0.1:6000" in out
+    assert main(["store", "serve", "--shards", "0", "--dry-run"]) == 2
+    assert "num_shards" in capsys.readouterr().err
+
+
+def test_python_dash_m_streamflow():
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamflow", "run", TINY, "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["run"]["name"] == "tiny"
+
+
+def test_store_serve_runs_and_stops_on_sigterm(tmp_path):
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "streamflow",
+            "store",
+            "serve",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--shards",
+            "2",
+            "--ready-file",
+            str(ready),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), proc.stderr.read() if proc.poll() is not None else "no ready file"
+        addresses = json.loads(ready.read_text())["addresses"]
+        assert addresses and all(a.startswith("tcp://127.0.0.1:") for a in addresses)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

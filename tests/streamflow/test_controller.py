@@ -1,0 +1,116 @@
+"""End to end: `streamflow run` through real worker processes and a real store node, in each mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from streamflow.controller import run
+
+ROOT = Path(__file__).resolve().parents[2]
+SUMMARY_FIELDS = {
+    "mode", "iterations", "samples", "generated_tokens", "wall_seconds", "samples_per_second",
+    "tokens_per_second", "reward_mean_first", "reward_mean_last", "max_staleness_observed",
+}
+
+
+def _final_params(run_dir: Path, step: int) -> dict:
+    return load_file(str(run_dir / "checkpoints" / f"step-{step:06d}" / "model.safetensors"))
+
+
+def _check_run_dir(run_dir: Path, iterations: int) -> dict:
+    assert (run_dir / "config.yaml").is_file()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in lines] == list(range(iterations))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_FIELDS <= set(summary), SUMMARY_FIELDS - set(summary)
+    assert summary["status"] == "ok" and summary["iterations"] == iterations
+    for png in ("rewards.png", "timeline.png"):
+        assert (run_dir / "plots" / png).stat().st_size > 1000
+    assert (run_dir / "checkpoints" / f"step-{iterations:06d}" / "config.json").is_file()
+    return summary
+
+
+def _no_children_left() -> None:
+    deadline = time.monotonic() + 10
+    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert psutil.Process().children(recursive=True) == []
+
+
+@pytest.mark.slow
+def test_periodic_equals_sync_through_processes(tiny_config) -> None:
+    """Same seed and config: the streaming on-policy mode gives the sync mode's parameters."""
+    common = ("run.iterations=2", "rollout.groups_per_claim=1", "run.eval_every=0")
+    sync = tiny_config("run.mode=sync", "run.name=sync", *common)
+    periodic = tiny_config("run.mode=periodic", "run.name=periodic", *common,
+                           f"run.output_dir={Path(sync.run.output_dir).parent / 'periodic'}")
+    s1 = run(sync)
+    s2 = run(periodic)
+    _no_children_left()
+    for cfg, s in ((sync, s1), (periodic, s2)):
+        summary = _check_run_dir(Path(cfg.run.output_dir), 2)
+        assert summary["mode"] == s.mode
+        assert summary["max_staleness_observed"] == 0
+    a = _final_params(Path(sync.run.output_dir), 2)
+    b = _final_params(Path(periodic.run.output_dir), 2)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= 1e-6, worst
+
+
+@pytest.mark.slow
+def test_async_respects_staleness_bound(tiny_config) -> None:
+    cfg = tiny_config("run.mode=async", "run.max_staleness=1", "run.iterations=3",
+                      "run.eval_every=0")
+    summary = run(cfg)
+    _no_children_left()
+    on_disk = _check_run_dir(Path(cfg.run.output_dir), 3)
+    assert on_disk["max_staleness_observed"] <= 1
+    assert summary.max_staleness_observed <= 1
+    for line in (Path(cfg.run.output_dir) / "metrics.jsonl").read_text().splitlines():
+        assert json.loads(line)["staleness_max"] <= 1
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_the_run_fast(tiny_config, tmp_path: Path) -> None:
+    cfg = tiny_config()
+    out = Path(cfg.run.output_dir).parent / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamflow", "run", str(ROOT / "configs" / "tiny.yaml"),
+         "run.iterations=1000", f"run.output_dir={out}", "run.progress=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        victim = None
+        deadline = time.monotonic() + 120
+        while victim is None and time.monotonic() < deadline:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    if "reward" in child.cmdline() and (out / "metrics.jsonl").exists():
+                        victim = child
+                except psutil.NoSuchProcess:
+                    continue
+            time.sleep(0.2)
+        assert victim is not None, "the reward worker never started"
+        killed_at = time.monotonic()
+        victim.send_signal(signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert time.monotonic() - killed_at < 30
+        assert "reward-0" in stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["status"] == "failed" and "reward-0" in summary["error"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,128 @@
+"""Typed configuration of one worker process, as the controller hands it over.
+
+The controller (``streamflow``) owns the run configuration; workers must not import it. It maps the
+run config onto one of these records per worker and passes it as a JSON file
+(``python -m workers.main --config FILE``). Every field is plain data so the record round-trips
+through JSON exactly (``to_json`` / ``from_json``), and unknown fields are an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+
+@dataclass
+class WorkerCommon:
+    """What every worker needs: who it is, where the store and the controller are."""
+
+    name: str  # unique worker name, e.g. "rollout-0"
+    role: str  # rollout | reward | reference | trainer
+    store_addresses: list[str]  # one ZeroMQ address per store node
+    table: str  # the run's samples table
+    events_address: str | None = None  # controller's PULL socket (None: keep reports in memory)
+    threads: int = 1  # torch intra-op threads of this process
+    claim_timeout_s: float = 1.0  # one server-side wait; the loop re-checks for shutdown after it
+    seed: int = 0
+
+
+@dataclass
+class RolloutWorkerConfig:
+    common: WorkerCommon
+    model_path: str  # HF directory of the initial policy (version 0) and its tokenizer
+    weights_dir: str  # where the trainer publishes policy versions
+    weights_announce: str | None  # trainer's PUB address for version announcements
+    group_size: int
+    groups_per_claim: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    engine: str = "torch"  # torch | vllm
+    weight_wait_s: float = 600.0  # longest wait for a required policy version
+
+
+@dataclass
+class RewardWorkerConfig:
+    common: WorkerCommon
+    model_path: str  # for the tokenizer (responses are decoded to text for the verifier)
+    reward_fn: str  # registry name or "module:function"
+    timeout_s: float = 5.0
+    rows_per_claim: int = 64
+
+
+@dataclass
+class ReferenceWorkerConfig:
+    common: WorkerCommon
+    model_path: str  # the frozen reference (the initial policy unless configured otherwise)
+    temperature: float = 1.0
+    rows_per_claim: int = 64
+    packing: bool = True
+    token_budget: int = 4096
+    dtype: str = "float32"
+
+
+@dataclass
+class TrainerWorkerConfig:
+    common: WorkerCommon
+    model_path: str  # initial policy (version 0)
+    reference_path: str | None  # fused reference (placement=trainer); None when not fused
+    weights_dir: str
+    weights_bind: str | None  # PUB address for version announcements
+    rows_per_iteration: int  # prompts_per_iteration * group_size
+    iterations: int
+    group_size: int
+    reference_worker: bool  # ref_logprobs come from the reference task
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    std_normalize: bool = True
+    max_grad_norm: float = 1.0
+    rows_per_claim: int = 64
+    updates_per_batch: int = 1
+    importance_correction: bool = False
+    is_cap: float = 2.0
+    temperature: float = 1.0
+    packing: bool = True
+    token_budget: int = 4096
+    reference_dtype: str = "float32"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    start_iteration: int = 0  # > 0 when resuming
+    engine: str = "torch"  # torch | deepspeed
+    weights_keep: int = 4  # published versions kept on disk (older ones are unlinked)
+
+
+WorkerConfig = RolloutWorkerConfig | RewardWorkerConfig | ReferenceWorkerConfig | TrainerWorkerConfig
+ROLE_CONFIGS: dict[str, type] = {
+    "rollout": RolloutWorkerConfig,
+    "reward": RewardWorkerConfig,
+    "reference": ReferenceWorkerConfig,
+    "trainer": TrainerWorkerConfig,
+}
+
+T = TypeVar("T")
+
+
+def to_json(config: WorkerConfig) -> str:
+    return json.dumps(dataclasses.asdict(config), indent=2, sort_keys=True)
+
+
+def _build(cls: type[T], data: dict[str, Any]) -> T:
+    names = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(data) - set(names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    kwargs = dict(data)
+    if "common" in kwargs and isinstance(kwargs["common"], dict):
+        kwargs["common"] = _build(WorkerCommon, kwargs["common"])
+    return cls(**kwargs)
+
+
+def from_json(role: str, text: str) -> WorkerConfig:
+    if role not in ROLE_CONFIGS:
+        raise ValueError(f"unknown role {role!r}; roles: {sorted(ROLE_CONFIGS)}")
+    return _build(ROLE_CONFIGS[role], json.loads(text))

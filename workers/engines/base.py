@@ -1,0 +1,73 @@
+"""The rollout engine contract: sampling parameters, one generation, and the ``RolloutEngine`` protocol.
+
+Owns the records every rollout engine speaks. Invariants an implementation must keep:
+- ``generate`` returns, for each prompt in order, exactly ``n`` ``Generation``s.
+- Behaviour log-probs: ``logprobs[i]`` is ``log_softmax(logits / temperature)[token_ids[i]]``
+  computed in float32 over the FULL vocabulary, i.e. BEFORE top-p truncation. The trainer
+  recomputes log-probs with the same temperature and no truncation, so with identical weights its
+  ratio to the behaviour log-probs is exactly 1 (to float rounding). With ``temperature == 0``
+  (greedy, argmax), log-probs are those of the untempered distribution (temperature 1).
+- A generation ends right after a stop token (``stop_token_ids`` plus the engine's own eos ids),
+  which IS included in ``token_ids`` with its log-prob (``finish_reason="stop"``), or after
+  ``max_new_tokens`` tokens (``finish_reason="length"``).
+- ``policy_version`` is the version passed to the last ``load_weights`` (the initial weights are
+  whatever version the engine was built with, usually 0).
+- Same ``seed``, prompts, parameters and weights -> same outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy (argmax)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class Generation:
+    """One sampled response."""
+
+    token_ids: list[int] = field(default_factory=list)  # [L] response tokens (stop token included)
+    logprobs: list[float] = field(default_factory=list)  # [L] behaviour log-probs, see module doc
+    finish_reason: str = FINISH_LENGTH  # "stop" | "length"
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What a rollout worker needs from an inference engine."""
+
+    policy_version: int
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[Generation]]:
+        """``n`` samples per prompt, in prompt order: ``result[i][j]`` is sample j of prompt i."""
+        ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace the weights (HF parameter names) and set ``policy_version = version``."""
+        ...

@@ -1,0 +1,90 @@
+"""The training engine contract and its plain-torch implementation.
+
+``TrainerEngine`` is what the trainer role needs from a training backend: accumulate gradients of
+loss sums, take one optimizer step with the gradients scaled by a factor known only at the end of
+the batch, hand out the full weights (HF names) for publishing, and save/restore its state.
+``TorchTrainerEngine`` is AdamW on one process; DeepSpeed implements the same protocol.
+
+Lifecycle per iteration: backward(loss_sum) x micro-batches -> step(1 / total_tokens) -> state_dict().
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from workers.rl import make_optimizer, optimizer_step, scale_gradients
+
+
+class TrainerEngine(Protocol):
+    model: torch.nn.Module
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of ``loss`` (a sum over tokens)."""
+        ...
+
+    def step(self, grad_scale: float) -> float:
+        """Scale accumulated gradients by ``grad_scale``, clip, step, zero them; the grad norm."""
+        ...
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        """Full policy weights with HF parameter names (what rollout engines load)."""
+        ...
+
+    def save_state(self, directory: str) -> None:
+        """Optimizer (and engine) state next to a model checkpoint."""
+        ...
+
+    def load_state(self, directory: str) -> None: ...
+
+
+class TorchTrainerEngine:
+    """AdamW on a single process. ``foreach=False`` keeps the update independent of parameter
+    grouping, so two runs that accumulate the same gradients take bitwise-identical steps."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        max_grad_norm: float | None = 1.0,
+    ) -> None:
+        self.model = model.train()
+        self.optimizer = make_optimizer(model, lr, weight_decay, betas)
+        self.max_grad_norm = max_grad_norm
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, grad_scale: float) -> float:
+        scale_gradients(self.model, grad_scale)
+        return optimizer_step(self.model, self.optimizer, self.max_grad_norm)
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        state = self.model.state_dict()
+        # Tied embeddings appear under two names; publish each tensor once under every name the
+        # model's loader expects (safetensors refuses shared storage, so copy the alias).
+        seen: dict[int, str] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in state.items():
+            key = tensor.data_ptr()
+            out[name] = tensor.detach().clone() if key in seen else tensor.detach()
+            seen.setdefault(key, name)
+        return out
+
+    def save_state(self, directory: str) -> None:
+        path = Path(directory) / "optimizer.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save(self.optimizer.state_dict(), tmp)
+        os.replace(tmp, path)
+
+    def load_state(self, directory: str) -> None:
+        # Our own checkpoint file on local disk (never bytes from a socket).
+        state = torch.load(Path(directory) / "optimizer.pt", weights_only=True)
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,168 @@
+"""Reports from workers to whoever runs them (the controller): typed records over ZeroMQ PUSH/PULL.
+
+Samples never travel here (they go through the store); these are small control-plane records:
+stage spans for the timeline, the trainer's per-step report, weight-sync costs, worker status.
+
+Wire: one msgpack map per message, ``{"kind": <record name>, **fields}``; decoded only into the
+dataclasses below (unknown kinds or fields are rejected, nothing is unpickled).
+
+Delivery: PUSH with a bounded send timeout. A report may be lost only if the controller is gone
+(then nobody is left to read it) — the run's correctness never depends on these records, only its
+bookkeeping does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+
+
+@dataclass
+class Span:
+    """One busy interval of one worker, for the stage timeline."""
+
+    role: str  # rollout | reward | reference | trainer
+    worker: str  # e.g. "rollout-0"
+    start: float  # wall-clock seconds
+    end: float
+    iteration: int  # the iteration the rows belong to (-1 when mixed)
+    rows: int
+    tokens: int = 0  # tokens generated (rollout) or processed (trainer/reference)
+
+
+@dataclass
+class StepReport:
+    """The trainer's report after one optimizer step (= one iteration)."""
+
+    iteration: int
+    policy_version: int  # version published after this step (= iteration + 1)
+    samples: int
+    response_tokens: int
+    loss: float
+    kl: float
+    clip_fraction: float
+    grad_norm: float
+    reward_mean: float
+    reward_std: float
+    reward_failures: int  # samples whose verifier failed (scored 0)
+    staleness_mean: float  # trainer step minus sample policy version, over the step's samples
+    staleness_max: int
+    importance_weight_mean: float
+    ratio_mean: float  # policy/old ratio over the step's tokens (exactly 1 with one update/batch)
+    ratio_max: float
+    step_seconds: float  # wall time from the first micro-batch to the published weights
+    publish_seconds: float  # time to write the weights of the new version
+    publish_bytes: int
+    busy_seconds: float  # forward/backward/optimizer time in this step
+
+
+@dataclass
+class WeightSyncReport:
+    """A rollout engine loaded a new policy version."""
+
+    worker: str
+    policy_version: int
+    seconds: float  # wait excluded: read + load into the engine
+    bytes: int
+
+
+@dataclass
+class WorkerStatus:
+    """Lifecycle: ready (after start-up) -> stopped | failed (with the error)."""
+
+    worker: str
+    role: str
+    state: str  # ready | stopped | failed
+    error: str = ""
+    timestamp: float = field(default_factory=time.time)
+
+
+RECORDS: dict[str, type] = {
+    cls.__name__: cls for cls in (Span, StepReport, WeightSyncReport, WorkerStatus)
+}
+Record = Span | StepReport | WeightSyncReport | WorkerStatus
+
+
+def encode(record: Record) -> bytes:
+    return msgpack.packb({"kind": type(record).__name__, **dataclasses.asdict(record)})
+
+
+def decode(payload: bytes) -> Record:
+    """Decode one report; raises ValueError naming what was wrong for anything unexpected."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, max_bin_len=1 << 20, max_str_len=1 << 20)
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise ValueError(f"undecodable report: {exc}") from exc
+    if not isinstance(obj, dict) or obj.get("kind") not in RECORDS:
+        raise ValueError(f"unknown report kind: {obj.get('kind') if isinstance(obj, dict) else obj!r}")
+    cls = RECORDS[obj.pop("kind")]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(obj) - names
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    return cls(**obj)
+
+
+class EventSender:
+    """A worker's PUSH socket to the controller. Not thread-safe: one per thread."""
+
+    def __init__(self, address: str | None, *, send_timeout_ms: int = 2000) -> None:
+        self._socket: zmq.Socket | None = None
+        if address:
+            self._socket = zmq.Context.instance().socket(zmq.PUSH)
+            self._socket.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
+            self._socket.setsockopt(zmq.LINGER, send_timeout_ms)
+            self._socket.connect(address)
+        self.sent: list[Record] = []  # kept only without a socket (in-process runs and tests)
+
+    def send(self, record: Record) -> None:
+        if self._socket is None:
+            self.sent.append(record)
+            return
+        try:
+            self._socket.send(encode(record))
+        except zmq.Again:
+            pass  # controller gone or stuck: see the module docstring
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
+class EventReceiver:
+    """The controller's PULL socket. ``address`` is bound; ``endpoint`` is what workers connect to."""
+
+    def __init__(self, bind: str = "tcp://127.0.0.1:*") -> None:
+        self._socket = zmq.Context.instance().socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, 4 << 20)
+        self._socket.bind(bind)
+        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def recv(self, timeout_s: float) -> list[Record]:
+        """Every report that arrives within ``timeout_s`` of the first poll (at least one poll)."""
+        records: list[Record] = []
+        if self._socket.poll(int(timeout_s * 1000)):
+            while True:
+                try:
+                    payload = self._socket.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    records.append(decode(payload))
+                except ValueError:
+                    continue  # a malformed report is dropped, never fatal
+        return records
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+def as_dict(record: Any) -> dict[str, Any]:
+    return dataclasses.asdict(record)

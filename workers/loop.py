@@ -1,0 +1,110 @@
+"""The streaming loop every stateless stage shares: claim -> compute -> write (+ack).
+
+A *stage* (reward, reference; rollout adds weight loading around it) is a small object saying which
+task it consumes, which columns it reads, and how to turn a claimed batch into the columns it
+writes. ``run_stage_once`` is one turn of the loop; ``serve_stage`` repeats it until told to stop.
+
+Lease lifecycle inside one turn::
+
+    claim (server-side wait up to claim_timeout_s) -> process -> write(columns, ack=True)
+                                                          \\-> exception: release(error=...) and re-raise
+
+Writing and acking in one request makes the turn atomic from the store's point of view: either the
+columns are stored and the rows consumed by this task, or neither (then the lease expires or is
+released and the rows are delivered again). A stage that raises hands its rows back with the error
+(counted as a failed delivery, so a poison row ends quarantined rather than crashing workers
+forever) and the exception ends the worker process, which the controller reports.
+
+Shutdown: ``stop`` is checked between turns; a turn in progress finishes (its write is fenced by its
+lease anyway), so a clean stop never leaves rows leased.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+from storage.schema import ROW_ID, Lease
+from workers.events import EventSender, Span
+
+
+class Stage(Protocol):
+    task: str  # the store task this stage consumes
+    columns: tuple[str, ...]  # columns to claim (row_id is always added by the store)
+    whole_groups: bool
+    max_rows: int
+
+    def process(self, lease: Lease) -> pa.RecordBatch:
+        """The columns to write for the lease's rows: ``row_id`` plus this stage's columns."""
+        ...
+
+
+def iteration_of(batch: pa.RecordBatch) -> int:
+    """The iteration of a batch's rows, -1 when they are mixed or unknown."""
+    if "iteration" not in batch.schema.names or batch.num_rows == 0:
+        return -1
+    values = set(batch.column("iteration").to_pylist())
+    return values.pop() if len(values) == 1 else -1
+
+
+def with_row_ids(lease: Lease, columns: dict[str, pa.Array]) -> pa.RecordBatch:
+    arrays = {ROW_ID: lease.batch.column(ROW_ID), **columns}
+    return pa.RecordBatch.from_pydict(arrays)
+
+
+def run_stage_once(
+    client: Any,
+    table: str,
+    stage: Stage,
+    *,
+    worker: str,
+    role: str,
+    events: EventSender,
+    timeout_s: float,
+) -> int:
+    """One claim/compute/write turn. Returns the number of rows processed (0 if nothing came)."""
+    lease = client.claim(
+        table,
+        stage.task,
+        list(stage.columns),
+        stage.max_rows,
+        whole_groups=stage.whole_groups,
+        timeout=timeout_s,
+    )
+    if lease.num_rows == 0:
+        return 0
+    start = time.time()
+    try:
+        out = stage.process(lease)
+    except BaseException as exc:
+        try:
+            client.release(lease, error=f"{type(exc).__name__}: {exc}"[:500])
+        finally:
+            raise
+    client.write(table, lease, out, ack=True)
+    tokens = int(getattr(stage, "last_tokens", 0))
+    events.send(Span(role, worker, start, time.time(), iteration_of(lease.batch), lease.num_rows, tokens))
+    return lease.num_rows
+
+
+def serve_stage(
+    client: Any,
+    table: str,
+    stage: Stage,
+    stop: threading.Event,
+    *,
+    worker: str,
+    role: str,
+    events: EventSender,
+    timeout_s: float = 1.0,
+) -> int:
+    """Run turns until ``stop`` is set; returns the rows processed."""
+    total = 0
+    while not stop.is_set():
+        total += run_stage_once(
+            client, table, stage, worker=worker, role=role, events=events, timeout_s=timeout_s
+        )
+    return total

@@ -1,0 +1,181 @@
+"""A worker process: ``python -m workers.main --role ROLE --config FILE``.
+
+Builds one role from its typed config (``workers.config``), connects to the store and to the
+controller's report socket, and runs the role's loop until the work is done (trainer: all
+iterations) or SIGTERM/SIGINT asks it to stop.
+
+Exit status is the contract with whoever started the process: 0 after a clean stop or completed
+work; 1 after an error, which is also reported as ``WorkerStatus(state="failed", error=...)``.
+A clean stop finishes the turn in progress and hands back any lease still held, so a stop causes no
+redeliveries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import storage
+from workers.config import (
+    ReferenceWorkerConfig,
+    RewardWorkerConfig,
+    RolloutWorkerConfig,
+    TrainerWorkerConfig,
+    WorkerConfig,
+    from_json,
+)
+from workers.engines.base import SamplingParams
+from workers.engines.torch_trainer import TorchTrainerEngine
+from workers.events import EventSender, WorkerStatus
+from workers.loop import serve_stage
+from workers.models import load_model, load_tokenizer, save_model
+from workers.reference import ReferenceStage
+from workers.reward import RewardStage
+from workers.rollout import RolloutStage
+from workers.trainer import Trainer, TrainerSettings
+from workers.trimodel import TriModel
+from workers.weights import WeightPublisher, WeightSubscriber
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
+    if cfg.engine == "vllm":
+        from workers.engines.vllm_rollout import VllmRolloutEngine  # needs the [vllm] extra
+
+        return VllmRolloutEngine(cfg.model_path, seed=cfg.common.seed)
+    from workers.engines.torch_rollout import TorchRolloutEngine
+
+    tokenizer = load_tokenizer(cfg.model_path)
+    return TorchRolloutEngine(load_model(cfg.model_path), tokenizer)
+
+
+def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage:
+    tokenizer = load_tokenizer(cfg.model_path)
+    stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+    params = SamplingParams(
+        temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+        stop_token_ids=stops,
+    )
+    return RolloutStage(
+        make_rollout_engine(cfg),
+        WeightSubscriber(cfg.weights_dir, cfg.weights_announce),
+        params,
+        worker=cfg.common.name,
+        group_size=cfg.group_size,
+        groups_per_claim=cfg.groups_per_claim,
+        seed=cfg.common.seed,
+        weight_wait_s=cfg.weight_wait_s,
+        on_sync=events.send,
+    )
+
+
+def build_reward(cfg: RewardWorkerConfig) -> RewardStage:
+    return RewardStage(
+        load_tokenizer(cfg.model_path), cfg.reward_fn, timeout_s=cfg.timeout_s,
+        max_rows=cfg.rows_per_claim,
+    )
+
+
+def build_reference(cfg: ReferenceWorkerConfig) -> ReferenceStage:
+    return ReferenceStage(
+        load_model(cfg.model_path, dtype=DTYPES[cfg.dtype]),
+        temperature=cfg.temperature, max_rows=cfg.rows_per_claim, packing=cfg.packing,
+        token_budget=cfg.token_budget,
+    )
+
+
+def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender) -> Trainer:
+    torch.manual_seed(cfg.common.seed)
+    model = load_model(cfg.model_path)
+    engine = TorchTrainerEngine(
+        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]),
+        max_grad_norm=cfg.max_grad_norm,
+    )
+    reference = None
+    if cfg.reference_path and cfg.kl_coef > 0 and not cfg.reference_worker:
+        reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype])
+    tri = TriModel(model, reference=reference, updates_per_batch=1)
+    settings = TrainerSettings(
+        rows_per_iteration=cfg.rows_per_iteration, group_size=cfg.group_size,
+        reference_worker=cfg.reference_worker, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
+        std_normalize=cfg.std_normalize, updates_per_batch=cfg.updates_per_batch,
+        importance_correction=cfg.importance_correction, is_cap=cfg.is_cap,
+        temperature=cfg.temperature, packing=cfg.packing, token_budget=cfg.token_budget,
+        rows_per_claim=cfg.rows_per_claim,
+    )
+    tokenizer = load_tokenizer(cfg.model_path)
+
+    def checkpoint(step: int) -> None:
+        every = cfg.checkpoint_every
+        if cfg.checkpoint_dir and (step == cfg.iterations or (every and step % every == 0)):
+            path = Path(cfg.checkpoint_dir) / f"step-{step:06d}"
+            save_model(model, tokenizer, path)  # atomic: tmp dir + rename
+            engine.save_state(str(path))
+
+    return Trainer(
+        client, cfg.common.table, engine, tri, settings,
+        WeightPublisher(cfg.weights_dir, cfg.weights_bind, keep=cfg.weights_keep),
+        worker=cfg.common.name, send=events.send, start_iteration=cfg.start_iteration,
+        on_step=checkpoint,
+    )
+
+
+def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
+    common = cfg.common
+    torch.set_num_threads(max(common.threads, 1))
+    events = EventSender(common.events_address)
+    client = storage.connect(common.store_addresses)
+    try:
+        if isinstance(cfg, TrainerWorkerConfig):
+            trainer = build_trainer(cfg, client, events)
+            trainer.publish_current()
+            events.send(WorkerStatus(common.name, common.role, "ready"))
+            while not stop.is_set() and trainer.step < cfg.iterations:
+                trainer.poll(common.claim_timeout_s)
+            trainer.release_held()
+        else:
+            if isinstance(cfg, RolloutWorkerConfig):
+                stage: Any = build_rollout(cfg, events)
+            elif isinstance(cfg, RewardWorkerConfig):
+                stage = build_reward(cfg)
+            else:
+                stage = build_reference(cfg)
+            events.send(WorkerStatus(common.name, common.role, "ready"))
+            serve_stage(
+                client, common.table, stage, stop, worker=common.name, role=common.role,
+                events=events, timeout_s=common.claim_timeout_s,
+            )
+        events.send(WorkerStatus(common.name, common.role, "stopped"))
+        return 0
+    except Exception as exc:
+        detail = "".join(traceback.format_exception(exc))[-4000:]
+        events.send(WorkerStatus(common.name, common.role, "failed", f"{type(exc).__name__}: {exc}\n{detail}"))
+        print(detail, file=sys.stderr, flush=True)
+        return 1
+    finally:
+        client.close()
+        events.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.main", description=__doc__)
+    parser.add_argument("--role", required=True, choices=["rollout", "reward", "reference", "trainer"])
+    parser.add_argument("--config", required=True, help="JSON file written by the controller")
+    args = parser.parse_args(argv)
+    cfg = from_json(args.role, Path(args.config).read_text())
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return run_worker(cfg, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Models: build the embedded tiny Qwen2 locally, and save/load any local HF causal-LM directory.
+
+Owns: ``TinyModelSpec`` (the embedded model's size), ``build_tiny_model`` (deterministic from the
+spec's seed), ``load_model`` / ``load_tokenizer`` (local files only, never a download),
+``save_model`` (atomic) and ``state_dict_bytes`` (the size of one weight sync).
+
+Invariants:
+- The embedded model is a real ``Qwen2ForCausalLM`` built from a ``Qwen2Config``, so everything
+  that loads an HF directory (this module, vLLM, transformers) loads it; nothing here is specific to
+  it beyond ``build_tiny_model``.
+- Attention is ``"eager"``. We measured both on this CPU torch: eager gives the same logits for a
+  sequence whether it runs alone or left-padded in a batch (to float rounding, ~1e-6), and masked
+  (padding) rows never produce NaN. SDPA was not faster for the tiny model's short sequences, so
+  eager's simpler masking semantics win. Callers may override with ``attn_implementation``.
+- ``save_model`` writes into a temporary sibling directory and renames it into place, so a reader
+  never sees a half-written model directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+DEFAULT_ATTN = "eager"
+
+
+@dataclass
+class TinyModelSpec:
+    """Size of the embedded Qwen2 model (defaults: ~0.8 M parameters with the char tokenizer)."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_position_embeddings: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"TinyModelSpec.{name} must be > 0, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"TinyModelSpec.hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_heads ({self.num_heads})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"TinyModelSpec.num_heads ({self.num_heads}) must be divisible by "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+
+def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A freshly initialised ``Qwen2ForCausalLM`` sized by ``spec``; same seed -> same weights."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        use_cache=True,
+        attn_implementation=DEFAULT_ATTN,
+    )
+    # Initialisation draws from torch's global RNG: fork it so building a model neither depends
+    # on nor disturbs the caller's random state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.float().eval()
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = DEFAULT_ATTN,
+) -> PreTrainedModel:
+    """Load any local HF causal-LM directory in eval mode (never downloads)."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(p)!r} has no config.json")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(p), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
+    )
+    return model.eval()
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """Load the tokenizer saved beside a model (local files only)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {str(p)!r} does not exist")
+    return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+
+
+def save_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike[str]
+) -> Path:
+    """Write config + safetensors + tokenizer files to ``path`` atomically; returns the path.
+
+    An existing directory at ``path`` is replaced.
+    """
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def state_dict_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the unique tensors in the state dict (tied weights counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in model.state_dict().values():
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    """Number of unique parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,80 @@
+"""The reference role: log-probs of each response under the frozen reference model.
+
+Claims ``prompt_ids`` + ``response_ids`` and writes ``ref_logprobs`` (one float per response token,
+computed with the same temperature as the trainer so the KL term compares like with like). Rows of
+one prompt that arrive in the same claim are packed with a single copy of the prompt
+(shared-prompt attention, ``workers.packing``) when packing is on.
+
+Switched off entirely when the KL coefficient is 0, and replaced by the trainer's fused forward when
+``reference.placement = trainer`` (``workers.trimodel``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pyarrow as pa
+import torch
+
+from storage.schema import Lease
+from workers.loop import with_row_ids
+from workers.packing import PackGroup, packed_response_logprobs
+
+
+def rows_to_groups(batch: pa.RecordBatch) -> tuple[list[PackGroup], list[tuple[int, int]]]:
+    """Group a batch's rows by ``group_id`` (rows of a group share their prompt).
+
+    Returns the groups and, per row, its (group index, response index) so results map back.
+    """
+    group_ids = batch.column("group_id").to_pylist()
+    prompts = batch.column("prompt_ids").to_pylist()
+    responses = batch.column("response_ids").to_pylist()
+    index: dict[int, int] = {}
+    members: dict[int, list[list[int]]] = defaultdict(list)
+    groups: list[PackGroup] = []
+    where: list[tuple[int, int]] = []
+    for gid, prompt, response in zip(group_ids, prompts, responses, strict=True):
+        if gid not in index:
+            index[gid] = len(groups)
+            groups.append(PackGroup(group_id=gid, prompt_ids=prompt, responses=members[gid]))
+        where.append((index[gid], len(members[gid])))
+        members[gid].append(response)
+    return groups, where
+
+
+class ReferenceStage:
+    task = "reference"
+    columns = ("group_id", "iteration", "prompt_ids", "response_ids")
+    whole_groups = False
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        temperature: float,
+        max_rows: int,
+        packing: bool,
+        token_budget: int,
+    ) -> None:
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.temperature = temperature
+        self.max_rows = max_rows
+        self.packing = packing
+        self.token_budget = token_budget
+        self.last_tokens = 0
+
+    @torch.no_grad()
+    def process(self, lease: Lease) -> pa.RecordBatch:
+        groups, where = rows_to_groups(lease.batch)
+        logprobs = packed_response_logprobs(
+            self.model,
+            groups,
+            temperature=self.temperature,
+            token_budget=self.token_budget,
+            pack=self.packing,
+        )
+        rows = [logprobs[g][r].float().tolist() for g, r in where]
+        self.last_tokens = sum(len(r) for r in rows)
+        return with_row_ids(lease, {"ref_logprobs": pa.array(rows, pa.list_(pa.float32()))})

@@ -1,0 +1,283 @@
+"""Reward functions: a registry of rule-based verifiers, and a runner that scores with timeouts.
+
+Owns: ``RewardFn`` (``fn(completion, answer) -> float``), the registry (``register_reward``,
+``resolve_reward``), the built-ins (``exact_match``, ``numeric_close``), ``RewardResult`` and
+``RewardRunner``.
+
+Where a function runs (the isolation choice):
+- Built-ins (registered in this module, pure and trivially fast) run IN-PROCESS: no IPC cost.
+- Any other function (a user's ``"package.module:function"``) runs in a persistent CHILD process
+  started with the ``spawn`` method (no inherited locks or threads, no torch state copied), fed
+  plain strings over a pipe and answering plain floats/strings — nothing is unpickled from a
+  socket, and the child only ever gets the function's import path, never a pickled function.
+  Every sample gets its own deadline: when it passes, the child is killed (SIGKILL), the sample
+  scores 0.0 with ``error="timeout after Xs"``, a fresh child is started and scoring goes on with
+  the next sample. A hung or crashing user function therefore never hangs or kills the worker.
+- An exception, a non-numeric or non-finite return value scores 0.0 with ``ok=False`` and the
+  reason in ``error``.
+Lifecycle: ``RewardRunner`` starts its child lazily on first use; ``close()`` (or ``with``) stops it.
+This module must stay light to import (no torch): the child imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import multiprocessing as mp
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from types import TracebackType
+from typing import Any
+
+RewardFn = Callable[[str, str], float]
+
+_REGISTRY: dict[str, RewardFn] = {}
+_BUILTIN_NAMES: set[str] = set()
+
+
+class RewardError(ValueError):
+    """A reward function cannot be found or used."""
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` resolvable by ``name`` (a name may be registered once)."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise RewardError(f"reward {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def available_rewards() -> list[str]:
+    """Names accepted by ``resolve_reward`` (besides ``module:function`` import paths)."""
+    return sorted(_REGISTRY)
+
+
+def _import_path(path: str) -> RewardFn:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise RewardError(f"reward import path must look like 'package.module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardError(f"reward {path!r}: cannot import module {module_name!r}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardError(f"reward {path!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardError(f"reward {path!r} is not callable")
+    return obj
+
+
+def resolve_reward(name_or_import_path: str) -> RewardFn:
+    """A registered name (see ``available_rewards``) or ``"package.module:function"``."""
+    if name_or_import_path in _REGISTRY:
+        return _REGISTRY[name_or_import_path]
+    if ":" in name_or_import_path:
+        return _import_path(name_or_import_path)
+    raise RewardError(
+        f"unknown reward {name_or_import_path!r}; registered: {available_rewards()} "
+        "(or give an import path 'package.module:function')"
+    )
+
+
+# --------------------------------------------------------------------------- built-ins
+@register_reward("exact_match")
+def exact_match(completion: str, answer: str) -> float:
+    """1.0 if the completion equals the answer after stripping surrounding whitespace."""
+    return 1.0 if completion.strip() == answer.strip() else 0.0
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+@register_reward("numeric_close")
+def numeric_close(completion: str, answer: str) -> float:
+    """1.0 if the first number in the completion is within 1e-6 (relative) of the answer."""
+    found = _NUMBER.search(completion)
+    if found is None:
+        return 0.0
+    try:
+        got, want = float(found.group()), float(answer.strip())
+    except ValueError:
+        return 0.0
+    return 1.0 if math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9) else 0.0
+
+
+_BUILTIN_NAMES.update(_REGISTRY)
+
+
+# --------------------------------------------------------------------------- runner
+@dataclass
+class RewardResult:
+    """The score of one sample; a failure scores 0.0 with ``ok=False`` and the reason."""
+
+    score: float
+    ok: bool
+    error: str | None = None
+
+
+def _check_score(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"reward returned {type(value).__name__}, expected a float")
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(f"reward returned a non-finite value {score}")
+    return score
+
+
+def _score_one(fn: RewardFn, completion: str, answer: str) -> RewardResult:
+    try:
+        return RewardResult(_check_score(fn(completion, answer)), True, None)
+    except Exception as exc:  # a user's bug must not escape: it becomes a failed sample
+        return RewardResult(0.0, False, f"{type(exc).__name__}: {exc}")
+
+
+def _child_main(import_path: str, conn: Connection) -> None:
+    """Child loop: receive (completion, answer) string pairs, send (score, ok, error) back."""
+    try:
+        fn = resolve_reward(import_path)
+    except Exception as exc:
+        conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        completion, answer = msg
+        r = _score_one(fn, str(completion), str(answer))
+        conn.send((r.score, r.ok, r.error))
+
+
+def _import_path_of(fn: RewardFn) -> str | None:
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname:
+        return None
+    return f"{module}:{qualname}"
+
+
+class RewardRunner:
+    """Scores completions with ``fn``, each sample under ``timeout_s`` (see module docstring).
+
+    ``fn`` is a registered name, an import path, or a callable. ``isolate=None`` picks: built-ins
+    in-process, everything else in the child process. A callable that must be isolated needs an
+    import path (a module-level function of an importable module), else ``RewardError``.
+    """
+
+    def __init__(
+        self,
+        fn: RewardFn | str,
+        timeout_s: float = 5.0,
+        *,
+        isolate: bool | None = None,
+        start_timeout_s: float = 60.0,
+    ) -> None:
+        if not timeout_s > 0:
+            raise RewardError(f"RewardRunner: timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.fn: RewardFn = resolve_reward(fn) if isinstance(fn, str) else fn
+        builtin = any(self.fn is _REGISTRY[n] for n in _BUILTIN_NAMES)
+        self.isolated = (not builtin) if isolate is None else isolate
+        self.import_path: str | None = None
+        if self.isolated:
+            # The child gets an import path, never a pickled function; a registered name is
+            # mapped to its function's module path (the child has not run the user's register).
+            is_path = isinstance(fn, str) and fn not in _REGISTRY and ":" in fn
+            self.import_path = fn if is_path else _import_path_of(self.fn)
+            if self.import_path is None:
+                raise RewardError(
+                    f"reward {self.fn!r} cannot run in a child process: it has no import path "
+                    "(use a module-level function of an importable module)"
+                )
+        self._ctx = mp.get_context("spawn")
+        self._proc: Any = None
+        self._conn: Connection | None = None
+        self.restarts = 0  # children killed after a timeout or a crash
+
+    # -- child lifecycle -----------------------------------------------------------------------
+    def _start(self) -> None:
+        parent, child = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=_child_main, args=(self.import_path, child), daemon=True, name="reward-fn"
+        )
+        proc.start()
+        child.close()
+        if not parent.poll(self.start_timeout_s):
+            proc.kill()
+            proc.join()
+            raise RewardError(f"reward child for {self.import_path!r} did not start")
+        kind, detail = parent.recv()
+        if kind != "ready":
+            proc.join()
+            raise RewardError(f"reward {self.import_path!r} failed to load in the child: {detail}")
+        self._proc, self._conn = proc, parent
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join()
+        if self._conn is not None:
+            self._conn.close()
+        self._proc, self._conn = None, None
+
+    def close(self) -> None:
+        """Stop the child process (if any); the runner restarts one if used again."""
+        if self._conn is not None and self._proc is not None and self._proc.is_alive():
+            try:
+                self._conn.send(None)
+                self._proc.join(timeout=2.0)
+            except (OSError, BrokenPipeError):
+                pass
+        self._kill()
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- scoring -------------------------------------------------------------------------------
+    def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[RewardResult]:
+        """One ``RewardResult`` per completion, in order; never raises for a bad sample."""
+        if len(completions) != len(answers):
+            raise ValueError(
+                f"score: {len(completions)} completions but {len(answers)} answers"
+            )
+        if not self.isolated:
+            return [_score_one(self.fn, str(c), str(a)) for c, a in zip(completions, answers)]
+        return [self._score_isolated(str(c), str(a)) for c, a in zip(completions, answers)]
+
+    def _score_isolated(self, completion: str, answer: str) -> RewardResult:
+        if self._conn is None:
+            self._start()
+        assert self._conn is not None
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            self._conn.send((completion, answer))
+            if self._conn.poll(max(0.0, deadline - time.monotonic())):
+                score, ok, error = self._conn.recv()
+                return RewardResult(float(score), bool(ok), error)
+            reason = f"timeout after {self.timeout_s:g}s"
+        except (EOFError, OSError, BrokenPipeError) as exc:
+            reason = f"reward process died: {type(exc).__name__}"
+        self._kill()
+        self.restarts += 1
+        return RewardResult(0.0, False, reason)

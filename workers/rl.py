@@ -1,0 +1,286 @@
+"""GRPO math: token log-probs, group advantages, the clipped loss as token SUMS, optimizer helpers.
+
+Pure tensor math, no I/O; the trainer worker and the tests call these functions directly.
+
+Conventions:
+- Token-aligned tensors are [B, T]: position t holds the log-prob of ``input_ids[:, t]`` given
+  ``input_ids[:, :t]``; position 0 (no prefix) and every position outside ``response_mask`` are 0.
+- Log-probs use ``log_softmax(logits / temperature)`` in float32 over the full vocabulary, the same
+  convention as the rollout engines' behaviour log-probs (``workers.engines.base``), so identical
+  weights give a ratio of exactly 1 (to float rounding).
+- Advantages: ``(r - mean_g) / (std_g + eps)`` per group g, std unbiased (as torch/TRL/verl), a
+  group of one has std 0. Computed only from COMPLETE groups: every group id must have exactly
+  ``group_size`` rows, else ``IncompleteGroupError``.
+
+Why the loss is a sum: GRPO's token-mean loss divides by the number of response tokens in the
+WHOLE batch. Micro-batches stream in one by one (periodic/async modes), in any order, and the total
+is only known at the end. So each micro-batch backpropagates its loss SUM (``grpo_loss_sums``),
+gradients accumulate, and once the batch is complete the caller calls
+``scale_gradients(model, 1 / total_tokens)`` before ``optimizer_step``. The result equals the
+token-mean gradient of the full batch whatever the micro-batch boundaries or arrival order (up to
+float summation order), which is what makes ``periodic`` match ``sync``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+
+class IncompleteGroupError(ValueError):
+    """A group does not have exactly ``group_size`` rows."""
+
+
+# --------------------------------------------------------------------------- log-probs
+@dataclass
+class TokenBatch:
+    """Right-padded prompt+response rows, ready for ``response_logprobs``."""
+
+    input_ids: torch.Tensor  # [B, T] long, prompt then response then pad
+    attention_mask: torch.Tensor  # [B, T] long, 1 on prompt and response tokens
+    response_mask: torch.Tensor  # [B, T] float, 1 on response tokens only
+
+
+def build_token_batch(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, pad_token_id: int = 0
+) -> TokenBatch:
+    """Stack (prompt_ids, response_ids) pairs into a right-padded ``TokenBatch``."""
+    if not pairs:
+        raise ValueError("build_token_batch: no rows")
+    width = max(len(p) + len(r) for p, r in pairs)
+    batch = len(pairs)
+    input_ids = torch.full((batch, width), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    response_mask = torch.zeros((batch, width), dtype=torch.float32)
+    for i, (prompt, response) in enumerate(pairs):
+        if len(prompt) == 0:
+            raise ValueError(f"build_token_batch: row {i} has an empty prompt")
+        n_p, n_r = len(prompt), len(response)
+        input_ids[i, : n_p + n_r] = torch.tensor([*prompt, *response], dtype=torch.long)
+        attention_mask[i, : n_p + n_r] = 1
+        response_mask[i, n_p : n_p + n_r] = 1.0
+    return TokenBatch(input_ids, attention_mask, response_mask)
+
+
+def response_logprobs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Token log-probs [B, T] of right-padded rows (0 outside ``response_mask``); keeps the graph."""
+    if temperature <= 0:
+        raise ValueError(f"response_logprobs: temperature must be > 0, got {temperature}")
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = logits[:, :-1, :].float() / temperature  # [B, T-1, V] predicts tokens 1..T-1
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    token_logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    out = torch.cat([token_logp.new_zeros(token_logp.shape[0], 1), token_logp], dim=1)
+    return out * response_mask.to(out.dtype)
+
+
+def to_token_tensor(
+    values: Sequence[Sequence[float]], response_mask: torch.Tensor
+) -> torch.Tensor:
+    """Scatter per-response lists (e.g. behaviour log-probs) into [B, T] at ``response_mask``."""
+    out = torch.zeros_like(response_mask, dtype=torch.float32)
+    for i, row in enumerate(values):
+        idx = response_mask[i].nonzero().squeeze(-1)
+        if len(idx) != len(row):
+            raise ValueError(f"to_token_tensor: row {i} has {len(row)} values for {len(idx)} tokens")
+        out[i, idx] = torch.as_tensor(row, dtype=torch.float32)
+    return out
+
+
+# --------------------------------------------------------------------------- advantages
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    group_size: int,
+    std_normalize: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-row advantage [N] = (r - mean of its group) [/ (std of its group + eps)]."""
+    if rewards.ndim != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"group_advantages: rewards and group_ids must be 1-D of equal length, got "
+            f"{tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
+    if group_size < 1:
+        raise ValueError(f"group_advantages: group_size must be >= 1, got {group_size}")
+    uniq, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    bad = counts != group_size
+    if bool(bad.any()):
+        gid, cnt = int(uniq[bad][0]), int(counts[bad][0])
+        raise IncompleteGroupError(
+            f"group {gid} has {cnt} rows, expected group_size={group_size}; advantages are "
+            "computed only from complete groups"
+        )
+    r = rewards.double()
+    sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, r)
+    mean = sums / group_size
+    centered = r - mean[inverse]
+    if not std_normalize:
+        return centered.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+    sq = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, centered * centered)
+    std = (sq / (group_size - 1)).sqrt() if group_size > 1 else torch.zeros_like(sq)
+    adv = centered / (std[inverse] + eps)
+    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+# --------------------------------------------------------------------------- loss
+@dataclass
+class LossSums:
+    """Detached sums over the response tokens of one micro-batch; add them up across micro-batches."""
+
+    loss_sum: float = 0.0  # total loss (policy + kl_coef * kl) summed over tokens
+    policy_loss_sum: float = 0.0  # clipped surrogate loss (IS-weighted), summed over tokens
+    kl_sum: float = 0.0  # k3 KL to the reference, summed over tokens (0 without a reference)
+    num_tokens: int = 0  # response tokens (sum of the mask)
+    clipped_tokens: int = 0  # tokens where the clipped term was the active (smaller) one
+    ratio_sum: float = 0.0  # sum of exp(logp - old_logp)
+    ratio_max: float = 0.0  # max ratio seen
+    is_weight_sum: float = 0.0  # sum of truncated IS weights (num_tokens when off)
+    is_capped_tokens: int = 0  # tokens whose IS weight hit is_cap
+
+    def __add__(self, other: LossSums) -> LossSums:
+        return LossSums(
+            loss_sum=self.loss_sum + other.loss_sum,
+            policy_loss_sum=self.policy_loss_sum + other.policy_loss_sum,
+            kl_sum=self.kl_sum + other.kl_sum,
+            num_tokens=self.num_tokens + other.num_tokens,
+            clipped_tokens=self.clipped_tokens + other.clipped_tokens,
+            ratio_sum=self.ratio_sum + other.ratio_sum,
+            ratio_max=max(self.ratio_max, other.ratio_max),
+            is_weight_sum=self.is_weight_sum + other.is_weight_sum,
+            is_capped_tokens=self.is_capped_tokens + other.is_capped_tokens,
+        )
+
+    def means(self) -> dict[str, float]:
+        """Token means of the sums (what metrics report)."""
+        n = max(self.num_tokens, 1)
+        return {
+            "loss": self.loss_sum / n,
+            "policy_loss": self.policy_loss_sum / n,
+            "kl": self.kl_sum / n,
+            "clip_fraction": self.clipped_tokens / n,
+            "ratio_mean": self.ratio_sum / n,
+            "ratio_max": self.ratio_max,
+            "is_weight_mean": self.is_weight_sum / n,
+            "is_capped_fraction": self.is_capped_tokens / n,
+        }
+
+
+def grpo_loss_sums(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    kl_coef: float = 0.0,
+    behaviour_logp: torch.Tensor | None = None,
+    is_correction: bool = False,
+    is_cap: float = 2.0,
+) -> tuple[torch.Tensor, LossSums]:
+    """Summed GRPO loss over masked tokens (scalar, differentiable) and its detached sums.
+
+    Per token: ``-w * min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + kl_coef * k3`` with
+    ``ratio = exp(logp - old_logp)``, ``k3 = exp(ref - logp) - (ref - logp) - 1`` and, when
+    ``is_correction``, the truncated importance weight ``w = min(exp(old_logp - behaviour_logp),
+    is_cap)`` (detached) correcting for samples generated by a stale policy; else ``w = 1``.
+    Shapes: logp/old_logp/ref_logp/behaviour_logp/mask [B, T], advantages [B].
+    """
+    if logp.shape != old_logp.shape or logp.shape != mask.shape:
+        raise ValueError(
+            f"grpo_loss_sums: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and "
+            f"mask {tuple(mask.shape)} must have the same shape"
+        )
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(
+            f"grpo_loss_sums: advantages must be [B]={tuple(logp.shape[:1])}, "
+            f"got {tuple(advantages.shape)}"
+        )
+    if kl_coef and ref_logp is None:
+        raise ValueError("grpo_loss_sums: kl_coef > 0 needs ref_logp")
+    if is_correction and behaviour_logp is None:
+        raise ValueError("grpo_loss_sums: is_correction needs behaviour_logp")
+    m = mask.to(logp.dtype)
+    adv = advantages.to(logp.dtype).unsqueeze(-1)  # [B, 1]
+    ratio = torch.exp((logp - old_logp.detach()) * m)  # masked positions -> ratio 1
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    surrogate = torch.minimum(unclipped, clipped)
+    if is_correction:
+        assert behaviour_logp is not None
+        raw_w = torch.exp((old_logp - behaviour_logp).detach() * m)
+        weight = torch.clamp(raw_w, max=is_cap)
+        is_capped = ((raw_w > is_cap).to(m.dtype) * m).sum()
+    else:
+        weight = torch.ones_like(ratio)
+        is_capped = m.new_zeros(())
+    policy_tok = -weight * surrogate
+    if ref_logp is not None:
+        diff = (ref_logp.detach() - logp) * m
+        kl_tok = torch.exp(diff) - diff - 1.0
+    else:
+        kl_tok = torch.zeros_like(logp)
+    total_tok = policy_tok + kl_coef * kl_tok
+    loss_sum = (total_tok * m).sum()
+    with torch.no_grad():
+        ratio_masked = ratio.detach() * m
+        sums = LossSums(
+            loss_sum=float(loss_sum.detach()),
+            policy_loss_sum=float((policy_tok.detach() * m).sum()),
+            kl_sum=float((kl_tok.detach() * m).sum()),
+            num_tokens=int(m.sum().round()),
+            clipped_tokens=int(((clipped.detach() < unclipped.detach()).to(m.dtype) * m).sum()),
+            ratio_sum=float(ratio_masked.sum()),
+            ratio_max=float(ratio_masked.max()) if m.numel() else 0.0,
+            is_weight_sum=float((weight.detach() * m).sum()),
+            is_capped_tokens=int(is_capped),
+        )
+    return loss_sum, sums
+
+
+# --------------------------------------------------------------------------- optimizer
+def scale_gradients(model: torch.nn.Module, factor: float) -> None:
+    """Multiply every accumulated gradient by ``factor`` (e.g. 1 / batch token count)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+
+def make_optimizer(
+    model: torch.nn.Module,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters (foreach off: same update whatever the param order)."""
+    if lr <= 0:
+        raise ValueError(f"make_optimizer: lr must be > 0, got {lr}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, foreach=False)
+
+
+def optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
+) -> float:
+    """Clip (if ``max_grad_norm``), step, zero the gradients; returns the pre-clip grad norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_grad_norm is not None and max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)

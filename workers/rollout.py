@@ -1,0 +1,125 @@
+"""The rollout role: generate G responses per prompt with the policy version the mode requires.
+
+Claims whole groups (the G rows of a prompt), generates G samples of the prompt in one call, and
+writes ``response_ids``, ``response_logprobs`` (behaviour log-probs), ``policy_version`` and
+``finish_reason``.
+
+Which weights (the one rule behind all three modes): every prompt row carries
+``min_policy_version``. Before generating, the worker loads the newest published version if it is
+newer than what its engine holds, waiting (bounded) for ``min_policy_version`` to appear. The
+controller sets ``min_policy_version = iteration - max_staleness``, so
+
+- on-policy (``sync``/``periodic``, staleness 0): iteration k is generated with exactly version k,
+  which the trainer publishes only after step k-1 — generation of k+1 never overlaps training of k;
+- ``async``: rollout runs ahead with the newest weights it has, at most ``max_staleness`` versions
+  behind the step that will train the sample, and picks up new weights between claims.
+
+Sampling is seeded by (run seed, first group id, policy version), so a group generates the same
+responses whichever worker claims it, in whichever order, and again after a redelivery.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pyarrow as pa
+
+from storage.schema import Lease
+from workers.engines.base import RolloutEngine, SamplingParams
+from workers.events import WeightSyncReport
+from workers.loop import with_row_ids
+from workers.weights import WeightSubscriber
+
+
+def sampling_seed(run_seed: int, group_id: int, policy_version: int) -> int:
+    return (run_seed * 1_000_003 + group_id * 7_919 + policy_version * 104_729) % (2**31 - 1)
+
+
+class RolloutStage:
+    task = "rollout"
+    columns = ("group_id", "iteration", "min_policy_version", "prompt_ids")
+    whole_groups = True
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        weights: WeightSubscriber,
+        params: SamplingParams,
+        *,
+        worker: str,
+        group_size: int,
+        groups_per_claim: int,
+        seed: int,
+        weight_wait_s: float,
+        on_sync: Callable[[WeightSyncReport], None] = lambda r: None,
+    ) -> None:
+        self.engine = engine
+        self.weights = weights
+        self.params = params
+        self.worker = worker
+        self.group_size = group_size
+        self.max_rows = group_size * groups_per_claim
+        self.seed = seed
+        self.weight_wait_s = weight_wait_s
+        self.on_sync = on_sync
+        self.last_tokens = 0
+
+    def ensure_version(self, required: int) -> None:
+        """Load the newest published version if it is newer than the engine's, waiting (bounded)
+        until one >= ``required`` exists."""
+        if self.engine.policy_version >= required:
+            newest = self.weights.newest()
+            if newest is None or newest <= self.engine.policy_version:
+                return
+        else:
+            newest = self.weights.wait_for(required, self.weight_wait_s)
+        start = time.perf_counter()
+        tensors, nbytes = self.weights.load(newest)
+        self.engine.load_weights(tensors, newest)
+        self.on_sync(WeightSyncReport(self.worker, newest, time.perf_counter() - start, nbytes))
+
+    def process(self, lease: Lease) -> pa.RecordBatch:
+        batch = lease.batch
+        self.ensure_version(max(batch.column("min_policy_version").to_pylist()))
+        version = self.engine.policy_version
+        group_ids = batch.column("group_id").to_pylist()
+        prompts = batch.column("prompt_ids").to_pylist()
+        # Rows of one group are contiguous only by accident: place results by row, not by order.
+        order: list[int] = []  # first row index of each group, in first-seen order
+        rows_of: dict[int, list[int]] = {}
+        for i, gid in enumerate(group_ids):
+            if gid not in rows_of:
+                rows_of[gid] = []
+                order.append(i)
+            rows_of[gid].append(i)
+        for gid, rows in rows_of.items():
+            if len(rows) != self.group_size:
+                raise ValueError(f"group {gid}: claimed {len(rows)} rows, expected {self.group_size}")
+        params = SamplingParams(
+            temperature=self.params.temperature,
+            top_p=self.params.top_p,
+            max_new_tokens=self.params.max_new_tokens,
+            stop_token_ids=self.params.stop_token_ids,
+            seed=sampling_seed(self.seed, group_ids[order[0]], version),
+        )
+        generations = self.engine.generate([prompts[i] for i in order], self.group_size, params)
+        n = batch.num_rows
+        response_ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        finish: list[str] = [""] * n
+        for first, samples in zip(order, generations, strict=True):
+            for row, sample in zip(rows_of[group_ids[first]], samples, strict=True):
+                response_ids[row] = sample.token_ids
+                logprobs[row] = sample.logprobs
+                finish[row] = sample.finish_reason
+        self.last_tokens = sum(len(r) for r in response_ids)
+        return with_row_ids(
+            lease,
+            {
+                "response_ids": pa.array(response_ids, pa.list_(pa.int32())),
+                "response_logprobs": pa.array(logprobs, pa.list_(pa.float32())),
+                "policy_version": pa.array([version] * n, pa.int64()),
+                "finish_reason": pa.array(finish, pa.string()),
+            },
+        )

@@ -1,0 +1,124 @@
+"""The RL sample table: the one place where the columns of a GRPO run are defined.
+
+One row per sample (one response to one prompt); the G rows of a prompt share a ``group_id`` and
+are put together, so a group always lives in one shard. Each column is written by exactly one task:
+
+    column               written by    at
+    -------------------  ------------  ---------------------------------------------------------
+    group_id             controller    put        (the store's group column)
+    iteration            controller    put
+    min_policy_version   controller    put        (admission: rollout must use a version >= this)
+    prompt_ids           controller    put
+    answer               controller    put
+    response_ids         rollout       write      (makes the row ready for reward and reference)
+    response_logprobs    rollout       write
+    policy_version       rollout       write
+    finish_reason        rollout       write
+    reward               reward        write
+    reward_ok            reward        write
+    reward_error         reward        write
+    ref_logprobs         reference     write      (absent when the reference is off or fused)
+    advantage            trainer       write+ack  (recorded for inspection; the row is then freed)
+
+Tasks and the columns that make a row ready for them:
+
+    rollout    prompt_ids                               whole groups (G samples of one prompt)
+    reward     response_ids
+    reference  response_ids
+    trainer    response_ids, reward [, ref_logprobs]    whole groups (advantages need the group)
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from storage.schema import TableSpec, TaskSpec
+
+SAMPLES_SCHEMA = pa.schema(
+    [
+        # Identity of the prompt this sample answers; the G samples of a prompt share it.
+        pa.field("group_id", pa.int64(), nullable=False),
+        # Iteration (= optimizer step) whose batch this sample belongs to.
+        pa.field("iteration", pa.int64(), nullable=False),
+        # Admission: the rollout must generate with a policy version >= this
+        # (iteration - max_staleness; equals the iteration when on-policy).
+        pa.field("min_policy_version", pa.int64(), nullable=False),
+        # Tokenised prompt (no padding).                                   [P]
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+        # Reference answer the verifier compares against.
+        pa.field("answer", pa.string(), nullable=False),
+        # Generated tokens, stop token included when the sample stopped.   [L]
+        pa.field("response_ids", pa.list_(pa.int32())),
+        # Behaviour log-probs: log softmax(logits / T) of each sampled token. [L]
+        pa.field("response_logprobs", pa.list_(pa.float32())),
+        # Policy version (trainer step count) of the weights that generated the sample.
+        pa.field("policy_version", pa.int64()),
+        # "stop" (a stop token was emitted) or "length" (max_new_tokens reached).
+        pa.field("finish_reason", pa.string()),
+        # Verifier score; 0.0 when scoring failed.
+        pa.field("reward", pa.float32()),
+        # False when the verifier raised or timed out; reward_error says why.
+        pa.field("reward_ok", pa.bool_()),
+        pa.field("reward_error", pa.string()),
+        # Frozen reference model's log-probs of the response tokens.       [L]
+        pa.field("ref_logprobs", pa.list_(pa.float32())),
+        # Group-normalised advantage used for this sample's update.
+        pa.field("advantage", pa.float32()),
+    ]
+)
+
+PUT_COLUMNS = ("group_id", "iteration", "min_policy_version", "prompt_ids", "answer")
+ROLLOUT_COLUMNS = ("response_ids", "response_logprobs", "policy_version", "finish_reason")
+REWARD_COLUMNS = ("reward", "reward_ok", "reward_error")
+REFERENCE_COLUMNS = ("ref_logprobs",)
+
+TRAINER_READS = (
+    "group_id",
+    "iteration",
+    "prompt_ids",
+    "response_ids",
+    "response_logprobs",
+    "policy_version",
+    "reward",
+)
+
+
+def samples_table_spec(
+    name: str,
+    *,
+    group_size: int,
+    reference_worker: bool,
+    capacity_rows: int = 1_000_000,
+    lease_seconds: float = 60.0,
+    max_deliveries: int = 5,
+    persist_dir: str | None = None,
+    fsync: str = "always",
+) -> TableSpec:
+    """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
+    wait for ``ref_logprobs`` (off when the KL term is off or the reference is fused into the
+    trainer)."""
+    tasks = [
+        TaskSpec("rollout", ("prompt_ids",), whole_groups=True),
+        TaskSpec("reward", ("response_ids",)),
+    ]
+    trainer_needs: tuple[str, ...] = ("response_ids", "reward")
+    if reference_worker:
+        tasks.append(TaskSpec("reference", ("response_ids",)))
+        trainer_needs += ("ref_logprobs",)
+    tasks.append(TaskSpec("trainer", trainer_needs, whole_groups=True))
+    return TableSpec(
+        name=name,
+        schema=SAMPLES_SCHEMA,
+        tasks=tuple(tasks),
+        group_column="group_id",
+        group_size=group_size,
+        capacity_rows=capacity_rows,
+        lease_seconds=lease_seconds,
+        max_deliveries=max_deliveries,
+        persist_dir=persist_dir,
+        fsync=fsync,
+    )
+
+
+def trainer_columns(reference_worker: bool) -> tuple[str, ...]:
+    return TRAINER_READS + (("ref_logprobs",) if reference_worker else ())

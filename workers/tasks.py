@@ -1,0 +1,193 @@
+"""Verifiable tasks: the embedded procedural arithmetic task, and prompts from a user's file.
+
+Owns: ``Problem`` (a prompt and its reference answer), ``ArithmeticTask`` (deterministic streams of
+problems like ``"12+34="`` -> ``"46"``) and ``load_problem_file`` (JSONL or Parquet via pyarrow).
+
+Invariants of ``ArithmeticTask``:
+- Every (operation, a, b) triple is either *held out* (evaluation only) or *training*, decided by a
+  hash of the triple that does not depend on the seed; ``eval_problems`` draws only held-out
+  triples and the training streams never yield one, so evaluation is disjoint from training by
+  construction.
+- ``iterate(seed)`` is an infinite stream that depends only on (digits, operations, seed); two
+  streams with the same arguments yield the same problems. ``train_problems(n, epoch_or_offset=k)``
+  is the k-th block of ``n`` problems of the stream seeded by the task's seed (k >= 0).
+- Operands have up to ``digits`` digits (0 .. 10**digits - 1); answers are plain base-10 integers
+  (``-`` may give a negative answer, written with a leading ``-``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SUPPORTED_OPERATIONS = ("+", "-", "*")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt and the reference answer a reward function checks completions against."""
+
+    prompt: str
+    answer: str
+
+
+def _is_held_out(op: str, a: int, b: int, fraction: float) -> bool:
+    # A keyed hash (not Python's salted hash()) so the split is identical in every process.
+    digest = hashlib.blake2b(f"{op}|{a}|{b}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def _solve(op: str, a: int, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    return a * b
+
+
+@dataclass
+class ArithmeticTask:
+    """Problems ``"{a}{op}{b}="`` with answer ``str(a op b)``; see the module docstring."""
+
+    digits: int = 2
+    operations: tuple[str, ...] = ("+",)
+    seed: int = 0
+    held_out_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 1 <= int(self.digits) <= 9:
+            raise ValueError(f"ArithmeticTask.digits must be in 1..9, got {self.digits}")
+        self.operations = tuple(self.operations)
+        if not self.operations:
+            raise ValueError("ArithmeticTask.operations must not be empty")
+        bad = [op for op in self.operations if op not in SUPPORTED_OPERATIONS]
+        if bad:
+            raise ValueError(
+                f"ArithmeticTask.operations has unsupported {bad}; allowed: {SUPPORTED_OPERATIONS}"
+            )
+        if not 0.0 < self.held_out_fraction < 0.5:
+            raise ValueError(
+                f"ArithmeticTask.held_out_fraction must be in (0, 0.5), got {self.held_out_fraction}"
+            )
+
+    @property
+    def max_operand(self) -> int:
+        return 10**self.digits - 1
+
+    def make_problem(self, op: str, a: int, b: int) -> Problem:
+        return Problem(prompt=f"{a}{op}{b}=", answer=str(_solve(op, a, b)))
+
+    def is_held_out(self, problem_or_triple: Problem | tuple[str, int, int]) -> bool:
+        """Whether a problem (or an (op, a, b) triple) belongs to the evaluation split."""
+        if isinstance(problem_or_triple, Problem):
+            op, a, b = self._parse(problem_or_triple.prompt)
+        else:
+            op, a, b = problem_or_triple
+        return _is_held_out(op, a, b, self.held_out_fraction)
+
+    def _parse(self, prompt: str) -> tuple[str, int, int]:
+        body = prompt.rstrip("=")
+        for op in self.operations:
+            left, sep, right = body.partition(op)
+            if sep and left.isdigit() and right.isdigit():
+                return op, int(left), int(right)
+        raise ValueError(f"not a prompt of this task: {prompt!r}")
+
+    def _stream(self, seed: int, held_out: bool) -> Iterator[Problem]:
+        rng = random.Random(f"arith|{self.digits}|{','.join(self.operations)}|{seed}|{held_out}")
+        while True:
+            op = self.operations[rng.randrange(len(self.operations))]
+            a = rng.randint(0, self.max_operand)
+            b = rng.randint(0, self.max_operand)
+            if _is_held_out(op, a, b, self.held_out_fraction) == held_out:
+                yield self.make_problem(op, a, b)
+
+    def iterate(self, seed: int | None = None) -> Iterator[Problem]:
+        """Infinite deterministic stream of training problems (never a held-out one)."""
+        return self._stream(self.seed if seed is None else seed, held_out=False)
+
+    def train_problems(self, n: int, *, epoch_or_offset: int = 0) -> list[Problem]:
+        """Block ``epoch_or_offset`` (0-based) of ``n`` problems of the task's training stream."""
+        if n < 0 or epoch_or_offset < 0:
+            raise ValueError(f"n and epoch_or_offset must be >= 0, got {n}, {epoch_or_offset}")
+        start = n * epoch_or_offset
+        return list(itertools.islice(self.iterate(), start, start + n))
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        """``n`` distinct held-out problems, the same list on every call (fixed seed)."""
+        total = len(self.operations) * (self.max_operand + 1) ** 2
+        if n > total * self.held_out_fraction * 0.5:
+            raise ValueError(f"eval_problems: n={n} is too large for {self.digits}-digit problems")
+        seen: set[str] = set()
+        out: list[Problem] = []
+        for p in self._stream(seed=-1, held_out=True):
+            if p.prompt not in seen:
+                seen.add(p.prompt)
+                out.append(p)
+                if len(out) == n:
+                    break
+        return out
+
+
+class ProblemFileError(ValueError):
+    """A problem file is missing, unreadable, or lacks a required column."""
+
+
+def _read_table(path: Path) -> pa.Table:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return pq.read_table(path)
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        # pyarrow.json infers types per column; answers like "46" vs 46 must both work, so read
+        # lines ourselves and let Arrow build the table from Python objects.
+        rows = []
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ProblemFileError(f"{path}:{lineno}: invalid JSON: {exc}") from exc
+        if not rows:
+            raise ProblemFileError(f"{path}: no rows")
+        keys = sorted({k for r in rows for k in r})
+        return pa.table({k: [r.get(k) for r in rows] for k in keys})
+    raise ProblemFileError(f"{path}: unsupported file type {suffix!r}; use .jsonl or .parquet")
+
+
+def load_problem_file(
+    path: str | os.PathLike[str], prompt_column: str = "prompt", answer_column: str = "answer"
+) -> list[Problem]:
+    """Read problems from a JSONL or Parquet file with a prompt and an answer column."""
+    p = Path(path)
+    if not p.is_file():
+        raise ProblemFileError(f"problem file {str(p)!r} does not exist")
+    try:
+        table = _read_table(p)
+    except ProblemFileError:
+        raise
+    except (pa.ArrowException, OSError) as exc:
+        raise ProblemFileError(f"{p}: cannot read: {exc}") from exc
+    for col in (prompt_column, answer_column):
+        if col not in table.column_names:
+            raise ProblemFileError(
+                f"{p}: missing column {col!r}; columns are {table.column_names}"
+            )
+    prompts = table.column(prompt_column).to_pylist()
+    answers = table.column(answer_column).to_pylist()
+    out = []
+    for i, (q, a) in enumerate(zip(prompts, answers, strict=True)):
+        if q is None or a is None:
+            raise ProblemFileError(f"{p}: row {i} has a null {prompt_column!r} or {answer_column!r}")
+        out.append(Problem(prompt=str(q), answer=str(a)))
+    return out

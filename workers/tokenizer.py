@@ -1,0 +1,80 @@
+"""The embedded character-level tokenizer: built locally, saved and loaded as a normal HF tokenizer.
+
+Owns: ``build_char_tokenizer`` (a ``PreTrainedTokenizerFast`` whose vocabulary is three special
+tokens plus one token per character of an alphabet) and the helpers that turn a prompt/answer pair
+into token ids the same way everywhere (warm start, rollout, evaluation).
+
+Invariants:
+- Token ids are fixed by the alphabet order: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3,
+  then the alphabet characters in order. Same alphabet -> same ids, on every machine.
+- Encoding a prompt adds ``<bos>`` in front (a post-processor, so ``tokenizer(prompt)`` does it for
+  any caller); answers are encoded without special tokens and end with ``<eos>`` for training.
+- Decoding concatenates characters (no spaces inserted), so ``decode(encode(s)) == s`` for any
+  string over the alphabet.
+Nothing here downloads anything; the files written by ``save_pretrained`` load with
+``AutoTokenizer.from_pretrained(path, local_files_only=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
+# Digits, the arithmetic operators, '=' and a space: enough for the embedded task and for simple
+# user prompts over the same alphabet. Order matters (it fixes the ids).
+DEFAULT_ALPHABET = "0123456789+-*=() "
+
+
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
+    """A character-level HF fast tokenizer over ``alphabet`` (duplicates are rejected)."""
+    if not alphabet:
+        raise ValueError("alphabet must not be empty")
+    if len(set(alphabet)) != len(alphabet):
+        raise ValueError(f"alphabet has duplicate characters: {alphabet!r}")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Every character is its own word; the special tokens are matched before this split runs.
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",
+    )
+    return tok
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """Prompt token ids as a rollout engine sees them (with the tokenizer's own special tokens)."""
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def encode_answer(tokenizer: PreTrainedTokenizerBase, answer: str) -> list[int]:
+    """Target ids for supervised training: the answer's tokens followed by ``eos``."""
+    ids = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has no eos token; cannot mark the end of an answer")
+    return ids + [int(tokenizer.eos_token_id)]
+
+
+def decode_response(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
+    """Completion text with special tokens (eos, pad) dropped."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The ids that end a generation for this tokenizer (eos; empty if it has none)."""
+    eos = tokenizer.eos_token_id
+    return () if eos is None else (int(eos),)

@@ -1,0 +1,290 @@
+"""The trainer role: GRPO over streamed micro-batches, one optimizer step per iteration.
+
+Lifecycle of the rows of iteration k (the trainer's current step, its weights are version k)::
+
+    claim whole groups -> [iteration > k: park the piece, keep its lease alive]
+                       -> [iteration == k: forward+backward now, write advantages]
+    ... until all rows_per_iteration rows of k are in ...
+    -> scale grads by 1/total_tokens -> clip -> AdamW step   (x updates_per_batch)
+    -> publish weights version k+1 -> ack every lease whose rows are all trained -> report
+
+Why ack only after the step: a trainer that dies mid-iteration has applied nothing, so its rows
+must come back (their leases expire) and be trained by its successor; acking earlier would lose them.
+
+Loss normalisation: each micro-batch backpropagates its loss SUM; gradients are divided by the
+iteration's total response-token count once, before the step (``workers.rl``). So the update is the
+exact token-mean over the whole batch whatever the arrival order — the property that makes
+``periodic`` equal ``sync``.
+
+Old policy: with one update per batch the old policy IS the current policy (its log-probs equal the
+policy's before the step), so no old-policy forward runs and the ratio is exactly 1 on the first
+pass. With ``updates_per_batch > 1`` the first pass records the log-probs of the policy at the start
+of the iteration and later passes use them: the old policy is never a one-step-stale copy.
+
+Staleness: a sample generated with policy version v and trained at step k has staleness k - v. With
+``importance_correction`` the ratio is additionally weighted by min(exp(old - behaviour), is_cap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from storage.schema import ROW_ID, Lease
+from workers.engines.torch_trainer import TrainerEngine
+from workers.events import Span, StepReport
+from workers.reference import rows_to_groups
+from workers.rl import LossSums, group_advantages, grpo_loss_sums
+from workers.trimodel import TriModel
+from workers.weights import WeightPublisher
+
+
+@dataclass
+class TrainerSettings:
+    rows_per_iteration: int
+    group_size: int
+    reference_worker: bool  # ref_logprobs come from the store
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    std_normalize: bool = True
+    updates_per_batch: int = 1
+    importance_correction: bool = False
+    is_cap: float = 2.0
+    temperature: float = 1.0
+    packing: bool = True
+    token_budget: int = 4096
+    rows_per_claim: int = 64
+
+
+@dataclass
+class Piece:
+    """The rows of one lease that belong to one iteration."""
+
+    lease: Lease
+    iteration: int
+    rows: pa.RecordBatch
+    old_logp: list[torch.Tensor] = field(default_factory=list)  # recorded on the first pass
+
+
+@dataclass
+class _Held:
+    lease: Lease
+    untrained: int  # rows of this lease not yet trained
+    lifetime: float  # seconds the store granted at claim time; renewed at half of it
+
+
+class Trainer:
+    """One GRPO trainer over the store. ``poll`` is one claim turn; ``run`` loops until done."""
+
+    def __init__(
+        self,
+        client: Any,
+        table: str,
+        engine: TrainerEngine,
+        tri: TriModel,
+        settings: TrainerSettings,
+        publisher: WeightPublisher,
+        *,
+        worker: str = "trainer-0",
+        send: Callable[[Any], None] = lambda r: None,
+        start_iteration: int = 0,
+        on_step: Callable[[int], None] = lambda it: None,
+    ) -> None:
+        self.client = client
+        self.table = table
+        self.engine = engine
+        self.tri = tri
+        self.s = settings
+        self.publisher = publisher
+        self.worker = worker
+        self.send = send
+        self.on_step = on_step
+        self.step = start_iteration  # = policy version of the current weights
+        self.columns = (
+            "group_id", "iteration", "prompt_ids", "response_ids", "response_logprobs",
+            "policy_version", "reward", "reward_ok",
+        ) + (("ref_logprobs",) if settings.reference_worker else ())
+        self._parked: dict[int, list[Piece]] = {}
+        self._done: list[Piece] = []  # pieces of the current iteration already on the first pass
+        self._held: dict[int, _Held] = {}
+        self._rows_in = 0
+        self._sums = LossSums()
+        self._staleness: list[int] = []
+        self._rewards: list[float] = []
+        self._failures = 0
+        self._first_at: float | None = None
+        self._busy = 0.0
+
+    # ------------------------------------------------------------------ the loop
+    def publish_current(self) -> None:
+        """Publish the current weights as version ``step`` (start-up and resume)."""
+        self.publisher.publish(self.engine.state_dict(), self.step)
+
+    def poll(self, timeout_s: float) -> bool:
+        """One claim turn; returns True when it completed an iteration (a step was taken)."""
+        self._keep_leases_alive()
+        lease = self.client.claim(
+            self.table, "trainer", list(self.columns), self.s.rows_per_claim,
+            whole_groups=True, timeout=timeout_s,
+        )
+        if lease.num_rows:
+            self._accept(lease)
+        for piece in self._parked.pop(self.step, []):
+            self._train_first_pass(piece)
+        if self._rows_in >= self.s.rows_per_iteration:
+            self._finish_iteration()
+            return True
+        return False
+
+    def _accept(self, lease: Lease) -> None:
+        iterations = lease.batch.column("iteration").to_numpy()
+        self._held[lease.lease_id] = _Held(lease, lease.num_rows, max(lease.deadline - time.time(), 1.0))
+        for it in sorted(set(iterations.tolist())):
+            rows = lease.batch.filter(pa.array(iterations == it))
+            piece = Piece(lease, int(it), rows)
+            if it == self.step:
+                self._train_first_pass(piece)
+            elif it > self.step:
+                self._parked.setdefault(int(it), []).append(piece)
+            else:  # already trained before a restart from an older checkpoint is impossible
+                raise RuntimeError(f"rows of iteration {it} delivered at step {self.step}")
+
+    # ------------------------------------------------------------------ compute
+    def _forward(self, piece: Piece, first_pass: bool) -> tuple[torch.Tensor, LossSums]:
+        rows = piece.rows
+        groups, where = rows_to_groups(rows)
+        out = self.tri.forward(
+            groups, temperature=self.s.temperature, token_budget=self.s.token_budget,
+            pack=self.s.packing,
+        )
+        logp_rows = [out.policy[g][r] for g, r in where]
+        logp = pad_sequence(logp_rows, batch_first=True)
+        mask = pad_sequence([torch.ones(len(x)) for x in logp_rows], batch_first=True)
+        if first_pass:
+            piece.old_logp = [x.detach() for x in logp_rows]
+        old = pad_sequence(piece.old_logp, batch_first=True)
+        ref = None
+        if self.s.kl_coef > 0:
+            if self.s.reference_worker:
+                ref = _pad_lists(rows.column("ref_logprobs").to_pylist())
+            else:
+                ref = pad_sequence([out.ref[g][r] for g, r in where], batch_first=True)
+        behaviour = _pad_lists(rows.column("response_logprobs").to_pylist())
+        rewards = torch.tensor(rows.column("reward").to_pylist(), dtype=torch.float32)
+        group_ids = torch.tensor(rows.column("group_id").to_pylist(), dtype=torch.int64)
+        adv = group_advantages(
+            rewards, group_ids, group_size=self.s.group_size, std_normalize=self.s.std_normalize
+        )
+        loss_sum, sums = grpo_loss_sums(
+            logp, old, ref, adv, mask, clip_eps=self.s.clip_eps, kl_coef=self.s.kl_coef,
+            behaviour_logp=behaviour, is_correction=self.s.importance_correction, is_cap=self.s.is_cap,
+        )
+        if first_pass:
+            self._write_advantages(piece, adv)
+        return loss_sum, sums
+
+    def _train_first_pass(self, piece: Piece) -> None:
+        start = time.time()
+        self._first_at = self._first_at or start
+        loss_sum, sums = self._forward(piece, first_pass=True)
+        self.engine.backward(loss_sum)
+        self._sums = self._sums + sums
+        rows = piece.rows
+        self._rows_in += rows.num_rows
+        self._staleness += [self.step - v for v in rows.column("policy_version").to_pylist()]
+        self._rewards += rows.column("reward").to_pylist()
+        self._failures += sum(1 for ok in rows.column("reward_ok").to_pylist() if not ok)
+        self._done.append(piece)
+        end = time.time()
+        self._busy += end - start
+        self.send(Span("trainer", self.worker, start, end, piece.iteration, rows.num_rows, sums.num_tokens))
+
+    def _write_advantages(self, piece: Piece, adv: torch.Tensor) -> None:
+        batch = pa.RecordBatch.from_pydict(
+            {ROW_ID: piece.rows.column(ROW_ID), "advantage": pa.array(adv.tolist(), pa.float32())}
+        )
+        self.client.write(self.table, piece.lease, batch)
+
+    def _finish_iteration(self) -> None:
+        start = time.time()
+        num_tokens = max(self._sums.num_tokens, 1)
+        grad_norm = self.engine.step(1.0 / num_tokens)
+        for _ in range(self.s.updates_per_batch - 1):  # PPO-style extra passes (old = start of iteration)
+            total = 0
+            for piece in self._done:
+                loss_sum, sums = self._forward(piece, first_pass=False)
+                self.engine.backward(loss_sum)
+                total += sums.num_tokens
+            grad_norm = self.engine.step(1.0 / max(total, 1))
+        self.step += 1
+        published = self.publisher.publish(self.engine.state_dict(), self.step)
+        for piece in self._done:
+            held = self._held[piece.lease.lease_id]
+            held.untrained -= piece.rows.num_rows
+            if held.untrained == 0:
+                self.client.ack(held.lease)
+                del self._held[piece.lease.lease_id]
+        end = time.time()
+        self._busy += end - start
+        means = self._sums.means()
+        rewards = torch.tensor(self._rewards) if self._rewards else torch.zeros(1)
+        self.send(Span("trainer", self.worker, start, end, self.step - 1, 0, 0))
+        self.send(
+            StepReport(
+                iteration=self.step - 1,
+                policy_version=self.step,
+                samples=self._rows_in,
+                response_tokens=self._sums.num_tokens,
+                loss=means["loss"],
+                kl=means["kl"],
+                clip_fraction=means["clip_fraction"],
+                grad_norm=grad_norm,
+                reward_mean=float(rewards.mean()),
+                reward_std=float(rewards.std()) if len(self._rewards) > 1 else 0.0,
+                reward_failures=self._failures,
+                staleness_mean=sum(self._staleness) / max(len(self._staleness), 1),
+                staleness_max=max(self._staleness, default=0),
+                importance_weight_mean=means["is_weight_mean"],
+                ratio_mean=means["ratio_mean"],
+                ratio_max=means["ratio_max"],
+                step_seconds=end - (self._first_at or start),
+                publish_seconds=published.seconds,
+                publish_bytes=published.bytes,
+                busy_seconds=self._busy,
+            )
+        )
+        self._done, self._rows_in, self._sums = [], 0, LossSums()
+        self._staleness, self._rewards, self._failures = [], [], 0
+        self._first_at, self._busy = None, 0.0
+        self.on_step(self.step)
+
+    def release_held(self) -> None:
+        """Clean stop: hand every held lease back at once (not counted as a failed delivery);
+        the successor retrains the unfinished iteration from the last published weights."""
+        for held in self._held.values():
+            self.client.release(held.lease)
+        self._held.clear()
+
+    def _keep_leases_alive(self) -> None:
+        """Held leases outlive one claim turn (rows wait for the step): renew them in time."""
+        if not self._held:
+            return
+        now = time.time()
+        for held in self._held.values():
+            if held.lease.deadline - now < held.lifetime / 2:
+                deadline = self.client.extend(held.lease)
+                held.lease = _with_deadline(held.lease, deadline)
+
+
+def _with_deadline(lease: Lease, deadline: float) -> Lease:
+    return Lease(lease.lease_id, lease.table, lease.task, lease.shard_id, deadline, lease.batch)
+
+
+def _pad_lists(values: list[list[float]]) -> torch.Tensor:
+    return pad_sequence([torch.tensor(v, dtype=torch.float32) for v in values], batch_first=True)
