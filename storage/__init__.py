@@ -36,9 +36,21 @@ def __getattr__(name: str) -> Any:
         return getattr(server, name)
     raise AttributeError(f"module 'storage' has no attribute {name!r}")
 
+
 __all__ = [
-    "Client", "CurveClientKeys", "EmbeddedStore", "Lease", "Server", "ServerConfig", "StoreError",
-    "TableSpec", "TableStats", "TaskSpec", "connect", "embedded", "serve",
+    "Client",
+    "CurveClientKeys",
+    "EmbeddedStore",
+    "Lease",
+    "Server",
+    "ServerConfig",
+    "StoreError",
+    "TableSpec",
+    "TableStats",
+    "TaskSpec",
+    "connect",
+    "embedded",
+    "serve",
 ]
 
 
@@ -50,14 +62,22 @@ class EmbeddedStore:
     ``client()`` is thread-safe; each Client it returns belongs to the thread that uses it.
     """
 
-    def __init__(self, num_shards: int = 1, *, node_index: int = 0, tcp: bool = False,
-                 metrics_port: int | None = None, **client_kwargs: Any) -> None:
+    def __init__(
+        self,
+        num_shards: int = 1,
+        *,
+        node_index: int = 0,
+        tcp: bool = False,
+        metrics_port: int | None = None,
+        **client_kwargs: Any,
+    ) -> None:
         from storage.server import Server, ServerConfig, inproc_address
 
         self.context = zmq.Context()
         bind = "tcp://127.0.0.1:0" if tcp else inproc_address()
-        config = ServerConfig(bind=(bind,), num_shards=num_shards, node_index=node_index,
-                              metrics_port=metrics_port)
+        config = ServerConfig(
+            bind=(bind,), num_shards=num_shards, node_index=node_index, metrics_port=metrics_port
+        )
         self.server: Server = Server(config, context=self.context).start()
         self.address = self.server.addresses[0]
         self._client_kwargs = client_kwargs

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  # Array.take imports it lazily (~80 ms): pay that at start-up
 
 # Beyond this many runs of alternating sources, gathering per source and permuting once is cheaper
 # than one small ``take`` per run.
@@ -37,7 +38,7 @@ def _take(arr: pa.Array, off: np.ndarray) -> pa.Array:
     o0 = int(off[0])
     if n == 1:
         return arr.slice(o0, 1)
-    if int(off[-1]) - o0 == n - 1 and bool((np.diff(off) == 1).all()):
+    if int(off[-1]) - o0 == n - 1 and bool((off[1:] - off[:-1] == 1).all()):
         return arr.slice(o0, n)
     return arr.take(pa.array(off, type=pa.int64()))
 

@@ -8,15 +8,29 @@ puts, a reward consumer (claims ``response_ids``, writes ``reward``), a referenc
 ``prompt_ids, response_ids``, writes ``ref_logprobs``) and a trainer (claims all five, acks).
 The trainer checks every row arrives exactly once with the values its upstream tasks wrote.
 
+The clock. Every process is started, has imported everything, connected, made one round trip
+and (producer) built all its batches before "go"; the window runs from "go" to the trainer's
+last ack. Building the producer's rows is the producer's work, not the store's, so it is done
+before the clock starts, as the limit's sender also sends a pre-built payload.
+
 Figures (the JSON object on the last line):
-- ``rows_per_second``: W1 rows / wall time from "go" to the trainer's last ack.
-- ``bytes_per_second``: Arrow body bytes through the store node (puts + writes in, claim replies
-  out) / the same wall time. ``trainer_bytes_per_second``: only what the trainer received.
-- ``limit_bytes_per_second``: a raw ZeroMQ stream (PUSH/PULL, zero-copy) of the same Arrow IPC
-  bytes (64-row batches of all five columns) between two processes, decoded by the receiver.
+- ``rows_per_second``: W1 rows / window.
+- ``bytes_per_second``: Arrow bytes that crossed the store node's socket / window. Every Arrow
+  body counts once, with its IPC record-batch size (``pa.ipc.get_record_batch_size``: the
+  message the wire carries, metadata and padding included; msgpack headers are not counted):
+  put bodies and write bodies (``row_id`` column included) in, claim replies (requested columns
+  + ``row_id`` + ``deliveries``) out. ``trainer_bytes_per_second``: only the trainer's claims.
+- ``limit_bytes_per_second``: a raw ZeroMQ PUSH->PULL stream, zero-copy, between two processes,
+  of 64-row Arrow IPC batches of all five W1 columns (decoded by the receiver), counted the same
+  way (IPC record-batch size per message). It has no request/reply round trips and no small
+  messages; the store's W1 has 4 round trips per 64 rows: a put, and per consumer one claim that
+  also acks (reward/reference: writes and acks) the consumer's previous lease.
 - ``ratio_to_limit`` = bytes_per_second / limit_bytes_per_second.
-- ``claim_p50_ms`` / ``claim_p99_ms``: W1 claims that found rows ready (request to decoded lease;
-  waits for rows not yet produced are long polls and are counted in ``claim_waits`` instead).
+- ``claim_p50_ms`` / ``claim_p99_ms``: W1 claims that found rows ready (request to decoded lease,
+  the piggybacked write/ack of the previous lease included; waits for rows not yet produced are
+  long polls and are counted in ``claim_waits`` instead).
+- ``cpu_seconds``: CPU time (user + sys, all threads) per process during the window, and
+  ``cpu_busy_ratio`` = their sum / (window x cores): near 1.0 means the run is CPU-bound.
 - ``claim_p50_ms_by_resident``: claim(64 rows) + release latency p50 with 1k/10k/100k rows
   resident (the store's scheduling cost must not grow with resident rows).
 - ``small_rows_per_second``: put + claim + ack of 8-byte rows in batches of 10,000, one client.
@@ -48,20 +62,25 @@ ALL_COLUMNS = ["prompt_ids", "response_ids", "response_logprobs", "reward", "ref
 
 
 def w1_schema() -> pa.Schema:
-    return pa.schema([
-        ("prompt_ids", pa.list_(pa.int32())),
-        ("response_ids", pa.list_(pa.int32())),
-        ("response_logprobs", pa.list_(pa.float32())),
-        ("reward", pa.float32()),
-        ("ref_logprobs", pa.list_(pa.float32())),
-    ])
+    return pa.schema(
+        [
+            ("prompt_ids", pa.list_(pa.int32())),
+            ("response_ids", pa.list_(pa.int32())),
+            ("response_logprobs", pa.list_(pa.float32())),
+            ("reward", pa.float32()),
+            ("ref_logprobs", pa.list_(pa.float32())),
+        ]
+    )
 
 
 def w1_spec(name: str = "w1") -> Any:
     from storage.schema import TableSpec, TaskSpec
 
-    tasks = (TaskSpec("reward", W1_TASKS["reward"]), TaskSpec("reference", W1_TASKS["reference"]),
-             TaskSpec("trainer", tuple(ALL_COLUMNS)))
+    tasks = (
+        TaskSpec("reward", W1_TASKS["reward"]),
+        TaskSpec("reference", W1_TASKS["reference"]),
+        TaskSpec("trainer", tuple(ALL_COLUMNS)),
+    )
     return TableSpec(name, w1_schema(), tasks, lease_seconds=60.0)
 
 
@@ -75,11 +94,18 @@ def w1_batch(start: int, n: int, rng: np.random.Generator) -> pa.RecordBatch:
     """n producer rows; response_ids[i][0] = start + i so the trainer can check values."""
     resp = rng.integers(0, 32000, size=(n, RESPONSE_LEN), dtype=np.int32)
     resp[:, 0] = np.arange(start, start + n, dtype=np.int32)
-    return pa.RecordBatch.from_arrays([
-        _lists(rng.integers(0, 32000, size=n * PROMPT_LEN, dtype=np.int32), PROMPT_LEN, pa.int32()),
-        _lists(resp.ravel(), RESPONSE_LEN, pa.int32()),
-        _lists(rng.standard_normal(n * RESPONSE_LEN, dtype=np.float32), RESPONSE_LEN, pa.float32()),
-    ], names=["prompt_ids", "response_ids", "response_logprobs"])
+    return pa.RecordBatch.from_arrays(
+        [
+            _lists(
+                rng.integers(0, 32000, size=n * PROMPT_LEN, dtype=np.int32), PROMPT_LEN, pa.int32()
+            ),
+            _lists(resp.ravel(), RESPONSE_LEN, pa.int32()),
+            _lists(
+                rng.standard_normal(n * RESPONSE_LEN, dtype=np.float32), RESPONSE_LEN, pa.float32()
+            ),
+        ],
+        names=["prompt_ids", "response_ids", "response_logprobs"],
+    )
 
 
 def _first_token(batch: pa.RecordBatch) -> np.ndarray:
@@ -90,32 +116,47 @@ def _first_token(batch: pa.RecordBatch) -> np.ndarray:
 # -- W1 roles (each in its own process) -----------------------------------------------------------
 
 
+def ipc_size(batch: pa.RecordBatch) -> int:
+    """Bytes of ``batch`` as one Arrow IPC record-batch message (what the wire carries)."""
+    return int(pa.ipc.get_record_batch_size(batch))
+
+
 def _role(role: str, address: str, rows: int, go: Any, out: Any) -> None:
     import storage
-    from storage import wire
 
     c = storage.connect(address, request_timeout=120)
     c.tables()  # connected and warm before the clock starts
+    batches = []
+    if role == "producer":  # the rows are the producer's work, not the store's: built up front
+        rng = np.random.default_rng(0)
+        batches = [w1_batch(s, min(MICRO, rows - s), rng) for s in range(0, rows, MICRO)]
     out.put(("ready", role))
     go.wait()
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     lat: list[float] = []
     waits, nbytes, seen = 0, 0, []
     if role == "producer":
-        rng = np.random.default_rng(0)
-        for start in range(0, rows, MICRO):
-            batch = w1_batch(start, min(MICRO, rows - start), rng)
-            nbytes += len(wire.write_batch(batch))
+        for batch in batches:
+            nbytes += ipc_size(batch)
             seen += c.put("w1", batch, timeout=120).tolist()
-        out.put((role, {"t0": t0, "t1": time.time(), "bytes": nbytes, "rows": seen}))
+        cpu = time.process_time() - cpu0
+        out.put((role, {"t0": t0, "t1": time.time(), "cpu": cpu, "bytes": nbytes, "rows": seen}))
         return
     task = role
-    columns = {"reward": ["response_ids"], "reference": ["prompt_ids", "response_ids"],
-               "trainer": ALL_COLUMNS}[role]
+    columns = {
+        "reward": ["response_ids"],
+        "reference": ["prompt_ids", "response_ids"],
+        "trainer": ALL_COLUMNS,
+    }[role]
     ok = True
+    # Each turn acks (and writes) the previous lease in the same request as the next claim:
+    # 1 round trip per 64 rows per consumer (the last lease is acked on its own).
+    prev: Any = None  # the lease processed last turn, acked by this turn's claim
+    prev_out: pa.RecordBatch | None = None  # the columns to write under it (None: ack only)
     while len(seen) < rows:
         t = time.perf_counter()
-        lease = c.claim("w1", task, columns, MICRO, timeout=0)
+        lease = c.claim("w1", task, columns, MICRO, timeout=0, ack=prev, write=prev_out)
+        prev = prev_out = None
         if lease.num_rows:
             lat.append(time.perf_counter() - t)
         else:
@@ -123,25 +164,45 @@ def _role(role: str, address: str, rows: int, go: Any, out: Any) -> None:
             lease = c.claim("w1", task, columns, MICRO, timeout=30)
             if not lease.num_rows:
                 break
-        nbytes += lease.batch.nbytes
+        nbytes += ipc_size(lease.batch)
         seen += lease.row_ids
         first = _first_token(lease.batch)
+        row_id = lease.batch.column("row_id")
         if role == "reward":
-            reward = pa.record_batch({"reward": pa.array(first.astype(np.float32))})
-            nbytes += reward.nbytes
-            c.write("w1", lease, reward, ack=True)
+            prev_out = pa.record_batch(
+                {"row_id": row_id, "reward": pa.array(first.astype(np.float32))}
+            )
         elif role == "reference":
-            ref = np.repeat(first.astype(np.float32), RESPONSE_LEN)
-            batch = pa.record_batch({"ref_logprobs": _lists(ref, RESPONSE_LEN, pa.float32())})
-            nbytes += batch.nbytes
-            c.write("w1", lease, batch, ack=True)
+            ref = _lists(
+                np.repeat(first.astype(np.float32), RESPONSE_LEN), RESPONSE_LEN, pa.float32()
+            )
+            prev_out = pa.record_batch({"row_id": row_id, "ref_logprobs": ref})
         else:
             reward = lease.batch.column("reward").to_numpy()
             ref = lease.batch.column("ref_logprobs").values.to_numpy()[::RESPONSE_LEN]
             ok = ok and bool((reward == first).all() and (ref == first).all())
-            c.ack(lease)
-    out.put((role, {"t0": t0, "t1": time.time(), "bytes": nbytes, "rows": seen, "lat": lat,
-                    "waits": waits, "values_ok": ok}))
+        if prev_out is not None:
+            nbytes += ipc_size(prev_out)
+        prev = lease
+    if prev is not None and prev_out is not None:
+        c.write("w1", prev, prev_out, ack=True)
+    elif prev is not None:
+        c.ack(prev)
+    out.put(
+        (
+            role,
+            {
+                "t0": t0,
+                "t1": time.time(),
+                "cpu": time.process_time() - cpu0,
+                "bytes": nbytes,
+                "rows": seen,
+                "lat": lat,
+                "waits": waits,
+                "values_ok": ok,
+            },
+        )
+    )
 
 
 def _limit_receiver(address: str, count: int, out: Any) -> None:
@@ -151,12 +212,14 @@ def _limit_receiver(address: str, count: int, out: Any) -> None:
     sock = ctx.socket(zmq.PULL)
     sock.bind(address)
     out.put(("bound", sock.getsockopt_string(zmq.LAST_ENDPOINT)))
-    total, t0 = 0, None
-    for _ in range(count):
+    total, t0 = 0, 0.0
+    for i in range(count):
         frame = sock.recv(copy=False)
-        t0 = t0 or time.perf_counter()
+        if i == 0:  # the warm-up message starts the clock and is not counted
+            t0 = time.perf_counter()
+            continue
         batch = pa.ipc.open_stream(pa.py_buffer(frame.buffer)).read_next_batch()
-        total += len(frame.buffer)
+        total += ipc_size(batch)
         assert batch.num_rows == MICRO
     out.put(("limit", {"bytes": total, "seconds": time.perf_counter() - t0}))
     sock.close(0)
@@ -172,7 +235,8 @@ def measure_limit(min_bytes: int = 256 << 20) -> float:
     batch = w1_batch(0, MICRO, np.random.default_rng(1))
     n = MICRO
     full = batch.append_column("reward", pa.array(np.zeros(n, np.float32))).append_column(
-        "ref_logprobs", batch.column("response_logprobs"))
+        "ref_logprobs", batch.column("response_logprobs")
+    )
     payload = wire.write_batch(full)
     count = max(64, min_bytes // len(payload))
     ctx_mp = mp.get_context("spawn")
@@ -190,7 +254,7 @@ def measure_limit(min_bytes: int = 256 << 20) -> float:
     proc.join(30)
     sock.close(0)
     ctx.term()
-    return (res["bytes"] - len(payload)) / res["seconds"] if res["seconds"] > 0 else 0.0
+    return res["bytes"] / res["seconds"] if res["seconds"] > 0 else 0.0
 
 
 # -- the store node process -----------------------------------------------------------------------
@@ -201,9 +265,22 @@ class _Node:
         self.dir = tempfile.mkdtemp(prefix="sf-bench-")
         ready = Path(self.dir) / "ready.json"
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-        self.proc = subprocess.Popen([sys.executable, "-m", "storage.server", "--bind",
-                                      "tcp://127.0.0.1:0", "--shards", str(shards),
-                                      "--ready-file", str(ready), "--log-level", "WARNING"], env=env)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "storage.server",
+                "--bind",
+                "tcp://127.0.0.1:0",
+                "--shards",
+                str(shards),
+                "--ready-file",
+                str(ready),
+                "--log-level",
+                "WARNING",
+            ],
+            env=env,
+        )
         deadline = time.monotonic() + 60
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -222,7 +299,17 @@ class _Node:
                 self.proc.wait(15)
 
 
-def run_w1(address: str, rows: int) -> dict[str, Any]:
+def _cpu_seconds(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+def run_w1(address: str, rows: int, node_pid: int | None = None) -> dict[str, Any]:
+    """W1 against the node at ``address``; ``node_pid`` adds the node's CPU time to the figures."""
     import storage
 
     with storage.connect(address) as c:
@@ -230,24 +317,30 @@ def run_w1(address: str, rows: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
     roles = ["producer", "reward", "reference", "trainer"]
-    procs = [ctx.Process(target=_role, args=(r, address, rows, go, out), daemon=True) for r in roles]
+    procs = [
+        ctx.Process(target=_role, args=(r, address, rows, go, out), daemon=True) for r in roles
+    ]
     for p in procs:
         p.start()
     for _ in roles:  # every role imported, connected and warm: "go" starts the clock
         tag, _role_name = out.get(timeout=120)
         assert tag == "ready"
+    node_cpu0 = _cpu_seconds(node_pid)
     t_go = time.time()
     go.set()
-    res = {}
+    res, node_cpu = {}, 0.0
     for _ in roles:
         role, data = out.get(timeout=600)
         res[role] = data
+        if role == "trainer":  # the window ends with the trainer's last ack
+            node_cpu = _cpu_seconds(node_pid) - node_cpu0
     for p in procs:
         p.join(30)
     produced, trained = res["producer"]["rows"], res["trainer"]["rows"]
     elapsed = res["trainer"]["t1"] - t_go
     lat = np.array([x for r in ("reward", "reference", "trainer") for x in res[r]["lat"]] or [0.0])
     store_bytes = sum(res[r]["bytes"] for r in roles)
+    cpu = {"node": node_cpu, **{r: res[r]["cpu"] for r in roles}}
     return {
         "rows": rows,
         "seconds": elapsed,
@@ -259,6 +352,8 @@ def run_w1(address: str, rows: int) -> dict[str, Any]:
         "claim_p50_ms": float(np.percentile(lat, 50) * 1e3),
         "claim_p99_ms": float(np.percentile(lat, 99) * 1e3),
         "claim_waits": sum(res[r]["waits"] for r in ("reward", "reference", "trainer")),
+        "cpu_seconds": cpu,
+        "cpu_busy_ratio": sum(cpu.values()) / (elapsed * (os.cpu_count() or 1)),
     }
 
 
@@ -275,8 +370,12 @@ def claim_sweep(address: str, resident: Sequence[int], iters: int = 200) -> dict
             c.create_table(TableSpec(name, schema, (TaskSpec("a", ("x",)), TaskSpec("b", ("x",)))))
             for start in range(0, n, 10_000):
                 k = min(10_000, n - start)
-                c.put(name, pa.record_batch({"x": np.arange(start, start + k),
-                                             "y": np.zeros(k, np.float32)}))
+                c.put(
+                    name,
+                    pa.record_batch(
+                        {"x": np.arange(start, start + k), "y": np.zeros(k, np.float32)}
+                    ),
+                )
             lat = []
             for _ in range(iters):
                 t = time.perf_counter()
@@ -320,17 +419,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     node = _Node()
     try:
         limit = measure_limit(args.limit_mib << 20)
-        w1 = run_w1(node.address, args.rows)
+        w1 = run_w1(node.address, args.rows, node.proc.pid)
         sweep = claim_sweep(node.address, [int(x) for x in args.resident.split(",") if x])
         small = small_rows(node.address, args.small_rows)
     finally:
         node.stop()
-    result = {**w1, "limit_bytes_per_second": limit,
-              "ratio_to_limit": w1["bytes_per_second"] / limit if limit else 0.0,
-              "claim_p50_ms_by_resident": sweep, "small_rows_per_second": small}
+    result = {
+        **w1,
+        "limit_bytes_per_second": limit,
+        "ratio_to_limit": w1["bytes_per_second"] / limit if limit else 0.0,
+        "claim_p50_ms_by_resident": sweep,
+        "small_rows_per_second": small,
+    }
     print(f"{'metric':34s} value")
     for key, value in result.items():
-        shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
+        if isinstance(value, dict):
+            shown = ", ".join(f"{k}={v:.3f}" for k, v in value.items())
+        else:
+            shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
         print(f"{key:34s} {shown}")
     if args.json:
         print(json.dumps(result))

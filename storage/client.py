@@ -75,10 +75,15 @@ class _Conn:
 class Client:
     """Talks to one or more store nodes. Use from one thread; ``close()`` when done."""
 
-    def __init__(self, addresses: str | Sequence[str], *, context: zmq.Context | None = None,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
-                 curve: CurveClientKeys | None = None) -> None:
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        *,
+        context: zmq.Context | None = None,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+        curve: CurveClientKeys | None = None,
+    ) -> None:
         if isinstance(addresses, str):
             addresses = [addresses]
         if not addresses:
@@ -93,7 +98,9 @@ class Client:
         self._rr = 0
 
     # -- plumbing --------------------------------------------------------------------------------
-    def _send(self, conn: _Conn, verb: str, args: dict[str, Any], bodies: Sequence[Any] = ()) -> int:
+    def _send(
+        self, conn: _Conn, verb: str, args: dict[str, Any], bodies: Sequence[Any] = ()
+    ) -> int:
         req_id = next(self._req_ids)
         conn.sock.send_multipart(wire.encode_request(verb, req_id, args, bodies), copy=False)
         return req_id
@@ -112,8 +119,15 @@ class Client:
                 return reply
             # A reply to an earlier request (e.g. a cancelled claim): not ours, drop it.
 
-    def _call(self, conn: _Conn, verb: str, args: dict[str, Any], bodies: Sequence[Any] = (),
-              *, wait: float = 0.0) -> wire.Reply:
+    def _call(
+        self,
+        conn: _Conn,
+        verb: str,
+        args: dict[str, Any],
+        bodies: Sequence[Any] = (),
+        *,
+        wait: float = 0.0,
+    ) -> wire.Reply:
         req_id = self._send(conn, verb, args, bodies)
         reply = self._recv(conn, req_id, wait + self.request_timeout)
         if reply.error is not None:
@@ -157,23 +171,34 @@ class Client:
 
     def stats(self, table: str) -> TableStats:
         """Per-shard, per-task counts, merged over every node."""
-        parts = [wire.stats_from_wire(self._call(c, "stats", {"table": table}).result["stats"])
-                 for c in self._conns]
+        parts = [
+            wire.stats_from_wire(self._call(c, "stats", {"table": table}).result["stats"])
+            for c in self._conns
+        ]
         return wire.merge_stats(parts)
 
     def clear(self, table: str, *, dead: bool = False) -> int:
         """Free consumed rows (and DEAD ones with dead=True); returns rows freed."""
-        return sum(int(self._call(c, "clear", {"table": table, "dead": dead}).result["freed"])
-                   for c in self._conns)
+        return sum(
+            int(self._call(c, "clear", {"table": table, "dead": dead}).result["freed"])
+            for c in self._conns
+        )
 
     def snapshot(self, table: str) -> list[str]:
         """Snapshot the table on every node; returns the snapshot paths."""
-        return [str(self._call(c, "snapshot", {"table": table}).result["path"])
-                for c in self._conns]
+        return [
+            str(self._call(c, "snapshot", {"table": table}).result["path"]) for c in self._conns
+        ]
 
     # -- data verbs ------------------------------------------------------------------------------
-    def put(self, table: str, data: pa.RecordBatch | pa.Table, *, timeout: float = 30.0,
-            shard_id: int | None = None) -> np.ndarray:
+    def put(
+        self,
+        table: str,
+        data: pa.RecordBatch | pa.Table,
+        *,
+        timeout: float = 30.0,
+        shard_id: int | None = None,
+    ) -> np.ndarray:
         """Create rows; returns their uint64 row ids. Waits server-side up to ``timeout`` s for
         capacity, then raises StoreFull."""
         batch = wire.to_batch(data)
@@ -181,9 +206,13 @@ class Client:
             conn = self._conn_for_shard(shard_id)
         else:
             conn = self._shallowest()
-        reply = self._call(conn, "put", {"table": table, "timeout": float(timeout),
-                                         "shard_id": shard_id},
-                           [wire.write_batch(batch)], wait=timeout)
+        reply = self._call(
+            conn,
+            "put",
+            {"table": table, "timeout": float(timeout), "shard_id": shard_id},
+            [wire.write_batch(batch)],
+            wait=timeout,
+        )
         conn.depth = int(reply.result.get("depth", 0))
         return wire.row_ids_from_bytes(reply.result["row_ids"])
 
@@ -194,38 +223,110 @@ class Client:
         n = len(self._conns)
         return min((self._conns[(self._rr + i) % n] for i in range(n)), key=lambda c: c.depth)
 
-    def claim(self, table: str, task: str, columns: Sequence[str], max_rows: int, *,
-              min_rows: int = 1, whole_groups: bool = False, timeout: float = 0.0,
-              lease_seconds: float | None = None) -> Lease:
+    def claim(
+        self,
+        table: str,
+        task: str,
+        columns: Sequence[str],
+        max_rows: int,
+        *,
+        min_rows: int = 1,
+        whole_groups: bool = False,
+        timeout: float = 0.0,
+        lease_seconds: float | None = None,
+        ack: Lease | None = None,
+        write: pa.RecordBatch | pa.Table | None = None,
+    ) -> Lease:
         """Lease up to ``max_rows`` rows ready for ``task``. Waits server-side up to ``timeout`` s
         for ``min_rows`` rows; at the timeout takes whatever is ready (possibly an empty lease,
-        ``num_rows == 0``, which needs no ack). Raises ShuttingDown if a node shuts down."""
-        args = {"table": table, "task": task, "columns": list(columns), "max_rows": int(max_rows),
-                "min_rows": int(min_rows), "whole_groups": bool(whole_groups),
-                "lease_seconds": lease_seconds}
+        ``num_rows == 0``, which needs no ack). Raises ShuttingDown if a node shuts down.
+
+        ``ack``: the consumer's previous lease (same table), acked before the claim in the same
+        round trip, the way a streaming consumer turns "ack; claim next" into one request. With
+        ``write``, those columns are first written under ``ack`` (as ``write(..., ack=True)``;
+        ``row_id`` is added from the lease when absent). Order and failure rules (wire.py):
+        if the write/ack is refused (``LeaseExpired``/``UnknownLease`` when fenced,
+        ``CellAlreadyWritten``, ``SchemaMismatch``, ``BadRequest``), or the claim's own arguments
+        are bad, that error is raised and nothing was applied: no cell written, nothing acked,
+        no row leased, exactly as if the plain write/ack had raised. If the ack went through and
+        the claim then fails (``ShuttingDown`` while waiting, table dropped), the error is raised
+        with ``exc.acked = True``. An empty ``ack`` lease (``lease_id == 0``) is ignored. Usage::
+
+            lease = client.claim(t, "reward", cols, 64, timeout=1.0)
+            while lease.num_rows:
+                out = score(lease)              # row_id + the reward column
+                lease = client.claim(t, "reward", cols, 64, timeout=1.0, ack=lease, write=out)
+        """
+        args = {
+            "table": table,
+            "task": task,
+            "columns": list(columns),
+            "max_rows": int(max_rows),
+            "min_rows": int(min_rows),
+            "whole_groups": bool(whole_groups),
+            "lease_seconds": lease_seconds,
+        }
+        piggy: tuple[Lease, list[Any]] | None = None
+        if write is not None and (ack is None or not ack.lease_id):
+            raise ValueError("claim(write=...) needs the lease to write under as ack=")
+        if ack is not None and ack.lease_id:
+            if ack.table != table:
+                raise ValueError(
+                    f"claim(ack=...): the lease is of table {ack.table!r}, not {table!r}"
+                )
+            bodies: list[Any] = []
+            if write is not None:
+                batch = wire.to_batch(write)
+                if ROW_ID not in batch.schema.names:
+                    batch = _with_row_ids(batch, ack.batch.column(ROW_ID))
+                bodies.append(wire.write_batch(batch))
+            piggy = (ack, bodies)
         if len(self._conns) == 1:
-            return self._claim_one(self._conns[0], args, float(timeout))
-        return self._claim_many(args, float(timeout))
+            return self._claim_one(self._conns[0], args, float(timeout), piggy)
+        return self._claim_many(args, float(timeout), piggy)
 
     def _lease(self, args: dict[str, Any], reply: wire.Reply) -> Lease:
         batch = wire.read_batch(reply.bodies[0], "claim reply") if reply.bodies else None
         if batch is None:
             raise StoreError("claim reply without a batch")
         r = reply.result
-        return Lease(int(r["lease_id"]), args["table"], args["task"], int(r["shard_id"]),
-                     float(r["deadline"]), batch)
+        return Lease(
+            int(r["lease_id"]),
+            args["table"],
+            args["task"],
+            int(r["shard_id"]),
+            float(r["deadline"]),
+            batch,
+        )
 
-    def _claim_one(self, conn: _Conn, args: dict[str, Any], timeout: float) -> Lease:
-        reply = self._call(conn, "claim", {**args, "timeout": timeout}, wait=timeout)
+    def _claim_one(
+        self,
+        conn: _Conn,
+        args: dict[str, Any],
+        timeout: float,
+        piggy: tuple[Lease, list[Any]] | None = None,
+    ) -> Lease:
+        wire_args = {**args, "timeout": timeout}
+        bodies: list[Any] = []
+        if piggy is not None:
+            wire_args["ack_lease_id"] = piggy[0].lease_id
+            bodies = piggy[1]
+        reply = self._call(conn, "claim", wire_args, bodies, wait=timeout)
         return self._lease(args, reply)
 
-    def _claim_many(self, args: dict[str, Any], timeout: float) -> Lease:
-        # 1) probe every node without waiting, fullest-first is unknown so round-robin the start.
+    def _claim_many(
+        self, args: dict[str, Any], timeout: float, piggy: tuple[Lease, list[Any]] | None = None
+    ) -> Lease:
+        # 1) probe every node without waiting, fullest-first is unknown so round-robin the start;
+        # a piggybacked ack rides on the probe of the node holding its lease, which goes first.
         self._rr += 1
         order = [self._conns[(self._rr + i) % len(self._conns)] for i in range(len(self._conns))]
+        if piggy is not None:
+            home = self._conn_for_shard(piggy[0].shard_id)
+            order = [home, *(c for c in order if c is not home)]
         last: Lease | None = None
         for conn in order:
-            lease = self._claim_one(conn, args, 0.0)
+            lease = self._claim_one(conn, args, 0.0, piggy if conn is order[0] else None)
             if lease.num_rows >= args["min_rows"] or (timeout <= 0 and lease.num_rows):
                 return lease
             if lease.num_rows:  # fewer than min_rows: hand back, keep looking / waiting
@@ -280,13 +381,20 @@ class Client:
 
     def _cancel_all(self, pending: dict[int, _Conn]) -> None:
         for req_id, conn in pending.items():
-            conn.sock.send_multipart(wire.encode_request("cancel", next(self._req_ids),
-                                                         {"target": req_id}))
+            conn.sock.send_multipart(
+                wire.encode_request("cancel", next(self._req_ids), {"target": req_id})
+            )
             # The cancel's own reply is skipped as stale by the req_id match.
 
-    def write(self, table: str, lease_or_row_ids: Lease | Sequence[int] | np.ndarray,
-              columns: pa.RecordBatch | pa.Table, *, ack: bool = False,
-              overwrite: bool = False) -> None:
+    def write(
+        self,
+        table: str,
+        lease_or_row_ids: Lease | Sequence[int] | np.ndarray,
+        columns: pa.RecordBatch | pa.Table,
+        *,
+        ack: bool = False,
+        overwrite: bool = False,
+    ) -> None:
         """Add columns to existing rows. With a Lease the write is fenced (refused once the lease
         expired) and ``ack=True`` acks the lease atomically with the write. ``columns`` rows are in
         the order of the lease's rows / the given row ids, unless it carries a ``row_id`` column."""
@@ -296,8 +404,12 @@ class Client:
             if ROW_ID not in batch.schema.names:
                 batch = _with_row_ids(batch, lease.batch.column(ROW_ID))
             conn = self._conn_for_shard(lease.shard_id)
-            self._call(conn, "write", {"table": table, "lease_id": lease.lease_id, "ack": ack,
-                                       "overwrite": overwrite}, [wire.write_batch(batch)])
+            self._call(
+                conn,
+                "write",
+                {"table": table, "lease_id": lease.lease_id, "ack": ack, "overwrite": overwrite},
+                [wire.write_batch(batch)],
+            )
             return
         if ack:
             raise ValueError("write(ack=True) needs a Lease, not row ids")
@@ -310,27 +422,40 @@ class Client:
         for node in np.unique(nodes):
             part = batch if len(np.unique(nodes)) == 1 else batch.filter(pa.array(nodes == node))
             conn = self._conn_for_shard(int(node) << 8)
-            self._call(conn, "write", {"table": table, "lease_id": None, "ack": False,
-                                       "overwrite": overwrite}, [wire.write_batch(part)])
+            self._call(
+                conn,
+                "write",
+                {"table": table, "lease_id": None, "ack": False, "overwrite": overwrite},
+                [wire.write_batch(part)],
+            )
 
     def ack(self, lease: Lease) -> None:
         """Mark the lease's rows consumed by its task. Fenced: LeaseExpired/UnknownLease."""
         if lease.lease_id:
-            self._call(self._conn_for_shard(lease.shard_id), "ack",
-                       {"table": lease.table, "lease_id": lease.lease_id})
+            self._call(
+                self._conn_for_shard(lease.shard_id),
+                "ack",
+                {"table": lease.table, "lease_id": lease.lease_id},
+            )
 
     def extend(self, lease: Lease, seconds: float | None = None) -> float:
         """Renew the lease (``seconds`` from now, default the table's); returns the new deadline."""
-        reply = self._call(self._conn_for_shard(lease.shard_id), "extend",
-                           {"table": lease.table, "lease_id": lease.lease_id, "seconds": seconds})
+        reply = self._call(
+            self._conn_for_shard(lease.shard_id),
+            "extend",
+            {"table": lease.table, "lease_id": lease.lease_id, "seconds": seconds},
+        )
         return float(reply.result["deadline"])
 
     def release(self, lease: Lease, error: str | None = None) -> None:
         """Hand the rows back now. ``error`` counts as a failed delivery (and is the dead-letter
         reason if the row ends DEAD); None is a clean hand-back."""
         if lease.lease_id:
-            self._call(self._conn_for_shard(lease.shard_id), "release",
-                       {"table": lease.table, "lease_id": lease.lease_id, "error": error})
+            self._call(
+                self._conn_for_shard(lease.shard_id),
+                "release",
+                {"table": lease.table, "lease_id": lease.lease_id, "error": error},
+            )
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -348,8 +473,9 @@ class Client:
 def _with_row_ids(batch: pa.RecordBatch, row_ids: pa.Array) -> pa.RecordBatch:
     if len(row_ids) != batch.num_rows:
         raise ValueError(f"columns batch has {batch.num_rows} rows but {len(row_ids)} row ids")
-    return pa.RecordBatch.from_arrays([row_ids, *batch.columns],
-                                      names=[ROW_ID, *batch.schema.names])
+    return pa.RecordBatch.from_arrays(
+        [row_ids, *batch.columns], names=[ROW_ID, *batch.schema.names]
+    )
 
 
 def connect(addresses: str | Sequence[str], **kwargs: Any) -> Client:

@@ -24,8 +24,24 @@ from storage.schema import TableStats
 
 DEAD_REASONS = ("lease_expired", "consumer_error", "other")
 _DURATION_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-    2.5, 5.0, 10.0, 30.0, 60.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 
 
@@ -53,55 +69,105 @@ class StoreMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         p = "streamflow_store_"
-        self.queue_depth = Gauge(p + "queue_depth_rows", "Rows READY for a task (queue depth).",
-                                 ["table", "task", "shard"], registry=r)
-        self.in_flight = Gauge(p + "in_flight_rows", "Rows LEASED to a consumer of a task.",
-                               ["table", "task", "shard"], registry=r)
-        self.dead_rows = Gauge(p + "dead_rows", "Rows quarantined (DEAD) for a task, held until clear.",
-                               ["table", "task", "shard"], registry=r)
-        self.memory = Gauge(p + "memory_bytes", "Column bytes held by a table on this node.",
-                            ["table"], registry=r)
-        self.rows_held = Gauge(p + "rows", "Live rows held by a table on this node.",
-                               ["table"], registry=r)
+        self.queue_depth = Gauge(
+            p + "queue_depth_rows",
+            "Rows READY for a task (queue depth).",
+            ["table", "task", "shard"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            p + "in_flight_rows",
+            "Rows LEASED to a consumer of a task.",
+            ["table", "task", "shard"],
+            registry=r,
+        )
+        self.dead_rows = Gauge(
+            p + "dead_rows",
+            "Rows quarantined (DEAD) for a task, held until clear.",
+            ["table", "task", "shard"],
+            registry=r,
+        )
+        self.memory = Gauge(
+            p + "memory_bytes", "Column bytes held by a table on this node.", ["table"], registry=r
+        )
+        self.rows_held = Gauge(
+            p + "rows", "Live rows held by a table on this node.", ["table"], registry=r
+        )
         self.rows_put = Counter(p + "rows_put_total", "Rows created by put.", ["table"], registry=r)
-        self.rows_acked = Counter(p + "rows_acked_total", "Rows consumed (acked) by a task.",
-                                  ["table", "task"], registry=r)
-        self.rows_claimed = Counter(p + "rows_claimed_total", "Rows handed out in leases.",
-                                    ["table", "task"], registry=r)
-        self.rows_redelivered = Counter(p + "rows_redelivered_total",
-                                        "Rows made claimable again after an expiry or failed release.",
-                                        ["table", "task"], registry=r)
-        self.rows_dead = Counter(p + "rows_dead_total", "Rows quarantined, by bounded reason.",
-                                 ["table", "task", "reason"], registry=r)
-        self.lease_expiries = Counter(p + "lease_expiries_total", "Leases that passed their deadline.",
-                                      ["table", "task"], registry=r)
-        self.bytes_received = Counter(p + "bytes_received_total", "Request bytes received.", registry=r)
+        self.rows_acked = Counter(
+            p + "rows_acked_total",
+            "Rows consumed (acked) by a task.",
+            ["table", "task"],
+            registry=r,
+        )
+        self.rows_claimed = Counter(
+            p + "rows_claimed_total", "Rows handed out in leases.", ["table", "task"], registry=r
+        )
+        self.rows_redelivered = Counter(
+            p + "rows_redelivered_total",
+            "Rows made claimable again after an expiry or failed release.",
+            ["table", "task"],
+            registry=r,
+        )
+        self.rows_dead = Counter(
+            p + "rows_dead_total",
+            "Rows quarantined, by bounded reason.",
+            ["table", "task", "reason"],
+            registry=r,
+        )
+        self.lease_expiries = Counter(
+            p + "lease_expiries_total",
+            "Leases that passed their deadline.",
+            ["table", "task"],
+            registry=r,
+        )
+        self.bytes_received = Counter(
+            p + "bytes_received_total", "Request bytes received.", registry=r
+        )
         self.bytes_sent = Counter(p + "bytes_sent_total", "Reply bytes sent.", registry=r)
-        self.bytes_written = Counter(p + "bytes_written_total", "Column bytes added by put and write.",
-                                     ["table"], registry=r)
-        self.request_duration = Histogram(p + "request_duration_seconds",
-                                          "Time from request received to reply sent, per verb "
-                                          "(long-polled claims and parked puts include their wait).",
-                                          ["verb"], buckets=_DURATION_BUCKETS, registry=r)
-        self.bad_requests = Counter(p + "bad_requests_total", "Requests refused as malformed.",
-                                    registry=r)
+        self.bytes_written = Counter(
+            p + "bytes_written_total", "Column bytes added by put and write.", ["table"], registry=r
+        )
+        self.request_duration = Histogram(
+            p + "request_duration_seconds",
+            "Time from request received to reply sent, per verb "
+            "(long-polled claims and parked puts include their wait).",
+            ["verb"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.bad_requests = Counter(
+            p + "bad_requests_total", "Requests refused as malformed.", registry=r
+        )
+        # labels() costs a lock and a dict lookup per call; the hot callbacks (one per request)
+        # keep the children they touched. Bounded like the label sets themselves.
+        self._children: dict[tuple[Any, ...], Any] = {}
         self._gauge_keys: set[tuple[str, str, str]] = set()
         self._tables: set[str] = set()
         self._http: Any = None
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) >= 4096:
+                self._children.clear()
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     # -- NodeEvents ------------------------------------------------------------------------------
     def on_put(self, table: str, shard_id: int, rows: int, nbytes: int) -> None:
-        self.rows_put.labels(table).inc(rows)
-        self.bytes_written.labels(table).inc(nbytes)
+        self._child(self.rows_put, table).inc(rows)
+        self._child(self.bytes_written, table).inc(nbytes)
 
     def on_write(self, table: str, shard_id: int, nbytes: int) -> None:
-        self.bytes_written.labels(table).inc(nbytes)
+        self._child(self.bytes_written, table).inc(nbytes)
 
     def on_claim(self, table: str, task: str, shard_id: int, rows: int) -> None:
-        self.rows_claimed.labels(table, task).inc(rows)
+        self._child(self.rows_claimed, table, task).inc(rows)
 
     def on_ack(self, table: str, task: str, shard_id: int, rows: int) -> None:
-        self.rows_acked.labels(table, task).inc(rows)
+        self._child(self.rows_acked, table, task).inc(rows)
 
     def on_redeliver(self, table: str, task: str, shard_id: int, rows: int) -> None:
         self.rows_redelivered.labels(table, task).inc(rows)
@@ -114,7 +180,7 @@ class StoreMetrics:
 
     # -- server side -----------------------------------------------------------------------------
     def observe_request(self, verb: str, seconds: float) -> None:
-        self.request_duration.labels(verb).observe(seconds)
+        self._child(self.request_duration, verb).observe(seconds)
 
     def refresh(self, node: _StatsSource) -> None:
         """Set the gauges from node.stats(); label sets of dropped tables/shards are removed."""
@@ -137,6 +203,8 @@ class StoreMetrics:
         for table in self._tables - tables:
             _remove(self.memory, (table,))
             _remove(self.rows_held, (table,))
+        if self._tables - tables:
+            self._children.clear()  # children of dropped tables must not be kept alive
         self._gauge_keys, self._tables = keys, tables
 
     def start_http(self, port: int, addr: str = "127.0.0.1") -> int:

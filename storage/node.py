@@ -23,16 +23,19 @@ Choices where the contract is silent:
 - ``TaskStats.consumed`` is cumulative (rows acked since the table was created), so it keeps
   counting after rows are freed; ``dead`` counts rows currently held DEAD;
 - a put that could never fit (more rows/bytes than the capacity) is a BadRequest, not StoreFull;
-- groups are identified within one put; ``clear(dead=True)`` frees whole groups.
+- groups are identified within one put; ``clear(dead=True)`` frees whole groups;
+- ``sync()`` may be called as often as the server likes: it fsyncs dirty logs of fsync="always"
+  tables every call and of "interval" tables at most every ``fsync_interval_s``;
+- ``snapshot()`` returns the table's directory (``<persist_dir>/<table>``, one snapshot per shard).
+
+Contract deviation: the lease epoch is 15 random bits (not 16), see "Ids" above.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 import os
 import random
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -42,6 +45,7 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
+from storage._validate import as_batch, check_columns, group_order, positive, validate_spec
 from storage.errors import (
     BadRequest,
     LeaseExpired,
@@ -54,10 +58,9 @@ from storage.errors import (
     UnknownTask,
 )
 from storage.persist import TableStore
-from storage.schema import META_COLUMNS, ROW_ID, SEQ_BITS, Lease, TableSpec, TableStats
+from storage.schema import META_COLUMNS, ROW_ID, SEQ_BITS, Lease, RowState, TableSpec, TableStats
 from storage.shard import LeaseRec, Shard, split_row_ids
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _EXPIRED_MEMORY = 65536  # expired lease ids remembered for LeaseExpired (vs UnknownLease)
 _MAX_LEASE_SECONDS = 7 * 24 * 3600.0
 _MAX_ERROR_LEN = 500
@@ -103,69 +106,6 @@ class _Table:
 
     def nbytes(self) -> int:
         return sum(s.bytes for s in self.shards.values())
-
-
-def validate_spec(spec: TableSpec) -> None:
-    """BadRequest naming the first bad field of a table spec."""
-    if not isinstance(spec, TableSpec):
-        raise BadRequest("spec must be a TableSpec")
-    if not isinstance(spec.name, str) or not _NAME.match(spec.name):
-        raise BadRequest(f"name: {spec.name!r} is not 1-128 chars of [A-Za-z0-9_.-]")
-    if not isinstance(spec.schema, pa.Schema):
-        raise BadRequest("schema: must be a pyarrow.Schema")
-    names = spec.schema.names
-    if len(set(names)) != len(names):
-        raise BadRequest(f"schema: duplicate column names in {names}")
-    for name in names:
-        if name in META_COLUMNS:
-            raise BadRequest(f"schema: column {name!r} is reserved store metadata")
-    if not spec.tasks:
-        raise BadRequest("tasks: a table needs at least one task")
-    task_names = [t.name for t in spec.tasks]
-    if len(set(task_names)) != len(task_names) or not all(_NAME.match(n) for n in task_names):
-        raise BadRequest(f"tasks: names must be unique and match [A-Za-z0-9_.-]: {task_names}")
-    for t in spec.tasks:
-        for c in t.needs:
-            if c not in names:
-                raise BadRequest(f"tasks[{t.name}].needs: unknown column {c!r}")
-        if t.whole_groups and spec.group_column is None:
-            raise BadRequest(f"tasks[{t.name}].whole_groups: the table has no group_column")
-    if (spec.group_column is None) != (spec.group_size is None):
-        raise BadRequest("group_column and group_size: set both or neither")
-    if spec.group_column is not None:
-        if spec.group_column not in names:
-            raise BadRequest(f"group_column: unknown column {spec.group_column!r}")
-        if spec.schema.field(spec.group_column).type != pa.int64():
-            raise BadRequest(f"group_column: {spec.group_column!r} must be int64")
-        if not isinstance(spec.group_size, int) or not 1 <= spec.group_size <= 65535:
-            raise BadRequest(f"group_size: {spec.group_size!r} is not an int in [1, 65535]")
-    if not isinstance(spec.capacity_rows, int) or spec.capacity_rows < 1:
-        raise BadRequest(f"capacity_rows: {spec.capacity_rows!r} must be a positive int")
-    if not isinstance(spec.capacity_bytes, int) or spec.capacity_bytes < 1:
-        raise BadRequest(f"capacity_bytes: {spec.capacity_bytes!r} must be a positive int")
-    if not _positive(spec.lease_seconds):
-        raise BadRequest(f"lease_seconds: {spec.lease_seconds!r} must be a positive number")
-    if not isinstance(spec.max_deliveries, int) or not 1 <= spec.max_deliveries <= 65535:
-        raise BadRequest(f"max_deliveries: {spec.max_deliveries!r} is not an int in [1, 65535]")
-    if spec.fsync not in ("always", "interval", "never"):
-        raise BadRequest(f"fsync: {spec.fsync!r} is not one of always, interval, never")
-    if not _positive(spec.fsync_interval_s):
-        raise BadRequest(f"fsync_interval_s: {spec.fsync_interval_s!r} must be positive")
-    if spec.persist_dir is not None and not isinstance(spec.persist_dir, str):
-        raise BadRequest("persist_dir: must be a path string or None")
-
-
-def _positive(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-
-
-def _as_batch(batch: pa.RecordBatch | pa.Table, what: str) -> pa.RecordBatch:
-    if isinstance(batch, pa.Table):
-        batches = batch.combine_chunks().to_batches()
-        return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=batch.schema)
-    if not isinstance(batch, pa.RecordBatch):
-        raise BadRequest(f"{what}: expected a pyarrow RecordBatch, got {type(batch).__name__}")
-    return batch
 
 
 class StoreNode:
@@ -240,6 +180,10 @@ class StoreNode:
         return t
 
     # ----------------------------------------------------------------------------- put
+    def live_rows(self, table: str) -> int:
+        """Rows of ``table`` held on this node (O(shards); the server's placement hint)."""
+        return self._table(table).rows()
+
     def has_capacity(self, table: str, num_rows: int, num_bytes: int) -> bool:
         tb = self._table(table)
         return (
@@ -250,11 +194,11 @@ class StoreNode:
     def put(self, table: str, batch: pa.RecordBatch, *, shard_id: int | None = None) -> np.ndarray:
         tb = self._table(table)
         spec = tb.spec
-        batch = _as_batch(batch, "put")
+        batch = as_batch(batch, "put")
         for name in batch.schema.names:
             if name in META_COLUMNS:
                 raise SchemaMismatch(f"column {name!r} is store metadata and cannot be put")
-        arrays = self._check_columns(tb, batch)
+        arrays = check_columns(tb.spec, batch)
         n, nbytes = batch.num_rows, batch.nbytes
         if n == 0:
             return np.empty(0, dtype=np.uint64)
@@ -263,9 +207,10 @@ class StoreNode:
                 f"put of {n} rows / {nbytes} bytes can never fit table {table!r} "
                 f"(capacity {spec.capacity_rows} rows / {spec.capacity_bytes} bytes)"
             )
-        order = self._group_order(tb, batch) if spec.group_column else None
+        order = group_order(tb.spec, batch) if spec.group_column else None
         if order is not None:
             batch = batch.take(pa.array(order))
+            nbytes = batch.nbytes
             arrays = {tb.col_index[f.name]: batch.column(i) for i, f in enumerate(batch.schema)}
         if shard_id is None:
             shard = min(tb.shards.values(), key=lambda s: s.num_alive)
@@ -278,59 +223,12 @@ class StoreNode:
         now = self.clock()
         if tb.store is not None:
             tb.store.log_put(shard.shard_id, shard.next_seq, now, batch)
-        start = shard.put(arrays, n, now)
+        start = shard.put(arrays, n, now, nbytes)
         seqs = np.arange(start, start + n, dtype=np.int64)
         if order is not None:
             seqs[order] = seqs.copy()  # row i of the caller's batch got seq start + rank(i)
         self.events.on_put(table, shard.shard_id, n, nbytes)
         return shard.row_ids(seqs)
-
-    def _check_columns(self, tb: _Table, batch: pa.RecordBatch) -> dict[int, pa.Array]:
-        """Schema + full Arrow validation; {column id: array} of user columns."""
-        schema, arrays = tb.spec.schema, {}
-        names = batch.schema.names
-        if len(set(names)) != len(names):
-            raise SchemaMismatch(f"duplicate column names in batch: {names}")
-        for i, f in enumerate(batch.schema):
-            if f.name == ROW_ID:
-                continue
-            c = tb.col_index.get(f.name)
-            if c is None:
-                raise SchemaMismatch(f"table {tb.spec.name!r} has no column {f.name!r}")
-            expected = schema.field(c)
-            if f.type != expected.type:
-                raise SchemaMismatch(
-                    f"column {f.name!r}: expected type {expected.type}, got {f.type}"
-                )
-            col = batch.column(i)
-            if not expected.nullable and col.null_count:
-                raise SchemaMismatch(f"column {f.name!r} is not nullable but has nulls")
-            arrays[c] = col
-        try:
-            batch.validate(full=True)
-        except (pa.ArrowInvalid, pa.ArrowException) as e:
-            raise BadRequest(f"invalid Arrow data: {e}") from None
-        return arrays
-
-    def _group_order(self, tb: _Table, batch: pa.RecordBatch) -> np.ndarray | None:
-        """None if the batch's groups are already consecutive runs, else the stable sort order."""
-        name, g = tb.spec.group_column, tb.spec.group_size or 1
-        if name not in batch.schema.names:
-            raise SchemaMismatch(f"column {name!r} (the group column) is required in a put")
-        col = batch.column(name)
-        if col.null_count:
-            raise SchemaMismatch(f"column {name!r} (the group column) has nulls")
-        ids = col.to_numpy()
-        if len(ids) % g:
-            raise BadRequest(f"put of {len(ids)} rows is not whole groups of {g} ({name!r})")
-        runs = ids.reshape(-1, g)
-        if bool((runs == runs[:, :1]).all()) and len(np.unique(runs[:, 0])) == len(runs):
-            return None
-        order = np.argsort(ids, kind="stable")
-        runs = ids[order].reshape(-1, g)
-        if not bool((runs == runs[:, :1]).all()):
-            raise BadRequest(f"every {name!r} value must appear exactly {g} times in a put")
-        return order
 
     # ----------------------------------------------------------------------------- claim
     def ready_count(
@@ -389,6 +287,60 @@ class StoreNode:
             tb.claim_cols[key] = (names, cols, check)
         return names, cols, check
 
+    def check_claim(
+        self,
+        table: str,
+        task: str,
+        columns: Sequence[str],
+        max_rows: int,
+        *,
+        min_rows: int = 1,
+        whole_groups: bool = False,
+        lease_seconds: float | None = None,
+        shards: Sequence[int] | None = None,
+    ) -> None:
+        """Raise what ``claim`` would raise for its arguments alone (not for the rows it would
+        hand out); changes nothing. The server runs it before a claim's piggybacked ack, so that
+        a malformed claim leaves the ack unapplied."""
+        plan = self._claim_plan(
+            table, task, columns, max_rows, min_rows, whole_groups, lease_seconds
+        )
+        self._shards(plan[0], shards)
+
+    def _claim_plan(
+        self,
+        table: str,
+        task: str,
+        columns: Sequence[str],
+        max_rows: int,
+        min_rows: int,
+        whole_groups: bool,
+        lease_seconds: float | None,
+    ) -> tuple[_Table, int, float, tuple[list[str], list[int], list[int]], int, int, int]:
+        """Validated claim arguments: (table, task, lease seconds, columns, group size,
+        max units, min units)."""
+        tb = self._table(table)
+        t = self._task(tb, task)
+        spec = tb.spec
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise BadRequest(f"max_rows: {max_rows!r} must be a positive int")
+        if not isinstance(min_rows, int) or not 1 <= min_rows <= max_rows:
+            raise BadRequest(f"min_rows: {min_rows!r} must be an int in [1, max_rows]")
+        seconds = spec.lease_seconds if lease_seconds is None else lease_seconds
+        if not positive(seconds) or seconds > _MAX_LEASE_SECONDS:
+            raise BadRequest(
+                f"lease_seconds: {lease_seconds!r} must be in (0, {_MAX_LEASE_SECONDS}]"
+            )
+        whole = spec.tasks[t].whole_groups
+        if whole_groups and not whole:
+            raise BadRequest(f"whole_groups: task {task!r} was not declared with whole_groups=True")
+        plan = self._claim_columns(tb, t, columns)
+        g = (spec.group_size or 1) if whole else 1
+        max_units, min_units = max_rows // g, -(-min_rows // g)
+        if max_units < 1:
+            raise BadRequest(f"max_rows: {max_rows} is smaller than one group ({g} rows)")
+        return tb, t, seconds, plan, g, max_units, min_units
+
     def claim(
         self,
         table: str,
@@ -402,26 +354,9 @@ class StoreNode:
         shards: Sequence[int] | None = None,
     ) -> Lease | None:
         self._expire_due()
-        tb = self._table(table)
-        t = self._task(tb, task)
-        spec = tb.spec
-        if not isinstance(max_rows, int) or max_rows < 1:
-            raise BadRequest(f"max_rows: {max_rows!r} must be a positive int")
-        if not isinstance(min_rows, int) or not 1 <= min_rows <= max_rows:
-            raise BadRequest(f"min_rows: {min_rows!r} must be an int in [1, max_rows]")
-        seconds = spec.lease_seconds if lease_seconds is None else lease_seconds
-        if not _positive(seconds) or seconds > _MAX_LEASE_SECONDS:
-            raise BadRequest(
-                f"lease_seconds: {lease_seconds!r} must be in (0, {_MAX_LEASE_SECONDS}]"
-            )
-        whole = spec.tasks[t].whole_groups
-        if whole_groups and not whole:
-            raise BadRequest(f"whole_groups: task {task!r} was not declared with whole_groups=True")
-        names, cols, check = self._claim_columns(tb, t, columns)
-        g = (spec.group_size or 1) if whole else 1
-        max_units, min_units = max_rows // g, -(-min_rows // g)
-        if max_units < 1:
-            raise BadRequest(f"max_rows: {max_rows} is smaller than one group ({g} rows)")
+        tb, t, seconds, (names, cols, check), g, max_units, min_units = self._claim_plan(
+            table, task, columns, max_rows, min_rows, whole_groups, lease_seconds
+        )
         candidates = self._shards(tb, shards)
         shard = max(candidates, key=lambda s: s.ready_units(t))
         if shard.ready_units(t) < min_units:
@@ -460,7 +395,7 @@ class StoreNode:
         overwrite: bool = False,
     ) -> None:
         tb = self._table(table)
-        batch = _as_batch(batch, "write")
+        batch = as_batch(batch, "write")
         if ack and lease_id is None:
             raise BadRequest("ack=True needs a lease_id")
         if ROW_ID not in batch.schema.names:
@@ -473,9 +408,10 @@ class StoreNode:
             raise SchemaMismatch(
                 f"column 'row_id': expected type uint64 without nulls, got {rid_col.type}"
             )
-        arrays = self._check_columns(tb, batch)
+        arrays = check_columns(tb.spec, batch)
         row_ids = rid_col.to_numpy()
-        if len(np.unique(row_ids)) != len(row_ids):
+        ordered = np.sort(row_ids)
+        if bool((ordered[1:] == ordered[:-1]).any()):
             raise BadRequest("write: duplicate row ids in the batch")
         entry = self._live_lease(tb, lease_id) if lease_id is not None else None
         shard_of, seqs = split_row_ids(row_ids)
@@ -505,8 +441,9 @@ class StoreNode:
                     shard.shard_id, shard.seqs[idx], sub.drop_columns([ROW_ID]), overwrite
                 )
             if part:
-                shard.write(idx, part, np.arange(len(pos), dtype=np.int32))
-                self.events.on_write(table, shard.shard_id, sum(a.nbytes for a in part.values()))
+                nbytes = sum(a.nbytes for a in part.values())
+                shard.write(idx, part, np.arange(len(pos), dtype=np.int32), nbytes)
+                self.events.on_write(table, shard.shard_id, nbytes)
         if ack and entry is not None:
             self._ack(*entry)
 
@@ -520,7 +457,7 @@ class StoreNode:
         task = tb.spec.tasks[rec.task].name
         if tb.store is not None:
             tb.store.log_rows("ack", shard.shard_id, rec.seqs, task=task)
-        shard.consume(rec.task, shard.locate(rec.seqs))
+        shard.consume(rec.task, shard.locate(rec.seqs), int(RowState.LEASED))
         self.events.on_ack(tb.spec.name, task, shard.shard_id, len(rec.seqs))
 
     def _live_lease(self, tb: _Table, lease_id: int) -> tuple[_Table, Shard, LeaseRec]:
@@ -538,7 +475,7 @@ class StoreNode:
         tb = self._table(table)
         _, _, rec = self._live_lease(tb, lease_id)
         seconds = rec.lease_seconds if seconds is None else seconds
-        if not _positive(seconds) or seconds > _MAX_LEASE_SECONDS:
+        if not positive(seconds) or seconds > _MAX_LEASE_SECONDS:
             raise BadRequest(f"seconds: {seconds!r} must be in (0, {_MAX_LEASE_SECONDS}]")
         rec.deadline = self.clock() + seconds
         heapq.heappush(self._deadlines, (rec.deadline, lease_id))

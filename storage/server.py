@@ -51,7 +51,6 @@ log = logging.getLogger("storage.server")
 
 MAX_BATCH = 256  # requests handled between two expire/park/flush rounds
 MAX_POLL_S = 0.1  # upper bound on one poll, so stop() is noticed promptly
-DEPTH_CACHE_S = 0.05
 SYNC_TICK_S = 0.02  # how often node.sync() runs while an fsync="interval" table has been written
 
 
@@ -103,15 +102,17 @@ class _Parked:
 class _Outbox:
     # (peer, frames, verb, t_recv, undo): undo runs if the reply cannot be delivered.
     replies: list[tuple[bytes, list, str, float, Callable[[], None] | None]] = field(
-        default_factory=list)
+        default_factory=list
+    )
     needs_sync: bool = False
 
 
 class Server:
     """One store node. ``run()`` in the foreground, or ``start()``/``stop()`` for a thread."""
 
-    def __init__(self, config: ServerConfig, *, context: zmq.Context | None = None,
-                 node: Any = None) -> None:
+    def __init__(
+        self, config: ServerConfig, *, context: zmq.Context | None = None, node: Any = None
+    ) -> None:
         self.config = config
         self.context = context or zmq.Context.instance()
         self.metrics = StoreMetrics(config.node_index)
@@ -132,7 +133,6 @@ class Server:
         self._puts: dict[str, deque[_Parked]] = {}
         self._dirty: set[str] = set()
         self._out = _Outbox()
-        self._depth_cache: dict[str, tuple[float, int]] = {}
         self._last_metrics = 0.0
         self._last_interval_sync = 0.0
         self._interval_dirty = False
@@ -220,8 +220,9 @@ class Server:
         for parked in [p for ps in self._claims.values() for p in ps] + [
             p for ps in self._puts.values() for p in ps
         ]:
-            self._queue_error(parked.ident, parked.req, ShuttingDown("store node is shutting down"),
-                              parked.t_recv)
+            self._queue_error(
+                parked.ident, parked.req, ShuttingDown("store node is shutting down"), parked.t_recv
+            )
         self._claims.clear()
         self._puts.clear()
         try:
@@ -244,14 +245,24 @@ class Server:
         while not self._stop.is_set():
             events = dict(poller.poll(self._poll_timeout_ms()))
             if sock in events:
+                # Drain what is queued (up to MAX_BATCH) before the expire/retry/flush round, so
+                # parked claims are retried once per batch, not once per request. ZMQ_EVENTS says
+                # whether a message is waiting, which is cheaper than a recv raising Again.
                 for _ in range(MAX_BATCH):
+                    if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                        break
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     self._handle(frames)
-            for step in (self._expire, self._retry_parked, self._time_out_parked, self._flush,
-                         self._timers):
+            for step in (
+                self._expire,
+                self._retry_parked,
+                self._time_out_parked,
+                self._flush,
+                self._timers,
+            ):
                 try:
                     step()
                 except Exception:  # a bug must not take the node down; log it and go on
@@ -308,7 +319,9 @@ class Server:
             return
         except Exception as exc:  # a bug in validation must not kill the loop
             log.exception("decoding a request")
-            self._queue_error(ident, wire.Request("invalid", 0, {}), InternalError(repr(exc)), t_recv)
+            self._queue_error(
+                ident, wire.Request("invalid", 0, {}), InternalError(repr(exc)), t_recv
+            )
             return
         try:
             handler = getattr(self, "_v_" + req.verb)
@@ -321,19 +334,29 @@ class Server:
             log.exception("verb %s failed", req.verb)
             self._queue_error(ident, req, InternalError(f"{type(exc).__name__}: {exc}"), t_recv)
 
-    def _queue(self, ident: bytes, req: wire.Request, result: dict[str, Any], t_recv: float,
-               bodies: Sequence[Any] = (), *, mutated: str | None = None,
-               undo: Callable[[], None] | None = None) -> None:
-        self._out.replies.append((ident, wire.encode_reply(req.req_id, result, bodies), req.verb,
-                                  t_recv, undo))
+    def _queue(
+        self,
+        ident: bytes,
+        req: wire.Request,
+        result: dict[str, Any],
+        t_recv: float,
+        bodies: Sequence[Any] = (),
+        *,
+        mutated: str | None = None,
+        undo: Callable[[], None] | None = None,
+    ) -> None:
+        self._out.replies.append(
+            (ident, wire.encode_reply(req.req_id, result, bodies), req.verb, t_recv, undo)
+        )
         if mutated is not None:
             self._dirty.add(mutated)
             if req.verb in wire.MUTATING_VERBS:
                 self._note_mutation(mutated)
 
     def _queue_error(self, ident: bytes, req: wire.Request, exc: StoreError, t_recv: float) -> None:
-        self._out.replies.append((ident, wire.encode_error(req.req_id, exc), req.verb, t_recv,
-                                  None))
+        self._out.replies.append(
+            (ident, wire.encode_error(req.req_id, exc, acked=req.acked), req.verb, t_recv, None)
+        )
 
     def _note_mutation(self, table: str) -> None:
         try:
@@ -373,9 +396,16 @@ class Server:
 
     # -- verbs -----------------------------------------------------------------------------------
     def _v_hello(self, ident: bytes, req: wire.Request, t: float) -> None:
-        self._queue(ident, req, {"node_index": self.config.node_index,
-                                 "shard_ids": list(self.node.shard_ids),
-                                 "protocol": wire.PROTOCOL_VERSION}, t)
+        self._queue(
+            ident,
+            req,
+            {
+                "node_index": self.config.node_index,
+                "shard_ids": list(self.node.shard_ids),
+                "protocol": wire.PROTOCOL_VERSION,
+            },
+            t,
+        )
 
     def _v_tables(self, ident: bytes, req: wire.Request, t: float) -> None:
         self._queue(ident, req, {"tables": list(self.node.table_names())}, t)
@@ -389,7 +419,9 @@ class Server:
         table = req.args["table"]
         self.node.drop_table(table)
         for p in self._claims.pop(table, []) + list(self._puts.pop(table, ())):
-            self._queue_error(p.ident, p.req, UnknownTable(f"table {table!r} was dropped"), p.t_recv)
+            self._queue_error(
+                p.ident, p.req, UnknownTable(f"table {table!r} was dropped"), p.t_recv
+            )
         self._queue(ident, req, {}, t)
 
     def _v_put(self, ident: bytes, req: wire.Request, t: float) -> None:
@@ -410,22 +442,23 @@ class Server:
             row_ids = self.node.put(table, batch, shard_id=req.args["shard_id"])
         except StoreFull:
             return False
-        self._queue(ident, req, {"row_ids": wire.row_ids_to_bytes(row_ids),
-                                 "depth": self._depth(table)}, t, mutated=table)
+        self._queue(
+            ident,
+            req,
+            {"row_ids": wire.row_ids_to_bytes(row_ids), "depth": self._depth(table)},
+            t,
+            mutated=table,
+        )
         return True
 
     def _depth(self, table: str) -> int:
-        """Live rows of a table on this node (a hint for client-side placement), cached briefly."""
-        now = time.monotonic()
-        cached = self._depth_cache.get(table)
-        if cached is not None and now - cached[0] < DEPTH_CACHE_S:
-            return cached[1]
-        depth = sum(s.rows for s in self.node.stats(table).shards)
-        self._depth_cache[table] = (now, depth)
-        return depth
+        """Live rows of a table on this node (a hint for client-side placement): O(shards)."""
+        return self.node.live_rows(table)
 
     def _v_claim(self, ident: bytes, req: wire.Request, t: float) -> None:
         a = req.args
+        if a["ack_lease_id"] is not None:
+            self._piggybacked_ack(req)
         lease = self._try_claim(req, a["min_rows"])
         if lease is None and a["timeout"] > 0:
             deadline = time.monotonic() + a["timeout"]
@@ -435,11 +468,43 @@ class Server:
             lease = self._try_claim(req, 1)
         self._reply_lease(ident, req, lease, t)
 
+    def _piggybacked_ack(self, req: wire.Request) -> None:
+        """A claim's ack (and write) of the previous lease, before the claim (rules in wire.py):
+        the claim's own arguments are checked first, so any error up to the ack leaves nothing
+        applied; ``req.acked`` then marks every later error reply of this request."""
+        a = req.args
+        table = a["table"]
+        self.node.check_claim(
+            table,
+            a["task"],
+            a["columns"],
+            a["max_rows"],
+            min_rows=a["min_rows"],
+            whole_groups=a["whole_groups"],
+            lease_seconds=a["lease_seconds"],
+            shards=a["shards"],
+        )
+        if req.bodies:
+            batch = wire.read_batch(req.bodies[0], "claim body (columns to write)")
+            self.node.write(table, batch, lease_id=a["ack_lease_id"], ack=True)
+        else:
+            self.node.ack(table, a["ack_lease_id"])
+        req.acked = True
+        self._dirty.add(table)  # written columns may make rows ready for other tasks
+        self._note_mutation(table)
+
     def _try_claim(self, req: wire.Request, min_rows: int) -> Any:
         a = req.args
-        return self.node.claim(a["table"], a["task"], a["columns"], a["max_rows"], min_rows=min_rows,
-                               whole_groups=a["whole_groups"], lease_seconds=a["lease_seconds"],
-                               shards=a["shards"])
+        return self.node.claim(
+            a["table"],
+            a["task"],
+            a["columns"],
+            a["max_rows"],
+            min_rows=min_rows,
+            whole_groups=a["whole_groups"],
+            lease_seconds=a["lease_seconds"],
+            shards=a["shards"],
+        )
 
     def _reply_lease(self, ident: bytes, req: wire.Request, lease: Any, t: float) -> None:
         a = req.args
@@ -448,12 +513,20 @@ class Server:
             result = {"lease_id": 0, "shard_id": 0, "deadline": 0.0}
         else:
             batch = lease.batch
-            result = {"lease_id": lease.lease_id, "shard_id": lease.shard_id,
-                      "deadline": lease.deadline}
+            result = {
+                "lease_id": lease.lease_id,
+                "shard_id": lease.shard_id,
+                "deadline": lease.deadline,
+            }
         # A lease whose reply cannot be delivered (the consumer is gone) is handed back at once
         # instead of stranding its rows until the deadline.
-        undo = None if lease is None else (
-            lambda: (self.node.release(a["table"], lease.lease_id), self._dirty.add(a["table"])))
+        undo = (
+            None
+            if lease is None
+            else (
+                lambda: (self.node.release(a["table"], lease.lease_id), self._dirty.add(a["table"]))
+            )
+        )
         self._queue(ident, req, result, t, [wire.write_batch(batch)], undo=undo)
 
     def _empty_batch(self, table: str, columns: Sequence[str]) -> pa.RecordBatch:
@@ -471,8 +544,9 @@ class Server:
     def _v_write(self, ident: bytes, req: wire.Request, t: float) -> None:
         a = req.args
         batch = wire.read_batch(req.bodies[0], "write body")
-        self.node.write(a["table"], batch, lease_id=a["lease_id"], ack=a["ack"],
-                        overwrite=a["overwrite"])
+        self.node.write(
+            a["table"], batch, lease_id=a["lease_id"], ack=a["ack"], overwrite=a["overwrite"]
+        )
         self._queue(ident, req, {}, t, mutated=a["table"])
 
     def _v_ack(self, ident: bytes, req: wire.Request, t: float) -> None:
@@ -541,8 +615,9 @@ class Server:
                 keep.append(p)
                 continue
             try:
-                ready = self.node.ready_count(table, a["task"], whole_groups=a["whole_groups"],
-                                              shards=a["shards"])
+                ready = self.node.ready_count(
+                    table, a["task"], whole_groups=a["whole_groups"], shards=a["shards"]
+                )
                 lease = self._try_claim(p.req, a["min_rows"]) if ready >= a["min_rows"] else None
             except Exception as exc:
                 self._queue_error(p.ident, p.req, _as_store_error(exc), p.t_recv)
@@ -573,14 +648,21 @@ class Server:
         for table, puts in self._puts.items():
             while puts and puts[0].deadline <= now:
                 p = puts.popleft()
-                self._queue_error(p.ident, p.req, StoreFull(
-                    f"table {table!r} stayed at capacity for the put's timeout "
-                    f"({p.req.args['timeout']:.3g} s)"), p.t_recv)
+                self._queue_error(
+                    p.ident,
+                    p.req,
+                    StoreFull(
+                        f"table {table!r} stayed at capacity for the put's timeout "
+                        f"({p.req.args['timeout']:.3g} s)"
+                    ),
+                    p.t_recv,
+                )
             # Later puts with shorter timeouts wait behind the head; expire them too.
             for p in [p for p in puts if p.deadline <= now]:
                 puts.remove(p)
-                self._queue_error(p.ident, p.req, StoreFull(f"table {table!r} is at capacity"),
-                                  p.t_recv)
+                self._queue_error(
+                    p.ident, p.req, StoreFull(f"table {table!r} is at capacity"), p.t_recv
+                )
 
 
 def _as_store_error(exc: Exception) -> StoreError:
@@ -609,8 +691,14 @@ def serve(config: ServerConfig, *, ready_file: str | None = None) -> None:
         if ready_file:
             tmp = ready_file + ".tmp"
             with open(tmp, "w") as fh:
-                json.dump({"addresses": server.addresses, "metrics_port": server.metrics_port,
-                           "pid": os.getpid()}, fh)
+                json.dump(
+                    {
+                        "addresses": server.addresses,
+                        "metrics_port": server.metrics_port,
+                        "pid": os.getpid(),
+                    },
+                    fh,
+                )
             os.replace(tmp, ready_file)
         while server.running:
             time.sleep(0.1)  # the main thread only waits for signals; the loop thread serves
@@ -628,8 +716,12 @@ def inproc_address() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """python -m storage.server --bind tcp://127.0.0.1:5555 --shards 2 --metrics-port 0"""
     ap = argparse.ArgumentParser(prog="python -m storage.server", description=main.__doc__)
-    ap.add_argument("--bind", action="append", help="address to bind (repeatable); "
-                    "default tcp://127.0.0.1:5555; tcp://127.0.0.1:0 picks a free port")
+    ap.add_argument(
+        "--bind",
+        action="append",
+        help="address to bind (repeatable); "
+        "default tcp://127.0.0.1:5555; tcp://127.0.0.1:0 picks a free port",
+    )
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--node-index", type=int, default=0)
     ap.add_argument("--metrics-port", type=int, default=None)
@@ -637,10 +729,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ready-file", help="write the bound addresses here (JSON) once serving")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = ServerConfig(bind=tuple(args.bind or ("tcp://127.0.0.1:5555",)),
-                          num_shards=args.shards, node_index=args.node_index,
-                          metrics_port=args.metrics_port, max_message_bytes=args.max_message_bytes)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    config = ServerConfig(
+        bind=tuple(args.bind or ("tcp://127.0.0.1:5555",)),
+        num_shards=args.shards,
+        node_index=args.node_index,
+        metrics_port=args.metrics_port,
+        max_message_bytes=args.max_message_bytes,
+    )
     serve(config, ready_file=args.ready_file)
     return 0
 

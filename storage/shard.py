@@ -124,6 +124,7 @@ class Shard:
         col_index = {name: i for i, name in enumerate(self.columns)}
         self.task_names = [t.name for t in spec.tasks]
         self.needs = [np.array([col_index[c] for c in t.needs], dtype=np.int64) for t in spec.tasks]
+        self._needs_sets = [set(n.tolist()) for n in self.needs]
         self.whole = [t.whole_groups for t in spec.tasks]
         self.group_size = spec.group_size or 1
         num_cols, num_tasks = len(self.columns), len(spec.tasks)
@@ -208,25 +209,33 @@ class Shard:
         self.alive[k : self.n] = False
         self.n = k
 
-    def _add_source(self, arrays: dict[int, pa.Array], refs: int) -> int:
+    def _add_source(self, arrays: dict[int, pa.Array], refs: int, nbytes: int | None = None) -> int:
         sid = self.next_source
         self.next_source += 1
-        nbytes = sum(a.nbytes for a in arrays.values())
+        if nbytes is None:
+            nbytes = sum(a.nbytes for a in arrays.values())
         self.sources[sid] = Source(arrays, nbytes, refs)
         self.bytes += nbytes
         return sid
 
     def _unref(self, src: np.ndarray) -> None:
-        src = src[src >= 0]
         if not len(src):
             return
-        ids, cnt = np.unique(src, return_counts=True)
+        lo, hi = int(src.min()), int(src.max())
+        if lo == hi:  # the common case: all cells from one chunk (or none written)
+            if lo >= 0:
+                self._drop_refs(lo, len(src))
+            return
+        ids, cnt = np.unique(src[src >= 0], return_counts=True)
         for sid, c in zip(ids.tolist(), cnt.tolist(), strict=True):
-            source = self.sources[sid]
-            source.refs -= c
-            if source.refs <= 0:
-                self.bytes -= source.nbytes
-                del self.sources[sid]
+            self._drop_refs(sid, c)
+
+    def _drop_refs(self, sid: int, count: int) -> None:
+        source = self.sources[sid]
+        source.refs -= count
+        if source.refs <= 0:
+            self.bytes -= source.nbytes
+            del self.sources[sid]
 
     def append(
         self,
@@ -235,6 +244,7 @@ class Shard:
         arrays: dict[int, pa.Array],
         written: dict[int, np.ndarray] | None = None,
         gpos: np.ndarray | None = None,
+        nbytes: int | None = None,
     ) -> np.ndarray:
         """Append rows (ascending seqs above every existing one) as PENDING; returns indices.
 
@@ -259,7 +269,7 @@ class Shard:
             refs = k * len(arrays)
         else:
             refs = sum(int(written[c].sum()) for c in arrays)
-        sid = self._add_source(arrays, refs)
+        sid = self._add_source(arrays, refs, nbytes)
         positions = np.arange(k, dtype=np.int32)
         for c in arrays:
             mask = None if written is None else written[c]
@@ -268,13 +278,19 @@ class Shard:
         self.counts[:, PENDING] += k
         return idx
 
-    def put(self, arrays: dict[int, pa.Array], num_rows: int, created_at: float) -> int:
+    def put(
+        self,
+        arrays: dict[int, pa.Array],
+        num_rows: int,
+        created_at: float,
+        nbytes: int | None = None,
+    ) -> int:
         """Create rows (batch already validated, grouped rows consecutive). Returns first seq."""
         start = self.next_seq
         seqs = np.arange(start, start + num_rows, dtype=np.int64)
         gpos = seqs - start
         gpos %= self.group_size
-        idx = self.append(seqs, created_at, arrays, gpos=gpos)
+        idx = self.append(seqs, created_at, arrays, gpos=gpos, nbytes=nbytes)
         self.refresh_ready(idx, list(arrays))
         return start
 
@@ -289,12 +305,18 @@ class Shard:
                     f"column {self.columns[c]!r} of row {int(rid)} is already written"
                 )
 
-    def write(self, idx: np.ndarray, arrays: dict[int, pa.Array], offsets: np.ndarray) -> None:
+    def write(
+        self,
+        idx: np.ndarray,
+        arrays: dict[int, pa.Array],
+        offsets: np.ndarray,
+        nbytes: int | None = None,
+    ) -> None:
         """Point cells (idx, c) at ``arrays[c][offsets]``; caller ran ``check_write``."""
         k = len(idx)
         for c in arrays:
             self._unref(self.src[c, idx])  # overwrite: the old cells are no longer live
-        sid = self._add_source(arrays, k * len(arrays))
+        sid = self._add_source(arrays, k * len(arrays), nbytes)
         for c in arrays:
             self.src[c, idx] = sid
             self.off[c, idx] = offsets
@@ -304,23 +326,26 @@ class Shard:
         """PENDING rows among idx whose needs are now all written become READY."""
         written = set(cols)
         for t, needs in enumerate(self.needs):
-            if needs.size and not written.intersection(needs.tolist()):
+            if needs.size and written.isdisjoint(self._needs_sets[t]):
                 continue
             cand = idx[self.state[t, idx] == PENDING]
             if needs.size and len(cand):
                 cand = cand[(self.src[needs[:, None], cand] >= 0).all(axis=0)]
             if len(cand):
-                self._make_ready(t, cand)
+                self._make_ready(t, cand, PENDING)
 
     # ----------------------------------------------------------------------------- transitions
-    def _transition(self, t: int, idx: np.ndarray, new: int) -> None:
-        old = self.state[t, idx]
-        self.counts[t] -= np.bincount(old, minlength=_NUM_STATES)
+    def _transition(self, t: int, idx: np.ndarray, new: int, old: int | None = None) -> None:
+        """Move rows to state ``new``; ``old`` (their common current state) when known."""
+        if old is None:
+            self.counts[t] -= np.bincount(self.state[t, idx], minlength=_NUM_STATES)
+        else:
+            self.counts[t, old] -= len(idx)
         self.counts[t, new] += len(idx)
         self.state[t, idx] = new
 
-    def _make_ready(self, t: int, idx: np.ndarray) -> None:
-        self._transition(t, idx, READY)
+    def _make_ready(self, t: int, idx: np.ndarray, old: int | None = None) -> None:
+        self._transition(t, idx, READY, old)
         if not self.whole[t]:
             self.queues[t].push(self.seqs[idx])
             return
@@ -366,7 +391,7 @@ class Shard:
             self.queues[t].push_front(self.seqs[idx])
 
     def lease_rows(self, t: int, idx: np.ndarray, rec: LeaseRec) -> None:
-        self._transition(t, idx, LEASED)
+        self._transition(t, idx, LEASED, READY)
         self.deliv[t, idx] += 1
         self.lease[t, idx] = rec.lease_id
         self.leases[rec.lease_id] = rec
@@ -411,7 +436,7 @@ class Shard:
         self.lease[t, idx] = 0
         if not failed:
             self.deliv[t, idx] -= 1  # a clean hand-back is not a failed delivery
-            self._make_ready(t, idx)
+            self._make_ready(t, idx, LEASED)
             return len(idx), {}
         deliv = self.deliv[t, idx]
         dead = deliv >= self.spec.max_deliveries
@@ -420,24 +445,24 @@ class Shard:
             for n in np.unique(deliv[dead]).tolist():
                 text = error if error is not None else f"lease expired {n} times"
                 rows = idx[dead & (deliv == n)]
-                self.mark_dead(t, rows, text)
+                self.mark_dead(t, rows, text, LEASED)
                 prev = dead_rows.get(text)
                 seqs = self.seqs[rows]
                 dead_rows[text] = seqs if prev is None else np.concatenate((prev, seqs))
         live = idx[~dead]
         if len(live):
-            self._make_ready(t, live)
+            self._make_ready(t, live, LEASED)
             self.redelivered_total[t] += len(live)
         return len(live), dead_rows
 
-    def mark_dead(self, t: int, idx: np.ndarray, reason: str) -> None:
-        self._transition(t, idx, DEAD)
+    def mark_dead(self, t: int, idx: np.ndarray, reason: str, old: int | None = None) -> None:
+        self._transition(t, idx, DEAD, old)
         self.lease[t, idx] = 0
         self.reason[t, idx] = self._reason_id(reason)
 
-    def consume(self, t: int, idx: np.ndarray) -> int:
+    def consume(self, t: int, idx: np.ndarray, old: int | None = None) -> int:
         """Rows -> CONSUMED for task t; frees rows every task consumed. Returns rows freed."""
-        self._transition(t, idx, CONSUMED)
+        self._transition(t, idx, CONSUMED, old)
         self.lease[t, idx] = 0
         self.consumed_total[t] += len(idx)
         done = idx[(self.state[:, idx] == CONSUMED).all(axis=0)]

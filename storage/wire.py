@@ -11,7 +11,8 @@ Frame layout (one ZeroMQ multipart message; the ROUTER prepends the peer identit
     reply:   [header: msgpack map {ok, req_id, error: {code, message} | nil, <results>}] [body]*
 
 Bodies are Arrow IPC *streams* holding exactly one record batch (``put``: the new rows; ``write``:
-``row_id`` + the new columns; a ``claim`` reply: the leased rows). Bodies of at least
+``row_id`` + the new columns; a ``claim`` with ``ack_lease_id``, optionally: the columns to write
+under that lease; a ``claim`` reply: the leased rows). Bodies of at least
 ``ZERO_COPY_BYTES`` are sent as zero-copy frames; received bodies are wrapped, not copied.
 Row ids in headers travel as little-endian uint64 bytes (``row_ids``), never as msgpack arrays.
 
@@ -32,6 +33,24 @@ Delivery guarantees (the store as a whole, enforced by the node, transported her
   is written at most once (``CellAlreadyWritten``) unless overwritten by the admin flag.
 - Back-pressure: ``put`` beyond a table's capacity waits server-side up to its timeout, then fails
   with ``StoreFull``. Writes never wait (refusing them could deadlock a pipeline).
+- Combined ack + claim (one round trip instead of two): a ``claim`` may carry ``ack_lease_id``
+  (a lease of the same table, typically the consumer's previous one) and optionally one body
+  (columns to write under that lease, as ``write`` with ``ack=True``). The node runs it in order,
+  all in one step of the loop thread: (1) the claim's own arguments are checked (unknown task,
+  column, bounds: BadRequest, nothing applied); (2) the write+ack / ack, fenced exactly like the
+  plain verbs; (3) the claim (which may then wait server-side like any claim). Failure rules:
+  * step 1 or 2 fails (``LeaseExpired``/``UnknownLease`` when fenced, ``CellAlreadyWritten``,
+    ``SchemaMismatch``, ``BadRequest`` on the body): the reply is that typed error and NOTHING
+    was applied: no cell written, no row acked, no row leased. The consumer sees exactly what
+    the plain write/ack would have raised; the old lease's rows are redelivered as usual.
+  * step 2 succeeded and step 3 fails (``ShuttingDown`` while waiting, the table dropped, a
+    requested column not written for a ready row): the reply is the typed error with
+    ``acked: true`` in its header (``exc.acked`` on the client): the ack stands, no row leased.
+  * step 3 finds nothing: an empty lease as usual; the ack stands.
+  The ack is durable as a plain ack would be (fsync="always": before the reply is sent). At-least-
+  once is unchanged: rows are acked only by the consumer that processed them, and rows of a lease
+  whose reply is lost come back at its deadline. An unanswered request (``Unavailable``) has an
+  unknown outcome for both parts, as for any mutating verb.
 - Replies: a reply is matched to its request by ``req_id``; a client that times out drops its
   socket, so a late reply can never be taken for another request's. A lost reply to a mutating
   verb means "unknown outcome": a lost put may have created rows; a lost claim's rows come back
@@ -105,7 +124,11 @@ VERBS: dict[str, dict[str, F]] = {
     "tables": {},
     "create_table": {"spec": F("map", required=True)},
     "drop_table": {"table": _TABLE},
-    "put": {"table": _TABLE, "timeout": _TIMEOUT, "shard_id": F("int", nullable=True, lo=0, hi=65535)},
+    "put": {
+        "table": _TABLE,
+        "timeout": _TIMEOUT,
+        "shard_id": F("int", nullable=True, lo=0, hi=65535),
+    },
     "claim": {
         "table": _TABLE,
         "task": _TASK,
@@ -116,6 +139,9 @@ VERBS: dict[str, dict[str, F]] = {
         "timeout": _TIMEOUT,
         "lease_seconds": F("float", nullable=True, lo=0.001, hi=MAX_TIMEOUT_S),
         "shards": F("ints", nullable=True),
+        # Piggybacked ack (see "Combined ack + claim" above): a lease of the same table to ack
+        # (with the optional body written under it first) before the claim runs.
+        "ack_lease_id": F("int", nullable=True, lo=0, hi=(1 << 64) - 1),
     },
     "write": {
         "table": _TABLE,
@@ -139,8 +165,10 @@ VERBS: dict[str, dict[str, F]] = {
     "snapshot": {"table": _TABLE},
     "cancel": {"target": F("int", required=True, lo=0, hi=(1 << 64) - 1)},
 }
-# Verbs whose request carries exactly one Arrow body.
-BODY_VERBS = frozenset({"put", "write"})
+# Verbs whose request carries Arrow bodies: verb -> (fewest, most). A claim carries one only with
+# ``ack_lease_id`` (the columns written under that lease before it is acked).
+BODY_COUNTS: dict[str, tuple[int, int]] = {"put": (1, 1), "write": (1, 1), "claim": (0, 1)}
+BODY_VERBS = frozenset(BODY_COUNTS)
 # Verbs that change durable state: the server fsyncs (fsync="always") before replying to them.
 MUTATING_VERBS = frozenset({"put", "write", "ack", "release", "clear", "create_table"})
 
@@ -204,6 +232,8 @@ def _check_bounds(where: str, rule: F, value: float) -> None:
 
 def _depth(obj: Any) -> int:
     """Nesting depth of a decoded msgpack value, iteratively (no recursion on hostile input)."""
+    if isinstance(obj, dict) and not any(isinstance(v, dict | list) for v in obj.values()):
+        return 1  # the common flat header: skip the walk
     deepest, stack = 0, [(obj, 1)]
     while stack:
         cur, d = stack.pop()
@@ -229,7 +259,9 @@ def unpack_header(data: bytes | memoryview) -> dict[str, Any]:
     except BadRequest:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise BadRequest(f"header frame is not valid msgpack: {type(exc).__name__}: {exc}") from None
+        raise BadRequest(
+            f"header frame is not valid msgpack: {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(obj, dict):
         raise BadRequest(f"header frame must be a msgpack map, got {type(obj).__name__}")
     if _depth(obj) > MAX_DEPTH:
@@ -252,6 +284,7 @@ class Request:
     req_id: int
     args: dict[str, Any]
     bodies: list[pa.Buffer] = field(default_factory=list)
+    acked: bool = False  # set by the server once a claim's piggybacked ack has been applied
 
 
 @dataclass
@@ -263,7 +296,9 @@ class Reply:
     bodies: list[pa.Buffer] = field(default_factory=list)
 
 
-def encode_request(verb: str, req_id: int, args: dict[str, Any], bodies: Sequence[Any] = ()) -> list:
+def encode_request(
+    verb: str, req_id: int, args: dict[str, Any], bodies: Sequence[Any] = ()
+) -> list:
     header = {"v": PROTOCOL_VERSION, "verb": verb, "req_id": req_id}
     header.update(args)
     return [pack_header(header), *bodies]
@@ -311,9 +346,12 @@ def _validate(header: dict[str, Any], req_id: int, bodies: Sequence[Any]) -> Req
             args[name] = rule.default
         else:
             args[name] = _check_value(verb, name, rule, header[name])
-    want = 1 if verb in BODY_VERBS else 0
-    if len(bodies) != want:
+    lo, hi = BODY_COUNTS.get(verb, (0, 0))
+    if not lo <= len(bodies) <= hi:
+        want = str(lo) if lo == hi else f"{lo}..{hi}"
         raise BadRequest(f"{verb!r} takes {want} Arrow body frame(s), got {len(bodies)}")
+    if verb == "claim" and bodies and args["ack_lease_id"] is None:
+        raise BadRequest("a 'claim' body (columns to write) needs 'claim.ack_lease_id'")
     return Request(verb, req_id, args, [pa.py_buffer(_bytes_view(b)) for b in bodies])
 
 
@@ -323,9 +361,13 @@ def encode_reply(req_id: int, result: dict[str, Any], bodies: Sequence[Any] = ()
     return [pack_header(header), *bodies]
 
 
-def encode_error(req_id: int, exc: StoreError) -> list:
+def encode_error(req_id: int, exc: StoreError, *, acked: bool = False) -> list:
+    """An error reply. ``acked``: the request's piggybacked ack was applied before the error."""
     err = {"code": exc.code, "message": str(exc)[:4096]}
-    return [pack_header({"ok": False, "req_id": req_id, "error": err})]
+    header: dict[str, Any] = {"ok": False, "req_id": req_id, "error": err}
+    if acked:
+        header["acked"] = True
+    return [pack_header(header)]
 
 
 def decode_reply(frames: Sequence[Any]) -> Reply:
@@ -344,6 +386,7 @@ def decode_reply(frames: Sequence[Any]) -> Reply:
         raise BadRequest("reply is neither ok nor a typed error")
     code, message = err.get("code"), err.get("message")
     exc = error_from_code(str(code), str(message))
+    exc.acked = header.get("acked") is True  # type: ignore[attr-defined]
     return Reply(False, req_id, header, exc, bodies)
 
 
@@ -356,13 +399,37 @@ def _bytes_view(frame: Any) -> bytes | memoryview:
 # -- Arrow bodies ---------------------------------------------------------------------------------
 
 
+_schema_sizes: dict[pa.Schema, int] = {}  # IPC schema-message size per schema, bounded
+_SCHEMA_CACHE = 256
+_EOS_BYTES = 8  # the end-of-stream marker the stream writer appends on close
+_WRITE_OPTIONS = pa.ipc.IpcWriteOptions()  # built once: new_stream() rebuilds it every call
+
+
 def write_batch(batch: pa.RecordBatch) -> pa.Buffer:
     """One record batch -> Arrow IPC stream bytes (uncompressed, so a reader can bound its memory
-    by the message size)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    return sink.getvalue()
+    by the message size).
+
+    The stream is written straight into one buffer allocated at its final size (schema message +
+    batch message + end-of-stream marker): one copy of the data, no growing output stream (which
+    cost as much again as the copy for a 64-row W1 batch)."""
+    schema = batch.schema
+    head = _schema_sizes.get(schema)
+    if head is None:
+        head = schema.serialize().size
+        if len(_schema_sizes) >= _SCHEMA_CACHE:
+            _schema_sizes.clear()
+        _schema_sizes[schema] = head
+    out = pa.allocate_buffer(head + pa.ipc.get_record_batch_size(batch) + _EOS_BYTES)
+    sink = pa.FixedSizeBufferWriter(out)
+    try:
+        with pa.ipc.RecordBatchStreamWriter(sink, schema, options=_WRITE_OPTIONS) as writer:
+            writer.write_batch(batch)
+    except OSError:  # more messages than estimated (dictionary batches): grow as needed
+        growing = pa.BufferOutputStream()
+        with pa.ipc.new_stream(growing, schema) as writer:
+            writer.write_batch(batch)
+        return growing.getvalue()
+    return out if sink.tell() == out.size else out.slice(0, sink.tell())
 
 
 def read_batch(buf: pa.Buffer | bytes, what: str = "body") -> pa.RecordBatch:
@@ -387,8 +454,10 @@ def to_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     if isinstance(data, pa.RecordBatch):
         return data
     if isinstance(data, pa.Table):
-        return data.combine_chunks().to_batches(max_chunksize=None)[0] if data.num_rows else (
-            pa.RecordBatch.from_pylist([], schema=data.schema)
+        return (
+            data.combine_chunks().to_batches(max_chunksize=None)[0]
+            if data.num_rows
+            else (pa.RecordBatch.from_pylist([], schema=data.schema))
         )
     raise TypeError(f"expected a pyarrow RecordBatch or Table, got {type(data).__name__}")
 
@@ -481,8 +550,15 @@ def stats_to_wire(stats: TableStats) -> dict[str, Any]:
                 "rows": s.rows,
                 "bytes": s.bytes,
                 "tasks": {
-                    name: [t.pending, t.ready, t.in_flight, t.consumed, t.dead,
-                           t.redelivered_total, dict(t.dead_reasons)]
+                    name: [
+                        t.pending,
+                        t.ready,
+                        t.in_flight,
+                        t.consumed,
+                        t.dead,
+                        t.redelivered_total,
+                        dict(t.dead_reasons),
+                    ]
                     for name, t in s.tasks.items()
                 },
             }

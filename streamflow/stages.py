@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from streamflow.config import RunConfig, StoreSection
+from workers.checkpoint import latest_checkpoint, read_state
 from workers.config import (
     ReferenceWorkerConfig,
     RewardWorkerConfig,
@@ -203,6 +204,9 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
             task.eval_problems(cfg.run.eval_prompts) if cfg.run.eval_prompts else [],
         )
     plan = RunPlan(cfg, run_dir, model_path, _weights_dir(run_dir), tokenizer, train, task, evals)
+    resume_from = find_resume(cfg, run_dir)
+    if resume_from is not None:
+        plan.start_iteration = read_state(resume_from).step
     blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed)
     r, t = cfg.rollout, cfg.trainer
     plan.rollout = RolloutWorkerConfig(
@@ -264,8 +268,24 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         checkpoint_every=cfg.run.checkpoint_every,
         engine=t.engine,
         weights_keep=(cfg.run.max_staleness or 0) + 4,
+        resume_from=str(resume_from) if resume_from is not None else None,
+        start_iteration=plan.start_iteration,
     )
     return plan
+
+
+def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
+    """The checkpoint to continue from: ``resume=auto`` takes the latest complete one in the run
+    directory (none: a fresh start), a path names one explicitly (it must exist)."""
+    if not cfg.run.resume:
+        return None
+    if cfg.run.resume == "auto":
+        return latest_checkpoint(run_dir / "checkpoints")
+    path = Path(cfg.run.resume)
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"run.resume={cfg.run.resume!r} is not a complete checkpoint "
+                                "(no trainer_state.json)")
+    return path
 
 
 def _named(common: WorkerCommon, role: str) -> WorkerCommon:

@@ -1,5 +1,8 @@
 """Child processes of a run on one host: start them, watch them, stop them.
 
+Orphans: every child asks the kernel (``PR_SET_PDEATHSIG``) to receive SIGTERM when the
+supervising process dies, even by SIGKILL — a killed controller never leaves workers running.
+
 Lifecycle of a child: started (stdout+stderr to ``<log_dir>/<name>.log``) -> running -> exited.
 ``failed()`` names the first child that exited non-zero (the run then fails with that child's log
 tail); ``stop_all`` sends SIGTERM, waits up to a grace period, then SIGKILLs whatever is left, so a
@@ -8,6 +11,7 @@ run never leaves processes behind, whether it succeeded, failed or was interrupt
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -15,6 +19,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: children are still stopped by stop_all on every normal exit path
 
 
 @dataclass
@@ -56,7 +70,12 @@ class Supervisor:
         }
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                preexec_fn=_die_with_parent,
             )
         child = Child(name, role, popen, log_path)
         self.children[name] = child

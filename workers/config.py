@@ -91,7 +91,9 @@ class TrainerWorkerConfig:
     reference_dtype: str = "float32"
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
-    start_iteration: int = 0  # > 0 when resuming
+    start_iteration: int = 0  # first iteration to train (overridden by resume_from's step)
+    resume_from: str | None = None  # checkpoint directory (workers.checkpoint) to continue from
+    checkpoint_keep: int = 2  # complete checkpoints kept (the newest ones)
     engine: str = "torch"  # torch | deepspeed
     weights_keep: int = 4  # published versions kept on disk (older ones are unlinked)
 

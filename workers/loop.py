@@ -21,14 +21,78 @@ lease anyway), so a clean stop never leaves rows leased.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import pyarrow as pa
 
 from storage.schema import ROW_ID, Lease
 from workers.events import EventSender, Span
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    """Renews the leases a worker is computing on, from a background thread with its own client.
+
+    Long work (a slow generation, a big reference forward) must not lose its rows to expiry while
+    the worker is alive and busy, but must lose them quickly if the worker dies or freezes. So a
+    lease is claimed with the table's (short) lease time and this thread extends every registered
+    lease when half of its lifetime has passed — a heartbeat, as Kafka consumers send. A frozen
+    process (SIGSTOP) stops heartbeating too, so its leases still expire and get fenced.
+    ``client_factory`` must give a client usable from the keeper thread (clients are per thread).
+    """
+
+    def __init__(self, client_factory: Callable[[], Any], *, tick_s: float = 0.25) -> None:
+        self._factory = client_factory
+        self._tick_s = tick_s
+        self._leases: dict[int, list] = {}  # lease_id -> [lease, lifetime, deadline]
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._thread.start()
+
+    def hold(self, lease: Lease) -> None:
+        """Keep renewing ``lease`` until ``drop``."""
+        lifetime = max(lease.deadline - time.time(), 0.5)
+        with self._lock:
+            self._leases[lease.lease_id] = [lease, lifetime, lease.deadline]
+
+    def drop(self, lease_id: int) -> None:
+        with self._lock:
+            self._leases.pop(lease_id, None)
+
+    @contextlib.contextmanager
+    def keep(self, lease: Lease) -> Iterator[None]:
+        self.hold(lease)
+        try:
+            yield
+        finally:
+            self.drop(lease.lease_id)
+
+    def _run(self) -> None:
+        client = self._factory()
+        try:
+            while not self._stop.wait(self._tick_s):
+                now = time.time()
+                with self._lock:
+                    due = [e for e in self._leases.values() if e[2] - now < e[1] / 2]
+                for entry in due:
+                    try:
+                        entry[2] = client.extend(entry[0])
+                    except Exception as exc:  # expired already: the write will be fenced anyway
+                        log.warning("could not extend lease %s: %s", entry[0].lease_id, exc)
+                        entry[2] = float("inf")
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 class Stage(Protocol):
@@ -64,6 +128,7 @@ def run_stage_once(
     role: str,
     events: EventSender,
     timeout_s: float,
+    keeper: LeaseKeeper | None = None,
 ) -> int:
     """One claim/compute/write turn. Returns the number of rows processed (0 if nothing came)."""
     lease = client.claim(
@@ -78,7 +143,8 @@ def run_stage_once(
         return 0
     start = time.time()
     try:
-        out = stage.process(lease)
+        with keeper.keep(lease) if keeper is not None else contextlib.nullcontext():
+            out = stage.process(lease)
     except BaseException as exc:
         try:
             client.release(lease, error=f"{type(exc).__name__}: {exc}"[:500])
@@ -100,11 +166,13 @@ def serve_stage(
     role: str,
     events: EventSender,
     timeout_s: float = 1.0,
+    keeper: LeaseKeeper | None = None,
 ) -> int:
     """Run turns until ``stop`` is set; returns the rows processed."""
     total = 0
     while not stop.is_set():
         total += run_stage_once(
-            client, table, stage, worker=worker, role=role, events=events, timeout_s=timeout_s
+            client, table, stage, worker=worker, role=role, events=events, timeout_s=timeout_s,
+            keeper=keeper,
         )
     return total

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 import storage
+from workers.checkpoint import read_state, restore_rng, save_checkpoint
 from workers.config import (
     ReferenceWorkerConfig,
     RewardWorkerConfig,
@@ -34,8 +35,8 @@ from workers.config import (
 from workers.engines.base import SamplingParams
 from workers.engines.torch_trainer import TorchTrainerEngine
 from workers.events import EventSender, WorkerStatus
-from workers.loop import serve_stage
-from workers.models import load_model, load_tokenizer, save_model
+from workers.loop import LeaseKeeper, serve_stage
+from workers.models import load_model, load_tokenizer
 from workers.reference import ReferenceStage
 from workers.reward import RewardStage
 from workers.rollout import RolloutStage
@@ -50,7 +51,14 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
     if cfg.engine == "vllm":
         from workers.engines.vllm_rollout import VllmRolloutEngine  # needs the [vllm] extra
 
-        return VllmRolloutEngine(cfg.model_path, seed=cfg.common.seed)
+        # vllm_* fields are optional on RolloutWorkerConfig: the engine's defaults apply without them.
+        settings = {
+            key: getattr(cfg, f"vllm_{key}")
+            for key in ("dtype", "max_model_len", "kv_cache_gib", "gpu_memory_utilization",
+                        "enforce_eager")
+            if hasattr(cfg, f"vllm_{key}")
+        }
+        return VllmRolloutEngine(cfg.model_path, seed=cfg.common.seed, **settings)
     from workers.engines.torch_rollout import TorchRolloutEngine
 
     tokenizer = load_tokenizer(cfg.model_path)
@@ -92,13 +100,52 @@ def build_reference(cfg: ReferenceWorkerConfig) -> ReferenceStage:
     )
 
 
-def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender) -> Trainer:
+def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tuple[Any, Any]:
+    """The configured training engine and, for DeepSpeed, this process's ``RankGroup``.
+
+    ``deepspeed`` joins the process group torch's launcher describes (one process per rank).
+    """
+    if cfg.engine == "torch":
+        engine = TorchTrainerEngine(
+            model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]),
+            max_grad_norm=cfg.max_grad_norm,
+        )
+        return engine, None
+    if cfg.engine == "deepspeed":  # needs the [deepspeed] extra (clear error if missing)
+        from workers.engines.deepspeed_trainer import (
+            DeepSpeedSettings,
+            DeepSpeedTrainerEngine,
+            start_ranks,
+        )
+
+        settings = DeepSpeedSettings(
+            lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]),
+            max_grad_norm=cfg.max_grad_norm,
+            # Fields the lead adds to TrainerWorkerConfig (issue 6); defaults until then.
+            zero_stage=getattr(cfg, "zero_stage", 2),
+        )
+        ranks = start_ranks()
+        expected = getattr(cfg, "num_ranks", None)
+        if expected is not None and expected != ranks.world_size:
+            raise ValueError(
+                f"trainer.num_ranks={expected} but the launcher started {ranks.world_size} ranks"
+            )
+        return DeepSpeedTrainerEngine(model, settings, ranks), ranks
+    raise ValueError(f"unknown trainer engine {cfg.engine!r}; engines: ['deepspeed', 'torch']")
+
+
+def build_trainer(
+    cfg: TrainerWorkerConfig, client: Any, events: EventSender, keeper: LeaseKeeper | None = None
+) -> Trainer:
     torch.manual_seed(cfg.common.seed)
-    model = load_model(cfg.model_path)
-    engine = TorchTrainerEngine(
-        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]),
-        max_grad_norm=cfg.max_grad_norm,
-    )
+    start_iteration = cfg.start_iteration
+    model = load_model(cfg.resume_from or cfg.model_path)
+    engine, ranks = make_trainer_engine(cfg, model)
+    leader = ranks is None or ranks.is_leader
+    if cfg.resume_from:  # weights above; optimizer, RNG and step from the same checkpoint
+        engine.load_state(cfg.resume_from)
+        restore_rng(cfg.resume_from)
+        start_iteration = read_state(cfg.resume_from).step
     reference = None
     if cfg.reference_path and cfg.kl_coef > 0 and not cfg.reference_worker:
         reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype])
@@ -116,15 +163,16 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender) ->
     def checkpoint(step: int) -> None:
         every = cfg.checkpoint_every
         if cfg.checkpoint_dir and (step == cfg.iterations or (every and step % every == 0)):
-            path = Path(cfg.checkpoint_dir) / f"step-{step:06d}"
-            save_model(model, tokenizer, path)  # atomic: tmp dir + rename
-            engine.save_state(str(path))
+            if leader:
+                save_checkpoint(cfg.checkpoint_dir, step, model, tokenizer, engine, keep=cfg.checkpoint_keep)
+            else:  # join rank 0's collective engine save (the directory comes from rank 0)
+                engine.save_state("")
 
     return Trainer(
         client, cfg.common.table, engine, tri, settings,
-        WeightPublisher(cfg.weights_dir, cfg.weights_bind, keep=cfg.weights_keep),
-        worker=cfg.common.name, send=events.send, start_iteration=cfg.start_iteration,
-        on_step=checkpoint,
+        WeightPublisher(cfg.weights_dir, cfg.weights_bind if leader else None, keep=cfg.weights_keep),
+        worker=cfg.common.name, send=events.send if leader else (lambda r: None),
+        start_iteration=start_iteration, on_step=checkpoint, keeper=keeper, ranks=ranks,
     )
 
 
@@ -133,14 +181,19 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
     torch.set_num_threads(max(common.threads, 1))
     events = EventSender(common.events_address)
     client = storage.connect(common.store_addresses)
+    keeper = LeaseKeeper(lambda: storage.connect(common.store_addresses))
     try:
         if isinstance(cfg, TrainerWorkerConfig):
-            trainer = build_trainer(cfg, client, events)
+            trainer = build_trainer(cfg, client, events, keeper)
+            if trainer.ranks is not None and not trainer.ranks.is_leader:
+                trainer.follow()  # rank > 0: rank 0 owns the store, the reports and the stop
+                return 0
             trainer.publish_current()
             events.send(WorkerStatus(common.name, common.role, "ready"))
             while not stop.is_set() and trainer.step < cfg.iterations:
                 trainer.poll(common.claim_timeout_s)
             trainer.release_held()
+            trainer.stop_followers()
         else:
             if isinstance(cfg, RolloutWorkerConfig):
                 stage: Any = build_rollout(cfg, events)
@@ -151,7 +204,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
             events.send(WorkerStatus(common.name, common.role, "ready"))
             serve_stage(
                 client, common.table, stage, stop, worker=common.name, role=common.role,
-                events=events, timeout_s=common.claim_timeout_s,
+                events=events, timeout_s=common.claim_timeout_s, keeper=keeper,
             )
         events.send(WorkerStatus(common.name, common.role, "stopped"))
         return 0
@@ -161,6 +214,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
         print(detail, file=sys.stderr, flush=True)
         return 1
     finally:
+        keeper.close()
         client.close()
         events.close()
 

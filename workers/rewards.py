@@ -62,7 +62,9 @@ def available_rewards() -> list[str]:
 def _import_path(path: str) -> RewardFn:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise RewardError(f"reward import path must look like 'package.module:function', got {path!r}")
+        raise RewardError(
+            f"reward import path must look like 'package.module:function', got {path!r}"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -258,12 +260,15 @@ class RewardRunner:
     def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[RewardResult]:
         """One ``RewardResult`` per completion, in order; never raises for a bad sample."""
         if len(completions) != len(answers):
-            raise ValueError(
-                f"score: {len(completions)} completions but {len(answers)} answers"
-            )
+            raise ValueError(f"score: {len(completions)} completions but {len(answers)} answers")
         if not self.isolated:
-            return [_score_one(self.fn, str(c), str(a)) for c, a in zip(completions, answers)]
-        return [self._score_isolated(str(c), str(a)) for c, a in zip(completions, answers)]
+            return [
+                _score_one(self.fn, str(c), str(a))
+                for c, a in zip(completions, answers, strict=True)
+            ]
+        return [
+            self._score_isolated(str(c), str(a)) for c, a in zip(completions, answers, strict=True)
+        ]
 
     def _score_isolated(self, completion: str, answer: str) -> RewardResult:
         if self._conn is None:

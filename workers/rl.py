@@ -84,15 +84,15 @@ def response_logprobs(
     return out * response_mask.to(out.dtype)
 
 
-def to_token_tensor(
-    values: Sequence[Sequence[float]], response_mask: torch.Tensor
-) -> torch.Tensor:
+def to_token_tensor(values: Sequence[Sequence[float]], response_mask: torch.Tensor) -> torch.Tensor:
     """Scatter per-response lists (e.g. behaviour log-probs) into [B, T] at ``response_mask``."""
     out = torch.zeros_like(response_mask, dtype=torch.float32)
     for i, row in enumerate(values):
         idx = response_mask[i].nonzero().squeeze(-1)
         if len(idx) != len(row):
-            raise ValueError(f"to_token_tensor: row {i} has {len(row)} values for {len(idx)} tokens")
+            raise ValueError(
+                f"to_token_tensor: row {i} has {len(row)} values for {len(idx)} tokens"
+            )
         out[i, idx] = torch.as_tensor(row, dtype=torch.float32)
     return out
 
@@ -264,12 +264,27 @@ def make_optimizer(
     lr: float,
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
+    *,
+    warmup_steps: int = 0,
 ) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters (foreach off: same update whatever the param order)."""
+    """AdamW over the trainable parameters (foreach off: same update whatever the param order).
+
+    ``warmup_steps`` > 0 ramps the lr linearly over the first steps (applied by
+    ``optimizer_step``). Why: a fresh Adam moves EVERY parameter by ~lr on its first steps, signal
+    or noise (m / sqrt(v) is +-1 at step 1); with one noisy RL batch per step that random walk is
+    what destabilises a small policy, and a short ramp lets the moment estimates settle first.
+    """
     if lr <= 0:
         raise ValueError(f"make_optimizer: lr must be > 0, got {lr}")
+    if warmup_steps < 0:
+        raise ValueError(f"make_optimizer: warmup_steps must be >= 0, got {warmup_steps}")
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, foreach=False)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, foreach=False)
+    for group in opt.param_groups:
+        group["base_lr"] = lr
+        group["warmup_steps"] = int(warmup_steps)
+        group["num_steps"] = 0
+    return opt
 
 
 def optimizer_step(
@@ -280,7 +295,16 @@ def optimizer_step(
     if max_grad_norm is not None and max_grad_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        norm = (
+            torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        )
+    for group in optimizer.param_groups:
+        # The warm-up schedule lives in the param group (set by make_optimizer), so it is saved
+        # and restored with the optimizer's state dict.
+        warmup = group.get("warmup_steps", 0)
+        if warmup:
+            group["lr"] = group["base_lr"] * min(1.0, (group["num_steps"] + 1) / warmup)
+        group["num_steps"] = group.get("num_steps", 0) + 1
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)

@@ -26,10 +26,10 @@ from collections.abc import Callable
 import pyarrow as pa
 
 from storage.schema import Lease
-from workers.engines.base import RolloutEngine, SamplingParams
+from workers.engines.base import LoadsWeightsFile, RolloutEngine, SamplingParams
 from workers.events import WeightSyncReport
 from workers.loop import with_row_ids
-from workers.weights import WeightSubscriber
+from workers.weights import WeightSubscriber, weights_path
 
 
 def sampling_seed(run_seed: int, group_id: int, policy_version: int) -> int:
@@ -75,8 +75,13 @@ class RolloutStage:
         else:
             newest = self.weights.wait_for(required, self.weight_wait_s)
         start = time.perf_counter()
-        tensors, nbytes = self.weights.load(newest)
-        self.engine.load_weights(tensors, newest)
+        if isinstance(self.engine, LoadsWeightsFile):  # e.g. vLLM reads the file in its worker
+            path = weights_path(self.weights.directory, newest)
+            nbytes = path.stat().st_size
+            self.engine.load_weights_file(path, newest)
+        else:
+            tensors, nbytes = self.weights.load(newest)
+            self.engine.load_weights(tensors, newest)
         self.on_sync(WeightSyncReport(self.worker, newest, time.perf_counter() - start, nbytes))
 
     def process(self, lease: Lease) -> pa.RecordBatch:

@@ -123,10 +123,23 @@ class ArithmeticTask:
         return list(itertools.islice(self.iterate(), start, start + n))
 
     def eval_problems(self, n: int) -> list[Problem]:
-        """``n`` distinct held-out problems, the same list on every call (fixed seed)."""
+        """``n`` distinct held-out problems, the same list on every call (seed-independent)."""
         total = len(self.operations) * (self.max_operand + 1) ** 2
-        if n > total * self.held_out_fraction * 0.5:
-            raise ValueError(f"eval_problems: n={n} is too large for {self.digits}-digit problems")
+        if total <= 200_000:
+            # Small space: enumerate the held-out split exactly, then draw without replacement.
+            held = [
+                (op, a, b)
+                for op in self.operations
+                for a in range(self.max_operand + 1)
+                for b in range(self.max_operand + 1)
+                if _is_held_out(op, a, b, self.held_out_fraction)
+            ]
+            if n > len(held):
+                raise ValueError(
+                    f"eval_problems: n={n} but this task has only {len(held)} held-out problems"
+                )
+            rng = random.Random(f"arith-eval|{self.digits}|{','.join(self.operations)}")
+            return [self.make_problem(*t) for t in rng.sample(held, n)]
         seen: set[str] = set()
         out: list[Problem] = []
         for p in self._stream(seed=-1, held_out=True):
@@ -142,13 +155,20 @@ class ProblemFileError(ValueError):
     """A problem file is missing, unreadable, or lacks a required column."""
 
 
+def _as_text(value: object) -> str | None:
+    # Prompts and answers are text; JSON numbers (answer 46 vs "46") become their JSON text.
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
 def _read_table(path: Path) -> pa.Table:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return pq.read_table(path)
     if suffix in (".jsonl", ".json", ".ndjson"):
-        # pyarrow.json infers types per column; answers like "46" vs 46 must both work, so read
-        # lines ourselves and let Arrow build the table from Python objects.
+        # pyarrow.json fails on a column mixing "46" and 46 (common for answers), so parse lines
+        # ourselves and build string columns.
         rows = []
         with path.open(encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, 1):
@@ -161,7 +181,9 @@ def _read_table(path: Path) -> pa.Table:
         if not rows:
             raise ProblemFileError(f"{path}: no rows")
         keys = sorted({k for r in rows for k in r})
-        return pa.table({k: [r.get(k) for r in rows] for k in keys})
+        return pa.table(
+            {k: pa.array([_as_text(r.get(k)) for r in rows], pa.string()) for k in keys}
+        )
     raise ProblemFileError(f"{path}: unsupported file type {suffix!r}; use .jsonl or .parquet")
 
 
@@ -180,14 +202,14 @@ def load_problem_file(
         raise ProblemFileError(f"{p}: cannot read: {exc}") from exc
     for col in (prompt_column, answer_column):
         if col not in table.column_names:
-            raise ProblemFileError(
-                f"{p}: missing column {col!r}; columns are {table.column_names}"
-            )
+            raise ProblemFileError(f"{p}: missing column {col!r}; columns are {table.column_names}")
     prompts = table.column(prompt_column).to_pylist()
     answers = table.column(answer_column).to_pylist()
     out = []
     for i, (q, a) in enumerate(zip(prompts, answers, strict=True)):
         if q is None or a is None:
-            raise ProblemFileError(f"{p}: row {i} has a null {prompt_column!r} or {answer_column!r}")
+            raise ProblemFileError(
+                f"{p}: row {i} has a null {prompt_column!r} or {answer_column!r}"
+            )
         out.append(Problem(prompt=str(q), answer=str(a)))
     return out

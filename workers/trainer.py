@@ -21,6 +21,12 @@ policy's before the step), so no old-policy forward runs and the ratio is exactl
 pass. With ``updates_per_batch > 1`` the first pass records the log-probs of the policy at the start
 of the iteration and later passes use them: the old policy is never a one-step-stale copy.
 
+Several ranks (``ranks``, DeepSpeed under torchrun): rank 0 runs this loop against the store and
+broadcasts every micro-batch it trains; each rank backpropagates its share of the groups
+(``workers.distributed``); the step waits for rank 0's STEP, all-reduces the loss sums so
+1/total_tokens is the whole iteration's, and only rank 0 publishes, acks and reports. Followers run
+``follow()``.
+
 Staleness: a sample generated with policy version v and trained at step k has staleness k - v. With
 ``importance_correction`` the ratio is additionally weighted by min(exp(old - behaviour), is_cap).
 """
@@ -37,8 +43,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from storage.schema import ROW_ID, Lease
+from workers.distributed import Op, RankGroup, first_group
 from workers.engines.torch_trainer import TrainerEngine
 from workers.events import Span, StepReport
+from workers.loop import LeaseKeeper
 from workers.reference import rows_to_groups
 from workers.rl import LossSums, group_advantages, grpo_loss_sums
 from workers.trimodel import TriModel
@@ -66,10 +74,11 @@ class TrainerSettings:
 class Piece:
     """The rows of one lease that belong to one iteration."""
 
-    lease: Lease
+    lease: Lease | None  # None on follower ranks (they never hold leases)
     iteration: int
     rows: pa.RecordBatch
     old_logp: list[torch.Tensor] = field(default_factory=list)  # recorded on the first pass
+    local: pa.RecordBatch | None = None  # this rank's groups of ``rows`` (None: one rank, all)
 
 
 @dataclass
@@ -95,6 +104,8 @@ class Trainer:
         send: Callable[[Any], None] = lambda r: None,
         start_iteration: int = 0,
         on_step: Callable[[int], None] = lambda it: None,
+        keeper: LeaseKeeper | None = None,
+        ranks: RankGroup | None = None,
     ) -> None:
         self.client = client
         self.table = table
@@ -105,6 +116,8 @@ class Trainer:
         self.worker = worker
         self.send = send
         self.on_step = on_step
+        self.keeper = keeper  # renews held leases from its own thread (else: between claims)
+        self.ranks = ranks  # several trainer ranks (workers.distributed); None: this process alone
         self.step = start_iteration  # = policy version of the current weights
         self.columns = (
             "group_id", "iteration", "prompt_ids", "response_ids", "response_logprobs",
@@ -145,6 +158,8 @@ class Trainer:
     def _accept(self, lease: Lease) -> None:
         iterations = lease.batch.column("iteration").to_numpy()
         self._held[lease.lease_id] = _Held(lease, lease.num_rows, max(lease.deadline - time.time(), 1.0))
+        if self.keeper is not None:
+            self.keeper.hold(lease)
         for it in sorted(set(iterations.tolist())):
             rows = lease.batch.filter(pa.array(iterations == it))
             piece = Piece(lease, int(it), rows)
@@ -157,7 +172,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ compute
     def _forward(self, piece: Piece, first_pass: bool) -> tuple[torch.Tensor, LossSums]:
-        rows = piece.rows
+        rows = piece.rows if piece.local is None else piece.local
+        idle = rows.num_rows == 0  # a rank without groups here still runs one (zero) backward
+        if idle:
+            rows = first_group(piece.rows)
         groups, where = rows_to_groups(rows)
         out = self.tri.forward(
             groups, temperature=self.s.temperature, token_budget=self.s.token_budget,
@@ -185,13 +203,25 @@ class Trainer:
             logp, old, ref, adv, mask, clip_eps=self.s.clip_eps, kl_coef=self.s.kl_coef,
             behaviour_logp=behaviour, is_correction=self.s.importance_correction, is_cap=self.s.is_cap,
         )
-        if first_pass:
+        if first_pass and (self.ranks is None or self.ranks.is_leader):
+            if rows is not piece.rows:  # several ranks: the leader writes every row's advantage
+                adv = group_advantages(
+                    torch.tensor(piece.rows.column("reward").to_pylist(), dtype=torch.float32),
+                    torch.tensor(piece.rows.column("group_id").to_pylist(), dtype=torch.int64),
+                    group_size=self.s.group_size, std_normalize=self.s.std_normalize,
+                )
             self._write_advantages(piece, adv)
+        if idle:  # same graph as the other ranks (ZeRO-2 reduces in backward), zero gradient
+            return loss_sum * 0.0, LossSums()
         return loss_sum, sums
 
     def _train_first_pass(self, piece: Piece) -> None:
         start = time.time()
         self._first_at = self._first_at or start
+        if self.ranks is not None:
+            if self.ranks.is_leader:
+                self.ranks.send_micro_batch(piece.rows, piece.iteration)
+            piece.local = self.ranks.share(piece.rows)
         loss_sum, sums = self._forward(piece, first_pass=True)
         self.engine.backward(loss_sum)
         self._sums = self._sums + sums
@@ -213,21 +243,34 @@ class Trainer:
 
     def _finish_iteration(self) -> None:
         start = time.time()
+        if self.ranks is not None:  # every rank: the whole iteration's sums, hence its token count
+            if self.ranks.is_leader:
+                self.ranks.send_step(self.step)
+            self._sums = self.ranks.all_reduce_sums(self._sums)
         num_tokens = max(self._sums.num_tokens, 1)
         grad_norm = self.engine.step(1.0 / num_tokens)
         for _ in range(self.s.updates_per_batch - 1):  # PPO-style extra passes (old = start of iteration)
-            total = 0
+            total = LossSums()
             for piece in self._done:
                 loss_sum, sums = self._forward(piece, first_pass=False)
                 self.engine.backward(loss_sum)
-                total += sums.num_tokens
-            grad_norm = self.engine.step(1.0 / max(total, 1))
+                total = total + sums
+            if self.ranks is not None:
+                total = self.ranks.all_reduce_sums(total)
+            grad_norm = self.engine.step(1.0 / max(total.num_tokens, 1))
         self.step += 1
+        if self.ranks is not None and not self.ranks.is_leader:
+            self._reset_iteration()
+            self.on_step(self.step)
+            return
         published = self.publisher.publish(self.engine.state_dict(), self.step)
         for piece in self._done:
+            assert piece.lease is not None  # the leader's pieces always come with their lease
             held = self._held[piece.lease.lease_id]
             held.untrained -= piece.rows.num_rows
             if held.untrained == 0:
+                if self.keeper is not None:
+                    self.keeper.drop(held.lease.lease_id)
                 self.client.ack(held.lease)
                 del self._held[piece.lease.lease_id]
         end = time.time()
@@ -259,21 +302,52 @@ class Trainer:
                 busy_seconds=self._busy,
             )
         )
+        self._reset_iteration()
+        self.on_step(self.step)
+
+    def _reset_iteration(self) -> None:
         self._done, self._rows_in, self._sums = [], 0, LossSums()
         self._staleness, self._rewards, self._failures = [], [], 0
         self._first_at, self._busy = None, 0.0
-        self.on_step(self.step)
+
+    # ------------------------------------------------------------------ follower ranks
+    def follow(self) -> None:
+        """A follower rank's whole loop: train what rank 0 broadcasts, step when it says, return
+        at STOP. Never touches the store (``workers.distributed``)."""
+        if self.ranks is None or self.ranks.is_leader:
+            raise RuntimeError("follow() is for ranks > 0 of a multi-rank trainer")
+        while True:
+            command = self.ranks.receive()
+            if command.op is Op.STOP:
+                return
+            if command.iteration != self.step:
+                raise RuntimeError(
+                    f"rank {self.ranks.rank} at step {self.step} got {command.op.name} for "
+                    f"iteration {command.iteration}: ranks out of step"
+                )
+            if command.op is Op.MICRO_BATCH:
+                assert command.rows is not None
+                self._train_first_pass(Piece(None, command.iteration, command.rows))
+            else:
+                self._finish_iteration()
+
+    def stop_followers(self) -> None:
+        """Leader: tell follower ranks the run is over (they return from ``follow``)."""
+        if self.ranks is not None and self.ranks.is_leader:
+            self.ranks.send_stop()
 
     def release_held(self) -> None:
         """Clean stop: hand every held lease back at once (not counted as a failed delivery);
         the successor retrains the unfinished iteration from the last published weights."""
         for held in self._held.values():
+            if self.keeper is not None:
+                self.keeper.drop(held.lease.lease_id)
             self.client.release(held.lease)
         self._held.clear()
 
     def _keep_leases_alive(self) -> None:
         """Held leases outlive one claim turn (rows wait for the step): renew them in time."""
-        if not self._held:
+        if not self._held or self.keeper is not None:
             return
         now = time.time()
         for held in self._held.values():

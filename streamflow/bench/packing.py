@@ -6,11 +6,13 @@ unpacked ``prompt + response`` rows and once packed as ``prompt + r1 + ... + rG`
 the theoretical token ratio (G*P + sum L) / (P + sum L):
 
 - tokens: real tokens through the model (``PackedBatch.num_tokens``);
-- time: packing + forward + backward, the best of ``--repeats`` runs after a first run;
-- peak memory: the first run's resident-set high-water mark minus the resident set just before it
-  (Linux ``VmHWM`` after a reset through ``/proc/self/clear_refs``), i.e. activations, gradients
-  and temporaries. Each side runs in a fresh child process by default so that the allocator's cache
-  of one side never hides the other's peak.
+- time: building the layout + forward + backward, the best of ``--repeats`` runs after one
+  warm-up; both sides run interleaved in ONE process so that load from other processes on a shared
+  machine hits both alike (wall time; process CPU time is reported beside it);
+- peak memory: the first fwd+bwd's resident-set high-water mark minus the resident set just before
+  it (Linux ``VmHWM`` after a reset through ``/proc/self/clear_refs``): activations, gradients and
+  temporaries. Each side runs in a fresh child process (``--isolate``, the default except with
+  ``--quick``) so that the allocator's cache of one side never hides the other's peak.
 
 Target (issue 5): where the token saving is large, the time saving (1 - 1/time_ratio) reaches at
 least 80 % of the token saving (1 - 1/token_ratio); ``target_met`` says so per case.
@@ -66,18 +68,8 @@ def _reset_peak() -> bool:
         return False
 
 
-def measure(
-    P: int,
-    L: int,
-    G: int,
-    *,
-    packed: bool,
-    shape: ModelShape,
-    repeats: int,
-    threads: int,
-    attention: str = "segments",
-) -> dict[str, Any]:
-    """One side of one case in THIS process: tokens, best time, first-run peak memory."""
+def _setup(P: int, L: int, G: int, shape: ModelShape, threads: int, attention: str) -> Any:
+    """Build the model and the group; returns ``step(packed) -> tokens`` (fwd + bwd of one group)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -100,77 +92,96 @@ def measure(
     ids = torch.randint(1, shape.vocab, (P + G * L,), generator=gen).tolist()
     group = PackGroup(0, ids[:P], [ids[P + i * L : P + (i + 1) * L] for i in range(G)])
 
-    def step() -> int:
+    def step(packed: bool) -> int:
+        # Timed as a trainer pays it: build the layout, forward, backward.
         if packed:
             batch = pack_groups([group], token_budget=P + G * L)
         else:
             batch = unpacked_rows([group])
-        logp = batch_logprobs(model, batch, attention=attention)  # type: ignore[arg-type]
+        logp = batch_logprobs(model, batch, attention=attention)
         loss = -torch.cat([t for g in logp for t in g]).sum()
         loss.backward()
         model.zero_grad(set_to_none=True)
         return batch.num_tokens
 
+    return step
+
+
+def measure_memory(
+    P: int, L: int, G: int, *, packed: bool, shape: ModelShape, threads: int, attention: str
+) -> dict[str, Any]:
+    """One side's first fwd+bwd in THIS (fresh) process: tokens and peak bytes above the start."""
+    step = _setup(P, L, G, shape, threads, attention)
     base = _rss_bytes("VmRSS")
-    exact_peak = _reset_peak()
-    start = time.perf_counter()
-    tokens = step()
-    first = time.perf_counter() - start
-    peak = _rss_bytes("VmHWM") - base if exact_peak else -1
-    times = [first]
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    best = min(times[1:]) if repeats > 0 else first
-    return {"tokens": tokens, "seconds": best, "peak_bytes": peak}
+    exact = _reset_peak()
+    tokens = step(packed)
+    peak = _rss_bytes("VmHWM") - base if exact else -1
+    return {"tokens": tokens, "peak_bytes": peak}
 
 
-def _measure_in_child(spec: dict[str, Any]) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "streamflow.bench.packing", "--child", json.dumps(spec)]
+def measure_time(
+    P: int, L: int, G: int, *, shape: ModelShape, repeats: int, threads: int, attention: str
+) -> dict[str, Any]:
+    """Both sides in one process, interleaved, after one warm-up each: best wall and CPU seconds.
+
+    Interleaving matters on a shared machine: load from other processes then hits both sides
+    alike instead of whichever side ran during a busy minute.
+    """
+    step = _setup(P, L, G, shape, threads, attention)
+    wall: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(repeats + 1):
+        for packed in (False, True):
+            w0, c0 = time.perf_counter(), time.process_time()
+            step(packed)
+            if r > 0 or repeats == 0:  # round 0 is the warm-up
+                wall[packed].append(time.perf_counter() - w0)
+                cpu[packed].append(time.process_time() - c0)
+    return {
+        "seconds_unpacked": min(wall[False]),
+        "seconds_packed": min(wall[True]),
+        "cpu_seconds_unpacked": min(cpu[False]),
+        "cpu_seconds_packed": min(cpu[True]),
+    }
+
+
+def _run(kind: str, spec: dict[str, Any], isolate: bool) -> dict[str, Any]:
+    if not isolate:
+        fn = measure_memory if kind == "memory" else measure_time
+        return fn(**{k: v for k, v in spec.items()})
+    payload = json.dumps({"kind": kind, **spec, "shape": asdict(spec["shape"])})
+    cmd = [sys.executable, "-m", "streamflow.bench.packing", "--child", payload]
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _child(payload: str) -> dict[str, Any]:
+    spec = json.loads(payload)
+    kind = spec.pop("kind")
+    spec["shape"] = ModelShape(**spec["shape"])
+    return measure_memory(**spec) if kind == "memory" else measure_time(**spec)
+
+
 def _case(P: int, L: int, G: int, shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
-    sides = {}
-    for packed in (False, True):
-        spec = {
-            "P": P,
-            "L": L,
-            "G": G,
-            "packed": packed,
-            "shape": asdict(shape),
-            "repeats": args.repeats,
-            "threads": args.threads,
-            "attention": args.attention,
-        }
-        if not args.isolate:
-            sides[packed] = measure(
-                P,
-                L,
-                G,
-                packed=packed,
-                shape=shape,
-                repeats=args.repeats,
-                threads=args.threads,
-                attention=args.attention,
-            )
-        else:
-            sides[packed] = _measure_in_child(spec)
-    unp, pk = sides[False], sides[True]
+    common = {"P": P, "L": L, "G": G, "shape": shape, "threads": args.threads}
+    common["attention"] = args.attention
+    mem = {
+        packed: _run("memory", {**common, "packed": packed}, args.isolate)
+        for packed in (False, True)
+    }
+    t = _run("time", {**common, "repeats": args.repeats}, args.isolate)
+    unp, pk = mem[False], mem[True]
     theory = (G * P + G * L) / (P + G * L)
     token_ratio = unp["tokens"] / pk["tokens"]
-    time_ratio = unp["seconds"] / pk["seconds"]
+    time_ratio = t["seconds_unpacked"] / t["seconds_packed"]
     # None when a peak could not be measured (no /proc reset, or in-process with a warm allocator)
     mem_ok = unp["peak_bytes"] > 0 and pk["peak_bytes"] > 0
     mem_ratio = round(unp["peak_bytes"] / pk["peak_bytes"], 4) if mem_ok else None
     token_saving = 1 - 1 / token_ratio
-    time_saving = 1 - 1 / time_ratio
-    share = time_saving / token_saving if token_saving > 0 else float("nan")
+    share = (1 - 1 / time_ratio) / token_saving if token_saving > 0 else float("nan")
     return {
         "P": P,
         "L": L,
@@ -179,9 +190,9 @@ def _case(P: int, L: int, G: int, shape: ModelShape, args: argparse.Namespace) -
         "tokens_unpacked": unp["tokens"],
         "tokens_packed": pk["tokens"],
         "token_ratio": round(token_ratio, 4),
-        "seconds_unpacked": round(unp["seconds"], 4),
-        "seconds_packed": round(pk["seconds"], 4),
+        **{k: round(v, 4) for k, v in t.items()},
         "time_ratio": round(time_ratio, 4),
+        "cpu_time_ratio": round(t["cpu_seconds_unpacked"] / t["cpu_seconds_packed"], 4),
         "peak_bytes_unpacked": unp["peak_bytes"],
         "peak_bytes_packed": pk["peak_bytes"],
         "peak_memory_ratio": mem_ratio,
@@ -194,8 +205,8 @@ def _case(P: int, L: int, G: int, shape: ModelShape, args: argparse.Namespace) -
 def _table(cases: list[dict[str, Any]]) -> str:
     head = (
         f"{'P':>5} {'L':>4} {'G':>3} | {'tokens unp/pk':>15} {'ratio':>5} {'theory':>6} | "
-        f"{'fwd+bwd s unp/pk':>17} {'ratio':>5} | {'peak MiB unp/pk':>16} {'ratio':>5} | "
-        f"{'saving share':>12}"
+        f"{'fwd+bwd s unp/pk':>17} {'ratio':>5} {'cpu':>5} | {'peak MiB unp/pk':>16} "
+        f"{'ratio':>5} | {'saving share':>12}"
     )
     lines = [head, "-" * len(head)]
     mib = 1024 * 1024
@@ -204,7 +215,8 @@ def _table(cases: list[dict[str, Any]]) -> str:
             f"{c['P']:>5} {c['L']:>4} {c['G']:>3} | "
             f"{c['tokens_unpacked']:>7}/{c['tokens_packed']:<7} {c['token_ratio']:>5.2f} "
             f"{c['theoretical_token_ratio']:>6.2f} | "
-            f"{c['seconds_unpacked']:>8.3f}/{c['seconds_packed']:<8.3f} {c['time_ratio']:>5.2f} | "
+            f"{c['seconds_unpacked']:>8.3f}/{c['seconds_packed']:<8.3f} {c['time_ratio']:>5.2f} "
+            f"{c['cpu_time_ratio']:>5.2f} | "
             f"{c['peak_bytes_unpacked'] / mib:>7.0f}/{c['peak_bytes_packed'] / mib:<8.0f} "
             f"{_fmt(c['peak_memory_ratio'])} | {_share(c)}"
         )
@@ -230,7 +242,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="stdout holds only the JSON line")
     parser.add_argument("--quick", action="store_true", help="tiny model and cases (for tests)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs after the first")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
+    # One thread by default: on a shared 2-core machine, a second OpenMP thread that waits for a
+    # core held by another process made timings swing by up to 4x; one thread is steady.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--attention", choices=["segments", "mask"], default="segments")
     parser.add_argument(
         "--isolate",
@@ -241,12 +255,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        spec = json.loads(args.child)
-        shape = ModelShape(**spec.pop("shape"))
-        print(json.dumps(measure(shape=shape, **spec)))
+        print(json.dumps(_child(args.child)))
         return 0
     if args.repeats is None:
-        args.repeats = 1 if args.quick else 2
+        args.repeats = 1 if args.quick else 3
     if args.isolate is None:
         args.isolate = not args.quick
     if args.repeats < 0 or args.threads < 1:

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pyarrow as pa
+import pytest
 
 import storage
 
@@ -26,9 +27,12 @@ print(" ".join(map(str, lease.row_ids)), flush=True)
 if mode == "hang":
     time.sleep(600)
 sys.stdin.readline()  # the test says when to try the late write
+late = pa.record_batch({"reward": pa.array([9.0] * lease.num_rows, pa.float32())})
 try:
-    c.write("t", lease, pa.record_batch({"reward": pa.array([9.0] * lease.num_rows, pa.float32())}),
-            ack=True)
+    if mode == "late-combined":  # the piggybacked form: write + ack + claim the next rows
+        c.claim("t", "reward", ["x"], 8, ack=lease, write=late)
+    else:
+        c.write("t", lease, late, ack=True)
     print("ok", flush=True)
 except StoreError as exc:
     print(exc.code, flush=True)
@@ -84,11 +88,12 @@ def test_sigkilled_consumer_rows_are_redelivered_and_consumed_once(store_node, h
     c.close()
 
 
-def test_late_write_of_a_stopped_consumer_is_fenced(store_node, h):
+@pytest.mark.parametrize("mode", ["late", "late-combined"])
+def test_late_write_of_a_stopped_consumer_is_fenced(store_node, h, mode):
     c = storage.connect(store_node.address, request_timeout=20)
     c.create_table(h.make_spec(lease_seconds=1.0))
     c.put("t", h.make_rows(2))
-    zombie = _spawn(h, CONSUMER, store_node.address, "late")
+    zombie = _spawn(h, CONSUMER, store_node.address, mode)
     held = sorted(int(x) for x in zombie.stdout.readline().split())
     os.kill(zombie.pid, signal.SIGSTOP)
     try:
@@ -97,6 +102,7 @@ def test_late_write_of_a_stopped_consumer_is_fenced(store_node, h):
         c.write("t", successor, _rewards(8, 1.0), ack=True)
     finally:
         os.kill(zombie.pid, signal.SIGCONT)
+    c.put("t", h.make_rows(2, start_gid=100))  # rows a wrongly accepted combined claim would take
     zombie.stdin.write("go\n")
     zombie.stdin.flush()
     verdict = zombie.stdout.readline().strip()
@@ -104,6 +110,8 @@ def test_late_write_of_a_stopped_consumer_is_fenced(store_node, h):
     assert verdict in ("lease_expired", "unknown_lease")
     train = c.claim("t", "train", ["reward"], 8)
     assert train.batch.column("reward").to_pylist() == [1.0] * 8  # the successor's, not 9.0
+    reward = c.stats("t").task_total("reward")
+    assert reward.consumed == 8 and reward.in_flight == 0 and reward.ready == 8  # nothing leased
     c.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -49,17 +50,21 @@ def write(node: StoreNode, ids: np.ndarray, column: str) -> None:
     if column == "response":
         values = pa.array([[int(r) % 1000, 7] for r in ids], I32L)
     else:
-        values = pa.array([float(int(r) % 1000)] * len(ids), pa.float32())
-    node.write("t", pa.RecordBatch.from_pydict({"row_id": pa.array(ids, pa.uint64()), column: values}))
+        values = pa.array([float(int(r) % 1000) for r in ids], pa.float32())
+    node.write(
+        "t", pa.RecordBatch.from_pydict({"row_id": pa.array(ids, pa.uint64()), column: values})
+    )
     node.sync()
 
 
 def drain(node: StoreNode, task: str, columns: list[str]) -> dict[int, dict]:
-    out = {}
-    while (lease := node.claim("t", task, columns, 1000)) is not None:
+    out, leases = {}, []
+    while (lease := node.claim("t", task, columns, 7)) is not None:
         for row in lease.batch.to_pylist():
             out[row["row_id"]] = row
-        node.release("t", lease.lease_id)
+        leases.append(lease.lease_id)
+    for lease_id in leases:
+        node.release("t", lease_id)  # clean hand-back: state unchanged for the next look
     return out
 
 
@@ -198,7 +203,12 @@ def test_spec_mismatch_and_drop(tmp_path) -> None:
     put(node, 2)
     node.close()
     other = StoreNode(0, 2)
-    bad = TableSpec("t", pa.schema([("prompt", pa.int64())]), (TaskSpec("x", ("prompt",)),), persist_dir=str(tmp_path))
+    bad = TableSpec(
+        "t",
+        pa.schema([("prompt", pa.int64())]),
+        (TaskSpec("x", ("prompt",)),),
+        persist_dir=str(tmp_path),
+    )
     with pytest.raises(BadRequest, match="schema"):
         other.create_table(bad)
     with pytest.raises(BadRequest, match="num_shards"):
@@ -213,9 +223,9 @@ def test_fsync_interval_and_never_still_survive_process_crash(tmp_path) -> None:
     for policy in ("interval", "never"):
         d = str(tmp_path / policy)
         node = StoreNode(0, 1)
-        node.create_table(spec(d).__class__(**{**spec(d).__dict__, "fsync": policy}))
+        node.create_table(dataclasses.replace(spec(d), fsync=policy))
         put(node, 3)
         del node
         again = StoreNode(0, 1)
-        again.create_table(spec(d).__class__(**{**spec(d).__dict__, "fsync": policy}))
+        again.create_table(dataclasses.replace(spec(d), fsync=policy))
         assert again.stats("t").shards[0].rows == 3

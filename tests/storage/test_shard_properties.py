@@ -76,7 +76,9 @@ class StoreMachine(RuleBasedStateMachine):
         return sum(1 for n in by_gid.values() if n == G)
 
     def _free_consumed(self) -> None:
-        for r in [r for r, row in self.rows.items() if all(s == "consumed" for s in row.state.values())]:
+        for r in [
+            r for r, row in self.rows.items() if all(s == "consumed" for s in row.state.values())
+        ]:
             del self.rows[r]
 
     def _end(self, lease_id: int, failed: bool) -> None:
@@ -151,7 +153,9 @@ class StoreMachine(RuleBasedStateMachine):
         assert min_rows <= len(rids) <= max_rows
         held = {r for t, rs, _ in self.leases.values() if t == task for r in rs}
         assert not held.intersection(rids), "row handed to two live leases of one task"
-        for r, d, gid in zip(rids, lease.batch["deliveries"].to_pylist(), lease.batch["gid"].to_pylist(), strict=True):
+        for r, d, gid in zip(
+            rids, lease.batch["deliveries"].to_pylist(), lease.batch["gid"].to_pylist(), strict=True
+        ):
             row = self.rows[r]
             assert row.state[task] == "ready" and row.gid == gid
             row.state[task] = "leased"

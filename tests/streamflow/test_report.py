@@ -128,3 +128,15 @@ def test_cli_report(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: not a run directory") and err.count("\n") == 1
+
+
+def test_report_of_a_failed_run_shows_the_error(tmp_path):
+    run = _make_run(tmp_path / "a", summary=False)
+    records = RunDir(run).read_metrics()
+    failed = RunSummary.from_records(
+        "periodic", records, status="failed", error="reward-0 exited with status 1"
+    )
+    RunDir(run).write_summary(failed)
+    text = render_report(run)
+    assert "periodic / failed" in text
+    assert "error: reward-0 exited with status 1" in text

@@ -180,6 +180,7 @@ def test_progress_off_tty_logs_one_line_per_iteration(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "streamflow.progress"]
     assert len(lines) == 3
     assert lines[0].startswith("iter 1/3 v1 reward=0.100")
+    assert "samples/s=16.0" in lines[2]  # 96 samples over 3 x 2 s of iteration time
     assert "acc=-" in lines[1] and "queues[reward=2 trainer=1]" in lines[2]
     assert stream.getvalue() == ""
 

@@ -138,6 +138,7 @@ def test_layout_of_a_packed_row():
     # the first token of every response is scored from the prompt's last position (2)
     assert b.target_pos.tolist() == [2, 3, 2, 2, 6, 7]
     assert b.target_token.tolist() == [21, 22, 31, 41, 42, 43]
+    assert b.target_index(0, 2).tolist() == [[0, 2], [0, 6], [0, 7]]
     mask = b.attention_mask[0, 0]
     assert mask[5, :3].all() and not mask[5, 3:5].any()  # r2 sees the prompt, not r1
     assert mask[7, 6] and not mask[6, 7]  # causal inside r3
@@ -246,12 +247,14 @@ def test_self_check_rejects_an_inexact_attention(monkeypatch):
     assert packing_unsupported_reason(tiny_model("llama")) is None
 
 
-def test_eager_attention_takes_the_additive_dense_mask():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("attention", ["segments", "mask"])
+def test_models_built_with_eager_attention(attention):
+    model = tiny_model("llama")  # workers.models builds its models with eager attention
     model.config._attn_implementation = "eager"
     groups = make_groups([5, 3], [[4, 1, 6], [2]], seed=5)
-    got = batch_logprobs(model, pack_groups(groups, token_budget=40), attention="mask")
+    got = batch_logprobs(model, pack_groups(groups, token_budget=40), attention=attention)
     assert max_diff(got, reference_logprobs(model, groups)) <= 1e-5
+    assert model.config._attn_implementation == "eager"
 
 
 def test_model_attention_setting_is_restored_after_a_packed_call(model):

@@ -64,10 +64,12 @@ def test_grpo_steps_packed_equal_unpacked():
     initial = AutoModelForCausalLM.from_config(config).float()
     packed = train(copy.deepcopy(initial), pack=True)
     unpacked = train(copy.deepcopy(initial), pack=False)
-    moved = 0.0
-    for (name, p), q, p0 in zip(
-        packed.named_parameters(), unpacked.parameters(), initial.parameters(), strict=True
-    ):
+    for (name, p), q in zip(packed.named_parameters(), unpacked.parameters(), strict=True):
         assert float((p - q).detach().abs().max()) <= 1e-5, name
-        moved = max(moved, float((p - p0).detach().abs().max()))
-    assert moved > 1e-4  # the steps really changed the parameters
+    moved = torch.cat(
+        [
+            (p - p0).detach().abs().flatten()
+            for p, p0 in zip(packed.parameters(), initial.parameters(), strict=True)
+        ]
+    )
+    assert float(moved.median()) > 1e-4  # the steps really moved the parameters, far beyond 1e-5

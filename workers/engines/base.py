@@ -17,6 +17,7 @@ Owns the records every rollout engine speaks. Invariants an implementation must 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -43,7 +44,9 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ValueError(
+                f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
@@ -70,4 +73,19 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Replace the weights (HF parameter names) and set ``policy_version = version``."""
+        ...
+
+
+@runtime_checkable
+class LoadsWeightsFile(Protocol):
+    """Optional capability: load a published policy version straight from its safetensors file.
+
+    The trainer publishes every version as one file (``workers.weights``). An engine that can read
+    that file itself (vLLM: inside its own worker process) skips the round trip of reading the
+    tensors into the rollout process only to hand them over again; ``RolloutStage`` prefers this
+    method when the engine has it. Same effect as ``load_weights`` with the file's tensors.
+    """
+
+    def load_weights_file(self, path: str | os.PathLike[str], version: int) -> None:
+        """Load the HF-named tensors of ``path`` and set ``policy_version = version``."""
         ...

@@ -103,7 +103,9 @@ class TorchRolloutEngine:
         targets = self.model.state_dict()
         unknown = sorted(k for k in weights if k not in targets)
         if unknown:
-            raise KeyError(f"load_weights: unknown parameter names {unknown[:5]} (of {len(unknown)})")
+            raise KeyError(
+                f"load_weights: unknown parameter names {unknown[:5]} (of {len(unknown)})"
+            )
         with torch.no_grad():
             for name, value in weights.items():
                 target = targets[name]

@@ -1,0 +1,131 @@
+"""Checkpoint and exact resume: a killed run resumed from its checkpoint ends where an uninterrupted
+run ends; checkpoints are atomic; resuming at a dataset epoch boundary still trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from streamflow.controller import run
+from workers.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = ("run.iterations=6", "run.checkpoint_every=3", "rollout.groups_per_claim=1",
+          "run.eval_every=0")
+
+
+def _params(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step-{step:06d}" / "model.safetensors"))
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "periodic"])
+def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, mode: str) -> None:
+    straight = tiny_config(f"run.mode={mode}", *COMMON)
+    run(straight)
+    killed_dir = Path(straight.run.output_dir).parent / f"killed-{mode}"
+    overrides = [f"run.mode={mode}", *COMMON, f"run.output_dir={killed_dir}", "run.progress=false"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamflow", "run", str(ROOT / "configs" / "tiny.yaml"), *overrides],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        marker = killed_dir / "checkpoints" / "step-000003" / "trainer_state.json"
+        deadline = time.monotonic() + 180
+        while not marker.exists():
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.05)
+        # A random point after the N-th checkpoint (N=3) that still leaves work to do: once the
+        # metrics of iteration 3 + r are written, r random in {0, 1}.
+        target = 3 + random.randint(0, 1) + 1
+        metrics = killed_dir / "metrics.jsonl"
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < target:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "no progress in time"
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (killed_dir / "summary.json").exists()
+    resumed = tiny_config(f"run.mode={mode}", *COMMON, f"run.output_dir={killed_dir}",
+                          "run.resume=auto")
+    summary = run(resumed)
+    assert summary.status == "ok"
+    iterations = [json.loads(x)["iteration"] for x in
+                  (killed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert iterations == list(range(6)), iterations
+    worst = _max_diff(_params(Path(straight.run.output_dir), 6), _params(killed_dir, 6))
+    assert worst <= 1e-6, worst
+
+
+def test_resume_at_dataset_epoch_boundary_still_trains(tiny_config, tmp_path: Path) -> None:
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n"
+                            for a in range(8)))
+    # 4 prompts per iteration over 8 problems: iteration 2 starts the second epoch.
+    base = ("run.mode=sync", "data.task=file", f"data.file={data}", "run.eval_every=0",
+            "run.checkpoint_every=2")
+    first = tiny_config(*base, "run.iterations=2")
+    run(first)
+    out = Path(first.run.output_dir)
+    second = tiny_config(*base, "run.iterations=4", "run.resume=auto")
+    summary = run(second)
+    assert summary.status == "ok" and summary.iterations == 4
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in lines] == [0, 1, 2, 3]
+    assert all(r["samples"] == 8 for r in lines[2:])
+    assert _max_diff(_params(out, 2), _params(out, 4)) > 0, "the resumed iterations did not train"
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+class _FailingEngine:
+    def save_state(self, directory: str) -> None:
+        (Path(directory) / "optimizer.pt").write_bytes(b"partial")
+        raise _Boom("disk full")
+
+
+class _Engine:
+    def save_state(self, directory: str) -> None:
+        (Path(directory) / "optimizer.pt").write_bytes(b"ok")
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> None:
+    from workers.models import TinyModelSpec, build_tiny_model
+    from workers.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModelSpec(hidden_size=16, num_layers=1, num_heads=2,
+                                           num_kv_heads=1, intermediate_size=32), tok)
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 1, model, tok, _Engine())
+    save_checkpoint(root, 2, model, tok, _Engine())
+    with pytest.raises(_Boom):
+        save_checkpoint(root, 3, model, tok, _FailingEngine())
+    assert [p.name for p in list_checkpoints(root)] == ["step-000001", "step-000002"]
+    assert latest_checkpoint(root).name == "step-000002"
+    assert not list(root.glob(".tmp-*")), "a failed save must not leave a partial directory"
+    save_checkpoint(root, 3, model, tok, _Engine())  # keep=2: the oldest goes, only after success
+    assert [p.name for p in list_checkpoints(root)] == ["step-000002", "step-000003"]
+    # A partial directory left by a killed save (no trainer_state.json) is never taken for one.
+    (root / "step-000009").mkdir()
+    assert latest_checkpoint(root).name == "step-000003"

@@ -1,0 +1,114 @@
+"""Reward registry and RewardRunner: built-ins, import paths, timeouts and crashes never escape."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from workers.rewards import (
+    RewardError,
+    RewardRunner,
+    available_rewards,
+    exact_match,
+    numeric_close,
+    register_reward,
+    resolve_reward,
+)
+
+USER_MODULE = textwrap.dedent(
+    """
+    import os
+    import time
+
+    def length_reward(completion, answer):
+        return float(len(completion))
+
+    def picky(completion, answer):
+        if completion == "hang":
+            time.sleep(60)
+        if completion == "boom":
+            raise RuntimeError("user bug")
+        if completion == "die":
+            os._exit(3)
+        if completion == "text":
+            return "not a number"
+        return 1.0 if completion.strip() == answer else 0.0
+    """
+)
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "sf_user_rewards.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "sf_user_rewards"
+
+
+def test_builtins():
+    assert exact_match(" 46 \n", "46") == 1.0 and exact_match("45", "46") == 0.0
+    assert numeric_close("the answer is 46.0", "46") == 1.0
+    assert numeric_close("no number", "46") == 0.0
+    assert {"exact_match", "numeric_close"} <= set(available_rewards())
+    assert resolve_reward("exact_match") is exact_match
+
+
+def test_resolve_errors_name_the_problem(user_module):
+    with pytest.raises(RewardError, match="unknown reward 'nope'"):
+        resolve_reward("nope")
+    with pytest.raises(RewardError, match="cannot import module 'no_such_mod_xyz'"):
+        resolve_reward("no_such_mod_xyz:f")
+    with pytest.raises(RewardError, match="has no attribute 'missing'"):
+        resolve_reward(f"{user_module}:missing")
+    assert resolve_reward(f"{user_module}:length_reward")("abc", "") == 3.0
+
+
+def test_register_reward_decorator():
+    @register_reward("test_always_half")
+    def half(completion: str, answer: str) -> float:
+        return 0.5
+
+    assert resolve_reward("test_always_half") is half
+    with pytest.raises(RewardError, match="already registered"):
+        register_reward("test_always_half")(lambda c, a: 0.0)
+
+
+def test_builtin_runs_in_process():
+    runner = RewardRunner("exact_match", timeout_s=1.0)
+    assert not runner.isolated
+    res = runner.score(["46", "4 6"], ["46", "46"])
+    assert [(r.score, r.ok) for r in res] == [(1.0, True), (0.0, True)]
+    with pytest.raises(ValueError, match="2 completions but 1 answers"):
+        runner.score(["a", "b"], ["a"])
+
+
+def test_isolated_user_function_survives_hang_crash_and_bad_values(user_module):
+    with RewardRunner(f"{user_module}:picky", timeout_s=1.0) as runner:
+        assert runner.isolated
+        completions = ["7", "boom", "hang", "7", "text", "die", "8"]
+        res = runner.score(completions, ["7"] * len(completions))
+        assert [r.score for r in res] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+        assert [r.ok for r in res] == [True, False, False, True, False, False, True]
+        assert "RuntimeError: user bug" in res[1].error
+        assert res[2].error.startswith("timeout after 1s")
+        assert "expected a float" in res[4].error
+        assert "died" in res[5].error
+        assert runner.restarts == 2
+        # Still usable afterwards.
+        assert runner.score(["7"], ["7"])[0].score == 1.0
+
+
+def test_isolation_needs_an_import_path():
+    def local_fn(completion: str, answer: str) -> float:
+        return 1.0
+
+    with pytest.raises(RewardError, match="no import path"):
+        RewardRunner(local_fn, timeout_s=1.0)
+    assert RewardRunner(local_fn, timeout_s=1.0, isolate=False).score(["x"], ["y"])[0].score == 1.0
+
+
+def test_child_load_error_is_reported(user_module):
+    runner = RewardRunner(f"{user_module}:length_reward", timeout_s=1.0)
+    runner.import_path = f"{user_module}:gone"  # simulate a module changed under our feet
+    with pytest.raises(RewardError, match="failed to load in the child"):
+        runner.score(["x"], ["y"])

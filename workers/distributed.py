@@ -1,0 +1,247 @@
+"""Rank coordination for a multi-rank trainer: one store consumer, N ranks computing.
+
+The ranks are started by torch's launcher (``python -m torch.distributed.run``, a.k.a. torchrun),
+which sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+
+Who does what::
+
+    rank 0 (leader)                               ranks 1..N-1 (followers)
+    claim whole groups from the store
+    MICRO_BATCH(iteration, nbytes) ------------>  receive
+    rows as Arrow IPC bytes (uint8 tensor) ---->  receive, decode
+    keep groups i with i % N == 0                 keep groups i with i % N == rank
+    forward + engine.backward(loss sum)           forward + engine.backward(loss sum)
+    ...  (any number of micro-batches, any order the store delivers them)  ...
+    STEP --------------------------------------->  all-reduce LossSums (global token count)
+    engine.step(1 / total tokens)                  engine.step(1 / total tokens)
+    publish, ack, report                           (nothing: the store is rank 0's business)
+    STOP --------------------------------------->  return
+
+Invariants:
+- Only rank 0 talks to the store; followers never claim, so a lease is never split across processes
+  and a crash of any rank loses nothing (torchrun ends every rank, the leases expire).
+- Every collective is issued in the same order on every rank: each command is one broadcast of a
+  fixed-size int64 control tensor from rank 0, followed by exactly the collectives that command
+  implies. Payloads are Arrow IPC bytes in a uint8 tensor: nothing is ever pickled.
+- Every rank runs exactly one backward per micro-batch, even when its share of the micro-batch is
+  empty (it then backpropagates ``0 * loss`` of a group it does not own: same graph, zero gradient),
+  because ZeRO-2 reduces gradients inside each backward and all ranks must take part.
+- The groups of a micro-batch are dealt round-robin in order of first appearance; a group is never
+  split (its advantages need all of its rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from enum import IntEnum
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from workers.rl import LossSums
+
+_CONTROL_LEN = 3  # [op, iteration, payload bytes]
+
+
+class Op(IntEnum):
+    MICRO_BATCH = 1  # payload: the claimed rows of one micro-batch (Arrow IPC stream)
+    STEP = 2  # the iteration is complete: all-reduce the loss sums, then optimizer step
+    STOP = 3  # the leader is done: followers return
+
+
+class RanksOutOfSync(RuntimeError):
+    """Two ranks hold different parameters after a step (a bug, never an expected state)."""
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """What torch's launcher tells a process about its place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+def rank_env(environ: dict[str, str] | None = None) -> RankEnv | None:
+    """The launcher's rank variables, or None when this process was not started by a launcher.
+
+    Raises ``ValueError`` naming the variable when the set is partial or malformed.
+    """
+    env = os.environ if environ is None else environ
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    present = [n for n in names if n in env]
+    if not present:
+        return None
+    missing = [n for n in names if n not in env]
+    if missing:
+        raise ValueError(f"partial launcher environment: {missing} unset (have {present})")
+    values: dict[str, int] = {}
+    for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        try:
+            values[n] = int(env[n])
+        except ValueError:
+            raise ValueError(f"{n} must be an integer, got {env[n]!r}") from None
+    if not 0 <= values["RANK"] < values["WORLD_SIZE"]:
+        raise ValueError(f"RANK={values['RANK']} outside WORLD_SIZE={values['WORLD_SIZE']}")
+    return RankEnv(
+        values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], env["MASTER_ADDR"],
+        values["MASTER_PORT"],
+    )
+
+
+# --------------------------------------------------------------------------- payloads
+def encode_rows(rows: pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, rows.schema) as writer:
+        writer.write_batch(rows)
+    return sink.getvalue().to_pybytes()
+
+
+def decode_rows(data: bytes | memoryview) -> pa.RecordBatch:
+    reader = pa.ipc.open_stream(pa.py_buffer(data))
+    batches = list(reader)
+    if len(batches) != 1:
+        raise ValueError(f"micro-batch payload holds {len(batches)} record batches, expected 1")
+    return batches[0]
+
+
+def deal_groups(rows: pa.RecordBatch, rank: int, world_size: int) -> pa.RecordBatch:
+    """The rows of the groups this rank owns: group i (in order of first appearance) goes to
+    rank ``i % world_size``. Whole groups only, row order kept."""
+    if world_size == 1:
+        return rows
+    owner: dict[int, int] = {}
+    mask = []
+    for gid in rows.column("group_id").to_pylist():
+        if gid not in owner:
+            owner[gid] = len(owner) % world_size
+        mask.append(owner[gid] == rank)
+    return rows.filter(pa.array(mask, pa.bool_()))
+
+
+def first_group(rows: pa.RecordBatch) -> pa.RecordBatch:
+    """The rows of the first group (what an idle rank backpropagates with weight 0)."""
+    ids = rows.column("group_id").to_pylist()
+    return rows.filter(pa.array([g == ids[0] for g in ids], pa.bool_()))
+
+
+# --------------------------------------------------------------------------- the group
+@dataclass(frozen=True)
+class Command:
+    op: Op
+    iteration: int
+    rows: pa.RecordBatch | None  # MICRO_BATCH only
+
+
+class RankGroup:
+    """This process's view of the trainer ranks over an initialised ``torch.distributed`` group.
+
+    The leader calls ``send_*``; followers call ``receive``. Both sides call the collective helpers
+    (``all_reduce_sums``, ``broadcast_text``, ``check_in_sync``) at the same point of the protocol.
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("RankGroup needs an initialised torch.distributed process group")
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, rows: pa.RecordBatch) -> pa.RecordBatch:
+        return deal_groups(rows, self.rank, self.world_size)
+
+    # ---------------------------------------------------------------- leader
+    def send_micro_batch(self, rows: pa.RecordBatch, iteration: int) -> None:
+        payload = encode_rows(rows)
+        self._control(Op.MICRO_BATCH, iteration, len(payload))
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        dist.broadcast(data, src=0)
+
+    def send_step(self, iteration: int) -> None:
+        self._control(Op.STEP, iteration, 0)
+
+    def send_stop(self) -> None:
+        self._control(Op.STOP, -1, 0)
+
+    def _control(self, op: Op, iteration: int, nbytes: int) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"rank {self.rank} cannot send commands; only rank 0 leads")
+        dist.broadcast(torch.tensor([int(op), iteration, nbytes], dtype=torch.int64), src=0)
+
+    # ---------------------------------------------------------------- follower
+    def receive(self) -> Command:
+        """Block until the leader's next command (and its payload) arrives."""
+        control = torch.zeros(_CONTROL_LEN, dtype=torch.int64)
+        dist.broadcast(control, src=0)
+        op, iteration, nbytes = (int(x) for x in control.tolist())
+        try:
+            kind = Op(op)
+        except ValueError:
+            raise RuntimeError(f"rank {self.rank}: unknown command {op} from rank 0") from None
+        rows = None
+        if kind is Op.MICRO_BATCH:
+            data = torch.empty(nbytes, dtype=torch.uint8)
+            dist.broadcast(data, src=0)
+            rows = decode_rows(memoryview(data.numpy()))
+        return Command(kind, iteration, rows)
+
+    # ---------------------------------------------------------------- collectives
+    def all_reduce_sums(self, sums: LossSums) -> LossSums:
+        """Sum the per-rank loss sums (max for ``ratio_max``): every rank gets the global ones."""
+        total = torch.tensor(
+            [sums.loss_sum, sums.policy_loss_sum, sums.kl_sum, sums.num_tokens,
+             sums.clipped_tokens, sums.ratio_sum, sums.is_weight_sum, sums.is_capped_tokens],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        peak = torch.tensor([sums.ratio_max], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        t = total.tolist()
+        return LossSums(
+            loss_sum=t[0], policy_loss_sum=t[1], kl_sum=t[2], num_tokens=round(t[3]),
+            clipped_tokens=round(t[4]), ratio_sum=t[5], ratio_max=float(peak[0]),
+            is_weight_sum=t[6], is_capped_tokens=round(t[7]),
+        )
+
+    def broadcast_text(self, text: str) -> str:
+        """Rank 0's ``text`` on every rank (e.g. the checkpoint directory every rank writes to)."""
+        data = text.encode() if self.is_leader else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_leader else (
+            torch.empty(int(size[0]), dtype=torch.uint8)
+        )
+        if int(size[0]):
+            dist.broadcast(buf, src=0)
+        return bytes(buf.numpy()).decode()
+
+    def check_in_sync(self, model: torch.nn.Module) -> list[int]:
+        """Every rank's parameter digest; raises ``RanksOutOfSync`` unless all are equal."""
+        digest = torch.tensor([parameter_digest(model)], dtype=torch.int64)
+        gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(gathered, digest)
+        digests = [int(t[0]) for t in gathered]
+        if len(set(digests)) != 1:
+            raise RanksOutOfSync(f"parameter digests differ across ranks: {digests}")
+        return digests
+
+
+def parameter_digest(model: torch.nn.Module) -> int:
+    """A 63-bit digest of every parameter's name and exact bytes (bitwise identity check)."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)

@@ -1,0 +1,221 @@
+"""DeepSpeed ZeRO-1/2 behind the ``TrainerEngine`` protocol, one process per rank (torchrun).
+
+Owns: the typed DeepSpeed settings (``DeepSpeedSettings``; the DeepSpeed config dict is built from
+them in one place and handed only to ``deepspeed.initialize``), process-group start-up from the
+launcher's environment, and the exact-scaling recipe below. Which rows each rank trains is
+``workers.distributed``'s business; this module only sees loss sums and steps.
+
+Lifecycle per iteration (identical on every rank)::
+
+    backward(loss_sum) x micro-batches        engine.backward(..., scale_wrt_gas=False)
+    step(1 / total_tokens)                    loss scale := 1 / (grad_scale * world); engine.step()
+    state_dict()                              full weights (ZeRO-1/2 keep full params on every rank)
+
+Exact token-mean with ZeRO (checked against DeepSpeed 0.19.8's ``runtime/engine.py`` and
+``runtime/zero/stage_1_and_2.py``):
+- ``managed_gradient_accumulation: false``: DeepSpeed no longer counts micro-steps; ``step()`` is
+  the accumulation boundary whenever we call it, so an iteration may have any number of streamed
+  micro-batches. ``scale_wrt_gas=False`` (and gradient_accumulation_steps = 1) keeps each backward
+  a plain loss-SUM gradient.
+- The data-parallel reduction AVERAGES over ranks: after it, gradients hold sum_over_ranks / world.
+- ZeRO's ``unscale_and_clip_grads`` divides the fp32 gradient partition by the optimizer's loss
+  scale and clips on the unscaled norm (``clip = (norm / loss_scale + 1e-6) / max_norm``, the same
+  factor as ``torch.nn.utils.clip_grad_norm_``); ``_global_grad_norm = norm / loss_scale``. Setting
+  the loss scale with ``override_loss_scale(1 / (grad_scale * world))`` just before ``step()`` hence
+  yields gradients of exactly sum / total_tokens, clipped, then AdamW — the torch engine's update.
+  It is reset to 1.0 right after, so backward's ``scale_if_loss`` multiplies by exactly 1.
+- ZeRO-2 reduces inside every backward, so all ranks must run the same number of backwards (see
+  ``workers.distributed``). The engine's backward prologue normally hooks the outputs of
+  ``engine.forward``; the trainer calls the HF module directly (packing calls its decoder and head),
+  so ``backward`` attaches the same prologue to the loss with DeepSpeed's own helper.
+Proof: tests/workers/test_deepspeed_trainer.py (1 and 2 ranks vs ``TorchTrainerEngine``).
+
+Checkpoints: ``save_state(dir)`` is collective (every rank writes its optimizer partition into
+``dir/deepspeed/``; rank 0 also the module); the directory comes from rank 0. Resume needs the same
+number of ranks. HF-named full weights for publishing come from ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.distributed import RankGroup, rank_env
+from workers.rl import make_optimizer
+
+CHECKPOINT_TAG = "deepspeed"  # sub-directory of a trainer checkpoint holding DeepSpeed's files
+SUPPORTED_STAGES = (1, 2)
+log = logging.getLogger(__name__)
+
+
+class MissingExtraError(ImportError):
+    """A config asks for an engine whose optional dependency is not installed."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    """Everything the DeepSpeed engine needs from the run config (typed, validated here)."""
+
+    lr: float
+    zero_stage: int = 2
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = 1.0
+    reduce_bucket_size: int = 50_000_000  # elements per gradient-reduction bucket
+    allgather_bucket_size: int = 50_000_000  # elements per parameter all-gather bucket
+    backend: str | None = None  # None: the accelerator's default (gloo on CPU, nccl on CUDA)
+    verify_sync: bool = True  # after every step, check all ranks hold bitwise-equal parameters
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in SUPPORTED_STAGES:
+            raise ValueError(
+                f"DeepSpeedSettings.zero_stage must be one of {SUPPORTED_STAGES}, got "
+                f"{self.zero_stage!r} (stage 3 shards parameters: not supported by this engine)"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"DeepSpeedSettings.lr must be > 0, got {self.lr}")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise ValueError(f"DeepSpeedSettings.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+        for name in ("reduce_bucket_size", "allgather_bucket_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DeepSpeedSettings.{name} must be >= 1, got {getattr(self, name)}")
+
+    def ds_config(self, world_size: int) -> dict[str, Any]:
+        """The DeepSpeed JSON config these settings mean (fp32, ZeRO, caller-owned boundary)."""
+        return {
+            "train_micro_batch_size_per_gpu": 1,  # nominal: our micro-batches are streamed groups
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": world_size,
+            "managed_gradient_accumulation": False,  # step() is the boundary (see module doc)
+            "gradient_clipping": float(self.max_grad_norm or 0.0),
+            "zero_optimization": {
+                "stage": self.zero_stage,
+                "overlap_comm": False,
+                "contiguous_gradients": True,
+                "reduce_scatter": True,
+                "reduce_bucket_size": self.reduce_bucket_size,
+                "allgather_bucket_size": self.allgather_bucket_size,
+            },
+            "zero_allow_untested_optimizer": True,  # our torch AdamW (FusedAdam: 30x slower on CPU)
+            "fp16": {"enabled": False},
+            "bf16": {"enabled": False},
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+
+
+def require_deepspeed() -> Any:
+    """Import deepspeed, or explain which extra installs it."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise MissingExtraError(
+            "trainer engine 'deepspeed' needs the deepspeed package: "
+            "pip install 'streamflow[deepspeed]'"
+        )
+    import deepspeed
+
+    engine_cls = deepspeed.runtime.engine.DeepSpeedEngine
+    if not hasattr(engine_cls, "managed_gradient_accumulation"):
+        raise MissingExtraError(
+            f"deepspeed {deepspeed.__version__} lacks managed_gradient_accumulation=false, which "
+            "streamed micro-batches need: pip install -U 'streamflow[deepspeed]'"
+        )
+    return deepspeed
+
+
+def start_ranks(backend: str | None = None) -> RankGroup:
+    """Join the process group described by torch's launcher (torchrun) and return our view of it."""
+    env = rank_env()
+    if env is None:
+        raise RuntimeError(
+            "trainer engine 'deepspeed' runs one process per rank started by torch's launcher: "
+            "python -m torch.distributed.run --nproc-per-node N --master-addr 127.0.0.1 "
+            "--master-port P -m workers.main --role trainer --config F"
+        )
+    deepspeed = require_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed(
+        dist_backend=backend or get_accelerator().communication_backend_name(),
+        auto_mpi_discovery=False,
+        verbose=False,
+    )
+    return RankGroup(env.rank, env.world_size)
+
+
+class DeepSpeedTrainerEngine:
+    """A ``TrainerEngine`` on DeepSpeed ZeRO-1/2. Build it on every rank, after ``start_ranks``."""
+
+    def __init__(self, model: torch.nn.Module, settings: DeepSpeedSettings, ranks: RankGroup) -> None:
+        deepspeed = require_deepspeed()
+        from deepspeed.runtime.utils import register_output_backward_hooks
+
+        self._register_hooks = register_output_backward_hooks
+        self.settings = settings
+        self.ranks = ranks
+        model.train()
+        # Same optimizer as TorchTrainerEngine (AdamW, foreach off); ZeRO wraps it and steps it on
+        # this rank's flat fp32 partition.
+        optimizer = make_optimizer(model, settings.lr, settings.weight_decay, settings.betas)
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=settings.ds_config(ranks.world_size)
+        )
+        self.model: torch.nn.Module = self.ds.module
+        self.ds.optimizer.override_loss_scale(1.0)  # see module doc: exactly 1 during backward
+        self.last_digests: list[int] = []
+        self.steps = 0  # optimizer steps taken by this engine object
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The prologue engine.forward would have hooked on its outputs (we never call it).
+        self._register_hooks(loss, preprocess_once_fn=self.ds._backward_prologue)
+        self.ds.backward(loss, scale_wrt_gas=False)
+
+    def step(self, grad_scale: float) -> float:
+        if not grad_scale > 0:
+            raise ValueError(f"step: grad_scale must be > 0, got {grad_scale}")
+        zero = self.ds.optimizer
+        zero.override_loss_scale(1.0 / (grad_scale * self.ranks.world_size))
+        try:
+            self.ds.step()
+        finally:
+            zero.override_loss_scale(1.0)
+        self.steps += 1
+        norm = self.ds.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else 0.0
+        if self.ranks.is_leader:
+            log.info("step %d: grad_norm %.10g", self.steps, grad_norm)
+        if self.settings.verify_sync and self.ranks.world_size > 1:
+            self.last_digests = self.ranks.check_in_sync(self.model)  # raises RanksOutOfSync
+            if self.ranks.is_leader:
+                log.info("in sync after step %d: digests %s", self.steps, self.last_digests)
+        return grad_norm
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        # ZeRO-1/2 partition optimizer state and gradients, never parameters: after step() every
+        # rank holds the full updated weights, so no gather is needed (stage 3 would need one).
+        seen: set[int] = set()
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self.model.state_dict().items():
+            ptr = tensor.data_ptr()
+            out[name] = tensor.detach().clone() if ptr in seen else tensor.detach()
+            seen.add(ptr)
+        return out
+
+    def save_state(self, directory: str) -> None:
+        """Collective: every rank must call it; rank 0's ``directory`` is used by all."""
+        path = self.ranks.broadcast_text(directory)
+        self.ds.save_checkpoint(path, tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load_state(self, directory: str) -> None:
+        """Collective. DeepSpeed's own files, written by ``save_state`` on this number of ranks."""
+        loaded, _ = self.ds.load_checkpoint(
+            directory, tag=CHECKPOINT_TAG, load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+        if loaded is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint '{CHECKPOINT_TAG}' in {directory}")
+        self.ds.optimizer.override_loss_scale(1.0)

