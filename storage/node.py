@@ -100,6 +100,7 @@ class _Table:
     claim_cols: dict[tuple[int, tuple[str, ...]], tuple[list[str], list[int], list[int]]] = field(
         default_factory=dict
     )
+    claim_plans: dict[tuple, tuple] = field(default_factory=dict)  # see StoreNode._claim_plan
 
     def rows(self) -> int:
         return sum(s.num_alive for s in self.shards.values())
@@ -199,7 +200,7 @@ class StoreNode:
             if name in META_COLUMNS:
                 raise SchemaMismatch(f"column {name!r} is store metadata and cannot be put")
         arrays = check_columns(tb.spec, batch)
-        n, nbytes = batch.num_rows, batch.nbytes
+        n, nbytes = batch.num_rows, batch.get_total_buffer_size()
         if n == 0:
             return np.empty(0, dtype=np.uint64)
         if n > spec.capacity_rows or nbytes > spec.capacity_bytes:
@@ -210,7 +211,7 @@ class StoreNode:
         order = group_order(tb.spec, batch) if spec.group_column else None
         if order is not None:
             batch = batch.take(pa.array(order))
-            nbytes = batch.nbytes
+            nbytes = batch.get_total_buffer_size()
             arrays = {tb.col_index[f.name]: batch.column(i) for i, f in enumerate(batch.schema)}
         if shard_id is None:
             shard = min(tb.shards.values(), key=lambda s: s.num_alive)
@@ -318,8 +319,33 @@ class StoreNode:
         lease_seconds: float | None,
     ) -> tuple[_Table, int, float, tuple[list[str], list[int], list[int]], int, int, int]:
         """Validated claim arguments: (table, task, lease seconds, columns, group size,
-        max units, min units)."""
+        max units, min units). Cached per table for the argument sets consumers repeat."""
         tb = self._table(table)
+        try:
+            key = (task, tuple(columns), max_rows, min_rows, whole_groups, lease_seconds)
+            key += (type(max_rows), type(min_rows))  # 64.0 == 64, but only an int is valid
+            hit = tb.claim_plans.get(key)
+        except TypeError:  # unhashable garbage from a direct caller: validate it the long way
+            key, hit = None, None
+        if hit is not None:
+            return tb, *hit
+        plan = self._claim_plan_uncached(
+            tb, task, columns, max_rows, min_rows, whole_groups, lease_seconds
+        )
+        if key is not None and len(tb.claim_plans) < 1024:
+            tb.claim_plans[key] = plan
+        return tb, *plan
+
+    def _claim_plan_uncached(
+        self,
+        tb: _Table,
+        task: str,
+        columns: Sequence[str],
+        max_rows: int,
+        min_rows: int,
+        whole_groups: bool,
+        lease_seconds: float | None,
+    ) -> tuple[int, float, tuple[list[str], list[int], list[int]], int, int, int]:
         t = self._task(tb, task)
         spec = tb.spec
         if not isinstance(max_rows, int) or max_rows < 1:
@@ -339,7 +365,7 @@ class StoreNode:
         max_units, min_units = max_rows // g, -(-min_rows // g)
         if max_units < 1:
             raise BadRequest(f"max_rows: {max_rows} is smaller than one group ({g} rows)")
-        return tb, t, seconds, plan, g, max_units, min_units
+        return t, seconds, plan, g, max_units, min_units
 
     def claim(
         self,
@@ -374,9 +400,11 @@ class StoreNode:
         self._lease_counter += 1
         lease_id = (self.epoch << SEQ_BITS) | self._lease_counter
         deadline = self.clock() + seconds
-        rec = LeaseRec(lease_id, t, shard.seqs[idx].copy(), deadline, seconds)
+        seqs = shard.seqs[idx]  # fancy indexing: already a copy
+        row_ids = shard.row_ids(seqs)
+        rec = LeaseRec(lease_id, t, seqs, deadline, seconds, row_ids)
         shard.lease_rows(t, idx, rec)
-        batch = shard.batch(idx, t, names, cols)
+        batch = shard.batch(idx, t, names, cols, row_ids)
         self._leases[lease_id] = (tb, shard, rec)
         heapq.heappush(self._deadlines, (deadline, lease_id))
         if tb.store is not None:
@@ -410,10 +438,20 @@ class StoreNode:
             )
         arrays = check_columns(tb.spec, batch)
         row_ids = rid_col.to_numpy()
+        entry = self._live_lease(tb, lease_id) if lease_id is not None else None
+        if entry is not None and _same_ids(row_ids, entry[2].row_ids):
+            # The common case: exactly the lease's rows in the lease's order (distinct, all on
+            # the lease's shard, all held by it), so the general checks below are implied.
+            _, lshard, rec = entry
+            idx = lshard.lease_idx(rec)
+            lshard.check_write(idx, list(arrays), overwrite)
+            self._apply_write(tb, lshard, idx, arrays, batch, overwrite)
+            if ack:
+                self._ack(*entry)
+            return
         ordered = np.sort(row_ids)
         if bool((ordered[1:] == ordered[:-1]).any()):
             raise BadRequest("write: duplicate row ids in the batch")
-        entry = self._live_lease(tb, lease_id) if lease_id is not None else None
         shard_of, seqs = split_row_ids(row_ids)
         plan: list[tuple[Shard, np.ndarray, np.ndarray]] = []  # (shard, batch positions, idx)
         touched = np.unique(shard_of).tolist()
@@ -433,19 +471,34 @@ class StoreNode:
         for shard, _pos, idx in plan:
             shard.check_write(idx, list(arrays), overwrite)
         for shard, pos, idx in plan:
-            whole = len(pos) == len(row_ids)
-            part = arrays if whole else {c: a.take(pa.array(pos)) for c, a in arrays.items()}
-            if tb.store is not None and part:
-                sub = batch if whole else batch.take(pa.array(pos))
-                tb.store.log_write(
-                    shard.shard_id, shard.seqs[idx], sub.drop_columns([ROW_ID]), overwrite
-                )
-            if part:
-                nbytes = sum(a.nbytes for a in part.values())
-                shard.write(idx, part, np.arange(len(pos), dtype=np.int32), nbytes)
-                self.events.on_write(table, shard.shard_id, nbytes)
+            if len(pos) == len(row_ids):
+                self._apply_write(tb, shard, idx, arrays, batch, overwrite)
+            else:
+                sel = pa.array(pos)
+                part = {c: a.take(sel) for c, a in arrays.items()}
+                self._apply_write(tb, shard, idx, part, batch.take(sel), overwrite)
         if ack and entry is not None:
             self._ack(*entry)
+
+    def _apply_write(
+        self,
+        tb: _Table,
+        shard: Shard,
+        idx: np.ndarray,
+        arrays: dict[int, pa.Array],
+        batch: pa.RecordBatch,
+        overwrite: bool,
+    ) -> None:
+        """Point the cells (idx, columns of ``arrays``) at ``arrays`` (checked by the caller)."""
+        if not arrays:
+            return
+        if tb.store is not None:
+            tb.store.log_write(
+                shard.shard_id, shard.seqs[idx], batch.drop_columns([ROW_ID]), overwrite
+            )
+        nbytes = sum(a.get_total_buffer_size() for a in arrays.values())
+        shard.write(idx, arrays, np.arange(len(idx), dtype=np.int32), nbytes)
+        self.events.on_write(tb.spec.name, shard.shard_id, nbytes)
 
     def ack(self, table: str, lease_id: int) -> None:
         tb = self._table(table)
@@ -457,7 +510,7 @@ class StoreNode:
         task = tb.spec.tasks[rec.task].name
         if tb.store is not None:
             tb.store.log_rows("ack", shard.shard_id, rec.seqs, task=task)
-        shard.consume(rec.task, shard.locate(rec.seqs), int(RowState.LEASED))
+        shard.consume(rec.task, shard.lease_idx(rec), int(RowState.LEASED))
         self.events.on_ack(tb.spec.name, task, shard.shard_id, len(rec.seqs))
 
     def _live_lease(self, tb: _Table, lease_id: int) -> tuple[_Table, Shard, LeaseRec]:
@@ -576,3 +629,11 @@ class StoreNode:
         self._tables.clear()
         self._leases.clear()
         self._deadlines.clear()
+
+
+def _same_ids(row_ids: np.ndarray, lease_ids: np.ndarray | None) -> bool:
+    return (
+        lease_ids is not None
+        and len(row_ids) == len(lease_ids)
+        and bool((row_ids == lease_ids).all())
+    )

@@ -111,6 +111,9 @@ class LeaseRec:
     seqs: np.ndarray  # int64 sequences of the leased rows, in batch order
     deadline: float
     lease_seconds: float
+    row_ids: np.ndarray | None = None  # uint64 row ids, in batch order (write's fast path)
+    idx: np.ndarray | None = None  # dense indices of seqs, valid while the shard's layout is
+    layout: int = -1  # ... this one (``Shard.layout`` changes only at compaction)
 
 
 class Shard:
@@ -153,6 +156,7 @@ class Shard:
         self.reasons: list[str] = []
         self._reason_index: dict[str, int] = {}
         self.leases: dict[int, LeaseRec] = {}
+        self.layout = 0  # bumped by _compact, the only step that moves rows' dense indices
         self.log: object | None = None  # persist.ShardLog when the table persists
 
     # ----------------------------------------------------------------------------- row lookup
@@ -166,6 +170,13 @@ class Shard:
             missing = self.row_ids(seqs[~ok][:5]).tolist()
             raise UnknownRows(f"shard {self.shard_id}: no live row with id(s) {missing}")
         return idx
+
+    def lease_idx(self, rec: LeaseRec) -> np.ndarray:
+        """Dense indices of a live lease's rows (cached until the next compaction). A leased
+        row cannot be freed (its task has not consumed it), so only compaction moves it."""
+        if rec.layout != self.layout or rec.idx is None:
+            rec.idx, rec.layout = self.locate(rec.seqs), self.layout
+        return rec.idx
 
     def _find(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n = self.n
@@ -208,6 +219,7 @@ class Shard:
             a[..., :k] = a[..., keep]
         self.alive[k : self.n] = False
         self.n = k
+        self.layout += 1  # dense indices moved: cached lease indices are stale
 
     def _add_source(self, arrays: dict[int, pa.Array], refs: int, nbytes: int | None = None) -> int:
         sid = self.next_source
@@ -255,16 +267,18 @@ class Shard:
         if written is not None:  # a column with no written cell needs no source
             arrays = {c: a for c, a in arrays.items() if bool(written[c].any())}
         self._grow(k)
-        idx = np.arange(self.n, self.n + k)
+        start = self.n
+        idx = np.arange(start, start + k)
+        sl = slice(start, start + k)  # the same slots: slice assignment is cheaper than fancy
         self.n += k
         self.num_alive += k
         self.next_seq = max(self.next_seq, int(seqs[-1]) + 1)
-        self.seqs[idx], self.alive[idx], self.created[idx] = seqs, True, created
+        self.seqs[sl], self.alive[sl], self.created[sl] = seqs, True, created
         # Slots past n may hold rows moved away by _compact: reset every per-row field.
-        self.gpos[idx] = 0 if gpos is None else gpos
-        self.src[:, idx], self.off[:, idx] = -1, 0
-        self.state[:, idx], self.deliv[:, idx], self.lease[:, idx] = PENDING, 0, 0
-        self.reason[:, idx], self.gready[:, idx] = -1, 0
+        self.gpos[sl] = 0 if gpos is None else gpos
+        self.src[:, sl], self.off[:, sl] = -1, 0
+        self.state[:, sl], self.deliv[:, sl], self.lease[:, sl] = PENDING, 0, 0
+        self.reason[:, sl], self.gready[:, sl] = -1, 0
         if written is None:
             refs = k * len(arrays)
         else:
@@ -273,8 +287,8 @@ class Shard:
         positions = np.arange(k, dtype=np.int32)
         for c in arrays:
             mask = None if written is None else written[c]
-            self.src[c, idx] = sid if mask is None else np.where(mask, sid, -1)
-            self.off[c, idx] = positions
+            self.src[c, sl] = sid if mask is None else np.where(mask, sid, -1)
+            self.off[c, sl] = positions
         self.counts[:, PENDING] += k
         return idx
 
@@ -291,7 +305,7 @@ class Shard:
         gpos = seqs - start
         gpos %= self.group_size
         idx = self.append(seqs, created_at, arrays, gpos=gpos, nbytes=nbytes)
-        self.refresh_ready(idx, list(arrays))
+        self.refresh_ready(idx, list(arrays), fresh=True)
         return start
 
     def check_write(self, idx: np.ndarray, cols: Sequence[int], overwrite: bool) -> None:
@@ -322,15 +336,22 @@ class Shard:
             self.off[c, idx] = offsets
         self.refresh_ready(idx, list(arrays))
 
-    def refresh_ready(self, idx: np.ndarray, cols: Sequence[int]) -> None:
-        """PENDING rows among idx whose needs are now all written become READY."""
+    def refresh_ready(self, idx: np.ndarray, cols: Sequence[int], *, fresh: bool = False) -> None:
+        """PENDING rows among idx whose needs are now all written become READY. ``fresh``: the
+        rows were just created with exactly ``cols`` written (a put), so a task's rows are all
+        ready iff it needs nothing else, with no per-row check."""
         written = set(cols)
-        for t, needs in enumerate(self.needs):
-            if needs.size and written.isdisjoint(self._needs_sets[t]):
+        for t, need_set in enumerate(self._needs_sets):
+            if need_set and written.isdisjoint(need_set):
+                continue  # nothing this task waits for was written
+            if fresh:
+                if need_set <= written:
+                    self._make_ready(t, idx, PENDING)
                 continue
             cand = idx[self.state[t, idx] == PENDING]
-            if needs.size and len(cand):
-                cand = cand[(self.src[needs[:, None], cand] >= 0).all(axis=0)]
+            rest = [c for c in need_set if c not in written]  # needs written earlier, maybe
+            if rest and len(cand):
+                cand = cand[(self.src[np.ix_(rest, cand)] >= 0).all(axis=0)]
             if len(cand):
                 self._make_ready(t, cand, PENDING)
 
@@ -395,6 +416,7 @@ class Shard:
         self.deliv[t, idx] += 1
         self.lease[t, idx] = rec.lease_id
         self.leases[rec.lease_id] = rec
+        rec.idx, rec.layout = idx, self.layout
 
     def check_written(self, idx: np.ndarray, cols: Sequence[int]) -> None:
         for c in cols:
@@ -405,17 +427,55 @@ class Shard:
                 )
 
     def batch(
-        self, idx: np.ndarray, t: int, names: Sequence[str], cols: Sequence[int]
+        self,
+        idx: np.ndarray,
+        t: int,
+        names: Sequence[str],
+        cols: Sequence[int],
+        row_ids: np.ndarray | None = None,
     ) -> pa.RecordBatch:
-        """The claimed batch: requested columns (col id -1 = created_at), row_id, deliveries."""
+        """The claimed batch: requested columns (col id -1 = created_at), row_id, deliveries.
+
+        ``row_ids``: the rows' ids when the caller has them already."""
         arrays: list[pa.Array] = []
+        k = len(idx)
+        data_cols = [c for c in cols if c >= 0]
+        fast: dict[int, pa.Array] = {}
+        if data_cols and k:
+            # One gather of every column's (source, offset) pointers; a column whose cells are
+            # a contiguous run of one source (the streaming case) is a zero-copy slice.
+            src = np.take(self.src, idx, axis=1)  # (rows first: never copy whole columns)
+            off = np.take(self.off, idx, axis=1)
+            if len(data_cols) != len(src):
+                src, off = src[data_cols], off[data_cols]
+            one_src = (src == src[:, :1]).all(axis=1)
+            runs = (off[:, 1:] - off[:, :-1] == 1).all(axis=1) if k > 1 else one_src
+            for j, (c, single, run, s0, o0) in enumerate(
+                zip(
+                    data_cols,
+                    one_src.tolist(),
+                    runs.tolist(),
+                    src[:, 0].tolist(),
+                    off[:, 0].tolist(),
+                    strict=True,
+                )
+            ):
+                if single and run and s0 >= 0:
+                    fast[c] = self.sources[s0].arrays[c].slice(o0, k)
+                else:
+                    fast[c] = gather(self.sources, c, src[j], off[j])
+        # pa.array infers float64/uint64/uint16 from the numpy dtypes, ~3x faster than type=.
         for c in cols:
             if c < 0:
-                arrays.append(pa.array(self.created[idx], type=pa.float64()))
+                arrays.append(pa.array(self.created[idx]))
+            elif c in fast:
+                arrays.append(fast[c])
             else:
                 arrays.append(gather(self.sources, c, self.src[c, idx], self.off[c, idx]))
-        arrays.append(pa.array(self.row_ids(self.seqs[idx]), type=pa.uint64()))
-        arrays.append(pa.array(self.deliv[t, idx], type=pa.uint16()))
+        if row_ids is None:
+            row_ids = self.row_ids(self.seqs[idx])
+        arrays.append(pa.array(row_ids.astype(np.uint64, copy=False)))
+        arrays.append(pa.array(self.deliv[t, idx]))
         return pa.RecordBatch.from_arrays(arrays, names=[*names, "row_id", "deliveries"])
 
     def cells(self, idx: np.ndarray, c: int) -> pa.Array:
@@ -432,7 +492,7 @@ class Shard:
         """
         self.leases.pop(rec.lease_id, None)
         t = rec.task
-        idx = self.locate(rec.seqs)
+        idx = self.lease_idx(rec)
         self.lease[t, idx] = 0
         if not failed:
             self.deliv[t, idx] -= 1  # a clean hand-back is not a failed delivery
@@ -466,17 +526,27 @@ class Shard:
         self.lease[t, idx] = 0
         self.consumed_total[t] += len(idx)
         done = idx[(self.state[:, idx] == CONSUMED).all(axis=0)]
-        self.free(done)
+        self.free(done, consumed=True)
         return len(done)
 
-    def free(self, idx: np.ndarray) -> None:
-        """Release rows' memory (their chunks once no live cell points there)."""
+    def free(self, idx: np.ndarray, *, consumed: bool = False) -> None:
+        """Release rows' memory (their chunks once no live cell points there). ``consumed``:
+        the rows are CONSUMED for every task (what ``consume`` frees), which skips a count."""
         if not len(idx):
             return
-        for t in range(len(self.needs)):
-            self.counts[t] -= np.bincount(self.state[t, idx], minlength=_NUM_STATES)
-        for c in range(len(self.columns)):
-            self._unref(self.src[c, idx])
+        if consumed:
+            self.counts[:, CONSUMED] -= len(idx)
+        else:
+            for t in range(len(self.needs)):
+                self.counts[t] -= np.bincount(self.state[t, idx], minlength=_NUM_STATES)
+        src = self.src[:, idx]
+        lo, hi = src.min(axis=1).tolist(), src.max(axis=1).tolist()
+        for c, (a, b) in enumerate(zip(lo, hi, strict=True)):
+            if a == b:  # the common case: the column's cells all from one chunk (or none)
+                if a >= 0:
+                    self._drop_refs(a, len(idx))
+            else:
+                self._unref(src[c])
         self.src[:, idx] = -1
         self.alive[idx] = False
         self.num_alive -= len(idx)

@@ -60,7 +60,7 @@ Delivery guarantees (the store as a whole, enforced by the node, transported her
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,6 +223,51 @@ def _check_value(verb: str, name: str, rule: F, value: Any) -> Any:
     raise AssertionError(f"unknown rule kind {kind}")  # a bug in VERBS, not bad input
 
 
+def _fast_check(rule: F) -> Callable[[Any], bool]:
+    """A predicate accepting the common well-formed values of ``rule`` (exact types, in
+    bounds) with a few bytecodes; anything it rejects goes through ``_check_value``, which
+    either normalizes it (an int for a float field) or raises the descriptive BadRequest."""
+    lo = -math.inf if rule.lo is None else rule.lo
+    hi = math.inf if rule.hi is None else rule.hi
+    kind = rule.kind
+    if kind == "name":
+        return lambda v: type(v) is str and 0 < len(v) <= MAX_NAME_LEN
+    if kind == "str":
+        return lambda v: type(v) is str and len(v) <= 4096
+    if kind == "bool":
+        return lambda v: v is True or v is False
+    if kind == "int":
+        return lambda v: type(v) is int and lo <= v <= hi
+    if kind == "float":
+        return lambda v: type(v) is float and lo <= v <= hi  # NaN fails both comparisons
+    if kind == "names":
+        return lambda v: (
+            type(v) is list
+            and len(v) <= MAX_LIST_LEN
+            and all(type(x) is str and 0 < len(x) <= MAX_NAME_LEN for x in v)
+        )
+    if kind == "ints":
+        return lambda v: (
+            type(v) is list
+            and len(v) <= MAX_LIST_LEN
+            and all(type(x) is int and 0 <= x <= 65535 for x in v)
+        )
+    if kind == "map":
+        return lambda v: type(v) is dict
+    if kind == "bytes":
+        return lambda v: type(v) is bytes
+    raise AssertionError(f"unknown rule kind {kind}")
+
+
+def _compile(verb: str, rules: dict[str, F]) -> tuple[frozenset[str], list[tuple]]:
+    """(allowed header keys, [(name, rule, fast predicate)]) of one verb."""
+    fields = [(name, rule, _fast_check(rule)) for name, rule in rules.items()]
+    return frozenset(rules) | {"v", "verb", "req_id"}, fields
+
+
+_COMPILED = {verb: _compile(verb, rules) for verb, rules in VERBS.items()}
+
+
 def _check_bounds(where: str, rule: F, value: float) -> None:
     if rule.lo is not None and value < rule.lo:
         raise BadRequest(f"header field {where!r} must be >= {rule.lo}, got {value}")
@@ -232,8 +277,23 @@ def _check_bounds(where: str, rule: F, value: float) -> None:
 
 def _depth(obj: Any) -> int:
     """Nesting depth of a decoded msgpack value, iteratively (no recursion on hostile input)."""
-    if isinstance(obj, dict) and not any(isinstance(v, dict | list) for v in obj.values()):
-        return 1  # the common flat header: skip the walk
+    if type(obj) is dict:
+        # The common headers: scalars and flat lists of scalars (claim.columns): skip the walk.
+        flat = 1
+        for v in obj.values():
+            if type(v) is list:
+                for x in v:
+                    if isinstance(x, dict | list):
+                        flat = 0
+                        break
+                else:
+                    flat = 2 if flat else 0
+            elif isinstance(v, dict | list):
+                flat = 0
+            if not flat:
+                break
+        if flat:
+            return flat
     deepest, stack = 0, [(obj, 1)]
     while stack:
         cur, d = stack.pop()
@@ -326,6 +386,9 @@ def decode_request(frames: Sequence[Any]) -> Request:
         raise
 
 
+_MISSING = object()
+
+
 def _validate(header: dict[str, Any], req_id: int, bodies: Sequence[Any]) -> Request:
     if header.get("v") != PROTOCOL_VERSION:
         raise BadRequest(f"header field 'v' must be {PROTOCOL_VERSION}, got {header.get('v')!r}")
@@ -334,18 +397,22 @@ def _validate(header: dict[str, Any], req_id: int, bodies: Sequence[Any]) -> Req
     verb = header.get("verb")
     if not isinstance(verb, str) or verb not in VERBS:
         raise BadRequest(f"header field 'verb' must be one of {sorted(VERBS)}, got {verb!r}")
-    rules = VERBS[verb]
-    unknown = set(header) - set(rules) - {"v", "verb", "req_id"}
+    allowed, fields = _COMPILED[verb]
+    unknown = header.keys() - allowed
     if unknown:
         raise BadRequest(f"unknown header fields for {verb!r}: {sorted(unknown)}")
     args: dict[str, Any] = {}
-    for name, rule in rules.items():
-        if name not in header:
+    missing = _MISSING
+    for name, rule, fast in fields:
+        value = header.get(name, missing)
+        if value is missing:
             if rule.required:
                 raise BadRequest(f"missing header field {verb}.{name!r}")
             args[name] = rule.default
+        elif fast(value) or (value is None and rule.nullable):
+            args[name] = value
         else:
-            args[name] = _check_value(verb, name, rule, header[name])
+            args[name] = _check_value(verb, name, rule, value)
     lo, hi = BODY_COUNTS.get(verb, (0, 0))
     if not lo <= len(bodies) <= hi:
         want = str(lo) if lo == hi else f"{lo}..{hi}"

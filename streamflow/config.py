@@ -216,6 +216,14 @@ class RolloutSection:
     max_new_tokens: int = _f(16, ge=1)  # generation limit per response
     groups_per_claim: int = _f(4, ge=1)  # prompt groups claimed from the store per micro-batch
     threads: int = _f(1, ge=1)  # torch threads per rollout worker
+    # vLLM engine only (engine=vllm): weights dtype ("auto" = the checkpoint's; "float32" matches
+    # the trainer's log-probs exactly), context length (None = the model's), KV-cache GiB on CPU,
+    # fraction of GPU memory on GPU, and eager mode (no graph capture: faster start, CPU-safe).
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    vllm_max_model_len: int | None = _f(None, ge=16)
+    vllm_kv_cache_gib: float = _f(1.0, gt=0)
+    vllm_gpu_memory_utilization: float = _f(0.9, gt=0, le=1)
+    vllm_enforce_eager: bool = True
 
     def __post_init__(self) -> None:
         _check_bounds(self)

@@ -347,8 +347,10 @@ class Controller:
             grad_norm=rep.grad_norm,
             staleness_mean=rep.staleness_mean,
             staleness_max=rep.staleness_max,
+            # Seconds: the trainer writing version k+1 plus the rollout engines loading version k.
+            # Bytes: what reached the rollout engines (each loads the whole state once per version).
             weight_sync_seconds=rep.publish_seconds + sum(s.seconds for s in syncs),
-            weight_sync_bytes=rep.publish_bytes + sum(s.bytes for s in syncs),
+            weight_sync_bytes=sum(s.bytes for s in syncs),
             reward_failures=rep.reward_failures,
             wall_seconds=now - self._iteration_started,
             stage_busy_seconds=busy,
@@ -389,7 +391,7 @@ class Controller:
         )
         if self.accuracy_initial is not None:
             summary.accuracy_first = self.accuracy_initial
-        summary.weight_sync_count = len(self.syncs) + len(self.records)
+        summary.weight_sync_count = len(self.syncs)  # version loads by rollout engines
         self.rundir.write_summary(summary)
         last = self.records[-1].iteration if self.records else None
         try:

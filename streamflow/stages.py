@@ -220,6 +220,11 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         top_p=r.top_p,
         max_new_tokens=r.max_new_tokens,
         engine=r.engine,
+        vllm_dtype=r.vllm_dtype,
+        vllm_max_model_len=r.vllm_max_model_len,
+        vllm_kv_cache_gib=r.vllm_kv_cache_gib,
+        vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        vllm_enforce_eager=r.vllm_enforce_eager,
     )
     plan.reward = RewardWorkerConfig(
         common=_named(blank, "reward"),

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 _PR_SET_PDEATHSIG = 1
 
 

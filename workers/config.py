@@ -41,6 +41,12 @@ class RolloutWorkerConfig:
     max_new_tokens: int = 16
     engine: str = "torch"  # torch | vllm
     weight_wait_s: float = 600.0  # longest wait for a required policy version
+    # vLLM engine settings (see streamflow.config.RolloutSection); ignored by the torch engine.
+    vllm_dtype: str = "auto"
+    vllm_max_model_len: int | None = None
+    vllm_kv_cache_gib: float = 1.0
+    vllm_gpu_memory_utilization: float = 0.9
+    vllm_enforce_eager: bool = True
 
 
 @dataclass

@@ -114,6 +114,16 @@ def numeric_close(completion: str, answer: str) -> float:
     return 1.0 if math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9) else 0.0
 
 
+@register_reward("brevity")
+def brevity(completion: str, answer: str) -> float:
+    """1 / (1 + characters in the completion): a shaping reward that prefers short answers.
+
+    Ignores the answer. Useful to control response length, and as a dense signal for smoke tests
+    of the training path (an untrained model's random outputs still get different scores).
+    """
+    return 1.0 / (1.0 + len(completion.strip()))
+
+
 _BUILTIN_NAMES.update(_REGISTRY)
 
 

@@ -36,6 +36,11 @@ def fake_controller(monkeypatch):
 
     module.run = run
     monkeypatch.setitem(sys.modules, "streamflow.controller", module)
+    # `from streamflow import controller` reads the package attribute first: once another test
+    # imported the real controller, only replacing sys.modules would not be enough.
+    import streamflow
+
+    monkeypatch.setattr(streamflow, "controller", module, raising=False)
     return module
 
 

@@ -114,3 +114,24 @@ def test_killed_worker_fails_the_run_fast(tiny_config, tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_packing_on_equals_packing_off_in_a_full_run(tiny_config) -> None:
+    """Shared-prompt packing changes the computation's layout, not the result (issue 5)."""
+    common = ("run.mode=sync", "run.iterations=2", "run.eval_every=0", "trainer.kl_coef=0.05",
+              "reference.placement=trainer", "data.group_size=4", "reward.fn=brevity",
+              "trainer.lr=0.01")
+    packed = tiny_config(*common, "trainer.packing=true")
+    run(packed)
+    unpacked = tiny_config(*common, "trainer.packing=false",
+                           f"run.output_dir={Path(packed.run.output_dir).parent / 'unpacked'}")
+    run(unpacked)
+    a = _final_params(Path(packed.run.output_dir), 2)
+    b = _final_params(Path(unpacked.run.output_dir), 2)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= 1e-5, worst
+    from streamflow.stages import resolve_model
+
+    initial = load_file(str(resolve_model(packed, Path(packed.run.output_dir).parent / ".cache")
+                            / "model.safetensors"))
+    assert max(float((a[k] - initial[k]).abs().max()) for k in a) > 1e-4, "nothing was trained"

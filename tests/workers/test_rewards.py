@@ -112,3 +112,11 @@ def test_child_load_error_is_reported(user_module):
     runner.import_path = f"{user_module}:gone"  # simulate a module changed under our feet
     with pytest.raises(RewardError, match="failed to load in the child"):
         runner.score(["x"], ["y"])
+
+
+def test_brevity_prefers_short_completions() -> None:
+    from workers.rewards import resolve_reward
+
+    fn = resolve_reward("brevity")
+    assert fn("", "ignored") == 1.0
+    assert fn("12", "x") > fn("1234", "x") > 0.0
