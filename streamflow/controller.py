@@ -46,6 +46,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -188,13 +190,7 @@ class Controller:
                 path = self.rundir.path / "workers" / f"{name}.json"
                 path.parent.mkdir(exist_ok=True)
                 path.write_text(to_json(wcfg))
-                sup.start_python(
-                    name,
-                    role,
-                    "workers.main",
-                    ["--role", role, "--config", str(path)],
-                    threads=threads,
-                )
+                self._start_worker(sup, name, role, wcfg, path, threads)
             self._wait_ready(sup, receiver, {name for name, *_ in plan.workers([], None)})
             self._admit(client, version=plan.start_iteration)
             trainer = sup.children["trainer-0"]
@@ -236,6 +232,20 @@ class Controller:
                 raise WorkerFailed(f"workers not ready in time: {sorted(names)}")
         self._loop_started = self._iteration_started = time.time()
         self._last_progress = time.monotonic()
+
+    @staticmethod
+    def _start_worker(sup: Supervisor, name: str, role: str, wcfg, path: Path, threads: int) -> None:  # noqa: ANN001
+        args = ["--role", role, "--config", str(path)]
+        if role == "trainer" and wcfg.engine == "deepspeed":
+            # Data-parallel ranks come from torch's own launcher (rendezvous, RANK/WORLD_SIZE,
+            # MASTER_ADDR/PORT); rank 0 is the one that talks to the store and reports.
+            sup.start(name, role, [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                "--nproc-per-node", str(wcfg.num_ranks), "--master-addr", "127.0.0.1",
+                "--master-port", str(_free_port()), "-m", "workers.main", *args,
+            ], threads=threads)
+        else:
+            sup.start_python(name, role, "workers.main", args, threads=threads)
 
     def _start_store(self, sup: Supervisor) -> list[str]:
         ready = Path(tempfile.mkdtemp(prefix="sf-store-")) / "ready.json"
@@ -401,6 +411,12 @@ class Controller:
         self.plan.cleanup()
         self.rundir.close()
         return summary
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run(cfg: RunConfig) -> RunSummary:

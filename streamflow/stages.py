@@ -272,6 +272,8 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         checkpoint_dir=str(run_dir / "checkpoints"),
         checkpoint_every=cfg.run.checkpoint_every,
         engine=t.engine,
+        num_ranks=t.num_ranks,
+        zero_stage=t.zero_stage,
         weights_keep=(cfg.run.max_staleness or 0) + 4,
         resume_from=str(resume_from) if resume_from is not None else None,
         start_iteration=plan.start_iteration,

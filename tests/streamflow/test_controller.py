@@ -135,3 +135,21 @@ def test_packing_on_equals_packing_off_in_a_full_run(tiny_config) -> None:
     initial = load_file(str(resolve_model(packed, Path(packed.run.output_dir).parent / ".cache")
                             / "model.safetensors"))
     assert max(float((a[k] - initial[k]).abs().max()) for k in a) > 1e-4, "nothing was trained"
+
+
+@pytest.mark.slow
+def test_deepspeed_two_ranks_match_the_torch_trainer(tiny_config) -> None:
+    """The same run with the trainer on DeepSpeed (ZeRO-2, 2 gloo ranks via torch's launcher)."""
+    common = ("run.mode=periodic", "run.iterations=2", "run.eval_every=0", "reward.fn=brevity",
+              "trainer.lr=0.01", "rollout.groups_per_claim=1")
+    torch_run = tiny_config(*common)
+    run(torch_run)
+    ds_run = tiny_config(*common, "trainer.engine=deepspeed", "trainer.num_ranks=2",
+                         f"run.output_dir={Path(torch_run.run.output_dir).parent / 'ds'}")
+    summary = run(ds_run)
+    _no_children_left()
+    assert summary.status == "ok" and summary.iterations == 2
+    a = _final_params(Path(torch_run.run.output_dir), 2)
+    b = _final_params(Path(ds_run.run.output_dir), 2)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= 1e-5, worst
