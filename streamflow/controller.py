@@ -51,12 +51,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import torch
 
 import storage
 from streamflow.config import RunConfig, config_to_dict
+from streamflow.metrics import ControllerMetrics, with_metrics, write_targets
 from streamflow.progress import ProgressDisplay
 from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan
 from streamflow.stages import Evaluator, RunPlan, build_plan
@@ -70,8 +72,9 @@ from workers.events import (
     WeightSyncReport,
     WorkerStatus,
 )
-from workers.loop import LeaseKeeper, run_stage_once
+from workers.loop import LeaseKeeper, StageLoop
 from workers.main import build_reference, build_reward, build_rollout, build_trainer
+from workers.metrics import MeteredEvents, WorkerMetrics
 from workers.schema import SAMPLES_SCHEMA
 
 log = logging.getLogger("streamflow.controller")
@@ -106,6 +109,9 @@ class Controller:
         self.accuracy_initial: float | None = None
         self._iteration_started = time.time()
         self._last_progress = time.monotonic()
+        # Prometheus (streamflow/metrics.py): None with metrics.enabled=false.
+        self.metrics = ControllerMetrics(cfg.run.mode, cfg.run.iterations) if cfg.metrics.enabled else None
+        self._endpoints: list[tuple[str, str, str]] = []  # (host:port, role, worker) to scrape
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunSummary:
@@ -115,6 +121,10 @@ class Controller:
         self._loop_started = start
         display = ProgressDisplay(cfg.run.iterations, cfg.run.mode, enabled=cfg.run.progress)
         self.display = display
+        if self.metrics is not None:
+            port = self.metrics.start_http(cfg.metrics.host, cfg.metrics.port)
+            self._endpoints.append((_scrape_address(cfg.metrics.host, port), "controller", "controller"))
+            write_targets(self.rundir.path, self._endpoints, cfg.run.name)
         try:
             with display:
                 if cfg.run.eval_every and not self.plan.start_iteration:
@@ -131,6 +141,8 @@ class Controller:
         finally:
             end = getattr(self, "_loop_ended", None) or time.time()
             summary = self._finish(end - self._loop_started, status, error)
+            if self.metrics is not None:
+                self.metrics.stop_http()
         return summary
 
     # ------------------------------------------------------------------ sync: stages take turns
@@ -138,7 +150,9 @@ class Controller:
         plan = self.plan
         # Colocated: this one process holds every model and gets the largest thread budget.
         torch.set_num_threads(max(self.cfg.rollout.threads, self.cfg.trainer.threads))
-        events = EventSender(None)  # reports stay in memory
+        events: Any = EventSender(None)  # reports stay in memory
+        if self.metrics is not None:  # the workers' series, from this one process's endpoint
+            events = MeteredEvents(events, WorkerMetrics(self.metrics.registry))
         with storage.embedded(plan.store.num_shards) as store:
             client = store.client()
             client.create_table(plan.table_spec)
@@ -152,19 +166,15 @@ class Controller:
             stages = [("rollout", rollout), ("reward", reward)]
             if reference is not None:
                 stages.append(("reference", reference))
+            loops = [
+                StageLoop(client, plan.table, stage, worker=f"{role}-0", role=role, events=events,
+                          keeper=keeper)
+                for role, stage in stages
+            ]
             for k in range(plan.start_iteration, self.cfg.run.iterations):
                 self._put_iteration(client, k)
-                for role, stage in stages:  # each stage drains the whole batch before the next
-                    while run_stage_once(
-                        client,
-                        plan.table,
-                        stage,
-                        worker=f"{role}-0",
-                        role=role,
-                        events=events,
-                        timeout_s=0.0,
-                        keeper=keeper,
-                    ):
+                for loop in loops:  # each stage drains the whole batch before the next
+                    while loop.turn(0.0):  # the last (empty) claim carries the last write+ack
                         pass
                     self._dispatch(events.sent)
                     events.sent.clear()
@@ -189,6 +199,7 @@ class Controller:
             for name, role, wcfg, threads in plan.workers(addresses, receiver.endpoint):
                 path = self.rundir.path / "workers" / f"{name}.json"
                 path.parent.mkdir(exist_ok=True)
+                wcfg = with_metrics(wcfg, self.cfg.metrics)
                 path.write_text(to_json(wcfg))
                 self._start_worker(sup, name, role, wcfg, path, threads)
             self._wait_ready(sup, receiver, {name for name, *_ in plan.workers([], None)})
@@ -210,6 +221,8 @@ class Controller:
                 self._check_stall()
                 if time.monotonic() - self._last_depths > 1.0:
                     self._refresh_depths(client)
+                    if self.metrics is not None:
+                        self.metrics.set_workers_alive(sup.children)
             client.close()
         finally:
             sup.stop_all()
@@ -222,6 +235,7 @@ class Controller:
             for rec in receiver.recv(0.2):
                 if isinstance(rec, WorkerStatus) and rec.state == "ready":
                     names.discard(rec.worker)
+                    self._endpoints.append((rec.metrics_address, rec.role, rec.worker))
                 else:
                     self._dispatch([rec])
             failed = sup.failed()
@@ -232,6 +246,9 @@ class Controller:
                 raise WorkerFailed(f"workers not ready in time: {sorted(names)}")
         self._loop_started = self._iteration_started = time.time()
         self._last_progress = time.monotonic()
+        if self.metrics is not None:  # every endpoint is known now: let Prometheus find them
+            write_targets(self.rundir.path, self._endpoints, self.cfg.run.name)
+            self.metrics.set_workers_alive(sup.children)
 
     @staticmethod
     def _start_worker(sup: Supervisor, name: str, role: str, wcfg, path: Path, threads: int) -> None:  # noqa: ANN001
@@ -261,6 +278,7 @@ class Controller:
                 str(store.num_shards),
                 "--ready-file",
                 str(ready),
+                *(["--metrics-port", "0"] if self.metrics is not None else []),
             ],
         )
         deadline = time.monotonic() + 60
@@ -270,7 +288,10 @@ class Controller:
                     f"store node did not start:\n{sup.children['store-0'].log_tail()}"
                 )
             time.sleep(0.05)
-        addresses = json.loads(ready.read_text())["addresses"]
+        info = json.loads(ready.read_text())
+        addresses = info["addresses"]
+        if info.get("metrics_port"):  # the store node binds its metrics on 127.0.0.1
+            self._endpoints.append((f"127.0.0.1:{info['metrics_port']}", "store", "store-0"))
         shutil.rmtree(ready.parent, ignore_errors=True)
         return list(addresses)
 
@@ -370,6 +391,8 @@ class Controller:
         self._iteration_started = now
         self.records.append(record)
         self.rundir.append_metrics(record)
+        if self.metrics is not None:
+            self.metrics.on_record(record)
         self.rundir.append_spans(mine)
         self.display.update(record)
 
@@ -377,6 +400,8 @@ class Controller:
         self._last_depths = time.monotonic()
         stats = client.stats(self.plan.table)
         self._depths = {t.name: stats.task_total(t.name).ready for t in self.plan.table_spec.tasks}
+        if self.metrics is not None:
+            self.metrics.set_queue_depths(self._depths)
         self.display.set_queue_depths(self._depths)
 
     _last_depths = 0.0
@@ -411,6 +436,11 @@ class Controller:
         self.plan.cleanup()
         self.rundir.close()
         return summary
+
+
+def _scrape_address(host: str, port: int) -> str:
+    """Where Prometheus on this host reaches an endpoint bound to ``host``."""
+    return f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
 
 
 def _free_port() -> int:

@@ -97,6 +97,11 @@ class RunSummary:
     accuracy_first: float | None  # first held-out accuracy measured
     accuracy_last: float | None  # last held-out accuracy measured
     max_staleness_observed: int  # max policy-version lag of any trained sample
+    # Per-iteration reward is noisy: the same over the first / last `reward_window` iterations
+    # (window = min(10, iterations // 2)) is the figure to compare.
+    reward_window: int = 0
+    reward_mean_first_window: float | None = None
+    reward_mean_last_window: float | None = None
     staleness_mean: float = 0.0  # mean lag over iterations
     weight_sync_count: int = 0  # weight syncs performed
     weight_sync_seconds_total: float = 0.0
@@ -127,7 +132,13 @@ class RunSummary:
             for stage, seconds in r.stage_busy_seconds.items():
                 busy[stage] = busy.get(stage, 0.0) + seconds
         syncs = [r for r in records if r.weight_sync_bytes > 0 or r.weight_sync_seconds > 0]
+        window = min(10, len(records) // 2)
+        first_w = [r.reward_mean for r in records[:window]]
+        last_w = [r.reward_mean for r in records[len(records) - window:]] if window else []
         values: dict[str, Any] = dict(
+            reward_window=window,
+            reward_mean_first_window=statistics.fmean(first_w) if first_w else None,
+            reward_mean_last_window=statistics.fmean(last_w) if last_w else None,
             mode=mode,
             iterations=len(records),
             samples=samples,

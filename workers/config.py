@@ -26,6 +26,8 @@ class WorkerCommon:
     threads: int = 1  # torch intra-op threads of this process
     claim_timeout_s: float = 1.0  # one server-side wait; the loop re-checks for shutdown after it
     seed: int = 0
+    metrics_host: str | None = None  # serve Prometheus /metrics on this address (None: off)
+    metrics_port: int = 0  # 0 = pick a free port (reported in WorkerStatus "ready")
 
 
 @dataclass

@@ -80,6 +80,7 @@ class WorkerStatus:
     state: str  # ready | stopped | failed
     error: str = ""
     timestamp: float = field(default_factory=time.time)
+    metrics_address: str = ""  # "host:port" of this worker's /metrics ("" when metrics are off)
 
 
 RECORDS: dict[str, type] = {

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
+from storage.errors import LeaseExpired, UnknownLease
 from storage.schema import ROW_ID, Lease
 from workers.events import EventSender, Span
 
@@ -156,6 +157,71 @@ def run_stage_once(
     return lease.num_rows
 
 
+class StageLoop:
+    """The streaming form of the turn: each claim also carries the previous turn's write+ack.
+
+    One round trip per micro-batch instead of two (``client.claim(..., ack=, write=)``): the store
+    applies the write+ack first, fenced exactly like a plain write, then hands out the next rows.
+    If the carried write is fenced (our lease expired: we were frozen or too slow), nothing of it
+    is applied, its rows come back to another consumer, and this worker just goes on — a zombie's
+    late result is dropped, never written. ``flush`` writes the last result on a clean stop.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        table: str,
+        stage: Stage,
+        *,
+        worker: str,
+        role: str,
+        events: EventSender,
+        keeper: LeaseKeeper | None = None,
+    ) -> None:
+        self.client, self.table, self.stage = client, table, stage
+        self.worker, self.role, self.events, self.keeper = worker, role, events, keeper
+        self._prev: tuple[Lease, pa.RecordBatch] | None = None
+
+    def turn(self, timeout_s: float) -> int:
+        """Ack the previous result, claim and process the next rows; returns rows processed."""
+        prev, self._prev = self._prev, None
+        try:
+            lease = self.client.claim(
+                self.table, self.stage.task, list(self.stage.columns), self.stage.max_rows,
+                whole_groups=self.stage.whole_groups, timeout=timeout_s,
+                ack=prev[0] if prev else None, write=prev[1] if prev else None,
+            )
+        except (LeaseExpired, UnknownLease) as exc:
+            if getattr(exc, "acked", False):
+                raise
+            log.warning("%s: result for lease %s fenced off (%s); its rows go to another consumer",
+                        self.worker, prev[0].lease_id if prev else None, exc)
+            return 0
+        if lease.num_rows == 0:
+            return 0
+        start = time.time()
+        try:
+            with self.keeper.keep(lease) if self.keeper is not None else contextlib.nullcontext():
+                out = self.stage.process(lease)
+        except BaseException as exc:
+            try:
+                self.client.release(lease, error=f"{type(exc).__name__}: {exc}"[:500])
+            finally:
+                raise
+        self._prev = (lease, out)
+        tokens = int(getattr(self.stage, "last_tokens", 0))
+        self.events.send(Span(self.role, self.worker, start, time.time(),
+                              iteration_of(lease.batch), lease.num_rows, tokens))
+        return lease.num_rows
+
+    def flush(self) -> None:
+        """Write+ack the last result (clean stop): a stop causes no redelivery."""
+        if self._prev is not None:
+            lease, out = self._prev
+            self._prev = None
+            self.client.write(self.table, lease, out, ack=True)
+
+
 def serve_stage(
     client: Any,
     table: str,
@@ -168,11 +234,10 @@ def serve_stage(
     timeout_s: float = 1.0,
     keeper: LeaseKeeper | None = None,
 ) -> int:
-    """Run turns until ``stop`` is set; returns the rows processed."""
+    """Run turns until ``stop`` is set, then flush; returns the rows processed."""
+    loop = StageLoop(client, table, stage, worker=worker, role=role, events=events, keeper=keeper)
     total = 0
     while not stop.is_set():
-        total += run_stage_once(
-            client, table, stage, worker=worker, role=role, events=events, timeout_s=timeout_s,
-            keeper=keeper,
-        )
+        total += loop.turn(timeout_s)
+    loop.flush()
     return total

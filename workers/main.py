@@ -36,6 +36,7 @@ from workers.engines.base import SamplingParams
 from workers.engines.torch_trainer import TorchTrainerEngine
 from workers.events import EventSender, WorkerStatus
 from workers.loop import LeaseKeeper, serve_stage
+from workers.metrics import MeteredClient, MeteredEvents, WorkerMetrics
 from workers.models import load_model, load_tokenizer
 from workers.reference import ReferenceStage
 from workers.reward import RewardStage
@@ -135,7 +136,8 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
 
 
 def build_trainer(
-    cfg: TrainerWorkerConfig, client: Any, events: EventSender, keeper: LeaseKeeper | None = None
+    cfg: TrainerWorkerConfig, client: Any, events: EventSender, keeper: LeaseKeeper | None = None,
+    metrics: WorkerMetrics | None = None,
 ) -> Trainer:
     torch.manual_seed(cfg.common.seed)
     start_iteration = cfg.start_iteration
@@ -165,6 +167,8 @@ def build_trainer(
         if cfg.checkpoint_dir and (step == cfg.iterations or (every and step % every == 0)):
             if leader:
                 save_checkpoint(cfg.checkpoint_dir, step, model, tokenizer, engine, keep=cfg.checkpoint_keep)
+                if metrics is not None:
+                    metrics.checkpoint_saved()
             else:  # join rank 0's collective engine save (the directory comes from rank 0)
                 engine.save_state("")
 
@@ -179,17 +183,28 @@ def build_trainer(
 def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
     common = cfg.common
     torch.set_num_threads(max(common.threads, 1))
-    events = EventSender(common.events_address)
-    client = storage.connect(common.store_addresses)
+    events: Any = EventSender(common.events_address)
+    client: Any = storage.connect(common.store_addresses)
     keeper = LeaseKeeper(lambda: storage.connect(common.store_addresses))
+    metrics, metrics_address = None, ""
+    if common.metrics_host:  # taps on the reports and claims this worker makes anyway
+        metrics = WorkerMetrics()
+        port = metrics.start_http(common.metrics_host, common.metrics_port)
+        host = common.metrics_host
+        metrics_address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        events, client = MeteredEvents(events, metrics), MeteredClient(client, metrics, common.role)
+
+    def ready() -> WorkerStatus:
+        return WorkerStatus(common.name, common.role, "ready", metrics_address=metrics_address)
+
     try:
         if isinstance(cfg, TrainerWorkerConfig):
-            trainer = build_trainer(cfg, client, events, keeper)
+            trainer = build_trainer(cfg, client, events, keeper, metrics)
             if trainer.ranks is not None and not trainer.ranks.is_leader:
                 trainer.follow()  # rank > 0: rank 0 owns the store, the reports and the stop
                 return 0
             trainer.publish_current()
-            events.send(WorkerStatus(common.name, common.role, "ready"))
+            events.send(ready())
             while not stop.is_set() and trainer.step < cfg.iterations:
                 trainer.poll(common.claim_timeout_s)
             trainer.release_held()
@@ -201,7 +216,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
                 stage = build_reward(cfg)
             else:
                 stage = build_reference(cfg)
-            events.send(WorkerStatus(common.name, common.role, "ready"))
+            events.send(ready())
             serve_stage(
                 client, common.table, stage, stop, worker=common.name, role=common.role,
                 events=events, timeout_s=common.claim_timeout_s, keeper=keeper,
@@ -217,6 +232,8 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
         keeper.close()
         client.close()
         events.close()
+        if metrics is not None:
+            metrics.stop_http()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,28 +105,31 @@ def test_claim_failing_after_the_ack_reports_acked(embedded_store, h):
 
 def test_shutdown_while_waiting_after_the_ack_reports_acked(h):
     store = storage.embedded()
-    c = store.client()
-    c.create_table(h.make_spec())
-    c.put("t", h.make_rows(1))
-    lease = c.claim("t", "reward", ["x"], 4)
     box: dict = {}
+    try:
+        c = store.client()
+        c.create_table(h.make_spec())
+        c.put("t", h.make_rows(1))
+        lease = c.claim("t", "reward", ["x"], 4)
 
-    def wait() -> None:
-        try:
-            c.claim("t", "reward", ["x"], 4, timeout=60, ack=lease, write=_rewards(4))
-        except Exception as exc:  # noqa: BLE001 - the test inspects it
-            box["error"] = exc
+        def wait() -> None:
+            try:
+                c.claim("t", "reward", ["x"], 4, timeout=20, ack=lease, write=_rewards(4))
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                box["error"] = exc
 
-    t = threading.Thread(target=wait)
-    t.start()
-    deadline = time.monotonic() + 10
-    while not store.server._claims.get("t") and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert store.server.node.stats("t").shards[0].tasks["reward"].consumed == 4  # acked, waiting
-    store.server.stop()
-    t.join(30)
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not store.server._claims.get("t") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        reward = store.server.node.stats("t").shards[0].tasks["reward"]
+        assert reward.consumed == 4  # acked, now waiting for rows
+        store.server.stop()
+        t.join(30)
+    finally:
+        store.close()
     assert isinstance(box.get("error"), ShuttingDown) and box["error"].acked is True
-    store.close()
 
 
 def test_combined_ack_is_synced_before_the_reply(h, tmp_path, monkeypatch):
@@ -163,7 +166,9 @@ def test_wire_rules_for_the_claim_body():
     with pytest.raises(BadRequest, match="ack_lease_id"):
         wire.decode_request(wire.encode_request("claim", 1, args, [body]))
     with pytest.raises(BadRequest, match="body"):
-        wire.decode_request(wire.encode_request("claim", 1, {**args, "ack_lease_id": 5}, [body] * 2))
+        wire.decode_request(
+            wire.encode_request("claim", 1, {**args, "ack_lease_id": 5}, [body] * 2)
+        )
     with pytest.raises(BadRequest, match="claim.ack_lease_id"):
         wire.decode_request(wire.encode_request("claim", 1, {**args, "ack_lease_id": "5"}))
     req = wire.decode_request(wire.encode_request("claim", 1, {**args, "ack_lease_id": 5}, [body]))
@@ -174,7 +179,10 @@ def test_wire_rules_for_the_claim_body():
 
 
 def test_multi_node_ack_goes_to_the_node_holding_the_lease(h):
-    with storage.embedded(node_index=0, tcp=True) as a, storage.embedded(node_index=1, tcp=True) as b:
+    with (
+        storage.embedded(node_index=0, tcp=True) as a,
+        storage.embedded(node_index=1, tcp=True) as b,
+    ):
         c = storage.connect([a.address, b.address])
         c.create_table(h.make_spec())
         c.put("t", h.make_rows(1), shard_id=1 << 8)  # only node 1 has rows

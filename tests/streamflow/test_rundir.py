@@ -205,3 +205,15 @@ def test_progress_live_panel_draws_on_a_terminal(monkeypatch):
     out = stream.getvalue()
     assert "iteration 3/3" in out and "rollout=5" in out and "held-out accuracy" in out
     assert "a worker said hello" in out
+
+
+def test_summary_reward_windows_average_first_and_last_iterations():
+    from streamflow.rundir import IterationRecord, RunSummary
+
+    records = [IterationRecord(iteration=i, policy_version=i + 1, reward_mean=float(i))
+               for i in range(30)]
+    s = RunSummary.from_records("periodic", records, wall_seconds=1.0)
+    assert s.reward_window == 10
+    assert s.reward_mean_first_window == 4.5 and s.reward_mean_last_window == 24.5
+    short = RunSummary.from_records("periodic", records[:3], wall_seconds=1.0)
+    assert short.reward_window == 1 and short.reward_mean_last_window == 2.0

@@ -1,0 +1,155 @@
+"""Prometheus metrics of the controller, and the run's service-discovery file.
+
+Owns:
+
+- ``ControllerMetrics``: the run-level series (iterations, reward, held-out accuracy, staleness,
+  queue depth per task, workers alive per role) in a private registry, served on
+  ``metrics.host:metrics.port`` (port 0 = a free port). Fed from what the controller already
+  computes: one ``IterationRecord`` per step, the queue depths it polls every second, and its
+  supervisor's children.
+- ``write_targets``: ``<run_dir>/prometheus/targets.json``, a Prometheus file-based
+  service-discovery list (``file_sd_configs``) of every endpoint of the run — controller, store
+  node(s), each worker — with the target labels ``role`` and ``worker``. Prometheus re-reads the
+  file when it changes, so a run is scraped without editing any Prometheus config. Written
+  atomically (tmp + rename), as Prometheus requires.
+- ``with_metrics``: a worker's config with the metrics endpoint switched on (or left off).
+
+With ``metrics.enabled=false`` nothing here is created: no port is bound, no file written.
+Label values are bounded: ``task`` comes from the table spec, ``role`` from the four roles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
+
+from streamflow.config import MetricsSection
+from streamflow.rundir import IterationRecord
+
+ROLES = ("rollout", "reward", "reference", "trainer", "store")
+_ITERATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                      1800.0, 3600.0)
+
+
+class ControllerMetrics:
+    def __init__(self, mode: str, iterations: int, registry: CollectorRegistry | None = None):
+        own = registry is None
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        if own:  # CPU and memory of this process (once per registry)
+            ProcessCollector(registry=r)
+        p = "streamflow_run_"
+        self.info = Gauge(p + "info", "Constant 1; the run's mode as a label.", ["mode"], registry=r)
+        self.info.labels(mode).set(1)
+        self.target = Gauge(p + "target_iterations", "Iterations the run is configured for.",
+                            registry=r)
+        self.target.set(iterations)
+        self.iterations = Counter(p + "iterations_total", "Iterations completed (trainer steps "
+                                  "reported to the controller).", registry=r)
+        self.policy_version = Gauge(p + "policy_version", "Newest published policy version.",
+                                    registry=r)
+        self.iteration_duration = Histogram(
+            p + "iteration_duration_seconds", "Wall time between consecutive iteration reports.",
+            buckets=_ITERATION_BUCKETS, registry=r,
+        )
+        self.samples = Counter(p + "samples_total", "Samples trained on.", registry=r)
+        self.generated_tokens = Counter(p + "generated_tokens_total",
+                                        "Response tokens generated, summed over iterations.",
+                                        registry=r)
+        self.reward_mean = Gauge(p + "reward_mean", "Mean reward of the last iteration.",
+                                 registry=r)
+        self.reward_std = Gauge(p + "reward_std", "Reward standard deviation of the last "
+                                "iteration.", registry=r)
+        self.accuracy = Gauge(p + "accuracy_ratio", "Held-out greedy accuracy of the last "
+                              "evaluated policy version (0..1).", registry=r)
+        self.staleness_mean = Gauge(p + "staleness_mean_versions", "Mean staleness of the last "
+                                    "iteration's samples.", registry=r)
+        self.staleness_max = Gauge(p + "staleness_max_versions", "Largest staleness of the last "
+                                   "iteration's samples.", registry=r)
+        self.weight_sync = Gauge(p + "weight_sync_seconds", "Weight-sync cost of the last "
+                                 "iteration (trainer publish + rollout loads).", registry=r)
+        self.queue_depth = Gauge(p + "queue_depth_rows", "Rows ready for a task, all store nodes "
+                                 "together (polled each second).", ["task"], registry=r)
+        self.workers_alive = Gauge(p + "workers_alive", "Processes of a role still running.",
+                                   ["role"], registry=r)
+        self.last_iteration = Gauge(p + "last_iteration_timestamp_seconds",
+                                    "Unix time of the last iteration report.", registry=r)
+        self._http: Any = None
+        self._last_timestamp: float | None = None
+
+    def on_record(self, rec: IterationRecord) -> None:
+        self.iterations.inc()
+        self.policy_version.set(rec.policy_version)
+        self.iteration_duration.observe(rec.wall_seconds)
+        self.samples.inc(rec.samples)
+        self.generated_tokens.inc(rec.generated_tokens)
+        self.reward_mean.set(rec.reward_mean)
+        self.reward_std.set(rec.reward_std)
+        if rec.accuracy is not None:
+            self.accuracy.set(rec.accuracy)
+        self.staleness_mean.set(rec.staleness_mean)
+        self.staleness_max.set(rec.staleness_max)
+        self.weight_sync.set(rec.weight_sync_seconds)
+        self.last_iteration.set(rec.timestamp)
+
+    def set_queue_depths(self, depths: dict[str, int]) -> None:
+        for task, depth in depths.items():
+            self.queue_depth.labels(task).set(depth)
+
+    def set_workers_alive(self, children: Any) -> None:
+        """``children``: the supervisor's ``{name: Child}``; counts running ones per role."""
+        counts = dict.fromkeys(ROLES, 0)
+        for child in children.values():
+            if child.exit_code() is None and child.role in counts:
+                counts[child.role] += 1
+        for role, n in counts.items():
+            self.workers_alive.labels(role).set(n)
+
+    def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return int(server.server_port)
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def with_metrics(wcfg: Any, section: MetricsSection) -> Any:
+    """The worker config with its /metrics endpoint on ``section.host`` (a free port), or off."""
+    host = section.host if section.enabled else None
+    return replace(wcfg, common=replace(wcfg.common, metrics_host=host, metrics_port=0))
+
+
+def targets_path(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "prometheus" / "targets.json"
+
+
+def write_targets(run_dir: str | os.PathLike, endpoints: list[tuple[str, str, str]],
+                  run_name: str = "") -> Path:
+    """Write the file_sd list: one entry per (address "host:port", role, worker)."""
+    groups = [
+        {"targets": [address], "labels": {"role": role, "worker": worker, "run": run_name}}
+        for address, role, worker in endpoints
+        if address
+    ]
+    path = targets_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(groups, indent=2))
+    os.replace(tmp, path)
+    return path
