@@ -15,6 +15,7 @@ import argparse
 import importlib
 import logging
 import pkgutil
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,6 +67,13 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(handler=_cmd_bench)
 
+    worker = sub.add_parser(
+        "worker", help="run one worker role in the foreground (what the controller starts)"
+    )
+    worker.add_argument("--role", required=True, choices=["rollout", "reward", "reference", "trainer"])
+    worker.add_argument("--config", required=True, help="the worker's JSON config (workers.config)")
+    worker.set_defaults(handler=_cmd_worker)
+
     report = sub.add_parser("report", help="print a run's report, or compare two runs")
     report.add_argument("run_dir", help="run directory")
     report.add_argument("run_dir_b", nargs="?", help="second run directory to compare with")
@@ -112,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- run ------------------------------------------------------------------------------------------
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     for note in config_warnings(cfg):
@@ -124,6 +136,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     from streamflow import controller  # heavy (torch, workers): only when really running
 
+    # SIGTERM (a scheduler, `docker stop`) stops a run the way Ctrl-C does: the controller stops
+    # every worker cleanly (each releases what it holds), writes the summary, and the exit is 0.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         summary = controller.run(cfg)
     except KeyboardInterrupt:
@@ -142,8 +157,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         except Exception as err:  # the run itself succeeded; a report glitch must not hide that
             _error(f"could not render the report: {err}")
     if status == "interrupted":
-        _error("run interrupted")
-        return EXIT_INTERRUPTED
+        _error("run stopped cleanly on request; continue it with run.resume=auto")
+        return EXIT_OK
     if status != "ok":
         _error(f"run {status}: {getattr(summary, 'error', None) or 'see the log above'}")
         return EXIT_FAILED
@@ -206,6 +221,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 # -- report ---------------------------------------------------------------------------------------
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from workers.config import from_json
+    from workers.main import main as worker_main  # heavy (torch): only when really running
+
+    try:  # a bad config is a usage error named in one line, before anything starts
+        from_json(args.role, Path(args.config).read_text())
+    except (OSError, ValueError) as err:
+        _error(f"worker config {args.config}: {err}")
+        return EXIT_USAGE
+    return worker_main(["--role", args.role, "--config", args.config])
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

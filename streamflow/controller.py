@@ -217,16 +217,32 @@ class Controller:
                 if trainer.exit_code() == 0:
                     self._loop_ended = time.time()
                     self._dispatch(receiver.recv(0.2))  # the last reports
+                    if self._version() < self.cfg.run.iterations:
+                        # Stopped from outside (Ctrl-C reaches the whole process group): the
+                        # trainer left cleanly before its last step.
+                        raise KeyboardInterrupt
                     break
                 self._check_stall()
                 if time.monotonic() - self._last_depths > 1.0:
                     self._refresh_depths(client)
                     if self.metrics is not None:
                         self.metrics.set_workers_alive(sup.children)
-            client.close()
         finally:
-            sup.stop_all()
+            final = locals().get("client")
+            sup.stop_all(between=(lambda: self._final_store_stats(final)) if final else None)
+            if final is not None:
+                final.close()
             receiver.close()
+
+    def _final_store_stats(self, client: storage.Client) -> None:
+        """After every worker stopped (and released what it held): what the store saw."""
+        stats = client.stats(self.plan.table)
+        tasks = [t.name for t in self.plan.table_spec.tasks]
+        self.store_totals = {
+            "redelivered_rows": sum(stats.task_total(t).redelivered_total for t in tasks),
+            "dead_rows": sum(stats.task_total(t).dead for t in tasks),
+            "in_flight_rows": sum(stats.task_total(t).in_flight for t in tasks),
+        }
 
     def _wait_ready(self, sup: Supervisor, receiver: EventReceiver, names: set[str]) -> None:
         """Start-up (imports, model loads) is not RL time: the loop clock starts once all are up."""
@@ -415,6 +431,8 @@ class Controller:
             )
 
     # ------------------------------------------------------------------ the end
+    store_totals: dict[str, int] = {}
+
     def _finish(self, wall: float, status: str, error: str | None) -> RunSummary:
         summary = RunSummary.from_records(
             self.cfg.run.mode,
@@ -423,6 +441,7 @@ class Controller:
             name=self.cfg.run.name,
             status=status,
             error=error,
+            **self.store_totals,
         )
         if self.accuracy_initial is not None:
             summary.accuracy_first = self.accuracy_initial
@@ -454,6 +473,6 @@ def run(cfg: RunConfig) -> RunSummary:
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(message)s")
     log.info("resolved config: %s", json.dumps(config_to_dict(cfg))[:2000])
     summary = Controller(cfg).run()
-    if summary.status != "ok":
+    if summary.status == "failed":
         raise WorkerFailed(summary.error or summary.status)
-    return summary
+    return summary  # "ok", or "interrupted": a clean, requested stop (resume with resume=auto)

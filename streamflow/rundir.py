@@ -99,6 +99,11 @@ class RunSummary:
     max_staleness_observed: int  # max policy-version lag of any trained sample
     # Per-iteration reward is noisy: the same over the first / last `reward_window` iterations
     # (window = min(10, iterations // 2)) is the figure to compare.
+    # What the store saw (streaming modes; read after every worker stopped): rows handed out again
+    # after a lease expired or a failed release, rows quarantined, rows still leased at the end.
+    redelivered_rows: int = 0
+    dead_rows: int = 0
+    in_flight_rows: int = 0
     reward_window: int = 0
     reward_mean_first_window: float | None = None
     reward_mean_last_window: float | None = None

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,9 +105,24 @@ class Supervisor:
                 child.popen.wait()
         return child.exit_code()
 
-    def stop_all(self, grace_s: float = 10.0, *, roles_last: tuple[str, ...] = ("store",)) -> None:
-        """SIGTERM every child (workers first, then ``roles_last``), wait, SIGKILL the rest."""
+    def stop_all(
+        self,
+        grace_s: float = 10.0,
+        *,
+        roles_last: tuple[str, ...] = ("store",),
+        between: Callable[[], None] | None = None,
+    ) -> None:
+        """SIGTERM every child (workers first, then ``roles_last``), wait, SIGKILL the rest.
+
+        ``between`` runs once the first group has exited and before the last one is stopped (the
+        controller reads the store's final counts there, after every worker released its leases).
+        """
         for group_last in (False, True):
+            if group_last and between is not None:
+                try:
+                    between()
+                except Exception:  # bookkeeping only: never block the shutdown
+                    pass
             group = [c for c in self.children.values() if (c.role in roles_last) == group_last]
             for child in group:
                 if child.exit_code() is None:

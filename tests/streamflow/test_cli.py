@@ -94,18 +94,19 @@ def test_run_failed_summary_is_not_success(fake_controller, capsys):
     assert "trainer-0 died" in capsys.readouterr().err
 
 
-def test_keyboard_interrupt_exits_130(fake_controller, capsys):
+def test_interrupts(fake_controller, capsys):
+    # Ctrl-C that escapes the controller (nothing was stopped cleanly): the conventional 130.
     def interrupt(cfg):
         raise KeyboardInterrupt
 
     fake_controller.outcome = interrupt
     assert main(["run", TINY]) == 130
-    # The controller may also catch Ctrl-C itself and return an "interrupted" summary.
+    # The controller caught it and stopped every worker cleanly: a requested stop, exit 0.
     fake_controller.outcome = lambda cfg: RunSummary.from_records(
         "sync", [], status="interrupted", error="interrupted by the user"
     )
-    assert main(["run", TINY]) == 130
-    assert "run interrupted" in capsys.readouterr().err
+    assert main(["run", TINY]) == 0
+    assert "stopped cleanly" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -216,3 +217,11 @@ def test_store_serve_runs_and_stops_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_worker_subcommand_runs_one_role_and_names_bad_configs(tmp_path, capsys):
+    bad = tmp_path / "w.json"
+    bad.write_text('{"common": {}, "nonsense": 1}')
+    assert main(["worker", "--role", "reward", "--config", str(bad)]) == 2
+    assert "unknown fields" in capsys.readouterr().err
+    assert main(["worker", "--role", "juggler", "--config", str(bad)]) == 2

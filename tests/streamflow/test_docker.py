@@ -1,0 +1,126 @@
+"""docker/ without a Docker engine: the compose file against the compose-spec schema, every
+``streamflow`` command in it through the real CLI with ``--dry-run``, and the Prometheus config in
+docker/ against the services the compose file names (one scrape job per service, on the port the
+service declares, and the controller's service-discovery file on a volume Prometheus mounts)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from streamflow.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+COMPOSE = DOCKER / "compose.yaml"
+
+
+def _compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _check_jsonschema() -> str:
+    exe = shutil.which("check-jsonschema") or str(Path(sys.executable).parent / "check-jsonschema")
+    assert Path(exe).exists(), "check-jsonschema missing: pip install check-jsonschema (test extra)"
+    return exe
+
+
+def test_compose_file_matches_the_compose_spec(tmp_path: Path) -> None:
+    exe = _check_jsonschema()
+    ok = subprocess.run([exe, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    # The validator is strict: an unknown key in a service is refused (so the check can fail).
+    bad = _compose()
+    bad["services"]["store"]["helthcheck"] = {"test": ["CMD", "true"]}
+    path = tmp_path / "compose.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    refused = subprocess.run([exe, "--builtin-schema", "vendor.compose-spec", str(path)],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
+
+
+def test_every_service_has_a_healthcheck_and_existing_mounts() -> None:
+    compose = _compose()
+    assert {"store", "controller", "prometheus", "grafana"} <= set(compose["services"])
+    for name, service in compose["services"].items():
+        assert service.get("healthcheck", {}).get("test"), f"{name} has no health check"
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (DOCKER / source).exists(), f"{name} mounts missing {source}"
+            else:
+                assert source in compose["volumes"], f"{name}: undeclared volume {source}"
+    assert (ROOT / compose["x-streamflow-image"]["build"]["dockerfile"]).is_file()
+    mounts = {v.split(":")[1] for v in compose["services"]["controller"]["volumes"]}
+    assert {"/runs/quickstart/checkpoints", "/runs/quickstart/store"} <= mounts
+
+
+def test_every_streamflow_command_parses_with_dry_run() -> None:
+    commands = [s["command"] for s in _compose()["services"].values()
+                if s.get("command", [None])[0] == "streamflow"]
+    assert len(commands) == 2  # store serve, run
+    for command in commands:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = cli_main([*command[1:], "--dry-run"])
+        assert rc == 0, f"{command}: exit {rc}"
+        assert out.getvalue().strip(), command
+    # A typo in an override is refused by the same CLI (so the check above can fail).
+    assert cli_main(["run", "configs/quickstart.yaml", "metrics.prot=1", "--dry-run"]) == 2
+
+
+def _override(command: list[str], key: str) -> str:
+    return next(a.split("=", 1)[1] for a in command if a.startswith(f"{key}="))
+
+
+def test_docker_prometheus_config_scrapes_every_compose_service() -> None:
+    compose = _compose()
+    prom = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in prom["scrape_configs"]}
+    services = compose["services"]
+    assert set(jobs) == set(services)
+    for name, service in services.items():
+        if name == "controller":
+            continue
+        port = service["labels"]["org.streamflow.metrics-port"]
+        targets = [t for sc in jobs[name]["static_configs"] for t in sc["targets"]]
+        # Shared network namespace: every service is reachable on 127.0.0.1.
+        assert targets == [f"127.0.0.1:{port}"], (name, targets)
+        if name != "store":
+            assert service["network_mode"] == "service:store", name
+    # The controller and its children come from the run's file_sd list on the runs volume.
+    controller = services["controller"]
+    output_dir = _override(controller["command"], "run.output_dir")
+    assert controller["network_mode"] == "service:store"
+    files = [f for sd in jobs["controller"]["file_sd_configs"] for f in sd["files"]]
+    assert files == [f"{output_dir}/prometheus/targets.json"]
+    runs_mount = next(v for v in controller["volumes"] if v.startswith("runs:")).split(":")[1]
+    assert f"runs:{runs_mount}:ro" in services["prometheus"]["volumes"]
+    assert output_dir.startswith(runs_mount + "/")
+    assert _override(controller["command"], "metrics.port") == (
+        controller["labels"]["org.streamflow.metrics-port"]
+    )
+    # The store node's metrics port in its command matches what Prometheus scrapes.
+    store_cmd = services["store"]["command"]
+    assert store_cmd[store_cmd.index("--metrics-port") + 1] == (
+        services["store"]["labels"]["org.streamflow.metrics-port"]
+    )
+
+
+def test_docker_prometheus_config_passes_promtool(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool") or "/usr/bin/promtool"
+    # The rule file path is the container's: check syntax here, the rules themselves are checked
+    # by test_prometheus.py (same file, mounted read-only).
+    proc = subprocess.run([promtool, "check", "config", "--syntax-only",
+                           str(DOCKER / "prometheus.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    mounted = _compose()["services"]["prometheus"]["volumes"]
+    assert "../deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounted
