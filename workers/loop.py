@@ -2,16 +2,17 @@
 
 A *stage* (reward, reference; rollout adds weight loading around it) is a small object saying which
 task it consumes, which columns it reads, and how to turn a claimed batch into the columns it
-writes. ``run_stage_once`` is one turn of the loop; ``serve_stage`` repeats it until told to stop.
+writes. ``StageLoop.turn`` is one turn of the loop; ``serve_stage`` repeats it until told to stop.
 
-Lease lifecycle inside one turn::
+Lease lifecycle across turns (one round trip per micro-batch)::
 
-    claim (server-side wait up to claim_timeout_s) -> process -> write(columns, ack=True)
-                                                          \\-> exception: release(error=...) and re-raise
+    turn n:   claim(ack=lease n-1, write=result n-1)  -> process lease n -> keep result n
+    turn n+1: claim(ack=lease n,   write=result n)    -> ...
+                                   \\-> process raised: release(lease n, error=...) and re-raise
 
-Writing and acking in one request makes the turn atomic from the store's point of view: either the
-columns are stored and the rows consumed by this task, or neither (then the lease expires or is
-released and the rows are delivered again). A stage that raises hands its rows back with the error
+The carried write+ack is atomic from the store's point of view: either the columns are stored and
+the rows consumed by this task, or neither (then the lease expires or is released and the rows are
+delivered again). A stage that raises hands its rows back with the error
 (counted as a failed delivery, so a poison row ends quarantined rather than crashing workers
 forever) and the exception ends the worker process, which the controller reports.
 
@@ -118,43 +119,6 @@ def iteration_of(batch: pa.RecordBatch) -> int:
 def with_row_ids(lease: Lease, columns: dict[str, pa.Array]) -> pa.RecordBatch:
     arrays = {ROW_ID: lease.batch.column(ROW_ID), **columns}
     return pa.RecordBatch.from_pydict(arrays)
-
-
-def run_stage_once(
-    client: Any,
-    table: str,
-    stage: Stage,
-    *,
-    worker: str,
-    role: str,
-    events: EventSender,
-    timeout_s: float,
-    keeper: LeaseKeeper | None = None,
-) -> int:
-    """One claim/compute/write turn. Returns the number of rows processed (0 if nothing came)."""
-    lease = client.claim(
-        table,
-        stage.task,
-        list(stage.columns),
-        stage.max_rows,
-        whole_groups=stage.whole_groups,
-        timeout=timeout_s,
-    )
-    if lease.num_rows == 0:
-        return 0
-    start = time.time()
-    try:
-        with keeper.keep(lease) if keeper is not None else contextlib.nullcontext():
-            out = stage.process(lease)
-    except BaseException as exc:
-        try:
-            client.release(lease, error=f"{type(exc).__name__}: {exc}"[:500])
-        finally:
-            raise
-    client.write(table, lease, out, ack=True)
-    tokens = int(getattr(stage, "last_tokens", 0))
-    events.send(Span(role, worker, start, time.time(), iteration_of(lease.batch), lease.num_rows, tokens))
-    return lease.num_rows
 
 
 class StageLoop:

@@ -13,6 +13,7 @@ redeliveries.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -242,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="JSON file written by the controller")
     args = parser.parse_args(argv)
     cfg = from_json(args.role, Path(args.config).read_text())
+    # One line per event in the worker's log file (the controller keeps logs/<worker>.log).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

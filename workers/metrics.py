@@ -138,10 +138,10 @@ class WorkerMetrics:
 
     def _span(self, span: Span) -> None:
         seconds = max(span.end - span.start, 0.0)
-        if span.rows == 0 and span.role == "trainer":
-            return  # the step itself (optimizer + publish): trainer_step_duration covers it
-        self._child(self.stage_duration, span.role).observe(seconds)
         self._child(self.stage_busy, span.role).inc(seconds)
+        if span.rows == 0 and span.role == "trainer":
+            return  # the step itself (optimizer + publish): busy, but not a stage turn
+        self._child(self.stage_duration, span.role).observe(seconds)
         self._child(self.stage_rows, span.role).inc(span.rows)
         if span.role == "rollout" and span.tokens:
             self.generated_tokens.inc(span.tokens)
@@ -160,7 +160,6 @@ class WorkerMetrics:
         self.reward_mean.set(rep.reward_mean)
         if rep.reward_failures:
             self.reward_failures.inc(rep.reward_failures)
-        # The busy time of the step itself (micro-batches are counted by their spans).
         self._sync("publish", rep.publish_seconds, rep.publish_bytes, rep.policy_version)
 
     def observe_ages(self, stage: str, created_at: Any, now: float | None = None) -> None:

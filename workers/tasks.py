@@ -54,8 +54,32 @@ def _solve(op: str, a: int, b: int) -> int:
     return a * b
 
 
+class TrainingStream:
+    """Shared by the procedural tasks: a seeded stream of training problems, cut into blocks.
+
+    A task provides ``seed`` and ``_stream(seed, held_out)``; block k of the stream is what
+    iteration k trains on, so the data position is a pure function of the iteration.
+    """
+
+    seed: int
+
+    def _stream(self, seed: int, held_out: bool) -> Iterator[Problem]:
+        raise NotImplementedError
+
+    def iterate(self, seed: int | None = None) -> Iterator[Problem]:
+        """Infinite deterministic stream of training problems (never a held-out one)."""
+        return self._stream(self.seed if seed is None else seed, held_out=False)
+
+    def train_problems(self, n: int, *, epoch_or_offset: int = 0) -> list[Problem]:
+        """Block ``epoch_or_offset`` (0-based) of ``n`` problems of the task's training stream."""
+        if n < 0 or epoch_or_offset < 0:
+            raise ValueError(f"n and epoch_or_offset must be >= 0, got {n}, {epoch_or_offset}")
+        start = n * epoch_or_offset
+        return list(itertools.islice(self.iterate(), start, start + n))
+
+
 @dataclass
-class ArithmeticTask:
+class ArithmeticTask(TrainingStream):
     """Problems ``"{a}{op}{b}="`` with answer ``str(a op b)``; see the module docstring."""
 
     digits: int = 2
@@ -110,17 +134,6 @@ class ArithmeticTask:
             b = rng.randint(0, self.max_operand)
             if _is_held_out(op, a, b, self.held_out_fraction) == held_out:
                 yield self.make_problem(op, a, b)
-
-    def iterate(self, seed: int | None = None) -> Iterator[Problem]:
-        """Infinite deterministic stream of training problems (never a held-out one)."""
-        return self._stream(self.seed if seed is None else seed, held_out=False)
-
-    def train_problems(self, n: int, *, epoch_or_offset: int = 0) -> list[Problem]:
-        """Block ``epoch_or_offset`` (0-based) of ``n`` problems of the task's training stream."""
-        if n < 0 or epoch_or_offset < 0:
-            raise ValueError(f"n and epoch_or_offset must be >= 0, got {n}, {epoch_or_offset}")
-        start = n * epoch_or_offset
-        return list(itertools.islice(self.iterate(), start, start + n))
 
     def eval_problems(self, n: int) -> list[Problem]:
         """``n`` distinct held-out problems, the same list on every call (seed-independent)."""

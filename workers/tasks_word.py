@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from workers.tasks import Problem
+from workers.tasks import Problem, TrainingStream
 
 KINDS = ("add", "sub", "mul", "div", "total")
 NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Max", "Zoe", "Leo", "Ella")
@@ -52,7 +52,7 @@ def _held_out(kind: str, a: int, b: int, fraction: float) -> bool:
 
 
 @dataclass
-class WordProblemTask:
+class WordProblemTask(TrainingStream):
     """Word problems over operands 1..``max_value``; see the module docstring."""
 
     max_value: int = 20
@@ -111,17 +111,6 @@ class WordProblemTask:
             triple = self._draw(rng)
             if self.is_held_out(triple) == held_out:
                 yield self.make_problem(*triple)
-
-    def iterate(self, seed: int | None = None) -> Iterator[Problem]:
-        """Infinite deterministic stream of training problems (never a held-out one)."""
-        return self._stream(self.seed if seed is None else seed, held_out=False)
-
-    def train_problems(self, n: int, *, epoch_or_offset: int = 0) -> list[Problem]:
-        """Block ``epoch_or_offset`` (0-based) of ``n`` problems of the task's training stream."""
-        if n < 0 or epoch_or_offset < 0:
-            raise ValueError(f"n and epoch_or_offset must be >= 0, got {n}, {epoch_or_offset}")
-        start = n * epoch_or_offset
-        return list(itertools.islice(self.iterate(), start, start + n))
 
     def eval_problems(self, n: int) -> list[Problem]:
         """``n`` distinct held-out problems, the same list on every call (seed-independent)."""

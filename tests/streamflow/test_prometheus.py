@@ -86,11 +86,13 @@ def test_promtool_accepts_shipped_config_and_rules() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_every_dashboard_panel_returns_data_from_a_real_run(tmp_path: Path) -> None:
+def test_every_dashboard_panel_returns_data_from_a_real_run(
+    tmp_path: Path, model_cache: Path
+) -> None:
     prometheus = _binary("prometheus")
     queries = panel_queries()
     assert len(queries) >= 30
-    run_dir = tmp_path / "run"
+    run_dir = model_cache / tmp_path.name  # the warm-started tiny model is cached per session
     targets = run_dir / "prometheus" / "targets.json"
     config = yaml.safe_load(PROM_CONFIG.read_text())
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")

@@ -18,7 +18,7 @@ import storage
 from storage.schema import TaskSpec
 from workers.config import RolloutWorkerConfig, TrainerWorkerConfig, WorkerCommon
 from workers.events import EventSender, StepReport
-from workers.loop import run_stage_once
+from workers.loop import StageLoop
 from workers.main import build_rollout, build_trainer
 from workers.models import TinyModelSpec, build_tiny_model, save_model
 from workers.schema import PUT_COLUMNS, SAMPLES_SCHEMA, samples_table_spec
@@ -109,8 +109,8 @@ def _train(model_dir: Path, tmp: Path, *, iterations: int, order_seed: int | Non
         trainer.publish_current()
         for k in range(iterations):
             _put(client, k)
-            while run_stage_once(client, "samples", rollout, worker="r", role="rollout",
-                                 events=events, timeout_s=0.0):
+            loop = StageLoop(client, "samples", rollout, worker="r", role="rollout", events=events)
+            while loop.turn(0.0):  # the last, empty claim carries the last write+ack
                 pass
             stepped = False
             for _ in _reward_rows(client, order_seed):
