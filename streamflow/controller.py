@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -57,11 +56,12 @@ import pyarrow as pa
 import torch
 
 import storage
+from storage.errors import UnknownTable
 from streamflow.config import RunConfig, config_to_dict
 from streamflow.metrics import ControllerMetrics, with_metrics, write_targets
 from streamflow.progress import ProgressDisplay
 from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan
-from streamflow.stages import Evaluator, RunPlan, build_plan
+from streamflow.stages import Evaluator, RunPlan, build_plan, free_port
 from streamflow.supervisor import Supervisor
 from workers.config import to_json
 from workers.events import (
@@ -193,8 +193,13 @@ class Controller:
         sup = Supervisor(self.rundir.path / "logs")
         receiver = EventReceiver()
         try:
-            addresses = self._start_store(sup)
+            addresses = list(self.cfg.store.addresses) or self._start_store(sup)
             client = storage.connect(addresses)
+            if self.cfg.store.addresses:  # a long-lived store: this run's table starts afresh
+                try:
+                    client.drop_table(plan.table)
+                except UnknownTable:
+                    pass
             client.create_table(plan.table_spec)
             for name, role, wcfg, threads in plan.workers(addresses, receiver.endpoint):
                 path = self.rundir.path / "workers" / f"{name}.json"
@@ -275,7 +280,7 @@ class Controller:
             sup.start(name, role, [
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                 "--nproc-per-node", str(wcfg.num_ranks), "--master-addr", "127.0.0.1",
-                "--master-port", str(_free_port()), "-m", "workers.main", *args,
+                "--master-port", str(free_port()), "-m", "workers.main", *args,
             ], threads=threads)
         else:
             sup.start_python(name, role, "workers.main", args, threads=threads)
@@ -460,12 +465,6 @@ class Controller:
 def _scrape_address(host: str, port: int) -> str:
     """Where Prometheus on this host reaches an endpoint bound to ``host``."""
     return f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(cfg: RunConfig) -> RunSummary:

@@ -209,11 +209,15 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         plan.start_iteration = read_state(resume_from).step
     blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed)
     r, t = cfg.rollout, cfg.trainer
+    # The trainer announces each published version on this PUB address; rollout workers SUBscribe
+    # and wake at once instead of waiting for their next directory check. (In-process sync runs
+    # need no announcement.) Across hosts, bind the trainer's address and share weights_dir.
+    announce = None if cfg.run.mode == "sync" else f"tcp://127.0.0.1:{free_port()}"
     plan.rollout = RolloutWorkerConfig(
         common=_named(blank, "rollout"),
         model_path=str(model_path),
         weights_dir=str(plan.weights_dir),
-        weights_announce=None,
+        weights_announce=announce,
         group_size=d.group_size,
         groups_per_claim=r.groups_per_claim,
         temperature=r.temperature,
@@ -249,7 +253,7 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         model_path=str(model_path),
         reference_path=str(model_path) if plan.kl_active and not plan.reference_worker else None,
         weights_dir=str(plan.weights_dir),
-        weights_bind=None,
+        weights_bind=announce,
         rows_per_iteration=d.prompts_per_iteration * d.group_size,
         iterations=cfg.run.iterations,
         group_size=d.group_size,
@@ -273,12 +277,22 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         checkpoint_every=cfg.run.checkpoint_every,
         engine=t.engine,
         num_ranks=t.num_ranks,
+        deterministic=t.deterministic,
         zero_stage=t.zero_stage,
         weights_keep=(cfg.run.max_staleness or 0) + 4,
         resume_from=str(resume_from) if resume_from is not None else None,
         start_iteration=plan.start_iteration,
     )
     return plan
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a child process to bind)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:

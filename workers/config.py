@@ -103,6 +103,7 @@ class TrainerWorkerConfig:
     resume_from: str | None = None  # checkpoint directory (workers.checkpoint) to continue from
     checkpoint_keep: int = 2  # complete checkpoints kept (the newest ones)
     engine: str = "torch"  # torch | deepspeed
+    deterministic: bool = False  # one group per forward + fp64 gradient sums (bitwise updates)
     num_ranks: int = 1  # deepspeed: ranks started by torch's launcher (must match its world size)
     zero_stage: int = 2  # deepspeed: ZeRO stage 1 or 2
     weights_keep: int = 4  # published versions kept on disk (older ones are unlinked)

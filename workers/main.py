@@ -110,7 +110,7 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
     if cfg.engine == "torch":
         engine = TorchTrainerEngine(
             model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]),
-            max_grad_norm=cfg.max_grad_norm,
+            max_grad_norm=cfg.max_grad_norm, fp64_accumulation=cfg.deterministic,
         )
         return engine, None
     if cfg.engine == "deepspeed":  # needs the [deepspeed] extra (clear error if missing)
@@ -123,12 +123,11 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
         settings = DeepSpeedSettings(
             lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]),
             max_grad_norm=cfg.max_grad_norm,
-            # Fields the lead adds to TrainerWorkerConfig (issue 6); defaults until then.
-            zero_stage=getattr(cfg, "zero_stage", 2),
+            zero_stage=cfg.zero_stage,
         )
         ranks = start_ranks()
-        expected = getattr(cfg, "num_ranks", None)
-        if expected is not None and expected != ranks.world_size:
+        expected = cfg.num_ranks
+        if expected != ranks.world_size:
             raise ValueError(
                 f"trainer.num_ranks={expected} but the launcher started {ranks.world_size} ranks"
             )
@@ -159,7 +158,7 @@ def build_trainer(
         std_normalize=cfg.std_normalize, updates_per_batch=cfg.updates_per_batch,
         importance_correction=cfg.importance_correction, is_cap=cfg.is_cap,
         temperature=cfg.temperature, packing=cfg.packing, token_budget=cfg.token_budget,
-        rows_per_claim=cfg.rows_per_claim,
+        rows_per_claim=cfg.rows_per_claim, deterministic=cfg.deterministic,
     )
     tokenizer = load_tokenizer(cfg.model_path)
 

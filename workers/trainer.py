@@ -68,6 +68,7 @@ class TrainerSettings:
     packing: bool = True
     token_budget: int = 4096
     rows_per_claim: int = 64
+    deterministic: bool = False  # one group per forward + fp64 gradient sums (bitwise updates)
 
 
 @dataclass
@@ -162,13 +163,22 @@ class Trainer:
             self.keeper.hold(lease)
         for it in sorted(set(iterations.tolist())):
             rows = lease.batch.filter(pa.array(iterations == it))
-            piece = Piece(lease, int(it), rows)
-            if it == self.step:
-                self._train_first_pass(piece)
-            elif it > self.step:
-                self._parked.setdefault(int(it), []).append(piece)
-            else:  # already trained before a restart from an older checkpoint is impossible
-                raise RuntimeError(f"rows of iteration {it} delivered at step {self.step}")
+            for part in self._split(rows):
+                piece = Piece(lease, int(it), part)
+                if it == self.step:
+                    self._train_first_pass(piece)
+                elif it > self.step:
+                    self._parked.setdefault(int(it), []).append(piece)
+                else:  # already trained before a restart from an older checkpoint: impossible
+                    raise RuntimeError(f"rows of iteration {it} delivered at step {self.step}")
+
+    def _split(self, rows: pa.RecordBatch) -> list[pa.RecordBatch]:
+        """Deterministic mode: one forward/backward per group, so each group's gradient is the
+        same computation whichever groups it arrived with (sums are then fp64, see the engine)."""
+        if not self.s.deterministic or self.ranks is not None:
+            return [rows]
+        groups = rows.column("group_id").to_numpy()
+        return [rows.filter(pa.array(groups == g)) for g in sorted(set(groups.tolist()))]
 
     # ------------------------------------------------------------------ compute
     def _forward(self, piece: Piece, first_pass: bool) -> tuple[torch.Tensor, LossSums]:

@@ -65,6 +65,23 @@ def test_periodic_equals_sync_through_processes(tiny_config) -> None:
     b = _final_params(Path(periodic.run.output_dir), 2)
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= 1e-6, worst
+    # async with max_staleness=0 reduces to on-policy: the same parameters again.
+    on_policy_async = tiny_config("run.mode=async", "run.max_staleness=0", *common,
+                                  f"run.output_dir={Path(sync.run.output_dir).parent / 'async0'}")
+    s3 = run(on_policy_async)
+    assert s3.max_staleness_observed == 0
+    c = _final_params(Path(on_policy_async.run.output_dir), 2)
+    assert max(float((a[k] - c[k]).abs().max()) for k in a) <= 1e-6
+    _assert_trained(sync, a)
+
+
+def _assert_trained(cfg, params: dict) -> None:
+    """Guards the equivalence tests against comparing parameters that never moved."""
+    from streamflow.stages import resolve_model
+
+    initial = load_file(str(resolve_model(cfg, Path(cfg.run.output_dir).parent / ".cache")
+                            / "model.safetensors"))
+    assert max(float((params[k] - initial[k]).abs().max()) for k in params) > 1e-4, "no update"
 
 
 @pytest.mark.slow
@@ -130,11 +147,7 @@ def test_packing_on_equals_packing_off_in_a_full_run(tiny_config) -> None:
     b = _final_params(Path(unpacked.run.output_dir), 2)
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= 1e-5, worst
-    from streamflow.stages import resolve_model
-
-    initial = load_file(str(resolve_model(packed, Path(packed.run.output_dir).parent / ".cache")
-                            / "model.safetensors"))
-    assert max(float((a[k] - initial[k]).abs().max()) for k in a) > 1e-4, "nothing was trained"
+    _assert_trained(packed, a)
 
 
 @pytest.mark.slow
@@ -185,3 +198,27 @@ def test_sigterm_stops_cleanly_without_redeliveries(tiny_config) -> None:
     assert summary["dead_rows"] == 0
     for log in (out / "logs").glob("*-0.log"):
         assert "Traceback" not in log.read_text(), log
+
+
+@pytest.mark.slow
+def test_run_against_an_external_store_node(tiny_config, tmp_path: Path) -> None:
+    """`store.addresses`: the run uses store nodes it did not start (compose, schedulers)."""
+    ready = tmp_path / "ready.json"
+    node = subprocess.Popen(
+        [sys.executable, "-m", "streamflow", "store", "serve", "--bind", "tcp://127.0.0.1:0",
+         "--shards", "2", "--ready-file", str(ready)], cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert node.poll() is None and time.monotonic() < deadline, "store did not start"
+            time.sleep(0.05)
+        address = json.loads(ready.read_text())["addresses"][0]
+        for _ in range(2):  # a second run on the same node replaces the first run's table
+            cfg = tiny_config(f"store.addresses=[{address}]", "run.eval_every=0")
+            summary = run(cfg)
+            assert summary.status == "ok" and summary.iterations == 2
+        assert node.poll() is None, "the run must not stop a store it did not start"
+    finally:
+        node.terminate()
+        node.wait(timeout=30)

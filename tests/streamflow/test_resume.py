@@ -73,6 +73,7 @@ def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, mode: str) -> 
     assert iterations == list(range(6)), iterations
     worst = _max_diff(_params(Path(straight.run.output_dir), 6), _params(killed_dir, 6))
     assert worst <= 1e-6, worst
+    assert _max_diff(_params(killed_dir, 3), _params(killed_dir, 6)) > 1e-4, "nothing trained"
 
 
 def test_resume_at_dataset_epoch_boundary_still_trains(tiny_config, tmp_path: Path) -> None:

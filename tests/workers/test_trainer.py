@@ -40,7 +40,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: int):
+def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: int,
+             deterministic: bool = False):
     common = WorkerCommon(name="t", role="t", store_addresses=[], table="samples", seed=3)
     rollout = RolloutWorkerConfig(
         common=replace(common, name="rollout-0", role="rollout"), model_path=str(model_dir),
@@ -51,7 +52,7 @@ def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: in
         common=replace(common, name="trainer-0", role="trainer"), model_path=str(model_dir),
         reference_path=None, weights_dir=str(weights), weights_bind=None,
         rows_per_iteration=ROWS, iterations=iterations, group_size=G, reference_worker=False,
-        lr=1e-2, rows_per_claim=rows_per_claim, checkpoint_dir=None,
+        lr=1e-2, rows_per_claim=rows_per_claim, checkpoint_dir=None, deterministic=deterministic,
     )
     return rollout, trainer
 
@@ -97,9 +98,10 @@ def _reward_rows(client, order_seed: int | None) -> None:
 
 
 def _train(model_dir: Path, tmp: Path, *, iterations: int, order_seed: int | None,
-           rows_per_claim: int, audit: bool = False):
-    weights = tmp / f"w-{order_seed}-{rows_per_claim}"
-    rollout_cfg, trainer_cfg = _configs(model_dir, weights, iterations, rows_per_claim)
+           rows_per_claim: int, audit: bool = False, deterministic: bool = False):
+    weights = tmp / f"w-{order_seed}-{rows_per_claim}-{deterministic}"
+    rollout_cfg, trainer_cfg = _configs(model_dir, weights, iterations, rows_per_claim,
+                                        deterministic)
     events = EventSender(None)
     with storage.embedded(2) as store:
         client = store.client()
@@ -136,6 +138,13 @@ def test_streamed_random_order_equals_whole_batch(model_dir: Path, tmp_path: Pat
         other, _, _ = _train(model_dir, tmp_path, iterations=2, order_seed=seed, rows_per_claim=G)
         worst = max(float((base[k] - other[k]).abs().max()) for k in base)
         assert worst <= 1e-6, f"order seed {seed}: max abs diff {worst}"
+    # Deterministic mode (one group per forward, fp64 gradient sums): bitwise, in any order.
+    exact, _, _ = _train(model_dir, tmp_path, iterations=2, order_seed=None, rows_per_claim=ROWS,
+                         deterministic=True)
+    for seed in (3, 4):
+        other, _, _ = _train(model_dir, tmp_path, iterations=2, order_seed=seed, rows_per_claim=G,
+                             deterministic=True)
+        assert all(torch.equal(exact[k], other[k]) for k in exact), f"order seed {seed}"
     untouched = build_tiny_model(TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,
                                                num_kv_heads=1, intermediate_size=64),
                                  build_char_tokenizer()).state_dict()
