@@ -152,6 +152,10 @@ def build_trainer(
     if cfg.reference_path and cfg.kl_coef > 0 and not cfg.reference_worker:
         reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype])
     tri = TriModel(model, reference=reference, updates_per_batch=1)
+    if reference is not None:  # what the fused reference costs (reference.dtype=bfloat16 halves it)
+        logging.getLogger("workers.trainer").info(
+            "tri-model: frozen reference copy holds %d bytes beside the policy",
+            tri.extra_bytes())
     settings = TrainerSettings(
         rows_per_iteration=cfg.rows_per_iteration, group_size=cfg.group_size,
         reference_worker=cfg.reference_worker, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
