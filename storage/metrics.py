@@ -61,7 +61,29 @@ class _StatsSource(Protocol):
     def stats(self, table: str) -> TableStats: ...
 
 
-class StoreMetrics:
+class HttpEndpoint:
+    """A process's ``/metrics`` HTTP endpoint, shared by every component's metrics class.
+
+    The class using it owns ``registry`` (its own ``CollectorRegistry``) and sets ``_http = None``.
+    """
+
+    registry: CollectorRegistry
+    _http: Any
+
+    def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve /metrics on host:port (0 = pick a free port); returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return int(server.server_port)
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class StoreMetrics(HttpEndpoint):
     """Implements the node's ``NodeEvents`` protocol plus the server-side request metrics."""
 
     def __init__(self, node_index: int = 0, registry: CollectorRegistry | None = None) -> None:
@@ -206,18 +228,6 @@ class StoreMetrics:
         if self._tables - tables:
             self._children.clear()  # children of dropped tables must not be kept alive
         self._gauge_keys, self._tables = keys, tables
-
-    def start_http(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve /metrics on addr:port (0 = pick a free port); returns the bound port."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        self._http = server
-        return int(server.server_port)
-
-    def stop_http(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
 
 
 def _remove(metric: Gauge, key: Iterable[str]) -> None:

@@ -205,7 +205,7 @@ class Server:
             sock.bind(addr)
             self.addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.start_http(cfg.metrics_port, cfg.metrics_addr)
+            self.metrics_port = self.metrics.start_http(cfg.metrics_addr, cfg.metrics_port)
 
     def _close(self) -> None:
         if self._sock is not None:

@@ -32,9 +32,9 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    start_http_server,
 )
 
+from storage.metrics import HttpEndpoint
 from streamflow.config import MetricsSection
 from streamflow.rundir import IterationRecord
 
@@ -43,7 +43,7 @@ _ITERATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
                       1800.0, 3600.0)
 
 
-class ControllerMetrics:
+class ControllerMetrics(HttpEndpoint):
     def __init__(self, mode: str, iterations: int, registry: CollectorRegistry | None = None):
         own = registry is None
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -116,17 +116,6 @@ class ControllerMetrics:
                 counts[child.role] += 1
         for role, n in counts.items():
             self.workers_alive.labels(role).set(n)
-
-    def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._http = server
-        return int(server.server_port)
-
-    def stop_http(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
 
 
 def with_metrics(wcfg: Any, section: MetricsSection) -> Any:

@@ -28,9 +28,9 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    start_http_server,
 )
 
+from storage.metrics import HttpEndpoint
 from workers.events import Record, Span, StepReport, WeightSyncReport
 
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -40,7 +40,7 @@ _AGE = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.
 CREATED_AT = "created_at"  # store meta column: wall-clock seconds when the row was put
 
 
-class WorkerMetrics:
+class WorkerMetrics(HttpEndpoint):
     """The metric objects of one worker process; ``observe`` takes the worker's own reports."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -172,19 +172,6 @@ class WorkerMetrics:
 
     def checkpoint_saved(self, when: float | None = None) -> None:
         self.last_checkpoint.set(time.time() if when is None else when)
-
-    # ------------------------------------------------------------------ endpoint
-    def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Serve /metrics on host:port (0 = pick a free port); returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._http = server
-        return int(server.server_port)
-
-    def stop_http(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
 
 
 class MeteredEvents:
