@@ -34,11 +34,18 @@ def __getattr__(name: str) -> Any:
         from storage import server
 
         return getattr(server, name)
+    if name in ("Coordinator", "CoordinatorClient", "ConsumerSession"):  # the shard coordinator
+        from storage import coordinator
+
+        return getattr(coordinator, name)
     raise AttributeError(f"module 'storage' has no attribute {name!r}")
 
 
 __all__ = [
     "Client",
+    "ConsumerSession",
+    "Coordinator",
+    "CoordinatorClient",
     "CurveClientKeys",
     "EmbeddedStore",
     "Lease",

@@ -243,6 +243,7 @@ class Client:
         lease_seconds: float | None = None,
         ack: Lease | None = None,
         write: pa.RecordBatch | pa.Table | None = None,
+        shards: Sequence[int] | None = None,
     ) -> Lease:
         """Lease up to ``max_rows`` rows ready for ``task``. Waits server-side up to ``timeout`` s
         for ``min_rows`` rows; at the timeout takes whatever is ready (possibly an empty lease,
@@ -263,6 +264,10 @@ class Client:
             while lease.num_rows:
                 out = score(lease)              # row_id + the reward column
                 lease = client.claim(t, "reward", cols, 64, timeout=1.0, ack=lease, write=out)
+
+        ``shards``: claim only from these shard ids (a consumer's owned shards, see
+        ``storage.coordinator_session``); only the nodes serving them are asked (``shard_id >> 8``
+        is the node index). None: any shard; each node serves its deepest one.
         """
         args = {
             "table": table,
@@ -288,9 +293,47 @@ class Client:
                     batch = _with_row_ids(batch, ack.batch.column(ROW_ID))
                 bodies.append(wire.write_batch(batch))
             piggy = (ack, bodies)
+        if shards is not None:
+            only = self._shards_by_conn(shards)
+            if len(self._conns) > 1:
+                if piggy is not None and self._conn_for_shard(piggy[0].shard_id) not in only:
+                    self._ack_piggy(piggy)  # its node serves none of these shards: ack apart
+                    piggy = None
+                return self._claim_many(args, float(timeout), piggy, only)
+            args["shards"] = only[self._conns[0]]
         if len(self._conns) == 1:
             return self._claim_one(self._conns[0], args, float(timeout), piggy)
         return self._claim_many(args, float(timeout), piggy)
+
+    def _shards_by_conn(self, shards: Sequence[int]) -> dict[_Conn, list[int]]:
+        if isinstance(shards, str | bytes) or not len(shards):
+            raise ValueError(
+                f"claim(shards=...) needs a non-empty list of shard ids, got {shards!r}"
+            )
+        only: dict[_Conn, list[int]] = {}
+        for sid in shards:
+            if (
+                isinstance(sid, bool)
+                or not isinstance(sid, int | np.integer)
+                or not 0 <= sid < 65536
+            ):
+                raise ValueError(f"claim(shards=...): {sid!r} is not a shard id")
+            only.setdefault(self._conn_for_shard(int(sid)), []).append(int(sid))
+        return only
+
+    def _ack_piggy(self, piggy: tuple[Lease, list[Any]]) -> None:
+        lease, bodies = piggy
+        conn = self._conn_for_shard(lease.shard_id)
+        if bodies:
+            args = {
+                "table": lease.table,
+                "lease_id": lease.lease_id,
+                "ack": True,
+                "overwrite": False,
+            }
+            self._call(conn, "write", args, bodies)
+        else:
+            self._call(conn, "ack", {"table": lease.table, "lease_id": lease.lease_id})
 
     def _lease(self, args: dict[str, Any], reply: wire.Reply) -> Lease:
         batch = wire.read_batch(reply.bodies[0], "claim reply") if reply.bodies else None
@@ -322,18 +365,27 @@ class Client:
         return self._lease(args, reply)
 
     def _claim_many(
-        self, args: dict[str, Any], timeout: float, piggy: tuple[Lease, list[Any]] | None = None
+        self,
+        args: dict[str, Any],
+        timeout: float,
+        piggy: tuple[Lease, list[Any]] | None = None,
+        only: dict[_Conn, list[int]] | None = None,
     ) -> Lease:
         # 1) probe every node without waiting, fullest-first is unknown so round-robin the start;
         # a piggybacked ack rides on the probe of the node holding its lease, which goes first.
         self._rr += 1
         order = [self._conns[(self._rr + i) % len(self._conns)] for i in range(len(self._conns))]
+        if only is not None:  # only the nodes serving the requested shards, each its own part
+            order = [c for c in order if c in only]
+            per = {c: {**args, "shards": only[c]} for c in order}
+        else:
+            per = {c: args for c in order}
         if piggy is not None:
             home = self._conn_for_shard(piggy[0].shard_id)
             order = [home, *(c for c in order if c is not home)]
         last: Lease | None = None
         for conn in order:
-            lease = self._claim_one(conn, args, 0.0, piggy if conn is order[0] else None)
+            lease = self._claim_one(conn, per[conn], 0.0, piggy if conn is order[0] else None)
             if lease.num_rows >= args["min_rows"] or (timeout <= 0 and lease.num_rows):
                 return lease
             if lease.num_rows:  # fewer than min_rows: hand back, keep looking / waiting
@@ -343,7 +395,7 @@ class Client:
             assert last is not None
             return last
         # 2) one long poll per node; the first non-empty lease wins, the others are cancelled.
-        pending = {self._send(c, "claim", {**args, "timeout": timeout}): c for c in order}
+        pending = {self._send(c, "claim", {**per[c], "timeout": timeout}): c for c in order}
         won: Lease | None = None
         failure: StoreError | None = None
         deadline = time.monotonic() + timeout + self.request_timeout

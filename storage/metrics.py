@@ -230,6 +230,51 @@ class StoreMetrics(HttpEndpoint):
         self._gauge_keys, self._tables = keys, tables
 
 
+class CoordinatorMetrics(HttpEndpoint):
+    """The coordinator's shard-map metrics (``storage/coordinator.py``), in a private registry.
+
+    Labels: table and task from the groups consumers join, consumer from their ids (one per
+    worker), reason from ``storage.balance.REASONS``: all bounded."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        p = "streamflow_coordinator_"
+        self.reassignments = Counter(
+            p + "reassignments_total",
+            "Shard ownership changes (revocations and grants to an unowned shard), by reason.",
+            ["table", "task", "reason"],
+            registry=r,
+        )
+        self.owned_shards = Gauge(
+            p + "owned_shards",
+            "Shards a consumer owns now.",
+            ["table", "task", "consumer"],
+            registry=r,
+        )
+        self.imbalance = Gauge(
+            p + "depth_imbalance_ratio",
+            "Max over mean of the consumers' expected drain time (owned ready rows + in flight, "
+            "over recent throughput); 1 is even.",
+            ["table", "task"],
+            registry=r,
+        )
+        self.consumers = Gauge(
+            p + "consumers_alive", "Consumers with a live session.", ["table", "task"], registry=r
+        )
+        self._owned_keys: set[tuple[str, str, str]] = set()
+        self._http: Any = None
+
+    def set_owned(self, table: str, task: str, owned: dict[str, int]) -> None:
+        """Set a group's owned-shards gauges; consumers no longer in ``owned`` are removed."""
+        keys = {(table, task, c) for c in owned}
+        for c, n in owned.items():
+            self.owned_shards.labels(table, task, c).set(n)
+        for key in {k for k in self._owned_keys if k[:2] == (table, task)} - keys:
+            _remove(self.owned_shards, key)
+        self._owned_keys = {k for k in self._owned_keys if k[:2] != (table, task)} | keys
+
+
 def _remove(metric: Gauge, key: Iterable[str]) -> None:
     try:
         metric.remove(*key)

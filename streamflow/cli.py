@@ -48,6 +48,20 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(handler=_cmd_run)
 
+    launch = sub.add_parser(
+        "launch", help="run this host's share of a multi-host job (config section placement)"
+    )
+    launch.add_argument("config", help="YAML config file with a placement section")
+    launch.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    launch.add_argument("--node-rank", type=int, required=True, help="this host's index in "
+                        "placement.nodes (0 also runs the coordinator and the controller)")
+    launch.add_argument("--nodes", type=int, required=True, help="number of hosts (= nodes listed)")
+    launch.add_argument("--coordinator", required=True, metavar="HOST:PORT",
+                        help="where node 0 serves the coordinator (its placement host)")
+    launch.add_argument("--dry-run", action="store_true",
+                        help="validate, print the resolved config, start nothing")
+    launch.set_defaults(handler=_cmd_launch)
+
     store = sub.add_parser("store", help="transfer-queue store node")
     store_sub = store.add_subparsers(dest="store_command", required=True, metavar="ACTION")
     serve = store_sub.add_parser("serve", help="serve one store node in the foreground")
@@ -96,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `run CONFIG a=1 --dry-run b=2`: overrides after an option arrive as extras.
         if (
             extra
-            and args.command == "run"
+            and args.command in ("run", "launch")
             and all("=" in e and not e.startswith("-") for e in extra)
         ):
             args.overrides += extra
@@ -163,6 +177,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _error(f"run {status}: {getattr(summary, 'error', None) or 'see the log above'}")
         return EXIT_FAILED
     return EXIT_OK
+
+
+# -- launch ---------------------------------------------------------------------------------------
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    host, sep, port = args.coordinator.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+    cfg = load_config(args.config, args.overrides)
+    from streamflow.launch import LaunchError, check_launch
+
+    try:
+        check_launch(cfg, args.node_rank, args.nodes)
+    except LaunchError as err:
+        raise UsageError(str(err)) from None
+    if args.dry_run:
+        sys.stdout.write(dump_yaml(cfg))
+        return EXIT_OK
+    logging.basicConfig(
+        level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    from streamflow.launch import launch
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # a scheduler's stop: as Ctrl-C
+    return launch(cfg, node_rank=args.node_rank, nodes=args.nodes, coordinator=args.coordinator)
 
 
 # -- store serve ----------------------------------------------------------------------------------

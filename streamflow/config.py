@@ -129,6 +129,10 @@ class RunSection:
     startup_timeout_s: float = _f(300.0, gt=0)
     # fail the run when no worker reports progress for this long (0 = wait forever)
     stall_timeout_s: float = _f(300.0, ge=0)
+    # a worker (or the run's own store node, with store.persist) that dies after it was ready is
+    # restarted up to this many times, with backoff; a trainer restart also needs
+    # checkpoint_every=1 (streamflow/supervisor.py, docs/faults.md). 0 = any death fails the run
+    max_restarts: int = _f(3, ge=0)
     progress: bool = True  # live display on a TTY; otherwise one log line per iteration
     log_level: LogLevel = "INFO"  # logging level of every process of the run
 
@@ -238,6 +242,10 @@ class RewardSection:
     timeout_s: float = _f(2.0, gt=0)  # per-sample scoring timeout; a timeout scores as failed
     num_workers: int = _f(1, ge=1)  # reward worker processes
     rows_per_claim: int = _f(32, ge=1)  # rows claimed per micro-batch
+    # a sample whose verifier raised or timed out: "retry" hands it back as a failed delivery
+    # (quarantined DEAD after store.max_deliveries, its group left out of training); "zero"
+    # scores it 0.0 with reward_ok=false and trains on it
+    on_error: Literal["retry", "zero"] = "retry"
 
     def __post_init__(self) -> None:
         _check_bounds(self)
@@ -310,6 +318,10 @@ class StoreSection:
     # Store nodes already running (`streamflow store serve`), e.g. "tcp://store:5555"; empty: the
     # run starts its own node. The run's table is (re)created on them at start.
     addresses: tuple[str, ...] = ()
+    # Shard coordinator (storage/coordinator.py) in streaming modes: stage workers own shards,
+    # rebalanced by live queue depth, and steal from the deepest shard when theirs are empty.
+    # Started only when the store has >= 2 shards (one shard has nothing to balance).
+    balancer: bool = True
 
     def __post_init__(self) -> None:
         _check_bounds(self)
@@ -328,6 +340,84 @@ class MetricsSection:
         _check_bounds(self)
 
 
+_WILDCARDS = ("", "0.0.0.0", "*", "::", "[::]")
+
+
+@dataclass(frozen=True)
+class PlacementNode:
+    # what this host's services bind and what the other hosts connect to: a concrete address
+    host: str = "127.0.0.1"
+    store_nodes: int = _f(0, ge=0)  # store node processes here (store.num_shards shards each)
+    rollout: int = _f(0, ge=0)  # rollout worker processes here
+    reward: int = _f(0, ge=0)  # reward worker processes here
+    reference: int = _f(0, ge=0)  # the reference worker (0 or 1 in all, when one runs)
+    trainer: int = _f(0, ge=0)  # trainer ranks here (torch engine: 1 in all; deepspeed: num_ranks)
+
+    def __post_init__(self) -> None:
+        _check_bounds(self)
+        _require(
+            self.host.strip() not in _WILDCARDS,
+            "host",
+            f"must be an address the other hosts can reach (not a wildcard), got {self.host!r}",
+        )
+
+
+@dataclass(frozen=True)
+class PlacementSection:
+    # One entry per host of `streamflow launch` (its --node-rank indexes this list); node 0 also
+    # runs the coordinator and the controller. Empty: everything on one host (`streamflow run`).
+    nodes: tuple[PlacementNode, ...] = ()
+    # A node whose launcher is silent this long fails the run; keep it above any network cut the
+    # run should ride out (leases expire much sooner and hand the node's rows to others).
+    node_timeout_s: float = _f(60.0, gt=0)
+
+    def __post_init__(self) -> None:
+        _check_bounds(self)
+
+
+def _check_placement(cfg: RunConfig) -> None:
+    """Cross-section rules of a multi-host placement: every process of the run is placed once."""
+    nodes = cfg.placement.nodes
+    if not nodes:
+        return
+    _require(
+        cfg.run.mode != "sync",
+        "placement.nodes",
+        "run.mode 'sync' keeps every role in one process: use periodic or async across hosts",
+    )
+    reference_worker = (
+        cfg.trainer.kl_coef > 0 and cfg.reference.enabled and cfg.reference.placement == "worker"
+    )
+    wanted = {
+        "rollout": (cfg.rollout.num_workers, "rollout.num_workers"),
+        "reward": (cfg.reward.num_workers, "reward.num_workers"),
+        "reference": (int(reference_worker), "a reference worker (trainer.kl_coef > 0, "
+                      "reference.enabled, reference.placement=worker)"),
+        "trainer": (cfg.trainer.num_ranks, "trainer.num_ranks"),
+    }
+    for role, (want, source) in wanted.items():
+        placed = sum(getattr(n, role) for n in nodes)
+        _require(
+            placed == want,
+            "placement.nodes",
+            f"places {placed} {role} process(es) but the run has {want} ({source})",
+        )
+    stores = sum(n.store_nodes for n in nodes)
+    if cfg.store.addresses:
+        _require(stores == 0, "placement.nodes",
+                 f"places {stores} store node(s) but store.addresses names external ones")
+    else:
+        _require(1 <= stores <= 256, "placement.nodes",
+                 f"must place between 1 and 256 store nodes (store_nodes), got {stores}")
+    ranks = {n.trainer for n in nodes if n.trainer}
+    _require(
+        len(ranks) <= 1,
+        "placement.nodes",
+        f"trainer ranks must be spread evenly (torch's launcher starts the same number per host), "
+        f"got {sorted(n.trainer for n in nodes if n.trainer)}",
+    )
+
+
 @dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)  # the loop: mode, iterations, outputs
@@ -339,6 +429,8 @@ class RunConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)  # GRPO update
     store: StoreSection = field(default_factory=StoreSection)  # transfer queue nodes
     metrics: MetricsSection = field(default_factory=MetricsSection)  # Prometheus endpoints
+    # hosts of a multi-host run (`streamflow launch`); empty: one host
+    placement: PlacementSection = field(default_factory=PlacementSection)
 
     def __post_init__(self) -> None:
         # With no KL term the reference log-probs are never used: don't pay for computing them.
@@ -360,6 +452,7 @@ class RunConfig:
             f"'{self.trainer.engine}' trains in its own ranks: use run.mode periodic or async "
             "(sync keeps the trainer inside the controller process)",
         )
+        _check_placement(self)
 
     @property
     def max_staleness(self) -> int:

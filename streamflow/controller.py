@@ -35,14 +35,18 @@ The modes differ in a few lines (``_run_colocated`` vs ``_run_streaming`` and ``
   iteration k as soon as version k - s exists, so rollout runs up to s versions ahead of training.
 
 Shutdown: on success the trainer exits after its last step and the controller stops the others
-(SIGTERM: each finishes its turn, releases its leases, exits 0). On a worker failure the run stops
-everything and raises ``WorkerFailed`` with that worker's error (exit non-zero). On Ctrl-C the same
+(SIGTERM: each finishes its turn, releases its leases, exits 0). A worker that dies after it was
+ready is restarted by the supervisor (``run.max_restarts``; the trainer from its newest checkpoint,
+the run's store node on its address with its persist directory; rules in docs/faults.md). A worker
+that dies before it was ready, exhausts its restarts, or an iteration whose every group went DEAD,
+stops everything and raises ``WorkerFailed`` with the cause (exit non-zero). On Ctrl-C the same
 clean stop runs and the summary says "interrupted". A run that makes no progress for
 ``run.stall_timeout_s`` fails instead of hanging.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -56,13 +60,15 @@ import pyarrow as pa
 import torch
 
 import storage
-from storage.errors import UnknownTable
+from storage.errors import Unavailable, UnknownTable
+from streamflow.admission import admissible, min_policy_version
 from streamflow.config import RunConfig, config_to_dict
 from streamflow.metrics import ControllerMetrics, with_metrics, write_targets
 from streamflow.progress import ProgressDisplay
 from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan
 from streamflow.stages import Evaluator, RunPlan, build_plan, free_port
-from streamflow.supervisor import Supervisor
+from streamflow.supervisor import Child, RestartPolicy, Supervisor
+from workers.checkpoint import latest_checkpoint, read_state
 from workers.config import to_json
 from workers.events import (
     EventReceiver,
@@ -72,6 +78,7 @@ from workers.events import (
     WeightSyncReport,
     WorkerStatus,
 )
+from workers.faults import dead_groups
 from workers.loop import LeaseKeeper, StageLoop
 from workers.main import build_reference, build_reward, build_rollout, build_trainer
 from workers.metrics import MeteredEvents, WorkerMetrics
@@ -85,8 +92,10 @@ class WorkerFailed(RuntimeError):
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, cluster: Any = None) -> None:
         self.cfg = cfg
+        # streamflow.launch.Cluster when launched over several hosts; None: one host
+        self.cluster = cluster
         self.rundir = RunDir(cfg.run.output_dir)
         self.plan: RunPlan = build_plan(cfg, self.rundir.path)
         start = self.plan.start_iteration
@@ -106,8 +115,11 @@ class Controller:
         self.syncs: list[WeightSyncReport] = []
         self.admitted = self.plan.start_iteration  # next iteration whose prompts are not yet put
         self.evaluator = Evaluator(self.plan)
+        if cluster is not None:  # versions published on the trainer's host are fetched
+            self.evaluator.fetch = lambda v: cluster.fetch_weights(v, self.plan.weights_dir)
         self.accuracy_initial: float | None = None
         self._iteration_started = time.time()
+        self._loop_ended: float | None = None  # end of the last optimizer step (see _on_step)
         self._last_progress = time.monotonic()
         # Prometheus (streamflow/metrics.py): None with metrics.enabled=false.
         self.metrics = ControllerMetrics(cfg.run.mode, cfg.run.iterations) if cfg.metrics.enabled else None
@@ -139,7 +151,7 @@ class Controller:
             status, error = "failed", f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            end = getattr(self, "_loop_ended", None) or time.time()
+            end = self._loop_ended or time.time()
             summary = self._finish(end - self._loop_started, status, error)
             if self.metrics is not None:
                 self.metrics.stop_http()
@@ -182,7 +194,7 @@ class Controller:
                     self._check_stall()
                 self._dispatch(events.sent)
                 events.sent.clear()
-            self._loop_ended = time.time()
+            self._loop_ended = self._loop_ended or time.time()
             keeper.close()
             reward.close()
             client.close()
@@ -190,54 +202,118 @@ class Controller:
     # ------------------------------------------------------------------ periodic / async: streaming
     def _run_streaming(self) -> None:
         plan = self.plan
-        sup = Supervisor(self.rundir.path / "logs")
-        receiver = EventReceiver()
+        sup = Supervisor(self.rundir.path / "logs",
+                         policy=RestartPolicy(max_restarts=self.cfg.run.max_restarts))
+        self._sup = sup
+        cluster = self.cluster  # several hosts: its services bind the placed host
+        receiver = EventReceiver(cluster.events_bind) if cluster else EventReceiver()
+        coordinator: Any = None
         try:
-            addresses = list(self.cfg.store.addresses) or self._start_store(sup)
-            client = storage.connect(addresses)
+            if cluster is not None:
+                addresses = list(self.cfg.store.addresses) or cluster.start_stores(
+                    sup, self.rundir.path, plan.weights_dir, self._endpoints)
+            else:
+                addresses = list(self.cfg.store.addresses) or self._start_store(sup)
+            client = storage.connect(addresses, request_timeout=10.0)
+            self._client = client
             if self.cfg.store.addresses:  # a long-lived store: this run's table starts afresh
                 try:
                     client.drop_table(plan.table)
                 except UnknownTable:
                     pass
             client.create_table(plan.table_spec)
-            for name, role, wcfg, threads in plan.workers(addresses, receiver.endpoint):
+            coordinator = self._start_coordinator(client, addresses)
+            coord_address = coordinator.address if coordinator is not None else None
+            workers = plan.workers(addresses, receiver.endpoint, coord_address)
+            if cluster is not None:  # remote workers get their configs through the directory
+                cluster.start_workers(workers, receiver.endpoint)
+                workers = []
+            for name, role, wcfg, threads in workers:
                 path = self.rundir.path / "workers" / f"{name}.json"
                 path.parent.mkdir(exist_ok=True)
                 wcfg = with_metrics(wcfg, self.cfg.metrics)
                 path.write_text(to_json(wcfg))
                 self._start_worker(sup, name, role, wcfg, path, threads)
+                if role == "trainer":
+                    sup.children[name].before_restart = self._trainer_restart(wcfg, path)
             self._wait_ready(sup, receiver, {name for name, *_ in plan.workers([], None)})
             self._admit(client, version=plan.start_iteration)
-            trainer = sup.children["trainer-0"]
+            trainer = sup.children.get("trainer-0")  # None: it runs on another host
             while True:
                 self._dispatch(receiver.recv(0.2))
-                self._admit(client, version=self._version())
-                failed = sup.failed()
+                store_up = all(c.ready for c in sup.children.values() if c.role == "store")
+                if store_up:  # a put whose reply was lost could not be told from a lost put
+                    self._admit(client, version=self._version())
+                failed = sup.check()  # restarts what may be restarted (docs/faults.md)
                 if failed is not None:
-                    raise WorkerFailed(
-                        f"{failed.name} exited with status {failed.exit_code()}:\n"
-                        f"{failed.log_tail()}"
-                    )
-                if trainer.exit_code() == 0:
-                    self._loop_ended = time.time()
+                    raise WorkerFailed(failed.describe_failure())
+                remote_failure = cluster.check() if cluster is not None else None
+                if remote_failure:
+                    raise WorkerFailed(remote_failure)
+                code = trainer.exit_code() if trainer else cluster.exit_code("trainer-0")
+                if code == 0:
                     self._dispatch(receiver.recv(0.2))  # the last reports
+                    self._loop_ended = self._loop_ended or time.time()
                     if self._version() < self.cfg.run.iterations:
                         # Stopped from outside (Ctrl-C reaches the whole process group): the
                         # trainer left cleanly before its last step.
                         raise KeyboardInterrupt
                     break
                 self._check_stall()
-                if time.monotonic() - self._last_depths > 1.0:
+                if store_up and time.monotonic() - self._last_depths > 1.0:
                     self._refresh_depths(client)
                     if self.metrics is not None:
                         self.metrics.set_workers_alive(sup.children)
         finally:
             final = locals().get("client")
+            if cluster is not None:  # remote workers release their leases before final counts
+                cluster.stop_remote_workers()
             sup.stop_all(between=(lambda: self._final_store_stats(final)) if final else None)
             if final is not None:
                 final.close()
+            if coordinator is not None:
+                coordinator.stop()
             receiver.close()
+            if cluster is not None:  # then the remote store nodes stop and the launchers exit
+                exc = sys.exc_info()[1]
+                cluster.end(None if exc is None else f"{type(exc).__name__}: {exc}")
+
+    def _start_coordinator(self, client: storage.Client, addresses: list[str]) -> Any:
+        """The shard coordinator (a thread of this process) when ``store.balancer`` is on and the
+        store has at least two shards; None otherwise (workers then claim from any shard)."""
+        if not self.cfg.store.balancer:
+            return None
+        if len(client.stats(self.plan.table).shards) < 2:
+            return None
+        from storage.coordinator import Coordinator
+
+        host = self.cluster.host if self.cluster is not None else self.cfg.store.host
+        return Coordinator(f"tcp://{host}:0", store_addresses=addresses).start()
+
+    def _trainer_restart(self, wcfg: Any, path: Path) -> Any:
+        """The trainer restart rule: resume from the newest checkpoint, which must hold every
+        acked row — true only with a checkpoint after every step (the trainer checkpoints before
+        it acks). Rows of the unfinished iteration were never acked: their leases expire and
+        they are trained again; rows the dead trainer had trained before its checkpoint come back
+        (if unacked) and are acked without training."""
+
+        def before_restart(child: Child) -> None:
+            if self.cfg.trainer.engine != "torch":
+                raise RuntimeError(f"a {self.cfg.trainer.engine} trainer is not restarted")
+            if self.cfg.run.checkpoint_every != 1:
+                raise RuntimeError(
+                    "restarting the trainer needs run.checkpoint_every=1: rows acked after the "
+                    f"newest checkpoint would be lost (checkpoint_every="
+                    f"{self.cfg.run.checkpoint_every}); resume the run with run.resume=auto")
+            latest = latest_checkpoint(self.rundir.path / "checkpoints")
+            resumed = wcfg
+            if latest is not None:
+                resumed = dataclasses.replace(wcfg, resume_from=str(latest),
+                                              start_iteration=read_state(latest).step)
+            path.write_text(to_json(resumed))
+            log.warning("restarting the trainer from %s", latest or "the initial model")
+
+        return before_restart
 
     def _final_store_stats(self, client: storage.Client) -> None:
         """After every worker stopped (and released what it held): what the store saw."""
@@ -247,6 +323,10 @@ class Controller:
             "redelivered_rows": sum(stats.task_total(t).redelivered_total for t in tasks),
             "dead_rows": sum(stats.task_total(t).dead for t in tasks),
             "in_flight_rows": sum(stats.task_total(t).in_flight for t in tasks),
+            "dead_reasons": {f"{t}: {reason}": n for t in tasks
+                             for reason, n in stats.task_total(t).dead_reasons.items()},
+            "worker_restarts": {c.name: c.restarts for c in self._sup.children.values()
+                                if c.restarts},
         }
 
     def _wait_ready(self, sup: Supervisor, receiver: EventReceiver, names: set[str]) -> None:
@@ -257,12 +337,16 @@ class Controller:
                 if isinstance(rec, WorkerStatus) and rec.state == "ready":
                     names.discard(rec.worker)
                     self._endpoints.append((rec.metrics_address, rec.role, rec.worker))
+                    if rec.worker in sup.children:
+                        sup.children[rec.worker].mark_ready()
                 else:
                     self._dispatch([rec])
-            failed = sup.failed()
+            failed = sup.check()
             if failed is not None:
-                raise WorkerFailed(f"{failed.name} exited with status {failed.exit_code()} during "
-                                   f"start-up:\n{failed.log_tail()}")
+                raise WorkerFailed(f"during start-up: {failed.describe_failure()}")
+            remote_failure = self.cluster.check() if self.cluster is not None else None
+            if remote_failure:
+                raise WorkerFailed(f"during start-up: {remote_failure}")
             if time.monotonic() > deadline:
                 raise WorkerFailed(f"workers not ready in time: {sorted(names)}")
         self._loop_started = self._iteration_started = time.time()
@@ -314,7 +398,40 @@ class Controller:
         if info.get("metrics_port"):  # the store node binds its metrics on 127.0.0.1
             self._endpoints.append((f"127.0.0.1:{info['metrics_port']}", "store", "store-0"))
         shutil.rmtree(ready.parent, ignore_errors=True)
+        child = sup.children["store-0"]
+        child.mark_ready()
+        child.before_restart, child.on_restarted = self._store_restart(list(addresses))
         return list(addresses)
+
+    def _store_restart(self, addresses: list[str]) -> tuple[Any, Any]:
+        """The store restart rule: only with store.persist (else its rows are gone); the node
+        comes back on the same address and recovers the table from the same persist directory
+        when the controller re-creates it; leases do not survive (rows leased at the crash are
+        READY again, delivery counts kept), so workers see their leases fenced and go on."""
+        box: dict[str, Path] = {}
+
+        def before(child: Child) -> None:
+            if not self.cfg.store.persist:
+                raise RuntimeError("store.persist is false: the rows it held are lost")
+            box["ready"] = Path(tempfile.mkdtemp(prefix="sf-store-")) / "ready.json"
+            argv = list(child.argv)
+            argv[argv.index("--bind") + 1] = addresses[0]  # clients reconnect to this address
+            argv[argv.index("--ready-file") + 1] = str(box["ready"])
+            child.argv = argv
+
+        def after(child: Child) -> None:
+            ready, deadline = box["ready"], time.monotonic() + 60
+            while not ready.exists():
+                if child.exit_code() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the store node did not come back:\n{child.log_tail()}")
+                time.sleep(0.05)
+            shutil.rmtree(ready.parent, ignore_errors=True)
+            self._client.create_table(self.plan.table_spec)  # recovers from its persist dir
+            child.mark_ready()
+            log.warning("store node restarted on %s; table %s recovered", addresses[0],
+                        self.plan.table)
+
+        return before, after
 
     # ------------------------------------------------------------------ admission and reports
     def _version(self) -> int:
@@ -322,7 +439,9 @@ class Controller:
 
     def _admit(self, client: storage.Client, version: int) -> None:
         """Put every iteration the staleness bound allows: k is admitted once version ≥ k - s."""
-        while self.admitted < self.cfg.run.iterations and self.admitted - self.staleness <= version:
+        while self.admitted < self.cfg.run.iterations and admissible(
+            self.admitted, self.staleness, version
+        ):
             self._put_iteration(client, self.admitted)
             self.admitted += 1
 
@@ -335,7 +454,8 @@ class Controller:
             {
                 "group_id": pa.array([k * n + i for i in range(n) for _ in range(g)], pa.int64()),
                 "iteration": pa.array([k] * (n * g), pa.int64()),
-                "min_policy_version": pa.array([max(k - self.staleness, 0)] * (n * g), pa.int64()),
+                "min_policy_version": pa.array([min_policy_version(k, self.staleness)] * (n * g),
+                                               pa.int64()),
                 "prompt_ids": pa.array(
                     [p for p in prompts for _ in range(g)], pa.list_(pa.int32())
                 ),
@@ -370,9 +490,22 @@ class Controller:
             elif isinstance(rec, StepReport):
                 self._on_step(rec)
             elif isinstance(rec, WorkerStatus) and rec.state == "failed":
-                raise WorkerFailed(f"{rec.worker} failed: {rec.error}")
+                sup = getattr(self, "_sup", None)
+                if sup is None:
+                    raise WorkerFailed(f"{rec.worker} failed: {rec.error}")
+                # The supervisor decides (restart or fail) once the process has exited.
+                log.warning("%s failed: %s", rec.worker, (rec.error or "").splitlines()[0:1])
+            elif isinstance(rec, WorkerStatus) and rec.state == "ready":
+                child = getattr(self, "_sup", None) and self._sup.children.get(rec.worker)
+                if child:  # a restarted worker rejoined
+                    child.mark_ready()
+                    log.warning("%s is ready again (restart %d)", rec.worker, child.restarts)
 
     def _on_step(self, rep: StepReport) -> None:
+        if self.records and rep.iteration <= self.records[-1].iteration:
+            # A trainer restarted from a checkpoint older than its last report retrains that
+            # iteration (the same update): the first report stands.
+            return
         now = time.time()
         k = rep.iteration
         mine = [s for s in self.spans if s.iteration == k]
@@ -410,6 +543,12 @@ class Controller:
             timestamp=now,
         )
         self._iteration_started = now
+        if rep.policy_version >= self.cfg.run.iterations:
+            # The loop ends with the last optimizer step (its span's end), not when the trainer
+            # process exits: the final checkpoint write and interpreter teardown that follow are
+            # not RL time (they cost ~1.5 s of a 4 s benchmark run before this rule).
+            ends = [s.end for s in mine if s.stage == "trainer"]
+            self._loop_ended = max(ends) if ends else now
         self.records.append(record)
         self.rundir.append_metrics(record)
         if self.metrics is not None:
@@ -419,13 +558,36 @@ class Controller:
 
     def _refresh_depths(self, client: storage.Client) -> None:
         self._last_depths = time.monotonic()
-        stats = client.stats(self.plan.table)
+        try:
+            stats = client.stats(self.plan.table)
+        except (Unavailable, UnknownTable):  # the store node restarts: the supervisor handles it
+            return
+        self._check_dead(stats)
         self._depths = {t.name: stats.task_total(t.name).ready for t in self.plan.table_spec.tasks}
         if self.metrics is not None:
             self.metrics.set_queue_depths(self._depths)
         self.display.set_queue_depths(self._depths)
 
     _last_depths = 0.0
+
+    def _check_dead(self, stats: Any) -> None:
+        """Systematic failure: an iteration whose every group is DEAD can never be trained, and
+        dead rows that name no iteration cannot be accounted for by the trainer: fail now, with
+        the reasons, instead of waiting for the stall timeout (docs/faults.md)."""
+        by_iteration, unknown = dead_groups(stats, [t.name for t in self.plan.table_spec.tasks])
+        prompts = self.cfg.data.prompts_per_iteration
+        for k, groups in sorted(by_iteration.items()):
+            if len(groups) >= prompts:
+                reasons = sorted({r for t in self.plan.table_spec.tasks
+                                  for r in stats.task_total(t.name).dead_reasons
+                                  if r.startswith(f"iteration {k} ")})
+                raise WorkerFailed(
+                    f"every group of iteration {k} is DEAD (quarantined after "
+                    f"store.max_deliveries={self.cfg.store.max_deliveries}); reasons: "
+                    + "; ".join(reasons[:5]))
+        if unknown:
+            raise WorkerFailed(f"rows quarantined DEAD for reasons that name no iteration: "
+                               f"{unknown}")
 
     def _check_stall(self) -> None:
         limit = self.cfg.run.stall_timeout_s
@@ -467,11 +629,11 @@ def _scrape_address(host: str, port: int) -> str:
     return f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
 
 
-def run(cfg: RunConfig) -> RunSummary:
+def run(cfg: RunConfig, cluster: Any = None) -> RunSummary:
     """Run one RL job to completion (the CLI's ``streamflow run``)."""
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(message)s")
     log.info("resolved config: %s", json.dumps(config_to_dict(cfg))[:2000])
-    summary = Controller(cfg).run()
+    summary = Controller(cfg, cluster).run()
     if summary.status == "failed":
         raise WorkerFailed(summary.error or summary.status)
     return summary  # "ok", or "interrupted": a clean, requested stop (resume with resume=auto)

@@ -104,6 +104,9 @@ class RunSummary:
     redelivered_rows: int = 0
     dead_rows: int = 0
     in_flight_rows: int = 0
+    # "task: reason" -> rows quarantined for it (reasons name the rows' iteration and group)
+    dead_reasons: dict[str, int] = field(default_factory=dict)
+    worker_restarts: dict[str, int] = field(default_factory=dict)  # worker -> times restarted
     reward_window: int = 0
     reward_mean_first_window: float | None = None
     reward_mean_last_window: float | None = None

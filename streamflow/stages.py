@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,7 +138,12 @@ class RunPlan:
     def encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
-    def workers(self, store_addresses: list[str], events_address: str | None):  # noqa: ANN201
+    def workers(  # noqa: ANN201
+        self,
+        store_addresses: list[str],
+        events_address: str | None,
+        coordinator_address: str | None = None,
+    ):
         """(name, role, config, threads) for every worker process of a streaming run."""
         c = self.cfg
         out = []
@@ -151,6 +157,7 @@ class RunPlan:
                 events_address=events_address,
                 threads=threads,
                 seed=c.run.seed,
+                coordinator_address=coordinator_address,
             )
 
         for i in range(c.rollout.num_workers):
@@ -236,6 +243,7 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         reward_fn=cfg.reward.fn,
         timeout_s=cfg.reward.timeout_s,
         rows_per_claim=cfg.reward.rows_per_claim,
+        on_error=cfg.reward.on_error,
     )
     plan.reference = None
     if plan.reference_worker:
@@ -321,6 +329,8 @@ class Evaluator:
     def __init__(self, plan: RunPlan) -> None:
         self.plan = plan
         self._model = None
+        # Across hosts: copies a version from the trainer's host into plan.weights_dir.
+        self.fetch: Callable[[int], None] | None = None
 
     def accuracy(self, version: int) -> float | None:
         plan = self.plan
@@ -329,6 +339,8 @@ class Evaluator:
         if self._model is None:
             self._model = load_model(plan.model_path)
         path = weights_path(plan.weights_dir, version)
+        if not path.exists() and version != 0 and self.fetch is not None:
+            self.fetch(version)
         if path.exists():
             from safetensors.torch import load_file
 

@@ -28,6 +28,12 @@ class WorkerCommon:
     seed: int = 0
     metrics_host: str | None = None  # serve Prometheus /metrics on this address (None: off)
     metrics_port: int = 0  # 0 = pick a free port (reported in WorkerStatus "ready")
+    # a store request unanswered this long (beyond its own wait) raises Unavailable: a dead or
+    # restarting store node is noticed in seconds, not the client's 30 s default
+    request_timeout_s: float = 10.0
+    # the run's coordinator (storage.coordinator): stages claim from the shards it assigns them,
+    # stealing from the deepest other shard when theirs are empty; None: claim from any shard
+    coordinator_address: str | None = None
 
 
 @dataclass
@@ -49,6 +55,8 @@ class RolloutWorkerConfig:
     vllm_kv_cache_gib: float = 1.0
     vllm_gpu_memory_utilization: float = 0.9
     vllm_enforce_eager: bool = True
+    # trainer on another host: its WeightServer; versions are copied into weights_dir (local)
+    weights_fetch: str | None = None
 
 
 @dataclass
@@ -58,6 +66,7 @@ class RewardWorkerConfig:
     reward_fn: str  # registry name or "module:function"
     timeout_s: float = 5.0
     rows_per_claim: int = 64
+    on_error: str = "retry"  # retry (failed delivery -> quarantine) | zero (score 0.0, train on it)
 
 
 @dataclass
@@ -107,6 +116,7 @@ class TrainerWorkerConfig:
     num_ranks: int = 1  # deepspeed: ranks started by torch's launcher (must match its world size)
     zero_stage: int = 2  # deepspeed: ZeRO stage 1 or 2
     weights_keep: int = 4  # published versions kept on disk (older ones are unlinked)
+    weights_serve: str | None = None  # serve published versions to other hosts (ROUTER bind)
 
 
 WorkerConfig = RolloutWorkerConfig | RewardWorkerConfig | ReferenceWorkerConfig | TrainerWorkerConfig

@@ -14,7 +14,11 @@ The carried write+ack is atomic from the store's point of view: either the colum
 the rows consumed by this task, or neither (then the lease expires or is released and the rows are
 delivered again). A stage that raises hands its rows back with the error
 (counted as a failed delivery, so a poison row ends quarantined rather than crashing workers
-forever) and the exception ends the worker process, which the controller reports.
+forever) and the exception ends the worker process, which the controller restarts or reports.
+A stage that raises ``HandBack`` hands the rows back (cleanly, or as a failed delivery) and the
+worker goes on: a bad sample is the sample's problem, not the worker's. Failure reasons name the
+rows' iteration and group (``workers.faults``). A store node that is down or restarting
+(``Unavailable``, ``UnknownTable``) is waited out: the next claim retries.
 
 Shutdown: ``stop`` is checked between turns; a turn in progress finishes (its write is fenced by its
 lease anyway), so a clean stop never leaves rows leased.
@@ -31,9 +35,10 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from storage.errors import LeaseExpired, UnknownLease
+from storage.errors import LeaseExpired, Unavailable, UnknownLease, UnknownTable
 from storage.schema import ROW_ID, Lease
 from workers.events import EventSender, Span
+from workers.faults import failure_reason
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +102,17 @@ class LeaseKeeper:
         self._thread.join(timeout=5)
 
 
+class HandBack(Exception):  # noqa: N818 - a control-flow signal, not an error of the worker
+    """Raised by ``Stage.process``: hand the lease's rows back and go on (the worker lives).
+
+    ``error=None`` is a clean hand-back (not counted as a delivery); a text is a failed delivery
+    with that reason (the row is quarantined after max_deliveries; see ``workers.faults``)."""
+
+    def __init__(self, error: str | None = None) -> None:
+        super().__init__(error or "hand back")
+        self.error = error
+
+
 class Stage(Protocol):
     task: str  # the store task this stage consumes
     columns: tuple[str, ...]  # columns to claim (row_id is always added by the store)
@@ -141,25 +157,44 @@ class StageLoop:
         role: str,
         events: EventSender,
         keeper: LeaseKeeper | None = None,
+        session: Any = None,
     ) -> None:
         self.client, self.table, self.stage = client, table, stage
         self.worker, self.role, self.events, self.keeper = worker, role, events, keeper
+        # storage.coordinator_session.ConsumerSession: claim from owned shards (+ steal), and
+        # report throughput for the balancer; None: claim from any shard.
+        self.session = session
         self._prev: tuple[Lease, pa.RecordBatch] | None = None
 
     def turn(self, timeout_s: float) -> int:
-        """Ack the previous result, claim and process the next rows; returns rows processed."""
+        """Ack the previous result, claim and process the next rows; returns rows processed
+        (-1: the stage handed its rows back, see ``HandBack``; more are waiting)."""
         prev, self._prev = self._prev, None
         try:
-            lease = self.client.claim(
-                self.table, self.stage.task, list(self.stage.columns), self.stage.max_rows,
-                whole_groups=self.stage.whole_groups, timeout=timeout_s,
-                ack=prev[0] if prev else None, write=prev[1] if prev else None,
-            )
+            if self.session is not None:
+                lease = self.session.claim(
+                    self.client, list(self.stage.columns), self.stage.max_rows,
+                    whole_groups=self.stage.whole_groups, timeout=timeout_s,
+                    ack=prev[0] if prev else None, write=prev[1] if prev else None,
+                )
+            else:
+                lease = self.client.claim(
+                    self.table, self.stage.task, list(self.stage.columns), self.stage.max_rows,
+                    whole_groups=self.stage.whole_groups, timeout=timeout_s,
+                    ack=prev[0] if prev else None, write=prev[1] if prev else None,
+                )
         except (LeaseExpired, UnknownLease) as exc:
             if getattr(exc, "acked", False):
                 raise
             log.warning("%s: result for lease %s fenced off (%s); its rows go to another consumer",
                         self.worker, prev[0].lease_id if prev else None, exc)
+            return 0
+        except (Unavailable, UnknownTable) as exc:
+            # The store node is down or restarting (its table not yet recovered). The carried
+            # result's fate is unknown: applied, or its rows come back (leases do not survive a
+            # restart) and are computed again. Either way: wait a moment and claim again.
+            log.warning("%s: store unavailable (%s); retrying", self.worker, exc)
+            time.sleep(0.5)
             return 0
         if lease.num_rows == 0:
             return 0
@@ -167,12 +202,19 @@ class StageLoop:
         try:
             with self.keeper.keep(lease) if self.keeper is not None else contextlib.nullcontext():
                 out = self.stage.process(lease)
+        except HandBack as back:
+            reason = failure_reason(lease.batch, back.error) if back.error else None
+            self.client.release(lease, error=reason[:500] if reason else None)
+            return -1  # nothing processed, but rows are waiting: a draining caller goes on
         except BaseException as exc:
             try:
-                self.client.release(lease, error=f"{type(exc).__name__}: {exc}"[:500])
+                reason = failure_reason(lease.batch, f"{self.role}: {type(exc).__name__}: {exc}")
+                self.client.release(lease, error=reason[:500])
             finally:
                 raise
         self._prev = (lease, out)
+        if self.session is not None:
+            self.session.record(lease.num_rows, time.time() - start)
         tokens = int(getattr(self.stage, "last_tokens", 0))
         self.events.send(Span(self.role, self.worker, start, time.time(),
                               iteration_of(lease.batch), lease.num_rows, tokens))
@@ -197,11 +239,15 @@ def serve_stage(
     events: EventSender,
     timeout_s: float = 1.0,
     keeper: LeaseKeeper | None = None,
+    session: Any = None,
 ) -> int:
     """Run turns until ``stop`` is set, then flush; returns the rows processed."""
-    loop = StageLoop(client, table, stage, worker=worker, role=role, events=events, keeper=keeper)
+    loop = StageLoop(
+        client, table, stage, worker=worker, role=role, events=events, keeper=keeper,
+        session=session,
+    )
     total = 0
     while not stop.is_set():
-        total += loop.turn(timeout_s)
+        total += max(loop.turn(timeout_s), 0)
     loop.flush()
     return total

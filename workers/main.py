@@ -35,7 +35,7 @@ from workers.config import (
 )
 from workers.engines.base import SamplingParams
 from workers.engines.torch_trainer import TorchTrainerEngine
-from workers.events import EventSender, WorkerStatus
+from workers.events import EventSender, WeightSyncReport, WorkerStatus
 from workers.loop import LeaseKeeper, serve_stage
 from workers.metrics import MeteredClient, MeteredEvents, WorkerMetrics
 from workers.models import load_model, load_tokenizer
@@ -74,23 +74,29 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
         temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
         stop_token_ids=stops,
     )
+    weights = WeightSubscriber(cfg.weights_dir, cfg.weights_announce, fetch=cfg.weights_fetch)
+
+    def on_sync(report: WeightSyncReport) -> None:  # a fetched version's copy is sync cost too
+        report.seconds += weights.fetch_seconds.pop(report.policy_version, 0.0)
+        events.send(report)
+
     return RolloutStage(
         make_rollout_engine(cfg),
-        WeightSubscriber(cfg.weights_dir, cfg.weights_announce),
+        weights,
         params,
         worker=cfg.common.name,
         group_size=cfg.group_size,
         groups_per_claim=cfg.groups_per_claim,
         seed=cfg.common.seed,
         weight_wait_s=cfg.weight_wait_s,
-        on_sync=events.send,
+        on_sync=on_sync,
     )
 
 
 def build_reward(cfg: RewardWorkerConfig) -> RewardStage:
     return RewardStage(
         load_tokenizer(cfg.model_path), cfg.reward_fn, timeout_s=cfg.timeout_s,
-        max_rows=cfg.rows_per_claim,
+        max_rows=cfg.rows_per_claim, on_error=cfg.on_error,
     )
 
 
@@ -178,7 +184,8 @@ def build_trainer(
 
     return Trainer(
         client, cfg.common.table, engine, tri, settings,
-        WeightPublisher(cfg.weights_dir, cfg.weights_bind if leader else None, keep=cfg.weights_keep),
+        WeightPublisher(cfg.weights_dir, cfg.weights_bind if leader else None, keep=cfg.weights_keep,
+                        serve=cfg.weights_serve if leader else None),
         worker=cfg.common.name, send=events.send if leader else (lambda r: None),
         start_iteration=start_iteration, on_step=checkpoint, keeper=keeper, ranks=ranks,
     )
@@ -188,8 +195,9 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
     common = cfg.common
     torch.set_num_threads(max(common.threads, 1))
     events: Any = EventSender(common.events_address)
-    client: Any = storage.connect(common.store_addresses)
-    keeper = LeaseKeeper(lambda: storage.connect(common.store_addresses))
+    timeout = common.request_timeout_s
+    client: Any = storage.connect(common.store_addresses, request_timeout=timeout)
+    keeper = LeaseKeeper(lambda: storage.connect(common.store_addresses, request_timeout=timeout))
     metrics, metrics_address = None, ""
     if common.metrics_host:  # taps on the reports and claims this worker makes anyway
         metrics = WorkerMetrics()
@@ -201,6 +209,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
     def ready() -> WorkerStatus:
         return WorkerStatus(common.name, common.role, "ready", metrics_address=metrics_address)
 
+    session: Any = None  # storage.coordinator_session.ConsumerSession of a stage worker
     try:
         if isinstance(cfg, TrainerWorkerConfig):
             trainer = build_trainer(cfg, client, events, keeper, metrics)
@@ -221,9 +230,15 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
             else:
                 stage = build_reference(cfg)
             events.send(ready())
+            if common.coordinator_address:  # the balancer: claim from the shards we own
+                from storage.coordinator_session import ConsumerSession
+
+                session = ConsumerSession(
+                    common.coordinator_address, common.table, stage.task, common.name
+                )
             serve_stage(
                 client, common.table, stage, stop, worker=common.name, role=common.role,
-                events=events, timeout_s=common.claim_timeout_s, keeper=keeper,
+                events=events, timeout_s=common.claim_timeout_s, keeper=keeper, session=session,
             )
         events.send(WorkerStatus(common.name, common.role, "stopped"))
         return 0
@@ -233,6 +248,8 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
         print(detail, file=sys.stderr, flush=True)
         return 1
     finally:
+        if session is not None:
+            session.close()  # leave the group: its shards go to the others at once
         keeper.close()
         client.close()
         events.close()

@@ -4,6 +4,15 @@ Claims ``response_ids`` (+ ``answer``), decodes the tokens to text, scores every
 configured verifier under a per-sample timeout, and writes ``reward``, ``reward_ok`` and
 ``reward_error``. A verifier that raises or times out scores that sample 0.0 with the reason
 recorded; it never kills the worker (see ``workers.rewards.RewardRunner``).
+
+``on_error`` says what a failed sample becomes:
+- ``"zero"``: scored 0.0 with ``reward_ok=False`` and the reason, and trained on like any sample;
+- ``"retry"`` (default): the sample is handed back as a failed delivery, so a transient failure is
+  retried and a poison sample ends DEAD (quarantined) after ``max_deliveries`` with the reason
+  (naming its iteration and group, ``workers.faults``); the trainer leaves its group out. The
+  store releases whole leases only, so a failure in a multi-row lease hands the lease back
+  *cleanly* (its innocent rows are not charged a delivery) and the next claims take one row at a
+  time until as many rows were scored: the failing row is then handed back alone.
 """
 
 from __future__ import annotations
@@ -13,19 +22,26 @@ from typing import Any
 import pyarrow as pa
 
 from storage.schema import Lease
-from workers.loop import with_row_ids
+from workers.loop import HandBack, with_row_ids
 from workers.rewards import RewardRunner, resolve_reward
 
 
 class RewardStage:
     task = "reward"
-    columns = ("response_ids", "answer", "iteration")
+    columns = ("response_ids", "answer", "iteration", "group_id")
     whole_groups = False
 
-    def __init__(self, tokenizer: Any, reward_fn: str, *, timeout_s: float, max_rows: int) -> None:
+    def __init__(
+        self, tokenizer: Any, reward_fn: str, *, timeout_s: float, max_rows: int,
+        on_error: str = "retry",
+    ) -> None:
+        if on_error not in ("retry", "zero"):
+            raise ValueError(f"reward on_error must be 'retry' or 'zero', got {on_error!r}")
         self.tokenizer = tokenizer
         self.runner = RewardRunner(resolve_reward(reward_fn), timeout_s)
-        self.max_rows = max_rows
+        self.max_rows = self._max_rows = max_rows
+        self.on_error = on_error
+        self._isolating = 0  # single-row claims left after a failure in a multi-row lease
         self.last_tokens = 0
 
     def process(self, lease: Lease) -> pa.RecordBatch:
@@ -33,6 +49,16 @@ class RewardStage:
         answers = lease.batch.column("answer").to_pylist()
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         results = self.runner.score(texts, answers)
+        if self._isolating:
+            self._isolating -= 1
+            if not self._isolating:
+                self.max_rows = self._max_rows
+        failed = [r for r in results if not r.ok]
+        if failed and self.on_error == "retry":
+            if lease.num_rows > 1:
+                self._isolating, self.max_rows = lease.num_rows, 1
+                raise HandBack(None)
+            raise HandBack(f"reward: {failed[0].error}")
         self.last_tokens = sum(len(r) for r in responses)
         return with_row_ids(
             lease,

@@ -10,6 +10,20 @@ Lifecycle of the rows of iteration k (the trainer's current step, its weights ar
 
 Why ack only after the step: a trainer that dies mid-iteration has applied nothing, so its rows
 must come back (their leases expire) and be trained by its successor; acking earlier would lose them.
+The order at the end of an iteration is step -> publish -> report -> checkpoint (``on_step``) ->
+ack, so with a checkpoint every iteration no acked row is ever missing from the newest checkpoint:
+a trainer restarted from it loses nothing (docs/faults.md).
+
+Faults (a restart from a checkpoint, a freeze past the lease, a store node restarted: leases lost):
+- a row of an iteration below ``step`` is already in the weights: it is acked, never retrained;
+- a row delivered again within its iteration (this process trained or parked it already and then
+  lost the lease) is not trained twice: the new lease is only held and acked after the step;
+- acks and advantage writes refused by fencing are logged and skipped: those rows come back and
+  fall under the two rules above;
+- dead groups: rows quarantined DEAD name their iteration and group (``workers.faults``); the
+  iteration's expected row count drops by group_size per dead group, so the step is taken over
+  the groups that exist (never over none: an iteration with every group dead never steps, and the
+  controller fails the run).
 
 Loss normalisation: each micro-batch backpropagates its loss SUM; gradients are divided by the
 iteration's total response-token count once, before the step (``workers.rl``). So the update is the
@@ -33,24 +47,30 @@ Staleness: a sample generated with policy version v and trained at step k has st
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from storage.errors import CellAlreadyWritten, LeaseExpired, Unavailable, UnknownTable
 from storage.schema import ROW_ID, Lease
 from workers.distributed import Op, RankGroup, first_group
 from workers.engines.torch_trainer import TrainerEngine
 from workers.events import Span, StepReport
+from workers.faults import dead_groups
 from workers.loop import LeaseKeeper
 from workers.reference import rows_to_groups
 from workers.rl import LossSums, group_advantages, grpo_loss_sums
 from workers.trimodel import TriModel
 from workers.weights import WeightPublisher
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -134,6 +154,10 @@ class Trainer:
         self._failures = 0
         self._first_at: float | None = None
         self._busy = 0.0
+        self._seen: dict[int, set[int]] = {}  # iteration (>= step) -> row ids accepted for training
+        self._ack_only: list[Piece] = []  # duplicates and stale rows: acked after the next step
+        self._dead: set[int] = set()  # dead group ids of the current iteration
+        self._dead_checked = 0.0
 
     # ------------------------------------------------------------------ the loop
     def publish_current(self) -> None:
@@ -143,18 +167,39 @@ class Trainer:
     def poll(self, timeout_s: float) -> bool:
         """One claim turn; returns True when it completed an iteration (a step was taken)."""
         self._keep_leases_alive()
-        lease = self.client.claim(
-            self.table, "trainer", list(self.columns), self.s.rows_per_claim,
-            whole_groups=True, timeout=timeout_s,
-        )
+        try:
+            lease = self.client.claim(
+                self.table, "trainer", list(self.columns), self.s.rows_per_claim,
+                whole_groups=True, timeout=timeout_s,
+            )
+        except (Unavailable, UnknownTable):  # store node down or recovering: its rows come back
+            time.sleep(0.5)
+            return False
         if lease.num_rows:
             self._accept(lease)
         for piece in self._parked.pop(self.step, []):
             self._train_first_pass(piece)
-        if self._rows_in >= self.s.rows_per_iteration:
+        if not lease.num_rows and self._rows_in < self._expected():
+            self._check_dead()
+        if self._rows_in >= self._expected() and self._rows_in > 0:
             self._finish_iteration()
             return True
         return False
+
+    def _expected(self) -> int:
+        return self.s.rows_per_iteration - self.s.group_size * len(self._dead)
+
+    def _check_dead(self) -> None:
+        """At most once a second while waiting: which groups of this iteration are DEAD."""
+        if time.monotonic() - self._dead_checked < 1.0:
+            return
+        self._dead_checked = time.monotonic()
+        try:
+            stats = self.client.stats(self.table)
+        except (Unavailable, UnknownTable):
+            return
+        tasks = sorted({t for shard in stats.shards for t in shard.tasks})
+        self._dead = dead_groups(stats, tasks)[0].get(self.step, set())
 
     def _accept(self, lease: Lease) -> None:
         iterations = lease.batch.column("iteration").to_numpy()
@@ -163,14 +208,22 @@ class Trainer:
             self.keeper.hold(lease)
         for it in sorted(set(iterations.tolist())):
             rows = lease.batch.filter(pa.array(iterations == it))
-            for part in self._split(rows):
+            if it < self.step:  # trained into the current weights already (see module docstring)
+                self._ack_only.append(Piece(lease, int(it), rows))
+                continue
+            seen = self._seen.setdefault(int(it), set())
+            ids = rows.column(ROW_ID).to_numpy()
+            again = pa.array([int(r) in seen for r in ids.tolist()], pa.bool_())
+            if again.true_count:  # delivered again after a lost lease: hold, never retrain
+                self._ack_only.append(Piece(lease, int(it), rows.filter(again)))
+                rows = rows.filter(pc.invert(again))
+            seen.update(int(r) for r in rows.column(ROW_ID).to_numpy().tolist())
+            for part in self._split(rows) if rows.num_rows else []:
                 piece = Piece(lease, int(it), part)
                 if it == self.step:
                     self._train_first_pass(piece)
-                elif it > self.step:
+                else:
                     self._parked.setdefault(int(it), []).append(piece)
-                else:  # already trained before a restart from an older checkpoint: impossible
-                    raise RuntimeError(f"rows of iteration {it} delivered at step {self.step}")
 
     def _split(self, rows: pa.RecordBatch) -> list[pa.RecordBatch]:
         """Deterministic mode: one forward/backward per group, so each group's gradient is the
@@ -249,7 +302,12 @@ class Trainer:
         batch = pa.RecordBatch.from_pydict(
             {ROW_ID: piece.rows.column(ROW_ID), "advantage": pa.array(adv.tolist(), pa.float32())}
         )
-        self.client.write(self.table, piece.lease, batch)
+        try:
+            self.client.write(self.table, piece.lease, batch)
+        except (LeaseExpired, CellAlreadyWritten, Unavailable, UnknownTable) as exc:
+            # Advantages are recorded for inspection only; a fenced write (lease lost) or a cell a
+            # predecessor wrote (trainer restarted) changes nothing about the update.
+            log.warning("advantages of lease %s not recorded: %s", piece.lease.lease_id, exc)
 
     def _finish_iteration(self) -> None:
         start = time.time()
@@ -274,15 +332,6 @@ class Trainer:
             self.on_step(self.step)
             return
         published = self.publisher.publish(self.engine.state_dict(), self.step)
-        for piece in self._done:
-            assert piece.lease is not None  # the leader's pieces always come with their lease
-            held = self._held[piece.lease.lease_id]
-            held.untrained -= piece.rows.num_rows
-            if held.untrained == 0:
-                if self.keeper is not None:
-                    self.keeper.drop(held.lease.lease_id)
-                self.client.ack(held.lease)
-                del self._held[piece.lease.lease_id]
         end = time.time()
         self._busy += end - start
         means = self._sums.means()
@@ -312,10 +361,33 @@ class Trainer:
                 busy_seconds=self._busy,
             )
         )
+        self.on_step(self.step)  # the checkpoint, before any ack (see the module docstring)
+        self._ack_done()
         self._reset_iteration()
-        self.on_step(self.step)
+
+    def _ack_done(self) -> None:
+        """Ack every lease whose rows are all trained (or held only to be acked)."""
+        for piece in self._done + self._ack_only:
+            assert piece.lease is not None  # the leader's pieces always come with their lease
+            held = self._held.get(piece.lease.lease_id)
+            if held is None:
+                continue
+            held.untrained -= piece.rows.num_rows
+            if held.untrained == 0:
+                if self.keeper is not None:
+                    self.keeper.drop(held.lease.lease_id)
+                try:
+                    self.client.ack(held.lease)
+                except (LeaseExpired, Unavailable, UnknownTable) as exc:
+                    # The lease was lost (freeze, store restart): the rows come back and are
+                    # acked then as rows of a trained iteration.
+                    log.warning("ack of lease %s refused (%s)", held.lease.lease_id, exc)
+                del self._held[piece.lease.lease_id]
+        self._ack_only = []
 
     def _reset_iteration(self) -> None:
+        self._seen = {it: ids for it, ids in self._seen.items() if it >= self.step}
+        self._dead, self._dead_checked = set(), 0.0
         self._done, self._rows_in, self._sums = [], 0, LossSums()
         self._staleness, self._rewards, self._failures = [], [], 0
         self._first_at, self._busy = None, 0.0

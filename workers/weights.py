@@ -12,10 +12,16 @@ Retention: the newest ``keep`` versions stay on disk; older files are unlinked (
 opened one keeps reading it safely on POSIX).
 
 Versions: version 0 is the initial policy; the trainer publishes version k+1 after its k-th step.
+
+Across hosts (``streamflow launch``) the directory is not shared: the publisher also serves its
+files over ZeroMQ (``serve=``) and a subscriber given ``fetch=`` copies each version it needs into
+its own local directory before loading it (``workers/weights_net.py``); the announcement is then
+only a wake-up, the server's ``newest`` the truth. The fetch time is reported with the sync cost.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -28,6 +34,9 @@ import torch
 import zmq
 from safetensors.torch import load_file, save_file
 
+from workers.weights_net import WeightFetcher, WeightFetchError, WeightServer
+
+log = logging.getLogger("workers.weights")
 _NAME = re.compile(r"^policy-v(\d{6,})\.safetensors$")
 
 
@@ -47,22 +56,32 @@ def weights_path(directory: str | os.PathLike, version: int) -> Path:
     return Path(directory) / f"policy-v{version:06d}.safetensors"
 
 
-def latest_version(directory: str | os.PathLike) -> int | None:
+def published_versions(directory: str | os.PathLike) -> list[int]:
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
-        return None
-    versions = [int(m.group(1)) for n in names if (m := _NAME.match(n))]
-    return max(versions) if versions else None
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _NAME.match(n)))
+
+
+def latest_version(directory: str | os.PathLike) -> int | None:
+    versions = published_versions(directory)
+    return versions[-1] if versions else None
 
 
 class WeightPublisher:
-    """Trainer side. ``bind`` is a ZeroMQ address for announcements (None: files only)."""
+    """Trainer side. ``bind`` is a ZeroMQ address for announcements (None: files only);
+    ``serve`` one where readers on other hosts fetch the files (None: same host only)."""
 
-    def __init__(self, directory: str | os.PathLike, bind: str | None = None, *, keep: int = 3) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, bind: str | None = None, *, keep: int = 3,
+        serve: str | None = None,
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.keep = keep
+        self._server = WeightServer(self.directory, serve) if serve else None
+        self.serve_endpoint = self._server.endpoint if self._server else None
         self._socket: zmq.Socket | None = None
         self.endpoint: str | None = None
         if bind:
@@ -94,6 +113,9 @@ class WeightPublisher:
                     pass
 
     def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         if self._socket is not None:
             self._socket.close()
             self._socket = None
@@ -103,10 +125,18 @@ class WeightSubscriber:
     """Rollout side: find or wait for a policy version and read its tensors."""
 
     def __init__(
-        self, directory: str | os.PathLike, connect: str | None = None, *, recheck_s: float = 0.5
+        self, directory: str | os.PathLike, connect: str | None = None, *, recheck_s: float = 0.5,
+        fetch: str | None = None, keep: int = 4,
     ) -> None:
         self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.recheck_s = recheck_s
+        self.keep = keep
+        # Remote trainer: versions are copied from its WeightServer into our own directory.
+        self._fetcher = WeightFetcher(fetch) if fetch else None
+        self._announced = -1  # newest version announced on SUB (a hint; the server is the truth)
+        self.fetch_seconds: dict[int, float] = {}  # version -> network copy time, until reported
+        self.fetched_bytes = 0
         self._socket: zmq.Socket | None = None
         if connect:
             self._socket = zmq.Context.instance().socket(zmq.SUB)
@@ -115,15 +145,59 @@ class WeightSubscriber:
             self._socket.connect(connect)
 
     def newest(self) -> int | None:
-        return latest_version(self.directory)
+        local = latest_version(self.directory)
+        if self._fetcher is not None and self._socket is not None:
+            while self._socket.poll(0):  # announcements since the last look (never blocks)
+                self._note(self._socket.recv())
+            if self._announced > (-1 if local is None else local):
+                try:
+                    local = self._pull(self._announced, 5.0) or local
+                except WeightFetchError as exc:  # retried at the next look; wait_for is bounded
+                    log.warning("weight fetch failed: %s", exc)
+        return local
+
+    def _note(self, message: bytes) -> None:
+        try:
+            version = msgpack.unpackb(message, raw=False, max_str_len=4096).get("version")
+        except Exception:  # a wake-up only: a malformed one is ignored
+            return
+        if isinstance(version, int):
+            self._announced = max(self._announced, version)
+
+    def _pull(self, min_version: int, timeout_s: float) -> int | None:
+        """Copy the server's newest version into our directory if it is >= ``min_version``."""
+        assert self._fetcher is not None
+        remote = self._fetcher.newest(timeout_s)
+        local = latest_version(self.directory)
+        if remote is None or remote < min_version or (local is not None and remote <= local):
+            return None
+        start = time.perf_counter()
+        nbytes = self._fetcher.fetch(remote, self.directory)
+        self.fetched_bytes += nbytes
+        self.fetch_seconds[remote] = time.perf_counter() - start
+        log.info("fetched policy version %d from %s (%d bytes, %.3f s)", remote,
+                 self._fetcher.address, nbytes, self.fetch_seconds[remote])
+        for old in published_versions(self.directory):
+            if old <= remote - self.keep:
+                weights_path(self.directory, old).unlink(missing_ok=True)
+        return remote
 
     def wait_for(self, min_version: int, timeout_s: float) -> int:
-        """Block until a version >= ``min_version`` is on disk; return the newest such version."""
+        """Block until a version >= ``min_version`` is on disk (fetched from the trainer's host
+        when ``fetch`` is set); return the newest such version."""
         deadline = time.monotonic() + timeout_s
         while True:
             newest = latest_version(self.directory)
             if newest is not None and newest >= min_version:
                 return newest
+            if self._fetcher is not None:
+                try:
+                    pulled = self._pull(min_version, max(min(deadline - time.monotonic(), 5.0), 0.1))
+                except WeightFetchError as exc:  # e.g. a network cut: retry until the deadline
+                    log.warning("weight fetch failed: %s", exc)
+                    pulled = None
+                if pulled is not None:
+                    return pulled
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WeightSyncTimeout(
@@ -133,8 +207,8 @@ class WeightSubscriber:
             wait = min(remaining, self.recheck_s)
             if self._socket is not None:
                 if self._socket.poll(int(wait * 1000)):
-                    while self._socket.poll(0):
-                        self._socket.recv()  # the directory is the truth; the message is a wake-up
+                    while self._socket.poll(0):  # the directory/server is the truth: a wake-up
+                        self._note(self._socket.recv())
             else:
                 time.sleep(wait)
 
@@ -144,6 +218,9 @@ class WeightSubscriber:
         return load_file(str(path)), path.stat().st_size
 
     def close(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.close()
+            self._fetcher = None
         if self._socket is not None:
             self._socket.close()
             self._socket = None

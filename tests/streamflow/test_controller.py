@@ -99,11 +99,14 @@ def test_async_respects_staleness_bound(tiny_config) -> None:
 
 @pytest.mark.slow
 def test_killed_worker_fails_the_run_fast(tiny_config, tmp_path: Path) -> None:
+    """With no restart budget (run.max_restarts=0) a killed worker fails the run at once, with
+    its name and log; restarts within a budget are tested in test_faults.py."""
     cfg = tiny_config()
     out = Path(cfg.run.output_dir).parent / "killed"
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamflow", "run", str(ROOT / "configs" / "tiny.yaml"),
-         "run.iterations=1000", f"run.output_dir={out}", "run.progress=false"],
+         "run.iterations=1000", f"run.output_dir={out}", "run.progress=false",
+         "run.max_restarts=0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -127,6 +130,7 @@ def test_killed_worker_fails_the_run_fast(tiny_config, tmp_path: Path) -> None:
         assert "reward-0" in stderr
         summary = json.loads((out / "summary.json").read_text())
         assert summary["status"] == "failed" and "reward-0" in summary["error"]
+        assert "run.max_restarts=0" in summary["error"]
     finally:
         if proc.poll() is None:
             proc.kill()

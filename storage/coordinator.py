@@ -1,0 +1,509 @@
+"""The coordinator: a small key-value directory and the shard map of every (table, task).
+
+Owns: one ZeroMQ ROUTER loop thread (like ``storage/server.py``) serving
+
+- a **directory**: ``register(key, value)``, ``lookup(key, timeout)`` (a server-side wait, parked
+  like the store's long-poll claim, ``LookupTimeout`` when it runs out) and
+  ``lookup_prefix(prefix)``. Hosts of a multi-host run publish their addresses here;
+- the **shard map** of each (table, task) consumer group: ``join``, ``heartbeat``, ``leave`` and
+  ``assignment`` (read-only view). The map itself is ``storage.balance.Balancer`` (pure, tested on
+  its own); this module feeds it time, heartbeats and the live queue depth, which a poller thread
+  reads from the store nodes (``storage.Client.stats``) every round.
+
+Wire: the store's frame layout and limits (``storage/wire.py``: msgpack header map
+``{v, verb, req_id, ...}``, replies ``{ok, req_id, error}``), with its own verbs
+(``storage/coordinator_wire.py``). Every
+request is validated field by field; a bad one gets a typed ``BadRequest`` reply naming the field
+and the loop goes on. Nothing is unpickled.
+
+Threads: the loop thread owns the socket, the directory, the balancers and parked lookups (no
+locks). The stats poller thread owns its own ``storage.Client`` and hands depth snapshots over
+through a lock. ``CoordinatorClient`` and ``ConsumerSession`` (``storage/coordinator_client.py``)
+are the client side.
+
+Durability: none. The directory and the map live in memory; after a coordinator restart hosts
+register again and consumers rejoin (a heartbeat from an unknown consumer is a join). Ownership is
+for locality and balance only; correctness (no double delivery) comes from the store's leases,
+which are independent of ownership, so a coordinator outage never loses or duplicates rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from storage import errors, wire
+from storage.coordinator_client import CoordinatorClient, LookupTimeout, StatsPoller
+from storage.coordinator_session import ConsumerSession
+from storage.coordinator_wire import decode_request
+from storage.errors import BadRequest, StoreError
+
+__all__ = [
+    "ConsumerSession",
+    "Coordinator",
+    "CoordinatorClient",
+    "LookupTimeout",
+    "main",
+    "serve",
+]
+
+log = logging.getLogger("storage.coordinator")
+
+MAX_POLL_S = 0.1  # upper bound on one poll, so stop() and timers are noticed promptly
+MAX_KEYS = 65536  # directory entries (a bound on memory, not a realistic size)
+MAX_GROUPS = 1024  # (table, task) consumer groups
+
+
+@dataclass
+class _Parked:
+    ident: bytes
+    req_id: int
+    key: str
+    deadline: float  # monotonic
+
+
+class Coordinator:
+    """The coordinator service. ``start()`` runs its loop in a daemon thread; ``stop()`` ends it.
+
+    ``store_addresses``: the store nodes whose ``stats`` feed live depth to the balancer (empty:
+    a directory only; groups then have no shards to assign). ``balancer``: a
+    ``storage.balance.BalancerConfig`` applied to every group (None: defaults).
+    """
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        store_addresses: Sequence[str] = (),
+        balancer: Any = None,
+        round_interval_s: float | None = None,
+        metrics_port: int | None = None,
+        metrics_addr: str = "127.0.0.1",
+        context: zmq.Context | None = None,
+    ) -> None:
+        from storage.balance import BalancerConfig
+
+        self.bind = bind
+        self.store_addresses = list(store_addresses)
+        self.balancer_config: BalancerConfig = balancer or BalancerConfig()
+        self.round_interval_s = (
+            round_interval_s
+            if round_interval_s is not None
+            else self.balancer_config.heartbeat_interval_s
+        )
+        self.metrics_port_requested = metrics_port
+        self.metrics_addr = metrics_addr
+        self.metrics_port: int | None = None
+        self.context = context or zmq.Context.instance()
+        self.address = ""
+        self._directory: dict[str, str] = {}
+        self._parked: list[_Parked] = []
+        self._groups: dict[tuple[str, str], Any] = {}  # (table, task) -> Balancer
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: zmq.Socket | None = None
+        self._out: list[list] = []
+        self._last_round = 0.0
+        self._poller: Any = None  # _StatsPoller, when store addresses are given
+        from storage.metrics import CoordinatorMetrics
+
+        self.metrics = CoordinatorMetrics()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, timeout: float = 10.0) -> Coordinator:
+        """Bind and serve from a daemon thread; returns once bound (raises the bind error)."""
+        self._thread = threading.Thread(target=self.run, name="coordinator", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("coordinator did not start in time")
+        if self._start_error is not None:
+            raise self._start_error
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop (thread-safe); parked lookups are answered with ``ShuttingDown``."""
+        self._stop.set()
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> Coordinator:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def run(self) -> None:
+        try:
+            self._open()
+        except BaseException as exc:
+            self._start_error = exc
+            self._ready.set()
+            self._close()
+            raise
+        self._ready.set()
+        log.info("coordinator serving %s", self.address)
+        try:
+            self._loop()
+        finally:
+            self._shutdown()
+
+    def _open(self) -> None:
+        sock = self.context.socket(zmq.ROUTER)
+        self._sock = sock
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # headers only: no Arrow bodies here
+        sock.setsockopt(zmq.LINGER, 1000)
+        addr = self.bind
+        if addr.startswith("tcp://") and addr.endswith(":0"):
+            addr = addr[:-2] + ":*"
+        sock.bind(addr)
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.metrics_port_requested is not None:
+            self.metrics_port = self.metrics.start_http(
+                self.metrics_addr, self.metrics_port_requested
+            )
+        if self.store_addresses:
+            self._poller = StatsPoller(self.store_addresses, self.round_interval_s, self.context)
+
+    def _close(self) -> None:
+        if self._poller is not None:
+            self._poller.close()
+            self._poller = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self.metrics.stop_http()
+
+    def _shutdown(self) -> None:
+        for p in self._parked:
+            self._queue(
+                p.ident, wire.encode_error(p.req_id, errors.ShuttingDown("coordinator stopping"))
+            )
+        self._parked.clear()
+        self._flush()
+        self._close()
+        log.info("coordinator stopped")
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(self._poll_timeout_ms()))
+            if sock in events:
+                for _ in range(256):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+            for step in (self._time_out_parked, self._round, self._flush):
+                try:
+                    step()
+                except Exception:  # a bug must not take the coordinator down
+                    log.exception("coordinator loop step %s failed", step.__name__)
+
+    def _poll_timeout_ms(self) -> int:
+        now = time.monotonic()
+        wait = min(MAX_POLL_S, self._last_round + self.round_interval_s - now)
+        for p in self._parked:
+            wait = min(wait, p.deadline - now)
+        return max(0, int(wait * 1000) + 1)
+
+    def _handle(self, frames: list) -> None:
+        if len(frames) < 2:
+            return
+        ident = frames[0].bytes
+        try:
+            req = decode_request(frames[1:])
+        except BadRequest as exc:
+            self._queue(ident, wire.encode_error(getattr(exc, "req_id", 0), exc))
+            return
+        except Exception as exc:  # a bug in validation must not kill the loop
+            log.exception("decoding a coordinator request")
+            self._queue(ident, wire.encode_error(0, StoreError(f"internal: {exc!r}")))
+            return
+        try:
+            result = getattr(self, "_v_" + req.verb)(ident, req)
+        except StoreError as exc:
+            self._queue(ident, wire.encode_error(req.req_id, exc))
+            return
+        except Exception as exc:
+            log.exception("coordinator verb %s failed", req.verb)
+            self._queue(
+                ident, wire.encode_error(req.req_id, StoreError(f"{type(exc).__name__}: {exc}"))
+            )
+            return
+        if result is not None:
+            self._queue(ident, wire.encode_reply(req.req_id, result))
+
+    def _queue(self, ident: bytes, frames: list) -> None:
+        self._out.append([ident, *frames])
+
+    def _flush(self) -> None:
+        sock = self._sock
+        out, self._out = self._out, []
+        for msg in out:
+            try:
+                sock.send_multipart(msg, zmq.NOBLOCK)  # type: ignore[union-attr]
+            except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue is full
+                log.debug("dropping a coordinator reply: %s", exc)
+
+    # -- directory verbs -------------------------------------------------------------------------
+    def _v_hello(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+        return {"protocol": wire.PROTOCOL_VERSION, "role": "coordinator"}
+
+    def _v_register(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+        key, value = req.args["key"], req.args["value"]
+        if key not in self._directory and len(self._directory) >= MAX_KEYS:
+            raise BadRequest(f"the directory is full ({MAX_KEYS} keys)")
+        self._directory[key] = value
+        keep = []
+        for p in self._parked:  # wake the lookups waiting for this key
+            if p.key == key:
+                self._queue(p.ident, wire.encode_reply(p.req_id, {"value": value}))
+            else:
+                keep.append(p)
+        self._parked = keep
+        return {}
+
+    def _v_lookup(self, ident: bytes, req: wire.Request) -> dict[str, Any] | None:
+        key, timeout = req.args["key"], req.args["timeout"]
+        if key in self._directory:
+            return {"value": self._directory[key]}
+        if timeout <= 0:
+            raise LookupTimeout(f"key {key!r} is not registered")
+        self._parked.append(_Parked(ident, req.req_id, key, time.monotonic() + timeout))
+        return None  # answered by register() or at the deadline
+
+    def _v_lookup_prefix(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+        prefix = req.args["prefix"]
+        return {"entries": {k: v for k, v in self._directory.items() if k.startswith(prefix)}}
+
+    def _time_out_parked(self) -> None:
+        now = time.monotonic()
+        if not any(p.deadline <= now for p in self._parked):
+            return
+        keep = []
+        for p in self._parked:
+            if p.deadline <= now:
+                exc = LookupTimeout(f"key {p.key!r} was not registered within the timeout")
+                self._queue(p.ident, wire.encode_error(p.req_id, exc))
+            else:
+                keep.append(p)
+        self._parked = keep
+
+    # -- shard map verbs (storage.balance does the deciding) -------------------------------------
+    def _round(self) -> None:
+        """Once per round: feed the latest depth to every group's balancer and tick it."""
+        now = time.monotonic()
+        if now - self._last_round < self.round_interval_s:
+            return
+        self._last_round = now
+        if self._poller is not None:
+            self._poller.want({table for table, _ in self._groups})
+            latest = self._poller.latest()
+        else:
+            latest = {}
+        for (table, task), b in self._groups.items():
+            stats = latest.get(table)
+            depth = None
+            if stats is not None:
+                depth = {s.shard_id: s.tasks[task].ready for s in stats.shards if task in s.tasks}
+            b.tick(now, depth)
+            self._publish(table, task, b)
+
+    def _publish(self, table: str, task: str, b: Any) -> None:
+        for change in b.changes:
+            self.metrics.reassignments.labels(table, task, change.reason).inc()
+            log.info(
+                "%s/%s: shard %d %s -> %s (%s)",
+                table,
+                task,
+                change.shard,
+                change.source,
+                change.target,
+                change.reason,
+            )
+        b.changes.clear()
+        self.metrics.set_owned(table, task, b.owned_counts())
+        self.metrics.imbalance.labels(table, task).set(b.imbalance)
+        self.metrics.consumers.labels(table, task).set(len(b.members))
+
+    def _group(self, table: str, task: str) -> Any:
+        from storage.balance import Balancer
+
+        b = self._groups.get((table, task))
+        if b is None:
+            if len(self._groups) >= MAX_GROUPS:
+                raise BadRequest(f"too many consumer groups (limit {MAX_GROUPS})")
+            b = self._groups[(table, task)] = Balancer(self.balancer_config)
+            latest = self._poller.latest() if self._poller is not None else {}
+            if table in latest:  # a group created after the first round starts with its shards
+                b.set_shards(s.shard_id for s in latest[table].shards if task in s.tasks)
+        return b
+
+    def _view(self, b: Any, consumer: str, generation: int, shards: list[int]) -> dict[str, Any]:
+        """A member's reply: its assignment, the timing it must keep, and where to steal."""
+        others = sorted(
+            (s for s, d in b.depth.items() if d > 0 and b.owner.get(s) != consumer),
+            key=lambda s: -b.depth[s],
+        )
+        cfg = self.balancer_config
+        return {
+            "generation": generation,
+            "shards": shards,
+            "session_timeout_s": cfg.session_timeout_s,
+            "heartbeat_interval_s": cfg.heartbeat_interval_s,
+            "deepest": others[:4],
+        }
+
+    def _v_join(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+        a = req.args
+        b = self._group(a["table"], a["task"])
+        gen, shards = b.join(a["consumer"], time.monotonic())
+        return self._view(b, a["consumer"], gen, shards)
+
+    def _v_heartbeat(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+        a = req.args
+        b = self._group(a["table"], a["task"])
+        gen, shards = b.heartbeat(
+            a["consumer"],
+            time.monotonic(),
+            confirmed=a["generation"],
+            rate=a["rate"],
+            in_flight=a["in_flight"],
+        )
+        return self._view(b, a["consumer"], gen, shards)
+
+    def _v_leave(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+        a = req.args
+        b = self._groups.get((a["table"], a["task"]))
+        if b is not None:
+            b.leave(a["consumer"], time.monotonic())
+        return {}
+
+    def _v_assignment(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+        a = req.args
+        b = self._groups.get((a["table"], a["task"]))
+        if b is None:
+            return {
+                "generation": 0,
+                "owners": [],
+                "handoffs": [],
+                "members": {},
+                "imbalance": 1.0,
+                "depth": [],
+            }
+        drain = b.drain_times()
+        return {
+            "generation": b.generation,
+            "owners": [[s, c] for s, c in sorted(b.owner.items())],
+            "handoffs": [[s, h.source, h.target] for s, h in sorted(b.handoffs.items())],
+            "members": {
+                c: {
+                    "shards": b.assigned(c),
+                    "rate": m.rate,
+                    "in_flight": m.in_flight,
+                    "confirmed": m.confirmed,
+                    "drain_s": drain[c],
+                }
+                for c, m in b.members.items()
+            },
+            "imbalance": b.imbalance,
+            "depth": [[s, d] for s, d in sorted(b.depth.items())],
+        }
+
+
+# -- entry points ---------------------------------------------------------------------------------
+
+
+def serve(coordinator: Coordinator, *, ready_file: str | None = None) -> None:
+    """Run ``coordinator`` until SIGTERM/SIGINT. With ``ready_file``, write {"address",
+    "metrics_port", "pid"} there as JSON (atomically) once bound."""
+
+    def _on_signal(signum: int, frame: Any) -> None:
+        coordinator.stop(timeout=0)
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        coordinator.start()
+        if ready_file:
+            tmp = ready_file + ".tmp"
+            with open(tmp, "w") as fh:
+                json.dump(
+                    {
+                        "address": coordinator.address,
+                        "metrics_port": coordinator.metrics_port,
+                        "pid": os.getpid(),
+                    },
+                    fh,
+                )
+            os.replace(tmp, ready_file)
+        while coordinator.running:
+            time.sleep(0.1)
+    finally:
+        coordinator.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """python -m storage.coordinator --bind tcp://127.0.0.1:5600 --store tcp://127.0.0.1:5555"""
+    from storage.balance import BalancerConfig
+
+    ap = argparse.ArgumentParser(prog="python -m storage.coordinator", description=main.__doc__)
+    ap.add_argument("--bind", default="tcp://127.0.0.1:0", help="tcp://HOST:PORT (0: a free port)")
+    ap.add_argument(
+        "--store", action="append", default=[], help="a store node address (repeatable)"
+    )
+    ap.add_argument("--ready-file", help="write the bound address here (JSON) once serving")
+    ap.add_argument("--metrics-port", type=int, default=None)
+    ap.add_argument("--metrics-addr", default="127.0.0.1")
+    ap.add_argument("--session-timeout", type=float, default=BalancerConfig.session_timeout_s)
+    ap.add_argument("--heartbeat-interval", type=float, default=BalancerConfig.heartbeat_interval_s)
+    ap.add_argument(
+        "--static", action="store_true", help="static round-robin assignment, no rebalancing"
+    )
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    config = BalancerConfig(
+        session_timeout_s=args.session_timeout,
+        heartbeat_interval_s=args.heartbeat_interval,
+        rebalance=not args.static,
+    )
+    coordinator = Coordinator(
+        args.bind,
+        store_addresses=args.store,
+        balancer=config,
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
+        context=zmq.Context(),
+    )
+    serve(coordinator, ready_file=args.ready_file)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,208 @@
+"""The client side of the coordinator (``storage/coordinator.py``).
+
+Owns: ``CoordinatorClient`` (one DEALER socket, the directory verbs and the raw group verbs),
+and ``StatsPoller`` (the coordinator's thread that reads live depth from the store nodes). A
+consumer's membership, heartbeat thread and balanced claim are ``storage.coordinator_session``.
+
+Threading: a ``CoordinatorClient`` is used from ONE thread (ZeroMQ sockets are not thread-safe);
+make one per thread. A request that gets no reply within its timeout raises ``Unavailable`` and the
+socket is replaced, so a late reply can never be taken for another request's (as in
+``storage.Client``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from storage import errors, wire
+from storage.errors import StoreError, Unavailable
+
+log = logging.getLogger("storage.coordinator")
+
+DEFAULT_REQUEST_TIMEOUT_S = 10.0
+
+
+class LookupTimeout(StoreError):
+    """``lookup(key, timeout)``: the key was not registered within the timeout."""
+
+    code = "lookup_timeout"
+
+
+errors._register(LookupTimeout)  # so every client rebuilds this typed error from its wire code
+
+
+class CoordinatorClient:
+    """Talks to one coordinator. Use from one thread; ``close()`` when done."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        context: zmq.Context | None = None,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+    ) -> None:
+        if not isinstance(address, str) or not address:
+            raise ValueError(f"CoordinatorClient needs an address, got {address!r}")
+        self.address = address
+        self.context = context or zmq.Context.instance()
+        self.request_timeout = request_timeout
+        self._req_ids = itertools.count(1)
+        self._sock: zmq.Socket | None = None
+        self._open()
+
+    def _open(self) -> None:
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 24)
+        sock.connect(self.address)
+        self._sock = sock
+
+    def call(self, verb: str, args: dict[str, Any], *, wait: float = 0.0) -> dict[str, Any]:
+        """One request; returns the reply's result fields or raises its typed error."""
+        if self._sock is None:
+            raise StoreError("CoordinatorClient is closed")
+        req_id = next(self._req_ids)
+        self._sock.send_multipart(wire.encode_request(verb, req_id, args))
+        timeout = wait + self.request_timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                if time.monotonic() < deadline:
+                    continue
+                self._sock.close(linger=0)
+                self._open()  # a late reply must land on a socket nobody reads any more
+                raise Unavailable(
+                    f"no reply from coordinator {self.address} within {timeout:.3g} s"
+                )
+            reply = wire.decode_reply(self._sock.recv_multipart())
+            if reply.req_id != req_id:
+                continue  # stale reply to an earlier request
+            if reply.error is not None:
+                raise reply.error
+            return reply.result
+
+    # -- directory -------------------------------------------------------------------------------
+    def register(self, key: str, value: str) -> None:
+        """Set ``key`` to ``value`` (overwrites); wakes every ``lookup`` waiting for the key."""
+        self.call("register", {"key": key, "value": value})
+
+    def lookup(self, key: str, timeout: float = 0.0) -> str:
+        """The value of ``key``, waiting server-side up to ``timeout`` s for it to be registered;
+        raises ``LookupTimeout`` when it is not."""
+        return str(
+            self.call("lookup", {"key": key, "timeout": float(timeout)}, wait=timeout)["value"]
+        )
+
+    def lookup_prefix(self, prefix: str) -> dict[str, str]:
+        """Every registered key starting with ``prefix`` (no wait)."""
+        return {
+            str(k): str(v)
+            for k, v in self.call("lookup_prefix", {"prefix": prefix})["entries"].items()
+        }
+
+    # -- shard map (ConsumerSession wraps these) -------------------------------------------------
+    def join(self, table: str, task: str, consumer: str) -> dict[str, Any]:
+        return self.call("join", {"table": table, "task": task, "consumer": consumer})
+
+    def heartbeat(
+        self,
+        table: str,
+        task: str,
+        consumer: str,
+        *,
+        generation: int,
+        rate: float = 0.0,
+        in_flight: int = 0,
+    ) -> dict[str, Any]:
+        return self.call(
+            "heartbeat",
+            {
+                "table": table,
+                "task": task,
+                "consumer": consumer,
+                "generation": int(generation),
+                "rate": float(rate),
+                "in_flight": int(in_flight),
+            },
+        )
+
+    def leave(self, table: str, task: str, consumer: str) -> None:
+        self.call("leave", {"table": table, "task": task, "consumer": consumer})
+
+    def assignment(self, table: str, task: str) -> dict[str, Any]:
+        """The group's state: generation, owners, handoffs in flight, members, imbalance."""
+        return self.call("assignment", {"table": table, "task": task})
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StatsPoller:
+    """The coordinator's depth feed: a thread that reads ``stats(table)`` from the store nodes
+    every ``interval_s`` for the tables it is asked about, with its own ``storage.Client``.
+
+    ``want(tables)`` (any thread) sets the tables; ``latest()`` (any thread) returns the last
+    snapshot per table. A table the store does not know (yet) is simply absent."""
+
+    def __init__(
+        self, addresses: Sequence[str], interval_s: float, context: zmq.Context | None = None
+    ) -> None:
+        self._addresses = list(addresses)
+        self._interval = interval_s
+        self._context = context
+        self._lock = threading.Lock()
+        self._tables: set[str] = set()
+        self._latest: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="coordinator-stats", daemon=True)
+        self._thread.start()
+
+    def want(self, tables: set[str]) -> None:
+        with self._lock:
+            self._tables = set(tables)
+
+    def latest(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._latest)
+
+    def _run(self) -> None:
+        from storage.client import Client
+
+        client = Client(self._addresses, context=self._context, request_timeout=2.0)
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    tables = sorted(self._tables)
+                for table in tables:
+                    try:
+                        stats = client.stats(table)
+                    except StoreError as exc:  # unknown table (not created yet), node down
+                        log.debug("stats(%s) failed: %s", table, exc)
+                        continue
+                    with self._lock:
+                        self._latest[table] = stats
+                self._stop.wait(self._interval)
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,256 @@
+"""Faults inside a full run, through real processes (issue 4; docs/faults.md).
+
+Each test starts a real run of configs/tiny.yaml with short leases, injects one fault at a moment
+read from the run itself (the store's own counts: a lease is live), and checks what the run did:
+completed or failed with the cause, within a bound; every row trained exactly once; the store's
+counts of redeliveries and dead rows. Runs are deterministic (``trainer.deterministic``, sampling
+seeded per group and version), so a run that survived a fault must end with the parameters of an
+uninterrupted one — redelivered rows are regenerated and rescored identically.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+import storage
+from streamflow.controller import WorkerFailed, run
+from workers.tasks import ArithmeticTask
+
+ROOT = Path(__file__).resolve().parents[2]
+ITERATIONS = 5
+POISON_ENV = "STREAMFLOW_TEST_POISON_ANSWER"  # read by tests/streamflow/faulty_rewards.py
+# Short leases so a dead or frozen worker's rows come back within seconds; a checkpoint every
+# iteration so a trainer could be restarted; no evaluation (not what is tested here).
+COMMON = (
+    f"run.iterations={ITERATIONS}",
+    "run.eval_every=0",
+    "store.lease_seconds=2",
+    "rollout.groups_per_claim=1",
+    "run.checkpoint_every=1",
+    "run.stall_timeout_s=90",
+)
+
+
+def _params(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "checkpoints" / f"step-{ITERATIONS:06d}" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(model_cache: Path) -> tuple[dict, dict]:
+    """The reference: the same run without faults (final parameters, summary)."""
+    from streamflow.config import load_config
+
+    out = model_cache / "faults-uninterrupted"
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml", [f"run.output_dir={out}", "run.progress=false", *COMMON]
+    )
+    summary = run(cfg)
+    assert summary.status == "ok" and summary.redelivered_rows == 0
+    return _params(out), json.loads((out / "summary.json").read_text())
+
+
+class Run:
+    """``streamflow run`` as a child process, with handles on its workers and its store."""
+
+    def __init__(self, out: Path, *overrides: str) -> None:
+        self.out = out
+        self.log = open(out.parent / f"{out.name}.stderr", "w")  # noqa: SIM115 - closed in wait
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "streamflow",
+                "run",
+                str(ROOT / "configs" / "tiny.yaml"),
+                *COMMON,
+                f"run.output_dir={out}",
+                "run.progress=false",
+                *overrides,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+            cwd=ROOT,
+        )
+
+    def process(self, name: str, timeout: float = 120) -> psutil.Process:
+        """The process of worker ``name`` (e.g. "reward-0") or of the store ("store-0")."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.stderr()
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                try:
+                    cmd = " ".join(child.cmdline())
+                except psutil.NoSuchProcess:
+                    continue
+                if (name == "store-0" and "storage.server" in cmd) or f"/{name}.json" in cmd:
+                    return child
+            time.sleep(0.1)
+        raise AssertionError(f"no process for {name}")
+
+    def wait_leased(self, task: str, min_iteration_done: int = 1, timeout: float = 120) -> None:
+        """Until ``task`` holds a live lease, after ``min_iteration_done`` iterations finished:
+        the moment a kill catches a worker mid-lease, read from the store's own counts."""
+        metrics = self.out / "metrics.jsonl"
+        deadline = time.monotonic() + timeout
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < min_iteration_done:
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
+            time.sleep(0.05)
+        cfg = json.loads((self.out / "workers" / "reward-0.json").read_text())
+        with storage.connect(cfg["common"]["store_addresses"]) as client:
+            while client.stats("samples").task_total(task).in_flight == 0:
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
+                time.sleep(0.01)
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+    def stderr(self, tail: int = 3000) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return (self.out.parent / f"{self.out.name}.stderr").read_text()[-tail:]
+
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+
+def _samples_per_iteration(out: Path) -> list[int]:
+    return [json.loads(x)["samples"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_trained_exactly_once(r: Run, reference: tuple[dict, dict]) -> dict:
+    summary = r.summary()
+    assert summary["status"] == "ok" and summary["iterations"] == ITERATIONS, summary
+    rows = 4 * 2  # prompts_per_iteration x group_size of configs/tiny.yaml
+    assert _samples_per_iteration(r.out) == [rows] * ITERATIONS
+    assert summary["dead_rows"] == 0 and summary["in_flight_rows"] == 0
+    params, _ = reference
+    mine = _params(r.out)
+    worst = max(float((params[k] - mine[k]).abs().max()) for k in params)
+    assert worst == 0.0, f"parameters differ from the uninterrupted run by {worst}"
+    return summary
+
+
+@pytest.mark.slow
+def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(model_cache, uninterrupted):
+    """One run, three faults, each at a moment the store shows a live lease of the victim:
+    the reward worker frozen (SIGSTOP) past its lease then resumed, later SIGKILLed, then the
+    trainer SIGKILLed mid-iteration. Every row is still trained exactly once: the parameters are
+    the uninterrupted run's, bitwise."""
+    r = Run(model_cache / "faults-workers")
+    reward = r.process("reward-0")
+    r.wait_leased("reward", min_iteration_done=1)
+    reward.send_signal(signal.SIGSTOP)
+    time.sleep(2 * 2 + 1)  # past the 2 s lease (its keeper's renewals are frozen too)
+    reward.send_signal(signal.SIGCONT)  # its late write+ack is fenced; it goes on claiming
+    r.wait_leased("reward", min_iteration_done=2)
+    reward.send_signal(signal.SIGKILL)  # restarted; its lease expires, the rows come back
+    r.wait_leased("trainer", min_iteration_done=3)
+    r.process("trainer-0").send_signal(signal.SIGKILL)  # restarted from checkpoint step-3
+    assert r.wait() == 0, r.stderr()
+    summary = _assert_trained_exactly_once(r, uninterrupted)
+    assert summary["worker_restarts"] == {"reward-0": 1, "trainer-0": 1}
+    assert summary["redelivered_rows"] > 0
+    logs = r.out / "logs"
+    assert "fenced off" in (logs / "reward-0.log").read_text()
+    assert "restart 1 of reward-0" in (logs / "reward-0.log").read_text()
+    controller_log = r.stderr(tail=1_000_000)
+    assert "restarting the trainer from" in controller_log and "step-000003" in controller_log
+
+
+@pytest.mark.slow
+def test_store_node_killed_and_restarted_under_load(model_cache, uninterrupted):
+    r = Run(model_cache / "faults-store", "store.persist=true")
+    r.wait_leased("reward")
+    r.process("store-0").send_signal(signal.SIGKILL)
+    assert r.wait(180) == 0, r.stderr()
+    summary = _assert_trained_exactly_once(r, uninterrupted)
+    assert summary["worker_restarts"] == {"store-0": 1}  # the workers rode it out
+    assert "table samples recovered" in r.stderr()
+
+
+def _poison_answer() -> tuple[str, list[int]]:
+    """An answer of iteration 0 (one prompt = one group) and how many groups of each iteration
+    carry it (the arithmetic task of configs/tiny.yaml is a pure function of the iteration)."""
+    task = ArithmeticTask(digits=2, operations=("+",), seed=0)
+    answers = [
+        [p.answer for p in task.train_problems(4, epoch_or_offset=k)] for k in range(ITERATIONS)
+    ]
+    answer = answers[0][1]
+    return answer, [a.count(answer) for a in answers]
+
+
+@pytest.mark.slow
+def test_poison_sample_is_quarantined_and_the_run_goes_on(tiny_config, monkeypatch):
+    answer, poisoned = _poison_answer()
+    monkeypatch.setenv(POISON_ENV, answer)
+    cfg = tiny_config(
+        *COMMON, "reward.fn=tests.streamflow.faulty_rewards:poison", "store.max_deliveries=2"
+    )
+    summary = run(cfg)
+    out = Path(cfg.run.output_dir)
+    assert summary.status == "ok" and summary.iterations == ITERATIONS
+    # The trainer stepped over the groups that exist: an iteration loses the poisoned group.
+    assert _samples_per_iteration(out) == [(4 - n) * 2 for n in poisoned]
+    assert summary.dead_rows == 2 * sum(poisoned)  # both responses of each poisoned group
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["dead_rows"] == summary.dead_rows
+    reasons = on_disk["dead_reasons"]
+    assert sum(reasons.values()) == summary.dead_rows
+    assert all(
+        r.startswith("reward: iteration ") and f"poison sample (answer {answer})" in r
+        for r in reasons
+    ), reasons
+    assert summary.redelivered_rows >= summary.dead_rows  # tried max_deliveries times each
+
+
+@pytest.mark.slow
+def test_every_sample_failing_ends_the_run_fast_with_the_cause(tiny_config):
+    cfg = tiny_config(*COMMON, "reward.fn=tests.streamflow.faulty_rewards:always_fails")
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as failed:
+        run(cfg)
+    # Two bounds: the whole run (start-up of six processes included, which alone took up to
+    # ~45 s on the loaded 2-core CI machine), and detection once the pipeline runs (the loop
+    # clock starts when every worker is ready), far below the 90 s stall timeout.
+    assert time.monotonic() - start < 120
+    assert "every group of iteration 0 is DEAD" in str(failed.value)
+    assert "this verifier is broken" in str(failed.value)
+    summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
+    assert summary["status"] == "failed" and "every group of iteration 0" in summary["error"]
+    assert summary["wall_seconds"] < 30, summary["wall_seconds"]
+    assert summary["iterations"] == 0
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_start_ends_the_run_fast_with_its_log(tiny_config):
+    cfg = tiny_config(*COMMON, "reward.fn=tests.streamflow.no_such_module:score")
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as failed:
+        run(cfg)
+    assert time.monotonic() - start < 120  # start-up of the processes, then at once
+    message = str(failed.value)
+    assert "reward-0 exited with status 1 before it was ready" in message
+    assert "cannot import module 'tests.streamflow.no_such_module'" in message  # the log tail
+    assert psutil.Process().children(recursive=True) == [] or _no_children_soon()
+
+
+def _no_children_soon() -> bool:
+    deadline = time.monotonic() + 10
+    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return psutil.Process().children(recursive=True) == []

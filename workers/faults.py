@@ -1,0 +1,49 @@
+"""Failure reasons that name their rows, and what the store's dead letters say about iterations.
+
+A stage that hands rows back as a failed delivery (``client.release(lease, error=...)``) gives a
+reason the store keeps if the rows end DEAD (quarantined after ``max_deliveries``). The store
+counts dead rows per reason text only, so the reason names the iteration and group of the rows:
+
+    "iteration 3 group 13: reward: ZeroDivisionError: poison"
+
+``dead_groups`` reads those back from ``TableStats``: the trainer learns which groups of its
+iteration will never arrive (and steps without them), the controller detects an iteration whose
+groups are all dead (a systematic failure: the run fails with the reasons). Rows that died for a
+reason that names no iteration (e.g. "lease expired 3 times": a worker died holding them every
+time) are returned under ``None``: nobody can tell which iteration lost them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_REASON = re.compile(r"^iteration (\d+) group (\d+): ")
+
+
+def failure_reason(batch: Any, error: str) -> str:
+    """``error`` prefixed with the iteration and group(s) of ``batch``'s rows, when it has them."""
+    names = batch.schema.names
+    if "iteration" not in names or "group_id" not in names or batch.num_rows == 0:
+        return error
+    iterations = set(batch.column("iteration").to_pylist())
+    if len(iterations) != 1:
+        return error
+    groups = set(batch.column("group_id").to_pylist())
+    if len(groups) != 1:  # rows of a mixed lease may die at different deliveries: name none
+        return error
+    return f"iteration {iterations.pop()} group {groups.pop()}: {error}"
+
+
+def dead_groups(stats: Any, tasks: list[str]) -> tuple[dict[int, set[int]], dict[str, int]]:
+    """({iteration: dead group ids}, {reason: rows} for dead rows no iteration is known of)."""
+    by_iteration: dict[int, set[int]] = {}
+    unknown: dict[str, int] = {}
+    for task in tasks:
+        for reason, n in stats.task_total(task).dead_reasons.items():
+            m = _REASON.match(reason)
+            if m is None:
+                unknown[f"{task}: {reason}"] = unknown.get(f"{task}: {reason}", 0) + n
+                continue
+            by_iteration.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    return by_iteration, unknown

@@ -1,0 +1,204 @@
+"""The cost model of simulated devices: how long a device is held for each piece of RL work.
+
+Owns ``CostModel`` (per-device hardware/model costs, with the calibrated preset ``7b-1acc``),
+``Workload`` (the shape of one RL iteration and its response-length distribution) and the pure
+functions that turn rows into device seconds. Everything is in *simulated* seconds; the engine
+(``workers.sim.engine``) sleeps ``seconds / time_scale`` of real time.
+
+Cost of each kind of work (N = parameters, P = prompt tokens, L_i = response lengths)::
+
+    generate a batch    prefill_s_per_token * P * B                       (compute-bound prefill)
+                        + decode_base_s * max_i L_i                       (one decode step per token
+                        + decode_per_seq_s * sum_i L_i                     of the LONGEST response;
+                                                                           each step costs more the
+                                                                           more sequences are live)
+    reward              reward_s_per_sample * B                           (CPU verifier)
+    reference forward   ref_s_per_token * sum_i (P + L_i)
+    train micro-batch   train_s_per_token * sum_i (P + L_i)              (forward + backward)
+    optimizer step      allreduce(n) + optimizer_s / n                   (end of each iteration)
+    weight sync         weight_bytes / sync_bandwidth + sync_latency_s   (per version, per engine)
+
+A batch's generation time is dominated by its longest response (``decode_base_s * max L``): the
+batch-size effect and the long tail in one formula. Response lengths are lognormal with median
+``median_response_tokens`` and shape ``skew`` (sigma of the underlying normal), capped at
+``max_response_tokens``; they are a pure function of (seed, group id, sample index), so the engine
+and the bound (``streamflow.sim_bound``) see the same lengths.
+
+Invariants: every cost is finite and >= 0; lengths are integers in [1, max_response_tokens].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# H100 SXM figures from NVIDIA's H100 datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3.
+H100_BF16_FLOPS = 989e12
+H100_HBM_BYTES_PER_S = 3.35e12
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-device costs. All times in simulated seconds; see the module docstring for the use."""
+
+    name: str
+    params: float  # model parameters N
+    prefill_s_per_token: float
+    decode_base_s: float  # one decode step with (almost) no live sequences
+    decode_per_seq_s: float  # extra per live sequence per decode step
+    reward_s_per_sample: float
+    ref_s_per_token: float
+    train_s_per_token: float
+    optimizer_s: float  # AdamW over all parameters on one device (divided by the DP degree)
+    allreduce_bandwidth: float  # bytes/s of bus bandwidth per device for the gradient all-reduce
+    sync_bandwidth: float  # bytes/s from the trainer to each rollout engine
+    sync_latency_s: float  # fixed part of a weight load (engine reload, cache reset)
+
+    @property
+    def weight_bytes(self) -> float:
+        return 2.0 * self.params  # bf16
+
+    def allreduce_s(self, devices: int) -> float:
+        """Ring all-reduce of bf16 gradients: 2 (n-1)/n * bytes / bus bandwidth."""
+        if devices <= 1:
+            return 0.0
+        return 2.0 * (devices - 1) / devices * self.weight_bytes / self.allreduce_bandwidth
+
+    def step_s(self, devices: int) -> float:
+        """End of an iteration on ``devices`` data-parallel trainer devices."""
+        return self.allreduce_s(devices) + self.optimizer_s / max(devices, 1)
+
+    def sync_s(self) -> float:
+        return self.weight_bytes / self.sync_bandwidth + self.sync_latency_s
+
+    def generate_s(self, prompt_tokens: int, lengths: Sequence[int]) -> float:
+        if not lengths:
+            return 0.0
+        return (
+            self.prefill_s_per_token * prompt_tokens * len(lengths)
+            + self.decode_base_s * max(lengths)
+            + self.decode_per_seq_s * sum(lengths)
+        )
+
+    def reward_s(self, rows: int) -> float:
+        return self.reward_s_per_sample * rows
+
+    def reference_s(self, prompt_tokens: int, lengths: Sequence[int]) -> float:
+        return self.ref_s_per_token * (prompt_tokens * len(lengths) + sum(lengths))
+
+    def train_s(self, prompt_tokens: int, lengths: Sequence[int]) -> float:
+        return self.train_s_per_token * (prompt_tokens * len(lengths) + sum(lengths))
+
+
+def _preset_7b_1acc() -> CostModel:
+    n = 7.6e9  # Qwen2.5-7B (7.61 B parameters, its model card): the model AsyncFlow reports on
+    return CostModel(
+        name="7b-1acc",
+        params=n,
+        # Prefill is compute-bound: 2N FLOPs per token at 50 % of the H100's dense BF16 peak.
+        prefill_s_per_token=2 * n / (0.5 * H100_BF16_FLOPS),  # 30.7 us/token
+        # Decode at batch 1 streams the bf16 weights once per token; vLLM reaches ~75-77 % of the
+        # HBM roofline at concurrency 1 (Llama-3.1-8B sweep, johnmusgrave.com/p/vllm-throughput-
+        # latency-sweep-on): 15.2 GB / (0.75 * 3.35 TB/s) = 6.0 ms per step.
+        decode_base_s=2 * n / (0.75 * H100_HBM_BYTES_PER_S),
+        # Per live sequence: KV-cache reads + its share of the matmuls. Chosen so that a full
+        # batch of 256 sequences gives ~12.5 k output tokens/s on one H100, the published vLLM
+        # figure for Llama-3.1-8B BF16 (morphllm.com/vllm-benchmarks): 256 / 12.5k = 20.5 ms/step.
+        decode_per_seq_s=(256 / 12_500 - 2 * n / (0.75 * H100_HBM_BYTES_PER_S)) / 256,
+        # Math verifier on CPU (string/number comparison), ~1 ms a sample; never the bottleneck.
+        reward_s_per_sample=1e-3,
+        # Reference: forward only, 2N FLOPs per token at 50 % MFU (same as prefill).
+        ref_s_per_token=2 * n / (0.5 * H100_BF16_FLOPS),
+        # Training: forward + backward = 6N FLOPs per token at 40 % MFU, the usual figure for
+        # dense 7B training on H100 (Megatron-LM / MosaicML report 40-50 %): 115 us/token.
+        train_s_per_token=6 * n / (0.4 * H100_BF16_FLOPS),
+        # AdamW touches ~36 bytes per parameter (bf16 param/grad, fp32 master + 2 moments, read
+        # and write) at ~70 % of HBM bandwidth: 7.6e9 * 36 / 2.35e12 = 0.12 s on one device.
+        optimizer_s=n * 36 / (0.7 * H100_HBM_BYTES_PER_S),
+        # Gradient all-reduce across nodes: one 400 Gb/s NDR InfiniBand NIC per GPU = 50 GB/s.
+        allreduce_bandwidth=50e9,
+        # Weight sync trainer -> rollout engine over the same 50 GB/s network (15.2 GB: 0.30 s),
+        # plus 1 s to reload the engine's weights and reset its KV cache (our measured vLLM
+        # reload of a 651 MB model took 0.4-1.0 s on CPU; docs/engines.md).
+        sync_bandwidth=50e9,
+        sync_latency_s=1.0,
+    )
+
+
+PRESETS: dict[str, CostModel] = {"7b-1acc": _preset_7b_1acc()}
+
+
+def preset(name: str) -> CostModel:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown cost preset {name!r}; presets: {sorted(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL iteration's shape and how its micro-batches are cut."""
+
+    prompts_per_iteration: int = 64
+    group_size: int = 8
+    prompt_tokens: int = 256  # a math prompt with its chat template
+    median_response_tokens: int = 600
+    skew: float = 1.0  # sigma of the lognormal; 0 = every response has the median length
+    max_response_tokens: int = 4096
+    # Rollout micro-batch = 32 x 8 = 256 sequences: vLLM's default max_num_seqs, the batch
+    # the 12.5 k tokens/s decode figure of the 7b-1acc preset was measured at.
+    groups_per_rollout_batch: int = 32
+    rows_per_reward_batch: int = 256
+    rows_per_reference_batch: int = 256
+    rows_per_trainer_batch: int = 128  # whole groups (a multiple of group_size)
+    iterations: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "prompts_per_iteration",
+            "group_size",
+            "prompt_tokens",
+            "median_response_tokens",
+            "max_response_tokens",
+            "groups_per_rollout_batch",
+            "rows_per_reward_batch",
+            "rows_per_reference_batch",
+            "rows_per_trainer_batch",
+            "iterations",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.skew <= 4.0:
+            raise ValueError(f"Workload.skew must be in [0, 4], got {self.skew}")
+        if self.rows_per_trainer_batch % self.group_size:
+            raise ValueError(
+                "Workload.rows_per_trainer_batch must be a multiple of group_size "
+                f"({self.rows_per_trainer_batch} % {self.group_size} != 0)"
+            )
+
+    @property
+    def rows_per_iteration(self) -> int:
+        return self.prompts_per_iteration * self.group_size
+
+    def replace(self, **changes: object) -> Workload:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def group_lengths(w: Workload, group_id: int) -> list[int]:
+    """The response lengths of the ``group_size`` samples of group ``group_id`` (deterministic)."""
+    rng = random.Random(w.seed * 1_000_003 + group_id * 7_919 + 17)
+    mu = math.log(w.median_response_tokens)
+    return [
+        max(1, min(w.max_response_tokens, int(round(rng.lognormvariate(mu, w.skew)))))
+        for _ in range(w.group_size)
+    ]
+
+
+def iteration_lengths(w: Workload, k: int) -> list[int]:
+    """Lengths of every row of iteration ``k`` in put order (group ids k*P .. k*P+P-1)."""
+    p = w.prompts_per_iteration
+    return [n for g in range(k * p, (k + 1) * p) for n in group_lengths(w, g)]
