@@ -46,7 +46,6 @@ import multiprocessing as mp
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -263,31 +262,11 @@ def measure_limit(min_bytes: int = 256 << 20) -> float:
 class _Node:
     def __init__(self, shards: int = 2) -> None:
         self.dir = tempfile.mkdtemp(prefix="sf-bench-")
-        ready = Path(self.dir) / "ready.json"
+        from storage.server import spawn_node
+
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "storage.server",
-                "--bind",
-                "tcp://127.0.0.1:0",
-                "--shards",
-                str(shards),
-                "--ready-file",
-                str(ready),
-                "--log-level",
-                "WARNING",
-            ],
-            env=env,
-        )
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("store node did not start")
-            time.sleep(0.02)
-        self.address = json.loads(ready.read_text())["addresses"][0]
+        self.proc, addresses = spawn_node(shards, self.dir, env=env)
+        self.address = addresses[0]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -40,6 +40,7 @@ import pyarrow as pa
 import zmq
 
 import storage
+from storage.server import spawn_node
 from streamflow.admission import admissible, min_policy_version
 from streamflow.sim_bound import Layout, bound_seconds, micro_batches
 from workers.schema import PUT_COLUMNS, SAMPLES_SCHEMA, samples_table_spec
@@ -145,29 +146,7 @@ def _put_iteration(client: Any, w: Workload, k: int, staleness: int) -> None:
 
 
 def _start_store(tmp: Path, shards: int) -> tuple[subprocess.Popen, list[str]]:
-    ready = tmp / "store.json"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "storage.server",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--shards",
-            str(shards),
-            "--ready-file",
-            str(ready),
-            "--log-level",
-            "WARNING",
-        ]
-    )
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the store node did not start")
-        time.sleep(0.02)
-    return proc, json.loads(ready.read_text())["addresses"]
+    return spawn_node(shards, tmp)
 
 
 def _host_specs(cfg: SimConfig, base: dict[str, Any]) -> list[dict[str, Any]]:

@@ -37,6 +37,7 @@ from storage.balance import BalancerConfig
 from storage.coordinator import Coordinator, CoordinatorClient
 from storage.coordinator_session import ConsumerSession
 from storage.schema import TableSpec, TaskSpec
+from storage.server import spawn_node
 
 SCHEMA = pa.schema([("x", pa.int64())])
 TASK = "work"
@@ -46,30 +47,10 @@ PUT_CHUNK = 50
 
 def start_store(shards: int, tmp: Path) -> tuple[subprocess.Popen, str]:
     """A store node process on a free 127.0.0.1 port; returns (process, address)."""
-    ready = tmp / "store-ready.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "storage.server",
-        "--bind",
-        "tcp://127.0.0.1:0",
-        "--shards",
-        str(shards),
-        "--ready-file",
-        str(ready),
-        "--log-level",
-        "WARNING",
-    ]
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, cwd=repo)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the store node did not start")
-        time.sleep(0.02)
-    return proc, json.loads(ready.read_text())["addresses"][0]
+    proc, addresses = spawn_node(shards, tmp, env=env)
+    return proc, addresses[0]
 
 
 def run_variant(address: str, table: str, *, balance: bool, args: argparse.Namespace) -> dict:
