@@ -82,6 +82,19 @@ def test_dead_consumer_shards_go_to_the_live_one_within_the_bound():
             assert m.reassignments.labels("t", "work", "expired")._value.get() >= 1
             assert m.owned_shards.labels("t", "work", "live")._value.get() == 4
             assert m.consumers.labels("t", "work")._value.get() == 1
+            # The dead consumer's process is restarted under the same id: it rejoins and the
+            # balancer hands it its share again (by handoff: never owned by both at once).
+            reborn = ConsumerSession(coord.address, "t", "work", "ghost")
+            rejoined = time.monotonic()
+            while len(reborn.shards()) != 2:
+                assert time.monotonic() - rejoined < cfg.unowned_bound_s + 5.0, reborn.shards()
+                time.sleep(0.05)
+            with CoordinatorClient(coord.address) as cc:
+                members = cc.assignment("t", "work")["members"]
+                owned = [s for m in members.values() for s in m.get("shards", [])]
+                assert sorted(owned) == [0, 1, 2, 3]  # each shard exactly one owner
+            assert sorted(live.shards()) == sorted({0, 1, 2, 3} - set(reborn.shards()))
+            reborn.close()
             live.close()
             ghost.close()
 
