@@ -100,7 +100,7 @@ def test_async_respects_staleness_bound(tiny_config) -> None:
 @pytest.mark.slow
 def test_killed_worker_fails_the_run_fast(tiny_config, tmp_path: Path) -> None:
     """With no restart budget (run.max_restarts=0) a killed worker fails the run at once, with
-    its name and log; restarts within a budget are tested in test_faults.py."""
+    its name and log; restarts within a budget are tested in test_run_faults.py."""
     cfg = tiny_config()
     out = Path(cfg.run.output_dir).parent / "killed"
     proc = subprocess.Popen(
