@@ -310,7 +310,7 @@ class TrainerGroup:
                     whole_groups=True,
                     timeout=self.claim_timeout_s,
                 )
-                if lease.num_rows:
+                if lease.num_rows and self._turn_or_stop(stop):
                     self._accept(lease)
             self._ack_ready()
         finally:
@@ -319,6 +319,15 @@ class TrainerGroup:
                 self._cond.notify_all()
             for t in threads:
                 t.join(timeout=5)
+
+    def _turn_or_stop(self, stop: threading.Event) -> bool:
+        """Sync: a claim issued during iteration k's turn may return rows of k+1 (they became
+        ready while it long-polled, after the turn ended); they wait for k+1's turn, which comes
+        once every stage before training is done, so stages never overlap. False on stop."""
+        while self.gate is not None and not self.gate.wait(0.05):
+            if stop.is_set():
+                return False
+        return True
 
     def _accept(self, lease: Lease) -> None:
         batch = lease.batch
