@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 import storage
 from streamflow.controller import WorkerFailed, run
+from workers.checkpoint import latest_checkpoint, read_state
 from workers.tasks import ArithmeticTask
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,7 +161,13 @@ def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(model_cache, unin
     r.wait_leased("reward", min_iteration_done=2)
     reward.send_signal(signal.SIGKILL)  # restarted; its lease expires, the rows come back
     r.wait_leased("trainer", min_iteration_done=3)
-    r.process("trainer-0").send_signal(signal.SIGKILL)  # restarted from checkpoint step-3
+    trainer = r.process("trainer-0")
+    trainer.send_signal(signal.SIGKILL)  # restarted from its newest checkpoint
+    trainer.wait(30)
+    # The newest complete checkpoint once it is dead: step 3 or later (the kill may land in a
+    # later iteration than the third), and the one the restart must resume from.
+    newest = latest_checkpoint(r.out / "checkpoints")
+    assert newest is not None and read_state(newest).step >= 3
     assert r.wait() == 0, r.stderr()
     summary = _assert_trained_exactly_once(r, uninterrupted)
     assert summary["worker_restarts"] == {"reward-0": 1, "trainer-0": 1}
@@ -169,7 +176,7 @@ def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(model_cache, unin
     assert "fenced off" in (logs / "reward-0.log").read_text()
     assert "restart 1 of reward-0" in (logs / "reward-0.log").read_text()
     controller_log = r.stderr(tail=1_000_000)
-    assert "restarting the trainer from" in controller_log and "step-000003" in controller_log
+    assert f"restarting the trainer from {newest}" in controller_log, controller_log
 
 
 @pytest.mark.slow
