@@ -212,7 +212,8 @@ class DataSection:
 
 @dataclass(frozen=True)
 class RolloutSection:
-    engine: Literal["torch", "vllm"] = "torch"  # generation engine behind the rollout Protocol
+    # generation engine behind the rollout Protocol ("simulated": no model, see ``simulated``)
+    engine: Literal["torch", "vllm", "simulated"] = "torch"
     num_workers: int = _f(1, ge=1)  # rollout worker processes
     # sampling temperature
     temperature: float = _f(1.0, gt=0, why="GRPO needs stochastic samples and finite log-probs")
@@ -270,7 +271,8 @@ class ReferenceSection:
 
 @dataclass(frozen=True)
 class TrainerSection:
-    engine: Literal["torch", "deepspeed"] = "torch"  # training engine behind the Protocol
+    # training engine behind the Protocol ("simulated": no model, see ``simulated``)
+    engine: Literal["torch", "deepspeed", "simulated"] = "torch"
     lr: float = _f(1e-4, gt=0)  # AdamW learning rate
     weight_decay: float = _f(0.0, ge=0)  # AdamW weight decay
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas, each in [0, 1)
@@ -303,6 +305,25 @@ class TrainerSection:
             "num_ranks",
             f"{self.num_ranks} ranks need engine 'deepspeed' (the torch engine is one process)",
         )
+
+
+@dataclass(frozen=True)
+class SimulatedSection:
+    """Simulated devices (``rollout.engine`` and ``trainer.engine`` both ``simulated``): every role
+    holds its device for the cost model's time instead of computing (workers/sim/roles.py); the
+    controller, workers, store, balancer and modes are the real ones. For capacity planning."""
+
+    cost: str = "7b-1acc"  # cost preset (workers/sim/cost.py; README "Performance" cites its sources)
+    time_scale: float = _f(50.0, gt=0)  # simulated seconds per real second
+    # response lengths: lognormal with this median and sigma, capped at rollout.max_new_tokens
+    median_response_tokens: int = _f(600, ge=1)
+    skew: float = _f(1.0, ge=0, le=4)
+
+    def __post_init__(self) -> None:
+        _check_bounds(self)
+        from workers.sim.cost import PRESETS
+
+        _require(self.cost in PRESETS, "cost", f"must be one of {sorted(PRESETS)}, got {self.cost!r}")
 
 
 @dataclass(frozen=True)
@@ -418,6 +439,25 @@ def _check_placement(cfg: RunConfig) -> None:
     )
 
 
+def _check_simulated(cfg: RunConfig) -> None:
+    """Simulated engines go together: a simulated trainer publishes version numbers, not weights
+    a real rollout engine could load, and a real trainer cannot learn from drawn tokens."""
+    rollout, trainer = cfg.rollout.engine == "simulated", cfg.trainer.engine == "simulated"
+    if rollout != trainer:
+        which = "rollout.engine" if rollout else "trainer.engine"
+        raise ConfigError(which, "'simulated' needs rollout.engine and trainer.engine both "
+                          f"'simulated' (got rollout.engine={cfg.rollout.engine!r}, "
+                          f"trainer.engine={cfg.trainer.engine!r})")
+    if not rollout:
+        return
+    _require(cfg.run.eval_every == 0, "run.eval_every",
+             "must be 0 with simulated engines (there is no model to evaluate)")
+    _require(cfg.run.resume is None, "run.resume",
+             "simulated engines write no checkpoints: there is nothing to resume from")
+    _require(cfg.trainer.num_ranks == 1, "trainer.num_ranks",
+             "must be 1 with trainer.engine 'simulated' (one simulated trainer device)")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)  # the loop: mode, iterations, outputs
@@ -431,6 +471,8 @@ class RunConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)  # Prometheus endpoints
     # hosts of a multi-host run (`streamflow launch`); empty: one host
     placement: PlacementSection = field(default_factory=PlacementSection)
+    # the simulated devices of rollout.engine / trainer.engine "simulated" (ignored otherwise)
+    simulated: SimulatedSection = field(default_factory=SimulatedSection)
 
     def __post_init__(self) -> None:
         # With no KL term the reference log-probs are never used: don't pay for computing them.
@@ -438,7 +480,7 @@ class RunConfig:
             object.__setattr__(
                 self, "reference", dataclasses.replace(self.reference, enabled=False)
             )
-        if self.trainer.packing:
+        if self.trainer.packing and self.trainer.engine != "simulated":  # (no packing to do)
             longest = self.rollout.max_new_tokens * self.data.group_size
             _require(
                 self.trainer.token_budget >= longest,
@@ -446,8 +488,9 @@ class RunConfig:
                 f"must hold one packed group (>= rollout.max_new_tokens x data.group_size "
                 f"= {longest} tokens plus the prompt), got {self.trainer.token_budget}",
             )
+        _check_simulated(self)
         _require(
-            self.trainer.engine == "torch" or self.run.mode != "sync",
+            self.trainer.engine in ("torch", "simulated") or self.run.mode != "sync",
             "trainer.engine",
             f"'{self.trainer.engine}' trains in its own ranks: use run.mode periodic or async "
             "(sync keeps the trainer inside the controller process)",

@@ -32,6 +32,7 @@ from workers.config import (
     ReferenceWorkerConfig,
     RewardWorkerConfig,
     RolloutWorkerConfig,
+    SimulatedDevice,
     TrainerWorkerConfig,
     WorkerCommon,
 )
@@ -158,6 +159,7 @@ class RunPlan:
                 threads=threads,
                 seed=c.run.seed,
                 coordinator_address=coordinator_address,
+                simulated=self.rollout.common.simulated,
             )
 
         for i in range(c.rollout.num_workers):
@@ -214,7 +216,13 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
     resume_from = find_resume(cfg, run_dir)
     if resume_from is not None:
         plan.start_iteration = read_state(resume_from).step
-    blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed)
+    simulated = None
+    if cfg.rollout.engine == "simulated":  # every role on a simulated device (config checks both)
+        sim = cfg.simulated
+        simulated = SimulatedDevice(cost=sim.cost, time_scale=sim.time_scale,
+                                    median_response_tokens=sim.median_response_tokens, skew=sim.skew)
+    blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed,
+                         simulated=simulated)
     r, t = cfg.rollout, cfg.trainer
     # The trainer announces each published version on this PUB address; rollout workers SUBscribe
     # and wake at once instead of waiting for their next directory check. (In-process sync runs

@@ -15,6 +15,17 @@ from typing import Any, TypeVar
 
 
 @dataclass
+class SimulatedDevice:
+    """The ``simulated`` engine's device (``workers.sim.roles``): no math, the device is held for
+    the time the cost model gives. Set on every worker of a run whose engines are simulated."""
+
+    cost: str = "7b-1acc"  # cost preset (workers.sim.cost.PRESETS)
+    time_scale: float = 50.0  # simulated seconds per real second
+    median_response_tokens: int = 600  # lognormal response lengths: median ...
+    skew: float = 1.0  # ... and sigma of the underlying normal (capped at max_new_tokens)
+
+
+@dataclass
 class WorkerCommon:
     """What every worker needs: who it is, where the store and the controller are."""
 
@@ -34,6 +45,8 @@ class WorkerCommon:
     # the run's coordinator (storage.coordinator): stages claim from the shards it assigns them,
     # stealing from the deepest other shard when theirs are empty; None: claim from any shard
     coordinator_address: str | None = None
+    # not None: this worker runs the ``simulated`` engine of its role on this device
+    simulated: SimulatedDevice | None = None
 
 
 @dataclass
@@ -47,7 +60,7 @@ class RolloutWorkerConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
-    engine: str = "torch"  # torch | vllm
+    engine: str = "torch"  # torch | vllm | simulated
     weight_wait_s: float = 600.0  # longest wait for a required policy version
     # vLLM engine settings (see streamflow.config.RolloutSection); ignored by the torch engine.
     vllm_dtype: str = "auto"
@@ -111,7 +124,7 @@ class TrainerWorkerConfig:
     start_iteration: int = 0  # first iteration to train (overridden by resume_from's step)
     resume_from: str | None = None  # checkpoint directory (workers.checkpoint) to continue from
     checkpoint_keep: int = 2  # complete checkpoints kept (the newest ones)
-    engine: str = "torch"  # torch | deepspeed
+    engine: str = "torch"  # torch | deepspeed | simulated
     deterministic: bool = False  # one group per forward + fp64 gradient sums (bitwise updates)
     num_ranks: int = 1  # deepspeed: ranks started by torch's launcher (must match its world size)
     zero_stage: int = 2  # deepspeed: ZeRO stage 1 or 2
@@ -142,6 +155,8 @@ def _build(cls: type[T], data: dict[str, Any]) -> T:
     kwargs = dict(data)
     if "common" in kwargs and isinstance(kwargs["common"], dict):
         kwargs["common"] = _build(WorkerCommon, kwargs["common"])
+    if isinstance(kwargs.get("simulated"), dict):
+        kwargs["simulated"] = _build(SimulatedDevice, kwargs["simulated"])
     return cls(**kwargs)
 
 

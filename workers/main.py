@@ -61,9 +61,15 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
             if hasattr(cfg, f"vllm_{key}")
         }
         return VllmRolloutEngine(cfg.model_path, seed=cfg.common.seed, **settings)
+    tokenizer = load_tokenizer(cfg.model_path)
+    if cfg.engine == "simulated":  # no model: the cost model's device (workers.sim.roles)
+        from workers.sim.roles import SimulatedRolloutEngine
+
+        if cfg.common.simulated is None:
+            raise ValueError("rollout engine 'simulated' needs common.simulated (the device)")
+        return SimulatedRolloutEngine(cfg.common.simulated, len(tokenizer))
     from workers.engines.torch_rollout import TorchRolloutEngine
 
-    tokenizer = load_tokenizer(cfg.model_path)
     return TorchRolloutEngine(load_model(cfg.model_path), tokenizer)
 
 
@@ -93,14 +99,23 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
     )
 
 
-def build_reward(cfg: RewardWorkerConfig) -> RewardStage:
-    return RewardStage(
+def build_reward(cfg: RewardWorkerConfig) -> Any:
+    stage = RewardStage(
         load_tokenizer(cfg.model_path), cfg.reward_fn, timeout_s=cfg.timeout_s,
         max_rows=cfg.rows_per_claim, on_error=cfg.on_error,
     )
+    if cfg.common.simulated is not None:  # the real verifier, plus the cost model's time
+        from workers.sim.roles import SimulatedRewardStage
+
+        return SimulatedRewardStage(stage, cfg.common.simulated)
+    return stage
 
 
-def build_reference(cfg: ReferenceWorkerConfig) -> ReferenceStage:
+def build_reference(cfg: ReferenceWorkerConfig) -> Any:
+    if cfg.common.simulated is not None:
+        from workers.sim.roles import SimulatedReferenceStage
+
+        return SimulatedReferenceStage(cfg.common.simulated, cfg.rows_per_claim)
     return ReferenceStage(
         load_model(cfg.model_path, dtype=DTYPES[cfg.dtype]),
         temperature=cfg.temperature, max_rows=cfg.rows_per_claim, packing=cfg.packing,
@@ -138,13 +153,17 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
                 f"trainer.num_ranks={expected} but the launcher started {ranks.world_size} ranks"
             )
         return DeepSpeedTrainerEngine(model, settings, ranks), ranks
-    raise ValueError(f"unknown trainer engine {cfg.engine!r}; engines: ['deepspeed', 'torch']")
+    raise ValueError(
+        f"unknown trainer engine {cfg.engine!r}; engines: ['deepspeed', 'simulated', 'torch']")
 
 
 def build_trainer(
     cfg: TrainerWorkerConfig, client: Any, events: EventSender, keeper: LeaseKeeper | None = None,
     metrics: WorkerMetrics | None = None,
-) -> Trainer:
+) -> Any:
+    """The trainer of ``cfg.engine``: ``Trainer`` (torch, deepspeed) or ``SimulatedTrainer``."""
+    if cfg.engine == "simulated":
+        return build_simulated_trainer(cfg, client, events, keeper)
     torch.manual_seed(cfg.common.seed)
     start_iteration = cfg.start_iteration
     model = load_model(cfg.resume_from or cfg.model_path)
@@ -188,6 +207,25 @@ def build_trainer(
                         serve=cfg.weights_serve if leader else None),
         worker=cfg.common.name, send=events.send if leader else (lambda r: None),
         start_iteration=start_iteration, on_step=checkpoint, keeper=keeper, ranks=ranks,
+    )
+
+
+def build_simulated_trainer(
+    cfg: TrainerWorkerConfig, client: Any, events: EventSender, keeper: LeaseKeeper | None
+) -> Any:
+    from workers.sim.roles import SimulatedTrainer
+
+    if cfg.common.simulated is None:
+        raise ValueError("trainer engine 'simulated' needs common.simulated (the device)")
+    if cfg.resume_from:
+        raise ValueError("a simulated trainer writes no checkpoints: it cannot resume")
+    return SimulatedTrainer(
+        client, cfg.common.table, cfg.common.simulated,
+        WeightPublisher(cfg.weights_dir, cfg.weights_bind, keep=cfg.weights_keep,
+                        serve=cfg.weights_serve),
+        rows_per_iteration=cfg.rows_per_iteration, group_size=cfg.group_size,
+        rows_per_claim=cfg.rows_per_claim, reference_worker=cfg.reference_worker,
+        std_normalize=cfg.std_normalize, worker=cfg.common.name, send=events.send, keeper=keeper,
     )
 
 

@@ -1,0 +1,96 @@
+"""The ``simulated`` engine's roles (workers/sim/roles.py) in isolation: what they draw, write and
+hold. Whole runs through the controller are in tests/streamflow/test_run_simulated.py."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pytest
+
+from storage.schema import ROW_ID, Lease
+from workers.config import SimulatedDevice
+from workers.engines.base import FINISH_LENGTH, FINISH_STOP, RolloutEngine, SamplingParams
+from workers.sim.cost import preset
+from workers.sim.roles import SimulatedReferenceStage, SimulatedRewardStage, SimulatedRolloutEngine
+
+SPEC = SimulatedDevice(cost="7b-1acc", time_scale=1e6, median_response_tokens=50, skew=1.0)
+COST = preset("7b-1acc")
+
+
+def _lease(columns: dict[str, pa.Array]) -> Lease:
+    n = len(next(iter(columns.values())))
+    batch = pa.RecordBatch.from_pydict({ROW_ID: pa.array(range(n), pa.uint64()), **columns})
+    return Lease(1, "samples", "task", 0, 0.0, batch)
+
+
+def test_rollout_engine_draws_seeded_capped_lengths_and_holds_the_cost_models_time():
+    engine = SimulatedRolloutEngine(SPEC, vocab_size=100, eos_ids=(7,))
+    assert isinstance(engine, RolloutEngine)
+    params = SamplingParams(max_new_tokens=64, seed=3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    out = engine.generate(prompts, 4, params)
+    assert [len(g) for g in out] == [4, 4]
+    lengths = [len(s.token_ids) for g in out for s in g]
+    assert all(1 <= n <= 64 for n in lengths) and len(set(lengths)) > 1  # skew 1: they differ
+    for s in (s for g in out for s in g):
+        assert len(s.logprobs) == len(s.token_ids)
+        assert all(0 <= t < 100 for t in s.token_ids)
+        if s.finish_reason == FINISH_STOP:  # ended early: on a stop token
+            assert len(s.token_ids) < 64 and s.token_ids[-1] == 7
+        else:
+            assert s.finish_reason == FINISH_LENGTH and len(s.token_ids) == 64
+    # Held: the batch's generation time (mean prompt length 4 tokens).
+    assert engine.device.busy_s == pytest.approx(COST.generate_s(4, lengths))
+    # The same seed draws the same responses; another seed other ones.
+    again = SimulatedRolloutEngine(SPEC, vocab_size=100, eos_ids=(7,)).generate(prompts, 4, params)
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in out]
+    other = SimulatedRolloutEngine(SPEC, vocab_size=100, eos_ids=(7,))
+    assert [len(s.token_ids) for g in other.generate(prompts, 4, SamplingParams(
+        max_new_tokens=64, seed=4)) for s in g] != lengths
+    # A weight load holds the device for the sync time; the file is not read.
+    engine.load_weights_file("/nonexistent", 5)
+    assert engine.policy_version == 5
+    assert engine.device.busy_s == pytest.approx(COST.generate_s(4, lengths) + COST.sync_s())
+
+
+def test_rollout_engine_median_follows_the_spec():
+    engine = SimulatedRolloutEngine(SPEC, vocab_size=10)
+    drawn = engine.lengths(4001, SamplingParams(max_new_tokens=10_000, seed=0))
+    assert sorted(drawn.tolist())[2000] == pytest.approx(50, rel=0.1)
+
+
+def test_reference_stage_writes_placeholders_of_each_response_length():
+    stage = SimulatedReferenceStage(SPEC, max_rows=8)
+    lease = _lease({
+        "group_id": pa.array([0, 0, 1], pa.int64()),
+        "iteration": pa.array([0, 0, 0], pa.int64()),
+        "prompt_ids": pa.array([[1, 2], [1, 2], [3, 4, 5, 6]], pa.list_(pa.int32())),
+        "response_ids": pa.array([[9], [9, 9, 9], []], pa.list_(pa.int32())),
+    })
+    out = stage.process(lease)
+    assert out.column(ROW_ID).to_pylist() == [0, 1, 2]
+    assert [len(x) for x in out.column("ref_logprobs").to_pylist()] == [1, 3, 0]
+    assert out.schema.field("ref_logprobs").type == pa.list_(pa.float32())
+    assert stage.device.busy_s == pytest.approx(COST.reference_s(math.ceil(8 / 3), [1, 3, 0]))
+
+
+def test_reward_stage_is_the_real_stage_plus_the_verifier_time():
+    class Inner:
+        task, columns, whole_groups, max_rows = "reward", ("response_ids",), False, 4
+        closed = False
+
+        def process(self, lease: Lease) -> pa.RecordBatch:
+            return lease.batch
+
+        def close(self) -> None:
+            self.closed = True
+
+    inner = Inner()
+    stage = SimulatedRewardStage(inner, SPEC)
+    lease = _lease({"response_ids": pa.array([[1], [2]], pa.list_(pa.int32()))})
+    assert stage.process(lease) is lease.batch
+    assert (stage.task, stage.max_rows) == ("reward", 4)
+    assert stage.device.busy_s == pytest.approx(COST.reward_s(2))
+    stage.close()
+    assert inner.closed
