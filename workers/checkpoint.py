@@ -7,11 +7,18 @@ Layout under the checkpoint directory::
         optimizer.pt                                        the engine's optimizer state
         trainer_state.json                                  step (= policy version), RNG states, format
     .tmp-step-000012-<pid>/  a checkpoint being written: never read, removed on the next save
+    .old-step-000010-<pid>/  a complete step-10 being replaced by a new step-10 (see below)
 
 Lifecycle of a save: everything is written into a temporary sibling directory, flushed to disk,
 then the directory is renamed to ``step-N`` in one ``rename`` — a reader sees either the whole
 checkpoint or none of it, and a failed or killed save leaves the previous checkpoints untouched.
 Only after the rename are checkpoints older than the newest ``keep`` removed.
+
+Replacing an existing ``step-N`` (a new run writing into an old run's directory) is two renames:
+``step-N`` -> ``.old-step-N-<pid>``, then the new one -> ``step-N``; only then is the old one
+deleted. A save killed between the two renames leaves no ``step-N`` but a complete
+``.old-step-N-*``, which readers take as step N (so the newest checkpoint never goes missing) and
+the next save renames back before writing.
 
 What is not in a checkpoint, and why that is exact: the data position is the iteration index
 (prompts of iteration k are a pure function of k), rollout sampling is seeded per (group, policy
@@ -34,6 +41,7 @@ import torch
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
+_OLD_DIR = re.compile(r"^\.old-step-(\d{6,})-\d+$")
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step-*"):
         shutil.rmtree(stale, ignore_errors=True)  # leftovers of a save that died
+    _settle_replaced(root)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     tmp.mkdir()
@@ -80,29 +89,51 @@ def save_checkpoint(
         state = {"step": step, "format": FORMAT, "torch_rng": torch.get_rng_state().tolist()}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (after a resume): replace it whole
-            shutil.rmtree(final)
+        old = None
+        if final.exists():  # replacing a step: keep the old one complete until the new one is in
+            old = root / f".old-step-{step:06d}-{os.getpid()}"
+            os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(root)  # the rename itself must reach the disk
+        _fsync_dir(root)  # the renames themselves must reach the disk
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _settle_replaced(root: Path) -> None:
+    """Finish replacements a killed save left half done: an ``.old-step-N-*`` goes back to
+    ``step-N`` when that is missing, else (the new one is in) it is deleted."""
+    for entry in root.glob(".old-step-*"):
+        m = _OLD_DIR.match(entry.name)
+        final = root / f"step-{m.group(1)}" if m else None
+        if final is not None and not final.exists() and (entry / "trainer_state.json").is_file():
+            os.rename(entry, final)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints, oldest first (a directory counts once its trainer state exists)."""
+    """Complete checkpoints, oldest first (a directory counts once its trainer state exists).
+    Read-only: a step whose replacement was cut between its two renames is found under its
+    ``.old-step-N-*`` name."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
+    found: dict[int, Path] = {}
     for entry in root.iterdir():
         m = _STEP_DIR.match(entry.name)
         if m and (entry / "trainer_state.json").is_file():
-            found.append((int(m.group(1)), entry))
-    return [p for _, p in sorted(found)]
+            found[int(m.group(1))] = entry
+    for entry in root.iterdir():
+        m = _OLD_DIR.match(entry.name)
+        if m and int(m.group(1)) not in found and (entry / "trainer_state.json").is_file():
+            found[int(m.group(1))] = entry
+    return [found[k] for k in sorted(found)]
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:

@@ -56,11 +56,15 @@ def test_dry_run_prints_resolved_yaml_and_starts_nothing(fake_controller, capsys
 
 
 def test_dry_run_does_not_import_the_engine():
+    # The config checks the simulated cost preset's name against workers.sim.cost, a
+    # standard-library-only table of presets; anything else of workers (engines, torch) is heavy.
+    light = ("workers", "workers.sim", "workers.sim.cost")
     code = (
         "import sys; from streamflow.cli import main; "
         f"rc = main(['run', {TINY!r}, '--dry-run']); "
-        "heavy = [m for m in ('torch', 'streamflow.controller', 'workers') if m in sys.modules]; "
-        "print(rc, heavy)"
+        "heavy = [m for m in sys.modules if m in ('torch', 'streamflow.controller') "
+        f"or (m.split('.')[0] == 'workers' and m not in {light!r})]; "
+        "print(rc, sorted(heavy))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
@@ -225,3 +229,80 @@ def test_worker_subcommand_runs_one_role_and_names_bad_configs(tmp_path, capsys)
     assert main(["worker", "--role", "reward", "--config", str(bad)]) == 2
     assert "unknown fields" in capsys.readouterr().err
     assert main(["worker", "--role", "juggler", "--config", str(bad)]) == 2
+
+
+@pytest.mark.slow
+def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path):
+    """`streamflow store serve` + `streamflow worker --role reward`: one role per process, as a
+    container or scheduler runs it. The worker scores rows it did not see being made, writes
+    its columns, and stops cleanly on SIGTERM (exit 0, nothing left leased)."""
+    import numpy as np
+    import pyarrow as pa
+
+    import storage
+    from workers.config import RewardWorkerConfig, WorkerCommon, to_json
+    from workers.schema import samples_table_spec
+    from workers.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok_dir = tmp_path / "tokenizer"
+    tok.save_pretrained(tok_dir)
+    ready = tmp_path / "ready.json"
+    node = subprocess.Popen(
+        [sys.executable, "-m", "streamflow", "store", "serve", "--bind", "tcp://127.0.0.1:0",
+         "--shards", "1", "--ready-file", str(ready)], cwd=REPO,
+    )
+    worker = None
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert node.poll() is None and time.monotonic() < deadline, "store did not start"
+            time.sleep(0.05)
+        address = json.loads(ready.read_text())["addresses"][0]
+        client = storage.connect(address)
+        client.create_table(samples_table_spec("samples", group_size=2, reference_worker=False))
+        answers, completions = ["12", "12", "7", "7"], ["12", "13", "7", " 7 "]
+        row_ids = client.put("samples", pa.table({
+            "group_id": np.array([0, 0, 1, 1]), "iteration": np.zeros(4, np.int64),
+            "min_policy_version": np.zeros(4, np.int64),
+            "prompt_ids": pa.array([tok.encode("6+6=")] * 2 + [tok.encode("3+4=")] * 2,
+                                   pa.list_(pa.int32())),
+            "answer": answers,
+        }))
+        rollout = client.claim("samples", "rollout", ["group_id"], 4, whole_groups=True)
+        client.write("samples", rollout, pa.table({
+            "response_ids": pa.array([tok.encode(c) for c in completions], pa.list_(pa.int32())),
+            "response_logprobs": pa.array([[-0.1] * len(c) for c in completions],
+                                          pa.list_(pa.float32())),
+            "policy_version": np.zeros(4, np.int64), "finish_reason": ["stop"] * 4,
+        }), ack=True)
+        config = tmp_path / "reward-0.json"
+        config.write_text(to_json(RewardWorkerConfig(
+            common=WorkerCommon(name="reward-0", role="reward", store_addresses=[address],
+                                table="samples", claim_timeout_s=0.2),
+            model_path=str(tok_dir), reward_fn="exact_match", rows_per_claim=2,
+        )))
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "streamflow", "worker", "--role", "reward",
+             "--config", str(config)], cwd=REPO, stderr=subprocess.PIPE, text=True,
+        )
+        while client.stats("samples").task_total("reward").consumed < 4:
+            assert worker.poll() is None, worker.stderr.read()
+            assert time.monotonic() < deadline + 60, "the reward worker scored nothing"
+            time.sleep(0.05)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0, worker.stderr.read()
+        trainer = client.claim("samples", "trainer", ["reward", "reward_ok"], 4,
+                               whole_groups=True)
+        by_row = dict(zip(trainer.batch["row_id"].to_pylist(), trainer.batch["reward"].to_pylist(),
+                          strict=True))
+        assert [by_row[r] for r in row_ids.tolist()] == [1.0, 0.0, 1.0, 1.0]
+        assert trainer.batch["reward_ok"].to_pylist() == [True] * 4
+        stats = client.stats("samples").task_total("reward")
+        assert stats.in_flight == 0 and stats.redelivered_total == 0
+        client.close()
+    finally:
+        for proc in (worker, node):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)

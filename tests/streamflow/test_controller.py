@@ -14,6 +14,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
+import storage
 from streamflow.controller import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,6 +188,18 @@ def test_sigterm_stops_cleanly_without_redeliveries(tiny_config) -> None:
         while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
             assert proc.poll() is None and time.monotonic() < deadline, "no iteration finished"
             time.sleep(0.1)
+        # SIGTERM while some worker holds a live lease (read from the store's own counts), so
+        # "released at once, no redeliveries" is tested on leases that exist.
+        cfg_json = json.loads((out / "workers" / "reward-0.json").read_text())
+        with storage.connect(cfg_json["common"]["store_addresses"]) as client:
+            while True:
+                stats = client.stats("samples")
+                tasks = {t for shard in stats.shards for t in shard.tasks}
+                leased = sum(stats.task_total(t).in_flight for t in tasks)
+                if leased:
+                    break
+                assert proc.poll() is None and time.monotonic() < deadline, "no live lease"
+                time.sleep(0.005)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
     finally:

@@ -51,13 +51,24 @@ def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, mode: str) -> 
             assert time.monotonic() < deadline, "no checkpoint in time"
             time.sleep(0.05)
         # A random point after the N-th checkpoint (N=3) that still leaves work to do: once the
-        # metrics of iteration 3 + r are written, r random in {0, 1}.
-        target = 3 + random.randint(0, 1) + 1
+        # metrics of iteration 3 + r are written (r random in {0, 1}), plus a random part of
+        # one iteration's wall time, so the kill lands anywhere in generation, training,
+        # publication or checkpointing. The seed is printed to replay a failure.
+        seed = random.randrange(1 << 30)
+        rng = random.Random(seed)
+        print(f"kill point seed {seed}")
+        target = 3 + rng.randint(0, 1) + 1
         metrics = killed_dir / "metrics.jsonl"
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < target:
+        seen: list[float] = []  # when each metrics line was first seen
+        while len(seen) < target:
+            lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            seen += [time.monotonic()] * (lines - len(seen))
             assert proc.poll() is None, "the run ended before it could be killed"
             assert time.monotonic() < deadline, "no progress in time"
             time.sleep(0.005)
+        iteration_s = (seen[-1] - seen[3]) / (len(seen) - 4) if len(seen) > 4 else seen[3] - seen[2]
+        time.sleep(rng.uniform(0.0, 0.5) * iteration_s)  # at most half an iteration: work remains
+        assert proc.poll() is None, "the run ended before it could be killed"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -130,3 +141,51 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> None:
     # A partial directory left by a killed save (no trainer_state.json) is never taken for one.
     (root / "step-000009").mkdir()
     assert latest_checkpoint(root).name == "step-000003"
+
+
+class _Marked:
+    """An engine whose saved optimizer state names the save, to tell two saves of a step apart."""
+
+    def __init__(self, mark: bytes) -> None:
+        self.mark = mark
+
+    def save_state(self, directory: str) -> None:
+        (Path(directory) / "optimizer.pt").write_bytes(self.mark)
+
+
+def test_replacing_a_step_never_leaves_it_missing(tmp_path: Path, monkeypatch) -> None:
+    """Re-saving an existing step swaps it in with two renames; a save killed between them
+    leaves the old copy under .old-step-N-*, which readers take as step N and the next save
+    restores — the newest checkpoint is never absent."""
+    from workers import checkpoint as ck
+    from workers.models import TinyModelSpec, build_tiny_model
+    from workers.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModelSpec(hidden_size=16, num_layers=1, num_heads=2,
+                                           num_kv_heads=1, intermediate_size=32), tok)
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 1, model, tok, _Marked(b"first"))
+    save_checkpoint(root, 1, model, tok, _Marked(b"second"))  # a plain replacement
+    assert (root / "step-000001" / "optimizer.pt").read_bytes() == b"second"
+    assert [p.name for p in root.iterdir()] == ["step-000001"]  # nothing left behind
+
+    real_rename = os.rename
+
+    def killed_after_first_rename(src, dst):  # the process "dies" right after step-N moved aside
+        real_rename(src, dst)
+        if Path(dst).name.startswith(".old-step-"):
+            raise KeyboardInterrupt("killed between the two renames")
+
+    monkeypatch.setattr(ck.os, "rename", killed_after_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(root, 1, model, tok, _Marked(b"third"))
+    monkeypatch.setattr(ck.os, "rename", real_rename)
+    assert not (root / "step-000001").exists()
+    newest = latest_checkpoint(root)  # still step 1: the complete old copy
+    assert newest is not None and newest.name.startswith(".old-step-000001-")
+    assert (newest / "optimizer.pt").read_bytes() == b"second"
+    save_checkpoint(root, 2, model, tok, _Marked(b"next"))  # settles the half-done replacement
+    assert [p.name for p in list_checkpoints(root)] == ["step-000001", "step-000002"]
+    assert (root / "step-000001" / "optimizer.pt").read_bytes() == b"second"
+    assert not list(root.glob(".old-*")) and not list(root.glob(".tmp-*"))
