@@ -34,6 +34,12 @@ Figures (the JSON object on the last line):
 - ``claim_p50_ms_by_resident``: claim(64 rows) + release latency p50 with 1k/10k/100k rows
   resident (the store's scheduling cost must not grow with resident rows).
 - ``small_rows_per_second``: put + claim + ack of 8-byte rows in batches of 10,000, one client.
+- ``ceiling_bytes_per_second`` / ``ceiling_ratio_to_limit``: the same W1 client processes against
+  ``storage.bench_ceiling.NullNode``, a node that speaks the wire protocol but keeps no state,
+  reads no body and answers claims from one pre-built batch: an upper bound for any store node
+  in Python on this machine (``--no-ceiling`` skips it; it needs ``--rows`` a multiple of 64).
+- ``clients_cpu_bound_ratio``: W1's bytes over the time the four client processes' CPU seconds
+  take on this machine's cores, over the limit: the ratio a node costing nothing could not beat.
 
 Run: ``python -m storage.bench [--rows N] [--json]`` (or ``streamflow bench store``).
 """
@@ -393,6 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--resident", default="1000,10000,100000", help="claim sweep sizes")
     ap.add_argument("--small-rows", type=int, default=200_000)
     ap.add_argument("--limit-mib", type=int, default=256, help="bytes streamed for the limit")
+    ap.add_argument("--no-ceiling", action="store_true", help="skip the null-node ceiling run")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     node = _Node()
@@ -403,13 +410,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         small = small_rows(node.address, args.small_rows)
     finally:
         node.stop()
+    clients_cpu = sum(v for k, v in w1["cpu_seconds"].items() if k != "node")
+    clients_bound = w1["bytes_per_second"] * w1["seconds"] / (clients_cpu / (os.cpu_count() or 1))
     result = {
         **w1,
         "limit_bytes_per_second": limit,
         "ratio_to_limit": w1["bytes_per_second"] / limit if limit else 0.0,
         "claim_p50_ms_by_resident": sweep,
         "small_rows_per_second": small,
+        "clients_cpu_bound_ratio": clients_bound / limit if limit else 0.0,
     }
+    if not args.no_ceiling and args.rows % MICRO == 0:  # the null node counts whole batches
+        from storage.bench_ceiling import start_null_node
+
+        proc, address = start_null_node()
+        try:
+            ceiling = run_w1(address, args.rows, proc.pid)
+        finally:
+            proc.terminate()
+            proc.join(15)
+        result["ceiling_bytes_per_second"] = ceiling["bytes_per_second"]
+        result["ceiling_ratio_to_limit"] = ceiling["bytes_per_second"] / limit if limit else 0.0
+        result["ceiling_exactly_once"] = ceiling["exactly_once"] and ceiling["values_ok"]
     print(f"{'metric':34s} value")
     for key, value in result.items():
         if isinstance(value, dict):

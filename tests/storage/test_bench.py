@@ -34,6 +34,9 @@ def test_tiny_w1_run_is_exactly_once(h):
     assert result["exactly_once"] is True and result["values_ok"] is True
     assert result["rows"] == 256
     for key in ("rows_per_second", "bytes_per_second", "claim_p50_ms", "claim_p99_ms",
-                "limit_bytes_per_second", "ratio_to_limit", "small_rows_per_second"):
+                "limit_bytes_per_second", "ratio_to_limit", "small_rows_per_second",
+                "ceiling_bytes_per_second", "ceiling_ratio_to_limit", "clients_cpu_bound_ratio"):
         assert result[key] > 0, key
+    # The null node's run is W1 too: its clients verified their rows the same way.
+    assert result["ceiling_exactly_once"] is True
     assert set(result["claim_p50_ms_by_resident"]) == {"1000"}
