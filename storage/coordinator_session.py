@@ -15,6 +15,9 @@ consumers by reassignment alone; a consumer whose own shards are empty takes row
 deepest one instead of idling. That is safe because store leases, not ownership, prevent double
 delivery: a stolen row is leased like any other. Stealing is non-waiting (a probe), so a consumer
 waits only on its own shards, and it can be switched off (``steal=False``: the static baseline).
+Rows claimed each way are counted (``rows_owned``/``rows_stolen``, and the Prometheus counter
+``streamflow_consumer_rows_claimed_total{source="owned"|"stolen"}`` of ``storage.metrics``, in the
+registry passed as ``registry``: a worker's, to be served on its ``/metrics``).
 
 Handoff safety (``storage.balance``): the generation reported in a heartbeat is the oldest one
 still in use: a claim started under generation g keeps g "in use" until it returns, so the
@@ -38,6 +41,7 @@ import pyarrow as pa
 
 from storage.coordinator_client import CoordinatorClient
 from storage.errors import StoreError
+from storage.metrics import SessionMetrics
 from storage.schema import Lease
 
 log = logging.getLogger("storage.coordinator")
@@ -62,6 +66,7 @@ class ConsumerSession:
         steal: bool = True,
         context: Any = None,
         request_timeout: float = 2.0,
+        registry: Any = None,
     ) -> None:
         self.address = coordinator_address
         self.table, self.task, self.consumer_id = table, task, consumer_id
@@ -80,6 +85,11 @@ class ConsumerSession:
         self.session_timeout_s = 3.0
         self.rows_owned = 0  # rows claimed from owned shards / by stealing (for reports)
         self.rows_stolen = 0
+        # The same two numbers as Prometheus counters, in ``registry`` (a worker's: served on its
+        # /metrics) or a private one: streamflow_consumer_rows_claimed_total{source}.
+        self.metrics = SessionMetrics.for_registry(registry)
+        self._owned_rows = self.metrics.rows_claimed.labels(table, task, "owned")
+        self._stolen_rows = self.metrics.rows_claimed.labels(table, task, "stolen")
         self._assigned = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -155,8 +165,7 @@ class ConsumerSession:
                 )  # fmt: skip
                 ack = write = None
                 if lease.num_rows:
-                    self.rows_owned += lease.num_rows
-                    return self._took(lease)
+                    return self._took(lease, stolen=False)
             if self.steal:
                 for target in ([deepest[0]], None) if deepest else (None,):
                     lease = client.claim(
@@ -165,16 +174,14 @@ class ConsumerSession:
                     )  # fmt: skip
                     ack = write = None
                     if lease.num_rows:
-                        self.rows_stolen += lease.num_rows
-                        return self._took(lease)
+                        return self._took(lease, stolen=True)
             wait = min(float(timeout), self.claim_wait_s)
             if own:
                 lease = client.claim(
                     t, task, columns, max_rows, timeout=wait, ack=ack, write=write, shards=own,
                     **kwargs,
                 )  # fmt: skip
-                self.rows_owned += lease.num_rows
-                return self._took(lease)
+                return self._took(lease, stolen=False)
             if ack is not None and ack.lease_id:  # nothing to claim from: hand the result in
                 if write is not None:
                     client.write(t, ack, write, ack=True)
@@ -188,9 +195,16 @@ class ConsumerSession:
             with self._lock:
                 self._claim_gen = None
 
-    def _took(self, lease: Lease) -> Lease:
+    def _took(self, lease: Lease, *, stolen: bool) -> Lease:
+        n = lease.num_rows
+        if stolen:
+            self.rows_stolen += n
+            self._stolen_rows.inc(n)
+        else:
+            self.rows_owned += n
+            self._owned_rows.inc(n)
         with self._lock:
-            self._in_flight = lease.num_rows
+            self._in_flight = n
         return lease
 
     # -- the heartbeat thread --------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one store node.
+"""Prometheus metrics of one store node, of the shard coordinator and of a consumer session.
 
 Owns: a private ``CollectorRegistry`` (so several nodes, e.g. embedded ones in tests, never clash
 in the process-global registry), the counters fed by the node's ``NodeEvents`` callbacks, the
@@ -15,6 +15,8 @@ from ``wire.VERBS``, and dead-letter reasons are mapped onto ``DEAD_REASONS``.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -273,6 +275,43 @@ class CoordinatorMetrics(HttpEndpoint):
         for key in {k for k in self._owned_keys if k[:2] == (table, task)} - keys:
             _remove(self.owned_shards, key)
         self._owned_keys = {k for k in self._owned_keys if k[:2] != (table, task)} | keys
+
+
+class SessionMetrics:
+    """A consumer session's claim metrics (``storage/coordinator_session.py``): rows claimed from
+    the consumer's own shards and rows stolen from shards other consumers own.
+
+    Registered in the registry the session is given (a stage worker's, so they are served on its
+    ``/metrics``), else in a private one. One instance per registry (``for_registry``): several
+    sessions of one process share the counters, told apart by their ``table``/``task`` labels.
+    Labels: table, task (bounded as above), source in ``SOURCES``."""
+
+    SOURCES = ("owned", "stolen")
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, SessionMetrics] = (
+        weakref.WeakKeyDictionary()
+    )
+    _lock = threading.Lock()
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.rows_claimed = Counter(
+            "streamflow_consumer_rows_claimed_total",
+            "Rows a consumer session claimed, by source: owned (its own shards) or stolen (a "
+            "shard another consumer owns, taken while its own were empty).",
+            ["table", "task", "source"],
+            registry=self.registry,
+        )
+
+    @classmethod
+    def for_registry(cls, registry: CollectorRegistry | None) -> SessionMetrics:
+        """The instance registered in ``registry`` (created once); None: a private registry."""
+        if registry is None:
+            return cls()
+        with cls._lock:
+            found = cls._by_registry.get(registry)
+            if found is None:
+                found = cls._by_registry[registry] = cls(registry)
+            return found
 
 
 def _remove(metric: Gauge, key: Iterable[str]) -> None:

@@ -280,7 +280,11 @@ class Controller:
 
     def _start_coordinator(self, client: storage.Client, addresses: list[str]) -> Any:
         """The shard coordinator (a thread of this process) when ``store.balancer`` is on and the
-        store has at least two shards; None otherwise (workers then claim from any shard)."""
+        store has at least two shards; None otherwise (workers then claim from any shard).
+
+        With ``metrics.enabled`` it serves its own /metrics (``streamflow_coordinator_*``) on
+        ``metrics.host`` and a free port, listed in the run's targets.json as role and worker
+        ``coordinator`` (its registry is its own, so it gets its own endpoint, like each worker)."""
         if not self.cfg.store.balancer:
             return None
         if len(client.stats(self.plan.table).shards) < 2:
@@ -288,7 +292,19 @@ class Controller:
         from storage.coordinator import Coordinator
 
         host = self.cluster.host if self.cluster is not None else self.cfg.store.host
-        return Coordinator(f"tcp://{host}:0", store_addresses=addresses).start()
+        metrics = self.cfg.metrics
+        coordinator = Coordinator(
+            f"tcp://{host}:0",
+            store_addresses=addresses,
+            metrics_port=0 if metrics.enabled else None,
+            metrics_addr=metrics.host,
+        ).start()
+        if coordinator.metrics_port:
+            self._endpoints.append(
+                (_scrape_address(metrics.host, coordinator.metrics_port), "coordinator",
+                 "coordinator"))
+            write_targets(self.rundir.path, self._endpoints, self.cfg.run.name)
+        return coordinator
 
     def _trainer_restart(self, wcfg: Any, path: Path) -> Any:
         """The trainer restart rule: resume from the newest checkpoint, which must hold every

@@ -9,7 +9,8 @@ Owns:
   supervisor's children.
 - ``write_targets``: ``<run_dir>/prometheus/targets.json``, a Prometheus file-based
   service-discovery list (``file_sd_configs``) of every endpoint of the run — controller, store
-  node(s), each worker — with the target labels ``role`` and ``worker``. Prometheus re-reads the
+  node(s), the shard coordinator (role ``coordinator``, when ``store.balancer`` starts one), each
+  worker — with the target labels ``role`` and ``worker``. Prometheus re-reads the
   file when it changes, so a run is scraped without editing any Prometheus config. Written
   atomically (tmp + rename), as Prometheus requires.
 - ``with_metrics``: a worker's config with the metrics endpoint switched on (or left off).

@@ -272,7 +272,8 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
                 from storage.coordinator_session import ConsumerSession
 
                 session = ConsumerSession(
-                    common.coordinator_address, common.table, stage.task, common.name
+                    common.coordinator_address, common.table, stage.task, common.name,
+                    registry=metrics.registry if metrics is not None else None,
                 )
             serve_stage(
                 client, common.table, stage, stop, worker=common.name, role=common.role,

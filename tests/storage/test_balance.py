@@ -81,7 +81,39 @@ def test_depth_move_needs_patience_then_moves_the_flooded_shard_to_the_faster_co
             moved_at = t
     assert moved_at is not None and moved_at - 5 >= CFG.patience - 1  # not on the first round
     assert flooded in b.assigned("fast")
-    assert b.imbalance >= 1.0
+    # Max over mean drain time: the whole backlog sits with one of the two members (fast, 5 s;
+    # slow, 0 s), so the ratio is the member count, 2 (before the move it was slow's 50 s vs 0).
+    assert b.imbalance == pytest.approx(2.0)
+
+
+def test_imbalance_ratio_is_max_over_mean_drain_time_and_falls_after_the_move():
+    b = Balancer(CFG)
+    b.set_shards(SHARDS)
+    b.join("a", 0.0)
+    b.join("b", 0.0)
+    t = 0.0
+    for _ in range(4):
+        t += 0.5
+        beat_all(b, t, {})
+        b.tick(t, {s: 0 for s in SHARDS})
+    assert b.imbalance == 1.0  # nothing queued anywhere
+    flood, a_other = b.assigned("a")
+    depth = {s: 0 for s in SHARDS} | {flood: 1000, a_other: 100, b.assigned("b")[0]: 200}
+    # Equal rates: a = 1100 / 100 = 11 s, b = 200 / 100 = 2 s of work, mean 6.5. Above the
+    # threshold, but moving the flood to an equal peer would not cut the larger drain time.
+    for _ in range(20):
+        t += 0.5
+        beat_all(b, t, {"a": 100.0, "b": 100.0})
+        b.tick(t, depth)
+        assert b.imbalance == pytest.approx(11.0 / 6.5) and not b.handoffs
+    assert 11.0 / 6.5 > CFG.threshold
+    for _ in range(CFG.patience + 3):  # b measured 10x faster: the flood moves to b
+        t += 0.5
+        beat_all(b, t, {"a": 100.0, "b": 1000.0})
+        b.tick(t, depth)
+    assert flood in b.assigned("b") and not b.handoffs
+    # a = 100 / 100 = 1 s, b = (200 + 1000) / 1000 = 1.2 s: 1.2 / 1.1, under the threshold.
+    assert b.imbalance == pytest.approx(1.2 / 1.1) and b.imbalance < CFG.threshold
 
 
 def test_dead_consumer_shards_are_reassigned_within_the_bound():
