@@ -44,7 +44,11 @@ node copies each version into its own directory before loading it.
 
 Trainer ranks (``trainer.engine=deepspeed``) spread over several nodes are started by torch's own
 launcher on each of them (``python -m torch.distributed.run --nnodes K --node-rank j
---master-addr/--master-port`` of the first trainer node); rank 0 talks to the store.
+--master-addr/--master-port`` of the first trainer node: torch's static rendezvous, whose TCP store
+the first trainer node's torchrun hosts); rank 0 talks to the store. The ranks' gloo traffic is
+pinned to the interface carrying this node's ``host`` (``GLOO_SOCKET_IFNAME``, unless already set):
+left alone, gloo takes the address the machine's hostname resolves to, often a loopback address
+the other nodes cannot reach.
 """
 
 from __future__ import annotations
@@ -115,6 +119,16 @@ def free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the network interface holding address ``host`` on this machine, or None."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family in (socket.AF_INET, socket.AF_INET6) and a.address == host for a in addrs):
+            return name
+    return None
 
 
 def check_launch(cfg: RunConfig, rank: int, nodes: int) -> None:
@@ -218,6 +232,7 @@ class NodeRuntime:
                 name if j == 0 else f"{name}.{j}",
                 role,
                 [
+                    *self.gloo_env(len(hosts)),
                     sys.executable,
                     "-m",
                     "torch.distributed.run",
@@ -243,6 +258,20 @@ class NodeRuntime:
             for child in self.sup.children.values():
                 if child.role == "trainer":
                     child.before_restart = _not_restarted
+
+    def gloo_env(self, trainer_hosts: int) -> list[str]:
+        """``env GLOO_SOCKET_IFNAME=<interface of host>`` to prefix torchrun with when the ranks
+        span hosts (gloo would otherwise bind what the hostname resolves to, e.g. 127.0.1.1, and
+        tell the other ranks to connect there). A value already in the environment wins."""
+        if trainer_hosts == 1 or self.sup.env.get("GLOO_SOCKET_IFNAME"):
+            return []
+        iface = interface_of(self.host)
+        if iface is None:
+            raise LaunchError(
+                f"placement host {self.host} of node {self.rank} is no address of this host's "
+                "interfaces: trainer ranks need it (or GLOO_SOCKET_IFNAME) to reach the others"
+            )
+        return ["env", f"GLOO_SOCKET_IFNAME={iface}"]
 
     def finish(self, role: str, wcfg: Any) -> Any:
         common = wcfg.common

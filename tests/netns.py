@@ -5,8 +5,10 @@ the bridge by a veth pair and given ``10.A.B.(i+1)/24`` (A.B from the test's pid
 sessions do not clash), ``lo`` and links up. Names carry the pid too. Everything lives in
 namespaces this helper creates; processes are started *inside* them (``exec_argv``), and a test
 never connects from the root namespace to a namespace address. ``cut(i)`` / ``heal(i)`` take host
-i's cable down and up (its bridge-side veth), like pulling a network cable. ``close()`` (also on
-``with`` exit) deletes every namespace, which removes the veths with them.
+i's cable down and up (its bridge-side veth), like pulling a network cable. ``kill_all()`` SIGKILLs
+every process still inside these namespaces (by pid, from ``ip netns pids``: only processes a test
+started there, e.g. torchrun's ranks, which run in sessions of their own). ``close()`` (also on
+``with`` exit) does that, then deletes every namespace, which removes the veths with them.
 
 Needs root (``ip netns``); ``available()`` says whether this process can create namespaces.
 """
@@ -14,7 +16,9 @@ Needs root (``ip netns``); ``available()`` says whether this process can create 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 
 
 def _ip(*args: str) -> None:
@@ -74,7 +78,29 @@ class Hosts:
     def heal(self, i: int) -> None:
         _ip("-n", self.hub, "link", "set", self._veths[i][1], "up")
 
+    def pids(self) -> list[int]:
+        """Every process inside one of these namespaces (not the hub: nothing runs there)."""
+        out = []
+        for name in self._created:
+            res = subprocess.run(
+                ["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30
+            )
+            out += [int(x) for x in res.stdout.split()]
+        return out
+
+    def kill_all(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL every process left inside these namespaces and wait until they are gone."""
+        deadline = time.monotonic() + timeout_s
+        while (pids := self.pids()) and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+
     def close(self) -> None:
+        self.kill_all()
         for name in reversed(self._created):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
         self._created.clear()

@@ -33,7 +33,9 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import socket
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -44,6 +46,7 @@ import torch.distributed as dist
 from workers.rl import LossSums
 
 _CONTROL_LEN = 3  # [op, iteration, payload bytes]
+log = logging.getLogger(__name__)
 
 
 class Op(IntEnum):
@@ -95,6 +98,30 @@ def rank_env(environ: dict[str, str] | None = None) -> RankEnv | None:
     return RankEnv(
         values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], env["MASTER_ADDR"],
         values["MASTER_PORT"],
+    )
+
+
+def describe_rank(env: RankEnv, environ: dict[str, str] | None = None) -> str:
+    """One log line saying where this rank runs and how it found the others: its rank, the
+    launcher's rendezvous (``MASTER_ADDR``/``MASTER_PORT``; ``launcher=torchrun`` when torch's
+    elastic agent started it), its network namespace and its own address toward the master (a
+    route lookup: a UDP ``connect`` sends nothing). What a multi-host test checks."""
+    e = os.environ if environ is None else environ
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in e else "other"
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = "?"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((env.master_addr, env.master_port))
+            via = sock.getsockname()[0]
+    except OSError:
+        via = "?"
+    return (
+        f"rank {env.rank} of {env.world_size} joined (local rank {env.local_rank}, "
+        f"launcher={launcher}, MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port}, "
+        f"netns={netns}, via {via}, GLOO_SOCKET_IFNAME={e.get('GLOO_SOCKET_IFNAME', '-')})"
     )
 
 
@@ -154,6 +181,12 @@ class RankGroup:
             raise RuntimeError("RankGroup needs an initialised torch.distributed process group")
         self.rank = rank
         self.world_size = world_size
+        try:
+            env = rank_env()
+        except ValueError:  # not torchrun's: nothing to say about the launcher
+            env = None
+        if env is not None:
+            log.info(describe_rank(env))
 
     @property
     def is_leader(self) -> bool:

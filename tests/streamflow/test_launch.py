@@ -4,7 +4,8 @@ The store, rollout and trainer sit in different namespaces, each with its own we
 (weights travel over the trainer's ZeroMQ fetch server), and the run ends with the parameters of
 a one-host run of the same config. Then a network cut of a namespace for longer than the lease:
 its workers' rows go to workers elsewhere, their late writes are fenced, every row is trained
-exactly once, and the run completes with the same parameters again.
+exactly once, and the run completes with the same parameters again. And the DeepSpeed trainer with
+one rank in each of two namespaces, started by each node's torchrun, gives the one-host parameters.
 """
 
 from __future__ import annotations
@@ -219,3 +220,77 @@ def test_network_cut_longer_than_the_lease(one_host, hosts, model_cache: Path) -
     assert [r["samples"] for r in lines] == [4 * 2] * 2
     diff = _max_diff(one_host, _params(out, 2))
     assert diff <= 1e-6, diff
+
+
+DS = ("trainer.engine=deepspeed", "trainer.num_ranks=2", "trainer.lr=0.01")
+
+
+def _netns_inode(name: str) -> str:
+    """What /proc/<pid>/ns/net shows for a process inside namespace ``name``."""
+    return f"net:[{os.stat(f'/run/netns/{name}').st_ino}]"
+
+
+def _rank_line(log: Path, rank: int) -> str:
+    """The line `workers.distributed.describe_rank` wrote when ``rank`` joined the group."""
+    text = log.read_text(errors="replace")
+    lines = [x for x in text.splitlines() if f"rank {rank} of 2 joined" in x]
+    assert len(lines) == 1, text[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_deepspeed_ranks_on_two_namespaces(model_cache: Path) -> None:
+    """trainer.engine=deepspeed, 2 ranks: rank 0 in namespace A (with the coordinator,
+    controller, store, rollout, reward and reference), rank 1 in namespace B. Each node starts its
+    rank with torchrun (static rendezvous at A's address); the run ends with the parameters of a
+    one-host run of the same config (the torch engine in one process: what the single-host
+    DeepSpeed test compares with, at its tolerance)."""
+    from streamflow.config import load_config
+
+    overrides = [*COMMON, "run.iterations=2", "trainer.lr=0.01"]
+    ref_dir = model_cache / "ds-reference"
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml",
+        [f"run.output_dir={ref_dir}", *overrides, "run.mode=sync"],  # sync == periodic, bitwise
+    )
+    assert run(cfg).status == "ok"
+    reference = _params(ref_dir, 2)
+
+    if not netns.available():
+        pytest.fail("this test needs root to create network namespaces (ip netns)")
+    out = model_cache / "ds-two-hosts"
+    nodes = [
+        {"store_nodes": 1, "rollout": 1, "reward": 1, "reference": 1, "trainer": 1},
+        {"trainer": 1},
+    ]
+    with netns.Hosts(2, tag="d") as hosts:
+        procs = _launch(hosts, out, [*overrides, *DS, _placement(hosts, nodes)])
+        try:
+            codes = _wait(procs, 150)
+        finally:
+            _kill(procs)
+            hosts.kill_all()  # torchrun's ranks run in sessions of their own
+        inodes = [_netns_inode(n) for n in hosts.names]
+        addresses = list(hosts.addresses)
+    assert codes == [0, 0], [_node_log(out, r)[-3000:] for r in range(2)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["iterations"] == 2, summary
+    assert summary["redelivered_rows"] == 0 and summary["dead_rows"] == 0
+    # Each rank's own line: started by torchrun (TORCHELASTIC_RUN_ID set), MASTER_ADDR is A's
+    # address, and it ran in its node's namespace with its node's address toward the master.
+    assert inodes[0] != inodes[1]
+    logs = [out / "logs" / "trainer-0.log", out / "logs" / "node-1" / "trainer-0.1.log"]
+    for rank, log in enumerate(logs):
+        line = _rank_line(log, rank)
+        assert "launcher=torchrun" in line, line
+        assert f"MASTER_ADDR={addresses[0]} " in line, line
+        assert f"netns={inodes[rank]}," in line, line
+        assert f"via {addresses[rank]}," in line, line
+    # Both ranks stepped together: the digests all-gathered after the last step are equal.
+    synced = [x for x in logs[0].read_text().splitlines() if "in sync after step 2" in x]
+    assert len(synced) == 1, logs[0].read_text()[-3000:]
+    ds_files = out / "checkpoints" / "step-000002" / "deepspeed"  # one ZeRO partition per rank
+    assert (ds_files / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    diff = _max_diff(reference, _params(out, 2))
+    print(f"max abs parameter difference, 2 ranks on 2 namespaces vs one host: {diff:.3g}")
+    assert diff <= 1e-5, diff
