@@ -218,11 +218,16 @@ class ConsumerSession:
             self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
             self.session_timeout_s = float(reply["session_timeout_s"])
             gen = int(reply["generation"])
+            changed = None
             if gen >= self._generation:
+                shards = sorted(int(s) for s in reply["shards"])
+                changed = shards if shards != self._shards else None
                 self._generation = gen
-                self._shards = sorted(int(s) for s in reply["shards"])
+                self._shards = shards
             self._deepest = [int(s) for s in reply.get("deepest", [])]
             self._valid_until = sent_at + self.session_timeout_s - self.claim_wait_s
+        if changed is not None:  # one line per change of the owned set (a worker's log)
+            log.info("%s: assigned shards %s (generation %d)", self.consumer_id, changed, gen)
         self._assigned.set()
 
     def _run(self) -> None:

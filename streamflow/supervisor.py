@@ -19,7 +19,11 @@ rows are redelivered, so the successor simply picks up work. Every restart is bo
 systematic failure ends the run within (start-up + backoff) × (max_restarts + 1).
 
 ``stop_all`` sends SIGTERM, waits up to a grace period, then SIGKILLs whatever is left, so a run
-never leaves processes behind, whether it succeeded, failed or was interrupted.
+never leaves processes behind, whether it succeeded, failed or was interrupted. Every process the
+supervisor ever started (a restarted child's earlier ones included) is waited for before it
+returns, even when the graceful path is cut short (an exception, or a second Ctrl-C, raised in
+``between`` or in a wait): no child is left running or as an unreaped zombie of the caller's
+process — which matters when the run is in-process (tests, notebooks).
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ class Supervisor:
         self.env = {**os.environ, **(env or {})}
         self.policy = policy or RestartPolicy()
         self.children: dict[str, Child] = {}
+        self._spawned: list[subprocess.Popen] = []  # every process started, for stop_all to reap
 
     def start(self, name: str, role: str, argv: list[str], *, threads: int = 1) -> Child:
         if name in self.children:
@@ -128,7 +133,7 @@ class Supervisor:
             "HF_HUB_OFFLINE": "1",
         }
         with open(log_path, "ab") as log_file:
-            return subprocess.Popen(
+            popen = subprocess.Popen(
                 argv,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -136,6 +141,8 @@ class Supervisor:
                 env=env,
                 preexec_fn=_die_with_parent,
             )
+        self._spawned.append(popen)
+        return popen
 
     def start_python(
         self, name: str, role: str, module: str, args: list[str], *, threads: int = 1
@@ -230,7 +237,16 @@ class Supervisor:
 
         ``between`` runs once the first group has exited and before the last one is stopped (the
         controller reads the store's final counts there, after every worker released its leases).
+        Whatever happens meanwhile, every process this supervisor started is reaped on return.
         """
+        try:
+            self._stop_groups(grace_s, roles_last, between)
+        finally:
+            self._reap_all()
+
+    def _stop_groups(
+        self, grace_s: float, roles_last: tuple[str, ...], between: Callable[[], None] | None
+    ) -> None:
         for group_last in (False, True):
             if group_last and between is not None:
                 try:
@@ -249,3 +265,11 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     child.popen.kill()
                     child.popen.wait()
+
+    def _reap_all(self) -> None:
+        """SIGKILL and wait for every process started that has not been waited for yet (a
+        graceful stop that was cut short; exited ones are only reaped)."""
+        for popen in self._spawned:
+            if popen.poll() is None:  # poll() reaps one that has exited
+                popen.kill()  # also ends a stopped (SIGSTOP) one
+                popen.wait()

@@ -1,16 +1,18 @@
 """Faults inside a full run, through real processes (issue 4; docs/faults.md).
 
-Each test starts a real run of configs/tiny.yaml with short leases, injects one fault at a moment
-read from the run itself (the store's own counts: a lease is live), and checks what the run did:
-completed or failed with the cause, within a bound; every row trained exactly once; the store's
-counts of redeliveries and dead rows. Runs are deterministic (``trainer.deterministic``, sampling
-seeded per group and version), so a run that survived a fault must end with the parameters of an
-uninterrupted one — redelivered rows are regenerated and rescored identically.
+Each test starts a real run of configs/tiny.yaml with short leases, injects faults at moments
+read from the run itself (the store's own counts: the victim's task holds a live lease), and checks
+what the run did: completed or failed with the cause, within a bound; every row trained exactly
+once; the store's counts of redeliveries and dead rows. Runs are deterministic
+(``trainer.deterministic``, sampling seeded per group and version), so a run that survived a fault
+must end with the parameters of an uninterrupted run of the same config — redelivered rows are
+regenerated and rescored identically.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from safetensors.torch import load_file
 
 import storage
 from streamflow.controller import WorkerFailed, run
+from streamflow.supervisor import Supervisor
 from workers.checkpoint import latest_checkpoint, read_state
 from workers.tasks import ArithmeticTask
 
@@ -39,24 +42,52 @@ COMMON = (
     "run.checkpoint_every=1",
     "run.stall_timeout_s=90",
 )
+# The balancer on: two shards start the run's coordinator (one shard has nothing to balance).
+BALANCED = ("store.num_shards=2", "store.balancer=true")
 
 
 def _params(run_dir: Path) -> dict:
     return load_file(str(run_dir / "checkpoints" / f"step-{ITERATIONS:06d}" / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(model_cache: Path) -> tuple[dict, dict]:
-    """The reference: the same run without faults (final parameters, summary)."""
+def _reference_run(out: Path, *overrides: str) -> tuple[dict, dict]:
+    """A run without faults (final parameters, summary): what a faulted run must end with."""
     from streamflow.config import load_config
 
-    out = model_cache / "faults-uninterrupted"
     cfg = load_config(
-        ROOT / "configs" / "tiny.yaml", [f"run.output_dir={out}", "run.progress=false", *COMMON]
+        ROOT / "configs" / "tiny.yaml",
+        [f"run.output_dir={out}", "run.progress=false", *COMMON, *overrides],
     )
     summary = run(cfg)
     assert summary.status == "ok" and summary.redelivered_rows == 0
     return _params(out), json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(model_cache: Path) -> tuple[dict, dict]:
+    """The reference of the one-shard runs (no coordinator)."""
+    return _reference_run(model_cache / "faults-uninterrupted")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_balanced(model_cache: Path) -> tuple[dict, dict]:
+    """The reference of the runs with the balancer on (``BALANCED``)."""
+    return _reference_run(model_cache / "faults-uninterrupted-balanced", *BALANCED)
+
+
+@pytest.fixture
+def start_run():
+    """Starts ``Run``s; whatever a test left running (it failed before ``Run.wait``) is killed and
+    reaped at teardown, so no run outlives its test as a child — or a zombie — of pytest."""
+    started: list[Run] = []
+
+    def start(out: Path, *overrides: str) -> Run:
+        started.append(Run(out, *overrides))
+        return started[-1]
+
+    yield start
+    for r in started:
+        r.close()
 
 
 class Run:
@@ -97,28 +128,55 @@ class Run:
             time.sleep(0.1)
         raise AssertionError(f"no process for {name}")
 
-    def wait_leased(self, task: str, min_iteration_done: int = 1, timeout: float = 120) -> None:
-        """Until ``task`` holds a live lease, after ``min_iteration_done`` iterations finished:
-        the moment a kill catches a worker mid-lease, read from the store's own counts."""
+    def iterations_done(self) -> int:
+        """Iterations the controller recorded (it records one when the trainer reports its step)."""
         metrics = self.out / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    def _store(self) -> storage.Client:
+        cfg = json.loads((self.out / "workers" / "reward-0.json").read_text())
+        return storage.connect(cfg["common"]["store_addresses"])
+
+    def wait_leased(self, task: str, min_iteration_done: int = 1, timeout: float = 120) -> int:
+        """Until ``task`` holds a live lease, after ``min_iteration_done`` iterations finished:
+        the moment a kill catches a worker mid-lease, read from the store's own counts (with one
+        worker of ``task``, the lease is that worker's). Returns the iterations done seen first:
+        a lower bound of those done when the lease was seen."""
         deadline = time.monotonic() + timeout
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < min_iteration_done:
+        while (done := self.iterations_done()) < min_iteration_done:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
             time.sleep(0.05)
-        cfg = json.loads((self.out / "workers" / "reward-0.json").read_text())
-        with storage.connect(cfg["common"]["store_addresses"]) as client:
+        with self._store() as client:
             while client.stats("samples").task_total(task).in_flight == 0:
                 assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
                 time.sleep(0.01)
+        return done
+
+    def wait_redelivered(self, tasks: tuple[str, ...], timeout: float = 120) -> None:
+        """Until the store counts a redelivered row of each of ``tasks`` (a dead worker's lease
+        expired and its rows were claimed again)."""
+        deadline = time.monotonic() + timeout
+        with self._store() as client:
+            while True:
+                stats = client.stats("samples")
+                if all(stats.task_total(t).redelivered_total > 0 for t in tasks):
+                    return
+                assert self.proc.poll() is None and time.monotonic() < deadline, (
+                    {t: stats.task_total(t).redelivered_total for t in tasks}, self.stderr())
+                time.sleep(0.05)
 
     def wait(self, timeout: float = 120) -> int:
         try:
             return self.proc.wait(timeout)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self.log.close()
+            self.close()
+
+    def close(self) -> None:
+        """Kill the run if it still runs, reap it, close its stderr file."""
+        if self.proc.poll() is None:
+            self.proc.kill()  # its workers and store get SIGTERM (PR_SET_PDEATHSIG)
+            self.proc.wait()
+        self.log.close()
 
     def stderr(self, tail: int = 3000) -> str:
         if not self.log.closed:
@@ -147,12 +205,14 @@ def _assert_trained_exactly_once(r: Run, reference: tuple[dict, dict]) -> dict:
 
 
 @pytest.mark.slow
-def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(model_cache, uninterrupted):
+def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(
+    model_cache, uninterrupted, start_run
+):
     """One run, three faults, each at a moment the store shows a live lease of the victim:
     the reward worker frozen (SIGSTOP) past its lease then resumed, later SIGKILLed, then the
     trainer SIGKILLed mid-iteration. Every row is still trained exactly once: the parameters are
     the uninterrupted run's, bitwise."""
-    r = Run(model_cache / "faults-workers")
+    r = start_run(model_cache / "faults-workers")
     reward = r.process("reward-0")
     r.wait_leased("reward", min_iteration_done=1)
     reward.send_signal(signal.SIGSTOP)
@@ -160,14 +220,17 @@ def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(model_cache, unin
     reward.send_signal(signal.SIGCONT)  # its late write+ack is fenced; it goes on claiming
     r.wait_leased("reward", min_iteration_done=2)
     reward.send_signal(signal.SIGKILL)  # restarted; its lease expires, the rows come back
-    r.wait_leased("trainer", min_iteration_done=3)
     trainer = r.process("trainer-0")
+    done = r.wait_leased("trainer", min_iteration_done=3)
     trainer.send_signal(signal.SIGKILL)  # restarted from its newest checkpoint
     trainer.wait(30)
-    # The newest complete checkpoint once it is dead: step 3 or later (the kill may land in a
-    # later iteration than the third), and the one the restart must resume from.
+    # The newest complete checkpoint once it is dead: the one the restart must resume from. The
+    # controller records iteration k when the trainer reports it, and the trainer writes
+    # checkpoint k+1 after that report (step -> publish -> report -> checkpoint -> ack), but
+    # checkpoint k before its report of iteration k: with `done` iterations recorded before the
+    # kill, checkpoint done-1 or a newer one is complete (done itself may not be yet).
     newest = latest_checkpoint(r.out / "checkpoints")
-    assert newest is not None and read_state(newest).step >= 3
+    assert newest is not None and read_state(newest).step >= done - 1 >= 2, (newest, done)
     assert r.wait() == 0, r.stderr()
     summary = _assert_trained_exactly_once(r, uninterrupted)
     assert summary["worker_restarts"] == {"reward-0": 1, "trainer-0": 1}
@@ -179,9 +242,48 @@ def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(model_cache, unin
     assert f"restarting the trainer from {newest}" in controller_log, controller_log
 
 
+def _assignments(log_text: str, worker: str) -> list[list[int]]:
+    """The shard sets a worker's balancer session adopted, in order (its log lines
+    "<worker>: assigned shards [..] (generation g)", storage/coordinator_session.py)."""
+    found = re.findall(rf"{re.escape(worker)}: assigned shards \[([\d, ]*)\] \(generation \d+\)",
+                       log_text)
+    return [[int(x) for x in f.split(",") if x.strip()] for f in found]
+
+
 @pytest.mark.slow
-def test_store_node_killed_and_restarted_under_load(model_cache, uninterrupted):
-    r = Run(model_cache / "faults-store", "store.persist=true")
+def test_rollout_and_reference_killed_rejoin_the_balancer_and_the_run_is_exact(
+    model_cache, uninterrupted_balanced, start_run
+):
+    """The balancer on (two shards): the rollout worker SIGKILLed while it holds a lease, then
+    the reference worker too. Each is its role's only worker, so the run cannot finish until the
+    restarted one has rejoined its consumer group and claimed again; its leases expire after
+    store.lease_seconds and the rows are redelivered. Every row trained exactly once (bitwise the
+    uninterrupted run of the same config); each restarted process was given shards."""
+    r = start_run(model_cache / "faults-balanced", *BALANCED)
+    rollout, reference = r.process("rollout-0"), r.process("reference-0")
+    r.wait_leased("rollout", min_iteration_done=1)
+    rollout.send_signal(signal.SIGKILL)
+    r.wait_leased("reference", min_iteration_done=2)
+    reference.send_signal(signal.SIGKILL)
+    # Each victim's rows came back to its task: the dead lease expired and was claimed again.
+    r.wait_redelivered(("rollout", "reference"))
+    assert r.wait(180) == 0, r.stderr()
+    summary = _assert_trained_exactly_once(r, uninterrupted_balanced)
+    assert summary["worker_restarts"] == {"rollout-0": 1, "reference-0": 1}
+    assert summary["redelivered_rows"] > 0
+    for worker in ("rollout-0", "reference-0"):
+        # Only the restarted process's lines count (the victim may have died before its first
+        # assignment: until then a session's claims steal, and the kill can come that early).
+        _, marker, after = (r.out / "logs" / f"{worker}.log").read_text().partition(
+            f"--- supervisor: restart 1 of {worker} ---")
+        assert marker, f"{worker} was not restarted"
+        given = _assignments(after, worker)
+        assert any(given), f"restarted {worker} was never given shards: {given}\n{after[-2000:]}"
+
+
+@pytest.mark.slow
+def test_store_node_killed_and_restarted_under_load(model_cache, uninterrupted, start_run):
+    r = start_run(model_cache / "faults-store", "store.persist=true")
     r.wait_leased("reward")
     r.process("store-0").send_signal(signal.SIGKILL)
     assert r.wait(180) == 0, r.stderr()
@@ -254,6 +356,25 @@ def test_a_worker_that_cannot_start_ends_the_run_fast_with_its_log(tiny_config):
     assert "reward-0 exited with status 1 before it was ready" in message
     assert "cannot import module 'tests.streamflow.no_such_module'" in message  # the log tail
     assert psutil.Process().children(recursive=True) == [] or _no_children_soon()
+
+
+def test_stop_all_reaps_every_child_even_when_cut_short(tmp_path):
+    """streamflow/supervisor.py: a second Ctrl-C (KeyboardInterrupt) while the controller reads
+    the final counts between the two groups must not leave the last group (the store) running or
+    unreaped: every process the supervisor started has been waited for when stop_all returns."""
+    sup = Supervisor(tmp_path)
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    sup.start("rollout-0", "rollout", sleep)
+    sup.start("reward-0", "reward", [sys.executable, "-c", "pass"])  # exited already, unreaped
+    sup.start("store-0", "store", sleep)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sup.stop_all(grace_s=5, between=interrupted)
+    assert {n: c.popen.returncode is not None for n, c in sup.children.items()} == {
+        "rollout-0": True, "reward-0": True, "store-0": True}
 
 
 def _no_children_soon() -> bool:
