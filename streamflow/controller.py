@@ -337,6 +337,8 @@ class Controller:
         tasks = [t.name for t in self.plan.table_spec.tasks]
         self.store_totals = {
             "redelivered_rows": sum(stats.task_total(t).redelivered_total for t in tasks),
+            "redelivered_by_task": {t: stats.task_total(t).redelivered_total for t in tasks
+                                    if stats.task_total(t).redelivered_total},
             "dead_rows": sum(stats.task_total(t).dead for t in tasks),
             "in_flight_rows": sum(stats.task_total(t).in_flight for t in tasks),
             "dead_reasons": {f"{t}: {reason}": n for t in tasks

@@ -102,6 +102,7 @@ class RunSummary:
     # What the store saw (streaming modes; read after every worker stopped): rows handed out again
     # after a lease expired or a failed release, rows quarantined, rows still leased at the end.
     redelivered_rows: int = 0
+    redelivered_by_task: dict[str, int] = field(default_factory=dict)  # task -> rows, if any
     dead_rows: int = 0
     in_flight_rows: int = 0
     # "task: reason" -> rows quarantined for it (reasons name the rows' iteration and group)

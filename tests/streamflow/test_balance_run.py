@@ -84,6 +84,8 @@ def test_periodic_run_with_the_balancer(tiny_config, monkeypatch) -> None:
     m = coord.metrics
     assert m.reassignments.labels(table, "reward", "leave")._value.get() >= 1
     assert not reward.members  # everyone left at the end of the run
+    # No churn: two equal workers on an even workload never trigger a depth move (hysteresis).
+    assert m.reassignments.labels(table, "reward", "balance")._value.get() == 0
 
     # The coordinator had its own metrics endpoint, listed in targets.json like the other
     # processes (the file as it stood during the run, and as the run left it).
