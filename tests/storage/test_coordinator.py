@@ -350,6 +350,17 @@ def test_an_idle_consumer_steals_from_the_deepest_shard_it_does_not_own():
         admin.close()
 
 
+def _drain(session, client, shard: int) -> list[int]:
+    """Claim (and ack) through ``session`` until nothing is left; every lease from ``shard``."""
+    rows: list[int] = []
+    lease = session.claim(client, ["x"], 50, timeout=1.0)
+    while lease.num_rows:
+        assert lease.shard_id == shard
+        rows += lease.batch.column("x").to_pylist()
+        lease = session.claim(client, ["x"], 50, timeout=0.1, ack=lease)
+    return rows
+
+
 def test_a_lease_taken_before_a_move_stays_valid_and_is_acked_exactly_once():
     """A owns both shards and holds a lease on rows of shard S; B joins and S moves to B (the
     handoff completes while A still holds the lease: a held lease is not a claim in progress).
@@ -385,22 +396,12 @@ def test_a_lease_taken_before_a_move_stays_valid_and_is_acked_exactly_once():
                 "streamflow_coordinator_reassignments_total",
                 {"table": "t", "task": "work", "reason": "join"}) == 1.0  # S, revoked for B
             cb = store.client()
-            b_rows: list[int] = []
-            lease = sb.claim(cb, ["x"], 50, timeout=1.0)
-            while lease.num_rows:
-                assert lease.shard_id == S
-                b_rows += lease.batch.column("x").to_pylist()
-                lease = sb.claim(cb, ["x"], 50, timeout=0.1, ack=lease)
+            b_rows = _drain(sb, cb, S)
             assert sorted(b_rows) == sorted(set(range(20)) - set(a_rows))  # none of A's rows
             # A no longer owns S, yet its lease on S's rows is still good: write + ack succeed.
             assert S not in sa.shards()
             ca.write("t", held, pa.table({"y": [v * 10 for v in a_rows]}), ack=True)
-            a_more: list[int] = []
-            lease = sa.claim(ca, ["x"], 50, timeout=1.0)
-            while lease.num_rows:
-                assert lease.shard_id == other
-                a_more += lease.batch.column("x").to_pylist()
-                lease = sa.claim(ca, ["x"], 50, timeout=0.1, ack=lease)
+            a_more = _drain(sa, ca, other)
             assert sb.claim(cb, ["x"], 50, timeout=0.1).num_rows == 0  # A's rows never reach B
             everything = a_rows + b_rows + a_more
             assert sorted(everything) == list(range(20)) + list(range(100, 200))  # exactly once

@@ -1,7 +1,12 @@
-"""Shared fixtures for engine tests: the tiny config, with its built-in model cached per session."""
+"""Shared fixtures for engine tests: the tiny config, with its built-in model cached per session,
+and store nodes started with `streamflow store serve` as a container would start them."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,3 +32,29 @@ def tiny_config(model_cache: Path, tmp_path: Path):
         )
 
     return make
+
+
+@pytest.fixture
+def store_serve(tmp_path: Path):
+    """``start(shards) -> (address, process)``: a `streamflow store serve` child on a free
+    loopback port, ready to serve; every node started is stopped at teardown."""
+    nodes: list[subprocess.Popen] = []
+
+    def start(shards: int) -> tuple[str, subprocess.Popen]:
+        ready = tmp_path / f"store-ready-{len(nodes)}.json"
+        node = subprocess.Popen(
+            [sys.executable, "-m", "streamflow", "store", "serve", "--bind", "tcp://127.0.0.1:0",
+             "--shards", str(shards), "--ready-file", str(ready)], cwd=ROOT,
+        )
+        nodes.append(node)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert node.poll() is None and time.monotonic() < deadline, "store did not start"
+            time.sleep(0.05)
+        return json.loads(ready.read_text())["addresses"][0], node
+
+    yield start
+    for node in nodes:
+        if node.poll() is None:
+            node.terminate()
+            node.wait(timeout=30)

@@ -232,7 +232,7 @@ def test_worker_subcommand_runs_one_role_and_names_bad_configs(tmp_path, capsys)
 
 
 @pytest.mark.slow
-def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path):
+def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path, store_serve):
     """`streamflow store serve` + `streamflow worker --role reward`: one role per process, as a
     container or scheduler runs it. The worker scores rows it did not see being made, writes
     its columns, and stops cleanly on SIGTERM (exit 0, nothing left leased)."""
@@ -247,18 +247,10 @@ def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path):
     tok = build_char_tokenizer()
     tok_dir = tmp_path / "tokenizer"
     tok.save_pretrained(tok_dir)
-    ready = tmp_path / "ready.json"
-    node = subprocess.Popen(
-        [sys.executable, "-m", "streamflow", "store", "serve", "--bind", "tcp://127.0.0.1:0",
-         "--shards", "1", "--ready-file", str(ready)], cwd=REPO,
-    )
+    address, _node = store_serve(1)
     worker = None
     try:
         deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert node.poll() is None and time.monotonic() < deadline, "store did not start"
-            time.sleep(0.05)
-        address = json.loads(ready.read_text())["addresses"][0]
         client = storage.connect(address)
         client.create_table(samples_table_spec("samples", group_size=2, reference_worker=False))
         answers, completions = ["12", "12", "7", "7"], ["12", "13", "7", " 7 "]
@@ -302,7 +294,6 @@ def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path):
         assert stats.in_flight == 0 and stats.redelivered_total == 0
         client.close()
     finally:
-        for proc in (worker, node):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+        if worker is not None and worker.poll() is None:
+            worker.terminate()
+            worker.wait(timeout=30)

@@ -218,24 +218,11 @@ def test_sigterm_stops_cleanly_without_redeliveries(tiny_config) -> None:
 
 
 @pytest.mark.slow
-def test_run_against_an_external_store_node(tiny_config, tmp_path: Path) -> None:
+def test_run_against_an_external_store_node(tiny_config, store_serve) -> None:
     """`store.addresses`: the run uses store nodes it did not start (compose, schedulers)."""
-    ready = tmp_path / "ready.json"
-    node = subprocess.Popen(
-        [sys.executable, "-m", "streamflow", "store", "serve", "--bind", "tcp://127.0.0.1:0",
-         "--shards", "2", "--ready-file", str(ready)], cwd=ROOT,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert node.poll() is None and time.monotonic() < deadline, "store did not start"
-            time.sleep(0.05)
-        address = json.loads(ready.read_text())["addresses"][0]
-        for _ in range(2):  # a second run on the same node replaces the first run's table
-            cfg = tiny_config(f"store.addresses=[{address}]", "run.eval_every=0")
-            summary = run(cfg)
-            assert summary.status == "ok" and summary.iterations == 2
-        assert node.poll() is None, "the run must not stop a store it did not start"
-    finally:
-        node.terminate()
-        node.wait(timeout=30)
+    address, node = store_serve(2)
+    for _ in range(2):  # a second run on the same node replaces the first run's table
+        cfg = tiny_config(f"store.addresses=[{address}]", "run.eval_every=0")
+        summary = run(cfg)
+        assert summary.status == "ok" and summary.iterations == 2
+    assert node.poll() is None, "the run must not stop a store it did not start"
