@@ -280,6 +280,20 @@ def test_store_node_killed_and_restarted_under_load(model_cache, uninterrupted, 
     assert "table samples recovered" in r.stderr()
 
 
+@pytest.mark.slow
+def test_store_node_killed_without_persistence_ends_the_run_with_the_cause(model_cache, start_run):
+    """Without store.persist a dead store node's rows are gone: it is not restarted and the run
+    fails at once, naming why, rather than stalling or going on with a hole in its data."""
+    r = start_run(model_cache / "faults-store-no-persist")
+    r.wait_leased("reward")
+    killed = time.monotonic()
+    r.process("store-0").send_signal(signal.SIGKILL)
+    assert r.wait(120) != 0
+    assert time.monotonic() - killed < 60, "the run did not notice the dead store in time"
+    assert "store.persist is false: the rows it held are lost" in r.stderr(tail=1_000_000)
+    assert r.summary()["status"] == "failed"
+
+
 def _poison_answer() -> tuple[str, list[int]]:
     """An answer of iteration 0 (one prompt = one group) and how many groups of each iteration
     carry it (the arithmetic task of configs/tiny.yaml is a pure function of the iteration)."""
