@@ -334,15 +334,15 @@ class Controller:
     def _final_store_stats(self, client: storage.Client) -> None:
         """After every worker stopped (and released what it held): what the store saw."""
         stats = client.stats(self.plan.table)
-        tasks = [t.name for t in self.plan.table_spec.tasks]
+        totals = {t.name: stats.task_total(t.name) for t in self.plan.table_spec.tasks}
+        redelivered = {t: s.redelivered_total for t, s in totals.items() if s.redelivered_total}
         self.store_totals = {
-            "redelivered_rows": sum(stats.task_total(t).redelivered_total for t in tasks),
-            "redelivered_by_task": {t: stats.task_total(t).redelivered_total for t in tasks
-                                    if stats.task_total(t).redelivered_total},
-            "dead_rows": sum(stats.task_total(t).dead for t in tasks),
-            "in_flight_rows": sum(stats.task_total(t).in_flight for t in tasks),
-            "dead_reasons": {f"{t}: {reason}": n for t in tasks
-                             for reason, n in stats.task_total(t).dead_reasons.items()},
+            "redelivered_rows": sum(redelivered.values()),
+            "redelivered_by_task": redelivered,
+            "dead_rows": sum(s.dead for s in totals.values()),
+            "in_flight_rows": sum(s.in_flight for s in totals.values()),
+            "dead_reasons": {f"{t}: {reason}": n for t, s in totals.items()
+                             for reason, n in s.dead_reasons.items()},
             "worker_restarts": {c.name: c.restarts for c in self._sup.children.values()
                                 if c.restarts},
         }
