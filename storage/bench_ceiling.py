@@ -51,8 +51,9 @@ class _Counts:
     """Rows per task: put, handed out, acked (the only state W1's dependencies need)."""
 
     put: int = 0
-    claimed: dict[str, int] = field(default_factory=lambda: {"reward": 0, "reference": 0,
-                                                             "trainer": 0})
+    claimed: dict[str, int] = field(
+        default_factory=lambda: {"reward": 0, "reference": 0, "trainer": 0}
+    )
     acked: dict[str, int] = field(default_factory=lambda: {"reward": 0, "reference": 0})
 
     def ready(self, task: str) -> int:
@@ -83,8 +84,13 @@ class NullNode:
             if self.parked:  # retry waiting claims after every state change (FIFO)
                 self.parked = [p for p in self.parked if not self._claim(*p)]
 
-    def _reply(self, ident: bytes, req: wire.Request, result: dict[str, Any],
-               bodies: list[Any] | None = None) -> None:
+    def _reply(
+        self,
+        ident: bytes,
+        req: wire.Request,
+        result: dict[str, Any],
+        bodies: list[Any] | None = None,
+    ) -> None:
         frames = wire.encode_reply(req.req_id, result, bodies or [])
         self.sock.send_multipart([ident, *frames], copy=False)
 

@@ -7,14 +7,16 @@ throughput measurement, and the claim policy that uses them (``claim``).
 Claim policy (``claim``), one call = at most three store requests, usually one:
 1. a non-waiting claim on the owned shards (carrying the previous lease's write+ack);
 2. if empty and ``steal``: a non-waiting claim on the deepest shard another consumer owns (the
-   coordinator's hint), else any shard (each node then serves its deepest);
+   coordinator's hint), then one on any shard (each node then serves its deepest); a consumer
+   that owns no shard makes that last one a long poll (below) on every shard instead, so an
+   idle consumer waits server-side rather than probing in a loop;
 3. if still empty: a long poll on the owned shards for at most ``claim_wait_s`` (= the heartbeat
    interval), so a claim never runs long on an assignment that has been revoked meanwhile.
 Why steal: ownership moves whole shards, so a single flooded shard cannot be split between two
 consumers by reassignment alone; a consumer whose own shards are empty takes rows from the
 deepest one instead of idling. That is safe because store leases, not ownership, prevent double
-delivery: a stolen row is leased like any other. Stealing is non-waiting (a probe), so a consumer
-waits only on its own shards, and it can be switched off (``steal=False``: the static baseline).
+delivery: a stolen row is leased like any other. An owner steals only by non-waiting probes, so it
+waits only on its own shards; stealing can be switched off (``steal=False``: the static baseline).
 Rows claimed each way are counted (``rows_owned``/``rows_stolen``, and the Prometheus counter
 ``streamflow_consumer_rows_claimed_total{source="owned"|"stolen"}`` of ``storage.metrics``, in the
 registry passed as ``registry``: a worker's, to be served on its ``/metrics``).
@@ -166,16 +168,21 @@ class ConsumerSession:
                 ack = write = None
                 if lease.num_rows:
                     return self._took(lease, stolen=False)
+            wait = min(float(timeout), self.claim_wait_s)
             if self.steal:
                 for target in ([deepest[0]], None) if deepest else (None,):
+                    # Owning nothing, the last probe waits server-side on every shard: the
+                    # consumer takes the next rows that become ready anywhere. A non-waiting
+                    # probe here returned at once and the caller came straight back: a busy
+                    # loop of empty claims that kept the store node's CPU saturated.
+                    last_wait = wait if target is None and not own else 0.0
                     lease = client.claim(
-                        t, task, columns, max_rows, timeout=0.0, ack=ack, write=write,
+                        t, task, columns, max_rows, timeout=last_wait, ack=ack, write=write,
                         shards=target, **kwargs,
                     )  # fmt: skip
                     ack = write = None
                     if lease.num_rows:
                         return self._took(lease, stolen=True)
-            wait = min(float(timeout), self.claim_wait_s)
             if own:
                 lease = client.claim(
                     t, task, columns, max_rows, timeout=wait, ack=ack, write=write, shards=own,

@@ -133,6 +133,10 @@ class Server:
         self._sock: zmq.Socket | None = None
         self._auth: Any = None
         self._claims: dict[str, list[_Parked]] = {}
+        # Encoded empty-lease bodies by (table, columns): an idle consumer's claim answers with
+        # one, and building it (schema lookup + empty batch + IPC stream) cost more than the
+        # rest of the request. Cleared whenever a table is created or dropped (its schema).
+        self._empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer] = {}
         self._puts: dict[str, deque[_Parked]] = {}
         self._dirty: set[str] = set()
         self._out = _Outbox()
@@ -416,11 +420,13 @@ class Server:
     def _v_create_table(self, ident: bytes, req: wire.Request, t: float) -> None:
         spec = wire.spec_from_wire(req.args["spec"])
         self.node.create_table(spec)
+        self._empty_bodies.clear()
         self._queue(ident, req, {}, t, mutated=spec.name)
 
     def _v_drop_table(self, ident: bytes, req: wire.Request, t: float) -> None:
         table = req.args["table"]
         self.node.drop_table(table)
+        self._empty_bodies.clear()
         for p in self._claims.pop(table, []) + list(self._puts.pop(table, ())):
             self._queue_error(
                 p.ident, p.req, UnknownTable(f"table {table!r} was dropped"), p.t_recv
@@ -512,25 +518,29 @@ class Server:
     def _reply_lease(self, ident: bytes, req: wire.Request, lease: Any, t: float) -> None:
         a = req.args
         if lease is None:
-            batch = self._empty_batch(a["table"], a["columns"])
-            result = {"lease_id": 0, "shard_id": 0, "deadline": 0.0}
-        else:
-            batch = lease.batch
-            result = {
-                "lease_id": lease.lease_id,
-                "shard_id": lease.shard_id,
-                "deadline": lease.deadline,
-            }
+            key = (a["table"], tuple(a["columns"]))
+            body = self._empty_bodies.get(key)
+            if body is None:
+                body = wire.write_batch(self._empty_batch(a["table"], a["columns"]))
+                if len(self._empty_bodies) >= 1024:  # bounded: columns come from clients
+                    self._empty_bodies.clear()
+                self._empty_bodies[key] = body
+            empty = {"lease_id": 0, "shard_id": 0, "deadline": 0.0}
+            self._queue(ident, req, empty, t, [body])
+            return
+        result = {
+            "lease_id": lease.lease_id,
+            "shard_id": lease.shard_id,
+            "deadline": lease.deadline,
+        }
+
         # A lease whose reply cannot be delivered (the consumer is gone) is handed back at once
         # instead of stranding its rows until the deadline.
-        undo = (
-            None
-            if lease is None
-            else (
-                lambda: (self.node.release(a["table"], lease.lease_id), self._dirty.add(a["table"]))
-            )
-        )
-        self._queue(ident, req, result, t, [wire.write_batch(batch)], undo=undo)
+        def undo() -> None:
+            self.node.release(a["table"], lease.lease_id)
+            self._dirty.add(a["table"])
+
+        self._queue(ident, req, result, t, [wire.write_batch(lease.batch)], undo=undo)
 
     def _empty_batch(self, table: str, columns: Sequence[str]) -> pa.RecordBatch:
         schema = self.node.table_spec(table).schema
@@ -610,10 +620,13 @@ class Server:
 
     def _retry_claims(self, table: str, claims: list[_Parked]) -> None:
         keep: list[_Parked] = []
-        dry: set[tuple[str, bool]] = set()  # (task, whole_groups) with nothing ready
+        # (task, whole_groups, shards) with nothing ready. The shards are part of the key: a
+        # claim limited to one shard finding it empty says nothing about the other shards.
+        dry: set[tuple[str, bool, tuple[int, ...] | None]] = set()
         for p in claims:
             a = p.req.args
-            key = (a["task"], a["whole_groups"])
+            shards = a["shards"]
+            key = (a["task"], a["whole_groups"], None if shards is None else tuple(shards))
             if key in dry:
                 keep.append(p)
                 continue
@@ -719,8 +732,19 @@ def spawn_node(
     benchmarks and tests); returns (process, addresses) once it is bound, or kills it and raises
     RuntimeError if it exits or is not ready within 60 s."""
     ready = Path(ready_dir) / f"store-ready-{uuid.uuid4().hex[:8]}.json"
-    cmd = [sys.executable, "-m", "storage.server", "--bind", "tcp://127.0.0.1:0",
-           "--shards", str(shards), "--ready-file", str(ready), "--log-level", "WARNING"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "storage.server",
+        "--bind",
+        "tcp://127.0.0.1:0",
+        "--shards",
+        str(shards),
+        "--ready-file",
+        str(ready),
+        "--log-level",
+        "WARNING",
+    ]
     proc = subprocess.Popen(cmd, env=env)
     deadline = time.monotonic() + 60
     while not ready.exists():

@@ -350,6 +350,57 @@ def test_an_idle_consumer_steals_from_the_deepest_shard_it_does_not_own():
         admin.close()
 
 
+class _CountingClient:
+    """A store client that counts the claims sent through it."""
+
+    def __init__(self, client: storage.Client) -> None:
+        self.client, self.claims = client, 0
+
+    def claim(self, *args, **kwargs):
+        self.claims += 1
+        return self.client.claim(*args, **kwargs)
+
+
+def test_a_consumer_owning_no_shard_waits_server_side_instead_of_spinning():
+    """With more consumers than shards some own none. Such a consumer's claim used to end with a
+    non-waiting steal probe, so its caller came straight back: a busy loop of empty claims that
+    kept the store node saturated (the simulated 64-worker run spent 20 s of store CPU in 35 s).
+    Its last probe now waits on every shard: an idle second costs a few claims, and rows put
+    anywhere while it waits are taken by that same call."""
+    cfg = BalancerConfig(session_timeout_s=2.0, heartbeat_interval_s=0.2, patience=10**9)
+    with storage.embedded(1, tcp=True) as store:
+        admin = store.client()
+        admin.create_table(spec())
+        with Coordinator(store_addresses=[store.address], balancer=cfg) as coord:
+            owner = Beater(coord.address, "owner", interval=0.2)
+            cc = CoordinatorClient(coord.address)
+            wait_for(lambda: settled(cc, {"owner": 1}), 10, lambda: cc.assignment("t", "work"))
+            idle = ConsumerSession(coord.address, "t", "work", "idle")
+            wait_for(lambda: settled(cc, {"owner": 1, "idle": 0}), 10,
+                     lambda: cc.assignment("t", "work"))
+            assert idle.wait_assigned(5) and idle.shards() == []
+            client = _CountingClient(store.client())
+            t0 = time.monotonic()
+            calls = 0
+            while time.monotonic() - t0 < 1.0:
+                assert idle.claim(client, ["x"], 10, timeout=5.0).num_rows == 0
+                calls += 1
+            # Each call waits claim_wait_s (0.2 s) server-side: ~5 calls, at most 2 claims each
+            # (the deepest-shard probe, then the wait). Spinning made thousands.
+            assert calls <= 8 and client.claims <= 2 * calls, (calls, client.claims)
+            assert idle.claim_wait_s == pytest.approx(0.2)
+            # Rows put while the call waits are its own: one call, no empty answer first.
+            threading.Timer(0.05, lambda: admin.put("t", rows(5))).start()
+            lease = idle.claim(client, ["x"], 10, timeout=5.0)
+            assert lease.num_rows == 5 and idle.rows_stolen == 5
+            client.client.ack(lease)
+            client.client.close()
+            idle.close()
+            owner.close()
+            cc.close()
+        admin.close()
+
+
 def _drain(session, client, shard: int) -> list[int]:
     """Claim (and ack) through ``session`` until nothing is left; every lease from ``shard``."""
     rows: list[int] = []

@@ -3,6 +3,7 @@ long polls, parked puts, shutdown, typed errors, internal errors, metrics, CURVE
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import urllib.request
@@ -54,6 +55,36 @@ def test_long_poll_claim_is_woken_by_put(embedded_store, h):
     assert lease.batch.schema.names == ["x", "row_id", "deliveries"]
 
 
+def test_parked_claim_on_one_shard_is_woken_though_one_on_another_shard_stays_dry(
+    embedded_store, h
+):
+    """Parked claims limited to different shards (a balanced consumer's owned shards): the one
+    parked first finds its shard empty, which must not keep the put's shard's claim parked.
+    (The retry used to mark the whole task dry after the first empty claim, so the second one
+    waited for its timeout.)"""
+    c = embedded_store.client()
+    c.create_table(h.make_spec())
+    first, second = embedded_store.client(), embedded_store.client()
+    t_first, box_first = _in_thread(
+        lambda: first.claim("t", "reward", ["x"], 64, timeout=20, shards=[0])
+    )
+    time.sleep(0.2)  # park the shard-0 claim first
+    t0 = time.monotonic()
+    t_second, box_second = _in_thread(
+        lambda: second.claim("t", "reward", ["x"], 64, timeout=20, shards=[1])
+    )
+    time.sleep(0.2)
+    c.put("t", h.make_rows(2), shard_id=1)
+    t_second.join(30)
+    lease = box_second["value"]
+    assert lease.num_rows == 8 and lease.shard_id == 1
+    assert time.monotonic() - t0 < 10, "woken by its timeout, not by the put"
+    assert "value" not in box_first  # its shard is still empty: still parked
+    c.put("t", h.make_rows(1, start_gid=10), shard_id=0)
+    t_first.join(30)
+    assert box_first["value"].num_rows == 4 and box_first["value"].shard_id == 0
+
+
 def test_claim_timeout_gives_empty_lease_with_schema(embedded_store, h):
     c = embedded_store.client()
     c.create_table(h.make_spec())
@@ -61,6 +92,21 @@ def test_claim_timeout_gives_empty_lease_with_schema(embedded_store, h):
     assert lease.num_rows == 0 and lease.lease_id == 0
     assert lease.batch.schema.field("reward").type == pa.float32()
     c.ack(lease)  # an empty lease needs no ack: a no-op
+
+
+def test_empty_lease_schema_follows_a_recreated_table(embedded_store, h):
+    """Empty-lease bodies are cached per (table, columns): a table dropped and created again
+    with another schema must answer with the new one."""
+    c = embedded_store.client()
+    c.create_table(h.make_spec())
+    assert c.claim("t", "train", ["x", "reward"], 8).batch.schema.field("reward").type == (
+        pa.float32()
+    )
+    c.drop_table("t")
+    schema = pa.schema([("gid", pa.int64()), ("x", pa.list_(pa.int32())), ("reward", pa.float64())])
+    c.create_table(dataclasses.replace(h.make_spec(), schema=schema))
+    lease = c.claim("t", "train", ["x", "reward"], 8)
+    assert lease.num_rows == 0 and lease.batch.schema.field("reward").type == pa.float64()
 
 
 def test_min_rows_waits_then_takes_what_is_ready_at_timeout(embedded_store, h):
