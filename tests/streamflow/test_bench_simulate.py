@@ -38,3 +38,85 @@ def test_bench_simulate_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) ->
         main(["bench", "simulate", "--workers", "2"])
     assert exit_info.value.code == 2
     assert "--workers" in capsys.readouterr().err
+
+
+def _row(label: str, sweep: str, workers: int, eff: float, thr: float, bound: float) -> dict:
+    mode = label.split("(")[0]
+    return {
+        "label": label,
+        "mode": mode,
+        "sweep": sweep,
+        "workers": workers,
+        "skew": 1.0,
+        "efficiency": eff,
+        "throughput": thr,
+        "bound": bound,
+    }
+
+
+def test_targets_cover_every_bounded_sweep_and_name_the_worst_case() -> None:
+    from streamflow.bench.simulate import targets
+
+    rows = [
+        _row("sync", "scaling", 64, 0.95, 1.0, 1.0),
+        _row("sync", "skew", 64, 0.91, 1.0, 1.0),  # outside the scaling sweep: still counted
+        # the balance sweep's bound is not meaningful: ignored
+        {
+            **_row("periodic", "balance", 30, 0.50, 1.0, 1.0),
+            "balancer": True,
+            "reference_spread": 0.07,
+        },
+        _row("sync", "scaling", 256, 0.85, 1.0, 1.0),
+        _row("sync", "equal", 26, 0.93, 60.0, 64.0),
+        _row("sync-split", "equal", 26, 0.98, 30.0, 31.0),
+        _row("periodic", "equal", 26, 0.99, 57.0, 58.0),
+    ]
+    out = targets(rows)
+    assert out["min_efficiency_up_to_64"] == 0.91
+    assert out["min_efficiency_at_256"] == 0.85
+    assert out["min_efficiency_cases"]["up_to_64"] == "sync skew n=64 skew=1"
+    assert out["periodic_over_sync"] == pytest.approx(57 / 60)
+    assert out["periodic_over_sync_split"] == pytest.approx(57 / 30)
+    assert out["periodic_over_sync_bound"] == pytest.approx(58 / 64)
+    assert out["periodic_over_sync_split_bound"] == pytest.approx(58 / 31)
+    assert out["reference_utilisation_spread"] == {True: 0.07}
+
+
+def test_balance_case_makes_reference_the_bottleneck_at_its_own_time_scale(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The balance case must load the reference stage more than the trainer (else its consumers
+    have no backlog to balance: the old 16/2/4/8 layout left the trainer as the bottleneck), and
+    it runs at ``BALANCE_TIME_SCALE`` unless ``--time-scale`` says otherwise."""
+    import argparse
+
+    from streamflow.bench import simulate
+    from workers.sim.cost import Workload, preset
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_run_sim(cfg):
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(simulate, "run_sim", fake_run_sim)
+    for time_scale, want in ((None, simulate.BALANCE_TIME_SCALE), (7.0, 7.0)):
+        args = argparse.Namespace(time_scale=time_scale, hosts=2)
+        with pytest.raises(Stop):
+            simulate.balance_case(args, True, Workload(iterations=2))
+        assert seen[-1].time_scale == want
+    with pytest.raises(Stop):  # the other sweeps keep the automatic scale
+        simulate.case("periodic", 0, 64, Workload(), argparse.Namespace(time_scale=None, hosts=2))
+    assert seen[-1].time_scale == simulate.auto_time_scale(64)
+
+    cfg = seen[0]
+    cost = preset("7b-1acc")
+    # Device-seconds per token of each stage's capacity (both scale with the same token count).
+    reference = sum(1 / cfg.slowdown.get(f"reference-{i}", 1.0) for i in range(4))
+    assert cfg.layout.reference == 4 and cfg.slowdown == {"reference-0": 3.0}
+    reference_rate = reference / cost.ref_s_per_token
+    trainer_rate = cfg.layout.trainer / cost.train_s_per_token
+    assert trainer_rate > 1.5 * reference_rate
