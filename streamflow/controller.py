@@ -66,8 +66,8 @@ from streamflow.config import RunConfig, config_to_dict
 from streamflow.metrics import ControllerMetrics, with_metrics, write_targets
 from streamflow.progress import ProgressDisplay
 from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan
-from streamflow.stages import Evaluator, RunPlan, build_plan, free_port
-from streamflow.supervisor import Child, RestartPolicy, Supervisor
+from streamflow.stages import Evaluator, RunPlan, build_plan
+from streamflow.supervisor import Child, RestartPolicy, Supervisor, free_port
 from workers.checkpoint import latest_checkpoint, read_state
 from workers.config import to_json
 from workers.events import (

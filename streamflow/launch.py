@@ -69,7 +69,7 @@ from storage.coordinator import Coordinator, CoordinatorClient, LookupTimeout
 from storage.errors import StoreError
 from streamflow.config import RunConfig
 from streamflow.metrics import with_metrics
-from streamflow.supervisor import Supervisor
+from streamflow.supervisor import Supervisor, free_port
 from workers.config import to_json
 
 log = logging.getLogger("streamflow.launch")
@@ -112,13 +112,6 @@ def store_slots(cfg: RunConfig, rank: int) -> list[int]:
     """Global store node indices placed on ``rank`` (indices count up over the nodes)."""
     first = sum(n.store_nodes for n in cfg.placement.nodes[:rank])
     return list(range(first, first + cfg.placement.nodes[rank].store_nodes))
-
-
-def free_port(host: str) -> int:
-    """A free TCP port on ``host`` (for a child process of this node to bind)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def interface_of(host: str) -> str | None:

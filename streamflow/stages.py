@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from streamflow.config import RunConfig, StoreSection
+from streamflow.supervisor import free_port
 from workers.checkpoint import latest_checkpoint, read_state
 from workers.config import (
     ReferenceWorkerConfig,
@@ -300,15 +301,6 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         start_iteration=plan.start_iteration,
     )
     return plan
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for a child process to bind)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from streamflow.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
@@ -41,12 +42,6 @@ def _binary(name: str) -> str:
         f"{name} not found: apt-get install -y --no-install-recommends prometheus"
     )
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def panel_queries() -> list[tuple[str, str, str]]:
@@ -101,7 +96,7 @@ def test_every_dashboard_panel_returns_data_from_a_real_run(
         {"files": [str(targets)], "refresh_interval": "1s"}
     ]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     job_log = open(tmp_path / "job.log", "wb")  # noqa: SIM115 - closed in finally
