@@ -46,6 +46,7 @@ from workers.sim.cost import Workload
 ROOT = Path(__file__).resolve().parents[2]
 MODES = (("sync", 0), ("periodic", 0), ("async", 1), ("async", 2))
 SWEEPS = ("scaling", "control", "skew", "equal", "balance")
+MODE_NAMES = ("sync", "sync-split", "periodic", "async")
 
 
 def layout_for(n: int, mode: str) -> Layout:
@@ -190,12 +191,13 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         return row
 
     want = set(args.sweeps)
+    modes = [(m, s) for m, s in MODES if m in args.modes]
     for n in sizes if "scaling" in want else ():
-        for mode, s in MODES:
+        for mode, s in modes:
             row = run(case, mode, s, n, workload_for(n, base), args)
             row["sweep"] = "scaling"
             rows.append(row)
-    for n in sizes if "control" in want and not args.quick else ():
+    for n in sizes if "control" in want and "periodic" in args.modes and not args.quick else ():
         # The balancer on every stage worker (the real default with >= 2 shards): what the
         # coordinator and the controller cost per micro-batch as workers grow.
         row = run(
@@ -214,7 +216,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     if not args.quick:
         n = 64
         for skew in (0.25, 1.5) if "skew" in want else ():
-            for mode, s in MODES:
+            for mode, s in modes:
                 row = run(case, mode, s, n, workload_for(n, base.replace(skew=skew)), args)
                 row["sweep"] = "skew"
                 rows.append(row)
@@ -230,19 +232,21 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             rows_per_trainer_batch=16,
             skew=0.5,
         )
-        for mode, extra in (
+        for label, mode, extra in (
             (
-                ("sync", {"layout": Layout(devices=eq.workers)}),
-                ("periodic", {"layout": eq, "turns": True}),
-                ("periodic", {"layout": eq}),
+                ("sync", "sync", {"layout": Layout(devices=eq.workers)}),
+                ("sync-split", "periodic", {"layout": eq, "turns": True}),
+                ("periodic", "periodic", {"layout": eq}),
             )
             if "equal" in want
             else ()
         ):
+            if label not in args.modes:
+                continue
             row = run(case, mode, 0, eq.workers, w, args, **extra)
             row["sweep"] = "equal"
             rows.append(row)
-        for on in (True, False) if "balance" in want else ():
+        for on in (True, False) if "balance" in want and "async" in args.modes else ():
             row = run(balance_case, args, on, base)
             row["sweep"] = "balance"
             rows.append(row)
@@ -267,7 +271,7 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
         },
     }
     eq = {r["label"]: r for r in rows if r["sweep"] == "equal"}
-    if eq:
+    if {"sync", "sync-split", "periodic"} <= eq.keys():
         out["periodic_over_sync"] = eq["periodic"]["throughput"] / eq["sync"]["throughput"]
         out["periodic_over_sync_split"] = (
             eq["periodic"]["throughput"] / eq["sync-split"]["throughput"]
@@ -327,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
         default=list(SWEEPS),
         choices=SWEEPS,
         help="which sweeps to run (default: all)",
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODE_NAMES),
+        choices=MODE_NAMES,
+        help="which modes to run (default: all; async = s=1 and s=2; sync-split: equal sweep)",
     )
     parser.add_argument("--plots", default=str(ROOT / "docs" / "perf"))
     parser.add_argument("--no-plots", action="store_true")

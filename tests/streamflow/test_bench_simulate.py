@@ -33,6 +33,17 @@ def test_bench_simulate_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["targets"]["min_efficiency_up_to_64"] == min(c["efficiency"] for c in cases)
 
 
+@pytest.mark.slow
+def test_bench_simulate_modes_filter(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "simulate", "--quick", "--json", "--no-plots", "--modes", "sync"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(c["mode"], c["workers"]) for c in result["cases"]] == [("sync", 8)]
+    assert "periodic_over_sync" not in result["targets"]  # needs the three equal-sweep modes
+    with pytest.raises(SystemExit):
+        main(["bench", "simulate", "--modes", "eager"])
+    assert "--modes" in capsys.readouterr().err
+
+
 def test_bench_simulate_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:  # argparse's usage error
         main(["bench", "simulate", "--workers", "2"])

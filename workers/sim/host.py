@@ -8,10 +8,11 @@ ZeroMQ sockets are not thread-safe) against a real store node over TCP. The cont
     controller PULL <--{"kind": "ready" | "version" | "done", ...}--  PUSH here
 
 Two shapes, chosen by ``spec["mode"]``:
-- ``sync`` (colocated): ``devices`` threads, each running the rollout, reward and reference
-  ``StageLoop`` in turn, plus a ``TrainerGroup`` over the same device names; an orchestrator
-  drains one stage at a time: iteration k's rollout (when the controller admitted k), then reward,
-  then reference, then training until version k+1 is announced. No two stages overlap.
+- ``sync`` (colocated): ``devices`` threads that do every stage in turn, fed by one claimer
+  (``workers.sim.colocated.ColocatedTurns``), plus a ``TrainerGroup`` over the same device names;
+  an orchestrator runs one stage at a time: iteration k's rollout (when the controller admitted
+  k), then reward, then reference, then training until version k+1 is announced. No two stages
+  overlap.
 - streaming (``periodic``/``async``): pools of stage threads that long-poll the store and a
   ``TrainerGroup`` if this host has trainer devices; they run until the controller says stop.
 
@@ -32,6 +33,7 @@ import zmq
 
 import storage
 from workers.loop import StageLoop
+from workers.sim.colocated import ColocatedTurns
 from workers.sim.cost import Workload, group_lengths, preset
 from workers.sim.engine import (
     DeviceClock,
@@ -46,24 +48,6 @@ from workers.sim.engine import (
 class _NoEvents:
     def send(self, record: Any) -> None:  # spans come from the device clock instead
         pass
-
-
-class _Counted:
-    """A stage that adds the rows it is given to ``phase["claimed"]`` (sync's drain rule)."""
-
-    def __init__(self, stage: Any, phase: dict[str, Any], cond: threading.Condition) -> None:
-        self.stage, self.phase, self.cond = stage, phase, cond
-        self.task, self.columns = stage.task, stage.columns
-        self.whole_groups, self.max_rows = stage.whole_groups, stage.max_rows
-
-    @property
-    def last_tokens(self) -> int:
-        return getattr(self.stage, "last_tokens", 0)
-
-    def process(self, lease: Any) -> Any:
-        with self.cond:
-            self.phase["claimed"] += lease.num_rows
-        return self.stage.process(lease)
 
 
 class Host:
@@ -185,70 +169,32 @@ class Host:
             client.close()
 
     # -- sync (colocated) ------------------------------------------------------------------------
-    def _sync_device(
-        self,
-        device: str,
-        phase: dict[str, Any],
-        cond: threading.Condition,
-        idle_cv: threading.Condition,
-    ) -> None:
+    def _orchestrate(self, devices: list[str], gate: threading.Event) -> None:
+        """Iteration k: rollout (once the controller admitted k), reward, reference, each a turn of
+        ``ColocatedTurns`` over every device; then training's turn until version k+1 is out."""
         client = self.warm_client()
-        loops = {
-            role: StageLoop(
-                client,
-                self.spec["table"],
-                _Counted(self._stage(role, device), phase, cond),
-                worker=device,
-                role=role,
-                events=_NoEvents(),
-            )  # type: ignore[arg-type]
+        stages = {
+            role: {d: self._stage(role, d) for d in devices}
             for role in ("rollout", "reward", "reference")
         }
-        total = self.w.rows_per_iteration
-        seen = 0
+        turns = ColocatedTurns(client, self.spec["table"], stages, devices)
         try:
-            while True:
-                with cond:
-                    cond.wait_for(lambda s=seen: phase["gen"] != s or self.stop.is_set())
-                    if self.stop.is_set():
-                        return
-                    seen, role = phase["gen"], phase["role"]
-                loop = loops[role]
-                # Every input of this stage is ready: drain it. Once every row of the stage is
-                # claimed (by anyone), stop without an empty claim (256 of those cost a phase
-                # ~0.4 s of real time here).
-                while phase["claimed"] < total and loop.turn(0.0) != 0:
-                    self.turns += 1
-                loop.flush()
-                with cond:
-                    phase["idle"] += 1
-                    idle_cv.notify()  # only the orchestrator waits for this (no O(n^2) wake-ups)
+            for k in range(self.w.iterations):
+                if not self.board.wait(lambda b, k=k: b.admitted > k, 600):
+                    raise TimeoutError(f"iteration {k} was never admitted")
+                if self.board.stopped:
+                    break
+                for role in stages:
+                    turns.turn(role, self.w.rows_per_iteration)
+                gate.set()  # training's turn, until the step announces version k+1
+                self.board.wait(lambda b, k=k: b.version > k, 600)
+                gate.clear()
+            self.board.wait(lambda b: False, 600)  # until the controller says stop
         finally:
+            self.turns += turns.micro_batches
+            turns.close()
             client.close()
-
-    def _orchestrate(self, devices: list[str], gate: threading.Event) -> None:
-        cond = threading.Condition()
-        idle_cv = threading.Condition(cond._lock)  # type: ignore[attr-defined]
-        phase: dict[str, Any] = {"gen": 0, "role": "", "idle": 0, "claimed": 0}
-        for d in devices:
-            self._start(self._sync_device, d, phase, cond, idle_cv)
-        for k in range(self.w.iterations):
-            if not self.board.wait(lambda b, k=k: b.admitted > k, 600):
-                raise TimeoutError(f"iteration {k} was never admitted")
-            if self.board.stopped:
-                break
-            for role in ("rollout", "reward", "reference"):
-                with cond:
-                    phase.update(gen=phase["gen"] + 1, role=role, idle=0, claimed=0)
-                    cond.notify_all()
-                    idle_cv.wait_for(lambda: phase["idle"] == len(devices) or self.stop.is_set())
-            gate.set()  # training's turn, until the step announces version k+1
-            self.board.wait(lambda b, k=k: b.version > k, 600)
-            gate.clear()
-        self.board.wait(lambda b: False, 600)  # until the controller says stop
-        self.stop.set()
-        with cond:
-            cond.notify_all()
+            self.stop.set()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _start(self, target: Any, *args: Any) -> None:
@@ -271,11 +217,8 @@ class Host:
             for role, devices in self.spec["pools"].items():
                 for d in devices:
                     self._start(self._pool_thread, role, d)
-        expected = (
-            len(self.spec.get("devices", []))
-            if sync
-            else sum(len(d) for d in self.spec["pools"].values())
-        )
+        # one store client per streaming stage thread; one for a colocated host's turns
+        expected = 1 if sync else sum(len(d) for d in self.spec["pools"].values())
         expected += 1 if self.spec.get("trainer_devices") else 0
         with self._warm_cv:
             if not self._warm_cv.wait_for(lambda: self._warm >= expected, 60):
