@@ -24,6 +24,7 @@ import pytest
 from safetensors.torch import load_file
 
 import storage
+from storage.errors import Unavailable
 from streamflow.controller import WorkerFailed, run
 from streamflow.supervisor import Supervisor
 from workers.checkpoint import latest_checkpoint, read_state
@@ -135,22 +136,34 @@ class Run:
 
     def _store(self) -> storage.Client:
         cfg = json.loads((self.out / "workers" / "reward-0.json").read_text())
-        return storage.connect(cfg["common"]["store_addresses"])
+        # A short request timeout: a run that ended took its store node with it.
+        return storage.connect(cfg["common"]["store_addresses"], request_timeout=5.0)
 
-    def wait_leased(self, task: str, min_iteration_done: int = 1, timeout: float = 120) -> int:
-        """Until ``task`` holds a live lease, after ``min_iteration_done`` iterations finished:
-        the moment a kill catches a worker mid-lease, read from the store's own counts (with one
-        worker of ``task``, the lease is that worker's). Returns the iterations done seen first:
+    def freeze_leased(
+        self, task: str, victim: psutil.Process, min_iteration_done: int = 1, timeout: float = 120
+    ) -> int:
+        """Freeze ``victim``, the only worker of ``task``, at a moment it holds a live lease, after
+        ``min_iteration_done`` iterations finished; the victim is left stopped (SIGSTOP) for the
+        test to kill or resume. Race-free: the victim is stopped *before* the store's counts are
+        read, and a stopped worker cannot ack, so a live lease of ``task`` seen then is the
+        victim's and stays live (a check-then-kill could find the lease already acked: flaky on a
+        fast machine). None seen: SIGCONT and try again. Returns the iterations done seen first:
         a lower bound of those done when the lease was seen."""
         deadline = time.monotonic() + timeout
         while (done := self.iterations_done()) < min_iteration_done:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
             time.sleep(0.05)
         with self._store() as client:
-            while client.stats("samples").task_total(task).in_flight == 0:
+            while True:
                 assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
+                victim.send_signal(signal.SIGSTOP)
+                try:
+                    if client.stats("samples").task_total(task).in_flight > 0:
+                        return done
+                except Unavailable:
+                    raise AssertionError(f"the run ended first\n{self.stderr()}") from None
+                victim.send_signal(signal.SIGCONT)
                 time.sleep(0.01)
-        return done
 
     def wait(self, timeout: float = 120) -> int:
         try:
@@ -201,14 +214,13 @@ def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(
     the uninterrupted run's, bitwise."""
     r = start_run(model_cache / "faults-workers")
     reward = r.process("reward-0")
-    r.wait_leased("reward", min_iteration_done=1)
-    reward.send_signal(signal.SIGSTOP)
+    r.freeze_leased("reward", reward, min_iteration_done=1)
     time.sleep(2 * 2 + 1)  # past the 2 s lease (its keeper's renewals are frozen too)
     reward.send_signal(signal.SIGCONT)  # its late write+ack is fenced; it goes on claiming
-    r.wait_leased("reward", min_iteration_done=2)
+    r.freeze_leased("reward", reward, min_iteration_done=2)
     reward.send_signal(signal.SIGKILL)  # restarted; its lease expires, the rows come back
     trainer = r.process("trainer-0")
-    done = r.wait_leased("trainer", min_iteration_done=3)
+    done = r.freeze_leased("trainer", trainer, min_iteration_done=3)
     trainer.send_signal(signal.SIGKILL)  # restarted from its newest checkpoint
     trainer.wait(30)
     # The newest complete checkpoint once it is dead: the one the restart must resume from. The
@@ -248,9 +260,9 @@ def test_rollout_and_reference_killed_rejoin_the_balancer_and_the_run_is_exact(
     uninterrupted run of the same config); each restarted process was given shards."""
     r = start_run(model_cache / "faults-balanced", *BALANCED)
     rollout, reference = r.process("rollout-0"), r.process("reference-0")
-    r.wait_leased("rollout", min_iteration_done=1)
+    r.freeze_leased("rollout", rollout, min_iteration_done=1)
     rollout.send_signal(signal.SIGKILL)
-    r.wait_leased("reference", min_iteration_done=2)
+    r.freeze_leased("reference", reference, min_iteration_done=2)
     reference.send_signal(signal.SIGKILL)
     assert r.wait(180) == 0, r.stderr()
     summary = _assert_trained_exactly_once(r, uninterrupted_balanced)
@@ -272,8 +284,10 @@ def test_rollout_and_reference_killed_rejoin_the_balancer_and_the_run_is_exact(
 @pytest.mark.slow
 def test_store_node_killed_and_restarted_under_load(model_cache, uninterrupted, start_run):
     r = start_run(model_cache / "faults-store", "store.persist=true")
-    r.wait_leased("reward")
+    reward = r.process("reward-0")
+    r.freeze_leased("reward", reward)  # a moment the store holds a live lease
     r.process("store-0").send_signal(signal.SIGKILL)
+    reward.send_signal(signal.SIGCONT)
     assert r.wait(180) == 0, r.stderr()
     summary = _assert_trained_exactly_once(r, uninterrupted)
     assert summary["worker_restarts"] == {"store-0": 1}  # the workers rode it out
@@ -285,9 +299,11 @@ def test_store_node_killed_without_persistence_ends_the_run_with_the_cause(model
     """Without store.persist a dead store node's rows are gone: it is not restarted and the run
     fails at once, naming why, rather than stalling or going on with a hole in its data."""
     r = start_run(model_cache / "faults-store-no-persist")
-    r.wait_leased("reward")
+    reward = r.process("reward-0")
+    r.freeze_leased("reward", reward)  # a moment the store holds a live lease
     killed = time.monotonic()
     r.process("store-0").send_signal(signal.SIGKILL)
+    reward.send_signal(signal.SIGCONT)
     assert r.wait(120) != 0
     assert time.monotonic() - killed < 60, "the run did not notice the dead store in time"
     assert "store.persist is false: the rows it held are lost" in r.stderr(tail=1_000_000)
