@@ -146,9 +146,11 @@ class Run:
         ``min_iteration_done`` iterations finished; the victim is left stopped (SIGSTOP) for the
         test to kill or resume. Race-free: the victim is stopped *before* the store's counts are
         read, and a stopped worker cannot ack, so a live lease of ``task`` seen then is the
-        victim's and stays live (a check-then-kill could find the lease already acked: flaky on a
-        fast machine). None seen: SIGCONT and try again. Returns the iterations done seen first:
-        a lower bound of those done when the lease was seen."""
+        victim's and stays live (a check-then-kill could find it acked already: flaky on a fast
+        machine). A victim stopped while its claim waits in the store still gets that claim's
+        rows as they become ready, so the counts are read for up to 1.5 s (longer than a stage's
+        claim wait) before it is resumed and stopped again. Returns the iterations done seen
+        first: a lower bound of those done when the lease was seen."""
         deadline = time.monotonic() + timeout
         while (done := self.iterations_done()) < min_iteration_done:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
@@ -157,13 +159,16 @@ class Run:
             while True:
                 assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
                 victim.send_signal(signal.SIGSTOP)
+                frozen = time.monotonic()
                 try:
-                    if client.stats("samples").task_total(task).in_flight > 0:
-                        return done
+                    while time.monotonic() - frozen < 1.5:
+                        if client.stats("samples").task_total(task).in_flight > 0:
+                            return done
+                        time.sleep(0.01)
                 except Unavailable:
                     raise AssertionError(f"the run ended first\n{self.stderr()}") from None
                 victim.send_signal(signal.SIGCONT)
-                time.sleep(0.01)
+                time.sleep(0.05)
 
     def wait(self, timeout: float = 120) -> int:
         try:
