@@ -37,8 +37,7 @@ from storage.schema import Lease
 
 @dataclasses.dataclass
 class _Piece:
-    lease_id: int
-    lease: Lease  # the micro-batch: the claimed lease with ``batch`` cut to its rows
+    lease: Lease  # the micro-batch: the claimed lease with ``batch`` cut to its rows (same id)
     out: pa.RecordBatch | None = None
 
 
@@ -115,7 +114,7 @@ class ColocatedTurns:
         if stage.whole_groups:  # micro-batches of whole groups, in group order
             batch = batch.take(pc.sort_indices(batch.column("group_id")))
         pieces = [
-            _Piece(lease.lease_id, dataclasses.replace(lease, batch=batch.slice(i, stage.max_rows)))
+            _Piece(dataclasses.replace(lease, batch=batch.slice(i, stage.max_rows)))
             for i in range(0, batch.num_rows, stage.max_rows)
         ]
         with self._cond:
@@ -129,7 +128,7 @@ class ColocatedTurns:
         with self._cond:
             lease, pieces = self._open.pop(lease_id)
             del self._left[lease_id]
-        out = pa.Table.from_batches([p.out for p in pieces if p.out is not None])
+        out = pa.Table.from_batches([p.out for p in pieces])  # every piece is done
         self.client.write(self.table, lease, out, ack=True)
         self.requests += 1
         return lease.num_rows
@@ -152,9 +151,10 @@ class ColocatedTurns:
             with self._cond:
                 piece.out = out
                 self.micro_batches += 1
-                self._left[piece.lease_id] -= 1
-                if self._left[piece.lease_id] == 0:
-                    self._done.append(piece.lease_id)
+                lease_id = piece.lease.lease_id
+                self._left[lease_id] -= 1
+                if self._left[lease_id] == 0:
+                    self._done.append(lease_id)
                     self._cond.notify_all()
 
     def close(self) -> None:
