@@ -133,6 +133,11 @@ class RunSection:
     # restarted up to this many times, with backoff; a trainer restart also needs
     # checkpoint_every=1 (streamflow/supervisor.py, docs/faults.md). 0 = any death fails the run
     max_restarts: int = _f(3, ge=0)
+    # torch threads this host's compute processes (rollout, reference, trainer, evaluation) share
+    # in the streaming modes, handed back and forth by phase: one process at work gets them all,
+    # two split them (workers/cores.py). sync uses them all in its one process. 0 = off: each
+    # role keeps its own `threads`. Ignored (fixed threads) with trainer.deterministic.
+    host_threads: int = _f(0, ge=0, le=1024)
     progress: bool = True  # live display on a TTY; otherwise one log line per iteration
     log_level: LogLevel = "INFO"  # logging level of every process of the run
 
@@ -176,7 +181,11 @@ class TinyModelConfig:
 class ModelSection:
     path: str | None = None  # local Hugging Face model directory; None = the built-in tiny model
     builtin: TinyModelConfig = field(default_factory=TinyModelConfig)  # used when path is None
-    warmstart_steps: int = _f(200, ge=0)  # supervised warm-start steps (built-in model; 0 = none)
+    # Built-in model only: supervised warm start, at most this many steps (0 = none)...
+    warmstart_steps: int = _f(200, ge=0)
+    # ...stopped at the first check where greedy accuracy on training problems reaches this (0 =
+    # run every step). Makes the starting policy the same on any machine and thread count.
+    warmstart_target_accuracy: float = _f(0.0, ge=0, le=1)
     warmstart_lr: float = _f(1e-3, gt=0)  # learning rate of the warm start
     warmstart_batch_size: int = _f(32, ge=1)  # examples per warm-start step
     dtype: DType = "float32"  # parameter dtype of the policy

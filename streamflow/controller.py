@@ -68,8 +68,10 @@ from streamflow.progress import ProgressDisplay
 from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan
 from streamflow.stages import Evaluator, RunPlan, build_plan
 from streamflow.supervisor import Child, RestartPolicy, Supervisor, free_port
+from workers import cores
 from workers.checkpoint import latest_checkpoint, read_state
 from workers.config import to_json
+from workers.cores import CoreShareConfig
 from workers.events import (
     EventReceiver,
     EventSender,
@@ -161,7 +163,8 @@ class Controller:
     def _run_colocated(self) -> None:
         plan = self.plan
         # Colocated: this one process holds every model and gets the largest thread budget.
-        torch.set_num_threads(max(self.cfg.rollout.threads, self.cfg.trainer.threads))
+        torch.set_num_threads(
+            self.cfg.run.host_threads or max(self.cfg.rollout.threads, self.cfg.trainer.threads))
         events: Any = EventSender(None)  # reports stay in memory
         if self.metrics is not None:  # the workers' series, from this one process's endpoint
             events = MeteredEvents(events, WorkerMetrics(self.metrics.registry))
@@ -225,6 +228,9 @@ class Controller:
             coordinator = self._start_coordinator(client, addresses)
             coord_address = coordinator.address if coordinator is not None else None
             workers = plan.workers(addresses, receiver.endpoint, coord_address)
+            if plan.cores_path is not None:  # evaluation takes slot 0 of the host's budget
+                cores.install(cores.CoreShare(CoreShareConfig(
+                    str(plan.cores_path), 0, self.cfg.run.host_threads)))
             if cluster is not None:  # remote workers get their configs through the directory
                 cluster.start_workers(workers, receiver.endpoint)
                 workers = []
@@ -637,6 +643,7 @@ class Controller:
             self.rundir.write_plots(last)
         except Exception as exc:  # plots are a convenience; never mask the run's own outcome
             log.warning("could not draw plots: %s", exc)
+        cores.install(None)
         self.plan.cleanup()
         self.rundir.close()
         return summary

@@ -21,13 +21,14 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from streamflow.config import RunConfig, StoreSection
 from streamflow.supervisor import free_port
+from workers import cores
 from workers.checkpoint import latest_checkpoint, read_state
 from workers.config import (
     ReferenceWorkerConfig,
@@ -37,6 +38,8 @@ from workers.config import (
     TrainerWorkerConfig,
     WorkerCommon,
 )
+from workers.cores import MAX_SLOTS, CoreShareConfig
+from workers.cores import create as create_core_table
 from workers.models import TinyModelSpec, load_model, load_tokenizer
 from workers.tasks import ArithmeticTask, Problem, load_problem_file
 from workers.tokenizer import encode_prompt
@@ -62,6 +65,7 @@ def builtin_recipe(cfg: RunConfig) -> BuiltinRecipe:
         operations=tuple(cfg.data.operations),
         task_seed=cfg.data.seed,
         warmstart_steps=cfg.model.warmstart_steps,
+        target_accuracy=cfg.model.warmstart_target_accuracy,
         batch_size=cfg.model.warmstart_batch_size,
         lr=cfg.model.warmstart_lr,
         seed=cfg.run.seed,
@@ -95,6 +99,8 @@ class RunPlan:
     eval_problems: list[Problem]
     table: str = TABLE
     start_iteration: int = 0
+    # the host's thread-budget table (workers.cores); None: each role keeps its own threads
+    cores_path: Path | None = None
     rollout: RolloutWorkerConfig = field(init=False)
     reward: RewardWorkerConfig = field(init=False)
     reference: ReferenceWorkerConfig | None = field(init=False)
@@ -163,27 +169,42 @@ class RunPlan:
                 simulated=self.rollout.common.simulated,
             )
 
+        slots = iter(range(1, MAX_SLOTS))  # slot 0: the controller's evaluation
+
+        def compute(role: str, i: int, threads: int) -> WorkerCommon:
+            # rollout, reference and trainer share the host's budget when there is one
+            base = common(role, i, threads)
+            if self.cores_path is None:
+                return base
+            share = CoreShareConfig(str(self.cores_path), next(slots), c.run.host_threads)
+            return replace(base, threads=c.run.host_threads, cores=share)
+
         for i in range(c.rollout.num_workers):
-            w = _replace_common(self.rollout, common("rollout", i, c.rollout.threads))
-            out.append((w.common.name, "rollout", w, c.rollout.threads))
+            w = _replace_common(self.rollout, compute("rollout", i, c.rollout.threads))
+            out.append((w.common.name, "rollout", w, w.common.threads))
         for i in range(c.reward.num_workers):
             w = _replace_common(self.reward, common("reward", i, 1))
             out.append((w.common.name, "reward", w, 1))
         if self.reference is not None:
-            w = _replace_common(self.reference, common("reference", 0, c.reference.threads))
-            out.append((w.common.name, "reference", w, c.reference.threads))
-        w = _replace_common(self.trainer, common("trainer", 0, c.trainer.threads))
-        out.append((w.common.name, "trainer", w, c.trainer.threads))
+            w = _replace_common(self.reference, compute("reference", 0, c.reference.threads))
+            out.append((w.common.name, "reference", w, w.common.threads))
+        w = _replace_common(self.trainer, compute("trainer", 0, c.trainer.threads))
+        out.append((w.common.name, "trainer", w, w.common.threads))
         return out
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether the streaming workers share ``run.host_threads`` by phase (workers.cores)."""
+        return self.cfg.run.host_threads > 0 and not self.cfg.trainer.deterministic
 
     def cleanup(self) -> None:
         if str(self.weights_dir).startswith("/dev/shm/"):
             shutil.rmtree(self.weights_dir, ignore_errors=True)
+        if self.cores_path is not None:
+            self.cores_path.unlink(missing_ok=True)
 
 
 def _replace_common(w, common: WorkerCommon):  # noqa: ANN001, ANN202
-    from dataclasses import replace
-
     return replace(w, common=common)
 
 
@@ -214,6 +235,8 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
             task.eval_problems(cfg.run.eval_prompts) if cfg.run.eval_prompts else [],
         )
     plan = RunPlan(cfg, run_dir, model_path, _weights_dir(run_dir), tokenizer, train, task, evals)
+    if plan.shares_cores and cfg.run.mode != "sync":
+        plan.cores_path = create_core_table(plan.weights_dir.with_name(plan.weights_dir.name + ".cores"))
     resume_from = find_resume(cfg, run_dir)
     if resume_from is not None:
         plan.start_iteration = read_state(resume_from).step
@@ -348,5 +371,5 @@ class Evaluator:
         elif version != 0:
             return None  # pruned already (async runs far ahead): skip rather than guess
         max_new = self.plan.cfg.rollout.max_new_tokens
-        with torch.no_grad():
+        with torch.no_grad(), cores.busy():  # the controller's slot of the host's budget
             return evaluate(self._model, plan.tokenizer, plan.eval_problems, max_new_tokens=max_new)

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from workers.cores import CoreShareConfig
+
 
 @dataclass
 class SimulatedDevice:
@@ -47,6 +49,9 @@ class WorkerCommon:
     coordinator_address: str | None = None
     # not None: this worker runs the ``simulated`` engine of its role on this device
     simulated: SimulatedDevice | None = None
+    # not None: ``threads`` is ignored; the worker takes its share of the host's thread budget at
+    # every compute phase (workers.cores)
+    cores: CoreShareConfig | None = None
 
 
 @dataclass
@@ -155,6 +160,8 @@ def _build(cls: type[T], data: dict[str, Any]) -> T:
     kwargs = dict(data)
     if "common" in kwargs and isinstance(kwargs["common"], dict):
         kwargs["common"] = _build(WorkerCommon, kwargs["common"])
+    if isinstance(kwargs.get("cores"), dict):
+        kwargs["cores"] = _build(CoreShareConfig, kwargs["cores"])
     if isinstance(kwargs.get("simulated"), dict):
         kwargs["simulated"] = _build(SimulatedDevice, kwargs["simulated"])
     return cls(**kwargs)

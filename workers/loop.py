@@ -37,6 +37,7 @@ import pyarrow as pa
 
 from storage.errors import LeaseExpired, Unavailable, UnknownLease, UnknownTable
 from storage.schema import ROW_ID, Lease
+from workers import cores
 from workers.events import EventSender, Span
 from workers.faults import failure_reason
 
@@ -200,7 +201,8 @@ class StageLoop:
             return 0
         start = time.time()
         try:
-            with self.keeper.keep(lease) if self.keeper is not None else contextlib.nullcontext():
+            keep = self.keeper.keep(lease) if self.keeper is not None else contextlib.nullcontext()
+            with keep, cores.busy():  # this host's thread budget, shared by phase
                 out = self.stage.process(lease)
         except HandBack as back:
             reason = failure_reason(lease.batch, back.error) if back.error else None

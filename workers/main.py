@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import storage
+from workers import cores
 from workers.checkpoint import read_state, restore_rng, save_checkpoint
 from workers.config import (
     ReferenceWorkerConfig,
@@ -232,6 +233,8 @@ def build_simulated_trainer(
 def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
     common = cfg.common
     torch.set_num_threads(max(common.threads, 1))
+    if common.cores is not None:  # the host's budget, shared by phase (workers.cores)
+        cores.install(cores.CoreShare(common.cores))
     events: Any = EventSender(common.events_address)
     timeout = common.request_timeout_s
     client: Any = storage.connect(common.store_addresses, request_timeout=timeout)
@@ -294,6 +297,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
         events.close()
         if metrics is not None:
             metrics.stop_http()
+        cores.install(None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,6 +60,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from storage.errors import CellAlreadyWritten, LeaseExpired, Unavailable, UnknownTable
 from storage.schema import ROW_ID, Lease
+from workers import cores
 from workers.distributed import Op, RankGroup, first_group
 from workers.engines.torch_trainer import TrainerEngine
 from workers.events import Span, StepReport
@@ -175,15 +176,16 @@ class Trainer:
         except (Unavailable, UnknownTable):  # store node down or recovering: its rows come back
             time.sleep(0.5)
             return False
-        if lease.num_rows:
-            self._accept(lease)
-        for piece in self._parked.pop(self.step, []):
-            self._train_first_pass(piece)
-        if not lease.num_rows and self._rows_in < self._expected():
-            self._check_dead()
-        if self._rows_in >= self._expected() and self._rows_in > 0:
-            self._finish_iteration()
-            return True
+        with cores.busy():  # this host's thread budget, shared by phase (workers.cores)
+            if lease.num_rows:
+                self._accept(lease)
+            for piece in self._parked.pop(self.step, []):
+                self._train_first_pass(piece)
+            if not lease.num_rows and self._rows_in < self._expected():
+                self._check_dead()
+            if self._rows_in >= self._expected() and self._rows_in > 0:
+                self._finish_iteration()
+                return True
         return False
 
     def _expected(self) -> int:

@@ -45,6 +45,25 @@ def test_eval_is_disjoint_from_training_by_construction():
     assert held == ArithmeticTask(digits=2, seed=9).eval_problems(100)  # seed-independent
 
 
+def test_no_held_out_sum_has_its_commuted_twin_in_training():
+    # a+b and b+a are the same problem to a learner: both must sit on the same side of the split.
+    task = ArithmeticTask(digits=2, operations=("+", "*", "-"))
+    held = task.eval_problems(200)
+    twins = 0
+    for p in held:
+        op = "+" if "+" in p.prompt else "*" if "*" in p.prompt else "-"
+        a, b = p.prompt.rstrip("=").split(op)
+        if op != "-":
+            assert task.is_held_out((op, int(b), int(a))), p.prompt
+            twins += a != b
+    assert twins > 50  # the check above really ran over many non-symmetric problems
+    train = {p.prompt for p in task.train_problems(20_000)}
+    for p in held:
+        if "+" in p.prompt:
+            a, b = p.prompt.rstrip("=").split("+")
+            assert f"{b}+{a}=" not in train
+
+
 def test_bad_task_arguments_name_the_field():
     with pytest.raises(ValueError, match="operations"):
         ArithmeticTask(operations=("/",))

@@ -22,10 +22,10 @@ TASK = ArithmeticTask(digits=1)
 def test_warm_start_is_deterministic_and_learns():
     tok = build_char_tokenizer()
     a, b = build_tiny_model(SPEC, tok), build_tiny_model(SPEC, tok)
-    first = warm_start(a, tok, TASK, steps=1, batch_size=16, lr=3e-3, seed=0)
+    first = warm_start(a, tok, TASK, steps=1, batch_size=16, lr=3e-3, seed=0).loss
     a = build_tiny_model(SPEC, tok)
-    loss_a = warm_start(a, tok, TASK, steps=40, batch_size=16, lr=3e-3, seed=0)
-    loss_b = warm_start(b, tok, TASK, steps=40, batch_size=16, lr=3e-3, seed=0)
+    loss_a = warm_start(a, tok, TASK, steps=40, batch_size=16, lr=3e-3, seed=0).loss
+    loss_b = warm_start(b, tok, TASK, steps=40, batch_size=16, lr=3e-3, seed=0).loss
     assert loss_a == loss_b
     sa, sb = a.state_dict(), b.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -65,8 +65,47 @@ def test_evaluate_scores_exact_match_of_greedy_outputs():
     assert 0.0 <= acc <= 1.0
 
 
+def test_warm_start_stops_when_asked_and_reports_progress():
+    tok = build_char_tokenizer()
+    model = build_tiny_model(SPEC, tok)
+    asked, seen = [], []
+
+    def stop(step: int) -> bool:
+        assert not model.training  # the stop rule evaluates in eval mode
+        asked.append(step)
+        return step >= 20
+
+    result = warm_start(model, tok, TASK, steps=100, batch_size=4, lr=3e-3, stop=stop,
+                        check_every=5, progress=lambda i, n: seen.append((i, n)))
+    assert result.steps == 20 and asked == [5, 10, 15, 20]
+    assert seen == [(i, 100) for i in range(1, 21)]
+
+
+def test_prepare_builtin_stops_at_the_target_on_a_fixed_thread_count(tmp_path):
+    # The probe accuracy of an untrained model is 0: a target of 0.01 runs to the cap; the weights
+    # must not depend on the caller's thread count (the warm start always runs on recipe.threads).
+    recipe = BuiltinRecipe(spec=SPEC, digits=1, warmstart_steps=20, batch_size=8, eval_size=5,
+                           target_accuracy=0.01, check_every=10, probe_size=8)
+    torch.set_num_threads(2)
+    try:
+        two = prepare_builtin(tmp_path / "two", recipe=recipe)
+    finally:
+        torch.set_num_threads(1)
+    one = prepare_builtin(tmp_path / "one", recipe=recipe)
+    assert torch.get_num_threads() == 1  # restored
+    a, b = load_model(one).state_dict(), load_model(two).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    manifest = json.loads((one / MANIFEST).read_text())
+    assert manifest["torch_threads"] == 1
+    assert manifest["warmstart_steps_run"] in (10, 20)
+    assert manifest["probe_accuracy"] is not None
+    if manifest["probe_accuracy"] < 0.01:
+        assert manifest["warmstart_steps_run"] == 20
+
+
 def test_prepare_builtin_is_reproducible_and_cached(tmp_path):
-    recipe = BuiltinRecipe(spec=SPEC, digits=1, warmstart_steps=4, batch_size=8, eval_size=5)
+    recipe = BuiltinRecipe(spec=SPEC, digits=1, warmstart_steps=4, batch_size=8, eval_size=5,
+                           target_accuracy=0.0)
     path = prepare_builtin(tmp_path / "m", recipe=recipe)
     manifest = json.loads((path / MANIFEST).read_text())
     assert manifest["recipe"]["warmstart_steps"] == 4

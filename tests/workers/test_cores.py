@@ -1,0 +1,110 @@
+"""The host's thread budget shared by phase (workers/cores.py), across real processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from workers import cores
+from workers.config import RewardWorkerConfig, WorkerCommon, from_json, to_json
+from workers.cores import CoreShare, CoreShareConfig, create
+
+
+def test_share_splits_the_budget_among_busy_processes(tmp_path):
+    path = create(tmp_path / "cores")
+    a = CoreShare(CoreShareConfig(str(path), 1, 2))
+    b = CoreShare(CoreShareConfig(str(path), 2, 2))
+    c = CoreShare(CoreShareConfig(str(path), 3, 5))
+    try:
+        assert a.share() == 2  # alone at work: every thread
+        with a.busy() as threads:
+            assert threads == 2 and torch.get_num_threads() == 2
+            assert b.share() == 1  # a is busy: b would get half
+            with b.busy():
+                assert a.share() == 1 and b.share() == 1
+                assert a.refresh() == 1 and torch.get_num_threads() == 1
+            assert a.refresh() == 2  # b went idle: a takes both back
+        # remainder to the lowest busy slots: 5 threads among 3 busy -> 2, 2, 1
+        with a.busy(), b.busy():
+            assert c.share() == 1
+            c.cfg.slot = 0
+            assert c.share() == 2
+    finally:
+        for s in (a, b, c):
+            s.close()
+
+
+def test_busy_is_reentrant_and_marks_idle_on_exit(tmp_path):
+    path = create(tmp_path / "cores")
+    a = CoreShare(CoreShareConfig(str(path), 4, 2))
+    with a.busy(), a.busy():
+        assert path.read_bytes()[4] == 1
+    assert path.read_bytes()[4] == 0
+    with pytest.raises(RuntimeError), a.busy():
+        raise RuntimeError("a failing phase still hands its threads back")
+    assert path.read_bytes()[4] == 0
+    a.close()
+
+
+def test_module_hooks_are_noops_without_a_share():
+    cores.install(None)
+    before = torch.get_num_threads()
+    with cores.busy() as threads:
+        assert threads == before
+    cores.refresh()
+    assert torch.get_num_threads() == before
+
+
+def _hold_busy(path: str, started, release) -> None:  # noqa: ANN001
+    share = CoreShare(CoreShareConfig(path, 7, 2))
+    with share.busy():
+        started.set()
+        release.wait(10)
+
+
+def test_another_process_busy_halves_this_ones_share(tmp_path):
+    path = create(tmp_path / "cores")
+    mine = CoreShare(CoreShareConfig(str(path), 1, 2))
+    ctx = mp.get_context("spawn")
+    started, release = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_hold_busy, args=(str(path), started, release))
+    proc.start()
+    try:
+        assert started.wait(60)
+        assert mine.share() == 1
+        release.set()
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert mine.share() == 2
+    finally:
+        release.set()
+        proc.join(5)
+        mine.close()
+
+
+def test_worker_config_carries_the_share_through_json(tmp_path):
+    common = WorkerCommon(name="reward-0", role="reward", store_addresses=["tcp://127.0.0.1:1"],
+                          table="t", cores=CoreShareConfig(str(tmp_path / "c"), 3, 2))
+    cfg = RewardWorkerConfig(common=common, model_path="m", reward_fn="exact_match")
+    back = from_json("reward", to_json(cfg))
+    assert back.common.cores == CoreShareConfig(str(tmp_path / "c"), 3, 2)
+
+
+def test_bad_slots_and_budgets_are_refused(tmp_path):
+    path = create(tmp_path / "cores")
+    with pytest.raises(ValueError, match="slot"):
+        CoreShare(CoreShareConfig(str(path), 64, 2))
+    with pytest.raises(ValueError, match="total_threads"):
+        CoreShare(CoreShareConfig(str(path), 1, 0))
+
+
+def test_a_missing_table_is_created_not_truncated(tmp_path):
+    path = tmp_path / "other-host-cores"
+    a = CoreShare(CoreShareConfig(str(path), 2, 2))
+    with a.busy():
+        b = CoreShare(CoreShareConfig(str(path), 5, 2))  # opening must keep a's mark
+        assert b.share() == 1
+        b.close()
+    a.close()

@@ -1,0 +1,131 @@
+"""One host's CPU threads, handed back and forth between its compute processes by phase.
+
+Owns: ``CoreShare`` (a process's view of the host's thread budget) and the process-wide
+``refresh()`` hook that long computations (the rollout's decode loop) call between steps.
+
+Why: in the streaming modes rollout and trainer are separate processes. A fixed thread count per
+process either fights over the cores (each takes them all: oversubscription, measured 1.2-1.6x
+slower on 2 cores) or leaves one idle (each takes half: the trainer runs on 1 thread while the
+rollout waits for the next policy version). Instead every compute process of a host marks itself
+busy or idle in a small shared-memory table and, at each phase boundary, takes its share of the
+budget: ``total // busy`` threads (the remainder to the lowest slots). A process alone at work gets
+every thread; two busy processes split them.
+
+Layout: a file of ``MAX_SLOTS`` bytes in /dev/shm, created by the controller, one byte per process
+(slot numbers are assigned by the controller): 1 = busy, 0 = idle. A byte store is atomic, so no
+lock is needed; a reader may see a neighbour's change one phase late, which costs at most one
+phase of over- or under-subscription, never correctness: thread counts change speed, not results
+(runs that compare parameters bitwise set ``trainer.deterministic``, which keeps threads fixed).
+
+Lifecycle: the controller creates the file before the workers start and removes it at the end;
+each worker opens it (``CoreShare.open``), wraps every compute phase in ``busy()``, and closes it.
+A worker that dies while busy leaves its byte at 1 until its restart takes the same slot and
+clears it (``open`` marks the slot idle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MAX_SLOTS = 64
+
+
+@dataclass
+class CoreShareConfig:
+    """Where a worker finds its host's budget (plain data: it travels in the worker's JSON)."""
+
+    path: str  # the shared file (created by the controller)
+    slot: int  # this process's byte, 0 <= slot < MAX_SLOTS, unique on the host
+    total_threads: int  # the host's budget for its compute processes
+
+
+def create(path: str | os.PathLike[str]) -> Path:
+    """Create (or reset) the shared table: every slot idle."""
+    p = Path(path)
+    p.write_bytes(bytes(MAX_SLOTS))
+    return p
+
+
+class CoreShare:
+    """This process's view of the host's budget; see the module docstring."""
+
+    def __init__(self, cfg: CoreShareConfig) -> None:
+        if not 0 <= cfg.slot < MAX_SLOTS:
+            raise ValueError(f"CoreShare slot must be in 0..{MAX_SLOTS - 1}, got {cfg.slot}")
+        if cfg.total_threads < 1:
+            raise ValueError(f"CoreShare total_threads must be >= 1, got {cfg.total_threads}")
+        self.cfg = cfg
+        # A worker on another host finds no file at the path: it creates its host's own table
+        # there (never truncating one that exists, so a restart keeps its neighbours' marks).
+        with open(cfg.path, "a+b") as fh:
+            if os.fstat(fh.fileno()).st_size < MAX_SLOTS:
+                fh.truncate(MAX_SLOTS)
+            self._map = mmap.mmap(fh.fileno(), MAX_SLOTS)
+        self._map[cfg.slot] = 0
+        self._depth = 0
+        self.threads = 0  # the count last given to torch (0: not set yet)
+
+    def share(self) -> int:
+        """Threads this process should use now: its part of the budget among busy processes."""
+        table = self._map[:MAX_SLOTS]
+        busy = [i for i, b in enumerate(table) if b]
+        if self.cfg.slot not in busy:
+            busy.append(self.cfg.slot)
+            busy.sort()
+        base, extra = divmod(self.cfg.total_threads, len(busy))
+        return max(1, base + (1 if busy.index(self.cfg.slot) < extra else 0))
+
+    def refresh(self) -> int:
+        """Apply ``share()`` to torch if it changed (cheap: reads 64 bytes); returns it."""
+        want = self.share()
+        if want != self.threads:
+            torch.set_num_threads(want)
+            self.threads = want
+        return want
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[int]:
+        """Mark this process busy for a compute phase (re-entrant) and take its share."""
+        self._depth += 1
+        if self._depth == 1:
+            self._map[self.cfg.slot] = 1
+        try:
+            yield self.refresh()
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._map[self.cfg.slot] = 0
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError, BufferError):
+            self._map[self.cfg.slot] = 0
+            self._map.close()
+
+
+_current: CoreShare | None = None
+
+
+def install(share: CoreShare | None) -> None:
+    """Make ``share`` the process's budget (``refresh()`` and ``busy()`` act on it)."""
+    global _current
+    _current = share
+
+
+def refresh() -> None:
+    """Re-read the host's budget between steps of a long computation; no-op without a share."""
+    if _current is not None:
+        _current.refresh()
+
+
+def busy() -> contextlib.AbstractContextManager[int]:
+    """``CoreShare.busy`` of the installed share, or a no-op context without one."""
+    if _current is None:
+        return contextlib.nullcontext(torch.get_num_threads())
+    return _current.busy()
