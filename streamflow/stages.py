@@ -315,7 +315,7 @@ def held_out_split(
 ) -> tuple[list[Problem], list[Problem]]:
     """(train, eval) of a prompt file: ``n_eval`` distinct prompts drawn with ``seed`` are held
     out, every row carrying one of them leaves the training set (so a duplicated prompt cannot
-    leak), and the training rows keep the file's order. The same file and seed give the same split
+    leak; its first row is the eval problem), and the training rows keep the file's order. The same file and seed give the same split
     in every process and on resume; ``n_eval == 0`` trains on every row."""
     if n_eval == 0:
         return rows, []
