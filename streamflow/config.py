@@ -123,7 +123,9 @@ class RunSection:
     # async only: max policy versions a trained sample may lag behind the trainer (0 = on-policy)
     max_staleness: int = _f(1, ge=0)
     eval_every: int = _f(1, ge=0)  # evaluate held-out accuracy every N iterations (0 = never)
-    eval_prompts: int = _f(64, ge=0)  # number of held-out evaluation prompts
+    # number of held-out evaluation prompts (data.task=file: that many distinct prompts, drawn with
+    # data.seed, are removed from training while eval_every > 0)
+    eval_prompts: int = _f(64, ge=0)
     checkpoint_every: int = _f(0, ge=0)  # checkpoint every N iterations (0 = only at the end)
     # fail the run when worker processes are not all ready after this long (start-up, model load)
     startup_timeout_s: float = _f(300.0, gt=0)
@@ -256,6 +258,9 @@ class RewardSection:
     # (quarantined DEAD after store.max_deliveries, its group left out of training); "zero"
     # scores it 0.0 with reward_ok=false and trains on it
     on_error: Literal["retry", "zero"] = "retry"
+    # held-out accuracy counts a prompt as solved when the reward of its greedy response is >= this
+    # (1.0: the full score of a 0/1 verifier such as exact_match)
+    success_threshold: float = 1.0
 
     def __post_init__(self) -> None:
         _check_bounds(self)

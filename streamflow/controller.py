@@ -554,6 +554,10 @@ class Controller:
             kl=rep.kl if self.plan.kl_active else None,
             clip_fraction=rep.clip_fraction,
             grad_norm=rep.grad_norm,
+            ratio_mean=rep.ratio_mean,
+            ratio_min=rep.ratio_min,
+            ratio_max=rep.ratio_max,
+            importance_weight_mean=rep.importance_weight_mean,
             staleness_mean=rep.staleness_mean,
             staleness_max=rep.staleness_max,
             # Seconds: the trainer writing version k+1 plus the rollout engines loading version k.

@@ -53,8 +53,15 @@ class IterationRecord:
     generated_tokens: int = 0  # response tokens generated for them
     loss: float | None = None  # GRPO loss of the update
     kl: float | None = None  # mean k3 KL to the reference (None when the reference is off)
+    # loss, kl, clip fraction and the ratio/importance stats are token-weighted over every pass of
+    # the step (trainer.updates_per_batch passes over the batch)
     clip_fraction: float | None = None  # fraction of tokens whose ratio was clipped
-    grad_norm: float | None = None  # gradient norm before clipping
+    grad_norm: float | None = None  # gradient norm before clipping (mean over the step's updates)
+    ratio_mean: float | None = None  # policy / old-policy ratio (exactly 1 with one update/batch)
+    ratio_min: float | None = None  # smallest ratio of any token
+    ratio_max: float | None = None  # largest ratio of any token
+    # truncated importance weight min(exp(old - behaviour), is_cap); 1 when correction is off
+    importance_weight_mean: float | None = None
     staleness_mean: float = 0.0  # mean (trainer version - behaviour version) of trained samples
     staleness_max: int = 0  # max of the same
     weight_sync_seconds: float = 0.0  # time spent publishing/loading weights this iteration

@@ -4,7 +4,8 @@
 
 - the policy model directory (a local HF directory, or the built-in tiny model warm-started once
   and cached under ``runs/.cache/`` keyed by its recipe, so repeated runs reuse it);
-- the prompt source (procedural arithmetic or a user's JSONL/Parquet file) and held-out problems;
+- the prompt source (procedural arithmetic or a user's JSONL/Parquet file) and held-out problems
+  (a file's held-out rows are split off by ``held_out_split``: never trained on);
 - the weights directory for policy versions (``/dev/shm`` when available: weight sync never
   touches a disk there);
 - the samples table spec and one ``workers.config`` record per worker.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -40,10 +42,13 @@ from workers.config import (
 )
 from workers.cores import MAX_SLOTS, CoreShareConfig
 from workers.cores import create as create_core_table
+from workers.engines.base import SamplingParams
+from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models import TinyModelSpec, load_model, load_tokenizer
+from workers.rewards import RewardRunner
 from workers.tasks import ArithmeticTask, Problem, load_problem_file
-from workers.tokenizer import encode_prompt
-from workers.warmstart import BuiltinRecipe, evaluate, prepare_builtin
+from workers.tokenizer import decode_response, encode_prompt
+from workers.warmstart import BuiltinRecipe, prepare_builtin
 from workers.weights import weights_path
 
 TABLE = "samples"
@@ -226,8 +231,10 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
     if d.task == "file":
         if not d.file:
             raise ValueError("data.file is required when data.task is 'file'")
-        train = load_problem_file(d.file, d.prompt_column, d.answer_column)
-        task, evals = None, train[: cfg.run.eval_prompts]
+        rows = load_problem_file(d.file, d.prompt_column, d.answer_column)
+        held_out = cfg.run.eval_prompts if cfg.run.eval_every else 0
+        train, evals = held_out_split(rows, held_out, seed=d.seed, source=d.file)
+        task = None
     else:
         task = ArithmeticTask(digits=d.digits, operations=tuple(d.operations), seed=d.seed)
         train, evals = (
@@ -326,6 +333,50 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
     return plan
 
 
+def held_out_split(
+    rows: list[Problem], n_eval: int, *, seed: int, source: str = "data.file"
+) -> tuple[list[Problem], list[Problem]]:
+    """(train, eval) of a prompt file: ``n_eval`` distinct prompts drawn with ``seed`` are held
+    out, every row carrying one of them leaves the training set (so a duplicated prompt cannot
+    leak; its first row is the eval problem), and the training rows keep the file's order. The same file and seed give the same split
+    in every process and on resume; ``n_eval == 0`` trains on every row."""
+    if n_eval == 0:
+        return rows, []
+    prompts = list(dict.fromkeys(p.prompt for p in rows))  # distinct, in file order
+    if n_eval >= len(prompts):
+        raise ValueError(
+            f"run.eval_prompts={n_eval} holds out every prompt of {source} ({len(prompts)} "
+            "distinct): lower run.eval_prompts or set run.eval_every=0"
+        )
+    held = set(random.Random(seed).sample(prompts, n_eval))
+    first: dict[str, Problem] = {}
+    for p in rows:
+        if p.prompt in held:
+            first.setdefault(p.prompt, p)
+    evals = [first[q] for q in prompts if q in held]
+    return [p for p in rows if p.prompt not in held], evals
+
+
+def reward_accuracy(
+    model: torch.nn.Module, tokenizer: object, problems: list[Problem], *, reward_fn: str,
+    success_threshold: float, timeout_s: float, max_new_tokens: int,
+) -> float:
+    """Fraction of ``problems`` whose GREEDY response scores ``>= success_threshold`` under the
+    run's reward function (``reward.fn``, run like the reward workers run it: built-ins in
+    process, anything else in a child process with the per-sample timeout; a failed score counts
+    as unsolved). With a 0/1 reward and the default threshold 1.0 this is exact accuracy."""
+    if not problems:
+        raise ValueError("reward_accuracy: no problems")
+    engine = TorchRolloutEngine(model, tokenizer, max_batch_size=256)
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+    gens = engine.generate(prompts, 1, SamplingParams(temperature=0.0,
+                                                      max_new_tokens=max_new_tokens))
+    completions = [decode_response(tokenizer, g[0].token_ids) for g in gens]
+    with RewardRunner(reward_fn, timeout_s=timeout_s) as runner:
+        results = runner.score(completions, [p.answer for p in problems])
+    return sum(1 for r in results if r.ok and r.score >= success_threshold) / len(problems)
+
+
 def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
     """The checkpoint to continue from: ``resume=auto`` takes the latest complete one in the run
     directory (none: a fresh start), a path names one explicitly (it must exist)."""
@@ -347,7 +398,9 @@ def _named(common: WorkerCommon, role: str) -> WorkerCommon:
 
 
 class Evaluator:
-    """Greedy held-out accuracy of a published policy version (in the controller's process)."""
+    """Held-out accuracy of a published policy version (in the controller's process): greedy
+    responses to ``plan.eval_problems`` scored by ``reward.fn`` against ``reward.success_threshold``
+    (``reward_accuracy``)."""
 
     def __init__(self, plan: RunPlan) -> None:
         self.plan = plan
@@ -367,9 +420,21 @@ class Evaluator:
         if path.exists():
             from safetensors.torch import load_file
 
-            self._model.load_state_dict(load_file(str(path)), strict=False)
+            # Strict: a published version holds every tensor of the model under its HF name
+            # (tied embeddings under both names, see TorchTrainerEngine.state_dict), so a missing
+            # or unknown key means the file belongs to another model.
+            missing, unexpected = self._model.load_state_dict(load_file(str(path)), strict=False)
+            if missing or unexpected:
+                raise ValueError(
+                    f"weights {path} do not match the model at {plan.model_path}: missing keys "
+                    f"{sorted(missing)[:5]}, unexpected keys {sorted(unexpected)[:5]}"
+                )
         elif version != 0:
             return None  # pruned already (async runs far ahead): skip rather than guess
-        max_new = self.plan.cfg.rollout.max_new_tokens
+        r = plan.cfg.reward
         with torch.no_grad(), cores.busy():  # the controller's slot of the host's budget
-            return evaluate(self._model, plan.tokenizer, plan.eval_problems, max_new_tokens=max_new)
+            return reward_accuracy(
+                self._model, plan.tokenizer, plan.eval_problems, reward_fn=r.fn,
+                success_threshold=r.success_threshold, timeout_s=r.timeout_s,
+                max_new_tokens=plan.cfg.rollout.max_new_tokens,
+            )

@@ -232,7 +232,8 @@ class RankGroup:
 
     # ---------------------------------------------------------------- collectives
     def all_reduce_sums(self, sums: LossSums) -> LossSums:
-        """Sum the per-rank loss sums (max for ``ratio_max``): every rank gets the global ones."""
+        """Sum the per-rank loss sums (max for ``ratio_max``, min for ``ratio_min``): every rank
+        gets the global ones."""
         total = torch.tensor(
             [sums.loss_sum, sums.policy_loss_sum, sums.kl_sum, sums.num_tokens,
              sums.clipped_tokens, sums.ratio_sum, sums.is_weight_sum, sums.is_capped_tokens],
@@ -241,10 +242,13 @@ class RankGroup:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         peak = torch.tensor([sums.ratio_max], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        low = torch.tensor([sums.ratio_min], dtype=torch.float64)  # inf on a rank without tokens
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
         t = total.tolist()
         return LossSums(
             loss_sum=t[0], policy_loss_sum=t[1], kl_sum=t[2], num_tokens=round(t[3]),
             clipped_tokens=round(t[4]), ratio_sum=t[5], ratio_max=float(peak[0]),
+            ratio_min=float(low[0]),
             is_weight_sum=t[6], is_capped_tokens=round(t[7]),
         )
 

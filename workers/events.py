@@ -43,18 +43,22 @@ class StepReport:
     policy_version: int  # version published after this step (= iteration + 1)
     samples: int
     response_tokens: int
+    # loss, kl, clip_fraction and the ratio/importance stats are token-weighted over EVERY pass of
+    # the step (updates_per_batch passes over the batch); grad_norm is the mean pre-clip norm of
+    # the step's updates_per_batch optimizer updates.
     loss: float
     kl: float
-    clip_fraction: float
+    clip_fraction: float  # fraction of token-passes where the clipped term was the active one
     grad_norm: float
     reward_mean: float
     reward_std: float
     reward_failures: int  # samples whose verifier failed (scored 0)
     staleness_mean: float  # trainer step minus sample policy version, over the step's samples
     staleness_max: int
-    importance_weight_mean: float
+    importance_weight_mean: float  # truncated IS weight min(exp(old - behaviour), is_cap); 1 off
     ratio_mean: float  # policy/old ratio over the step's tokens (exactly 1 with one update/batch)
     ratio_max: float
+    ratio_min: float
     step_seconds: float  # wall time from the first micro-batch to the published weights
     publish_seconds: float  # time to write the weights of the new version
     publish_bytes: int

@@ -177,7 +177,7 @@ def build_trainer(
     reference = None
     if cfg.reference_path and cfg.kl_coef > 0 and not cfg.reference_worker:
         reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype])
-    tri = TriModel(model, reference=reference, updates_per_batch=1)
+    tri = TriModel(model, reference=reference)  # updates_per_batch: the trainer (settings below)
     if reference is not None:  # what the fused reference costs (reference.dtype=bfloat16 halves it)
         logging.getLogger("workers.trainer").info(
             "tri-model: frozen reference copy holds %d bytes beside the policy",

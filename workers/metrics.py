@@ -108,6 +108,25 @@ class WorkerMetrics(HttpEndpoint):
         self.reward_mean = Gauge(
             "streamflow_trainer_reward_mean", "Mean reward of the last step's samples.", registry=r
         )
+        # The PPO/IS health of the last step, token-weighted over all its passes (StepReport).
+        self.clip_fraction = Gauge(
+            "streamflow_trainer_clip_fraction_ratio",
+            "Fraction of the last step's tokens whose ratio was clipped (all passes).", registry=r,
+        )
+        self.policy_ratio = Gauge(
+            "streamflow_trainer_policy_ratio",
+            "Policy / old-policy ratio over the last step's tokens (all passes): mean, min, max.",
+            ["stat"], registry=r,
+        )
+        self.importance_weight = Gauge(
+            "streamflow_trainer_importance_weight_mean",
+            "Mean truncated importance weight of the last step (1 when correction is off).",
+            registry=r,
+        )
+        self.grad_norm = Gauge(
+            "streamflow_trainer_grad_norm_mean",
+            "Pre-clip gradient norm of the last step (mean over its updates).", registry=r,
+        )
         self.reward_failures = Counter(
             "streamflow_trainer_reward_failures_total",
             "Samples whose verifier failed (scored 0).", registry=r,
@@ -158,6 +177,12 @@ class WorkerMetrics(HttpEndpoint):
         self.staleness_mean.set(rep.staleness_mean)
         self.staleness_max.set(rep.staleness_max)
         self.reward_mean.set(rep.reward_mean)
+        self.clip_fraction.set(rep.clip_fraction)
+        for stat, value in (("mean", rep.ratio_mean), ("min", rep.ratio_min),
+                            ("max", rep.ratio_max)):
+            self._child(self.policy_ratio, stat).set(value)
+        self.importance_weight.set(rep.importance_weight_mean)
+        self.grad_norm.set(rep.grad_norm)
         if rep.reward_failures:
             self.reward_failures.inc(rep.reward_failures)
         self._sync("publish", rep.publish_seconds, rep.publish_bytes, rep.policy_version)

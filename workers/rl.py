@@ -23,6 +23,7 @@ float summation order), which is what makes ``periodic`` match ``sync``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -145,7 +146,8 @@ class LossSums:
     num_tokens: int = 0  # response tokens (sum of the mask)
     clipped_tokens: int = 0  # tokens where the clipped term was the active (smaller) one
     ratio_sum: float = 0.0  # sum of exp(logp - old_logp)
-    ratio_max: float = 0.0  # max ratio seen
+    ratio_max: float = 0.0  # max ratio seen (0.0 while no token is counted)
+    ratio_min: float = math.inf  # min ratio seen (inf while no token is counted)
     is_weight_sum: float = 0.0  # sum of truncated IS weights (num_tokens when off)
     is_capped_tokens: int = 0  # tokens whose IS weight hit is_cap
 
@@ -158,20 +160,22 @@ class LossSums:
             clipped_tokens=self.clipped_tokens + other.clipped_tokens,
             ratio_sum=self.ratio_sum + other.ratio_sum,
             ratio_max=max(self.ratio_max, other.ratio_max),
+            ratio_min=min(self.ratio_min, other.ratio_min),
             is_weight_sum=self.is_weight_sum + other.is_weight_sum,
             is_capped_tokens=self.is_capped_tokens + other.is_capped_tokens,
         )
 
     def means(self) -> dict[str, float]:
-        """Token means of the sums (what metrics report)."""
+        """Token means of the sums (what metrics report); the ratio stats are 1.0 without tokens."""
         n = max(self.num_tokens, 1)
         return {
             "loss": self.loss_sum / n,
             "policy_loss": self.policy_loss_sum / n,
             "kl": self.kl_sum / n,
             "clip_fraction": self.clipped_tokens / n,
-            "ratio_mean": self.ratio_sum / n,
-            "ratio_max": self.ratio_max,
+            "ratio_mean": self.ratio_sum / n if self.num_tokens else 1.0,
+            "ratio_min": self.ratio_min if self.num_tokens else 1.0,
+            "ratio_max": self.ratio_max if self.num_tokens else 1.0,
             "is_weight_mean": self.is_weight_sum / n,
             "is_capped_fraction": self.is_capped_tokens / n,
         }
@@ -244,6 +248,8 @@ def grpo_loss_sums(
             clipped_tokens=int(((clipped.detach() < unclipped.detach()).to(m.dtype) * m).sum()),
             ratio_sum=float(ratio_masked.sum()),
             ratio_max=float(ratio_masked.max()) if m.numel() else 0.0,
+            ratio_min=float(ratio.detach().masked_fill(m == 0, math.inf).min())
+            if m.numel() else math.inf,
             is_weight_sum=float((weight.detach() * m).sum()),
             is_capped_tokens=int(is_capped),
         )

@@ -32,8 +32,15 @@ exact token-mean over the whole batch whatever the arrival order — the propert
 
 Old policy: with one update per batch the old policy IS the current policy (its log-probs equal the
 policy's before the step), so no old-policy forward runs and the ratio is exactly 1 on the first
-pass. With ``updates_per_batch > 1`` the first pass records the log-probs of the policy at the start
-of the iteration and later passes use them: the old policy is never a one-step-stale copy.
+pass. With ``updates_per_batch > 1`` (``trainer.updates_per_batch``) the first pass records the
+log-probs of the policy at the start of the iteration (no step is taken before every row of the
+iteration is in) in ``Piece.old_logp``; each later pass is a full forward/backward over the same
+rows against those recorded log-probs, then one more optimizer step. No frozen old-policy copy is
+held: the recorded log-probs are the old policy, and it is never a one-step-stale copy.
+
+What a step reports (``StepReport``): loss, KL, clip fraction, ratio mean/min/max and importance
+weight are token-weighted over every pass (a pass's tokens count once per pass); grad_norm is the
+mean of the passes' pre-clip norms.
 
 Several ranks (``ranks``, DeepSpeed under torchrun): rank 0 runs this loop against the store and
 broadcasts every micro-batch it trains; each rank backpropagates its share of the groups
@@ -41,8 +48,11 @@ broadcasts every micro-batch it trains; each rank backpropagates its share of th
 1/total_tokens is the whole iteration's, and only rank 0 publishes, acks and reports. Followers run
 ``follow()``.
 
-Staleness: a sample generated with policy version v and trained at step k has staleness k - v. With
-``importance_correction`` the ratio is additionally weighted by min(exp(old - behaviour), is_cap).
+Staleness: a sample generated with policy version v and trained at step k has staleness k - v. By
+default nothing corrects for it: the ratio is taken against the old policy (the trainer's own
+log-probs at the start of the iteration), not the behaviour policy that generated the sample. With
+``importance_correction`` each token's term is additionally weighted by the detached, truncated
+importance weight min(exp(old - behaviour), is_cap), behaviour = the rollout's log-probs.
 """
 
 from __future__ import annotations
@@ -318,7 +328,10 @@ class Trainer:
                 self.ranks.send_step(self.step)
             self._sums = self.ranks.all_reduce_sums(self._sums)
         num_tokens = max(self._sums.num_tokens, 1)
-        grad_norm = self.engine.step(1.0 / num_tokens)
+        grad_norms = [self.engine.step(1.0 / num_tokens)]
+        # What the step reports: every pass's tokens (the first pass alone has ratio 1 and clips
+        # nothing by construction, so reporting it would hide what later passes did).
+        report = self._sums
         for _ in range(self.s.updates_per_batch - 1):  # PPO-style extra passes (old = start of iteration)
             total = LossSums()
             for piece in self._done:
@@ -327,7 +340,9 @@ class Trainer:
                 total = total + sums
             if self.ranks is not None:
                 total = self.ranks.all_reduce_sums(total)
-            grad_norm = self.engine.step(1.0 / max(total.num_tokens, 1))
+            grad_norms.append(self.engine.step(1.0 / max(total.num_tokens, 1)))
+            report = report + total
+        grad_norm = sum(grad_norms) / len(grad_norms)
         self.step += 1
         if self.ranks is not None and not self.ranks.is_leader:
             self._reset_iteration()
@@ -336,7 +351,7 @@ class Trainer:
         published = self.publisher.publish(self.engine.state_dict(), self.step)
         end = time.time()
         self._busy += end - start
-        means = self._sums.means()
+        means = report.means()
         rewards = torch.tensor(self._rewards) if self._rewards else torch.zeros(1)
         self.send(Span("trainer", self.worker, start, end, self.step - 1, 0, 0))
         self.send(
@@ -357,6 +372,7 @@ class Trainer:
                 importance_weight_mean=means["is_weight_mean"],
                 ratio_mean=means["ratio_mean"],
                 ratio_max=means["ratio_max"],
+                ratio_min=means["ratio_min"],
                 step_seconds=end - (self._first_at or start),
                 publish_seconds=published.seconds,
                 publish_bytes=published.bytes,

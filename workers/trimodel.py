@@ -1,24 +1,22 @@
-"""The unified tri-model: policy, old-policy and reference log-probs of a micro-batch in one pass.
+"""The unified tri-model: policy and reference log-probs of a micro-batch in one pass; the old policy.
 
-Owns the trainable policy plus up to two frozen copies, and the rule for when each copy is
-refreshed. ``forward`` packs the micro-batch ONCE (``workers.packing``) and runs every model on the
-same packed tensors, so neither a separate reference worker nor an old-policy recomputation pass is
-needed (``reference.placement = trainer``).
+Owns the trainable policy plus the frozen reference copy, and the rule for the old policy.
+``forward`` packs the micro-batch ONCE (``workers.packing``) and runs every model on the same packed
+tensors, so neither a separate reference worker nor an old-policy recomputation pass is needed
+(``reference.placement = trainer``).
 
 Lifecycle and invariants:
 - ``reference`` is frozen at construction: a copy of the INITIAL policy (``reference="copy"``), a
   model directory loaded with transformers, a given module, or None (no KL term). It never changes.
-- Old policy, ``updates_per_batch == 1`` (on-policy, one optimizer step per batch): no old copy is
-  held and no old forward runs. ``old`` is ``policy.detach()``: the old policy IS the policy until
-  the step, so its log-probs are equal by construction and the PPO ratio is exactly 1.
-- Old policy, ``updates_per_batch > 1`` (PPO epochs / mini-batches): ``begin_iteration()`` copies
-  the policy into the old copy at the START of each iteration, before its first optimizer step;
-  every forward of the iteration then scores against that snapshot. It is never refreshed between
-  steps, so it is never a one-step-stale copy. ``forward`` refuses to run before the first
-  ``begin_iteration()``.
-- Frozen copies may live in a lower precision (``frozen_dtype=torch.bfloat16``) and/or another
-  device (``frozen_device="cpu"``); their log-probs come back as float32 on the policy's device.
-  ``extra_bytes()`` is what they cost beyond the policy.
+- The old policy is never a held model. With one update per batch (on-policy, one optimizer step
+  per batch) it IS the policy until the step: its log-probs are the policy's, detached, so the PPO
+  ratio is exactly 1 and no old forward runs. With ``trainer.updates_per_batch > 1`` the trainer
+  keeps the first pass's detached policy log-probs (the policy at the START of the iteration: no
+  step is taken before the iteration's last row is in) and scores every later pass against them
+  (``workers.trainer``): no snapshot copy, so no memory cost, and never a one-step-stale copy.
+- The frozen reference may live in a lower precision (``frozen_dtype=torch.bfloat16``) and/or
+  another device (``frozen_device="cpu"``); its log-probs come back as float32 on the policy's
+  device. ``extra_bytes()`` is what it costs beyond the policy.
 """
 
 from __future__ import annotations
@@ -45,12 +43,12 @@ ReferenceSource = Literal["copy"] | torch.nn.Module | str | os.PathLike[str] | N
 
 @dataclass
 class TriLogprobs:
-    """Per group, per response token log-probs ``[L_i]`` of the three models."""
+    """Per group, per response token log-probs ``[L_i]`` of the policy and the reference (the old
+    policy's are the detached policy's on the iteration's first pass, kept by the trainer)."""
 
     policy: list[list[torch.Tensor]]  # differentiable
-    old: list[list[torch.Tensor]]  # detached; == policy by construction when updates_per_batch == 1
     ref: list[list[torch.Tensor]] | None  # detached; None when no reference is held
-    batch: PackedBatch  # the layout all three ran on (rows, tokens, packed or not)
+    batch: PackedBatch  # the layout every model ran on (rows, tokens, packed or not)
 
 
 def _freeze(
@@ -74,28 +72,20 @@ def _module_bytes(model: torch.nn.Module) -> int:
 
 
 class TriModel:
-    """Holds the policy and its frozen copies; see the module docstring for the refresh rules."""
+    """Holds the policy and its frozen reference; see the module docstring for the old policy."""
 
     def __init__(
         self,
         policy: torch.nn.Module,
         *,
         reference: ReferenceSource = "copy",
-        updates_per_batch: int = 1,
         frozen_dtype: torch.dtype | None = None,
         frozen_device: str | torch.device | None = None,
     ) -> None:
-        if not isinstance(updates_per_batch, int) or updates_per_batch < 1:
-            raise ValueError(f"updates_per_batch must be an int >= 1, got {updates_per_batch!r}")
         self.policy = policy
-        self.updates_per_batch = updates_per_batch
         self.frozen_dtype = frozen_dtype
         self.frozen_device = frozen_device
         self.reference = self._load_reference(reference)
-        self.old_policy: torch.nn.Module | None = None
-        if updates_per_batch > 1:
-            self.old_policy = _freeze(copy.deepcopy(policy), frozen_dtype, frozen_device)
-        self._iteration_started = False
 
     def _load_reference(self, source: ReferenceSource) -> torch.nn.Module | None:
         if source is None:
@@ -115,23 +105,9 @@ class TriModel:
             f"reference must be 'copy', a module, a model directory or None, got {source!r}"
         )
 
-    def begin_iteration(self) -> None:
-        """Snapshot the policy as the old policy; call at the start of every iteration.
-
-        A no-op when ``updates_per_batch == 1`` (no old copy is held).
-        """
-        self._iteration_started = True
-        if self.old_policy is None:
-            return
-        with torch.no_grad():
-            src = dict(self.policy.named_parameters())
-            src.update(self.policy.named_buffers())
-            for name, t in [*self.old_policy.named_parameters(), *self.old_policy.named_buffers()]:
-                t.copy_(src[name])  # copy_ converts dtype and device
-
     def extra_bytes(self) -> int:
-        """Bytes held by the frozen copies (reference and old policy) beyond the policy itself."""
-        return sum(_module_bytes(m) for m in (self.reference, self.old_policy) if m is not None)
+        """Bytes held by the frozen reference copy beyond the policy itself."""
+        return _module_bytes(self.reference) if self.reference is not None else 0
 
     def forward(
         self,
@@ -142,13 +118,8 @@ class TriModel:
         pack: bool = True,
         max_responses_per_row: int | None = None,
     ) -> TriLogprobs:
-        """Pack ``groups`` once, then score them with the policy and the frozen copies."""
-        if self.old_policy is not None and not self._iteration_started:
-            raise RuntimeError(
-                "updates_per_batch > 1: call begin_iteration() before the first forward so the "
-                "old policy is the policy at the start of the iteration"
-            )
-        frozen = [m for m in (self.reference, self.old_policy) if m is not None]
+        """Pack ``groups`` once, then score them with the policy and the frozen reference."""
+        frozen = [self.reference] if self.reference is not None else []
         pack = pack and all(packing_unsupported_reason(m) is None for m in [self.policy, *frozen])
         if pack:
             batch = pack_groups(
@@ -158,14 +129,10 @@ class TriModel:
             batch = unpacked_rows(groups)
         policy = batch_logprobs(self.policy, batch, temperature=temperature)
         device = next(self.policy.parameters()).device
-        if self.old_policy is None:
-            old = [[t.detach() for t in g] for g in policy]
-        else:
-            old = self._frozen_logprobs(self.old_policy, batch, temperature, device)
         ref = None
         if self.reference is not None:
             ref = self._frozen_logprobs(self.reference, batch, temperature, device)
-        return TriLogprobs(policy=policy, old=old, ref=ref, batch=batch)
+        return TriLogprobs(policy=policy, ref=ref, batch=batch)
 
     @staticmethod
     def _frozen_logprobs(

@@ -87,15 +87,38 @@ def _assert_trained(cfg, params: dict) -> None:
 
 @pytest.mark.slow
 def test_async_respects_staleness_bound(tiny_config) -> None:
-    cfg = tiny_config("run.mode=async", "run.max_staleness=1", "run.iterations=3",
+    """Staleness stays within max_staleness AND reaches it: with rollout running ahead, some
+    iteration trains samples generated max_staleness versions back (else the bound is untested)."""
+    cfg = tiny_config("run.mode=async", "run.max_staleness=1", "run.iterations=5",
                       "run.eval_every=0")
     summary = run(cfg)
     _no_children_left()
-    on_disk = _check_run_dir(Path(cfg.run.output_dir), 3)
-    assert on_disk["max_staleness_observed"] <= 1
-    assert summary.max_staleness_observed <= 1
-    for line in (Path(cfg.run.output_dir) / "metrics.jsonl").read_text().splitlines():
-        assert json.loads(line)["staleness_max"] <= 1
+    on_disk = _check_run_dir(Path(cfg.run.output_dir), 5)
+    assert on_disk["max_staleness_observed"] == summary.max_staleness_observed == 1
+    lines = [json.loads(x) for x in (Path(cfg.run.output_dir) / "metrics.jsonl").read_text()
+             .splitlines()]
+    assert max(r["staleness_max"] for r in lines) == 1
+    assert all(r["staleness_max"] <= 1 for r in lines)
+    # No correction by default: the importance weight is exactly 1 even for stale samples.
+    assert all(r["importance_weight_mean"] == 1.0 for r in lines)
+
+
+def test_updates_per_batch_reach_the_trainer_and_the_run_records(tiny_config) -> None:
+    """trainer.updates_per_batch=2 from the run config: every iteration's record shows the
+    second pass (ratio off 1, some tokens clipped); with the default 1 the ratio is exactly 1."""
+    common = ("run.mode=sync", "run.iterations=2", "run.eval_every=0", "trainer.lr=0.01")
+    two = tiny_config(*common, "trainer.updates_per_batch=2")
+    run(two)
+    for line in (Path(two.run.output_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["ratio_min"] < 1.0 < rec["ratio_max"], rec
+        assert rec["clip_fraction"] > 0.0, rec
+    one = tiny_config(*common, f"run.output_dir={Path(two.run.output_dir).parent / 'one'}")
+    run(one)
+    for line in (Path(one.run.output_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["ratio_min"] == rec["ratio_mean"] == rec["ratio_max"] == 1.0
+        assert rec["clip_fraction"] == 0.0
 
 
 @pytest.mark.slow

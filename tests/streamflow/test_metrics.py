@@ -29,7 +29,8 @@ def _step(**over: float) -> StepReport:
     fields = dict(iteration=0, policy_version=1, samples=8, response_tokens=20, loss=0.1, kl=0.0,
                   clip_fraction=0.0, grad_norm=1.0, reward_mean=0.5, reward_std=0.1,
                   reward_failures=2, staleness_mean=0.5, staleness_max=1,
-                  importance_weight_mean=1.0, ratio_mean=1.0, ratio_max=1.0, step_seconds=1.5,
+                  importance_weight_mean=1.0, ratio_mean=1.0, ratio_max=1.0, ratio_min=1.0,
+                  step_seconds=1.5,
                   publish_seconds=0.02, publish_bytes=1000, busy_seconds=1.0)
     fields.update(over)
     return StepReport(**fields)  # type: ignore[arg-type]
@@ -42,7 +43,8 @@ def test_metered_events_observe_every_report_and_forward_it() -> None:
     events.send(Span("rollout", "rollout-0", 11.0, 11.25, 0, rows=4, tokens=8))
     events.send(Span("trainer", "trainer-0", 12.0, 13.0, 0, rows=0, tokens=0))  # the step itself
     events.send(WeightSyncReport("rollout-0", 3, seconds=0.2, bytes=500))
-    events.send(_step())
+    events.send(_step(clip_fraction=0.15, ratio_mean=1.01, ratio_min=0.6, ratio_max=1.55,
+                      importance_weight_mean=0.9, grad_norm=0.7))
     assert len(events.sent) == 5  # forwarded unchanged
     value = m.registry.get_sample_value
     assert value("streamflow_stage_rows_total", {"stage": "rollout"}) == 8
@@ -60,6 +62,11 @@ def test_metered_events_observe_every_report_and_forward_it() -> None:
     assert value("streamflow_trainer_staleness_max_versions") == 1
     assert value("streamflow_trainer_reward_mean") == 0.5
     assert value("streamflow_trainer_reward_failures_total") == 2
+    assert value("streamflow_trainer_clip_fraction_ratio") == 0.15
+    assert [value("streamflow_trainer_policy_ratio", {"stat": s}) for s in ("mean", "min", "max")
+            ] == [1.01, 0.6, 1.55]
+    assert value("streamflow_trainer_importance_weight_mean") == 0.9
+    assert value("streamflow_trainer_grad_norm_mean") == 0.7
     assert value("streamflow_trainer_last_checkpoint_timestamp_seconds") == 0
     m.checkpoint_saved(123.0)
     assert value("streamflow_trainer_last_checkpoint_timestamp_seconds") == 123.0

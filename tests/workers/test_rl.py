@@ -85,6 +85,60 @@ def test_k3_kl_is_zero_at_reference_and_positive_elsewhere():
     assert diff.loss_sum == pytest.approx(0.1 * diff.kl_sum, rel=1e-5)
 
 
+def _one_token_each(logp_minus_old: list[float], adv: list[float], clip_eps: float = 0.2):
+    """Rows of one response token each: logp = old + given, so ratio_i = exp(given_i)."""
+    old = torch.full((len(adv), 1), -1.0)
+    logp = (old + torch.tensor(logp_minus_old)[:, None]).requires_grad_()
+    loss, sums = grpo_loss_sums(logp, old, None, torch.tensor(adv), torch.ones(len(adv), 1),
+                                clip_eps=clip_eps)
+    loss.backward()
+    return loss.item(), sums, logp.grad[:, 0].tolist()
+
+
+def test_ppo_min_picks_the_pessimistic_term_hand_computed():
+    """Per token: -min(r * A, clip(r, 0.8, 1.2) * A), by hand for both signs of A and r outside
+    [1 - eps, 1 + eps]. The gradient w.r.t. logp is -A * r where the unclipped term is the min,
+    else 0 (the clamp is flat)."""
+    up, down = math.exp(0.5), math.exp(-0.5)  # ratios 1.6487 > 1.2 and 0.6065 < 0.8
+    cases = [  # (log ratio, A, per-token loss, d loss / d logp, clipped?)
+        (0.5, -1.0, up, up, False),  # A<0, r>1+eps: min(-1.6487, -1.2) = -1.6487 (unclipped)
+        (-0.5, -1.0, 0.8, 0.0, True),  # A<0, r<1-eps: min(-0.6065, -0.8) = -0.8 (clipped)
+        (0.5, 2.0, -2.4, 0.0, True),  # A>0, r>1+eps: min(3.2974, 2.4) = 2.4 (clipped)
+        (-0.5, 2.0, -2 * down, -2 * down, False),  # A>0, r<1-eps: min(1.2131, 1.6) = 1.2131
+    ]
+    for log_r, a, want_loss, want_grad, clipped in cases:
+        loss, sums, grad = _one_token_each([log_r], [a])
+        assert loss == pytest.approx(want_loss, rel=1e-6), (log_r, a)
+        assert grad[0] == pytest.approx(want_grad, rel=1e-6, abs=1e-9), (log_r, a)
+        assert sums.clipped_tokens == int(clipped), (log_r, a)
+    # All four at once: the sums add up (2 of 4 tokens clipped), ratio stats by hand.
+    loss, sums, _ = _one_token_each([c[0] for c in cases], [c[1] for c in cases])
+    assert loss == pytest.approx(up + 0.8 - 2.4 - 2 * down, rel=1e-6)
+    assert sums.means()["clip_fraction"] == 0.5
+    assert sums.ratio_max == pytest.approx(up) and sums.ratio_min == pytest.approx(down)
+    assert sums.means()["ratio_mean"] == pytest.approx((2 * up + 2 * down) / 4)
+
+
+def test_k3_kl_value_and_gradient_hand_computed():
+    """k3 = exp(ref - logp) - (ref - logp) - 1 and d k3 / d logp = 1 - exp(ref - logp), by hand:
+    ref - logp = 0.5 gives k3 = e^0.5 - 1.5 = 0.148721 and gradient 1 - e^0.5 = -0.648721;
+    ref - logp = -0.7 gives k3 = e^-0.7 - 0.3 = 0.196585 and gradient 1 - e^-0.7 = 0.503415.
+    (The other direction, exp(logp - ref) - (logp - ref) - 1, gives 0.106531 and 0.313753.)"""
+    logp = torch.tensor([[-2.0], [-1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5], [-1.7]])
+    kl_coef = 0.1
+    loss, sums = grpo_loss_sums(logp, logp.detach().clone(), ref, torch.zeros(2),
+                                torch.ones(2, 1), kl_coef=kl_coef)
+    loss.backward()
+    k3 = [math.exp(0.5) - 0.5 - 1, math.exp(-0.7) + 0.7 - 1]
+    assert k3 == pytest.approx([0.148721, 0.196585], abs=1e-6)
+    assert sums.kl_sum == pytest.approx(sum(k3), rel=1e-6)
+    assert loss.item() == pytest.approx(kl_coef * sum(k3), rel=1e-6)  # A = 0: KL term only
+    grad = [kl_coef * (1 - math.exp(0.5)), kl_coef * (1 - math.exp(-0.7))]
+    assert logp.grad[:, 0].tolist() == pytest.approx(grad, rel=1e-6)
+    assert grad == pytest.approx([-0.0648721, 0.0503415], abs=1e-7)
+
+
 def test_is_weight_is_truncated_at_cap():
     old = _logps(4)
     behaviour = old - 5.0  # exp(5) >> cap

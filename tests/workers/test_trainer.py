@@ -1,4 +1,5 @@
-"""The trainer over a real (embedded) store: order invariance, group integrity, ratio == 1.
+"""The trainer over a real (embedded) store: order invariance, group integrity, ratio == 1,
+several updates per batch (old policy = the iteration start), importance correction.
 
 Every test drives the real stages in-process: prompts are put, the rollout stage generates, rewards
 are written (in the order the test chooses), and the trainer claims whole groups as they complete.
@@ -6,6 +7,8 @@ are written (in the order the test chooses), and the trainer claims whole groups
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -17,13 +20,22 @@ import torch
 import storage
 from storage.schema import TaskSpec
 from workers.config import RolloutWorkerConfig, TrainerWorkerConfig, WorkerCommon
+from workers.engines.torch_trainer import TorchTrainerEngine
 from workers.events import EventSender, StepReport
 from workers.loop import StageLoop
 from workers.main import build_rollout, build_trainer
-from workers.models import TinyModelSpec, build_tiny_model, save_model
+from workers.models import TinyModelSpec, build_tiny_model, load_model, save_model
+from workers.rl import (
+    LossSums,
+    build_token_batch,
+    group_advantages,
+    grpo_loss_sums,
+    response_logprobs,
+)
 from workers.schema import PUT_COLUMNS, SAMPLES_SCHEMA, samples_table_spec
 from workers.tokenizer import build_char_tokenizer, encode_prompt
 
+_RUNS = itertools.count()  # one weights directory per training run of a test
 G = 4
 PROMPTS = 4
 ROWS = G * PROMPTS
@@ -41,7 +53,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: int,
-             deterministic: bool = False):
+             deterministic: bool = False, **trainer_over):
     common = WorkerCommon(name="t", role="t", store_addresses=[], table="samples", seed=3)
     rollout = RolloutWorkerConfig(
         common=replace(common, name="rollout-0", role="rollout"), model_path=str(model_dir),
@@ -54,7 +66,7 @@ def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: in
         rows_per_iteration=ROWS, iterations=iterations, group_size=G, reference_worker=False,
         lr=1e-2, rows_per_claim=rows_per_claim, checkpoint_dir=None, deterministic=deterministic,
     )
-    return rollout, trainer
+    return rollout, replace(trainer, **trainer_over)
 
 
 def _spec(audit: bool):
@@ -80,11 +92,11 @@ def _put(client, k: int) -> None:
     client.put("samples", batch)
 
 
-def _reward_rows(client, order_seed: int | None) -> None:
+def _reward_rows(client, order_seed: int | None, reward_of=lambda resp: len(resp) % 3) -> None:
     """Claim every response, and write synthetic rewards row by row in a chosen order."""
     lease = client.claim("samples", "reward", ["response_ids", "group_id"], ROWS, timeout=0.0)
     ids = lease.row_ids
-    rewards = {rid: float(len(resp) % 3) for rid, resp in
+    rewards = {rid: float(reward_of(resp)) for rid, resp in
                zip(ids, lease.batch.column("response_ids").to_pylist(), strict=True)}
     order = list(ids)
     if order_seed is not None:
@@ -97,16 +109,36 @@ def _reward_rows(client, order_seed: int | None) -> None:
     client.ack(lease)
 
 
+class _ShiftedBehaviour:
+    """The rollout stage, with every behaviour log-prob it writes lowered by ``shift``: as if the
+    samples came from a stale policy that gave each token exp(-shift) of the probability."""
+
+    def __init__(self, inner, shift: float) -> None:
+        self.inner, self.shift = inner, shift
+
+    def process(self, lease):  # noqa: ANN001, ANN201
+        out = self.inner.process(lease)
+        i = out.schema.get_field_index("response_logprobs")
+        lowered = [[v - self.shift for v in row] for row in out.column(i).to_pylist()]
+        return out.set_column(i, out.schema.field(i), pa.array(lowered, out.schema.field(i).type))
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - task, columns, max_rows, ...
+        return getattr(self.inner, name)
+
+
 def _train(model_dir: Path, tmp: Path, *, iterations: int, order_seed: int | None,
-           rows_per_claim: int, audit: bool = False, deterministic: bool = False):
-    weights = tmp / f"w-{order_seed}-{rows_per_claim}-{deterministic}"
+           rows_per_claim: int, audit: bool = False, deterministic: bool = False,
+           behaviour_shift: float = 0.0, reward_of=lambda resp: len(resp) % 3, **trainer_over):
+    weights = tmp / f"w-{next(_RUNS)}"
     rollout_cfg, trainer_cfg = _configs(model_dir, weights, iterations, rows_per_claim,
-                                        deterministic)
+                                        deterministic, **trainer_over)
     events = EventSender(None)
     with storage.embedded(2) as store:
         client = store.client()
         client.create_table(_spec(audit))
         rollout = build_rollout(rollout_cfg, events)
+        if behaviour_shift:
+            rollout = _ShiftedBehaviour(rollout, behaviour_shift)
         trainer = build_trainer(trainer_cfg, client, events)
         trainer.publish_current()
         for k in range(iterations):
@@ -115,16 +147,22 @@ def _train(model_dir: Path, tmp: Path, *, iterations: int, order_seed: int | Non
             while loop.turn(0.0):  # the last, empty claim carries the last write+ack
                 pass
             stepped = False
-            for _ in _reward_rows(client, order_seed):
+            for _ in _reward_rows(client, order_seed, reward_of):
                 if order_seed is not None:  # streaming: train on whatever groups are complete
                     stepped = trainer.poll(0.0) or stepped
             while not stepped:
                 stepped = trainer.poll(0.0)
         audit_batch = None
         if audit:
-            lease = client.claim("samples", "audit", ["group_id", "prompt_ids", "response_ids",
-                                                      "reward", "advantage"], 10_000, timeout=1.0)
-            audit_batch = lease.batch
+            parts = []
+            while True:  # one claim serves one shard: claim until the table is drained
+                lease = client.claim("samples", "audit", ["group_id", "prompt_ids",
+                                                          "response_ids", "reward", "advantage",
+                                                          "iteration"], 10_000, timeout=0.5)
+                if not lease.num_rows:
+                    break
+                parts.append(lease.batch)
+            audit_batch = pa.Table.from_batches(parts).combine_chunks().to_batches()[0]
         params = {k: v.detach().clone() for k, v in trainer.engine.model.state_dict().items()}
         reports = [r for r in events.sent if isinstance(r, StepReport)]
         client.close()
@@ -155,7 +193,8 @@ def test_ratio_is_exactly_one_and_versions_match(model_dir: Path, tmp_path: Path
     _, reports, _ = _train(model_dir, tmp_path, iterations=2, order_seed=5, rows_per_claim=G)
     assert [r.iteration for r in reports] == [0, 1]
     for r in reports:
-        assert r.ratio_mean == 1.0 and r.ratio_max == 1.0 and r.clip_fraction == 0.0
+        assert r.ratio_mean == 1.0 and r.ratio_max == 1.0 and r.ratio_min == 1.0
+        assert r.clip_fraction == 0.0 and r.importance_weight_mean == 1.0
         assert r.staleness_max == 0  # every sample's version equals the trainer's step
         assert r.samples == ROWS
 
@@ -176,3 +215,83 @@ def test_group_integrity_under_random_completion(model_dir: Path, tmp_path: Path
         expected = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
         got = torch.tensor([m["advantage"] for m in members])
         assert torch.allclose(got, expected, atol=1e-5), f"group {gid}: {got} vs {expected}"
+
+
+def _replica(model_dir: Path, batch: pa.RecordBatch, iterations: int, lr: float,
+             updates: int, refresh_old: bool = False) -> tuple[dict, list[LossSums]]:
+    """GRPO with ``updates`` passes per batch written out with workers.rl alone (whole batch,
+    unpacked): the old policy of every pass is the policy at the start of the iteration."""
+    torch.manual_seed(3)
+    engine = TorchTrainerEngine(load_model(model_dir), lr=lr)
+    rows = batch.to_pylist()
+    per_pass: list[LossSums] = []
+    for k in range(iterations):
+        mine = [r for r in rows if r["iteration"] == k]
+        tb = build_token_batch([(r["prompt_ids"], r["response_ids"]) for r in mine])
+        adv = group_advantages(torch.tensor([r["reward"] for r in mine]),
+                               torch.tensor([r["group_id"] for r in mine]), group_size=G)
+        old = None
+        for _ in range(updates):
+            logp = response_logprobs(engine.model, tb.input_ids, tb.attention_mask,
+                                     tb.response_mask)
+            if old is None or refresh_old:  # recorded once per iteration (mutant: every pass)
+                old = logp.detach()
+            loss, sums = grpo_loss_sums(logp, old, None, adv, tb.response_mask)
+            engine.backward(loss)
+            engine.step(1.0 / sums.num_tokens)
+            per_pass.append(sums)
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}, per_pass
+
+
+def test_two_updates_per_batch_score_the_second_pass_against_the_iteration_start(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """trainer.updates_per_batch=2 through build_trainer: the second pass's ratio moves away from 1
+    and clips, the report aggregates both passes, and the parameters equal a whole-batch replica
+    whose old policy is the policy at the start of each iteration."""
+    lr = 1e-2
+    params, reports, batch = _train(model_dir, tmp_path, iterations=2, order_seed=11,
+                                    rows_per_claim=G, audit=True, updates_per_batch=2, lr=lr,
+                                    reward_of=lambda resp: sum(resp) % 3)  # varied in every group
+    assert batch is not None and batch.num_rows == 2 * ROWS
+    want, passes = _replica(model_dir, batch, iterations=2, lr=lr, updates=2)
+    for k, rep in enumerate(reports):
+        first, second = passes[2 * k], passes[2 * k + 1]
+        assert first.clipped_tokens == 0 and first.ratio_max == pytest.approx(1.0, abs=1e-6)
+        assert second.clipped_tokens > 0 and second.ratio_max > 1.0 + 1e-3  # a real second pass
+        both = first + second
+        assert rep.response_tokens == first.num_tokens  # the batch's tokens, counted once
+        assert rep.clip_fraction == pytest.approx(both.clipped_tokens / both.num_tokens, abs=0.02)
+        assert rep.clip_fraction > 0.0
+        assert rep.ratio_max == pytest.approx(second.ratio_max, rel=1e-3)
+        assert rep.ratio_min == pytest.approx(second.ratio_min, rel=1e-3) and rep.ratio_min < 1.0
+        assert rep.ratio_mean == pytest.approx(both.ratio_sum / both.num_tokens, rel=1e-4)
+        assert rep.loss == pytest.approx(both.loss_sum / both.num_tokens, rel=1e-3)
+    # Parameters: Adam's first steps turn float noise in near-zero gradients (packed vs unpacked
+    # forwards) into up to ~lr/100 per element, while a wrong old policy moves them by ~lr.
+    worst = max(float((params[k] - want[k]).abs().max()) for k in want)
+    assert worst <= lr / 20, worst
+    # The mutant "old = the policy now" (a refreshed, one-step-stale copy) ends elsewhere.
+    refreshed, _ = _replica(model_dir, batch, iterations=2, lr=lr, updates=2, refresh_old=True)
+    assert max(float((params[k] - refreshed[k]).abs().max()) for k in want) > lr / 2
+
+
+@pytest.mark.parametrize(("shift", "cap", "weight"), [(math.log(1.5), 2.0, 1.5),
+                                                       (math.log(3.0), 2.0, 2.0)])
+def test_importance_correction_weights_stale_samples(
+    model_dir: Path, tmp_path: Path, shift: float, cap: float, weight: float
+) -> None:
+    """Behaviour log-probs lowered by ``shift`` (samples of a policy that gave each token
+    exp(-shift) of the trainer's probability): trainer.importance_correction multiplies every
+    token's term by min(exp(old - behaviour), is_cap) = min(exp(shift), cap), so with ratio 1 and
+    no KL the loss and the pre-clip gradient norm scale by exactly that weight."""
+    run = dict(iterations=1, order_seed=None, rows_per_claim=ROWS, behaviour_shift=shift,
+               is_cap=cap, max_grad_norm=0.0)
+    _, off, _ = _train(model_dir, tmp_path, importance_correction=False, **run)
+    _, on, _ = _train(model_dir, tmp_path, importance_correction=True, **run)
+    assert off[0].importance_weight_mean == 1.0
+    assert on[0].importance_weight_mean == pytest.approx(weight, rel=1e-4)
+    assert abs(off[0].loss) > 1e-4  # a loss that can show the weight
+    assert on[0].loss == pytest.approx(weight * off[0].loss, rel=1e-4)
+    assert on[0].grad_norm == pytest.approx(weight * off[0].grad_norm, rel=1e-4)
+    assert on[0].ratio_mean == off[0].ratio_mean == 1.0  # the ratio itself is untouched

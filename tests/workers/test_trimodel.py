@@ -1,4 +1,4 @@
-"""Unified tri-model: fused reference equals a standalone reference, old-policy refresh rules."""
+"""Unified tri-model: the fused reference equals a standalone reference, its bf16 copy, bad arguments."""
 
 from __future__ import annotations
 
@@ -91,57 +91,32 @@ def test_reference_loaded_from_a_model_directory(tmp_path):
     assert float((flat(out.ref) - flat(standalone(ref_model.eval(), groups()))).abs().max()) <= 1e-5
 
 
-def test_one_update_per_batch_skips_the_old_forward():
+def test_no_reference_holds_no_frozen_copy():
+    """The old policy is never a held copy (the trainer keeps the first pass's log-probs, see
+    tests/workers/test_trainer.py); without a reference nothing frozen is held at all."""
     tri = TriModel(tiny_policy(), reference=None)
-    assert tri.old_policy is None and tri.extra_bytes() == 0
-    out = tri.forward(groups(), token_budget=64)  # no begin_iteration needed
+    assert tri.reference is None and tri.extra_bytes() == 0
+    out = tri.forward(groups(), token_budget=64)
     assert out.ref is None
-    assert torch.equal(flat(out.old), flat(out.policy))  # ratio exactly 1
     assert all(t.requires_grad for g in out.policy for t in g)
-    assert not any(t.requires_grad for g in out.old for t in g)
 
 
-def test_old_policy_is_the_policy_at_the_start_of_the_iteration():
+def test_bf16_frozen_reference_halves_the_extra_bytes():
     policy = tiny_policy()
-    tri = TriModel(policy, reference=None, updates_per_batch=2)
-    with pytest.raises(RuntimeError, match="begin_iteration"):
-        tri.forward(groups(), token_budget=64)
-    gs = groups()
-    for _ in range(2):  # two iterations of two updates each
-        tri.begin_iteration()
-        start = tri.forward(gs, token_budget=64)
-        assert float((flat(start.old) - flat(start.policy)).abs().max()) <= 1e-6  # ratio 1
-        sgd_step(tri, gs)
-        later = tri.forward(gs, token_budget=64)
-        # second update of the iteration: old is still the iteration start, not the moved policy
-        assert float((flat(later.old) - flat(start.policy)).abs().max()) <= 1e-6
-        assert float((flat(later.old) - flat(later.policy)).abs().max()) > 1e-3
-        sgd_step(tri, gs)
-    # never one step stale: after begin_iteration the old copy is the policy as it is NOW
-    tri.begin_iteration()
-    now = tri.forward(gs, token_budget=64)
-    assert float((flat(now.old) - flat(now.policy)).abs().max()) <= 1e-6
-
-
-def test_bf16_frozen_copies_halve_the_extra_bytes():
-    policy = tiny_policy()
-    full = TriModel(policy, reference="copy", updates_per_batch=2)
-    half = TriModel(policy, reference="copy", updates_per_batch=2, frozen_dtype=torch.bfloat16)
+    full = TriModel(policy, reference="copy")
+    half = TriModel(policy, reference="copy", frozen_dtype=torch.bfloat16)
     param_bytes = sum(p.numel() * 4 for p in policy.parameters())
-    assert full.extra_bytes() >= 2 * param_bytes  # reference + old copy, fp32
+    # one fp32 reference copy: its parameters plus small buffers (rotary frequencies)
+    assert param_bytes <= full.extra_bytes() < 1.01 * param_bytes
     assert half.extra_bytes() < 0.6 * full.extra_bytes()
     assert next(half.reference.parameters()).dtype == torch.bfloat16
-    half.begin_iteration()
     out = half.forward(groups(), token_budget=64)
     assert flat(out.ref).dtype == torch.float32
     want = flat(standalone(copy.deepcopy(policy).eval(), groups()))
     assert float((flat(out.ref) - want).abs().max()) < 0.1  # bf16 rounding only
-    assert float((flat(out.old) - want).abs().max()) < 0.1
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="updates_per_batch"):
-        TriModel(tiny_policy(), updates_per_batch=0)
     with pytest.raises(TypeError, match="reference"):
         TriModel(tiny_policy(), reference=3.5)
     with pytest.raises(FileNotFoundError, match="reference model directory"):

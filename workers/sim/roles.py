@@ -293,7 +293,7 @@ class SimulatedTrainer:
             reward_failures=sum(1 for ok in rows.column("reward_ok").to_pylist() if not ok),
             staleness_mean=sum(staleness) / max(len(staleness), 1),
             staleness_max=max(staleness, default=0), importance_weight_mean=1.0,
-            ratio_mean=1.0, ratio_max=1.0, step_seconds=end - (self._first_at or start),
+            ratio_mean=1.0, ratio_max=1.0, ratio_min=1.0, step_seconds=end - (self._first_at or start),
             publish_seconds=published.seconds, publish_bytes=published.bytes,
             busy_seconds=self._busy_s,
         ))

@@ -1,0 +1,148 @@
+"""``streamflow bench learn``: does the demo's recipe learn, on every seed and thread count?
+
+What it runs: the demo job (``configs/quickstart.yaml`` unless ``--config``), unchanged but for
+``run.seed`` and ``run.host_threads``, once per (seed, threads) case, each in a fresh
+``streamflow run`` process so no case inherits another's torch state. Each seed warm-starts its
+own policy (cached under ``OUTPUT/.cache``, on one fixed thread count, stopped at the recipe's
+target accuracy), so the cases share nothing but the recipe.
+
+What it reports per case, from the run's ``summary.json`` and ``metrics.jsonl``:
+- ``accuracy_before``: greedy held-out accuracy of the warm-started policy (version 0), on
+  prompts never trained on; ``accuracy_after``: the same after the last iteration;
+- ``reward_first_window`` / ``reward_last_window``: mean reward over the first / last window of
+  iterations (min(10, iterations // 2) each: single iterations are too noisy to compare);
+- ``rl_seconds``: wall seconds of the RL loop (start-up and warm start excluded);
+- ``seconds_to_plus_0_10``: RL wall seconds until the first evaluation at least 0.10 above
+  ``accuracy_before`` (None if never reached).
+and ``worst_accuracy_gain`` over the cases. Target (printed, not asserted here): every case gains
+at least 0.10 and its last reward window beats its first.
+
+Prints a table, then the JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET_GAIN = 0.10
+
+
+@dataclass
+class Case:
+    """One (seed, threads) run of the recipe and what it learned."""
+
+    seed: int
+    threads: int  # run.host_threads: torch threads the run's compute processes share
+    accuracy_before: float
+    accuracy_after: float
+    reward_first_window: float
+    reward_last_window: float
+    rl_seconds: float
+    seconds_to_plus_0_10: float | None
+    wall_seconds: float  # the whole process, warm start and start-up included
+
+    @property
+    def gain(self) -> float:
+        return self.accuracy_after - self.accuracy_before
+
+
+def read_case(run_dir: Path, seed: int, threads: int, wall: float) -> Case:
+    """The case's figures from a finished run directory."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if summary.get("status") != "ok":
+        raise RuntimeError(f"run {run_dir} ended {summary.get('status')}: {summary.get('error')}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    before, after = summary["accuracy_first"], summary["accuracy_last"]
+    if before is None or after is None:
+        raise RuntimeError(f"run {run_dir} has no held-out evaluation (run.eval_every=0?)")
+    elapsed, reached = 0.0, None
+    for r in records:
+        elapsed += r["wall_seconds"]
+        if reached is None and r["accuracy"] is not None and r["accuracy"] >= before + TARGET_GAIN:
+            reached = elapsed
+    return Case(
+        seed=seed, threads=threads, accuracy_before=before, accuracy_after=after,
+        reward_first_window=summary["reward_mean_first_window"],
+        reward_last_window=summary["reward_mean_last_window"],
+        rl_seconds=summary["wall_seconds"], seconds_to_plus_0_10=reached, wall_seconds=wall,
+    )
+
+
+def run_case(config: Path, out: Path, seed: int, threads: int, extra: list[str]) -> Case:
+    run_dir = out / f"seed{seed}-threads{threads}"
+    cmd = [sys.executable, "-m", "streamflow", "run", str(config),
+           f"run.seed={seed}", f"run.host_threads={threads}", f"run.output_dir={run_dir}",
+           "run.progress=false", "run.log_level=WARNING", *extra]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"case seed={seed} threads={threads} failed "
+                           f"(exit {proc.returncode}): " + " | ".join(tail))
+    return read_case(run_dir, seed, threads, wall)
+
+
+def report(cases: list[Case]) -> dict:
+    worst = min(cases, key=lambda c: c.gain)
+    return {
+        "cases": [
+            {k: v for k, v in asdict(c).items() if k != "wall_seconds"} for c in cases
+        ],
+        "worst_accuracy_gain": worst.gain,
+        "worst_case": {"seed": worst.seed, "threads": worst.threads},
+        "target": {"accuracy_gain_at_least": TARGET_GAIN, "last_reward_window_above_first": True},
+        "met": all(c.gain >= TARGET_GAIN and c.reward_last_window > c.reward_first_window
+                   for c in cases),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="streamflow bench learn", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart.yaml")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                        help="run.host_threads values (torch threads the run's processes share)")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="keep the run directories here (default: a temporary directory)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override applied to every case (repeatable), e.g. "
+                             "--set run.iterations=30")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="sf-learn-") as tmp:
+        out = args.output or Path(tmp)
+        cases = [run_case(args.config, out, seed, threads, args.overrides)
+                 for seed in args.seeds for threads in args.threads]
+    result = report(cases)
+    if not args.json:
+        table = Table(title=f"bench learn: {args.config.name} over seeds x threads")
+        for col in ("seed", "threads", "accuracy before -> after", "gain", "reward windows",
+                    "RL s", "s to +0.10", "process s"):
+            table.add_column(col)
+        for c in cases:
+            to = "-" if c.seconds_to_plus_0_10 is None else f"{c.seconds_to_plus_0_10:.1f}"
+            table.add_row(str(c.seed), str(c.threads),
+                          f"{c.accuracy_before:.3f} -> {c.accuracy_after:.3f}", f"{c.gain:+.3f}",
+                          f"{c.reward_first_window:.3f} -> {c.reward_last_window:.3f}",
+                          f"{c.rl_seconds:.1f}", to, f"{c.wall_seconds:.0f}")
+        Console(stderr=True).print(table)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""``streamflow bench learn``: its figures from a run directory, and a shortened recipe that learns."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamflow.bench.learn import ROOT, read_case, report
+
+
+def _fake_run(path: Path, accuracies: list[float | None], walls: list[float]) -> Path:
+    path.mkdir(parents=True)
+    summary = {"status": "ok", "error": None, "accuracy_first": 0.30,
+               "accuracy_last": accuracies[-1], "reward_mean_first_window": 0.2,
+               "reward_mean_last_window": 0.35, "wall_seconds": sum(walls)}
+    (path / "summary.json").write_text(json.dumps(summary))
+    lines = [json.dumps({"iteration": i, "accuracy": a, "wall_seconds": w})
+             for i, (a, w) in enumerate(zip(accuracies, walls, strict=True))]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_time_to_plus_0_10_counts_rl_seconds_to_the_first_evaluation_past_it(tmp_path):
+    run = _fake_run(tmp_path / "a", [None, 0.35, None, 0.41, 0.38, 0.52], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    case = read_case(run, seed=3, threads=2, wall=99.0)
+    assert case.seconds_to_plus_0_10 == pytest.approx(10.0)  # 0.41 >= 0.30 + 0.10 at iteration 3
+    assert math.isclose(case.gain, 0.22)
+    assert (case.seed, case.threads, case.rl_seconds) == (3, 2, 21.0)
+    never = read_case(_fake_run(tmp_path / "b", [0.33, 0.39], [1.0, 1.0]), 0, 1, 5.0)
+    assert never.seconds_to_plus_0_10 is None
+
+
+def test_report_names_the_worst_case_and_whether_the_target_is_met(tmp_path):
+    good = read_case(_fake_run(tmp_path / "g", [0.45], [1.0]), 0, 1, 1.0)
+    weak = read_case(_fake_run(tmp_path / "w", [0.36], [1.0]), 1, 2, 1.0)
+    out = report([good, weak])
+    assert out["worst_accuracy_gain"] == pytest.approx(0.06)
+    assert out["worst_case"] == {"seed": 1, "threads": 2}
+    assert out["met"] is False
+    assert report([good])["met"] is True
+    assert set(out["cases"][0]) == {"seed", "threads", "accuracy_before", "accuracy_after",
+                                    "reward_first_window", "reward_last_window", "rl_seconds",
+                                    "seconds_to_plus_0_10"}
+
+
+def test_a_failed_run_is_an_error_not_a_figure(tmp_path):
+    run = _fake_run(tmp_path / "f", [0.5], [1.0])
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(status="failed", error="WorkerFailed: boom")
+    (run / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(RuntimeError, match="boom"):
+        read_case(run, 0, 1, 1.0)
+
+
+@pytest.mark.slow
+def test_a_shortened_demo_recipe_raises_held_out_accuracy(tmp_path):
+    # The demo's recipe (warm start to the target, then GRPO), cut to a few iterations.
+    cmd = [sys.executable, "-m", "streamflow", "bench", "learn", "--json", "--seeds", "0",
+           "--threads", "2", "--output", str(tmp_path),
+           "--set", "run.iterations=8", "--set", "run.eval_every=4", "--set", "run.eval_prompts=100"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    (case,) = result["cases"]
+    assert 0.0 < case["accuracy_before"] < 0.8  # the warm start landed in its band
+    assert case["accuracy_after"] >= case["accuracy_before"] + 0.05, case
+    assert case["rl_seconds"] > 0
