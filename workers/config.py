@@ -50,6 +50,18 @@ class WorkerCommon:
 
 
 @dataclass
+class WeightGroupConfig:
+    """Collective weight sync (``workers.weights_collective``): where the group meets and who we
+    are in it. None on a worker config: weights go by file only."""
+
+    address: str  # host:port of the controller's TCP store (the rendezvous)
+    rank: int  # 0 = trainer, i + 1 = rollout worker i
+    world_size: int  # 1 + rollout workers
+    bucket_bytes: int = 256 << 20
+    timeout_s: float = 300.0
+
+
+@dataclass
 class RolloutWorkerConfig:
     common: WorkerCommon
     model_path: str  # HF directory of the initial policy (version 0) and its tokenizer
@@ -70,6 +82,9 @@ class RolloutWorkerConfig:
     vllm_enforce_eager: bool = True
     # trainer on another host: its WeightServer; versions are copied into weights_dir (local)
     weights_fetch: str | None = None
+    device: str = "cpu"  # cpu | cuda:N (resolved by the controller, streamflow/devices.py)
+    dtype: str = "float32"  # torch engine's parameter dtype
+    weights_group: WeightGroupConfig | None = None  # collective weight sync (None: files)
 
 
 @dataclass
@@ -91,6 +106,7 @@ class ReferenceWorkerConfig:
     packing: bool = True
     token_budget: int = 4096
     dtype: str = "float32"
+    device: str = "cpu"  # cpu | cuda:N
 
 
 @dataclass
@@ -130,6 +146,9 @@ class TrainerWorkerConfig:
     zero_stage: int = 2  # deepspeed: ZeRO stage 1 or 2
     weights_keep: int = 4  # published versions kept on disk (older ones are unlinked)
     weights_serve: str | None = None  # serve published versions to other hosts (ROUTER bind)
+    device: str = "cpu"  # cpu | cuda:N: rank 0's device (deepspeed rank r: cuda:N+r)
+    dtype: str = "float32"  # compute dtype: bfloat16 = forward under autocast, fp32 master weights
+    weights_group: WeightGroupConfig | None = None  # collective weight sync (None: files)
 
 
 WorkerConfig = RolloutWorkerConfig | RewardWorkerConfig | ReferenceWorkerConfig | TrainerWorkerConfig
@@ -155,6 +174,8 @@ def _build(cls: type[T], data: dict[str, Any]) -> T:
     kwargs = dict(data)
     if "common" in kwargs and isinstance(kwargs["common"], dict):
         kwargs["common"] = _build(WorkerCommon, kwargs["common"])
+    if isinstance(kwargs.get("weights_group"), dict):
+        kwargs["weights_group"] = _build(WeightGroupConfig, kwargs["weights_group"])
     if isinstance(kwargs.get("simulated"), dict):
         kwargs["simulated"] = _build(SimulatedDevice, kwargs["simulated"])
     return cls(**kwargs)

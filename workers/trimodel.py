@@ -19,10 +19,13 @@ Lifecycle and invariants:
 - Frozen copies may live in a lower precision (``frozen_dtype=torch.bfloat16``) and/or another
   device (``frozen_device="cpu"``); their log-probs come back as float32 on the policy's device.
   ``extra_bytes()`` is what they cost beyond the policy.
+- ``autocast_dtype`` (bfloat16 on a GPU): every forward runs under ``torch.autocast`` in that dtype
+  while the policy's master weights (and AdamW) stay float32; log-probs come back float32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections.abc import Sequence
@@ -84,6 +87,7 @@ class TriModel:
         updates_per_batch: int = 1,
         frozen_dtype: torch.dtype | None = None,
         frozen_device: str | torch.device | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(updates_per_batch, int) or updates_per_batch < 1:
             raise ValueError(f"updates_per_batch must be an int >= 1, got {updates_per_batch!r}")
@@ -91,6 +95,7 @@ class TriModel:
         self.updates_per_batch = updates_per_batch
         self.frozen_dtype = frozen_dtype
         self.frozen_device = frozen_device
+        self.autocast_dtype = autocast_dtype
         self.reference = self._load_reference(reference)
         self.old_policy: torch.nn.Module | None = None
         if updates_per_batch > 1:
@@ -156,8 +161,15 @@ class TriModel:
             )
         else:
             batch = unpacked_rows(groups)
-        policy = batch_logprobs(self.policy, batch, temperature=temperature)
         device = next(self.policy.parameters()).device
+        autocast = (torch.autocast(device.type, dtype=self.autocast_dtype)
+                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        with autocast:
+            return self._forward(batch, temperature, device)
+
+    def _forward(self, batch: PackedBatch, temperature: float, device: torch.device) -> TriLogprobs:
+        policy = batch_logprobs(self.policy, batch, temperature=temperature)
+        policy = [[t.float() for t in g] for g in policy]
         if self.old_policy is None:
             old = [[t.detach() for t in g] for g in policy]
         else:
