@@ -219,12 +219,14 @@ def announce(store: dist.Store, payload: dict[str, Any]) -> int:
 
 
 def read_announcement(store: dist.Store, seq: int, wait_s: float) -> dict[str, Any] | None:
-    """Announcement ``seq`` if it appears within ``wait_s`` (None otherwise)."""
+    """Announcement ``seq`` if it appears within ``wait_s`` (None otherwise). Polls with
+    ``check`` (a store ``wait`` that times out logs a warning from c10d on every call)."""
     key = f"sf/ann/{seq}"
-    try:
-        store.wait([key], datetime.timedelta(seconds=max(wait_s, 0.001)))
-    except Exception:  # noqa: BLE001 - a timeout: nothing announced yet
-        return None
+    deadline = time.monotonic() + wait_s
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
     try:
         data = msgpack.unpackb(store.get(key), raw=False, max_str_len=1 << 16)
     except Exception:  # noqa: BLE001 - a malformed announcement is never acted on
@@ -254,6 +256,3 @@ def copy_into(targets: Mapping[str, torch.Tensor], meta: Sequence[Sequence[Any]]
 
     return place
 
-
-def now() -> float:
-    return time.perf_counter()

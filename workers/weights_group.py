@@ -201,9 +201,9 @@ class CollectiveSubscriber:
                 assert self.member is not None
                 nbytes = self.member.receive(meta, bucket, copy_into(engine.weight_targets(), meta))
                 engine.policy_version = version
+            self.received += 1
         if self.member is not None:
             self.member.barrier()
-        self.received += 1
         log.info("received policy version %d by broadcast (%d bytes, epoch %d)", version, nbytes,
                  epoch)
         report = WeightSyncReport(self.worker, version, time.perf_counter() - start, nbytes)
