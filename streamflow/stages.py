@@ -246,10 +246,13 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         from workers.weights_collective import Rendezvous
 
         plan.rendezvous = rendezvous = Rendezvous(cfg.weights.host, cfg.weights.port)
+        members = [devices.trainer, *devices.rollout]
+        own_gpus = all(m.startswith("cuda") for m in members) and len(set(members)) == len(members)
         group = WeightGroupConfig(address=rendezvous.address, rank=0,
                                   world_size=1 + r.num_workers,
                                   bucket_bytes=int(cfg.weights.bucket_mb * (1 << 20)),
-                                  timeout_s=cfg.weights.timeout_s)
+                                  timeout_s=cfg.weights.timeout_s,
+                                  backend="nccl" if own_gpus else "gloo")
     # The trainer announces each published version on this PUB address; rollout workers SUBscribe
     # and wake at once instead of waiting for their next directory check. (In-process sync runs
     # need no announcement.) Across hosts, bind the trainer's address and share weights_dir.

@@ -59,6 +59,9 @@ class WeightGroupConfig:
     world_size: int  # 1 + rollout workers
     bucket_bytes: int = 256 << 20
     timeout_s: float = 300.0
+    # nccl when every member has a GPU of its own; gloo otherwise (CPU, or processes sharing a GPU:
+    # NCCL refuses two ranks on one device, gloo stages CUDA tensors through host memory)
+    backend: str = "gloo"
 
 
 @dataclass

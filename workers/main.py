@@ -46,16 +46,15 @@ from workers.rollout import RolloutStage
 from workers.trainer import Trainer, TrainerSettings
 from workers.trimodel import TriModel
 from workers.weights import WeightPublisher, WeightSubscriber
-from workers.weights_collective import GroupSpec, backend_for
+from workers.weights_collective import GroupSpec
 
 
-def group_spec(cfg: Any, device: torch.device) -> GroupSpec | None:
+def group_spec(cfg: Any) -> GroupSpec | None:
     """The weight group of a worker config (None: weights go by file only)."""
     g = cfg.weights_group
     if g is None:
         return None
-    return GroupSpec(g.address, g.rank, g.world_size, backend_for(device), g.bucket_bytes,
-                     g.timeout_s)
+    return GroupSpec(g.address, g.rank, g.world_size, g.backend, g.bucket_bytes, g.timeout_s)
 
 
 def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
@@ -102,7 +101,7 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
 
     engine = make_rollout_engine(cfg)
     weights: Any = files
-    spec = group_spec(cfg, torch.device("cpu" if cfg.engine == "vllm" else cfg.device))
+    spec = group_spec(cfg)
     if spec is not None:  # collective sync: a thread receives each broadcast version
         from workers.weights_group import CollectiveSubscriber
 
@@ -236,7 +235,7 @@ def build_trainer(
     publisher: Any = WeightPublisher(cfg.weights_dir, cfg.weights_bind if leader else None,
                                      keep=cfg.weights_keep,
                                      serve=cfg.weights_serve if leader else None)
-    spec = group_spec(cfg, next(model.parameters()).device)
+    spec = group_spec(cfg)
     if spec is not None and leader:  # collective sync: rank 0 broadcasts to the rollout workers
         from workers.weights_group import CollectivePublisher
 

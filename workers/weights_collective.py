@@ -2,7 +2,8 @@
 
 Owns the weight-update group (a ``torch.distributed`` process group of its own — never the default
 group, which a DeepSpeed trainer already uses): rank 0 is the trainer, rank i+1 rollout worker i;
-NCCL when the tensors live on a GPU, gloo on the CPU. The rendezvous is a TCP store the controller
+NCCL when every member has a GPU of its own, else gloo (on the CPU, or for processes sharing
+one GPU: NCCL refuses two ranks on one device; gloo stages CUDA tensors through host memory). The rendezvous is a TCP store the controller
 hosts (``Rendezvous``); every process connects to it as a client, so a trainer or rollout restart
 never takes the rendezvous down.
 
@@ -67,10 +68,6 @@ class GroupSpec:
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.address.rpartition(":")
         return host, int(port)
-
-
-def backend_for(device: str | torch.device) -> str:
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 class Rendezvous:
