@@ -435,7 +435,7 @@ class WeightsSection:
     # gloo on CPU) in buckets, loaded in place (workers/weights_collective.py); auto = collective
     # when the trainer is on a GPU and the run is streaming on one host, else file.
     sync: Literal["auto", "file", "collective"] = "auto"
-    bucket_mb: float = _f(256.0, gt=0)  # broadcast bucket size (MiB; a larger tensor goes alone)
+    bucket_mb: float = _f(32.0, gt=0)  # bucket size (MiB; a larger tensor goes alone)
     # a broadcast (or joining the group) that takes longer fails with a clear error; the version
     # then reaches the rollout through its file (the file is always written after the broadcast)
     timeout_s: float = _f(300.0, gt=0)

@@ -252,7 +252,9 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
                                   world_size=1 + r.num_workers,
                                   bucket_bytes=int(cfg.weights.bucket_mb * (1 << 20)),
                                   timeout_s=cfg.weights.timeout_s,
-                                  backend="nccl" if own_gpus else "gloo")
+                                  backend="nccl" if own_gpus else "gloo",
+                                  transport="broadcast" if own_gpus else "shm",
+                                  shm_dir=str(plan.weights_dir))
     # The trainer announces each published version on this PUB address; rollout workers SUBscribe
     # and wake at once instead of waiting for their next directory check. (In-process sync runs
     # need no announcement.) Across hosts, bind the trainer's address and share weights_dir.

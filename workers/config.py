@@ -57,11 +57,15 @@ class WeightGroupConfig:
     address: str  # host:port of the controller's TCP store (the rendezvous)
     rank: int  # 0 = trainer, i + 1 = rollout worker i
     world_size: int  # 1 + rollout workers
-    bucket_bytes: int = 256 << 20
+    bucket_bytes: int = 32 << 20
     timeout_s: float = 300.0
     # nccl when every member has a GPU of its own; gloo otherwise (CPU, or processes sharing a GPU:
     # NCCL refuses two ranks on one device, gloo stages CUDA tensors through host memory)
     backend: str = "gloo"
+    # gloo: "shm" = the bytes go through shared-memory buckets in shm_dir (one host), gloo only
+    # signals; "broadcast" = the bytes travel in the collective (always with nccl)
+    transport: str = "broadcast"
+    shm_dir: str = ""
 
 
 @dataclass

@@ -54,7 +54,8 @@ def group_spec(cfg: Any) -> GroupSpec | None:
     g = cfg.weights_group
     if g is None:
         return None
-    return GroupSpec(g.address, g.rank, g.world_size, g.backend, g.bucket_bytes, g.timeout_s)
+    return GroupSpec(g.address, g.rank, g.world_size, g.backend, g.bucket_bytes, g.timeout_s,
+                     g.transport, g.shm_dir)
 
 
 def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,11 @@ class GroupSpec:
     backend: str  # "nccl" | "gloo"
     bucket_bytes: int
     timeout_s: float
+    # "shm": gloo carries only the per-bucket signals and the bytes go through two shared-memory
+    # bucket buffers in ``shm_dir`` (every member is on this host: collective sync is one-host);
+    # "broadcast": the bytes travel in the collective itself (NCCL; gloo over TCP otherwise)
+    transport: str = "broadcast"
+    shm_dir: str = ""
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -155,6 +161,8 @@ class GroupMember:
     def send(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> int:
         """Rank 0: broadcast ``tensors`` (in announcement order) bucket by bucket; bytes sent."""
         meta = [["", str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
+        if self.spec.transport == "shm":
+            return self._send_shm(tensors, meta, bucket_bytes)
         buffers: list[torch.Tensor | None] = [None, None]
         pending: list[Any] = [None, None]
         total = 0
@@ -184,6 +192,8 @@ class GroupMember:
     ) -> int:
         """Rank > 0: receive every bucket; ``place(i, tensor)`` gets tensor i of ``meta`` (a view
         of the bucket buffer, valid during the call only). Bytes received."""
+        if self.spec.transport == "shm":
+            return self._receive_shm(meta, bucket_bytes, place)
         layout = bucket_layout(meta, bucket_bytes)
         sizes = [sum(_nbytes(meta[i]) for i in idx) for idx in layout]
         buffers = [torch.empty(max(sizes[0::2], default=0), dtype=torch.uint8, device=self.device),
@@ -202,6 +212,96 @@ class GroupMember:
                 n = _nbytes(meta[i])
                 place(i, buffers[slot][off : off + n].view(_DTYPES[dtype]).view(shape))
                 off += n
+        return sum(sizes)
+
+    # -- shared-memory buckets (gloo on one host) ---------------------------------------------
+    # Per bucket b in slot b % 2: the sender fills the slot, then broadcasts a 1-element "ready";
+    # each receiver copies the slot out, then joins an all-reduce "done". Every rank issues
+    # ready(0), ready(1), done(0), ready(2), done(1), ... (the same order: gloo matches by order),
+    # and the sender refills a slot only after its previous bucket's "done": the receivers' copy
+    # of bucket b overlaps the sender's fill of bucket b + 1.
+    def _slots(self, need: int, create: bool) -> list[torch.Tensor]:
+        if getattr(self, "_shm_need", -1) == need:
+            return self._shm
+        port = self.spec.host_port[1]
+        paths = [os.path.join(self.spec.shm_dir, f"sf-weights-{port}-e{self.epoch}-s{k}-{need}")
+                 for k in (0, 1)]
+        if create:
+            self.close_shm()
+            for path in paths:
+                with open(path, "wb") as fh:
+                    fh.truncate(need)
+            self._shm_paths = paths
+        self._shm = [torch.from_file(p, shared=True, size=need, dtype=torch.uint8) for p in paths]
+        self._shm_need = need
+        return self._shm
+
+    def close_shm(self) -> None:
+        for path in getattr(self, "_shm_paths", []):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._shm_paths, self._shm, self._shm_need = [], [], -1
+
+    def _signal(self, b: int) -> tuple[Any, torch.Tensor]:
+        flag = torch.full((1,), b, dtype=torch.int64)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        return self.pg.broadcast([flag], opts), flag
+
+    def _done(self) -> Any:
+        return self.pg.allreduce([torch.zeros(1)])
+
+    def _send_shm(self, tensors: Sequence[torch.Tensor], meta: list, bucket_bytes: int) -> int:
+        layout = bucket_layout(meta, bucket_bytes)
+        sizes = [sum(_nbytes(meta[i]) for i in idx) for idx in layout]
+        slots = self._slots(max(sizes, default=1), create=True)
+        done: list[Any] = []
+        keep: list[Any] = []
+        timeout = self.spec.timeout_s
+        for b, idx in enumerate(layout):
+            if b >= 2:
+                _wait(done[b - 2], timeout, "weight sync (slot reuse)")
+            slot, off = slots[b % 2], 0
+            for i in idx:
+                flat = tensors[i].detach().contiguous().reshape(-1).view(torch.uint8)
+                slot[off : off + flat.numel()].copy_(flat)
+                off += flat.numel()
+            keep.append(self._signal(b))
+            if b >= 1:
+                done.append(self._done())
+        if layout:
+            done.append(self._done())
+        for work in done:
+            _wait(work, timeout, "weight sync")
+        for work, _ in keep:
+            _wait(work, timeout, "weight sync")
+        return sum(sizes)
+
+    def _receive_shm(self, meta: Sequence[Sequence[Any]], bucket_bytes: int,
+                     place: Callable[[int, torch.Tensor], None]) -> int:
+        layout = bucket_layout(meta, bucket_bytes)
+        sizes = [sum(_nbytes(meta[i]) for i in idx) for idx in layout]
+        timeout = self.spec.timeout_s
+        ready = [self._signal(0)] if layout else []
+        done = []
+        slots: list[torch.Tensor] = []
+        for b, idx in enumerate(layout):
+            if b + 1 < len(layout):
+                ready.append(self._signal(b + 1))
+            _wait(ready[b][0], timeout, "weight sync (receive)")
+            if not slots:  # the sender created the files before its first "ready"
+                slots = self._slots(max(sizes), create=False)
+            slot, off = slots[b % 2], 0
+            for i in idx:
+                _, dtype, shape = meta[i]
+                n = _nbytes(meta[i])
+                place(i, slot[off : off + n].view(_DTYPES[dtype]).view(shape))
+                off += n
+            done.append(self._done())
+        for work in done:
+            _wait(work, timeout, "weight sync")
         return sum(sizes)
 
     def barrier(self) -> None:

@@ -88,6 +88,8 @@ class CollectivePublisher:
             log.warning("collective sync of version %d failed (%s); it goes by file, and the "
                         "group is rebuilt at the next version", version, exc)
             self.store.set(f"sf/failed/{self.epoch}", b"1")
+            if self.member is not None:
+                self.member.close_shm()
             self.member = None
             self.epoch = int(self.store.add("sf/epoch", 1))
             return
@@ -97,6 +99,8 @@ class CollectivePublisher:
                  self.last_broadcast_seconds, self.epoch)
 
     def close(self) -> None:
+        if self.member is not None:
+            self.member.close_shm()
         self.member = None
         self.files.close()
 

@@ -102,19 +102,20 @@ def _receiver(spec_json: str) -> int:
     from workers.weights_collective import GroupMember, GroupSpec, connect_store, copy_into
 
     job = json.loads(spec_json)
-    spec = GroupSpec(**job["spec"])
     device = torch.device(job["device"])
-    store = connect_store(spec)
-    member = GroupMember(spec, store, 1, device)
+    specs = [GroupSpec(**{**job["spec"], "transport": t}) for t in job["transports"]]
+    store = connect_store(specs[0])
+    members = [GroupMember(s, store, k + 1, device) for k, s in enumerate(specs)]
+    member = members[0]  # its group also carries the triggers
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
     metas = job["metas"]
     live = [{n: torch.zeros(s, dtype=dtypes[d], device=device) for n, d, s in meta}
             for meta in metas]
     files = WeightSubscriber(job["directory"])
-    trigger = torch.zeros(3, dtype=torch.int64, device=device)
+    trigger = torch.zeros(4, dtype=torch.int64, device=device)
     while True:
         _wait_trigger(member, trigger)
-        cmd, index, version = (int(x) for x in trigger.tolist())
+        cmd, index, version, transport = (int(x) for x in trigger.tolist())
         if cmd == CMD_QUIT:
             return 0
         targets = live[index]
@@ -123,7 +124,8 @@ def _receiver(spec_json: str) -> int:
             for name, tensor in tensors.items():
                 targets[name].copy_(tensor)
         else:
-            member.receive(metas[index], spec.bucket_bytes, copy_into(targets, metas[index]))
+            members[transport].receive(metas[index], specs[0].bucket_bytes,
+                                       copy_into(targets, metas[index]))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         member.barrier()
@@ -158,36 +160,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     peer = f"cuda:{(device.index or 0) + 1}" if gpus >= 2 else str(device)
     backend = "nccl" if device.type == "cuda" and peer != str(device) else "gloo"
+    # what a run uses first (nccl: broadcast; gloo: shared-memory buckets), then gloo over TCP
+    transports = ["broadcast"] if backend == "nccl" else ["shm", "broadcast"]
     rdv = Rendezvous()
     bucket = int(args.bucket_mb * (1 << 20))
-    spec = dict(address=rdv.address, world_size=2, backend=backend, bucket_bytes=bucket,
-                timeout_s=120.0)
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     directory = tempfile.mkdtemp(prefix="streamflow-bench-weights-", dir=shm)
+    spec = dict(address=rdv.address, world_size=2, backend=backend, bucket_bytes=bucket,
+                timeout_s=120.0, shm_dir=directory)
     job = {"spec": {**spec, "rank": 1}, "device": peer, "directory": directory,
-           "metas": [tensor_meta(state) for _, state in models]}
+           "transports": transports, "metas": [tensor_meta(state) for _, state in models]}
     child = subprocess.Popen([sys.executable, "-m", "streamflow.bench.weights", "--receiver",
                               json.dumps(job)])
     cases: list[dict[str, Any]] = []
     try:
-        mine = GroupSpec(**{**spec, "rank": 0})
-        member = GroupMember(mine, connect_store(mine), 1, device)
+        mine = [GroupSpec(**{**spec, "rank": 0, "transport": t}) for t in transports]
+        store = connect_store(mine[0])
+        members = [GroupMember(s, store, k + 1, device) for k, s in enumerate(mine)]
+        member = members[0]
         publisher = WeightPublisher(directory, keep=2)
         version = 0
         for index, (name, state) in enumerate(models):
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
             copy = _copy_gb_per_s(nbytes, device, args.repeats)
-            for path in ("file", "collective"):
+            ways = [("file", -1)] + [("collective", k) for k in range(len(transports))]
+            for path, k in ways:
                 best = float("inf")
                 for _ in range(args.repeats + 1):  # the first is the warm-up
                     version += 1
                     start = time.perf_counter()
                     if path == "file":
                         publisher.publish(state, version)
-                        _trigger(member, device, CMD_FILE, index, version)
+                        _trigger(member, device, CMD_FILE, index, version, 0)
                     else:
-                        _trigger(member, device, CMD_COLLECTIVE, index, version)
-                        member.send(list(state.values()), bucket)
+                        _trigger(member, device, CMD_COLLECTIVE, index, version, k)
+                        members[k].send(list(state.values()), bucket)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
                     member.barrier()
                     best = min(best, time.perf_counter() - start)
                 gbps = nbytes / best / 1e9
@@ -195,9 +204,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "bytes": nbytes, "seconds": round(best, 5),
                               "gb_per_s": round(gbps, 3), "ratio_to_copy": round(gbps / copy, 4),
                               "copy_gb_per_s": round(copy, 3),
-                              "backend": backend if path == "collective" else "safetensors",
+                              "transport": "safetensors" if k < 0 else f"{backend}+{transports[k]}",
                               "bucket_mb": args.bucket_mb})
-        _trigger(member, device, CMD_QUIT, 0, 0)
+        _trigger(member, device, CMD_QUIT, 0, 0, 0)
+        for m in members:
+            m.close_shm()
         child.wait(timeout=60)
     finally:
         if child.poll() is None:
@@ -217,7 +228,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="the embedded model only")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up")
-    parser.add_argument("--bucket-mb", type=float, default=256.0, help="broadcast bucket (MiB)")
+    parser.add_argument("--bucket-mb", type=float, default=32.0, help="broadcast bucket (MiB)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--smollm2-dir", default="runs/models/SmolLM2-135M-Instruct",
                         help="converted SmolLM2 directory (converted here if missing)")
@@ -238,10 +249,11 @@ def main(argv: list[str]) -> int:
     out = sys.stderr if args.json else sys.stdout
     print(f"weight sync, one version trainer -> rollout process ({report['cases'][0]['device']}; "
           f"best of {args.repeats})", file=out)
-    print(f"{'model':<14}{'path':<12}{'MB':>9}{'seconds':>10}{'GB/s':>8}{'/copy':>8}", file=out)
+    print(f"{'model':<14}{'path':<12}{'transport':<16}{'MB':>9}{'seconds':>10}{'GB/s':>8}"
+          f"{'/copy':>8}", file=out)
     for c in report["cases"]:
-        print(f"{c['model']:<14}{c['path']:<12}{c['bytes'] / 1e6:>9.1f}{c['seconds']:>10.4f}"
-              f"{c['gb_per_s']:>8.2f}{c['ratio_to_copy']:>8.3f}", file=out)
+        print(f"{c['model']:<14}{c['path']:<12}{c['transport']:<16}{c['bytes'] / 1e6:>9.1f}"
+              f"{c['seconds']:>10.4f}{c['gb_per_s']:>8.2f}{c['ratio_to_copy']:>8.3f}", file=out)
     for note in report["notes"]:
         print(f"note: {note}", file=out)
     print(json.dumps(report))

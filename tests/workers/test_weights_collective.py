@@ -211,3 +211,44 @@ def test_a_restarted_member_loads_files_then_rejoins_at_the_next_epoch(tmp_path:
 def test_an_unreachable_rendezvous_is_a_clear_error():
     with pytest.raises(CollectiveSyncError, match="rendezvous 127.0.0.1:1 unreachable"):
         connect_store(_spec("127.0.0.1:1", 1, 2, timeout=1.0))
+
+
+def test_shared_memory_buckets_over_gloo_signals(tmp_path: Path):
+    """transport=shm: gloo carries the signals, the bytes go through two shared buckets."""
+    import threading
+
+    rdv = Rendezvous()
+    state = {f"t{i}": torch.randn(40 + i, 3) for i in range(7)}
+    state["b"] = torch.randn(11).to(torch.bfloat16)
+    meta = tensor_meta(state)
+    targets = [{k: torch.zeros_like(v) for k, v in state.items()} for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def spec(rank: int) -> GroupSpec:
+        return GroupSpec(rdv.address, rank, 3, "gloo", 1200, 30.0, "shm", str(tmp_path))
+
+    def receiver(rank: int) -> None:
+        try:
+            member = GroupMember(spec(rank), connect_store(spec(rank)), 3, torch.device("cpu"))
+            for _ in range(2):  # two versions through the same slots
+                member.receive(meta, 1200, copy_into(targets[rank - 1], meta))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    sender = GroupMember(spec(0), connect_store(spec(0)), 3, torch.device("cpu"))
+    assert len(bucket_layout(meta, 1200)) >= 4  # several buckets: both slots are reused
+    sender.send([torch.zeros_like(v) for v in state.values()], 1200)
+    sent = sender.send(list(state.values()), 1200)
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert sent == sum(v.numel() * v.element_size() for v in state.values())
+    for got in targets:
+        for k, v in state.items():
+            assert torch.equal(got[k], v), k
+    assert len(list(tmp_path.glob("sf-weights-*"))) == 2
+    sender.close_shm()
+    assert list(tmp_path.glob("sf-weights-*")) == []
