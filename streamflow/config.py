@@ -431,9 +431,10 @@ class DevicesSection:
 @dataclass(frozen=True)
 class WeightsSection:
     # How a new policy version reaches the rollout workers: file = safetensors in /dev/shm and a
-    # reload; collective = the trainer broadcasts it over a torch.distributed group (NCCL on GPU,
-    # gloo on CPU) in buckets, loaded in place (workers/weights_collective.py); auto = collective
-    # when the trainer is on a GPU and the run is streaming on one host, else file.
+    # reload; collective = the trainer sends it over a torch.distributed group in buckets, copied
+    # into the live parameters (workers/weights_collective.py): NCCL broadcast when every process
+    # has a GPU of its own, else gloo signals + shared-memory buckets; auto = collective when the
+    # trainer is on a GPU and the run is streaming on one host, else file.
     sync: Literal["auto", "file", "collective"] = "auto"
     bucket_mb: float = _f(32.0, gt=0)  # bucket size (MiB; a larger tensor goes alone)
     # a broadcast (or joining the group) that takes longer fails with a clear error; the version

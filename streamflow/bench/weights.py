@@ -7,10 +7,11 @@ Per model and path, the time from "the trainer has version v" to "the rollout's 
 - file: ``WeightPublisher.publish`` (safetensors into /dev/shm, atomic rename), then the receiver
   reads it (``WeightSubscriber.load``) and ``copy_``s every tensor into its live tensors — the
   file path of a run, minus the announcement socket;
-- collective: the trainer's ``GroupMember.send`` (flatten into buckets, broadcast) and the
-  receiver's ``GroupMember.receive`` (``copy_`` out of the bucket into its live tensors) — the
-  collective path of a run (``workers/weights_group.py``), gloo on the CPU; on a GPU NCCL when the
-  two ends are on different GPUs, else gloo staging through host memory.
+- collective: the trainer's ``GroupMember.send`` (flatten into buckets) and the receiver's
+  ``GroupMember.receive`` (``copy_`` out of the bucket into its live tensors) — the collective path
+  of a run (``workers/weights_group.py``). Each transport is a case of its own: ``gloo+shm`` (what
+  a run uses with gloo: shared-memory buckets, gloo signals), ``gloo+broadcast`` (the bytes in
+  gloo's TCP broadcast), ``nccl+broadcast`` (a GPU each: what a run uses then).
 
 Both paths start on the same trigger (a small broadcast) and end on the same barrier, so the
 signalling cost is equal. Each figure is the best of ``--repeats`` after one warm-up.
