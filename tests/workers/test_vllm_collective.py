@@ -47,7 +47,8 @@ def check_vllm_collective(tmp_path, device: str) -> None:
         g = torch.Generator().manual_seed(1)
         new = {k: (v + 0.5 * torch.randn(v.shape, generator=g).to(device))
                if v.is_floating_point() else v for k, v in state.items()}
-        new["lm_head.weight"] = new["model.embed_tokens.weight"]  # tied: one tensor, two names
+        # tied: the same values under both names, as the trainer publishes them (an alias copied)
+        new["lm_head.weight"] = new["model.embed_tokens.weight"].clone()
         pub.publish(new, 1)
         assert sub.wait_engine(engine, 1, 60.0) is True  # by broadcast, into vLLM's worker
         assert pub.broadcasts == 1 and sub.received == 1 and engine.policy_version == 1
