@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,16 @@ def test_periodic_collective_equals_file(tiny_config) -> None:
     initial = load_file(str(next(Path(collective.run.output_dir).parent.glob(".cache/builtin-*"))
                             / "model.safetensors"))
     assert max(float((b[k] - initial[k]).abs().max()) for k in b) > 1e-4, "no update"
+
+
+@pytest.mark.slow
+def test_async_collective_stays_within_max_staleness(tiny_config) -> None:
+    cfg = tiny_config("run.mode=async", "run.max_staleness=1", "run.iterations=3",
+                      "run.eval_every=0", "weights.sync=collective", "weights.timeout_s=60")
+    summary = run(cfg)
+    assert summary.status == "ok"
+    assert summary.max_staleness_observed <= 1
+    for line in (Path(cfg.run.output_dir) / "metrics.jsonl").read_text().splitlines():
+        assert json.loads(line)["staleness_max"] <= 1
+    trainer = (Path(cfg.run.output_dir) / "logs" / "trainer-0.log").read_text()
+    assert "broadcast policy version 3:" in trainer and "failed" not in trainer
