@@ -8,7 +8,8 @@ What each test holds the GPU path to:
 - a periodic SmolLM2-135M run on one GPU ends ok with every role on cuda and weights broadcast;
 - vLLM on CUDA receives a broadcast version in its worker (tests/workers/test_vllm_collective.py's
   check on the GPU build);
-- ``streamflow bench weights`` runs on the GPU (device-to-device copy as the reference).
+- ``streamflow bench weights`` runs on the GPU (device-to-device copy as the reference), and
+  ``streamflow bench phases --device cuda`` where that bench is part of the tree.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def test_torch_rollout_on_gpu_matches_cpu():
 
 
 def _step(device: str, autocast: torch.dtype | None) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward/backward/AdamW step; parameters as stored (their dtype is checked too)."""
     model, tok = _tiny()
     model = model.to(device)
     tri = TriModel(model, reference=None, autocast_dtype=autocast)
@@ -70,7 +72,7 @@ def _step(device: str, autocast: torch.dtype | None) -> tuple[float, dict[str, t
     loss = -sum(t.sum() for g in out.policy for t in g)
     engine.backward(loss)
     engine.step(1.0 / 9)
-    return float(loss), {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    return float(loss), {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 def test_trainer_step_on_gpu_matches_cpu():
@@ -79,10 +81,11 @@ def test_trainer_step_on_gpu_matches_cpu():
     assert abs(cpu_loss - gpu_loss) < 1e-3 * abs(cpu_loss)
     worst = max(float((cpu_params[k] - gpu_params[k]).abs().max()) for k in cpu_params)
     assert worst < 1e-4, worst
-    bf16_loss, _ = _step("cuda", torch.bfloat16)
+    bf16_loss, bf16_params = _step("cuda", torch.bfloat16)
     assert abs(bf16_loss - cpu_loss) < 0.02 * abs(cpu_loss)
-    model, _ = _tiny()
-    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights
+    assert {v.dtype for v in bf16_params.values()} == {torch.float32}  # master weights stay fp32
+    moved = max(float((bf16_params[k] - gpu_params[k]).abs().max()) for k in gpu_params)
+    assert 0 < moved < 1e-2  # autocast changes the step a little, not the update's size
 
 
 def _smollm2(tmp_path_factory) -> Path:
@@ -138,3 +141,13 @@ def test_bench_weights_on_gpu():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {c["device"] for c in report["cases"]} == {"cuda"}
     assert report["best_collective_ratio_to_copy"] > 0
+
+
+def test_bench_phases_on_gpu():
+    pytest.importorskip("streamflow.bench.phases",
+                        reason="streamflow/bench/phases.py is not part of this tree")
+    proc = subprocess.run([sys.executable, "-m", "streamflow", "bench", "phases", "--quick",
+                           "--json", "--device", "cuda"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert isinstance(json.loads(proc.stdout.strip().splitlines()[-1]), dict)
