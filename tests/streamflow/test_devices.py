@@ -116,3 +116,22 @@ def test_dry_run_refuses_cuda_without_a_gpu_in_one_line():
     assert len(lines) == 1 and "trainer.device" in lines[0] and "no CUDA device" in lines[0]
     ok = _dry_run("trainer.device=auto")
     assert ok.returncode == 0, ok.stderr
+
+
+def test_worker_checks_its_device_with_torch():
+    import torch
+
+    from workers.devices import dtype_of, torch_device
+
+    assert torch_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        assert torch_device("cuda:0", offset=count - 1) == torch.device("cuda", count - 1)
+        with pytest.raises(RuntimeError, match=f"cuda:{count} does not exist"):
+            torch_device(f"cuda:{count}")
+    else:
+        with pytest.raises(RuntimeError, match="'cuda:1' asked for but this process sees no CUDA"):
+            torch_device("cuda:1")
+    assert dtype_of("bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        dtype_of("float16")
