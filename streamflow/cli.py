@@ -142,6 +142,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     for note in config_warnings(cfg):
         print(f"warning: {note}", file=sys.stderr)
+    from streamflow.devices import check_devices  # no torch: probes the driver
+
+    check_devices(cfg)  # a device this host lacks: one line naming the key, before anything runs
     if args.dry_run:
         sys.stdout.write(dump_yaml(cfg))
         return EXIT_OK

@@ -82,6 +82,15 @@ def _require(ok: bool, key: str, message: str) -> None:
 Mode = Literal["sync", "periodic", "async"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 DType = Literal["float32", "bfloat16"]
+# A role's parameter dtype: "auto" = bfloat16 on a GPU, float32 on the CPU
+RoleDType = Literal["auto", "float32", "bfloat16"]
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _check_device(value: str) -> None:
+    """A role's device: auto (the GPU when there is one), cpu, cuda (GPU placement) or cuda:N."""
+    _require(bool(_DEVICE.match(value)), "device",
+             f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
 Operation = Literal["+", "-", "*"]
 
 
@@ -240,9 +249,14 @@ class RolloutSection:
     vllm_kv_cache_gib: float = _f(1.0, gt=0)
     vllm_gpu_memory_utilization: float = _f(0.9, gt=0, le=1)
     vllm_enforce_eager: bool = True
+    # where the rollout engine runs: auto (a GPU when there is one, see devices.placement), cpu,
+    # cuda or cuda:N; and the torch engine's parameter dtype (auto: bfloat16 on GPU, else float32)
+    device: str = "auto"
+    dtype: RoleDType = "auto"
 
     def __post_init__(self) -> None:
         _check_bounds(self)
+        _check_device(self.device)
 
 
 _REWARD_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
@@ -277,10 +291,13 @@ class ReferenceSection:
     placement: Literal["worker", "trainer"] = "worker"  # own worker process, or fused in trainer
     rows_per_claim: int = _f(32, ge=1)  # rows claimed per micro-batch
     threads: int = _f(1, ge=1)  # torch threads of the reference worker
-    dtype: DType = "float32"  # dtype of the frozen reference copy
+    # dtype of the frozen reference copy (auto: bfloat16 on a GPU, float32 on the CPU)
+    dtype: RoleDType = "auto"
+    device: str = "auto"  # where the reference runs (auto | cpu | cuda | cuda:N)
 
     def __post_init__(self) -> None:
         _check_bounds(self)
+        _check_device(self.device)
 
 
 @dataclass(frozen=True)
@@ -308,9 +325,15 @@ class TrainerSection:
     # engine=deepspeed: data-parallel ranks started by torch's launcher, and the ZeRO stage
     num_ranks: int = _f(1, ge=1)
     zero_stage: int = _f(2, ge=1, le=2)
+    # where the trainer runs (auto | cpu | cuda | cuda:N; deepspeed rank r uses the device after
+    # it + r) and its compute dtype: master weights and AdamW stay float32; bfloat16 runs the
+    # forward under autocast (auto: bfloat16 on GPU, float32 on the CPU)
+    device: str = "auto"
+    dtype: RoleDType = "auto"
 
     def __post_init__(self) -> None:
         _check_bounds(self)
+        _check_device(self.device)
         _require(
             all(0 <= b < 1 for b in self.betas), "betas", f"must be in [0, 1), got {self.betas}"
         )
@@ -410,6 +433,48 @@ class PlacementSection:
         _check_bounds(self)
 
 
+@dataclass(frozen=True)
+class DevicesSection:
+    # How the roles whose device is 'auto' or 'cuda' share the GPUs of one host: colocated = all
+    # on GPU 0; separate = trainer ranks, reference and each rollout worker on GPUs of their own
+    # (streaming modes; one GPU per process); auto = separate when there are enough GPUs, else
+    # colocated. Checked against the visible GPUs at --dry-run and at start (streamflow/devices.py).
+    placement: Literal["auto", "colocated", "separate"] = "auto"
+
+
+@dataclass(frozen=True)
+class WeightsSection:
+    # How a new policy version reaches the rollout workers: file = safetensors in /dev/shm and a
+    # reload; collective = the trainer sends it over a torch.distributed group in buckets, copied
+    # into the live parameters (workers/weights_collective.py): NCCL broadcast when every process
+    # has a GPU of its own, else gloo signals + shared-memory buckets; auto = collective when the
+    # trainer is on a GPU and the run is streaming on one host, else file.
+    sync: Literal["auto", "file", "collective"] = "auto"
+    bucket_mb: float = _f(32.0, gt=0)  # bucket size (MiB; a larger tensor goes alone)
+    # a broadcast (or joining the group) that takes longer fails with a clear error; the version
+    # then reaches the rollout through its file (the file is always written after the broadcast)
+    timeout_s: float = _f(300.0, gt=0)
+    host: str = "127.0.0.1"  # address of the group's rendezvous (a TCP store in the controller)
+    port: int = _f(0, ge=0, le=65535)  # its port (0 = pick a free one)
+
+    def __post_init__(self) -> None:
+        _check_bounds(self)
+        _require(bool(self.host.strip()), "host", "must be a non-empty address")
+
+
+def _check_weights(cfg: RunConfig) -> None:
+    """weights.sync=collective needs a group to broadcast to: streaming workers on one host."""
+    if cfg.weights.sync != "collective":
+        return
+    _require(cfg.run.mode != "sync", "weights.sync",
+             "'collective' needs run.mode periodic or async (sync runs every role in one process: "
+             "there is no group to broadcast to)")
+    _require(not cfg.placement.nodes, "weights.sync",
+             "'collective' is for one host; across hosts (placement.nodes) use 'file' or 'auto'")
+    _require(cfg.rollout.engine != "simulated", "weights.sync",
+             "'collective' needs real engines (simulated engines publish version numbers only)")
+
+
 def _check_placement(cfg: RunConfig) -> None:
     """Cross-section rules of a multi-host placement: every process of the run is placed once."""
     nodes = cfg.placement.nodes
@@ -487,6 +552,8 @@ class RunConfig:
     placement: PlacementSection = field(default_factory=PlacementSection)
     # the simulated devices of rollout.engine / trainer.engine "simulated" (ignored otherwise)
     simulated: SimulatedSection = field(default_factory=SimulatedSection)
+    devices: DevicesSection = field(default_factory=DevicesSection)  # GPUs of one host per role
+    weights: WeightsSection = field(default_factory=WeightsSection)  # weight sync path
 
     def __post_init__(self) -> None:
         # With no KL term the reference log-probs are never used: don't pay for computing them.
@@ -510,6 +577,7 @@ class RunConfig:
             "(sync keeps the trainer inside the controller process)",
         )
         _check_placement(self)
+        _check_weights(self)
 
     @property
     def max_staleness(self) -> int:

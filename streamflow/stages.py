@@ -8,7 +8,9 @@
   (a file's held-out rows are split off by ``held_out_split``: never trained on);
 - the weights directory for policy versions (``/dev/shm`` when available: weight sync never
   touches a disk there);
-- the samples table spec and one ``workers.config`` record per worker.
+- the samples table spec and one ``workers.config`` record per worker, each with its device and
+  dtype (``streamflow/devices.py``) and, with collective weight sync, its rank in the weight group
+  whose rendezvous (a TCP store) this process hosts for the whole run.
 
 The workers get plain records (``workers.config``), never this module's types: the layers point
 downwards only.
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from streamflow.config import RunConfig, StoreSection
+from streamflow.devices import RoleDevices, resolve_devices, weight_sync_path
 from streamflow.supervisor import free_port
 from workers import cores
 from workers.checkpoint import latest_checkpoint, read_state
@@ -38,6 +41,7 @@ from workers.config import (
     RolloutWorkerConfig,
     SimulatedDevice,
     TrainerWorkerConfig,
+    WeightGroupConfig,
     WorkerCommon,
 )
 from workers.cores import MAX_SLOTS, CoreShareConfig
@@ -110,6 +114,9 @@ class RunPlan:
     reward: RewardWorkerConfig = field(init=False)
     reference: ReferenceWorkerConfig | None = field(init=False)
     trainer: TrainerWorkerConfig = field(init=False)
+    devices: RoleDevices | None = None
+    weight_sync: str = "file"  # file | collective (weights.sync resolved)
+    rendezvous: object | None = None  # workers.weights_collective.Rendezvous (collective only)
 
     @property
     def store(self) -> StoreSection:
@@ -186,6 +193,9 @@ class RunPlan:
 
         for i in range(c.rollout.num_workers):
             w = _replace_common(self.rollout, compute("rollout", i, c.rollout.threads))
+            group = w.weights_group and replace(w.weights_group, rank=i + 1)
+            w = replace(w, device=self.devices.rollout[i] if self.devices else w.device,
+                        weights_group=group)
             out.append((w.common.name, "rollout", w, w.common.threads))
         for i in range(c.reward.num_workers):
             w = _replace_common(self.reward, common("reward", i, 1))
@@ -203,6 +213,9 @@ class RunPlan:
         return self.cfg.run.host_threads > 0 and not self.cfg.trainer.deterministic
 
     def cleanup(self) -> None:
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+            self.rendezvous = None
         if str(self.weights_dir).startswith("/dev/shm/"):
             shutil.rmtree(self.weights_dir, ignore_errors=True)
         if self.cores_path is not None:
@@ -255,6 +268,23 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
     blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed,
                          simulated=simulated)
     r, t = cfg.rollout, cfg.trainer
+    # Devices: torch's count is authoritative here (the --dry-run check used the driver's).
+    devices = plan.devices = resolve_devices(cfg, torch.cuda.device_count())
+    plan.weight_sync = weight_sync_path(cfg, devices)
+    group = None
+    if plan.weight_sync == "collective":
+        from workers.weights_collective import Rendezvous
+
+        plan.rendezvous = rendezvous = Rendezvous(cfg.weights.host, cfg.weights.port)
+        members = [devices.trainer, *devices.rollout]
+        own_gpus = all(m.startswith("cuda") for m in members) and len(set(members)) == len(members)
+        group = WeightGroupConfig(address=rendezvous.address, rank=0,
+                                  world_size=1 + r.num_workers,
+                                  bucket_bytes=int(cfg.weights.bucket_mb * (1 << 20)),
+                                  timeout_s=cfg.weights.timeout_s,
+                                  backend="nccl" if own_gpus else "gloo",
+                                  transport="broadcast" if own_gpus else "shm",
+                                  shm_dir=str(plan.weights_dir))
     # The trainer announces each published version on this PUB address; rollout workers SUBscribe
     # and wake at once instead of waiting for their next directory check. (In-process sync runs
     # need no announcement.) Across hosts, bind the trainer's address and share weights_dir.
@@ -275,6 +305,9 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         vllm_kv_cache_gib=r.vllm_kv_cache_gib,
         vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         vllm_enforce_eager=r.vllm_enforce_eager,
+        device=devices.rollout[0],
+        dtype=devices.rollout_dtype,
+        weights_group=group and replace(group, rank=1),
     )
     plan.reward = RewardWorkerConfig(
         common=_named(blank, "reward"),
@@ -293,7 +326,8 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
             rows_per_claim=cfg.reference.rows_per_claim,
             packing=t.packing,
             token_budget=t.token_budget,
-            dtype=cfg.reference.dtype,
+            dtype=devices.reference_dtype,
+            device=devices.reference,
         )
     plan.trainer = TrainerWorkerConfig(
         common=_named(blank, "trainer"),
@@ -319,7 +353,7 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         temperature=r.temperature,
         packing=t.packing,
         token_budget=t.token_budget,
-        reference_dtype=cfg.reference.dtype,
+        reference_dtype=devices.reference_dtype,
         checkpoint_dir=str(run_dir / "checkpoints"),
         checkpoint_every=cfg.run.checkpoint_every,
         engine=t.engine,
@@ -329,6 +363,9 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         weights_keep=(cfg.run.max_staleness or 0) + 4,
         resume_from=str(resume_from) if resume_from is not None else None,
         start_iteration=plan.start_iteration,
+        device=devices.trainer,
+        dtype=devices.trainer_dtype,
+        weights_group=group,
     )
     return plan
 

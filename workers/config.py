@@ -55,6 +55,25 @@ class WorkerCommon:
 
 
 @dataclass
+class WeightGroupConfig:
+    """Collective weight sync (``workers.weights_collective``): where the group meets and who we
+    are in it. None on a worker config: weights go by file only."""
+
+    address: str  # host:port of the controller's TCP store (the rendezvous)
+    rank: int  # 0 = trainer, i + 1 = rollout worker i
+    world_size: int  # 1 + rollout workers
+    bucket_bytes: int = 32 << 20
+    timeout_s: float = 300.0
+    # nccl when every member has a GPU of its own; gloo otherwise (CPU, or processes sharing a GPU:
+    # NCCL refuses two ranks on one device, gloo stages CUDA tensors through host memory)
+    backend: str = "gloo"
+    # gloo: "shm" = the bytes go through shared-memory buckets in shm_dir (one host), gloo only
+    # signals; "broadcast" = the bytes travel in the collective (always with nccl)
+    transport: str = "broadcast"
+    shm_dir: str = ""
+
+
+@dataclass
 class RolloutWorkerConfig:
     common: WorkerCommon
     model_path: str  # HF directory of the initial policy (version 0) and its tokenizer
@@ -75,6 +94,9 @@ class RolloutWorkerConfig:
     vllm_enforce_eager: bool = True
     # trainer on another host: its WeightServer; versions are copied into weights_dir (local)
     weights_fetch: str | None = None
+    device: str = "cpu"  # cpu | cuda:N (resolved by the controller, streamflow/devices.py)
+    dtype: str = "float32"  # torch engine's parameter dtype
+    weights_group: WeightGroupConfig | None = None  # collective weight sync (None: files)
 
 
 @dataclass
@@ -96,6 +118,7 @@ class ReferenceWorkerConfig:
     packing: bool = True
     token_budget: int = 4096
     dtype: str = "float32"
+    device: str = "cpu"  # cpu | cuda:N
 
 
 @dataclass
@@ -135,6 +158,9 @@ class TrainerWorkerConfig:
     zero_stage: int = 2  # deepspeed: ZeRO stage 1 or 2
     weights_keep: int = 4  # published versions kept on disk (older ones are unlinked)
     weights_serve: str | None = None  # serve published versions to other hosts (ROUTER bind)
+    device: str = "cpu"  # cpu | cuda:N: rank 0's device (deepspeed rank r: cuda:N+r)
+    dtype: str = "float32"  # compute dtype: bfloat16 = forward under autocast, fp32 master weights
+    weights_group: WeightGroupConfig | None = None  # collective weight sync (None: files)
 
 
 WorkerConfig = RolloutWorkerConfig | RewardWorkerConfig | ReferenceWorkerConfig | TrainerWorkerConfig
@@ -162,6 +188,8 @@ def _build(cls: type[T], data: dict[str, Any]) -> T:
         kwargs["common"] = _build(WorkerCommon, kwargs["common"])
     if isinstance(kwargs.get("cores"), dict):
         kwargs["cores"] = _build(CoreShareConfig, kwargs["cores"])
+    if isinstance(kwargs.get("weights_group"), dict):
+        kwargs["weights_group"] = _build(WeightGroupConfig, kwargs["weights_group"])
     if isinstance(kwargs.get("simulated"), dict):
         kwargs["simulated"] = _build(SimulatedDevice, kwargs["simulated"])
     return cls(**kwargs)

@@ -34,6 +34,7 @@ from workers.config import (
     WorkerConfig,
     from_json,
 )
+from workers.devices import DTYPES, dtype_of, torch_device
 from workers.engines.base import SamplingParams
 from workers.engines.torch_trainer import TorchTrainerEngine
 from workers.events import EventSender, WeightSyncReport, WorkerStatus
@@ -46,12 +47,24 @@ from workers.rollout import RolloutStage
 from workers.trainer import Trainer, TrainerSettings
 from workers.trimodel import TriModel
 from workers.weights import WeightPublisher, WeightSubscriber
+from workers.weights_collective import GroupSpec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+def group_spec(cfg: Any) -> GroupSpec | None:
+    """The weight group of a worker config (None: weights go by file only)."""
+    g = cfg.weights_group
+    if g is None:
+        return None
+    return GroupSpec(g.address, g.rank, g.world_size, g.backend, g.bucket_bytes, g.timeout_s,
+                     g.transport, g.shm_dir)
 
 
 def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
     if cfg.engine == "vllm":
+        if cfg.device.startswith("cuda:"):  # vLLM places itself on the first visible GPU
+            import os
+
+            os.environ["CUDA_VISIBLE_DEVICES"] = cfg.device.partition(":")[2]
         from workers.engines.vllm_rollout import VllmRolloutEngine  # needs the [vllm] extra
 
         # vllm_* fields are optional on RolloutWorkerConfig: the engine's defaults apply without them.
@@ -71,7 +84,8 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
         return SimulatedRolloutEngine(cfg.common.simulated, len(tokenizer))
     from workers.engines.torch_rollout import TorchRolloutEngine
 
-    return TorchRolloutEngine(load_model(cfg.model_path), tokenizer)
+    model = load_model(cfg.model_path, dtype=dtype_of(cfg.dtype))
+    return TorchRolloutEngine(model, tokenizer, device=torch_device(cfg.device))
 
 
 def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage:
@@ -81,14 +95,22 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
         temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
         stop_token_ids=stops,
     )
-    weights = WeightSubscriber(cfg.weights_dir, cfg.weights_announce, fetch=cfg.weights_fetch)
+    files = WeightSubscriber(cfg.weights_dir, cfg.weights_announce, fetch=cfg.weights_fetch)
 
     def on_sync(report: WeightSyncReport) -> None:  # a fetched version's copy is sync cost too
-        report.seconds += weights.fetch_seconds.pop(report.policy_version, 0.0)
+        report.seconds += files.fetch_seconds.pop(report.policy_version, 0.0)
         events.send(report)
 
+    engine = make_rollout_engine(cfg)
+    weights: Any = files
+    spec = group_spec(cfg)
+    if spec is not None:  # collective sync: a thread receives each broadcast version
+        from workers.weights_group import CollectiveSubscriber
+
+        weights = CollectiveSubscriber(files, spec, cfg.device, on_sync, worker=cfg.common.name)
+        weights.start(engine)
     return RolloutStage(
-        make_rollout_engine(cfg),
+        engine,
         weights,
         params,
         worker=cfg.common.name,
@@ -118,7 +140,7 @@ def build_reference(cfg: ReferenceWorkerConfig) -> Any:
 
         return SimulatedReferenceStage(cfg.common.simulated, cfg.rows_per_claim)
     return ReferenceStage(
-        load_model(cfg.model_path, dtype=DTYPES[cfg.dtype]),
+        load_model(cfg.model_path, dtype=DTYPES[cfg.dtype]).to(torch_device(cfg.device)),
         temperature=cfg.temperature, max_rows=cfg.rows_per_claim, packing=cfg.packing,
         token_budget=cfg.token_budget,
     )
@@ -136,6 +158,10 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
         )
         return engine, None
     if cfg.engine == "deepspeed":  # needs the [deepspeed] extra (clear error if missing)
+        import os
+
+        if cfg.device.startswith("cuda"):  # rank r on the GPU after the trainer's first + r
+            torch.cuda.set_device(torch_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0))))
         from workers.engines.deepspeed_trainer import (
             DeepSpeedSettings,
             DeepSpeedTrainerEngine,
@@ -167,7 +193,10 @@ def build_trainer(
         return build_simulated_trainer(cfg, client, events, keeper)
     torch.manual_seed(cfg.common.seed)
     start_iteration = cfg.start_iteration
-    model = load_model(cfg.resume_from or cfg.model_path)
+    device = torch_device(cfg.device)
+    model = load_model(cfg.resume_from or cfg.model_path)  # float32 master weights
+    if cfg.engine == "torch":  # (DeepSpeed places the model on its rank's device itself)
+        model = model.to(device)
     engine, ranks = make_trainer_engine(cfg, model)
     leader = ranks is None or ranks.is_leader
     if cfg.resume_from:  # weights above; optimizer, RNG and step from the same checkpoint
@@ -177,7 +206,11 @@ def build_trainer(
     reference = None
     if cfg.reference_path and cfg.kl_coef > 0 and not cfg.reference_worker:
         reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype])
-    tri = TriModel(model, reference=reference)  # updates_per_batch: the trainer (settings below)
+    compute = dtype_of(cfg.dtype)
+    # updates_per_batch: the trainer (settings below) keeps the first pass's log-probs as the old
+    tri = TriModel(model, reference=reference,
+                   frozen_device=next(model.parameters()).device,
+                   autocast_dtype=None if compute == torch.float32 else compute)
     if reference is not None:  # what the fused reference costs (reference.dtype=bfloat16 halves it)
         logging.getLogger("workers.trainer").info(
             "tri-model: frozen reference copy holds %d bytes beside the policy",
@@ -202,10 +235,16 @@ def build_trainer(
             else:  # join rank 0's collective engine save (the directory comes from rank 0)
                 engine.save_state("")
 
+    publisher: Any = WeightPublisher(cfg.weights_dir, cfg.weights_bind if leader else None,
+                                     keep=cfg.weights_keep,
+                                     serve=cfg.weights_serve if leader else None)
+    spec = group_spec(cfg)
+    if spec is not None and leader:  # collective sync: rank 0 broadcasts to the rollout workers
+        from workers.weights_group import CollectivePublisher
+
+        publisher = CollectivePublisher(publisher, spec, next(model.parameters()).device)
     return Trainer(
-        client, cfg.common.table, engine, tri, settings,
-        WeightPublisher(cfg.weights_dir, cfg.weights_bind if leader else None, keep=cfg.weights_keep,
-                        serve=cfg.weights_serve if leader else None),
+        client, cfg.common.table, engine, tri, settings, publisher,
         worker=cfg.common.name, send=events.send if leader else (lambda r: None),
         start_iteration=start_iteration, on_step=checkpoint, keeper=keeper, ranks=ranks,
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import pyarrow as pa
 
@@ -64,10 +65,21 @@ class RolloutStage:
         self.weight_wait_s = weight_wait_s
         self.on_sync = on_sync
         self.last_tokens = 0
+        # collective sync (workers.weights_group): weights arrive on another thread, never while
+        # this stage generates; the file path has no such thread
+        self.engine_lock = getattr(weights, "engine_lock", None) or nullcontext()
 
     def ensure_version(self, required: int) -> None:
         """Load the newest published version if it is newer than the engine's, waiting (bounded)
-        until one >= ``required`` exists."""
+        until one >= ``required`` exists (collective sync: until it is broadcast, or its file
+        appears because the broadcast failed or this worker is not a member of the group yet)."""
+        wait_engine = getattr(self.weights, "wait_engine", None)
+        if wait_engine is not None and wait_engine(self.engine, required, self.weight_wait_s):
+            return
+        with self.engine_lock:
+            self._ensure_file_version(required)
+
+    def _ensure_file_version(self, required: int) -> None:
         if self.engine.policy_version >= required:
             newest = self.weights.newest()
             if newest is None or newest <= self.engine.policy_version:
@@ -87,6 +99,11 @@ class RolloutStage:
     def process(self, lease: Lease) -> pa.RecordBatch:
         batch = lease.batch
         self.ensure_version(max(batch.column("min_policy_version").to_pylist()))
+        with self.engine_lock:  # the version that generates is the version the rows record
+            return self._generate(lease)
+
+    def _generate(self, lease: Lease) -> pa.RecordBatch:
+        batch = lease.batch
         version = self.engine.policy_version
         group_ids = batch.column("group_id").to_pylist()
         prompts = batch.column("prompt_ids").to_pylist()

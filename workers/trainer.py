@@ -258,24 +258,25 @@ class Trainer:
         )
         logp_rows = [out.policy[g][r] for g, r in where]
         logp = pad_sequence(logp_rows, batch_first=True)
-        mask = pad_sequence([torch.ones(len(x)) for x in logp_rows], batch_first=True)
+        dev = logp.device  # the policy's (a GPU): every operand of the loss goes there
+        mask = pad_sequence([torch.ones(len(x), device=dev) for x in logp_rows], batch_first=True)
         if first_pass:
             piece.old_logp = [x.detach() for x in logp_rows]
         old = pad_sequence(piece.old_logp, batch_first=True)
         ref = None
         if self.s.kl_coef > 0:
             if self.s.reference_worker:
-                ref = _pad_lists(rows.column("ref_logprobs").to_pylist())
+                ref = _pad_lists(rows.column("ref_logprobs").to_pylist()).to(dev)
             else:
                 ref = pad_sequence([out.ref[g][r] for g, r in where], batch_first=True)
-        behaviour = _pad_lists(rows.column("response_logprobs").to_pylist())
+        behaviour = _pad_lists(rows.column("response_logprobs").to_pylist()).to(dev)
         rewards = torch.tensor(rows.column("reward").to_pylist(), dtype=torch.float32)
         group_ids = torch.tensor(rows.column("group_id").to_pylist(), dtype=torch.int64)
         adv = group_advantages(
             rewards, group_ids, group_size=self.s.group_size, std_normalize=self.s.std_normalize
         )
         loss_sum, sums = grpo_loss_sums(
-            logp, old, ref, adv, mask, clip_eps=self.s.clip_eps, kl_coef=self.s.kl_coef,
+            logp, old, ref, adv.to(dev), mask, clip_eps=self.s.clip_eps, kl_coef=self.s.kl_coef,
             behaviour_logp=behaviour, is_correction=self.s.importance_correction, is_cap=self.s.is_cap,
         )
         if first_pass and (self.ranks is None or self.ranks.is_leader):

@@ -17,10 +17,13 @@ Lifecycle and invariants:
 - The frozen reference may live in a lower precision (``frozen_dtype=torch.bfloat16``) and/or
   another device (``frozen_device="cpu"``); its log-probs come back as float32 on the policy's
   device. ``extra_bytes()`` is what it costs beyond the policy.
+- ``autocast_dtype`` (bfloat16 on a GPU): every forward runs under ``torch.autocast`` in that dtype
+  while the policy's master weights (and AdamW) stay float32; log-probs come back float32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections.abc import Sequence
@@ -81,10 +84,12 @@ class TriModel:
         reference: ReferenceSource = "copy",
         frozen_dtype: torch.dtype | None = None,
         frozen_device: str | torch.device | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.policy = policy
         self.frozen_dtype = frozen_dtype
         self.frozen_device = frozen_device
+        self.autocast_dtype = autocast_dtype
         self.reference = self._load_reference(reference)
 
     def _load_reference(self, source: ReferenceSource) -> torch.nn.Module | None:
@@ -127,8 +132,15 @@ class TriModel:
             )
         else:
             batch = unpacked_rows(groups)
-        policy = batch_logprobs(self.policy, batch, temperature=temperature)
         device = next(self.policy.parameters()).device
+        autocast = (torch.autocast(device.type, dtype=self.autocast_dtype)
+                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        with autocast:
+            return self._forward(batch, temperature, device)
+
+    def _forward(self, batch: PackedBatch, temperature: float, device: torch.device) -> TriLogprobs:
+        policy = batch_logprobs(self.policy, batch, temperature=temperature)
+        policy = [[t.float() for t in g] for g in policy]
         ref = None
         if self.reference is not None:
             ref = self._frozen_logprobs(self.reference, batch, temperature, device)

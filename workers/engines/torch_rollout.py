@@ -117,6 +117,10 @@ class TorchRolloutEngine:
                 target.copy_(value.to(device=target.device, dtype=target.dtype))
         self.policy_version = int(version)
 
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """The live tensors by HF name: collective sync copies a broadcast version into them."""
+        return self.model.state_dict()
+
     # -- sampling ------------------------------------------------------------------------------
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams

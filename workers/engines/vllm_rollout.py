@@ -91,6 +91,28 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
 
+    # Collective sync (workers/weights_collective.py), vLLM's RLHF pattern: the worker process joins
+    # the trainer's weight-update group, then receives each version's buckets itself.
+    def streamflow_join_group(self, spec: dict, epoch: int) -> None:
+        """Join epoch ``epoch`` of the weight group (``spec``: GroupSpec fields) on our device."""
+        from workers.weights_collective import GroupMember, GroupSpec, connect_store
+
+        group = GroupSpec(**spec)
+        device = getattr(self, "device", None) or torch.device("cpu")
+        self._sf_member = GroupMember(group, connect_store(group), epoch, torch.device(device))
+
+    def streamflow_receive(self, meta: list, bucket_bytes: int) -> int:
+        """Receive one broadcast version and load it: the slices of each bucket are copied out
+        (the bucket buffer is reused), then loaded in one ``reload_weights`` (which handles
+        vLLM's fused/repacked layouts), then the barrier tells the trainer it is in."""
+        member = self._sf_member
+        received: list[tuple[str, torch.Tensor]] = []
+        nbytes = member.receive(meta, bucket_bytes,
+                                lambda i, t: received.append((meta[i][0], t.clone())))
+        self.reload_weights(weights_iterator=iter(received))  # type: ignore[attr-defined]
+        member.barrier()
+        return nbytes
+
 
 def _eos_ids(model_path: Path) -> tuple[int, ...]:
     """The model's end-of-sequence ids: generation_config, then config, then the tokenizer."""
@@ -269,6 +291,23 @@ class VllmRolloutEngine:
         self.sync_seconds_total += self.last_sync_seconds
         self.sync_bytes_total += p.stat().st_size
         self.policy_version = int(version)
+
+    def join_weight_group(self, spec: Any, epoch: int) -> None:
+        """Collective sync: vLLM's worker joins the weight group (``workers.weights_group``)."""
+        import dataclasses
+
+        self.llm.collective_rpc("streamflow_join_group", args=(dataclasses.asdict(spec), epoch))
+
+    def receive_weights(self, meta: list, bucket_bytes: int, version: int) -> int:
+        """Collective sync: receive one broadcast version inside vLLM's worker, in place."""
+        t0 = time.perf_counter()
+        nbytes = self.llm.collective_rpc("streamflow_receive", args=(meta, bucket_bytes))[0]
+        self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+        self.last_sync_seconds = time.perf_counter() - t0
+        self.sync_seconds_total += self.last_sync_seconds
+        self.sync_bytes_total += int(nbytes)
+        self.policy_version = int(version)
+        return int(nbytes)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Protocol method: write ``weights`` to a temporary safetensors file, then load that."""

@@ -1,0 +1,162 @@
+"""Which device and dtype each process of a run gets, and whether this host has the GPUs for it.
+
+Owns ``visible_gpus`` (a probe that never imports torch, so ``streamflow run --dry-run`` stays
+light) and ``resolve_devices`` (pure: config + GPU count -> one ``RoleDevices`` per run), whose
+errors are ``ConfigValueError``s naming the key at fault, in one line:
+
+- ``rollout.device: 'cuda' asked for but no CUDA device is visible ...``
+- ``trainer.device: cuda:3 does not exist (2 GPUs visible: cuda:0..cuda:1)``
+- ``devices.placement: 'separate' needs 4 GPUs (trainer 1 + reference 1 + rollout 2), 2 visible``
+
+Placement on one host (roles whose device is ``auto`` or ``cuda``; an explicit ``cuda:N`` or
+``cpu`` is kept as given):
+
+- no GPU: every ``auto`` role on the CPU;
+- colocated: every role on ``cuda:0`` (trainer rank r of DeepSpeed on ``cuda:r``: NCCL needs one
+  GPU per rank), weight sync between processes on the same GPU;
+- separate (streaming modes): trainer ranks on ``cuda:0..T-1``, the reference worker on the next
+  GPU, each rollout worker on a GPU of its own — the layout of verl/TRL's "separate" placement;
+- auto: separate when the GPUs suffice, else colocated.
+
+The probe: ``CUDA_VISIBLE_DEVICES`` (empty or -1: none) bounded by the driver's device count from
+``/proc/driver/nvidia/gpus`` (or ``nvidia-smi -L`` where /proc has none). The worker processes check
+again with torch when they place their model (``workers/devices.py``), which is authoritative.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from streamflow.config import ConfigValueError, RunConfig
+
+
+def _driver_gpus() -> int:
+    proc = "/proc/driver/nvidia/gpus"
+    try:
+        return len(os.listdir(proc))
+    except OSError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def visible_gpus() -> int:
+    """GPUs this process's children would see (without importing torch)."""
+    physical = _driver_gpus()
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return physical
+    entries = [e for e in env.replace(" ", "").split(",") if e]
+    if not entries or entries[0].startswith("-"):  # "" or "-1": CUDA hides every device
+        return 0
+    return min(len(entries), physical)
+
+
+@dataclass(frozen=True)
+class RoleDevices:
+    """Device string per process and dtype name per role, as the workers receive them."""
+
+    gpus: int  # GPUs visible when resolved
+    rollout: tuple[str, ...]  # one per rollout worker
+    reference: str
+    trainer: str  # rank 0's; deepspeed rank r uses index + r on CUDA
+    rollout_dtype: str
+    reference_dtype: str
+    trainer_dtype: str  # compute (autocast) dtype; master weights stay float32
+
+    @property
+    def trainer_on_gpu(self) -> bool:
+        return self.trainer.startswith("cuda")
+
+
+def _dtype(choice: str, device: str) -> str:
+    if choice != "auto":
+        return choice
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def _check_index(key: str, device: str, gpus: int) -> None:
+    if not device.startswith("cuda"):
+        return
+    if gpus == 0:
+        raise ConfigValueError(key, f"{device!r} asked for but no CUDA device is visible "
+                                    "(set it to 'auto' or 'cpu', or check CUDA_VISIBLE_DEVICES)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= gpus:
+        raise ConfigValueError(key, f"{device} does not exist ({gpus} GPU(s) visible: "
+                                    f"cuda:0..cuda:{gpus - 1})")
+
+
+def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
+    """Every process's device for ``gpus`` visible GPUs (see the module docstring)."""
+    r, t, ref = cfg.rollout, cfg.trainer, cfg.reference
+    for key, device in (("rollout.device", r.device), ("trainer.device", t.device),
+                        ("reference.device", ref.device)):
+        if device == "cuda":
+            _check_index(key, device, gpus)
+    streaming = cfg.run.mode != "sync"
+    reference_worker = t.kl_coef > 0 and ref.enabled and ref.placement == "worker"
+    rollouts = r.num_workers if streaming else 1
+    refs = int(reference_worker and streaming)
+    need = t.num_ranks + refs + rollouts
+    placement = cfg.devices.placement
+    if placement == "separate" and gpus < need:
+        raise ConfigValueError(
+            "devices.placement",
+            f"'separate' needs {need} GPUs (trainer {t.num_ranks} + reference {refs} + rollout "
+            f"{rollouts}), {gpus} visible (use 'colocated' or 'auto')")
+    separate = gpus >= need and (placement == "separate" or (placement == "auto" and streaming))
+
+    def pick(device: str, slot: int) -> str:
+        if device in ("cpu",) or device.startswith("cuda:"):
+            return device
+        if gpus == 0:
+            return "cpu"
+        return f"cuda:{slot if separate else 0}"
+
+    trainer = pick(t.device, 0)
+    if trainer.startswith("cuda") and t.engine == "deepspeed":
+        base = int(trainer.partition(":")[2] or 0)
+        if base + t.num_ranks > gpus:
+            raise ConfigValueError(
+                "trainer.num_ranks", f"{t.num_ranks} DeepSpeed ranks from {trainer} need GPUs "
+                f"cuda:{base}..cuda:{base + t.num_ranks - 1} (NCCL: one GPU per rank), "
+                f"{gpus} visible")
+    reference = pick(ref.device, t.num_ranks)
+    rollout = tuple(pick(r.device, t.num_ranks + refs + i) for i in range(r.num_workers))
+    _check_index("trainer.device", trainer, gpus)
+    _check_index("reference.device", reference, gpus)
+    for device in rollout:
+        _check_index("rollout.device", device, gpus)
+    if r.engine == "simulated":  # simulated roles hold no model: nothing to place
+        rollout = tuple("cpu" for _ in rollout)
+        trainer = reference = "cpu"
+    return RoleDevices(
+        gpus=gpus, rollout=rollout, reference=reference, trainer=trainer,
+        rollout_dtype=_dtype(r.dtype, rollout[0]), reference_dtype=_dtype(ref.dtype, reference),
+        trainer_dtype=_dtype(t.dtype, trainer),
+    )
+
+
+def weight_sync_path(cfg: RunConfig, devices: RoleDevices) -> str:
+    """'file' or 'collective' for this run (``weights.sync``; auto: collective when the trainer is
+    on a GPU and the run streams on one host with real engines)."""
+    if cfg.weights.sync != "auto":
+        return cfg.weights.sync
+    one_host = not cfg.placement.nodes and cfg.run.mode != "sync"
+    real = cfg.rollout.engine != "simulated"
+    return "collective" if one_host and real and devices.trainer_on_gpu else "file"
+
+
+def check_devices(cfg: RunConfig, gpus: int | None = None) -> RoleDevices:
+    """``resolve_devices`` against this host's GPUs (the --dry-run check)."""
+    return resolve_devices(cfg, visible_gpus() if gpus is None else gpus)

@@ -1,0 +1,355 @@
+"""Collective weight sync: the trainer broadcasts each policy version to the rollout workers.
+
+Owns the weight-update group (a ``torch.distributed`` process group of its own — never the default
+group, which a DeepSpeed trainer already uses): rank 0 is the trainer, rank i+1 rollout worker i;
+NCCL when every member has a GPU of its own, else gloo (on the CPU, or for processes sharing
+one GPU: NCCL refuses two ranks on one device; gloo stages CUDA tensors through host memory). The rendezvous is a TCP store the controller
+hosts (``Rendezvous``); every process connects to it as a client, so a trainer or rollout restart
+never takes the rendezvous down.
+
+One version on the wire (``CollectivePublisher.broadcast`` / ``GroupMember.receive``):
+
+1. The trainer writes the announcement ``ann/<seq>`` in the store: msgpack ``{"version", "epoch",
+   "first", "tensors": [[name, dtype, shape], ...], "bucket_bytes"}`` (no pickle anywhere).
+2. Both sides cut the same tensor list into the same buckets (``bucket_layout``: tensors in order,
+   a bucket closes before it would exceed ``bucket_bytes``; a larger tensor travels alone).
+3. Per bucket: the trainer copies its tensors' bytes into one flat ``uint8`` buffer, broadcasts it;
+   the receiver slices the buffer and ``copy_``s each slice into the live parameter (dtype and
+   device converted by ``copy_``). Two buffers alternate so filling one overlaps the other's send.
+
+Failure is bounded, never a hang: joining and every bucket wait at most ``timeout_s`` and raise
+``CollectiveSyncError``. The trainer then opens a new *epoch* (the group is rebuilt under a fresh
+store prefix at its next version, announced ``first=True``) and the version still reaches everyone
+through its file, which the trainer always writes right after the broadcast.
+
+Membership: a process joins an epoch only at that epoch's first announcement. A rollout worker that
+restarts (fresh, holding version 0) therefore loads versions from their files until the trainer's
+next broadcast fails on the dead incarnation and a new epoch opens; it joins that one. Rank numbers
+are fixed per worker name, so the new incarnation takes the old one's place.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("workers.weights")
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+    torch.uint8, torch.int8, torch.bool)}
+SEQ_KEY = "sf/seq"
+
+
+class CollectiveSyncError(RuntimeError):
+    """Joining the weight group or a broadcast failed or timed out."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where and how to join (plain data, from the worker config)."""
+
+    address: str  # host:port of the controller's TCP store
+    rank: int  # 0 = trainer, i + 1 = rollout worker i
+    world_size: int  # 1 + rollout workers
+    backend: str  # "nccl" | "gloo"
+    bucket_bytes: int
+    timeout_s: float
+    # "shm": gloo carries only the per-bucket signals and the bytes go through two shared-memory
+    # bucket buffers in ``shm_dir`` (every member is on this host: collective sync is one-host);
+    # "broadcast": the bytes travel in the collective itself (NCCL; gloo over TCP otherwise)
+    transport: str = "broadcast"
+    shm_dir: str = ""
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.address.rpartition(":")
+        return host, int(port)
+
+
+class Rendezvous:
+    """The controller's TCP store (the group's rendezvous); it outlives trainer/rollout restarts."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=30))
+        self.address = f"{host}:{self.store.port}"
+
+    def close(self) -> None:
+        self.store = None  # type: ignore[assignment]  # the server stops with its last reference
+
+
+def connect_store(spec: GroupSpec) -> dist.TCPStore:
+    host, port = spec.host_port
+    try:
+        return dist.TCPStore(host, port, is_master=False,
+                             timeout=datetime.timedelta(seconds=spec.timeout_s))
+    except Exception as exc:  # noqa: BLE001 - torch raises several types for a refused connect
+        raise CollectiveSyncError(f"weight group rendezvous {spec.address} unreachable: {exc}") from None
+
+
+def tensor_meta(state: Mapping[str, torch.Tensor]) -> list[list[Any]]:
+    return [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state.items()]
+
+
+def _nbytes(meta: Sequence[Any]) -> int:
+    _, dtype, shape = meta
+    n = _DTYPES[dtype].itemsize
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def bucket_layout(meta: Sequence[Sequence[Any]], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``meta`` per bucket: in order, a bucket closes before exceeding bucket_bytes."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i, m in enumerate(meta):
+        n = _nbytes(m)
+        if not buckets or size + n > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += n
+    return [b for b in buckets if b]
+
+
+def _wait(work: Any, timeout_s: float, what: str) -> None:
+    try:
+        ok = work.wait(datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
+        raise CollectiveSyncError(f"{what} failed: {' '.join(str(exc).split())[:300]}") from None
+    if ok is False:
+        raise CollectiveSyncError(f"{what} timed out after {timeout_s:.3g} s")
+
+
+class GroupMember:
+    """One process's membership of one epoch of the weight group."""
+
+    def __init__(self, spec: GroupSpec, store: dist.Store, epoch: int, device: torch.device) -> None:
+        self.spec, self.epoch, self.device = spec, epoch, device
+        prefixed = dist.PrefixStore(f"sf/epoch{epoch}/", store)
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        try:
+            if spec.backend == "nccl":
+                torch.cuda.set_device(device.index or 0)
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self.pg = dist.ProcessGroupNCCL(prefixed, spec.rank, spec.world_size, opts)
+            else:
+                self.pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, timeout)
+        except Exception as exc:  # noqa: BLE001
+            raise CollectiveSyncError(
+                f"joining weight group epoch {epoch} as rank {spec.rank}/{spec.world_size} at "
+                f"{spec.address} failed: {' '.join(str(exc).split())[:300]}") from None
+
+    def _broadcast(self, buf: torch.Tensor) -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        return self.pg.broadcast([buf], opts)
+
+    def send(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> int:
+        """Rank 0: broadcast ``tensors`` (in announcement order) bucket by bucket; bytes sent."""
+        meta = [["", str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
+        if self.spec.transport == "shm":
+            return self._send_shm(tensors, meta, bucket_bytes)
+        buffers: list[torch.Tensor | None] = [None, None]
+        pending: list[Any] = [None, None]
+        total = 0
+        for b, idx in enumerate(bucket_layout(meta, bucket_bytes)):
+            slot = b % 2
+            if pending[slot] is not None:
+                _wait(pending[slot], self.spec.timeout_s, "weight broadcast")
+            size = sum(_nbytes(meta[i]) for i in idx)
+            buf = buffers[slot]
+            if buf is None or buf.numel() < size:
+                buf = buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
+            view, off = buf[:size], 0
+            for i in idx:
+                flat = tensors[i].detach().contiguous().reshape(-1).view(torch.uint8)
+                view[off : off + flat.numel()].copy_(flat, non_blocking=True)
+                off += flat.numel()
+            pending[slot] = self._broadcast(view)
+            total += size
+        for work in pending:
+            if work is not None:
+                _wait(work, self.spec.timeout_s, "weight broadcast")
+        return total
+
+    def receive(
+        self, meta: Sequence[Sequence[Any]], bucket_bytes: int,
+        place: Callable[[int, torch.Tensor], None],
+    ) -> int:
+        """Rank > 0: receive every bucket; ``place(i, tensor)`` gets tensor i of ``meta`` (a view
+        of the bucket buffer, valid during the call only). Bytes received."""
+        if self.spec.transport == "shm":
+            return self._receive_shm(meta, bucket_bytes, place)
+        layout = bucket_layout(meta, bucket_bytes)
+        sizes = [sum(_nbytes(meta[i]) for i in idx) for idx in layout]
+        buffers = [torch.empty(max(sizes[0::2], default=0), dtype=torch.uint8, device=self.device),
+                   torch.empty(max(sizes[1::2], default=0), dtype=torch.uint8, device=self.device)]
+        works = [None, None]
+        if layout:
+            works[0] = self._broadcast(buffers[0][: sizes[0]])
+        for b, idx in enumerate(layout):
+            slot = b % 2
+            _wait(works[slot], self.spec.timeout_s, "weight broadcast (receive)")
+            if b + 1 < len(layout):  # the next bucket arrives while this one is unpacked
+                works[1 - slot] = self._broadcast(buffers[1 - slot][: sizes[b + 1]])
+            off = 0
+            for i in idx:
+                _, dtype, shape = meta[i]
+                n = _nbytes(meta[i])
+                place(i, buffers[slot][off : off + n].view(_DTYPES[dtype]).view(shape))
+                off += n
+        return sum(sizes)
+
+    # -- shared-memory buckets (gloo on one host) ---------------------------------------------
+    # Per bucket b in slot b % 2: the sender fills the slot, then broadcasts a 1-element "ready";
+    # each receiver copies the slot out, then joins an all-reduce "done". Every rank issues
+    # ready(0), ready(1), done(0), ready(2), done(1), ... (the same order: gloo matches by order),
+    # and the sender refills a slot only after its previous bucket's "done": the receivers' copy
+    # of bucket b overlaps the sender's fill of bucket b + 1.
+    def _slots(self, need: int, create: bool) -> list[torch.Tensor]:
+        if getattr(self, "_shm_need", -1) == need:
+            return self._shm
+        port = self.spec.host_port[1]
+        paths = [os.path.join(self.spec.shm_dir, f"sf-weights-{port}-e{self.epoch}-s{k}-{need}")
+                 for k in (0, 1)]
+        if create:
+            self.close_shm()
+            for path in paths:
+                with open(path, "wb") as fh:
+                    fh.truncate(need)
+            self._shm_paths = paths
+        self._shm = [torch.from_file(p, shared=True, size=need, dtype=torch.uint8) for p in paths]
+        self._shm_need = need
+        return self._shm
+
+    def close_shm(self) -> None:
+        for path in getattr(self, "_shm_paths", []):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._shm_paths, self._shm, self._shm_need = [], [], -1
+
+    def _signal(self, b: int) -> tuple[Any, torch.Tensor]:
+        flag = torch.full((1,), b, dtype=torch.int64)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        return self.pg.broadcast([flag], opts), flag
+
+    def _done(self) -> Any:
+        return self.pg.allreduce([torch.zeros(1)])
+
+    def _send_shm(self, tensors: Sequence[torch.Tensor], meta: list, bucket_bytes: int) -> int:
+        layout = bucket_layout(meta, bucket_bytes)
+        sizes = [sum(_nbytes(meta[i]) for i in idx) for idx in layout]
+        slots = self._slots(max(sizes, default=1), create=True)
+        done: list[Any] = []
+        keep: list[Any] = []
+        timeout = self.spec.timeout_s
+        for b, idx in enumerate(layout):
+            if b >= 2:
+                _wait(done[b - 2], timeout, "weight sync (slot reuse)")
+            slot, off = slots[b % 2], 0
+            for i in idx:
+                flat = tensors[i].detach().contiguous().reshape(-1).view(torch.uint8)
+                slot[off : off + flat.numel()].copy_(flat)
+                off += flat.numel()
+            keep.append(self._signal(b))
+            if b >= 1:
+                done.append(self._done())
+        if layout:
+            done.append(self._done())
+        for work in done:
+            _wait(work, timeout, "weight sync")
+        for work, _ in keep:
+            _wait(work, timeout, "weight sync")
+        return sum(sizes)
+
+    def _receive_shm(self, meta: Sequence[Sequence[Any]], bucket_bytes: int,
+                     place: Callable[[int, torch.Tensor], None]) -> int:
+        layout = bucket_layout(meta, bucket_bytes)
+        sizes = [sum(_nbytes(meta[i]) for i in idx) for idx in layout]
+        timeout = self.spec.timeout_s
+        ready = [self._signal(0)] if layout else []
+        done = []
+        slots: list[torch.Tensor] = []
+        for b, idx in enumerate(layout):
+            if b + 1 < len(layout):
+                ready.append(self._signal(b + 1))
+            _wait(ready[b][0], timeout, "weight sync (receive)")
+            if not slots:  # the sender created the files before its first "ready"
+                slots = self._slots(max(sizes), create=False)
+            slot, off = slots[b % 2], 0
+            for i in idx:
+                _, dtype, shape = meta[i]
+                n = _nbytes(meta[i])
+                place(i, slot[off : off + n].view(_DTYPES[dtype]).view(shape))
+                off += n
+            done.append(self._done())
+        for work in done:
+            _wait(work, timeout, "weight sync")
+        return sum(sizes)
+
+    def barrier(self) -> None:
+        _wait(self.pg.allreduce([torch.zeros(1, device=self.device)]), self.spec.timeout_s,
+              "weight group barrier")
+
+
+def announce(store: dist.Store, payload: dict[str, Any]) -> int:
+    seq = int(store.add(SEQ_KEY, 1))
+    store.set(f"sf/ann/{seq}", msgpack.packb(payload))
+    return seq
+
+
+def read_announcement(store: dist.Store, seq: int, wait_s: float) -> dict[str, Any] | None:
+    """Announcement ``seq`` if it appears within ``wait_s`` (None otherwise). Polls with
+    ``check`` (a store ``wait`` that times out logs a warning from c10d on every call)."""
+    key = f"sf/ann/{seq}"
+    deadline = time.monotonic() + wait_s
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
+    try:
+        data = msgpack.unpackb(store.get(key), raw=False, max_str_len=1 << 16)
+    except Exception:  # noqa: BLE001 - a malformed announcement is never acted on
+        log.warning("ignoring a malformed weight announcement %d", seq)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def current_seq(store: dist.Store) -> int:
+    return int(store.add(SEQ_KEY, 0))
+
+
+def copy_into(targets: Mapping[str, torch.Tensor], meta: Sequence[Sequence[Any]]) -> Callable:
+    """``place`` for ``GroupMember.receive`` that copies tensor i into ``targets[name]`` (names
+    and shapes checked against the announcement before anything is received)."""
+    unknown = [m[0] for m in meta if m[0] not in targets]
+    if unknown:
+        raise KeyError(f"weight announcement names {len(unknown)} unknown parameter(s): "
+                       f"{unknown[:5]}")
+    for name, _, shape in meta:
+        if tuple(targets[name].shape) != tuple(shape):
+            raise ValueError(f"weight announcement: {name} has shape {tuple(shape)}, "
+                             f"expected {tuple(targets[name].shape)}")
+
+    def place(i: int, tensor: torch.Tensor) -> None:
+        targets[meta[i][0]].copy_(tensor)
+
+    return place
+

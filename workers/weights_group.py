@@ -1,0 +1,229 @@
+"""The two ends of collective weight sync: ``CollectivePublisher`` (trainer) and
+``CollectiveSubscriber`` (rollout worker), over the group of ``workers.weights_collective``.
+
+Trainer: ``publish(state, v)`` announces v, (re)forms the group when the epoch is new, broadcasts
+the tensors in buckets, waits for every member to have copied them into its live parameters (a
+barrier), then ALWAYS writes v's file as well (``WeightPublisher``): the file is the fallback of a
+failed broadcast, what a restarted rollout worker loads, and what the evaluator reads. The first
+publish (version 0, or the resumed version) is the file only: rollout workers load it from disk.
+
+Rollout: a thread follows the announcements and receives each version into the engine under the
+engine lock (``engine_lock``: the rollout stage holds it while it generates, so weights never
+change under a generate call and the rows' ``policy_version`` is the version that produced them).
+``wait_engine`` is the stage's wait: until the engine holds a version >= the required one, or a file
+of such a version appears (the broadcast failed, or this worker is not a member yet) — then the
+stage loads the file exactly as in file mode. The versioning rules are therefore the file path's:
+a version is loaded whole before the next generate, in order, never mixed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from workers.events import WeightSyncReport
+from workers.weights import PublishedWeights, WeightPublisher, WeightSubscriber, WeightSyncTimeout
+from workers.weights_collective import (
+    CollectiveSyncError,
+    GroupMember,
+    GroupSpec,
+    announce,
+    connect_store,
+    copy_into,
+    current_seq,
+    read_announcement,
+    tensor_meta,
+)
+
+log = logging.getLogger("workers.weights")
+
+
+class CollectivePublisher:
+    """Trainer side (rank 0). Same interface as ``WeightPublisher``."""
+
+    def __init__(self, files: WeightPublisher, spec: GroupSpec, device: str | torch.device) -> None:
+        self.files = files
+        self.spec = spec
+        self.device = torch.device(device)
+        self.store = connect_store(spec)
+        # A (re)started trainer always opens a new epoch: members of an older one rejoin.
+        self.epoch = int(self.store.add("sf/epoch", 1))
+        self.member: GroupMember | None = None
+        self._published_once = False
+        self.broadcasts = 0
+        self.failures = 0
+        self.last_broadcast_seconds = 0.0
+
+    @property
+    def directory(self):  # noqa: ANN201 - pathlib.Path
+        return self.files.directory
+
+    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> PublishedWeights:
+        start = time.perf_counter()
+        if self._published_once:
+            self._broadcast(state, version)
+        self._published_once = True
+        written = self.files.publish(state, version)
+        return PublishedWeights(version, written.path, written.bytes, time.perf_counter() - start)
+
+    def _broadcast(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        start = time.perf_counter()
+        first = self.member is None
+        meta = tensor_meta(state)
+        try:
+            announce(self.store, {"version": version, "epoch": self.epoch, "first": first,
+                                  "tensors": meta, "bucket_bytes": self.spec.bucket_bytes})
+            if first:
+                self.member = GroupMember(self.spec, self.store, self.epoch, self.device)
+                self.store.set(f"sf/formed/{self.epoch}", b"1")
+            nbytes = self.member.send(list(state.values()), self.spec.bucket_bytes)
+            self.member.barrier()  # every member has the version in its parameters
+        except CollectiveSyncError as exc:
+            self.failures += 1
+            log.warning("collective sync of version %d failed (%s); it goes by file, and the "
+                        "group is rebuilt at the next version", version, exc)
+            self.store.set(f"sf/failed/{self.epoch}", b"1")
+            if self.member is not None:
+                self.member.close_shm()
+            self.member = None
+            self.epoch = int(self.store.add("sf/epoch", 1))
+            return
+        self.broadcasts += 1
+        self.last_broadcast_seconds = time.perf_counter() - start
+        log.info("broadcast policy version %d: %d bytes in %.3f s (epoch %d)", version, nbytes,
+                 self.last_broadcast_seconds, self.epoch)
+
+    def close(self) -> None:
+        if self.member is not None:
+            self.member.close_shm()
+        self.member = None
+        self.files.close()
+
+
+class CollectiveSubscriber:
+    """Rollout side (rank > 0): follows announcements on a thread; see the module docstring."""
+
+    def __init__(
+        self, files: WeightSubscriber, spec: GroupSpec, device: str | torch.device,
+        on_sync: Callable[[WeightSyncReport], None] = lambda r: None, worker: str = "rollout",
+    ) -> None:
+        self.files = files
+        self.spec = spec
+        self.device = torch.device(device)
+        self.on_sync = on_sync
+        self.worker = worker
+        self.engine_lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.member: GroupMember | None = None
+        self._epoch: int | None = None  # the epoch this process (or its engine) is a member of
+        self._reports: list[WeightSyncReport] = []
+        self.received = 0
+        self.failures = 0
+
+    # the WeightSubscriber interface the rollout stage uses for its file loads
+    @property
+    def directory(self):  # noqa: ANN201
+        return self.files.directory
+
+    def newest(self) -> int | None:
+        return self.files.newest()
+
+    def wait_for(self, min_version: int, timeout_s: float) -> int:
+        return self.files.wait_for(min_version, timeout_s)
+
+    def load(self, version: int) -> tuple[dict[str, torch.Tensor], int]:
+        return self.files.load(version)
+
+    def start(self, engine: Any) -> None:
+        store = connect_store(self.spec)
+        self._thread = threading.Thread(target=self._follow, args=(engine, store),
+                                        name="weight-group", daemon=True)
+        self._thread.start()
+
+    def wait_engine(self, engine: Any, required: int, timeout_s: float) -> bool:
+        """True once the engine holds a version >= ``required`` (by broadcast); False when a file
+        of such a newer version is on disk (load it); WeightSyncTimeout after ``timeout_s``."""
+        self.drain_reports()
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                if engine.policy_version >= required:
+                    return True
+                newest = self.files.newest()
+                if newest is not None and newest >= required:
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WeightSyncTimeout(
+                        f"policy version {required} neither broadcast nor published within "
+                        f"{timeout_s:.1f}s (engine holds {engine.policy_version}; newest file "
+                        f"{newest}) in {self.files.directory}")
+                self._changed.wait(min(left, self.files.recheck_s))
+
+    def _follow(self, engine: Any, store: Any) -> None:
+        seq = max(current_seq(store), 1)  # the newest announcement may be an epoch forming now
+        while not self._stop.is_set():
+            ann = read_announcement(store, seq, 0.5)
+            if ann is None:
+                continue
+            seq += 1
+            try:
+                self._apply(engine, store, ann)
+            except Exception as exc:  # noqa: BLE001 - the file path delivers this version
+                self.failures += 1
+                self._epoch, self.member = None, None
+                log.warning("collective sync of version %s failed (%s); loading it from its "
+                            "file", ann.get("version"), exc)
+
+    def _apply(self, engine: Any, store: Any, ann: dict[str, Any]) -> None:
+        epoch, version = int(ann["epoch"]), int(ann["version"])
+        remote = hasattr(engine, "join_weight_group")  # vLLM: its worker process is the member
+        if self._epoch != epoch:
+            self._epoch, self.member = None, None
+            opened = bool(ann.get("first")) and not store.check(
+                [f"sf/formed/{epoch}"]) and not store.check([f"sf/failed/{epoch}"])
+            if not opened:  # not a member of this epoch: the version comes by file
+                return
+            if remote:
+                engine.join_weight_group(self.spec, epoch)
+            else:
+                self.member = GroupMember(self.spec, store, epoch, self.device)
+            self._epoch = epoch
+        start = time.perf_counter()
+        meta, bucket = ann["tensors"], int(ann["bucket_bytes"])
+        with self.engine_lock:
+            if remote:  # receives, copies into the model and joins the barrier in its worker
+                nbytes = engine.receive_weights(meta, bucket, version)
+            else:
+                assert self.member is not None
+                nbytes = self.member.receive(meta, bucket, copy_into(engine.weight_targets(), meta))
+                engine.policy_version = version
+            self.received += 1
+        if self.member is not None:
+            self.member.barrier()
+        log.info("received policy version %d by broadcast (%d bytes, epoch %d)", version, nbytes,
+                 epoch)
+        report = WeightSyncReport(self.worker, version, time.perf_counter() - start, nbytes)
+        with self._changed:
+            self._reports.append(report)  # sent from the stage's thread (sockets are not shared)
+            self._changed.notify_all()
+
+    def drain_reports(self) -> None:
+        with self._changed:
+            reports, self._reports = self._reports, []
+        for report in reports:
+            self.on_sync(report)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        self.member = None
+        self.files.close()
