@@ -111,6 +111,7 @@ class F:
     nullable: bool = False
     lo: float | None = None  # inclusive bounds for numbers
     hi: float | None = None
+    min_len: int = 0  # fewest items of a list ("names"/"ints")
 
 
 _TABLE = F("name", required=True)
@@ -138,7 +139,7 @@ VERBS: dict[str, dict[str, F]] = {
         "whole_groups": F("bool", default=False),
         "timeout": _TIMEOUT,
         "lease_seconds": F("float", nullable=True, lo=0.001, hi=MAX_TIMEOUT_S),
-        "shards": F("ints", nullable=True),
+        "shards": F("ints", nullable=True, min_len=1),  # null = every shard of the node
         # Piggybacked ack (see "Combined ack + claim" above): a lease of the same table to ack
         # (with the optional body written under it first) before the claim runs.
         "ack_lease_id": F("int", nullable=True, lo=0, hi=(1 << 64) - 1),
@@ -210,6 +211,8 @@ def _check_value(verb: str, name: str, rule: F, value: Any) -> Any:
             raise BadRequest(f"header field {where!r} must be a list, got {type(value).__name__}")
         if len(value) > MAX_LIST_LEN:
             raise BadRequest(f"header field {where!r} has more than {MAX_LIST_LEN} items")
+        if len(value) < rule.min_len:
+            raise BadRequest(f"header field {where!r} needs at least {rule.min_len} item(s)")
         item = F("name") if kind == "names" else F("int", lo=0, hi=65535)
         return [_check_value(verb, f"{name}[{i}]", item, v) for i, v in enumerate(value)]
     if kind == "map":
@@ -240,16 +243,17 @@ def _fast_check(rule: F) -> Callable[[Any], bool]:
         return lambda v: type(v) is int and lo <= v <= hi
     if kind == "float":
         return lambda v: type(v) is float and lo <= v <= hi  # NaN fails both comparisons
+    min_len = rule.min_len
     if kind == "names":
         return lambda v: (
             type(v) is list
-            and len(v) <= MAX_LIST_LEN
+            and min_len <= len(v) <= MAX_LIST_LEN
             and all(type(x) is str and 0 < len(x) <= MAX_NAME_LEN for x in v)
         )
     if kind == "ints":
         return lambda v: (
             type(v) is list
-            and len(v) <= MAX_LIST_LEN
+            and min_len <= len(v) <= MAX_LIST_LEN
             and all(type(x) is int and 0 <= x <= 65535 for x in v)
         )
     if kind == "map":
@@ -548,7 +552,6 @@ _SPEC_SCALARS: dict[str, F] = {
     "capacity_bytes": F("int", lo=1, hi=1 << 50),
     "lease_seconds": F("float", lo=0.001, hi=MAX_TIMEOUT_S),
     "max_deliveries": F("int", lo=1, hi=65535),
-    "persist_dir": F("str", nullable=True),
     "fsync": F("name"),
     "fsync_interval_s": F("float", lo=0.0, hi=3600.0),
 }
@@ -572,6 +575,11 @@ def spec_from_wire(data: dict[str, Any]) -> TableSpec:
     """Rebuild a TableSpec, checking every field's type (BadRequest naming the field). Semantic
     checks (columns exist, tasks unique, ...) are the node's."""
     unknown = set(data) - {"name", "schema", "tasks"} - set(_SPEC_SCALARS)
+    if "persist_dir" in unknown:
+        raise BadRequest(
+            "spec.persist_dir is not accepted: where a table is persisted is the node's "
+            "configuration (store serve --persist-dir), a client only names the table"
+        )
     if unknown:
         raise BadRequest(f"unknown spec fields: {sorted(unknown)}")
     for key in ("name", "schema", "tasks"):

@@ -39,8 +39,11 @@ class Raw:
 
     def ask(self, frames: list, timeout_ms: int = 10_000) -> wire.Reply:
         self.sock.send_multipart(frames)
-        assert self.sock.poll(timeout_ms), "no reply: the server hung or died"
-        return wire.decode_reply(self.sock.recv_multipart())
+        while True:
+            assert self.sock.poll(timeout_ms), "no reply: the server hung or died"
+            reply = wire.decode_reply(self.sock.recv_multipart())
+            if reply.req_id != 0:  # req_id 0: the node's liveness probe (parked claims)
+                return reply
 
     def close(self) -> None:
         self.sock.close(0)
