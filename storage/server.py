@@ -268,7 +268,8 @@ class Server:
             try:
                 sock.bind(addr)
             except zmq.ZMQError as exc:
-                raise StartError(f"--bind {addr}: cannot bind: {exc.strerror}") from None
+                reason = zmq.strerror(exc.errno)  # exc.strerror repeats the address
+                raise StartError(f"--bind {addr}: cannot bind: {reason}") from None
             self.addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         if cfg.metrics_port is not None:
             try:
@@ -950,7 +951,7 @@ def inproc_address() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """python -m storage.server --bind tcp://127.0.0.1:5555 --shards 2 --metrics-port 0
     [--persist-dir DIR]. Bad options or a failed start: one line on stderr, exit 2."""
-    prog = "python -m storage.server"
+    prog = "python -m storage"
     ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     ap.add_argument(
         "--bind",

@@ -29,11 +29,11 @@ def _raw(address: str, ctx: zmq.Context) -> zmq.Socket:
 
 
 def _reply(sock: zmq.Socket, timeout_ms: int = 10_000) -> wire.Reply:
-    """The next reply that is not a liveness probe (req_id 0)."""
+    """The next reply that is not a liveness probe."""
     while True:
         assert sock.poll(timeout_ms), "no reply"
         reply = wire.decode_reply(sock.recv_multipart())
-        if reply.req_id:
+        if not reply.result.get("probe"):
             return reply
 
 
