@@ -51,6 +51,35 @@ Delivery guarantees (the store as a whole, enforced by the node, transported her
   once is unchanged: rows are acked only by the consumer that processed them, and rows of a lease
   whose reply is lost come back at its deadline. An unanswered request (``Unavailable``) has an
   unknown outcome for both parts, as for any mutating verb.
+- Parked requests (a claim waiting for rows, a put waiting for room) are bounded per node
+  (``ServerConfig``, ``store serve`` flags): the body bytes of parked puts (``max_parked_bytes``,
+  256 MiB; a put that would go past it is refused at once with ``StoreFull`` naming the limit),
+  the requests one peer may have parked (``max_parked_per_peer``, 256: a claim past it gets
+  ``TooManyWaiting``, a put ``StoreFull``) and the claims parked on the node
+  (``max_parked_claims``, 65536: ``TooManyWaiting``). A claim that carried an ack and is then
+  refused reports ``acked: true`` like any failing step 3 above.
+- Departed peers: a peer (one DEALER connection = one ROUTER identity) that is gone loses its
+  parked requests within ~``peer_probe_interval_s`` (1 s): every interval the node sends each
+  peer that has had requests parked for a whole interval one probe message, ``{ok: true,
+  req_id: 0, error: nil, probe: true}``, with ROUTER_MANDATORY; ZeroMQ refuses it
+  (EHOSTUNREACH) once the peer's connection is closed, and the node then drops that peer's
+  parked requests (nothing is sent to it). A peer whose host vanished without closing its
+  connection is cut by ZMTP heartbeats (every 2 s, 10 s timeout) and then dropped the same
+  way. This works with a plain ROUTER socket on every transport (tcp, ipc, inproc), needs no
+  draft API, and cannot mistake a new connection for an old one (identities are per
+  connection). Clients MUST ignore a message with ``probe: true`` (a client that drops replies
+  whose ``req_id`` matches no outstanding request does so already; ``req_id`` 0 is also used for
+  the error reply to a request whose header could not be read, which has ``ok: false``).
+- Server paths: no request names a file or directory of the node. Where tables are persisted is
+  the node's configuration (``--persist-dir``, rules in ``storage/persist.py``); a spec with
+  ``persist_dir`` is refused. Table names are one path component (``[A-Za-z0-9_][A-Za-z0-9_.-]``,
+  at most 128). ``snapshot`` replies with the table's directory on the node, for operators.
+- Lease ids are unique per node across restarts on the same persistence root (a persisted,
+  monotonic epoch in the id's high bits; see ``storage/node.py``): a zombie's lease id from
+  before a restart is ``UnknownLease``, never another consumer's lease.
+- Header lists: ``claim.shards`` is null (every shard of the node) or 1..4096 shard ids; an
+  empty list is a BadRequest. Every number has inclusive bounds (see ``VERBS``); NaN and
+  infinities are refused.
 - Replies: a reply is matched to its request by ``req_id``; a client that times out drops its
   socket, so a late reply can never be taken for another request's. A lost reply to a mutating
   verb means "unknown outcome": a lost put may have created rows; a lost claim's rows come back
