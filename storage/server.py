@@ -56,10 +56,10 @@ from storage.errors import (
     ShuttingDown,
     StoreError,
     StoreFull,
-    TooManyWaiting,
     UnknownTable,
 )
 from storage.metrics import StoreMetrics
+from storage.parking import ParkedBook
 from storage.schema import META_COLUMNS, ROW_ID
 
 log = logging.getLogger("storage.server")
@@ -178,10 +178,12 @@ class Server:
         # rest of the request. Cleared whenever a table is created or dropped (its schema).
         self._empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer] = {}
         self._puts: dict[str, deque[_Parked]] = {}
-        self._per_peer: dict[bytes, int] = {}  # parked requests per peer identity
-        self._parked_since: dict[bytes, float] = {}  # monotonic: when its parked count left 0
-        self._parked_claims = 0
-        self._parked_bytes = 0  # body bytes of parked puts
+        self._book = ParkedBook(
+            config.node_index,
+            config.max_parked_bytes,
+            config.max_parked_per_peer,
+            config.max_parked_claims,
+        )
         self._last_probe = 0.0
         self._dirty: set[str] = set()
         self._out = _Outbox()
@@ -298,9 +300,7 @@ class Server:
             )
         self._claims.clear()
         self._puts.clear()
-        self._per_peer.clear()
-        self._parked_since.clear()
-        self._parked_claims = self._parked_bytes = 0
+        self._book.clear()
         try:
             self._flush()
         except Exception:
@@ -366,7 +366,7 @@ class Server:
 
     def _timers(self) -> None:
         now = time.monotonic()
-        if self._per_peer and now - self._last_probe >= self.config.peer_probe_interval_s:
+        if self._book.per_peer and now - self._last_probe >= self.config.peer_probe_interval_s:
             self._last_probe = now
             self._probe_peers()
         if self._interval_dirty and now - self._last_interval_sync >= SYNC_TICK_S:
@@ -387,63 +387,24 @@ class Server:
     def parked(self) -> dict[str, int]:
         """What is parked now: {"claims", "puts", "put_bytes", "peers"}."""
         return {
-            "claims": self._parked_claims,
+            "claims": self._book.claims,
             "puts": sum(len(ps) for ps in self._puts.values()),
-            "put_bytes": self._parked_bytes,
-            "peers": len(self._per_peer),
+            "put_bytes": self._book.put_bytes,
+            "peers": len(self._book.per_peer),
         }
 
     def _park(self, p: _Parked, verb: str) -> None:
-        """Account a request about to be parked, or refuse it (limits in ServerConfig)."""
-        cfg = self.config
-        held = self._per_peer.get(p.ident, 0)
-        if verb == "claim":
-            if held >= cfg.max_parked_per_peer:
-                self.metrics.parked_refused.labels("claim").inc()
-                raise TooManyWaiting(
-                    f"this peer already has {held} requests waiting (max_parked_per_peer "
-                    f"{cfg.max_parked_per_peer})"
-                )
-            if self._parked_claims >= cfg.max_parked_claims:
-                self.metrics.parked_refused.labels("claim").inc()
-                raise TooManyWaiting(
-                    f"node {cfg.node_index} already has {self._parked_claims} claims waiting "
-                    f"(max_parked_claims {cfg.max_parked_claims})"
-                )
-            self._parked_claims += 1
-        else:
-            table = p.req.args["table"]
-            if held >= cfg.max_parked_per_peer:
-                self.metrics.parked_refused.labels("put").inc()
-                raise StoreFull(
-                    f"table {table!r} is at capacity and this peer already has {held} requests "
-                    f"waiting (max_parked_per_peer {cfg.max_parked_per_peer})"
-                )
-            if self._parked_bytes + p.nbytes > cfg.max_parked_bytes:
-                self.metrics.parked_refused.labels("put").inc()
-                raise StoreFull(
-                    f"table {table!r} is at capacity and node {cfg.node_index} already holds "
-                    f"{self._parked_bytes} bytes of waiting puts (max_parked_bytes "
-                    f"{cfg.max_parked_bytes})"
-                )
-            self._parked_bytes += p.nbytes
-        self._per_peer[p.ident] = held + 1
-        if not held:
-            self._parked_since[p.ident] = time.monotonic()
+        """Count a request about to be parked, or refuse it (limits in ServerConfig)."""
+        try:
+            self._book.admit(p.ident, verb, p.nbytes, p.req.args["table"])
+        except StoreError:
+            self.metrics.parked_refused.labels(verb).inc()
+            raise
 
     def _unpark(self, p: _Parked) -> None:
-        """Account a parked request that left (answered, timed out, dropped)."""
-        if p.req.verb == "claim":
-            self._parked_claims -= 1
-        else:
-            self._parked_bytes -= p.nbytes
-            p.batch = None
-        left = self._per_peer.get(p.ident, 0) - 1
-        if left > 0:
-            self._per_peer[p.ident] = left
-        else:
-            self._per_peer.pop(p.ident, None)
-            self._parked_since.pop(p.ident, None)
+        """Count a parked request that left (answered, timed out, cancelled, dropped)."""
+        self._book.release(p.ident, p.req.verb, p.nbytes)
+        p.batch = None
 
     def _probe_peers(self) -> None:
         """Drop the parked requests of every peer whose connection is gone: a send to it fails
@@ -454,7 +415,7 @@ class Server:
         sock = self._sock
         gone = set()
         old = time.monotonic() - self.config.peer_probe_interval_s
-        for ident in [i for i, since in self._parked_since.items() if since <= old]:
+        for ident in self._book.waiting_since(old):
             try:
                 sock.send_multipart([ident, PROBE_FRAME], zmq.NOBLOCK)
             except zmq.ZMQError as exc:

@@ -79,6 +79,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="largest request accepted, in bytes (default 1 GiB)")
     serve.add_argument("--max-parked-bytes", type=int,
                        help="bytes of puts waiting for room, whole node (default 256 MiB)")
+    serve.add_argument("--max-parked-per-peer", type=int,
+                       help="requests one client connection may have waiting (default 256)")
     serve.add_argument("--log-level", default="INFO", type=str.upper,
                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--ready-file", help="write the bound addresses here (JSON) once serving")
@@ -227,7 +229,7 @@ def _cmd_store_serve(args: argparse.Namespace) -> int:
         shards, bind = store.num_shards, [f"tcp://{store.host}:{store.port or 5555}"]
     optional = {
         key: getattr(args, key)
-        for key in ("persist_dir", "max_message_bytes", "max_parked_bytes")
+        for key in ("persist_dir", "max_message_bytes", "max_parked_bytes", "max_parked_per_peer")
         if getattr(args, key) is not None
     }
     try:
