@@ -1,7 +1,9 @@
 """A store node behind a ZeroMQ ROUTER socket: one loop thread that owns one ``StoreNode``.
 
 Owns: the socket(s), request validation (via ``wire``), long-poll claims and capacity-waiting puts
-parked server-side, lease-expiry timers, fsync before replies, metrics, clean shutdown.
+parked server-side (their limits counted by ``parking.ParkedBook``), the probes that find departed
+peers, lease-expiry timers, fsync before replies, metrics, clean shutdown, and the node's command
+line (``python -m storage``).
 
 The loop (one thread; the node is never touched by any other thread, so it needs no locks)::
 
