@@ -76,6 +76,7 @@ class EmbeddedStore:
         node_index: int = 0,
         tcp: bool = False,
         metrics_port: int | None = None,
+        persist_dir: str | None = None,
         **client_kwargs: Any,
     ) -> None:
         from storage.server import Server, ServerConfig, inproc_address
@@ -83,7 +84,11 @@ class EmbeddedStore:
         self.context = zmq.Context()
         bind = "tcp://127.0.0.1:0" if tcp else inproc_address()
         config = ServerConfig(
-            bind=(bind,), num_shards=num_shards, node_index=node_index, metrics_port=metrics_port
+            bind=(bind,),
+            num_shards=num_shards,
+            node_index=node_index,
+            metrics_port=metrics_port,
+            persist_dir=persist_dir,  # the node's persistence root (every table kept there)
         )
         self.server: Server = Server(config, context=self.context).start()
         self.address = self.server.addresses[0]

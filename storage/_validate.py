@@ -65,8 +65,6 @@ def validate_spec(spec: TableSpec) -> None:
         raise BadRequest(f"fsync: {spec.fsync!r} is not one of always, interval, never")
     if not positive(spec.fsync_interval_s):
         raise BadRequest(f"fsync_interval_s: {spec.fsync_interval_s!r} must be positive")
-    if spec.persist_dir is not None and not isinstance(spec.persist_dir, str):
-        raise BadRequest("persist_dir: must be a path string or None")
 
 
 def positive(x: object) -> bool:

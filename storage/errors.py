@@ -67,9 +67,17 @@ class UnknownLease(LeaseExpired):
 
 
 class StoreFull(StoreError):
-    """``put`` would exceed the table's row or byte capacity and its timeout elapsed."""
+    """``put`` would exceed the table's row or byte capacity and its timeout elapsed, or the
+    node already holds its limit of bytes (or of requests from this peer) in parked puts."""
 
     code = "store_full"
+
+
+class TooManyWaiting(StoreError):
+    """A waiting ``claim`` refused: its peer (or the node) already has the most parked claims
+    allowed (``ServerConfig.max_parked_per_peer`` / ``max_parked_claims``)."""
+
+    code = "too_many_waiting"
 
 
 class ShuttingDown(StoreError):

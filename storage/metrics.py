@@ -163,6 +163,34 @@ class StoreMetrics(HttpEndpoint):
         self.bad_requests = Counter(
             p + "bad_requests_total", "Requests refused as malformed.", registry=r
         )
+        self.tables_recovered = Gauge(
+            p + "tables_recovered",
+            "Tables recovered from the persistence root when this node started.",
+            registry=r,
+        )
+        self.rows_recovered = Gauge(
+            p + "rows_recovered",
+            "Rows a table held when it was recovered at this node's start.",
+            ["table"],
+            registry=r,
+        )
+        self.parked = Gauge(
+            p + "parked_requests", "Requests waiting server-side, by verb.", ["verb"], registry=r
+        )
+        self.parked_bytes = Gauge(
+            p + "parked_put_bytes", "Body bytes held by puts waiting for room.", registry=r
+        )
+        self.parked_refused = Counter(
+            p + "parked_refused_total",
+            "Requests refused instead of parked (a parked-request limit was reached).",
+            ["verb"],
+            registry=r,
+        )
+        self.parked_dropped = Counter(
+            p + "parked_dropped_total",
+            "Parked requests dropped because their peer was gone.",
+            registry=r,
+        )
         # labels() costs a lock and a dict lookup per call; the hot callbacks (one per request)
         # keep the children they touched. Bounded like the label sets themselves.
         self._children: dict[tuple[Any, ...], Any] = {}
@@ -178,6 +206,17 @@ class StoreMetrics(HttpEndpoint):
                 self._children.clear()
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def set_recovered(self, tables: dict[str, int]) -> None:
+        """Tables recovered at start -> their rows (set once, when the node is built)."""
+        self.tables_recovered.set(len(tables))
+        for table, rows in tables.items():
+            self.rows_recovered.labels(table).set(rows)
+
+    def set_parked(self, parked: dict[str, int]) -> None:
+        self.parked.labels("claim").set(parked["claims"])
+        self.parked.labels("put").set(parked["puts"])
+        self.parked_bytes.set(parked["put_bytes"])
 
     # -- NodeEvents ------------------------------------------------------------------------------
     def on_put(self, table: str, shard_id: int, rows: int, nbytes: int) -> None:

@@ -7,10 +7,18 @@ drives time with ``expire()`` at ``next_deadline()``. Every verb validates its w
 mutating anything, so a failed verb changes nothing (all-or-nothing).
 
 Ids. Global shard ids are ``(node_index << 8) | local_index``. Lease ids are
-``(epoch << 48) | counter`` with a random nonzero 15-bit ``epoch`` fixed at construction (15, not
-16, bits so that lease ids stay positive int64 everywhere): leases issued before a restart are
-unknown afterwards (UnknownLease), and ids of leases that expired here are remembered (bounded)
-so that a zombie gets LeaseExpired rather than UnknownLease.
+``(epoch << 32) | counter`` (counter from 1; epoch in [1, 2**31), so ids stay positive int64
+everywhere). The epoch names one incarnation of the node: with a persistence root it is the
+persisted epoch + 1 (``persist_root.next_epoch``), so lease ids never repeat across restarts on
+that root and a zombie's pre-crash lease id is UnknownLease after a restart, never someone else's
+lease; without a root the node keeps no tables across restarts and the epoch is random (31 bits:
+two incarnations share one with probability 2**-31). When the counter reaches 2**32 the node moves
+to a new epoch the same way. Ids of leases that expired here are remembered (bounded) so that a
+zombie gets LeaseExpired rather than UnknownLease.
+
+Persistence. ``persist_root`` (the node's configuration, never a client's) holds every table of
+the node in ``<root>/<table>``; the node recovers all of them at construction, before serving
+(``recovered``: table -> rows). Rules: ``storage/persist.py``.
 
 Fencing. A lease whose deadline is <= clock() is expired, whether or not ``expire()`` has run
 yet: every verb that takes a lease first expires what is due, then checks the lease.
@@ -26,14 +34,15 @@ Choices where the contract is silent:
 - groups are identified within one put; ``clear(dead=True)`` frees whole groups;
 - ``sync()`` may be called as often as the server likes: it fsyncs dirty logs of fsync="always"
   tables every call and of "interval" tables at most every ``fsync_interval_s``;
-- ``snapshot()`` returns the table's directory (``<persist_dir>/<table>``, one snapshot per shard).
+- ``snapshot()`` returns the table's directory (``<root>/<table>``, one snapshot per shard).
 
-Contract deviation: the lease epoch is 15 random bits (not 16), see "Ids" above.
+Contract deviation: lease ids are (31-bit epoch << 32) | 32-bit counter, see "Ids" above.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 import random
 import time
@@ -58,12 +67,21 @@ from storage.errors import (
     UnknownTask,
 )
 from storage.persist import TableStore
-from storage.schema import META_COLUMNS, ROW_ID, SEQ_BITS, Lease, RowState, TableSpec, TableStats
+from storage.persist_root import MAX_EPOCH, discover, next_epoch
+from storage.schema import META_COLUMNS, ROW_ID, Lease, RowState, TableSpec, TableStats
 from storage.shard import LeaseRec, Shard, split_row_ids
 
 _EXPIRED_MEMORY = 65536  # expired lease ids remembered for LeaseExpired (vs UnknownLease)
 _MAX_LEASE_SECONDS = 7 * 24 * 3600.0
 _MAX_ERROR_LEN = 500
+LEASE_COUNTER_BITS = 32
+
+log = logging.getLogger(__name__)
+
+
+def _random_epoch() -> int:
+    """The epoch of a node without a persistence root (module-level so a test can force it)."""
+    return random.SystemRandom().randrange(1, MAX_EPOCH + 1)
 
 
 class NodeEvents(Protocol):
@@ -119,6 +137,7 @@ class StoreNode:
         *,
         clock: Callable[[], float] = time.time,
         events: NodeEvents | None = None,
+        persist_root: str | os.PathLike | None = None,
     ) -> None:
         if not 0 <= node_index < 256:
             raise BadRequest(f"node_index: {node_index} not in [0, 256)")
@@ -128,12 +147,32 @@ class StoreNode:
         self.shard_ids = [(node_index << 8) | i for i in range(num_shards)]
         self.clock = clock
         self.events: NodeEvents = events if events is not None else NullEvents()
-        self.epoch = random.SystemRandom().randrange(1, 1 << 15)
-        self._lease_counter = 0
+        self.persist_root = None if persist_root is None else os.path.abspath(persist_root)
         self._tables: dict[str, _Table] = {}
         self._leases: dict[int, tuple[_Table, Shard, LeaseRec]] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped lazily
         self._expired: OrderedDict[int, None] = OrderedDict()
+        self.recovered: dict[str, int] = {}  # tables recovered at start -> their rows
+        if self.persist_root is not None:
+            os.makedirs(self.persist_root, exist_ok=True)
+        self._new_epoch()
+        if self.persist_root is not None:
+            for spec in discover(self.persist_root):
+                self.create_table(spec)
+                self.recovered[spec.name] = self._tables[spec.name].rows()
+                log.info(
+                    "table %s recovered from %s: %d rows",
+                    spec.name,
+                    self._tables[spec.name].store.path,
+                    self.recovered[spec.name],
+                )
+
+    def _new_epoch(self) -> None:
+        root = self.persist_root
+        epoch = _random_epoch() if root is None else next_epoch(root, self.node_index)
+        if not 1 <= epoch <= MAX_EPOCH:
+            raise ValueError(f"lease epoch {epoch} is out of range")
+        self.epoch, self._lease_counter = epoch, 0
 
     # ----------------------------------------------------------------------------- tables
     def create_table(self, spec: TableSpec) -> None:
@@ -149,8 +188,8 @@ class StoreNode:
             col_index={n: i for i, n in enumerate(spec.schema.names)},
             task_index={t.name: i for i, t in enumerate(spec.tasks)},
         )
-        if spec.persist_dir is not None:
-            tb.store = TableStore(spec, os.path.join(spec.persist_dir, spec.name), self.node_index)
+        if self.persist_root is not None:
+            tb.store = TableStore(spec, self.persist_root, self.node_index)
             tb.store.recover(tb.shards)
         self._tables[spec.name] = tb
 
@@ -248,6 +287,8 @@ class StoreNode:
     def _shards(self, tb: _Table, shards: Sequence[int] | None) -> list[Shard]:
         if shards is None:
             return list(tb.shards.values())
+        if not shards:
+            raise BadRequest("shards: an empty list names no shard (leave it None for all)")
         out = []
         for sid in shards:
             shard = tb.shards.get(sid)
@@ -397,8 +438,10 @@ class StoreNode:
             except BadRequest:
                 shard.unpop(t, idx)
                 raise
+        if self._lease_counter + 1 >= 1 << LEASE_COUNTER_BITS:
+            self._new_epoch()  # counter exhausted: a new incarnation (ids still never repeat)
         self._lease_counter += 1
-        lease_id = (self.epoch << SEQ_BITS) | self._lease_counter
+        lease_id = (self.epoch << LEASE_COUNTER_BITS) | self._lease_counter
         deadline = self.clock() + seconds
         seqs = shard.seqs[idx]  # fancy indexing: already a copy
         row_ids = shard.row_ids(seqs)
@@ -610,7 +653,7 @@ class StoreNode:
     def snapshot(self, table: str) -> str:
         tb = self._table(table)
         if tb.store is None:
-            raise BadRequest(f"table {table!r} has no persist_dir")
+            raise BadRequest(f"node {self.node_index} has no persistence root (--persist-dir)")
         return tb.store.snapshot(tb.shards)
 
     def sync(self) -> None:

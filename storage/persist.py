@@ -1,10 +1,35 @@
 """Persistence of one table on one node: an append-only log per shard plus atomic snapshots.
 
-Layout under ``<persist_dir>/<table>/``::
+Where. The persistence *root* is the node's own configuration (``ServerConfig.persist_dir``,
+``streamflow store serve --persist-dir``), never a client's: a client only names a table, and the
+table lives in ``<root>/<table>`` (the name is checked against ``[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}``,
+so it is one path component that cannot start with a dot; a symlinked table directory is
+refused). With a root, every table of the node is persisted; without one, none is.
 
-    table.json              what the data means: schema (Arrow IPC, base64), tasks, grouping
-    shard-<sid>.snap        Arrow IPC file: every live row's cells + per-task state (optional)
-    shard-<sid>.<gen>.log   append-only records, generation ``gen`` (newest is appended to)
+Ownership. The store creates ``<root>/<table>`` itself and first writes the marker file
+``.streamflow-table`` in it. A directory without the marker is never adopted (create_table is
+refused with BadRequest naming it) and never deleted. ``drop_table`` removes only the files the
+store writes (``table.json``, ``shard-<sid>.snap``, ``shard-<sid>.<gen>.log`` and their ``.tmp``
+siblings), then the marker, then the directory if it is empty; anything else found there is left
+in place (logged), and without the marker the directory is no longer the store's.
+
+Recovery at start. A node with a root opens every ``<root>/<table>`` holding the marker and a
+``table.json`` before it serves, and recovers it as below; it logs each table and its row count
+and counts them in its metrics (``streamflow_store_tables_recovered``). A later ``create_table``
+with the same spec is a no-op; one with a different spec gets TableExists.
+
+Incarnations. ``<root>/.node-<index>.epoch`` holds the node's last lease epoch; each start (and a
+lease-counter rollover) writes the next one (tmp + fsync + rename + directory fsync) before any
+lease is issued, so lease ids never repeat across restarts of a node on the same root. One root
+serves at most one running node per node index.
+
+Layout under ``<root>/``::
+
+    .node-<index>.epoch             lease epoch of node <index>'s latest incarnation (decimal)
+    <table>/.streamflow-table       the store's ownership marker
+    <table>/table.json              the spec: schema (Arrow IPC, base64), tasks, grouping, limits
+    <table>/shard-<sid>.snap        Arrow IPC file: every live row's cells + per-task state
+    <table>/shard-<sid>.<gen>.log   append-only records, generation ``gen`` (newest appended to)
 
 Log record: ``[u32 len][u32 crc32(payload)][payload]`` with payload ``[u32 hlen][msgpack header]
 [Arrow IPC stream bytes, for put/write]``, little-endian. Header ``op`` is one of
@@ -37,12 +62,10 @@ Claims and clean releases are logged (delivery counts) but nobody waits for them
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import logging
 import os
-import shutil
 import struct
 import zlib
 from typing import TYPE_CHECKING
@@ -52,6 +75,15 @@ import numpy as np
 import pyarrow as pa
 
 from storage.errors import BadRequest
+from storage.persist_root import (
+    DATA_KEYS,
+    claim_dir,
+    fsync_dir,
+    remove_owned,
+    spec_doc,
+    table_dir,
+    write_atomic,
+)
 from storage.schema import RowState, TableSpec
 
 if TYPE_CHECKING:
@@ -78,23 +110,6 @@ def _read_ipc(buf: bytes | memoryview) -> pa.RecordBatch:
     if len(batches) != 1:
         raise ValueError(f"expected one record batch, got {len(batches)}")
     return batches[0]
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _spec_doc(spec: TableSpec) -> dict:
-    return {
-        "schema": base64.b64encode(spec.schema.serialize().to_pybytes()).decode(),
-        "tasks": [[t.name, list(t.needs), t.whole_groups] for t in spec.tasks],
-        "group_column": spec.group_column,
-        "group_size": spec.group_size,
-    }
 
 
 class ShardLog:
@@ -176,36 +191,33 @@ def read_records(path: str) -> tuple[list[tuple[dict, bytes]], int]:
 class TableStore:
     """Logs and snapshots of one table's shards on one node (see module docstring)."""
 
-    def __init__(self, spec: TableSpec, path: str, node_index: int) -> None:
+    def __init__(self, spec: TableSpec, root: str, node_index: int) -> None:
+        """Open (creating it, with its marker) ``<root>/<spec.name>``; see the module docstring
+        for what the store owns there."""
         self.spec = spec
-        self.path = path
+        self.path = table_dir(root, spec.name)
         self.node_index = node_index
         self.logs: dict[int, ShardLog] = {}
         self.gens: dict[int, int] = {}
         self._last_fsync = 0.0
-        os.makedirs(path, exist_ok=True)
+        claim_dir(self.path, spec.name)
         self._check_spec()
 
     def _check_spec(self) -> None:
         meta = os.path.join(self.path, "table.json")
-        doc = _spec_doc(self.spec)
+        doc = json.loads(json.dumps(spec_doc(self.spec)))
         if os.path.exists(meta):
             with open(meta) as f:
                 on_disk = json.load(f)
-            for key, value in doc.items():
-                if on_disk.get(key) != json.loads(json.dumps(value)):
+            for key in DATA_KEYS:
+                if on_disk.get(key) != doc[key]:
                     raise BadRequest(
-                        f"persist_dir {self.path!r} holds table {self.spec.name!r} with a "
-                        f"different {key}; drop it or use another directory"
+                        f"{self.path!r} holds table {self.spec.name!r} with a different {key}; "
+                        "drop the table first"
                     )
-            return
-        tmp = meta + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, meta)
-        _fsync_dir(self.path)
+            if on_disk == doc:
+                return
+        write_atomic(meta, json.dumps(doc))  # new, or the same data with other limits
 
     def _files(self, sid: int) -> tuple[str, list[tuple[int, str]]]:
         snap = os.path.join(self.path, f"shard-{sid}.snap")
@@ -311,7 +323,7 @@ class TableStore:
         snap = os.path.join(self.path, f"shard-{sid}.snap")
         write_snapshot(shard, snap + ".tmp", covered)
         os.replace(snap + ".tmp", snap)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         old = self.logs[sid]
         old.close()
         self.gens[sid] = covered + 1
@@ -330,8 +342,9 @@ class TableStore:
         self.logs.clear()
 
     def destroy(self) -> None:
+        """Close, then delete only the files the store wrote (marker checked; see above)."""
         self.close()
-        shutil.rmtree(self.path, ignore_errors=True)
+        remove_owned(self.path)
 
 
 # --------------------------------------------------------------------------------- shard codec

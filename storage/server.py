@@ -1,7 +1,9 @@
 """A store node behind a ZeroMQ ROUTER socket: one loop thread that owns one ``StoreNode``.
 
 Owns: the socket(s), request validation (via ``wire``), long-poll claims and capacity-waiting puts
-parked server-side, lease-expiry timers, fsync before replies, metrics, clean shutdown.
+parked server-side (their limits counted by ``parking.ParkedBook``), the probes that find departed
+peers, lease-expiry timers, fsync before replies, metrics, clean shutdown, and the node's command
+line (``python -m storage``).
 
 The loop (one thread; the node is never touched by any other thread, so it needs no locks)::
 
@@ -22,11 +24,16 @@ Delivery guarantees are stated in ``storage/wire.py``. What this module adds:
   the reply is dropped and logged (the client times out with ``Unavailable``).
 - Shutdown (``stop()``, SIGTERM/SIGINT in ``serve``): every parked request is answered with
   ``ShuttingDown``, replies are flushed, sockets closed (linger 1 s), the node closed.
+- Parked requests are bounded (limits in ``ServerConfig``, rules in ``storage/wire.py``): body
+  bytes of parked puts per node, parked requests per peer, parked claims per node; and a peer
+  that is gone loses its parked requests within ``peer_probe_interval_s`` (a probe to each
+  peer with parked requests; ROUTER_MANDATORY says whether its connection still exists).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -46,8 +53,15 @@ import pyarrow as pa
 import zmq
 
 from storage import wire
-from storage.errors import BadRequest, ShuttingDown, StoreError, StoreFull, UnknownTable
+from storage.errors import (
+    BadRequest,
+    ShuttingDown,
+    StoreError,
+    StoreFull,
+    UnknownTable,
+)
 from storage.metrics import StoreMetrics
+from storage.parking import ParkedBook
 from storage.schema import META_COLUMNS, ROW_ID
 
 log = logging.getLogger("storage.server")
@@ -55,10 +69,18 @@ log = logging.getLogger("storage.server")
 MAX_BATCH = 256  # requests handled between two expire/park/flush rounds
 MAX_POLL_S = 0.1  # upper bound on one poll, so stop() is noticed promptly
 SYNC_TICK_S = 0.02  # how often node.sync() runs while an fsync="interval" table has been written
+# A message with req_id 0 sent by the node is a liveness probe (clients never use req_id 0 and
+# drop replies that match none of their requests), see storage/wire.py.
+PROBE_FRAME = wire.pack_header({"ok": True, "req_id": 0, "error": None, "probe": True})
 
 
 class InternalError(StoreError):
     code = "internal"
+
+
+class StartError(RuntimeError):
+    """The node could not start: one line naming the address and the option (``--bind`` /
+    ``--metrics-port``) that failed, e.g. a port already in use."""
 
 
 @dataclass
@@ -72,6 +94,14 @@ class ServerConfig:
     metrics_addr: str = "127.0.0.1"
     metrics_interval_s: float = 1.0
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+    # Persistence root (the node's own: clients only name tables): every table of this node is
+    # kept in <persist_dir>/<table> and recovered at start. None = memory only.
+    persist_dir: str | None = None
+    # Bounds on requests parked server-side (see storage/wire.py "Parked requests").
+    max_parked_bytes: int = 256 << 20  # body bytes of puts waiting for room, whole node
+    max_parked_per_peer: int = 256  # claims + puts one peer (connection) may have parked
+    max_parked_claims: int = 65536  # claims parked, whole node
+    peer_probe_interval_s: float = 1.0  # how often peers with parked requests are checked
     # CURVE: all three or none. Clients whose public key is not listed are refused (fail closed).
     curve_secret_key: bytes | None = None
     curve_public_key: bytes | None = None
@@ -88,6 +118,11 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.node_index must be in 0..255, got {self.node_index}")
         if self.max_message_bytes < 1024:
             raise ValueError("ServerConfig.max_message_bytes must be >= 1024")
+        for name in ("max_parked_bytes", "max_parked_per_peer", "max_parked_claims"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"ServerConfig.{name} must be an int >= 0")
+        if not 0.01 <= self.peer_probe_interval_s <= 3600:
+            raise ValueError("ServerConfig.peer_probe_interval_s must be in [0.01, 3600]")
         if (self.curve_secret_key is None) != (self.curve_public_key is None):
             raise ValueError("ServerConfig: curve_secret_key and curve_public_key go together")
 
@@ -99,6 +134,7 @@ class _Parked:
     t_recv: float  # perf_counter at receipt, for the duration histogram
     deadline: float  # monotonic
     batch: pa.RecordBatch | None = None  # a parked put's rows
+    nbytes: int = 0  # a parked put's body bytes (held until it leaves)
 
 
 @dataclass
@@ -122,7 +158,13 @@ class Server:
         if node is None:
             from storage.node import StoreNode  # lazy: the wire layer is usable without it
 
-            node = StoreNode(config.node_index, config.num_shards, events=self.metrics)
+            node = StoreNode(
+                config.node_index,
+                config.num_shards,
+                events=self.metrics,
+                persist_root=config.persist_dir,
+            )
+            self.metrics.set_recovered(node.recovered)
         self.node = node
         self.addresses: list[str] = []
         self.metrics_port: int | None = None
@@ -138,6 +180,13 @@ class Server:
         # rest of the request. Cleared whenever a table is created or dropped (its schema).
         self._empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer] = {}
         self._puts: dict[str, deque[_Parked]] = {}
+        self._book = ParkedBook(
+            config.node_index,
+            config.max_parked_bytes,
+            config.max_parked_per_peer,
+            config.max_parked_claims,
+        )
+        self._last_probe = 0.0
         self._dirty: set[str] = set()
         self._out = _Outbox()
         self._last_metrics = 0.0
@@ -147,7 +196,7 @@ class Server:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, timeout: float = 10.0) -> Server:
         """Run the loop in a daemon thread; returns once bound (raises the bind error if any)."""
-        self._thread = threading.Thread(target=self.run, name="store-server", daemon=True)
+        self._thread = threading.Thread(target=self._run_thread, name="store-server", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError("store server did not start in time")
@@ -164,6 +213,13 @@ class Server:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def _run_thread(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:
+            if exc is not self._start_error:  # a start error is raised by start() instead
+                raise
 
     def run(self) -> None:
         """Bind, serve until stop(), shut down cleanly. Runs in the calling thread."""
@@ -190,6 +246,10 @@ class Server:
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        # ZMTP heartbeats: a peer whose host vanished (no FIN) loses its connection, and so its
+        # route, within ~10 s; the peer probe then drops its parked requests.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10_000)
         if cfg.curve_secret_key is not None:
             from zmq.auth.thread import ThreadAuthenticator
 
@@ -209,10 +269,20 @@ class Server:
         for addr in cfg.bind:
             if addr.startswith("tcp://") and addr.endswith(":0"):
                 addr = addr[:-2] + ":*"
-            sock.bind(addr)
+            try:
+                sock.bind(addr)
+            except zmq.ZMQError as exc:
+                reason = zmq.strerror(exc.errno)  # exc.strerror repeats the address
+                raise StartError(f"--bind {addr}: cannot bind: {reason}") from None
             self.addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.start_http(cfg.metrics_addr, cfg.metrics_port)
+            try:
+                self.metrics_port = self.metrics.start_http(cfg.metrics_addr, cfg.metrics_port)
+            except OSError as exc:
+                raise StartError(
+                    f"--metrics-port {cfg.metrics_addr}:{cfg.metrics_port}: cannot bind: "
+                    f"{exc.strerror or exc}"
+                ) from None
 
     def _close(self) -> None:
         if self._sock is not None:
@@ -232,6 +302,7 @@ class Server:
             )
         self._claims.clear()
         self._puts.clear()
+        self._book.clear()
         try:
             self._flush()
         except Exception:
@@ -297,6 +368,9 @@ class Server:
 
     def _timers(self) -> None:
         now = time.monotonic()
+        if self._book.per_peer and now - self._last_probe >= self.config.peer_probe_interval_s:
+            self._last_probe = now
+            self._probe_peers()
         if self._interval_dirty and now - self._last_interval_sync >= SYNC_TICK_S:
             # fsync="interval": the node syncs each table once its own interval has passed.
             self.node.sync()
@@ -307,8 +381,69 @@ class Server:
             self._last_metrics = now
             try:
                 self.metrics.refresh(self.node)
+                self.metrics.set_parked(self.parked())
             except Exception:
                 log.exception("refreshing metrics")
+
+    # -- parked-request bookkeeping --------------------------------------------------------------
+    def parked(self) -> dict[str, int]:
+        """What is parked now: {"claims", "puts", "put_bytes", "peers"}."""
+        return {
+            "claims": self._book.claims,
+            "puts": sum(len(ps) for ps in self._puts.values()),
+            "put_bytes": self._book.put_bytes,
+            "peers": len(self._book.per_peer),
+        }
+
+    def _park(self, p: _Parked, verb: str) -> None:
+        """Count a request about to be parked, or refuse it (limits in ServerConfig)."""
+        try:
+            self._book.admit(p.ident, verb, p.nbytes, p.req.args["table"])
+        except StoreError:
+            self.metrics.parked_refused.labels(verb).inc()
+            raise
+
+    def _unpark(self, p: _Parked) -> None:
+        """Count a parked request that left (answered, timed out, cancelled, dropped)."""
+        self._book.release(p.ident, p.req.verb, p.nbytes)
+        p.batch = None
+
+    def _probe_peers(self) -> None:
+        """Drop the parked requests of every peer whose connection is gone: a send to it fails
+        with EHOSTUNREACH (ROUTER_MANDATORY) once ZeroMQ removed its route (closed socket,
+        closed TCP connection, or missed heartbeats). A live peer gets one small message with
+        req_id 0, which clients ignore; only peers that have had requests parked for a whole
+        interval are probed (a short long-poll never sees a probe)."""
+        sock = self._sock
+        gone = set()
+        old = time.monotonic() - self.config.peer_probe_interval_s
+        for ident in self._book.waiting_since(old):
+            try:
+                sock.send_multipart([ident, PROBE_FRAME], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EHOSTUNREACH:
+                    gone.add(ident)
+                # EAGAIN: the peer is there but slow to read; it keeps its requests
+        if gone:
+            self._drop_peers(gone)
+
+    def _drop_peers(self, gone: set[bytes]) -> None:
+        dropped = 0
+        for claims in self._claims.values():
+            keep = [p for p in claims if p.ident not in gone]
+            for p in claims:
+                if p.ident in gone:
+                    self._unpark(p)
+            dropped += len(claims) - len(keep)
+            claims[:] = keep
+        for puts in self._puts.values():
+            for p in [p for p in puts if p.ident in gone]:
+                puts.remove(p)
+                self._unpark(p)
+                dropped += 1
+        if dropped:
+            self.metrics.parked_dropped.inc(dropped)
+            log.info("dropped %d parked requests of %d departed peers", dropped, len(gone))
 
     # -- one request -----------------------------------------------------------------------------
     def _handle(self, frames: list) -> None:
@@ -428,6 +563,7 @@ class Server:
         self.node.drop_table(table)
         self._empty_bodies.clear()
         for p in self._claims.pop(table, []) + list(self._puts.pop(table, ())):
+            self._unpark(p)
             self._queue_error(
                 p.ident, p.req, UnknownTable(f"table {table!r} was dropped"), p.t_recv
             )
@@ -443,7 +579,9 @@ class Server:
         if req.args["timeout"] <= 0:
             raise StoreFull(f"table {table!r} is at capacity")
         deadline = time.monotonic() + req.args["timeout"]
-        self._puts.setdefault(table, deque()).append(_Parked(ident, req, t, deadline, batch))
+        parked = _Parked(ident, req, t, deadline, batch, nbytes=req.bodies[0].size)
+        self._park(parked, "put")
+        self._puts.setdefault(table, deque()).append(parked)
 
     def _try_put(self, ident: bytes, req: wire.Request, batch: pa.RecordBatch, t: float) -> bool:
         table = req.args["table"]
@@ -470,8 +608,9 @@ class Server:
             self._piggybacked_ack(req)
         lease = self._try_claim(req, a["min_rows"])
         if lease is None and a["timeout"] > 0:
-            deadline = time.monotonic() + a["timeout"]
-            self._claims.setdefault(a["table"], []).append(_Parked(ident, req, t, deadline))
+            parked = _Parked(ident, req, t, time.monotonic() + a["timeout"])
+            self._park(parked, "claim")
+            self._claims.setdefault(a["table"], []).append(parked)
             return
         if lease is None:
             lease = self._try_claim(req, 1)
@@ -498,6 +637,7 @@ class Server:
             self.node.write(table, batch, lease_id=a["ack_lease_id"], ack=True)
         else:
             self.node.ack(table, a["ack_lease_id"])
+        req.bodies = []  # written: a claim that now waits must not hold the body's memory
         req.acked = True
         self._dirty.add(table)  # written columns may make rows ready for other tasks
         self._note_mutation(table)
@@ -595,6 +735,7 @@ class Server:
             for i, p in enumerate(ps):
                 if p.ident == ident and p.req.req_id == target:
                     del ps[i]
+                    self._unpark(p)
                     self._reply_lease(p.ident, p.req, None, p.t_recv)
                     self._queue(ident, req, {"cancelled": True}, t)
                     return
@@ -612,7 +753,7 @@ class Server:
                         break
                 except Exception as exc:
                     self._queue_error(p.ident, p.req, _as_store_error(exc), p.t_recv)
-                puts.popleft()
+                self._unpark(puts.popleft())
             claims = self._claims.get(table)
             if claims:
                 self._retry_claims(table, claims)
@@ -636,6 +777,7 @@ class Server:
                 )
                 lease = self._try_claim(p.req, a["min_rows"]) if ready >= a["min_rows"] else None
             except Exception as exc:
+                self._unpark(p)
                 self._queue_error(p.ident, p.req, _as_store_error(exc), p.t_recv)
                 continue
             if lease is None:
@@ -643,6 +785,7 @@ class Server:
                     dry.add(key)
                 keep.append(p)
             else:
+                self._unpark(p)
                 self._reply_lease(p.ident, p.req, lease, p.t_recv)
         claims[:] = keep
 
@@ -656,6 +799,7 @@ class Server:
                 if p.deadline > now:
                     keep.append(p)
                     continue
+                self._unpark(p)
                 try:
                     self._reply_lease(p.ident, p.req, self._try_claim(p.req, 1), p.t_recv)
                 except Exception as exc:
@@ -664,6 +808,7 @@ class Server:
         for table, puts in self._puts.items():
             while puts and puts[0].deadline <= now:
                 p = puts.popleft()
+                self._unpark(p)
                 self._queue_error(
                     p.ident,
                     p.req,
@@ -676,6 +821,7 @@ class Server:
             # Later puts with shorter timeouts wait behind the head; expire them too.
             for p in [p for p in puts if p.deadline <= now]:
                 puts.remove(p)
+                self._unpark(p)
                 self._queue_error(
                     p.ident, p.req, StoreFull(f"table {table!r} is at capacity"), p.t_recv
                 )
@@ -696,7 +842,12 @@ def serve(config: ServerConfig, *, ready_file: str | None = None) -> None:
 
     With ``ready_file``, write {"addresses", "metrics_port", "pid"} as JSON there (atomically)
     once bound, so a parent process knows where to connect (``--bind tcp://127.0.0.1:0``)."""
-    server = Server(config, context=zmq.Context())
+    context = zmq.Context()
+    try:
+        server = Server(config, context=context)
+    except BaseException:
+        context.term()
+        raise
 
     def _on_signal(signum: int, frame: Any) -> None:
         server.stop(timeout=0)
@@ -761,8 +912,10 @@ def inproc_address() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m storage.server --bind tcp://127.0.0.1:5555 --shards 2 --metrics-port 0"""
-    ap = argparse.ArgumentParser(prog="python -m storage.server", description=main.__doc__)
+    """python -m storage.server --bind tcp://127.0.0.1:5555 --shards 2 --metrics-port 0
+    [--persist-dir DIR]. Bad options or a failed start: one line on stderr, exit 2."""
+    prog = "python -m storage"
+    ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     ap.add_argument(
         "--bind",
         action="append",
@@ -773,21 +926,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--node-index", type=int, default=0)
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--max-message-bytes", type=int, default=wire.DEFAULT_MAX_MESSAGE_BYTES)
+    ap.add_argument("--persist-dir", help="persistence root: keep and recover every table here")
+    ap.add_argument("--max-parked-bytes", type=int, default=ServerConfig.max_parked_bytes)
+    ap.add_argument("--max-parked-per-peer", type=int, default=ServerConfig.max_parked_per_peer)
     ap.add_argument("--ready-file", help="write the bound addresses here (JSON) once serving")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO", type=str.upper,
+                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    config = ServerConfig(
-        bind=tuple(args.bind or ("tcp://127.0.0.1:5555",)),
-        num_shards=args.shards,
-        node_index=args.node_index,
-        metrics_port=args.metrics_port,
-        max_message_bytes=args.max_message_bytes,
-    )
-    serve(config, ready_file=args.ready_file)
+    try:
+        config = ServerConfig(
+            bind=tuple(args.bind or ("tcp://127.0.0.1:5555",)),
+            num_shards=args.shards,
+            node_index=args.node_index,
+            metrics_port=args.metrics_port,
+            max_message_bytes=args.max_message_bytes,
+            persist_dir=args.persist_dir,
+            max_parked_bytes=args.max_parked_bytes,
+            max_parked_per_peer=args.max_parked_per_peer,
+        )
+        serve(config, ready_file=args.ready_file)
+    except (StartError, StoreError, ValueError, OSError) as exc:
+        print(f"{prog}: error: {start_error_line(exc)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def start_error_line(exc: BaseException) -> str:
+    """One line for a node that could not start (a bad option, a busy port, a root it cannot
+    recover)."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, StoreError):
+        return f"--persist-dir: {text}"
+    return text
 
 
 if __name__ == "__main__":

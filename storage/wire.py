@@ -51,6 +51,35 @@ Delivery guarantees (the store as a whole, enforced by the node, transported her
   once is unchanged: rows are acked only by the consumer that processed them, and rows of a lease
   whose reply is lost come back at its deadline. An unanswered request (``Unavailable``) has an
   unknown outcome for both parts, as for any mutating verb.
+- Parked requests (a claim waiting for rows, a put waiting for room) are bounded per node
+  (``ServerConfig``, ``store serve`` flags): the body bytes of parked puts (``max_parked_bytes``,
+  256 MiB; a put that would go past it is refused at once with ``StoreFull`` naming the limit),
+  the requests one peer may have parked (``max_parked_per_peer``, 256: a claim past it gets
+  ``TooManyWaiting``, a put ``StoreFull``) and the claims parked on the node
+  (``max_parked_claims``, 65536: ``TooManyWaiting``). A claim that carried an ack and is then
+  refused reports ``acked: true`` like any failing step 3 above.
+- Departed peers: a peer (one DEALER connection = one ROUTER identity) that is gone loses its
+  parked requests within ~``peer_probe_interval_s`` (1 s): every interval the node sends each
+  peer that has had requests parked for a whole interval one probe message, ``{ok: true,
+  req_id: 0, error: nil, probe: true}``, with ROUTER_MANDATORY; ZeroMQ refuses it
+  (EHOSTUNREACH) once the peer's connection is closed, and the node then drops that peer's
+  parked requests (nothing is sent to it). A peer whose host vanished without closing its
+  connection is cut by ZMTP heartbeats (every 2 s, 10 s timeout) and then dropped the same
+  way. This works with a plain ROUTER socket on every transport (tcp, ipc, inproc), needs no
+  draft API, and cannot mistake a new connection for an old one (identities are per
+  connection). Clients MUST ignore a message with ``probe: true`` (a client that drops replies
+  whose ``req_id`` matches no outstanding request does so already; ``req_id`` 0 is also used for
+  the error reply to a request whose header could not be read, which has ``ok: false``).
+- Server paths: no request names a file or directory of the node. Where tables are persisted is
+  the node's configuration (``--persist-dir``, rules in ``storage/persist.py``); a spec with
+  ``persist_dir`` is refused. Table names are one path component (``[A-Za-z0-9_][A-Za-z0-9_.-]``,
+  at most 128). ``snapshot`` replies with the table's directory on the node, for operators.
+- Lease ids are unique per node across restarts on the same persistence root (a persisted,
+  monotonic epoch in the id's high bits; see ``storage/node.py``): a zombie's lease id from
+  before a restart is ``UnknownLease``, never another consumer's lease.
+- Header lists: ``claim.shards`` is null (every shard of the node) or 1..4096 shard ids; an
+  empty list is a BadRequest. Every number has inclusive bounds (see ``VERBS``); NaN and
+  infinities are refused.
 - Replies: a reply is matched to its request by ``req_id``; a client that times out drops its
   socket, so a late reply can never be taken for another request's. A lost reply to a mutating
   verb means "unknown outcome": a lost put may have created rows; a lost claim's rows come back
@@ -111,6 +140,7 @@ class F:
     nullable: bool = False
     lo: float | None = None  # inclusive bounds for numbers
     hi: float | None = None
+    min_len: int = 0  # fewest items of a list ("names"/"ints")
 
 
 _TABLE = F("name", required=True)
@@ -138,7 +168,7 @@ VERBS: dict[str, dict[str, F]] = {
         "whole_groups": F("bool", default=False),
         "timeout": _TIMEOUT,
         "lease_seconds": F("float", nullable=True, lo=0.001, hi=MAX_TIMEOUT_S),
-        "shards": F("ints", nullable=True),
+        "shards": F("ints", nullable=True, min_len=1),  # null = every shard of the node
         # Piggybacked ack (see "Combined ack + claim" above): a lease of the same table to ack
         # (with the optional body written under it first) before the claim runs.
         "ack_lease_id": F("int", nullable=True, lo=0, hi=(1 << 64) - 1),
@@ -210,6 +240,8 @@ def _check_value(verb: str, name: str, rule: F, value: Any) -> Any:
             raise BadRequest(f"header field {where!r} must be a list, got {type(value).__name__}")
         if len(value) > MAX_LIST_LEN:
             raise BadRequest(f"header field {where!r} has more than {MAX_LIST_LEN} items")
+        if len(value) < rule.min_len:
+            raise BadRequest(f"header field {where!r} needs at least {rule.min_len} item(s)")
         item = F("name") if kind == "names" else F("int", lo=0, hi=65535)
         return [_check_value(verb, f"{name}[{i}]", item, v) for i, v in enumerate(value)]
     if kind == "map":
@@ -240,16 +272,17 @@ def _fast_check(rule: F) -> Callable[[Any], bool]:
         return lambda v: type(v) is int and lo <= v <= hi
     if kind == "float":
         return lambda v: type(v) is float and lo <= v <= hi  # NaN fails both comparisons
+    min_len = rule.min_len
     if kind == "names":
         return lambda v: (
             type(v) is list
-            and len(v) <= MAX_LIST_LEN
+            and min_len <= len(v) <= MAX_LIST_LEN
             and all(type(x) is str and 0 < len(x) <= MAX_NAME_LEN for x in v)
         )
     if kind == "ints":
         return lambda v: (
             type(v) is list
-            and len(v) <= MAX_LIST_LEN
+            and min_len <= len(v) <= MAX_LIST_LEN
             and all(type(x) is int and 0 <= x <= 65535 for x in v)
         )
     if kind == "map":
@@ -548,7 +581,6 @@ _SPEC_SCALARS: dict[str, F] = {
     "capacity_bytes": F("int", lo=1, hi=1 << 50),
     "lease_seconds": F("float", lo=0.001, hi=MAX_TIMEOUT_S),
     "max_deliveries": F("int", lo=1, hi=65535),
-    "persist_dir": F("str", nullable=True),
     "fsync": F("name"),
     "fsync_interval_s": F("float", lo=0.0, hi=3600.0),
 }
@@ -572,6 +604,11 @@ def spec_from_wire(data: dict[str, Any]) -> TableSpec:
     """Rebuild a TableSpec, checking every field's type (BadRequest naming the field). Semantic
     checks (columns exist, tasks unique, ...) are the node's."""
     unknown = set(data) - {"name", "schema", "tasks"} - set(_SPEC_SCALARS)
+    if "persist_dir" in unknown:
+        raise BadRequest(
+            "spec.persist_dir is not accepted: where a table is persisted is the node's "
+            "configuration (store serve --persist-dir), a client only names the table"
+        )
     if unknown:
         raise BadRequest(f"unknown spec fields: {sorted(unknown)}")
     for key in ("name", "schema", "tasks"):

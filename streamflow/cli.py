@@ -72,6 +72,17 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shards", type=int, help="number of shards on this node")
     serve.add_argument("--node-index", type=int, default=0, help="index of this node")
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (0 = pick a free one)")
+    serve.add_argument("--persist-dir",
+                       help="persistence root: every table is kept in DIR/<table> and "
+                       "recovered when the node starts (default: memory only)")
+    serve.add_argument("--max-message-bytes", type=int,
+                       help="largest request accepted, in bytes (default 1 GiB)")
+    serve.add_argument("--max-parked-bytes", type=int,
+                       help="bytes of puts waiting for room, whole node (default 256 MiB)")
+    serve.add_argument("--max-parked-per-peer", type=int,
+                       help="requests one client connection may have waiting (default 256)")
+    serve.add_argument("--log-level", default="INFO", type=str.upper,
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--ready-file", help="write the bound addresses here (JSON) once serving")
     serve.add_argument("--dry-run", action="store_true", help="print the server config and exit")
     serve.set_defaults(handler=_cmd_store_serve)
@@ -212,26 +223,38 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _cmd_store_serve(args: argparse.Namespace) -> int:
-    from storage.server import ServerConfig, serve
+    from storage.errors import StoreError
+    from storage.server import ServerConfig, StartError, serve, start_error_line
 
     shards, bind = 1, ["tcp://127.0.0.1:5555"]
     if args.config:
         store = load_config(args.config).store
         shards, bind = store.num_shards, [f"tcp://{store.host}:{store.port or 5555}"]
+    optional = {
+        key: getattr(args, key)
+        for key in ("persist_dir", "max_message_bytes", "max_parked_bytes", "max_parked_per_peer")
+        if getattr(args, key) is not None
+    }
     try:
         server_config = ServerConfig(
             bind=tuple(args.bind or bind),
             num_shards=args.shards if args.shards is not None else shards,
             node_index=args.node_index,
             metrics_port=args.metrics_port,
+            **optional,
         )
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.dry_run:
         print(server_config)
         return EXIT_OK
-    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(server_config, ready_file=args.ready_file)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        serve(server_config, ready_file=args.ready_file)
+    except (StartError, StoreError, OSError) as err:  # a busy port, an unusable persist dir
+        raise UsageError(start_error_line(err)) from None
     return EXIT_OK
 
 

@@ -168,7 +168,7 @@ class Controller:
         events: Any = EventSender(None)  # reports stay in memory
         if self.metrics is not None:  # the workers' series, from this one process's endpoint
             events = MeteredEvents(events, WorkerMetrics(self.metrics.registry))
-        with storage.embedded(plan.store.num_shards) as store:
+        with storage.embedded(plan.store.num_shards, persist_dir=plan.store_persist_dir) as store:
             client = store.client()
             client.create_table(plan.table_spec)
             keeper = LeaseKeeper(store.client)
@@ -395,7 +395,7 @@ class Controller:
 
     def _start_store(self, sup: Supervisor) -> list[str]:
         ready = Path(tempfile.mkdtemp(prefix="sf-store-")) / "ready.json"
-        store = self.plan.store
+        store, persist = self.plan.store, self.plan.store_persist_dir
         sup.start_python(
             "store-0",
             "store",
@@ -408,6 +408,7 @@ class Controller:
                 "--ready-file",
                 str(ready),
                 *(["--metrics-port", "0"] if self.metrics is not None else []),
+                *(["--persist-dir", persist] if persist else []),  # recovered at its start
             ],
         )
         deadline = time.monotonic() + 60
@@ -429,8 +430,8 @@ class Controller:
 
     def _store_restart(self, addresses: list[str]) -> tuple[Any, Any]:
         """The store restart rule: only with store.persist (else its rows are gone); the node
-        comes back on the same address and recovers the table from the same persist directory
-        when the controller re-creates it; leases do not survive (rows leased at the crash are
+        comes back on the same address with the same --persist-dir and recovers the table from
+        it before it serves (the controller's create_table is then a no-op); leases do not survive (rows leased at the crash are
         READY again, delivery counts kept), so workers see their leases fenced and go on."""
         box: dict[str, Path] = {}
 
@@ -450,7 +451,7 @@ class Controller:
                     raise RuntimeError(f"the store node did not come back:\n{child.log_tail()}")
                 time.sleep(0.05)
             shutil.rmtree(ready.parent, ignore_errors=True)
-            self._client.create_table(self.plan.table_spec)  # recovers from its persist dir
+            self._client.create_table(self.plan.table_spec)  # no-op: recovered at the node's start
             child.mark_ready()
             log.warning("store node restarted on %s; table %s recovered", addresses[0],
                         self.plan.table)

@@ -182,6 +182,9 @@ class NodeRuntime:
                         "--ready-file",
                         str(ready[index]),
                         *(["--metrics-port", "0"] if self.cfg.metrics.enabled else []),
+                        # store.persist: this host's persistence root (the node's own config)
+                        *(["--persist-dir", str(Path(self.cfg.run.output_dir) / "store")]
+                          if s.persist else []),
                     ],
                 )
             addresses = {}

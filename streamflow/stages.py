@@ -131,11 +131,16 @@ class RunPlan:
         return self.kl_active and self.cfg.reference.placement == "worker"
 
     @property
+    def store_persist_dir(self) -> str | None:
+        """The store node's persistence root with store.persist (the node's configuration: the
+        controller passes it when it starts the node; tables live in <root>/<table>)."""
+        return str(self.run_dir / "store") if self.cfg.store.persist else None
+
+    @property
     def table_spec(self):  # noqa: ANN201 - storage.schema.TableSpec
         from workers.schema import samples_table_spec
 
         s = self.cfg.store
-        persist = str(self.run_dir / "store") if s.persist else None
         return samples_table_spec(
             self.table,
             group_size=self.cfg.data.group_size,
@@ -143,7 +148,6 @@ class RunPlan:
             capacity_rows=s.capacity_rows,
             lease_seconds=s.lease_seconds,
             max_deliveries=s.max_deliveries,
-            persist_dir=persist,
             fsync="always" if s.fsync else "never",
         )
 

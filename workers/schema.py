@@ -91,7 +91,6 @@ def samples_table_spec(
     capacity_rows: int = 1_000_000,
     lease_seconds: float = 60.0,
     max_deliveries: int = 5,
-    persist_dir: str | None = None,
     fsync: str = "always",
 ) -> TableSpec:
     """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
@@ -115,7 +114,6 @@ def samples_table_spec(
         capacity_rows=capacity_rows,
         lease_seconds=lease_seconds,
         max_deliveries=max_deliveries,
-        persist_dir=persist_dir,
         fsync=fsync,
     )
 

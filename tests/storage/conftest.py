@@ -34,12 +34,14 @@ class StoreProcess:
     """`python -m storage.server` in a child process; restartable on the same port."""
 
     def __init__(self, tmp: Path, *, shards: int = 1, node_index: int = 0,
-                 port: int | None = None, metrics: bool = False) -> None:
+                 port: int | None = None, metrics: bool = False,
+                 persist_dir: Path | None = None, extra: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
         self.shards, self.node_index = shards, node_index
         self.port = port or free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.metrics = metrics
+        self.persist_dir, self.extra = persist_dir, extra
         self.metrics_port: int | None = None
         self.proc: subprocess.Popen | None = None
 
@@ -51,6 +53,9 @@ class StoreProcess:
                "--log-level", "WARNING"]
         if self.metrics:
             cmd += ["--metrics-port", "0"]
+        if self.persist_dir is not None:
+            cmd += ["--persist-dir", str(self.persist_dir)]
+        cmd += list(self.extra)
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env)
         deadline = time.monotonic() + timeout

@@ -133,10 +133,10 @@ def test_shutdown_while_waiting_after_the_ack_reports_acked(h):
 
 
 def test_combined_ack_is_synced_before_the_reply(h, tmp_path, monkeypatch):
-    with storage.embedded() as store:
+    with storage.embedded(persist_dir=str(tmp_path)) as store:
         node = store.server.node
         c = store.client()
-        c.create_table(h.make_spec(persist_dir=str(tmp_path), fsync="always"))
+        c.create_table(h.make_spec(fsync="always"))
         c.put("t", h.make_rows(1))
         lease = c.claim("t", "reward", ["x"], 4)
         calls = []

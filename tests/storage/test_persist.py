@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from storage.errors import BadRequest
+from storage.errors import BadRequest, TableExists
 from storage.node import StoreNode
 from storage.schema import TableSpec, TaskSpec
 
@@ -19,12 +19,11 @@ I32L = pa.list_(pa.int32())
 SCHEMA = pa.schema([("prompt", I32L), ("response", I32L), ("reward", pa.float32())])
 
 
-def spec(path: str, **kw) -> TableSpec:
+def spec(path: str, **kw) -> TableSpec:  # path: the node's root (kept for the call sites)
     return TableSpec(
         name="t",
         schema=SCHEMA,
         tasks=(TaskSpec("reward", ("response",)), TaskSpec("train", ("response", "reward"))),
-        persist_dir=path,
         fsync="always",
         max_deliveries=2,
         **kw,
@@ -32,7 +31,7 @@ def spec(path: str, **kw) -> TableSpec:
 
 
 def open_node(path: str, num_shards: int = 2, **kw) -> StoreNode:
-    node = StoreNode(0, num_shards)
+    node = StoreNode(0, num_shards, persist_root=path)
     node.create_table(spec(path, **kw))
     return node
 
@@ -134,7 +133,7 @@ def test_snapshot_then_more_log_then_recover(tmp_path) -> None:
 
 def test_dead_rows_survive_with_reason(tmp_path) -> None:
     clock = [0.0]
-    node = StoreNode(0, 1, clock=lambda: clock[0])
+    node = StoreNode(0, 1, clock=lambda: clock[0], persist_root=str(tmp_path))
     node.create_table(spec(str(tmp_path)))
     write(node, put(node, 3), "response")
     for _ in range(2):
@@ -202,17 +201,13 @@ def test_spec_mismatch_and_drop(tmp_path) -> None:
     node = open_node(str(tmp_path))
     put(node, 2)
     node.close()
-    other = StoreNode(0, 2)
-    bad = TableSpec(
-        "t",
-        pa.schema([("prompt", pa.int64())]),
-        (TaskSpec("x", ("prompt",)),),
-        persist_dir=str(tmp_path),
-    )
-    with pytest.raises(BadRequest, match="schema"):
+    other = StoreNode(0, 2, persist_root=str(tmp_path))  # recovered "t" at start
+    bad = TableSpec("t", pa.schema([("prompt", pa.int64())]), (TaskSpec("x", ("prompt",)),))
+    with pytest.raises(TableExists):
         other.create_table(bad)
+    other.close()
     with pytest.raises(BadRequest, match="num_shards"):
-        StoreNode(0, 1).create_table(spec(str(tmp_path)))
+        StoreNode(0, 1, persist_root=str(tmp_path))
     again = open_node(str(tmp_path))
     again.drop_table("t")
     assert not os.path.exists(os.path.join(str(tmp_path), "t"))
@@ -222,10 +217,10 @@ def test_spec_mismatch_and_drop(tmp_path) -> None:
 def test_fsync_interval_and_never_still_survive_process_crash(tmp_path) -> None:
     for policy in ("interval", "never"):
         d = str(tmp_path / policy)
-        node = StoreNode(0, 1)
+        node = StoreNode(0, 1, persist_root=d)
         node.create_table(dataclasses.replace(spec(d), fsync=policy))
         put(node, 3)
         del node
-        again = StoreNode(0, 1)
+        again = StoreNode(0, 1, persist_root=d)
         again.create_table(dataclasses.replace(spec(d), fsync=policy))
         assert again.stats("t").shards[0].rows == 3

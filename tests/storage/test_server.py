@@ -210,13 +210,13 @@ def test_metrics_endpoint(h):
 
 
 def test_fsync_always_syncs_before_acknowledging(h, tmp_path, monkeypatch):
-    with storage.embedded() as store:
+    with storage.embedded(persist_dir=str(tmp_path)) as store:
         node = store.server.node
         calls = []
         real_sync = node.sync
         monkeypatch.setattr(node, "sync", lambda: (calls.append(1), real_sync())[1])
         c = store.client()
-        c.create_table(h.make_spec(persist_dir=str(tmp_path), fsync="always"))
+        c.create_table(h.make_spec(fsync="always"))
         before = len(calls)
         c.put("t", h.make_rows(1))
         assert len(calls) > before

@@ -132,7 +132,7 @@ def test_row_ids_bytes():
 def _spec() -> TableSpec:
     schema = pa.schema([("gid", pa.int64()), ("x", pa.list_(pa.int32())), ("r", pa.float32())])
     return TableSpec("t", schema, (TaskSpec("reward", ("x",)), TaskSpec("train", ("x", "r"), True)),
-                     group_column="gid", group_size=4, capacity_rows=100, persist_dir="/tmp/p")
+                     group_column="gid", group_size=4, capacity_rows=100)
 
 
 def test_spec_round_trip_through_msgpack():
