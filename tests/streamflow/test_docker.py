@@ -124,3 +124,88 @@ def test_docker_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     mounted = _compose()["services"]["prometheus"]["volumes"]
     assert "../deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounted
+
+
+def _schema_ok(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([_check_jsonschema(), "--builtin-schema", "vendor.compose-spec", str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_gpu_override_reserves_gpus_and_builds_cuda_torch() -> None:
+    gpu_file = DOCKER / "compose.gpu.yaml"
+    ok = _schema_ok(gpu_file)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    gpu = yaml.safe_load(gpu_file.read_text())["services"]
+    base = _compose()
+    # compose.yaml alone reserves no device: it starts on a machine without GPUs.
+    assert not any("deploy" in s for s in base["services"].values())
+    devices = gpu["controller"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    # Every service the override touches uses one CUDA image (built once), never the CPU tag.
+    images = {gpu[name]["image"] for name in gpu}
+    assert images == {"streamflow:cuda"} != {base["x-streamflow-image"]["image"]}
+    for name in gpu:
+        assert gpu[name]["build"]["args"] == {"TORCH_VARIANT": "cuda"}, name
+        assert name in base["services"], name
+    # The build argument exists in the Dockerfile, and the default image stays the CPU one.
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert "ARG TORCH_VARIANT=cpu\n" in dockerfile
+    assert base["x-streamflow-image"]["build"]["args"] == {"TORCH_VARIANT": "cpu"}
+
+
+def test_ci_override_changes_only_images_and_the_jobs_length() -> None:
+    ci_file = DOCKER / "ci" / "compose.ci.yaml"
+    ok = _schema_ok(ci_file)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    ci = yaml.safe_load(ci_file.read_text())["services"]
+    base = _compose()["services"]
+    script = (DOCKER / "ci.sh").read_text()
+    for name, service in ci.items():
+        assert name in base, name
+        assert service["pull_policy"] == "never", name  # nothing from an image registry
+        assert f"={service['image']}" in script, f"{name}: ci.sh does not build {service['image']}"
+        assert set(service) <= {"image", "pull_policy", "command"}, (name, set(service))
+    # The controller runs compose.yaml's command, plus overrides that only shorten the job.
+    command = ci["controller"]["command"]
+    original = base["controller"]["command"]
+    assert command[: len(original)] == original
+    extra = command[len(original):]
+    assert extra and {a.split("=")[0] for a in extra} <= {
+        "run.iterations", "model.warmstart_steps", "run.eval_every", "run.eval_prompts",
+        "run.checkpoint_every"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main([*command[1:], "--dry-run"]) == 0
+    # ci.sh reads the iteration count back from the override to check summary.json.
+    assert "run.iterations=" in script and "compose.ci.yaml" in script
+
+
+def test_compose_prometheus_is_the_tested_version() -> None:
+    """compose.yaml names the Prometheus release the tests run (Debian's package, also in the CI
+    image), so what a user pulls is what was tested."""
+    image = _compose()["services"]["prometheus"]["image"]
+    assert image.startswith("prom/prometheus:v"), image
+    prometheus = shutil.which("prometheus") or "/usr/bin/prometheus"
+    proc = subprocess.run([prometheus, "--version"], capture_output=True, text=True, timeout=60)
+    tested = (proc.stdout + proc.stderr).split()[2]  # "prometheus, version 2.42.0+ds (...)"
+    assert image.split(":v")[1] == tested.split("+")[0], (image, tested)
+    assert f"prometheus:{tested.split('+')[0]}" in (DOCKER / "ci.sh").read_text()
+
+
+def test_dockerignore_lets_through_exactly_what_the_image_copies() -> None:
+    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    assert lines[0] == "*"  # everything else (.venv, runs, .git) stays out of the context
+    allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
+    copied = set()
+    for line in (DOCKER / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY "):
+            copied.update(p.rstrip("/").removeprefix("./") for p in line.split()[1:-1])
+    assert copied and copied == allowed, (copied, allowed)
+    assert all((ROOT / p).exists() for p in copied)
+
+
+def test_ci_script_parses() -> None:
+    proc = subprocess.run(["bash", "-n", str(DOCKER / "ci.sh")], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
