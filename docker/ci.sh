@@ -52,6 +52,7 @@ cleanup() {
     set +e
     trap - EXIT INT TERM
     if [ -n "$STACK_UP" ]; then
+        [ "$rc" -eq 0 ] || "${COMPOSE[@]}" logs --no-color --timestamps >"$WORK/compose-logs.txt" 2>&1
         log "tearing down: docker compose down -v"
         if ! timeout 180 "${COMPOSE[@]}" down -v --remove-orphans -t 20 >"$WORK/down.log" 2>&1; then
             tail_file "$WORK/down.log"; log "FAILED: docker compose down -v"; rc=1
@@ -128,6 +129,12 @@ PY
         chmod +x "$plugins/docker-compose"
     fi
     log "compose: $(docker compose version)"
+    # The files as Compose itself reads them: the CI stack, and the GPU override a user layers on.
+    local f
+    for f in ci/compose.ci.yaml compose.gpu.yaml; do
+        docker compose -f "$ROOT/docker/compose.yaml" -f "$ROOT/docker/$f" config -q \
+            || die "docker compose config refuses docker/compose.yaml + docker/$f"
+    done
     phase_done engine
 }
 
@@ -245,8 +252,10 @@ run_stack() {
     prom_port=$(free_port)
     export STREAMFLOW_PROMETHEUS_PORT=$prom_port STREAMFLOW_GRAFANA_PORT=$(free_port)
     iterations=$(grep -o 'run.iterations=[0-9]*' "$ROOT/docker/ci/compose.ci.yaml" | cut -d= -f2)
-    since=$(date +%s)
     STACK_UP=1
+    # Leftovers of an interrupted earlier run (containers, a stale runs volume) go first.
+    timeout 180 "${COMPOSE[@]}" down -v --remove-orphans -t 10 >/dev/null 2>&1 || true
+    since=$(date +%s)
     log "docker compose up -d ${SERVICES[*]} (Prometheus on 127.0.0.1:$prom_port)"
     if ! timeout 300 "${COMPOSE[@]}" up -d --no-build "${SERVICES[@]}" >"$WORK/up.log" 2>&1; then
         tail_file "$WORK/up.log"

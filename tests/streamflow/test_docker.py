@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from streamflow.cli import main as cli_main
@@ -209,3 +210,91 @@ def test_ci_script_parses() -> None:
     proc = subprocess.run(["bash", "-n", str(DOCKER / "ci.sh")], capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 0, proc.stderr
+
+
+def _load_check_stack():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_stack", DOCKER / "ci" / "check_stack.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_TARGETS = [("store", "127.0.0.1:9401", "store", "store-node"),
+            ("prometheus", "127.0.0.1:9090", None, None),
+            ("controller", "127.0.0.1:9400", "controller", "controller"),
+            ("controller", "127.0.0.1:4001", "rollout", "rollout-0"),
+            ("controller", "127.0.0.1:4002", "reward", "reward-0"),
+            ("controller", "127.0.0.1:4003", "trainer", "trainer-0")]
+
+
+@pytest.mark.parametrize("fault", ["none", "target-down", "not-at-once", "empty-panel",
+                                   "store-unused", "summary-failed", "role-missing"])
+def test_check_stack_fails_on_each_fault(fault: str, tmp_path: Path, capsys) -> None:
+    """docker/ci/check_stack.py against a fake Prometheus API: passes on a healthy run and names
+    the fault otherwise (so the compose test can fail)."""
+    import http.server
+    import json
+    import threading
+    import time
+    import urllib.parse
+
+    check = _load_check_stack()
+    targets = [t for t in _TARGETS if not (fault == "role-missing" and t[2] == "reward")]
+    empty_expr = check.panel_exprs("data-plane.json", "Queue depth per task and shard")[0]
+
+    class Fake(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            url = urllib.parse.urlparse(self.path)
+            expr = urllib.parse.parse_qs(url.query)["query"][0]
+            if url.path.endswith("/query_range"):
+                peak = len(targets) - (fault == "not-at-once")
+                data = {"resultType": "matrix", "result": [
+                    {"metric": {}, "values": [[1000 + i, str(min(i + 1, peak))]
+                                              for i in range(len(targets) + 3)]}]}
+            elif expr.startswith("max_over_time(up"):
+                data = {"resultType": "vector", "result": [
+                    {"metric": {k: v for k, v in (("job", j), ("instance", a), ("role", r),
+                                                  ("worker", w)) if v},
+                     "value": [2000, "0" if fault == "target-down" and w == "trainer-0" else "1"]}
+                    for j, a, r, w in targets]}
+            elif 'job="store"' in expr:
+                served = "0" if fault == "store-unused" else "12.5"
+                data = {"resultType": "vector", "result": [{"metric": {}, "value": [2000, served]}]}
+            else:
+                empty = fault == "empty-panel" and expr == empty_expr
+                data = {"resultType": "vector",
+                        "result": [] if empty else [{"metric": {}, "value": [2000, "1"]}]}
+            body = json.dumps({"status": "success", "data": data}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Fake)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / "prometheus").mkdir()
+    (tmp_path / "prometheus" / "targets.json").write_text(json.dumps(
+        [{"targets": [a], "labels": {"role": r, "worker": w}}
+         for j, a, r, w in targets if j == "controller"]))
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"status": "failed" if fault == "summary-failed" else "ok", "iterations": 10,
+         "samples": 640, "wall_seconds": 3.0}))
+    try:
+        rc = check.main(["--prometheus", f"http://127.0.0.1:{server.server_address[1]}",
+                         "--run-dir", str(tmp_path), "--iterations", "10",
+                         "--since", str(time.time() - 60), "--skip-job", "grafana"])
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    expected = {"none": "", "target-down": "target never up: job=controller",
+                "not-at-once": "never up at the same time",
+                "empty-panel": "Queue depth per task and shard: no data",
+                "store-unused": "standalone store service served no requests",
+                "summary-failed": "status 'failed'", "role-missing": "role(s) ['reward']"}[fault]
+    assert rc == (fault != "none"), err
+    assert expected in err, err
