@@ -61,6 +61,7 @@ cleanup() {
         left=$(docker ps -aq --filter "label=com.docker.compose.project=$PROJECT"
                docker volume ls -q --filter "label=com.docker.compose.project=$PROJECT")
         if [ -n "$left" ]; then log "FAILED: left behind after down -v: $left"; rc=1; fi
+        TIMES+=("down $((SECONDS - T_PHASE)) s")
     fi
     if [ -n "$DOCKERD_PID" ]; then
         log "stopping dockerd (pid $DOCKERD_PID)"
