@@ -54,6 +54,7 @@ cleanup() {
     if [ -n "$STACK_UP" ]; then
         [ "$rc" -eq 0 ] || "${COMPOSE[@]}" logs --no-color --timestamps >"$WORK/compose-logs.txt" 2>&1
         log "tearing down: docker compose down -v"
+        T_PHASE=$SECONDS
         if ! timeout 180 "${COMPOSE[@]}" down -v --remove-orphans -t 20 >"$WORK/down.log" 2>&1; then
             tail_file "$WORK/down.log"; log "FAILED: docker compose down -v"; rc=1
         fi
