@@ -311,5 +311,7 @@ phase_done prometheus-image
 mapfile -t PROXY_ARGS < <(proxy_args)
 build streamflow -f "$ROOT/docker/Dockerfile" -t "$APP_IMAGE" --build-arg "PYTHON_IMAGE=$PYTHON_IMAGE" \
     --build-arg TORCH_VARIANT=cpu "${PROXY_ARGS[@]}" "$ROOT"
+# The project image this build replaced (untagged now); the build cache stays.
+docker image prune -f --filter label=org.streamflow.ci=1 >/dev/null || true
 phase_done project-image
 run_stack
