@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 BASE   := $(VENV)/.installed-base
 FULL   := $(VENV)/.installed-test
 
-.PHONY: demo test lint bench clean venv gpu-smollm2
+.PHONY: demo test test-fast compose-test lint bench clean venv gpu-smollm2
 
 venv: $(BASE)
 
@@ -38,6 +38,12 @@ $(FULL): $(BASE)
 test: $(FULL)
 	$(BIN)/ruff check streamflow storage workers tests
 	$(BIN)/python -m pytest -q tests
+	$(MAKE) compose-test
+
+# `docker compose up` for real: docker/compose.yaml with local images and a short job, checked
+# through Prometheus, always torn down (docker/ci.sh; needs root or a running Docker engine).
+compose-test:
+	docker/ci.sh
 
 demo: $(BASE)
 	$(BIN)/streamflow run configs/quickstart.yaml
