@@ -40,6 +40,11 @@ test: $(FULL)
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) compose-test
 
+# The unit tests alone (no real processes, sockets between processes, or engines): minutes.
+test-fast: $(FULL)
+	$(BIN)/ruff check streamflow storage workers tests
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
 # `docker compose up` for real: docker/compose.yaml with local images and a short job, checked
 # through Prometheus, always torn down (docker/ci.sh; needs root or a running Docker engine).
 compose-test:
