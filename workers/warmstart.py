@@ -22,7 +22,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -65,8 +65,10 @@ def warm_start(
     lr: float,
     seed: int = 0,
     weight_decay: float = 0.0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> float:
-    """Supervised fine-tuning for ``steps`` AdamW steps; returns the mean loss of the last 10 %."""
+    """Supervised fine-tuning for ``steps`` AdamW steps; returns the mean loss of the last 10 %.
+    ``progress(step, steps)`` is called after each step (step counts from 1)."""
     if steps < 0 or batch_size < 1:
         raise ValueError(
             f"warm_start: need steps >= 0 and batch_size >= 1, got {steps}, {batch_size}"
@@ -95,6 +97,8 @@ def warm_start(
         optimizer.zero_grad(set_to_none=True)
         if step >= steps - max(1, steps // 10):
             tail.append(float(loss.detach()))
+        if progress is not None:
+            progress(step + 1, steps)
     model.eval()
     return sum(tail) / len(tail) if tail else float("nan")
 
@@ -175,6 +179,7 @@ def prepare_builtin(
     *,
     recipe: BuiltinRecipe | None = None,
     force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Build (or reuse) the warm-started embedded model directory; returns its path.
 
@@ -210,6 +215,7 @@ def prepare_builtin(
         batch_size=recipe.batch_size,
         lr=recipe.lr,
         seed=recipe.seed,
+        progress=progress,
     )
     seconds = time.perf_counter() - t0
     max_new = recipe.digits * 2 + 2
