@@ -257,7 +257,8 @@ def render_report(run_dir: str | Path) -> str:
             section = sec
         console.print(table)
         if run.summary.error:
-            console.print(f"error: {run.summary.error}", soft_wrap=True)
+            what = "stopped" if run.summary.status == "interrupted" else "error"
+            console.print(f"{what}: {run.summary.error}", soft_wrap=True)
         for p in run.plots:
             console.print(f"plot: {p}", soft_wrap=True)
 
