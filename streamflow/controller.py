@@ -182,9 +182,10 @@ class Controller:
             raise
         finally:
             end = self._loop_ended or time.time()
+            wall = end - self._loop_started
             if self.startup_seconds is None:  # stopped or failed before the loop began
-                self.startup_seconds = time.time() - self.created
-            summary = self._finish(end - self._loop_started, status, error, stop.signal_name)
+                self.startup_seconds, wall = time.time() - self.created, 0.0
+            summary = self._finish(wall, status, error, stop.signal_name)
             if self.metrics is not None:
                 self.metrics.stop_http()
         return summary
