@@ -4,9 +4,12 @@ Owns: argument parsing and the wiring of each subcommand to the module that does
 Each subcommand imports its module lazily, so ``streamflow run --dry-run`` or ``streamflow
 report`` never import torch, and a broken optional engine cannot break unrelated commands.
 
-Exit codes: 0 success; 1 the run (or bench, or server) failed; 2 usage or configuration error;
-130 interrupted (Ctrl-C). Errors are one line on stderr (``error: <key>: <what was wrong>``);
-tracebacks only for unexpected errors at ``run.log_level=DEBUG``.
+Exit codes: 0 success; 1 the run (or bench, or server) failed; 2 usage or configuration error
+(a busy port, a missing file, a run directory that already holds a run included); 128 + the
+signal when a run was stopped by Ctrl-C (130) or SIGTERM (143): the run stopped cleanly, its
+summary says ``interrupted``, and ``run.resume=auto`` continues it (streamflow/interrupt.py).
+Errors are one line on stderr (``error: <key>: <what was wrong>``); tracebacks only for
+unexpected errors at ``run.log_level=DEBUG``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--dry-run", action="store_true", help="validate, print the resolved config, start nothing"
     )
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace a run already in run.output_dir (= run.overwrite=true)")
     run.set_defaults(handler=_cmd_run)
 
     launch = sub.add_parser(
@@ -149,44 +154,64 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _exit_interrupted(signal_name: str | None) -> int:
+    return 128 + signal.Signals[signal_name].value if signal_name else EXIT_INTERRUPTED
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    overrides = [*args.overrides, *(["run.overwrite=true"] if args.overwrite else [])]
+    cfg = load_config(args.config, overrides)
     for note in config_warnings(cfg):
         print(f"warning: {note}", file=sys.stderr)
+    from streamflow import preflight
     from streamflow.devices import check_devices  # no torch: probes the driver
 
     check_devices(cfg)  # a device this host lacks: one line naming the key, before anything runs
+
+    # Before anything is imported, built or started: a wrong path, reward.fn or busy port is one
+    # line within a second, not a worker traceback after the warm start. Ports are a property of
+    # the moment, not of the config: a dry run does not check them.
+    preflight.check_output_dir(cfg)
+    preflight.check_inputs(cfg)
     if args.dry_run:
         sys.stdout.write(dump_yaml(cfg))
         return EXIT_OK
+    preflight.check_ports(cfg)
     logging.basicConfig(
         level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    from streamflow import controller  # heavy (torch, workers): only when really running
+    from streamflow import interrupt
 
-    # SIGTERM (a scheduler, `docker stop`) stops a run the way Ctrl-C does: the controller stops
-    # every worker cleanly (each releases what it holds), writes the summary, and the exit is 0.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        summary = controller.run(cfg)
-    except KeyboardInterrupt:
-        raise
-    except Exception as err:  # the run failed: one line naming the error, never "success"
-        if cfg.run.log_level == "DEBUG":
-            logging.getLogger("streamflow").exception("run failed")
-        _error(f"run failed: {type(err).__name__}: {err}")
-        return EXIT_FAILED
-    status = getattr(summary, "status", "ok")
-    if Path(cfg.run.output_dir, "metrics.jsonl").exists():
-        from streamflow.report import render_report
-
+    # Ctrl-C or SIGTERM: the first stops the run cleanly (the controller stops every worker in
+    # order and writes the summary), a second forces it; the exit is 128 + the signal.
+    with interrupt.installed() as stop:
         try:
-            sys.stdout.write(render_report(cfg.run.output_dir))
-        except Exception as err:  # the run itself succeeded; a report glitch must not hide that
-            _error(f"could not render the report: {err}")
-    if status == "interrupted":
-        _error("run stopped cleanly on request; continue it with run.resume=auto")
-        return EXIT_OK
+            from streamflow import controller  # heavy (torch, workers): only when really running
+
+            summary = controller.run(cfg)
+        except KeyboardInterrupt:  # before the controller could stop anything: nothing ran yet
+            _error(f"interrupted ({stop.signal_name or 'SIGINT'}) before the run started")
+            return _exit_interrupted(stop.signal_name)
+        except ConfigError:  # found only when binding (a port taken since the checks): exit 2
+            raise
+        except Exception as err:  # the run failed: one line naming the error, never "success"
+            if cfg.run.log_level == "DEBUG":
+                logging.getLogger("streamflow").exception("run failed")
+            _error(f"run failed: {type(err).__name__}: {err}")
+            return EXIT_FAILED
+        status = getattr(summary, "status", "ok")
+        if Path(cfg.run.output_dir, "metrics.jsonl").exists():
+            from streamflow.report import render_report
+
+            try:
+                sys.stdout.write(render_report(cfg.run.output_dir))
+            except Exception as err:  # the run itself succeeded; a report glitch must not hide that
+                _error(f"could not render the report: {err}")
+        if status == "interrupted":
+            name = getattr(summary, "stopped_by", None) or stop.signal_name
+            _error(f"run interrupted ({name or 'stopped'}) and stopped cleanly; continue it with "
+                   f"run.resume=auto")
+            return _exit_interrupted(name)
     if status != "ok":
         _error(f"run {status}: {getattr(summary, 'error', None) or 'see the log above'}")
         return EXIT_FAILED

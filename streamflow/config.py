@@ -129,6 +129,9 @@ class RunSection:
     output_dir: str = "runs/{name}"  # run directory; '{name}' is replaced by run.name
     # None: fresh run; "auto": latest checkpoint in output_dir if any; or a checkpoint path
     resume: str | None = None
+    # an output_dir that already holds a run is refused unless this is true (its run files are
+    # then deleted first) or run.resume continues it
+    overwrite: bool = False
     # async only: max policy versions a trained sample may lag behind the trainer (0 = on-policy)
     max_staleness: int = _f(1, ge=0)
     eval_every: int = _f(1, ge=0)  # evaluate held-out accuracy every N iterations (0 = never)
@@ -161,6 +164,8 @@ class RunSection:
             "eval_prompts",
             "must be > 0 when eval_every > 0 (set eval_every=0 to disable evaluation)",
         )
+        _require(not (self.overwrite and self.resume), "overwrite",
+                 "cannot be combined with run.resume (continue the run or replace it, not both)")
         # The only substitution YAML values get: the run directory may be named after the run.
         object.__setattr__(self, "output_dir", self.output_dir.replace("{name}", self.name))
 

@@ -39,14 +39,18 @@ Shutdown: on success the trainer exits after its last step and the controller st
 ready is restarted by the supervisor (``run.max_restarts``; the trainer from its newest checkpoint,
 the run's store node on its address with its persist directory; rules in docs/faults.md). A worker
 that dies before it was ready, exhausts its restarts, or an iteration whose every group went DEAD,
-stops everything and raises ``WorkerFailed`` with the cause (exit non-zero). On Ctrl-C the same
-clean stop runs and the summary says "interrupted". A run that makes no progress for
-``run.stall_timeout_s`` fails instead of hanging.
+stops everything and raises ``WorkerFailed`` with the cause (exit non-zero). On Ctrl-C or SIGTERM
+(streamflow/interrupt.py) the same clean stop runs — the workers never see the terminal's Ctrl-C
+(each runs in its own session), nothing is restarted once the stop began, workers stop first
+(each releases its leases) and the store node last — and the summary says "interrupted"; a second
+Ctrl-C kills the processes at once. A run that makes no progress for ``run.stall_timeout_s``
+fails instead of hanging.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import shutil
@@ -61,10 +65,11 @@ import torch
 
 import storage
 from storage.errors import Unavailable, UnknownTable
+from streamflow import interrupt, preflight
 from streamflow.admission import admissible, min_policy_version
 from streamflow.config import RunConfig, config_to_dict
 from streamflow.metrics import ControllerMetrics, with_metrics, write_targets
-from streamflow.progress import ProgressDisplay
+from streamflow.progress import ProgressDisplay, StepProgress, describe_run
 from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan
 from streamflow.stages import Evaluator, RunPlan, build_plan
 from streamflow.supervisor import Child, RestartPolicy, Supervisor, free_port
@@ -96,10 +101,17 @@ class WorkerFailed(RuntimeError):
 class Controller:
     def __init__(self, cfg: RunConfig, cluster: Any = None) -> None:
         self.cfg = cfg
+        self.created = time.time()  # start-up (model build, warm start, workers) counts from here
         # streamflow.launch.Cluster when launched over several hosts; None: one host
         self.cluster = cluster
+        preflight.check_output_dir(cfg)  # never silently into an older run's directory
+        if cfg.run.overwrite:
+            preflight.clear_output_dir(cfg.run.output_dir)
+        previous = RunDir(cfg.run.output_dir).read_summary() if cfg.run.resume else None
         self.rundir = RunDir(cfg.run.output_dir)
-        self.plan: RunPlan = build_plan(cfg, self.rundir.path)
+        self.rundir.write_config(cfg)  # the resolved config is in the run dir from the start
+        with StepProgress("warm start", enabled=cfg.run.progress) as warm:
+            self.plan: RunPlan = build_plan(cfg, self.rundir.path, progress=warm)
         start = self.plan.start_iteration
         # A fresh run never appends to an older run's files; a resumed one keeps the iterations
         # before its checkpoint and rewrites the rest.
@@ -107,7 +119,6 @@ class Controller:
         kept_spans = [s for s in self.rundir.read_spans() if s.iteration < start] if start else []
         for stale in (self.rundir.metrics_path, self.rundir.timeline_path, self.rundir.summary_path):
             stale.unlink(missing_ok=True)
-        self.rundir.write_config(cfg)
         for record in kept:
             self.rundir.append_metrics(record)
         self.rundir.append_spans(kept_spans)
@@ -119,7 +130,11 @@ class Controller:
         self.evaluator = Evaluator(self.plan)
         if cluster is not None:  # versions published on the trainer's host are fetched
             self.evaluator.fetch = lambda v: cluster.fetch_weights(v, self.plan.weights_dir)
-        self.accuracy_initial: float | None = None
+        # The one "accuracy before RL": the starting policy (the warm-started model) evaluated on
+        # the held-out problems before iteration 0; a resumed run keeps its first run's figure.
+        self.accuracy_before: float | None = (
+            previous.accuracy_before if previous is not None and start else None)
+        self.startup_seconds: float | None = None
         self._iteration_started = time.time()
         self._loop_ended: float | None = None  # end of the last optimizer step (see _on_step)
         self._last_progress = time.monotonic()
@@ -129,35 +144,59 @@ class Controller:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunSummary:
+        with interrupt.installed() as stop:
+            self._stop = stop
+            return self._run(stop)
+
+    def _run(self, stop: interrupt.StopSignals) -> RunSummary:
         cfg = self.cfg
         start = time.time()
         status, error = "ok", None
         self._loop_started = start
         display = ProgressDisplay(cfg.run.iterations, cfg.run.mode, enabled=cfg.run.progress)
         self.display = display
-        if self.metrics is not None:
-            port = self.metrics.start_http(cfg.metrics.host, cfg.metrics.port)
-            self._endpoints.append((_scrape_address(cfg.metrics.host, port), "controller", "controller"))
-            write_targets(self.rundir.path, self._endpoints, cfg.run.name)
         try:
+            if self.metrics is not None:
+                try:
+                    port = self.metrics.start_http(cfg.metrics.host, cfg.metrics.port)
+                except OSError as err:
+                    if err.errno == errno.EADDRINUSE:
+                        raise preflight.port_in_use(
+                            "metrics.port", f"{cfg.metrics.host}:{cfg.metrics.port}") from None
+                    raise
+                self._endpoints.append(
+                    (_scrape_address(cfg.metrics.host, port), "controller", "controller"))
+                write_targets(self.rundir.path, self._endpoints, cfg.run.name)
             with display:
                 if cfg.run.eval_every and not self.plan.start_iteration:
-                    self.accuracy_initial = self.evaluator.accuracy(self.plan.start_iteration)
+                    display.set_phase("evaluating the starting policy")
+                    self.accuracy_before = self.evaluator.accuracy(self.plan.start_iteration)
+                display.accuracy_before = self.accuracy_before
                 if cfg.run.mode == "sync":
                     self._run_colocated()
                 else:
                     self._run_streaming()
         except KeyboardInterrupt:
-            status, error = "interrupted", "interrupted by the user"
+            status = "interrupted"
+            error = f"interrupted by {stop.signal_name}" if stop.signal_name else "interrupted"
         except Exception as exc:
             status, error = "failed", f"{type(exc).__name__}: {exc}"
             raise
         finally:
             end = self._loop_ended or time.time()
-            summary = self._finish(end - self._loop_started, status, error)
+            wall = end - self._loop_started
+            if self.startup_seconds is None:  # stopped or failed before the loop began
+                self.startup_seconds, wall = time.time() - self.created, 0.0
+            summary = self._finish(wall, status, error, stop.signal_name)
             if self.metrics is not None:
                 self.metrics.stop_http()
         return summary
+
+    def _loop_begins(self) -> None:
+        """The RL loop's clock starts: everything before it is start-up, reported apart."""
+        self._loop_started = self._iteration_started = time.time()
+        self.startup_seconds = self._loop_started - self.created
+        self.display.start_loop(self._loop_started)
 
     # ------------------------------------------------------------------ sync: stages take turns
     def _run_colocated(self) -> None:
@@ -177,7 +216,7 @@ class Controller:
             reference = build_reference(plan.reference) if plan.reference else None
             trainer = build_trainer(plan.trainer, client, events, keeper)
             trainer.publish_current()
-            self._loop_started = self._iteration_started = time.time()
+            self._loop_begins()
             stages = [("rollout", rollout), ("reward", reward)]
             if reference is not None:
                 stages.append(("reference", reference))
@@ -208,6 +247,7 @@ class Controller:
         sup = Supervisor(self.rundir.path / "logs",
                          policy=RestartPolicy(max_restarts=self.cfg.run.max_restarts))
         self._sup = sup
+        remove_force = self._stop.on_force(sup.kill_all)  # a second Ctrl-C: no grace period
         cluster = self.cluster  # several hosts: its services bind the placed host
         receiver = EventReceiver(cluster.events_bind) if cluster else EventReceiver()
         coordinator: Any = None
@@ -216,6 +256,7 @@ class Controller:
                 addresses = list(self.cfg.store.addresses) or cluster.start_stores(
                     sup, self.rundir.path, plan.weights_dir, self._endpoints)
             else:
+                self.display.set_phase("starting the store node")
                 addresses = list(self.cfg.store.addresses) or self._start_store(sup)
             client = storage.connect(addresses, request_timeout=10.0)
             self._client = client
@@ -261,8 +302,8 @@ class Controller:
                     self._dispatch(receiver.recv(0.2))  # the last reports
                     self._loop_ended = self._loop_ended or time.time()
                     if self._version() < self.cfg.run.iterations:
-                        # Stopped from outside (Ctrl-C reaches the whole process group): the
-                        # trainer left cleanly before its last step.
+                        # The trainer was stopped from outside (SIGTERM sent to it alone): it
+                        # left cleanly before its last step; the run stops the same way.
                         raise KeyboardInterrupt
                     break
                 self._check_stall()
@@ -272,9 +313,13 @@ class Controller:
                         self.metrics.set_workers_alive(sup.children)
         finally:
             final = locals().get("client")
+            if sys.exc_info()[0] is KeyboardInterrupt:
+                log.warning("stopping: each worker finishes its turn and releases its rows, then "
+                            "the store node stops (Ctrl-C again to stop at once)")
             if cluster is not None:  # remote workers release their leases before final counts
                 cluster.stop_remote_workers()
-            sup.stop_all(between=(lambda: self._final_store_stats(final)) if final else None)
+            sup.stop_all(between=(lambda: self._final_store_stats(addresses)) if final else None)
+            remove_force()
             if final is not None:
                 final.close()
             if coordinator is not None:
@@ -337,9 +382,12 @@ class Controller:
 
         return before_restart
 
-    def _final_store_stats(self, client: storage.Client) -> None:
-        """After every worker stopped (and released what it held): what the store saw."""
-        stats = client.stats(self.plan.table)
+    def _final_store_stats(self, addresses: list[str]) -> None:
+        """After every worker stopped (and released what it held): what the store saw. A fresh
+        client with a short timeout: the loop's client may have been interrupted mid-request,
+        and a forced stop must not wait out a long timeout."""
+        with storage.connect(addresses, request_timeout=3.0) as client:
+            stats = client.stats(self.plan.table)
         totals = {t.name: stats.task_total(t.name) for t in self.plan.table_spec.tasks}
         redelivered = {t: s.redelivered_total for t, s in totals.items() if s.redelivered_total}
         self.store_totals = {
@@ -356,7 +404,9 @@ class Controller:
     def _wait_ready(self, sup: Supervisor, receiver: EventReceiver, names: set[str]) -> None:
         """Start-up (imports, model loads) is not RL time: the loop clock starts once all are up."""
         deadline = time.monotonic() + self.cfg.run.startup_timeout_s
+        total = len(names)
         while names:
+            self.display.set_phase(f"starting workers: {total - len(names)}/{total} ready")
             for rec in receiver.recv(0.2):
                 if isinstance(rec, WorkerStatus) and rec.state == "ready":
                     names.discard(rec.worker)
@@ -373,7 +423,7 @@ class Controller:
                 raise WorkerFailed(f"during start-up: {remote_failure}")
             if time.monotonic() > deadline:
                 raise WorkerFailed(f"workers not ready in time: {sorted(names)}")
-        self._loop_started = self._iteration_started = time.time()
+        self._loop_begins()
         self._last_progress = time.monotonic()
         if self.metrics is not None:  # every endpoint is known now: let Prometheus find them
             write_targets(self.rundir.path, self._endpoints, self.cfg.run.name)
@@ -414,9 +464,11 @@ class Controller:
         deadline = time.monotonic() + 60
         while not ready.exists():
             if sup.failed() or time.monotonic() > deadline:
-                raise WorkerFailed(
-                    f"store node did not start:\n{sup.children['store-0'].log_tail()}"
-                )
+                child = sup.children["store-0"]
+                if "Address already in use" in child.log_tail():
+                    raise preflight.port_in_use("store.port", f"tcp://{store.host}:{store.port}")
+                last = (child.log_tail(1) or "no output").strip()
+                raise WorkerFailed(f"store node did not start ({last}); its log: {child.log_path}")
             time.sleep(0.05)
         info = json.loads(ready.read_text())
         addresses = info["addresses"]
@@ -629,7 +681,8 @@ class Controller:
     # ------------------------------------------------------------------ the end
     store_totals: dict[str, int] = {}
 
-    def _finish(self, wall: float, status: str, error: str | None) -> RunSummary:
+    def _finish(self, wall: float, status: str, error: str | None,
+                stopped_by: str | None) -> RunSummary:
         summary = RunSummary.from_records(
             self.cfg.run.mode,
             self.records,
@@ -637,10 +690,12 @@ class Controller:
             name=self.cfg.run.name,
             status=status,
             error=error,
+            accuracy_before=self.accuracy_before,
+            startup_seconds=self.startup_seconds or 0.0,
+            total_seconds=time.time() - self.created,
+            stopped_by=stopped_by if status == "interrupted" else None,
             **self.store_totals,
         )
-        if self.accuracy_initial is not None:
-            summary.accuracy_first = self.accuracy_initial
         summary.weight_sync_count = len(self.syncs)  # version loads by rollout engines
         self.rundir.write_summary(summary)
         last = self.records[-1].iteration if self.records else None
@@ -662,7 +717,10 @@ def _scrape_address(host: str, port: int) -> str:
 def run(cfg: RunConfig, cluster: Any = None) -> RunSummary:
     """Run one RL job to completion (the CLI's ``streamflow run``)."""
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(message)s")
-    log.info("resolved config: %s", json.dumps(config_to_dict(cfg))[:2000])
+    # The whole resolved config is the run directory's config.yaml; the terminal gets a summary.
+    log.debug("resolved config: %s", json.dumps(config_to_dict(cfg)))
+    if logging.getLogger("streamflow").isEnabledFor(logging.INFO):
+        print(describe_run(cfg), file=sys.stderr, flush=True)
     summary = Controller(cfg, cluster).run()
     if summary.status == "failed":
         raise WorkerFailed(summary.error or summary.status)

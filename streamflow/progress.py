@@ -1,7 +1,14 @@
 """Live progress of a run: a rich panel on a terminal, one log line per iteration elsewhere.
 
-Owns: ``ProgressDisplay``, which the controller feeds with each finished ``IterationRecord``
-(``update``) and, between iterations, with fresh queue depths (``set_queue_depths``).
+Owns: ``describe_run`` (the short summary a run prints first; the whole resolved config is the
+run directory's ``config.yaml``), ``StepProgress`` (a bar with elapsed time and ETA for a counted
+phase such as the warm start: ``with StepProgress(...) as p: work(progress=p)``, ``p(step,
+total)``) and ``ProgressDisplay``, which the controller feeds with the start-up phase
+(``set_phase``), the start of the RL loop (``start_loop``), each finished ``IterationRecord``
+(``update``) and, between iterations, fresh queue depths (``set_queue_depths``). The panel shows
+elapsed time and an ETA (mean iteration time so far × iterations left), the reward as the mean
+of the first and last windows of iterations (single iterations are noisy) and the held-out
+accuracy before RL next to the latest one.
 
 Lifecycle: create → ``with display:`` (starts the live panel when enabled and stderr is a TTY)
 → ``update``/``set_queue_depths`` any number of times → exit (the panel stops and leaves its
@@ -15,17 +22,28 @@ It only displays: it never blocks the run, and an exception while drawing is log
 from __future__ import annotations
 
 import logging
+import statistics
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.logging import RichHandler
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from streamflow.rundir import IterationRecord
+from streamflow.config import RunConfig
+from streamflow.rundir import IterationRecord, reward_window
 
 log = logging.getLogger("streamflow.progress")
 
@@ -34,14 +52,120 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def clock(seconds: float | None) -> str:
+    """0:01:05 style; '-' when unknown."""
+    if seconds is None:
+        return "-"
+    s = int(round(max(seconds, 0.0)))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def eta_seconds(done: int, total: int, elapsed: float) -> float | None:
+    """Time left at the mean pace so far (None before the first unit is done)."""
+    if done <= 0 or elapsed <= 0:
+        return None
+    return elapsed / done * max(total - done, 0)
+
+
+def window_means(records: Sequence[IterationRecord]) -> tuple[int, float | None, float | None]:
+    """(window, mean reward of the first window, of the last window): the figures to compare
+    (rundir.reward_window; one iteration when there are fewer than two)."""
+    w = max(reward_window(len(records)), 1 if records else 0)
+    if not w:
+        return 0, None, None
+    return (w, statistics.fmean(r.reward_mean for r in records[:w]),
+            statistics.fmean(r.reward_mean for r in records[-w:]))
+
+
+def describe_run(cfg: RunConfig) -> str:
+    """What the run is about to do, in two lines (the terminal's first output)."""
+    d, r = cfg.data, cfg.run
+    if cfg.model.path:
+        model = f"model {cfg.model.path}"
+    else:
+        b = cfg.model.builtin
+        model = (f"built-in model ({b.num_layers} layers × {b.hidden_size}, warm start "
+                 f"{cfg.model.warmstart_steps} steps, cached under "
+                 f"{_parent(r.output_dir)}/.cache)")
+    task = "arithmetic" if d.task == "arithmetic" else f"prompts from {d.file}"
+    mode = r.mode + (f" (max_staleness {r.max_staleness})" if r.mode == "async" else "")
+    return (f"streamflow: run '{r.name}' -> {r.output_dir} (resolved config: "
+            f"{r.output_dir}/config.yaml)\n"
+            f"  {mode}, {r.iterations} iterations × {d.prompts_per_iteration} prompts × "
+            f"{d.group_size} samples, {task}, reward {cfg.reward.fn}, {model}")
+
+
+def _parent(path: str) -> str:
+    parent = path.rsplit("/", 1)[0] if "/" in path.rstrip("/") else "."
+    return parent or "/"
+
+
+class StepProgress:
+    """A bar with elapsed time and ETA for one counted phase, drawn on stderr when it is a
+    terminal; elsewhere one INFO line per 10 %. Shown only once it is called (a cached model
+    calls it never). Usable as the ``progress`` callback: ``p(step, total)``."""
+
+    def __init__(self, label: str, *, enabled: bool = True, stream: IO[str] | None = None) -> None:
+        self.label = label
+        self.console = Console(file=stream, stderr=stream is None)
+        self.live_enabled = enabled and self.console.is_terminal
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._started: float | None = None
+        self._logged_tenth = 0
+
+    def __enter__(self) -> StepProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def __call__(self, step: int, total: int) -> None:
+        try:
+            self._show(step, total)
+        except Exception:  # a display glitch must never stop the work
+            log.exception("progress display failed")
+
+    def _show(self, step: int, total: int) -> None:
+        now = time.monotonic()
+        if self._started is None:
+            self._started = now
+        if self.live_enabled:
+            if self._progress is None:
+                self._progress = Progress(
+                    TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"),
+                    TimeRemainingColumn(), console=self.console, transient=False,
+                )
+                self._progress.start()
+                self._task = self._progress.add_task(self.label, total=total)
+            self._progress.update(self._task, completed=step, total=total)
+            return
+        tenth = step * 10 // max(total, 1)
+        if tenth > self._logged_tenth or step == 1:
+            self._logged_tenth = max(tenth, self._logged_tenth)
+            elapsed = now - self._started
+            log.info("%s %d/%d steps, elapsed %s, ETA %s", self.label, step, total,
+                     clock(elapsed), clock(eta_seconds(step, total, elapsed)))
+
+
 def format_depths(depths: Mapping[str, int]) -> str:
     return " ".join(f"{task}={n}" for task, n in depths.items()) or "-"
 
 
-def format_line(record: IterationRecord, total_iterations: int, samples_per_second: float) -> str:
+def format_line(
+    record: IterationRecord,
+    total_iterations: int,
+    samples_per_second: float,
+    elapsed: float | None = None,
+    eta: float | None = None,
+) -> str:
     """The one-line form of an iteration (used for logs off a terminal)."""
     return (
         f"iter {record.iteration + 1}/{total_iterations} v{record.policy_version} "
+        f"elapsed={clock(elapsed)} eta={clock(eta)} "
         f"reward={record.reward_mean:.3f}±{record.reward_std:.3f} "
         f"acc={_fmt(record.accuracy)} samples/s={samples_per_second:.1f} "
         f"staleness={record.staleness_mean:.2f}/{record.staleness_max} "
@@ -68,13 +192,19 @@ class ProgressDisplay:
         self.live_enabled = enabled and self.console.is_terminal
         self.records: list[IterationRecord] = []
         self.queue_depths: dict[str, int] = {}
+        self.phase = "preparing"  # what happens before the first iteration
+        self.loop_started: float | None = None  # unix time the RL loop began
+        self.done_before = 0  # iterations of a resumed run done before this process
+        self.accuracy_before: float | None = None  # the starting policy's held-out accuracy
         self._samples = 0
         self._live: Live | None = None
         self._swapped: list[tuple[logging.Handler, logging.Handler]] = []
 
     def __enter__(self) -> ProgressDisplay:
         if self.live_enabled:
-            self._live = Live(self._render(), console=self.console, refresh_per_second=4)
+            # get_renderable: each refresh redraws, so the elapsed time and ETA tick on their own
+            self._live = Live(console=self.console, refresh_per_second=2,
+                              get_renderable=self._render)
             self._live.start()
             self._route_logging_through_console()
         return self
@@ -108,13 +238,37 @@ class ProgressDisplay:
         wall = sum(r.wall_seconds for r in self.records)
         return self._samples / wall if wall > 0 else 0.0
 
+    def set_phase(self, phase: str) -> None:
+        if phase != self.phase:
+            self.phase = phase
+            if self._live is not None:
+                self._refresh()
+
+    def start_loop(self, started: float) -> None:
+        self.loop_started = started
+        self.phase = "RL loop"
+        if self._live is not None:
+            self._refresh()
+
+    def elapsed_and_eta(self, now: float | None = None) -> tuple[float | None, float | None]:
+        """Seconds of RL loop so far, and the estimate of those left."""
+        if self.loop_started is None:
+            return None, None
+        elapsed = (time.time() if now is None else now) - self.loop_started
+        left = self.total_iterations - self.done_before
+        return elapsed, eta_seconds(len(self.records), left, elapsed)
+
     def update(self, record: IterationRecord) -> None:
+        if not self.records and self.loop_started is not None:
+            self.done_before = record.iteration  # a resumed run starts past 0
         self.records.append(record)
         self._samples += record.samples
         if record.queue_depths:
             self.queue_depths = dict(record.queue_depths)
         if self._live is None:
-            log.info(format_line(record, self.total_iterations, self.samples_per_second))
+            elapsed, eta = self.elapsed_and_eta()
+            log.info(format_line(record, self.total_iterations, self.samples_per_second,
+                                 elapsed, eta))
         else:
             self._refresh()
 
@@ -126,27 +280,35 @@ class ProgressDisplay:
     def _refresh(self) -> None:
         try:
             assert self._live is not None
-            self._live.update(self._render())
+            self._live.refresh()
         except Exception:  # a display glitch must never stop training
             log.exception("progress display failed to redraw")
 
     def _render(self) -> Any:
-        done = len(self.records)
+        done = self.done_before + len(self.records)
         bar = ProgressBar(total=self.total_iterations, completed=done, width=40)
         table = Table.grid(padding=(0, 2))
         table.add_column(style="bold cyan")
         table.add_column()
         table.add_row("mode", f"{self.mode}   iteration {done}/{self.total_iterations}")
+        elapsed, eta = self.elapsed_and_eta()
+        if elapsed is None:
+            table.add_row("phase", self.phase)
+        else:
+            table.add_row("time", f"elapsed {clock(elapsed)}   ETA {clock(eta)}")
+        before = "-" if self.accuracy_before is None else f"{self.accuracy_before:.3f}"
         if self.records:
-            first, last = self.records[0], self.records[-1]
+            last = self.records[-1]
             accs = [r.accuracy for r in self.records if r.accuracy is not None]
             table.add_row("policy version", str(last.policy_version))
+            w, first_w, last_w = window_means(self.records)
             table.add_row(
                 "reward",
-                f"{last.reward_mean:.3f} ± {last.reward_std:.3f}  (first {first.reward_mean:.3f})",
+                f"{last.reward_mean:.3f} ± {last.reward_std:.3f} (this iteration); mean of "
+                f"{w}: first {first_w:.3f}, last {last_w:.3f}",
             )
-            acc = f"{accs[-1]:.3f}  (first {accs[0]:.3f})" if accs else "-"
-            table.add_row("held-out accuracy", acc)
+            latest = f"{accs[-1]:.3f}" if accs else "-"
+            table.add_row("held-out accuracy", f"{latest}  (before RL {before})")
             table.add_row(
                 "throughput",
                 f"{self.samples_per_second:.1f} samples/s  "
@@ -155,5 +317,7 @@ class ProgressDisplay:
             table.add_row("staleness", f"mean {last.staleness_mean:.2f}  max {last.staleness_max}")
             table.add_row("loss / kl", f"{_fmt(last.loss, '.4f')} / {_fmt(last.kl, '.4f')}")
             table.add_row("weight sync", f"{last.weight_sync_seconds:.3f} s (last)")
+        else:
+            table.add_row("held-out accuracy", f"before RL {before}")
         table.add_row("queue depths", format_depths(self.queue_depths))
         return Group(bar, table)

@@ -143,29 +143,43 @@ def _arrow(a: float | None, b: float | None) -> str:
 Row = tuple[str, str, float | None, str]
 
 
+def _reward_row(s: RunSummary) -> Row:
+    """Rewards compared over windows of iterations (single iterations are noisy); a run too short
+    for a window (one iteration) shows its only value."""
+    if s.reward_window and s.reward_mean_first_window is not None:
+        label = f"reward, mean of first {s.reward_window} → last {s.reward_window} iterations"
+        return ("learning", label, None,
+                _arrow(s.reward_mean_first_window, s.reward_mean_last_window))
+    return ("learning", "reward (single iteration)", None, _num(s.reward_mean_last))
+
+
 def _rows(run: RunData) -> list[Row]:
     s = run.summary
     sync_share = s.weight_sync_seconds_total / s.wall_seconds if s.wall_seconds else 0.0
     per_sync = s.weight_sync_seconds_total / s.weight_sync_count if s.weight_sync_count else 0.0
     rows: list[Row] = [
-        ("run", "mode / status", None, f"{s.mode} / {s.status}"),
+        ("run", "mode / status", None,
+         f"{s.mode} / {s.status}" + (f" ({s.stopped_by})" if s.stopped_by else "")),
         ("run", "iterations", None, str(s.iterations)),
         ("throughput", "samples", s.samples, str(s.samples)),
         ("throughput", "generated tokens", s.generated_tokens, str(s.generated_tokens)),
-        ("throughput", "wall seconds", s.wall_seconds, f"{s.wall_seconds:.2f}"),
+        ("throughput", "RL loop seconds (rates below)", s.wall_seconds, f"{s.wall_seconds:.2f}"),
         ("throughput", "samples/s", s.samples_per_second, f"{s.samples_per_second:.2f}"),
         ("throughput", "tokens/s", s.tokens_per_second, f"{s.tokens_per_second:.1f}"),
+    ]
+    if s.total_seconds:  # summaries written before start-up was recorded have neither
+        rows += [
+            ("time", "start-up s (model build, warm start, workers)", s.startup_seconds,
+             f"{s.startup_seconds:.2f}"),
+            ("time", "total s (start to summary)", s.total_seconds, f"{s.total_seconds:.2f}"),
+        ]
+    rows += [
+        _reward_row(s),
         (
             "learning",
-            "reward first → last",
+            "held-out accuracy before RL → last",
             None,
-            _arrow(s.reward_mean_first, s.reward_mean_last),
-        ),
-        (
-            "learning",
-            "accuracy first → last",
-            None,
-            _arrow(s.accuracy_first, s.accuracy_last),
+            _arrow(s.accuracy_before, s.accuracy_last),
         ),
         ("learning", "reward failures", s.reward_failures, str(s.reward_failures)),
         (
@@ -243,7 +257,8 @@ def render_report(run_dir: str | Path) -> str:
             section = sec
         console.print(table)
         if run.summary.error:
-            console.print(f"error: {run.summary.error}", soft_wrap=True)
+            what = "stopped" if run.summary.status == "interrupted" else "error"
+            console.print(f"{what}: {run.summary.error}", soft_wrap=True)
         for p in run.plots:
             console.print(f"plot: {p}", soft_wrap=True)
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import yaml
+
 from streamflow.config import RunConfig, dump_yaml
 
 # Stage names follow the worker roles; spans with other names are drawn grey.
@@ -99,9 +101,9 @@ class RunSummary:
     wall_seconds: float  # wall time of the RL loop
     samples_per_second: float
     tokens_per_second: float
-    reward_mean_first: float | None  # reward of the first iteration
-    reward_mean_last: float | None  # reward of the last iteration
-    accuracy_first: float | None  # first held-out accuracy measured
+    reward_mean_first: float | None  # reward of the first iteration (noisy: see the windows)
+    reward_mean_last: float | None  # reward of the last iteration (noisy: see the windows)
+    accuracy_first: float | None  # first held-out accuracy measured during RL (after a step)
     accuracy_last: float | None  # last held-out accuracy measured
     max_staleness_observed: int  # max policy-version lag of any trained sample
     # Per-iteration reward is noisy: the same over the first / last `reward_window` iterations
@@ -128,6 +130,15 @@ class RunSummary:
     name: str = ""  # run.name
     status: str = "ok"  # ok | failed | interrupted
     error: str | None = None  # the failure, when status != ok
+    # "Accuracy before RL", the one definition used everywhere (report, live panel, plot): the
+    # starting policy (the warm-started model) evaluated on the held-out problems before
+    # iteration 0. None: not evaluated (run.eval_every=0).
+    accuracy_before: float | None = None
+    # wall_seconds is the RL loop only; start-up (model build and warm start, worker start and
+    # model loads) and the whole run, from the controller's start to the summary, apart
+    startup_seconds: float = 0.0
+    total_seconds: float = 0.0
+    stopped_by: str | None = None  # status interrupted: the signal ("SIGINT" = Ctrl-C, "SIGTERM")
 
     @classmethod
     def from_records(
@@ -148,7 +159,7 @@ class RunSummary:
             for stage, seconds in r.stage_busy_seconds.items():
                 busy[stage] = busy.get(stage, 0.0) + seconds
         syncs = [r for r in records if r.weight_sync_bytes > 0 or r.weight_sync_seconds > 0]
-        window = min(10, len(records) // 2)
+        window = reward_window(len(records))
         first_w = [r.reward_mean for r in records[:window]]
         last_w = [r.reward_mean for r in records[len(records) - window:]] if window else []
         values: dict[str, Any] = dict(
@@ -177,6 +188,20 @@ class RunSummary:
         )
         values.update(extra)
         return cls(**values)
+
+
+def reward_window(iterations: int) -> int:
+    """Iterations averaged at each end of a run to compare rewards: min(10, iterations // 2)."""
+    return min(10, iterations // 2)
+
+
+# Every built-in reward (workers/rewards.py) scores in [0, 1]; a user's function has no declared
+# range (tests/streamflow/test_rundir.py fails when a built-in is added without a range here).
+BUILTIN_REWARD_RANGES: dict[str, tuple[float, float]] = {
+    "exact_match": (0.0, 1.0),
+    "numeric_close": (0.0, 1.0),
+    "brevity": (0.0, 1.0),
+}
 
 
 def record_from_dict(cls: type[Any], data: dict[str, Any]) -> Any:
@@ -264,7 +289,10 @@ class RunDir:
         out = []
         records = self.read_metrics()
         if records:
-            out.append(plot_rewards(records, self.plots / "rewards.png"))
+            summary = self.read_summary()
+            out.append(plot_rewards(
+                records, self.plots / "rewards.png", reward_range=self.reward_range(),
+                accuracy_before=summary.accuracy_before if summary else None))
         spans = self.read_spans()
         if spans:
             out.append(plot_timeline(spans, iteration, self.plots / "timeline.png"))
@@ -288,6 +316,16 @@ class RunDir:
 
     def read_spans(self) -> list[StageSpan]:
         return [record_from_dict(StageSpan, d) for d in _read_jsonl(self.timeline_path)]
+
+    def reward_range(self) -> tuple[float, float] | None:
+        """The range of the run's reward function when known (a built-in), from config.yaml."""
+        if not self.config_path.exists():
+            return None
+        try:
+            fn = (yaml.safe_load(self.config_path.read_text()) or {}).get("reward", {}).get("fn")
+        except (yaml.YAMLError, AttributeError):
+            return None
+        return BUILTIN_REWARD_RANGES.get(fn or "exact_match")
 
     def read_summary(self) -> RunSummary | None:
         if not self.summary_path.exists():
@@ -333,32 +371,51 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_rewards(records: Sequence[IterationRecord], path: str | Path) -> Path:
-    """Reward mean (+/- std band) and held-out accuracy per iteration, side by side, as PNG."""
+def reward_band(
+    records: Sequence[IterationRecord], reward_range: tuple[float, float] | None
+) -> tuple[list[float], list[float]]:
+    """mean -/+ std per iteration, clipped to the reward's range when known: a 0/1 reward's band
+    never shows values below 0 or above 1 that no sample can have."""
+    low, high = reward_range or (-math.inf, math.inf)
+    return ([max(r.reward_mean - r.reward_std, low) for r in records],
+            [min(r.reward_mean + r.reward_std, high) for r in records])
+
+
+def plot_rewards(
+    records: Sequence[IterationRecord],
+    path: str | Path,
+    *,
+    reward_range: tuple[float, float] | None = None,
+    accuracy_before: float | None = None,
+) -> Path:
+    """Reward mean (+/- std band, clipped to ``reward_range``) and held-out accuracy per
+    iteration (``accuracy_before`` drawn at iteration 0: the policy before RL), as PNG."""
     plt = _pyplot()
     path = Path(path)
     its = [r.iteration for r in records]
     mean = [r.reward_mean for r in records]
-    std = [r.reward_std for r in records]
     fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(10, 3.6))
     ax_r.plot(its, mean, marker="o", ms=3, color=STAGE_COLORS["reward"], label="reward mean")
-    ax_r.fill_between(
-        its,
-        [m - s for m, s in zip(mean, std, strict=True)],
-        [m + s for m, s in zip(mean, std, strict=True)],
-        color=STAGE_COLORS["reward"],
-        alpha=0.2,
-        label="+/- std",
-    )
+    low, high = reward_band(records, reward_range)
+    ax_r.fill_between(its, low, high, color=STAGE_COLORS["reward"], alpha=0.2,
+                      label="+/- std" + (" (clipped to the reward's range)" if reward_range else ""))
+    if reward_range:
+        pad = 0.02 * (reward_range[1] - reward_range[0])
+        ax_r.set_ylim(reward_range[0] - pad, reward_range[1] + pad)
     ax_r.set(title="Reward (trained samples)", xlabel="iteration", ylabel="reward")
     ax_r.legend(loc="lower right", fontsize=8)
-    evals = [(r.iteration, r.accuracy) for r in records if r.accuracy is not None]
+    # An evaluation after iteration k's step is the policy at version k + 1: drawn at k + 1, so
+    # that the policy before RL sits at 0.
+    evals = [(r.iteration + 1, r.accuracy) for r in records if r.accuracy is not None]
+    if accuracy_before is not None and (not records or records[0].iteration == 0):
+        evals.insert(0, (0, accuracy_before))
     if evals:
         ax_a.plot(*zip(*evals, strict=True), marker="o", ms=3, color=STAGE_COLORS["trainer"])
         ax_a.set_ylim(-0.02, 1.02)
     else:
         ax_a.text(0.5, 0.5, "no evaluation", ha="center", va="center", transform=ax_a.transAxes)
-    ax_a.set(title="Held-out accuracy", xlabel="iteration", ylabel="accuracy")
+    ax_a.set(title="Held-out accuracy (0 = before RL)", xlabel="policy version",
+             ylabel="accuracy")
     from matplotlib.ticker import MaxNLocator
 
     for ax in (ax_r, ax_a):

@@ -82,8 +82,11 @@ def builtin_recipe(cfg: RunConfig) -> BuiltinRecipe:
     )
 
 
-def resolve_model(cfg: RunConfig, cache_root: Path) -> Path:
-    """The policy's HF directory: the configured path, or the cached built-in checkpoint."""
+def resolve_model(
+    cfg: RunConfig, cache_root: Path, progress: Callable[[int, int], None] | None = None
+) -> Path:
+    """The policy's HF directory: the configured path, or the cached built-in checkpoint
+    (``progress(step, total)`` follows its warm start when it has to be built)."""
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
@@ -93,7 +96,7 @@ def resolve_model(cfg: RunConfig, cache_root: Path) -> Path:
         return path
     recipe = builtin_recipe(cfg)
     key = hashlib.sha256(json.dumps(recipe.to_json(), sort_keys=True).encode()).hexdigest()[:12]
-    return prepare_builtin(cache_root / f"builtin-{key}", recipe)
+    return prepare_builtin(cache_root / f"builtin-{key}", recipe, progress=progress)
 
 
 @dataclass
@@ -240,9 +243,11 @@ def _weights_dir(run_dir: Path) -> Path:
     return path
 
 
-def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
+def build_plan(
+    cfg: RunConfig, run_dir: Path, progress: Callable[[int, int], None] | None = None
+) -> RunPlan:
     cache_root = Path(cfg.run.output_dir).parent / ".cache"
-    model_path = resolve_model(cfg, cache_root)
+    model_path = resolve_model(cfg, cache_root, progress)
     tokenizer = load_tokenizer(model_path)
     d = cfg.data
     if d.task == "file":

@@ -3,6 +3,12 @@
 Orphans: every child asks the kernel (``PR_SET_PDEATHSIG``) to receive SIGTERM when the
 supervising process dies, even by SIGKILL — a killed controller never leaves workers running.
 
+Terminal signals: every child starts in its own session (``start_new_session``), so a Ctrl-C, which
+the terminal sends to the whole foreground process group, reaches the supervising process only.
+The stop is then the supervisor's to order (``stop_all``: workers first, the store last); before
+this, Ctrl-C stopped the store node together with the workers, whose final lease releases then
+timed out against a store that was gone.
+
 Lifecycle of a child: started (stdout+stderr appended to ``<log_dir>/<name>.log``) -> running ->
 exited. Exit 0 is a normal end. A non-zero exit is handled by ``check()``, the restart policy:
 
@@ -19,10 +25,12 @@ rows are redelivered, so the successor simply picks up work. Every restart is bo
 systematic failure ends the run within (start-up + backoff) × (max_restarts + 1).
 
 ``stop_all`` sends SIGTERM, waits up to a grace period, then SIGKILLs whatever is left, so a run
-never leaves processes behind, whether it succeeded, failed or was interrupted. Every process the
-supervisor ever started (a restarted child's earlier ones included) is waited for before it
-returns, even when the graceful path is cut short (an exception, or a second Ctrl-C, raised in
-``between`` or in a wait): no child is left running or as an unreaped zombie of the caller's
+never leaves processes behind. Once it began, ``check`` restarts nothing (a worker that exits
+non-zero while being stopped is not a fault to repair), and ``kill_all`` (a second Ctrl-C) cuts the
+grace period short: every child is SIGKILLed at once and the waits return. Whether the run
+succeeded, failed or was interrupted, every process the supervisor ever started (a restarted
+child's earlier ones included) is waited for before it returns, even when the graceful path is
+cut short (an exception raised in ``between`` or in a wait): no child is left running or as an unreaped zombie of the caller's
 process — which matters when the run is in-process (tests, notebooks).
 
 Ports for children (``free_port``): an address a child will bind (the trainer's weight
@@ -159,6 +167,8 @@ class Supervisor:
         self.policy = policy or RestartPolicy()
         self.children: dict[str, Child] = {}
         self._spawned: list[subprocess.Popen] = []  # every process started, for stop_all to reap
+        self.stopping = False  # stop_all began: no restart from now on
+        self.forced = False  # kill_all was called: no grace period, no ``between``
 
     def start(self, name: str, role: str, argv: list[str], *, threads: int = 1) -> Child:
         if name in self.children:
@@ -187,6 +197,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 preexec_fn=_die_with_parent,
+                start_new_session=True,  # the terminal's Ctrl-C is the parent's to handle
             )
         self._spawned.append(popen)
         return popen
@@ -199,7 +210,10 @@ class Supervisor:
     def check(self) -> Child | None:
         """Apply the restart policy; returns the first child that failed terminally, if any.
 
-        Call it often (the controller does, every loop turn): scheduled restarts happen here."""
+        Call it often (the controller does, every loop turn): scheduled restarts happen here.
+        After ``stop_all`` began it does nothing: children exiting then are being stopped."""
+        if self.stopping:
+            return None
         now = time.monotonic()
         for child in self.children.values():
             code = child.exit_code()
@@ -244,6 +258,8 @@ class Supervisor:
 
     def _restart(self, child: Child) -> None:
         child.restart_at = None
+        if self.stopping:
+            return
         try:
             if child.before_restart is not None:
                 child.before_restart(child)
@@ -286,23 +302,35 @@ class Supervisor:
         controller reads the store's final counts there, after every worker released its leases).
         Whatever happens meanwhile, every process this supervisor started is reaped on return.
         """
+        self.stopping = True
         try:
             self._stop_groups(grace_s, roles_last, between)
         finally:
             self._reap_all()
 
+    def kill_all(self) -> None:
+        """Force the stop (a second Ctrl-C): SIGKILL every live child now. Signal-safe: it only
+        sends signals; ``stop_all``'s waits then return at once and it skips ``between``."""
+        self.stopping = self.forced = True
+        for popen in self._spawned:
+            if popen.poll() is None:
+                try:
+                    popen.kill()
+                except OSError:  # exited meanwhile
+                    pass
+
     def _stop_groups(
         self, grace_s: float, roles_last: tuple[str, ...], between: Callable[[], None] | None
     ) -> None:
         for group_last in (False, True):
-            if group_last and between is not None:
+            if group_last and between is not None and not self.forced:
                 try:
                     between()
                 except Exception:  # bookkeeping only: never block the shutdown
                     pass
             group = [c for c in self.children.values() if (c.role in roles_last) == group_last]
             for child in group:
-                if child.exit_code() is None:
+                if child.exit_code() is None and not self.forced:
                     child.popen.send_signal(signal.SIGCONT)  # a frozen child must see SIGTERM
                     child.popen.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s

@@ -64,7 +64,7 @@ def read_case(run_dir: Path, seed: int, threads: int, wall: float) -> Case:
         raise RuntimeError(f"run {run_dir} ended {summary.get('status')}: {summary.get('error')}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
-    before, after = summary["accuracy_first"], summary["accuracy_last"]
+    before, after = summary["accuracy_before"], summary["accuracy_last"]
     if before is None or after is None:
         raise RuntimeError(f"run {run_dir} has no held-out evaluation (run.eval_every=0?)")
     elapsed, reached = 0.0, None

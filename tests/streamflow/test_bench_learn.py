@@ -15,7 +15,7 @@ from streamflow.bench.learn import ROOT, read_case, report
 
 def _fake_run(path: Path, accuracies: list[float | None], walls: list[float]) -> Path:
     path.mkdir(parents=True)
-    summary = {"status": "ok", "error": None, "accuracy_first": 0.30,
+    summary = {"status": "ok", "error": None, "accuracy_before": 0.30,
                "accuracy_last": accuracies[-1], "reward_mean_first_window": 0.2,
                "reward_mean_last_window": 0.35, "wall_seconds": sum(walls)}
     (path / "summary.json").write_text(json.dumps(summary))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -58,7 +59,9 @@ def test_dry_run_prints_resolved_yaml_and_starts_nothing(fake_controller, capsys
 def test_dry_run_does_not_import_the_engine():
     # The config checks the simulated cost preset's name against workers.sim.cost, a
     # standard-library-only table of presets; anything else of workers (engines, torch) is heavy.
-    light = ("workers", "workers.sim", "workers.sim.cost")
+    # The early checks (streamflow/preflight.py) resolve reward.fn with workers.rewards, which
+    # is standard-library only as well.
+    light = ("workers", "workers.sim", "workers.sim.cost", "workers.rewards")
     code = (
         "import sys; from streamflow.cli import main; "
         f"rc = main(['run', {TINY!r}, '--dry-run']); "
@@ -99,18 +102,22 @@ def test_run_failed_summary_is_not_success(fake_controller, capsys):
 
 
 def test_interrupts(fake_controller, capsys):
-    # Ctrl-C that escapes the controller (nothing was stopped cleanly): the conventional 130.
+    # Ctrl-C before the controller could stop anything (e.g. during the warm start): 130.
     def interrupt(cfg):
         raise KeyboardInterrupt
 
     fake_controller.outcome = interrupt
     assert main(["run", TINY]) == 130
-    # The controller caught it and stopped every worker cleanly: a requested stop, exit 0.
-    fake_controller.outcome = lambda cfg: RunSummary.from_records(
-        "sync", [], status="interrupted", error="interrupted by the user"
-    )
-    assert main(["run", TINY]) == 0
-    assert "stopped cleanly" in capsys.readouterr().err
+    assert "before the run started" in capsys.readouterr().err
+    # The controller stopped every worker cleanly: still not a finished run, so 128 + the signal
+    # (130 Ctrl-C, 143 SIGTERM), as torchrun and Python programs stopped by Ctrl-C exit non-zero.
+    for name, code in (("SIGINT", 130), ("SIGTERM", 143)):
+        fake_controller.outcome = lambda cfg, name=name: RunSummary.from_records(
+            "sync", [], status="interrupted", error=f"interrupted by {name}", stopped_by=name
+        )
+        assert main(["run", TINY]) == code
+        err = capsys.readouterr().err
+        assert f"run interrupted ({name}) and stopped cleanly" in err and "resume=auto" in err
 
 
 @pytest.mark.parametrize(
@@ -297,3 +304,127 @@ def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path, store_
         if worker is not None and worker.poll() is None:
             worker.terminate()
             worker.wait(timeout=30)
+
+
+# -- early checks: one line, exit 2, before anything is imported, built or started ---------------
+
+
+def _one_line_error(capsys, argv, needle, fake_controller) -> None:
+    t0 = time.monotonic()
+    assert main(argv) == 2
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert fake_controller.calls == []  # nothing built, nothing started
+    assert took < 5, f"{took:.1f}s"
+
+
+@pytest.fixture
+def problems(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    no_answer = tmp_path / "no_answer.jsonl"
+    no_answer.write_text('{"prompt": "1+1="}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    return {"good": good, "no_answer": no_answer, "empty": empty, "broken": broken,
+            "missing": tmp_path / "missing.jsonl"}
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["data.task=file", "data.file={missing}"], "data.file: problem file"),
+        (["data.task=file", "data.file={no_answer}"], "data.file: "),
+        (["data.task=file", "data.file={empty}"], "no rows"),
+        (["data.task=file", "data.file={broken}"], "data.file: "),
+        (["model.path={tmp}/no-such-model", "model.warmstart_steps=0"], "model.path: "),
+        # a directory, but no config.json
+        (["model.path={tmp}", "model.warmstart_steps=0"], "model.path: "),
+        (["reward.fn=exact_mach"], "reward.fn: unknown reward 'exact_mach'"),
+        (["reward.fn=no_such_module_xyz:score"], "reward.fn: reward 'no_such_module_xyz:score'"),
+        (["reward.fn=json:no_such_function"], "has no attribute"),
+        (["run.resume={tmp}/nowhere"], "run.resume: "),
+    ],
+)
+def test_bad_inputs_are_one_line_before_anything_is_built(
+    fake_controller, capsys, tmp_path, problems, overrides, needle, dry_run
+):
+    out = tmp_path / "run"
+    argv = ["run", TINY, f"run.output_dir={out}",
+            *[o.format(tmp=tmp_path, **problems) for o in overrides]]
+    _one_line_error(capsys, argv + (["--dry-run"] if dry_run else []), needle, fake_controller)
+    assert not out.exists()
+
+
+def test_a_good_problem_file_passes(fake_controller, problems, tmp_path):
+    assert main(["run", TINY, f"run.output_dir={tmp_path / 'run'}", "data.task=file",
+                 f"data.file={problems['good']}"]) == 0
+    assert len(fake_controller.calls) == 1
+
+
+@pytest.fixture
+def busy_port():
+    """A real listener on 127.0.0.1: the port someone else holds."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("key,address", [("store.port", "tcp://127.0.0.1:{port}"),
+                                         ("metrics.port", "127.0.0.1:{port}")])
+def test_busy_port_is_one_line_naming_key_and_address(
+    fake_controller, capsys, tmp_path, busy_port, key, address
+):
+    argv = ["run", TINY, f"run.output_dir={tmp_path / 'run'}", f"{key}={busy_port}"]
+    _one_line_error(capsys, argv, f"{key}: {address.format(port=busy_port)} is already in use",
+                    fake_controller)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key,address", [("store.port", "tcp://127.0.0.1:{port}"),
+                                         ("metrics.port", "127.0.0.1:{port}")])
+def test_port_taken_after_the_checks_is_the_same_one_line(
+    capsys, tmp_path, busy_port, key, address, monkeypatch, model_cache
+):
+    """The port is free at the check and taken before the bind (a race): the bind's failure is
+    reported the same way, exit 2, and nothing is left running."""
+    import psutil
+
+    from streamflow import preflight
+
+    monkeypatch.setattr(preflight, "check_ports", lambda cfg: None)
+    out = model_cache / f"{tmp_path.name}-{key}"  # the tiny model is cached per session
+    assert main(["run", TINY, f"run.output_dir={out}", f"{key}={busy_port}"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {key}: {address.format(port=busy_port)} is already in use" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    _, alive = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=15)
+    assert alive == []
+
+
+# -- run.output_dir: never silently into an older run -------------------------------------------
+
+
+def test_existing_run_dir_is_refused_unless_resumed_or_overwritten(fake_controller, capsys,
+                                                                   tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("run: {}\n")  # a run that never trained: retrying is fine
+    assert main(["run", TINY, f"run.output_dir={out}"]) == 0
+    fake_controller.calls.clear()
+    (out / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    _one_line_error(capsys, ["run", TINY, f"run.output_dir={out}"],
+                    f"run.output_dir: {out} already holds a run", fake_controller)
+    _one_line_error(capsys, ["run", TINY, f"run.output_dir={out}", "--dry-run"],
+                    "run.overwrite=true", fake_controller)
+    assert main(["run", TINY, f"run.output_dir={out}", "--overwrite"]) == 0
+    assert fake_controller.calls[-1].run.overwrite
+    assert main(["run", TINY, f"run.output_dir={out}", "run.resume=auto"]) == 0
+    assert main(["run", TINY, f"run.output_dir={out}", "run.resume=auto", "--overwrite"]) == 2
+    assert "run.overwrite: cannot be combined with run.resume" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -229,9 +230,9 @@ def test_sigterm_stops_cleanly_without_redeliveries(tiny_config) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, stderr[-2000:]
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]  # 143: stopped, not finished
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "interrupted"
+    assert summary["status"] == "interrupted" and summary["stopped_by"] == "SIGTERM"
     # Every worker released or acked what it held: nothing was handed out twice, nothing is
     # left leased (with 60 s leases, anything not released would still be in flight).
     assert summary["redelivered_rows"] == 0 and summary["in_flight_rows"] == 0
@@ -245,7 +246,58 @@ def test_run_against_an_external_store_node(tiny_config, store_serve) -> None:
     """`store.addresses`: the run uses store nodes it did not start (compose, schedulers)."""
     address, node = store_serve(2)
     for _ in range(2):  # a second run on the same node replaces the first run's table
-        cfg = tiny_config(f"store.addresses=[{address}]", "run.eval_every=0")
+        cfg = tiny_config(f"store.addresses=[{address}]", "run.eval_every=0",
+                          "run.overwrite=true")  # the same run directory, twice
         summary = run(cfg)
         assert summary.status == "ok" and summary.iterations == 2
     assert node.poll() is None, "the run must not stop a store it did not start"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ctrl_c_to_the_process_group_stops_cleanly(tiny_config) -> None:
+    """What a terminal does on Ctrl-C: SIGINT to the whole foreground process group, at a random
+    moment inside an iteration, three times. Each run stops within the bound, in order (workers
+    release their leases before the store stops: nothing redelivered, nothing left leased, no
+    worker restarted, no traceback), says `interrupted` and exits 130; no process is left."""
+    rng = random.Random(7)
+    base = Path(tiny_config().run.output_dir).parent
+    for attempt in range(3):
+        out = base / f"ctrl-c-{attempt}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamflow", "run", str(ROOT / "configs" / "tiny.yaml"),
+             "run.iterations=1000", f"run.output_dir={out}", "run.progress=false",
+             "store.lease_seconds=60"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            start_new_session=True,  # its own process group, as a shell gives a job
+        )
+        try:
+            deadline = time.monotonic() + 180
+            metrics = out / "metrics.jsonl"
+            while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.02)
+            records = [json.loads(x) for x in metrics.read_text().splitlines()]
+            family = psutil.Process(proc.pid).children(recursive=True)
+            assert len(family) >= 5  # store, rollout, reward, reference, trainer
+            # a random point inside the next iteration (one iteration's wall time from its start)
+            time.sleep(rng.uniform(0.0, records[-1]["wall_seconds"]))
+            os.killpg(proc.pid, signal.SIGINT)
+            sent = time.monotonic()
+            _, stderr = proc.communicate(timeout=90)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 130, stderr[-3000:]
+        assert took < 45, f"attempt {attempt}: {took:.1f}s from Ctrl-C to exit"
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["status"] == "interrupted" and summary["stopped_by"] == "SIGINT"
+        assert summary["worker_restarts"] == {}, summary["worker_restarts"]
+        assert summary["in_flight_rows"] == 0 and summary["redelivered_rows"] == 0, summary
+        assert "run interrupted (SIGINT)" in stderr and "Traceback" not in stderr, stderr[-3000:]
+        for log in (out / "logs").glob("*.log"):
+            assert "Traceback" not in log.read_text(), log
+        gone, alive = psutil.wait_procs(family, timeout=10)
+        assert alive == [], alive

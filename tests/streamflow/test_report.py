@@ -42,7 +42,9 @@ def _make_run(path, *, mode="periodic", speed=1.0, summary=True, name=None):
             run_dir.append_metrics(rec)
         run_dir.append_spans(spans)
         if summary:
-            run_dir.write_summary(RunSummary.from_records(mode, records, name=cfg.run.name))
+            run_dir.write_summary(RunSummary.from_records(
+                mode, records, name=cfg.run.name, accuracy_before=0.25, startup_seconds=12.5,
+                total_seconds=44.0))
     return path
 
 
@@ -69,8 +71,10 @@ def test_render_report(tmp_path):
     run = _make_run(tmp_path / "a")
     text = render_report(run)
     assert "StreamFlow run 'a'" in text
-    assert "0.200 → 0.800" in text  # reward first -> last
-    assert "0.300 → 0.700" in text  # accuracy first -> last (skips the unevaluated iteration)
+    assert "0.200 → 0.800" in text  # reward, windows of 1 iteration at each end of 3
+    # accuracy before RL (not the first RL evaluation, 0.300) -> the last evaluation
+    assert "held-out accuracy before RL → last" in text and "0.250 → 0.700" in text
+    assert "start-up s" in text and "12.50" in text and "44.00" in text  # start-up apart
     assert "6.40" in text  # samples/s = 192 / 30 s
     assert "timeline window s" in text and "8.00" in text
     assert "75.0%" in text  # rollout busy 6 of 8 s
@@ -140,3 +144,31 @@ def test_report_of_a_failed_run_shows_the_error(tmp_path):
     text = render_report(run)
     assert "periodic / failed" in text
     assert "error: reward-0 exited with status 1" in text
+
+
+def test_report_compares_reward_windows_not_single_noisy_iterations(tmp_path):
+    """Rising windows with a lucky first and an unlucky last iteration: the report must not say
+    the run got worse."""
+    rewards = [0.40] + [0.20] * 9 + [0.30] * 9 + [0.10]
+    records = [IterationRecord(iteration=i, policy_version=i + 1, reward_mean=r, samples=8,
+                               wall_seconds=1.0) for i, r in enumerate(rewards)]
+    with RunDir(tmp_path / "run") as run_dir:
+        run_dir.write_config(load_config(None, ["run.name=noisy"]))
+        for rec in records:
+            run_dir.append_metrics(rec)
+        run_dir.write_summary(RunSummary.from_records("periodic", records))
+    text = render_report(tmp_path / "run")
+    row = next(line for line in text.splitlines() if "reward, mean of" in line)
+    assert "first 10 → last 10 iterations" in row and "0.220 → 0.280" in row
+    assert "0.400 → 0.100" not in text
+
+
+def test_report_of_an_interrupted_run_names_the_signal(tmp_path):
+    run = _make_run(tmp_path / "a", summary=False)
+    records = RunDir(run).read_metrics()
+    RunDir(run).write_summary(RunSummary.from_records(
+        "periodic", records, status="interrupted", error="interrupted by SIGINT",
+        stopped_by="SIGINT"))
+    text = render_report(run)
+    assert "periodic / interrupted (SIGINT)" in text
+    assert "stopped: interrupted by SIGINT" in text and "error:" not in text

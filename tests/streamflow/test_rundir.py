@@ -7,18 +7,21 @@ import json
 import logging
 import math
 import sys
+import time
 
 import pytest
 
 from streamflow.config import load_config
-from streamflow.progress import ProgressDisplay
+from streamflow.progress import ProgressDisplay, StepProgress, clock, eta_seconds
 from streamflow.rundir import (
+    BUILTIN_REWARD_RANGES,
     IterationRecord,
     RunDir,
     RunSummary,
     StageSpan,
     plot_rewards,
     plot_timeline,
+    reward_band,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -174,12 +177,14 @@ def test_progress_off_tty_logs_one_line_per_iteration(caplog):
     assert display.live_enabled is False
     with caplog.at_level(logging.INFO, logger="streamflow.progress"), display:
         display.set_queue_depths({"reward": 4})  # silent between iterations off a TTY
+        display.start_loop(time.time() - 10.0)  # the loop began 10 s ago
         for rec in _records():
             rec.queue_depths = {"reward": 2, "trainer": 1}
             display.update(rec)
     lines = [r.getMessage() for r in caplog.records if r.name == "streamflow.progress"]
     assert len(lines) == 3
-    assert lines[0].startswith("iter 1/3 v1 reward=0.100")
+    # 10 s for 1 of 3 iterations: 20 s left at that pace
+    assert lines[0].startswith("iter 1/3 v1 elapsed=0:00:10 eta=0:00:20 reward=0.100")
     assert "samples/s=16.0" in lines[2]  # 96 samples over 3 x 2 s of iteration time
     assert "acc=-" in lines[1] and "queues[reward=2 trainer=1]" in lines[2]
     assert stream.getvalue() == ""
@@ -205,6 +210,106 @@ def test_progress_live_panel_draws_on_a_terminal(monkeypatch):
     out = stream.getvalue()
     assert "iteration 3/3" in out and "rollout=5" in out and "held-out accuracy" in out
     assert "a worker said hello" in out
+
+
+def _panel_text(display) -> str:
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(file=buf, width=140, color_system=None).print(display._render())
+    return buf.getvalue()
+
+
+def test_panel_shows_phase_eta_windows_and_accuracy_before_rl():
+    display = ProgressDisplay(total_iterations=40, mode="periodic", enabled=False)
+    display.set_phase("starting workers: 2/5 ready")
+    display.accuracy_before = 0.42
+    text = _panel_text(display)
+    assert "starting workers: 2/5 ready" in text and "before RL 0.420" in text
+    display.start_loop(1000.0)
+    # noisy single iterations; the windows (mean of 2 at each end of 4) are the figures
+    for i, (reward, acc) in enumerate([(0.30, None), (0.10, 0.50), (0.35, None), (0.25, 0.55)]):
+        display.update(IterationRecord(i, i + 1, reward_mean=reward, accuracy=acc,
+                                       wall_seconds=2.0))
+    assert display.elapsed_and_eta(now=1010.0) == (10.0, pytest.approx(90.0))  # 10 s per 4 its
+    text = _panel_text(display)
+    assert "mean of 2: first 0.200, last 0.300" in text
+    # the latest evaluation next to the one "before RL" (not the first RL evaluation, 0.50)
+    assert "0.550  (before RL 0.420)" in text and "ETA" in text
+
+
+def test_eta_and_clock():
+    assert eta_seconds(0, 10, 5.0) is None
+    assert eta_seconds(2, 10, 5.0) == pytest.approx(20.0)
+    assert clock(None) == "-" and clock(3725.4) == "1:02:05"
+
+
+def test_step_progress_off_a_terminal_logs_every_tenth_with_eta(caplog):
+    stream = io.StringIO()
+    with caplog.at_level(logging.INFO, logger="streamflow.progress"):
+        with StepProgress("warm start", stream=stream) as progress:
+            for step in range(1, 101):
+                progress(step, 100)
+    lines = [r.getMessage() for r in caplog.records if r.name == "streamflow.progress"]
+    assert len(lines) == 11  # step 1, then every 10 %
+    assert lines[0].startswith("warm start 1/100 steps, elapsed") and "ETA" in lines[0]
+    assert lines[-1].startswith("warm start 100/100 steps")
+    assert stream.getvalue() == ""
+
+
+def test_step_progress_draws_a_bar_on_a_terminal(monkeypatch):
+    stream = io.StringIO()
+    progress = StepProgress("warm start", stream=stream)
+    monkeypatch.setattr(progress, "live_enabled", True)  # as if stderr were a TTY
+    with progress:
+        for step in range(1, 5):
+            progress(step, 4)
+    out = stream.getvalue()
+    assert "warm start" in out and "4/4" in out and "ETA" in out and "elapsed" in out
+
+
+def test_warm_start_reports_its_steps_through_prepare_builtin(tmp_path):
+    from workers.models import TinyModelSpec
+    from workers.warmstart import BuiltinRecipe, prepare_builtin
+
+    seen: list[tuple[int, int]] = []
+    recipe = BuiltinRecipe(spec=TinyModelSpec(hidden_size=16, num_layers=1, num_heads=2,
+                                              num_kv_heads=1, intermediate_size=32),
+                           warmstart_steps=3, batch_size=2, eval_size=2)
+    prepare_builtin(tmp_path / "m", recipe, progress=lambda s, t: seen.append((s, t)))
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    seen.clear()
+    prepare_builtin(tmp_path / "m", recipe, progress=lambda s, t: seen.append((s, t)))
+    assert seen == []  # cached: nothing to show
+
+
+def test_describe_run_is_short_and_points_at_the_config():
+    from streamflow.config import load_config
+    from streamflow.progress import describe_run
+
+    cfg = load_config(None, ["run.name=demo"])
+    text = describe_run(cfg)
+    assert len(text.splitlines()) == 2 and "{" not in text
+    assert "run 'demo' -> runs/demo" in text and "runs/demo/config.yaml" in text
+
+
+def test_reward_band_is_clipped_to_the_reward_range(tmp_path):
+    records = [IterationRecord(0, 1, reward_mean=0.1, reward_std=0.3),
+               IterationRecord(1, 2, reward_mean=0.9, reward_std=0.3)]
+    low, high = reward_band(records, (0.0, 1.0))
+    assert low == [0.0, pytest.approx(0.6)] and high == [pytest.approx(0.4), 1.0]
+    assert reward_band(records, None)[0][0] == pytest.approx(-0.2)  # unknown range: as is
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.write_config(load_config(None, ["reward.fn=exact_match"]))
+    assert run_dir.reward_range() == (0.0, 1.0)
+    run_dir.write_config(load_config(None, ["reward.fn=mypkg.rewards:score"]))
+    assert run_dir.reward_range() is None
+
+
+def test_every_builtin_reward_has_a_declared_range():
+    from workers.rewards import available_rewards
+
+    assert set(available_rewards()) <= set(BUILTIN_REWARD_RANGES)
 
 
 def test_summary_reward_windows_average_first_and_last_iterations():

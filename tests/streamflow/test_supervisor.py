@@ -1,15 +1,20 @@
 """``free_port``: ports for children are picked below the kernel's ephemeral range, free, and
-never handed out twice by one process."""
+never handed out twice by one process. Stopping: children are out of the terminal's process
+group, nothing restarts once ``stop_all`` began, and ``kill_all`` forces the stop."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import sys
+import threading
+import time
 
 import pytest
 
 from streamflow import supervisor
-from streamflow.supervisor import _ephemeral_low, free_port
+from streamflow.supervisor import RestartPolicy, Supervisor, _ephemeral_low, free_port
 
 
 def test_free_port_is_below_the_ephemeral_range_and_bindable() -> None:
@@ -57,3 +62,53 @@ def test_ephemeral_low_reads_the_kernel_setting(tmp_path) -> None:
     f.write_text("40000\t60999\n")
     assert _ephemeral_low(str(f)) == 40000
     assert _ephemeral_low(str(tmp_path / "missing")) == 32768
+
+
+# -- stopping: children out of the terminal's reach, no restart once stopping, forced stop --------
+
+_IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+
+
+def _sleeper(sup: Supervisor, name: str, code: str = "import time; time.sleep(60)"):
+    child = sup.start(name, "rollout", [sys.executable, "-c", code])
+    child.mark_ready()
+    return child
+
+
+def test_children_run_in_their_own_session(tmp_path) -> None:
+    """The terminal's Ctrl-C goes to the foreground process group: children must not be in it."""
+    sup = Supervisor(tmp_path)
+    try:
+        child = _sleeper(sup, "rollout-0")
+        assert os.getpgid(child.popen.pid) != os.getpgid(0)
+        assert os.getsid(child.popen.pid) == child.popen.pid
+    finally:
+        sup.stop_all(grace_s=5)
+
+
+def test_nothing_is_restarted_once_the_stop_began(tmp_path) -> None:
+    sup = Supervisor(tmp_path, policy=RestartPolicy(max_restarts=3, backoff_s=0.0))
+    child = _sleeper(sup, "rollout-0")
+    first = child.popen
+    sup.stop_all(grace_s=5)  # exits by SIGTERM: non-zero, after it was ready
+    for _ in range(3):
+        assert sup.check() is None
+        time.sleep(0.01)
+    assert child.popen is first and child.restarts == 0 and first.poll() is not None
+
+
+def test_kill_all_cuts_the_grace_period_short(tmp_path) -> None:
+    """A second Ctrl-C: children that would take the whole grace period are killed at once."""
+    sup = Supervisor(tmp_path)
+    children = [_sleeper(sup, f"rollout-{i}", _IGNORE_TERM) for i in range(2)]
+    store = sup.start("store-0", "store", [sys.executable, "-c", _IGNORE_TERM])
+    time.sleep(0.5)  # the children have installed SIG_IGN
+    timer = threading.Timer(1.0, sup.kill_all)
+    timer.start()
+    t0 = time.monotonic()
+    called = []
+    sup.stop_all(grace_s=30, between=lambda: called.append(1))
+    timer.join()
+    assert time.monotonic() - t0 < 10
+    assert called == []  # a forced stop does not read the store's counts
+    assert all(c.popen.poll() is not None for c in [*children, store])

@@ -1,0 +1,194 @@
+"""Checks of a run config against this machine, before anything is built or started.
+
+Owns: ``check(cfg)``, what ``streamflow run`` (and its ``--dry-run``) verifies in well under a
+second, without torch and before the model is built or warm-started, so that a wrong path, a
+typo in ``reward.fn`` or a busy port is one line naming the key within a second or two instead of
+a worker traceback after the warm start. Also owns the run directory's refusal to overwrite
+(``check_output_dir``) and the deletion of an old run's files on ``run.overwrite``
+(``clear_output_dir``).
+
+Every failure is a ``ConfigError`` (one line, ``<key>: <what>``; the CLI exits 2). What is
+checked:
+
+- ``run.output_dir``: refused when it already holds a run, unless ``run.resume`` continues it or
+  ``run.overwrite`` (``--overwrite``) replaces it;
+- ``run.resume``: a checkpoint path must hold ``trainer_state.json``;
+- ``model.path``: a Hugging Face directory (``config.json``, tokenizer files, weights);
+- ``data.file`` (``data.task=file``): readable, with both columns and at least one row;
+- ``reward.fn``: a registered name, or an importable ``module:function`` that is callable;
+- ``rollout.engine=vllm`` / ``trainer.engine=deepspeed``: the package is installed;
+- ``store.port`` and ``metrics.port`` (when not 0): free on their host now. The bind itself is
+  checked again where it happens (a port can be taken in between) and reported the same way.
+
+Light on purpose: imports only ``workers.rewards`` and ``workers.tasks`` (no torch).
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import shutil
+import socket
+from pathlib import Path
+
+from streamflow.config import ConfigError, RunConfig
+
+# What a run writes into run.output_dir (streamflow/rundir.py, controller, metrics, store persist).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "timeline.jsonl", "summary.json")
+RUN_DIRS = ("checkpoints", "plots", "logs", "workers", "prometheus", "store", "weights")
+
+
+def check(cfg: RunConfig) -> None:
+    """Everything below, in the order a user would fix it."""
+    check_output_dir(cfg)
+    check_inputs(cfg)
+    check_ports(cfg)
+
+
+# -- the run directory ---------------------------------------------------------------------------
+
+
+def existing_run(path: str | Path) -> list[str]:
+    """What in ``path`` shows a run that trained (empty: nothing to protect). A directory whose
+    run stopped or failed before its first iteration (config.yaml, logs, a summary of 0
+    iterations) holds nothing worth keeping: running into it again is how one retries."""
+    p = Path(path)
+    metrics = p / "metrics.jsonl"
+    found = ["metrics.jsonl"] if metrics.is_file() and metrics.stat().st_size else []
+    ckpt = p / "checkpoints"
+    if ckpt.is_dir() and any(ckpt.iterdir()):
+        found.append("checkpoints/")
+    return found
+
+
+def check_output_dir(cfg: RunConfig) -> None:
+    if cfg.run.resume or cfg.run.overwrite:
+        return
+    found = existing_run(cfg.run.output_dir)
+    if found:
+        raise ConfigError(
+            "run.output_dir",
+            f"{cfg.run.output_dir} already holds a run ({', '.join(found)}); continue it with "
+            "run.resume=auto, replace it with run.overwrite=true (--overwrite), or choose "
+            "another run.output_dir or run.name",
+        )
+
+
+def clear_output_dir(path: str | Path) -> None:
+    """``run.overwrite``: delete the previous run's files (only those a run writes; anything
+    else a user keeps in the directory stays)."""
+    p = Path(path)
+    for name in RUN_FILES:
+        (p / name).unlink(missing_ok=True)
+    for name in RUN_DIRS:
+        shutil.rmtree(p / name, ignore_errors=True)
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    resume = cfg.run.resume
+    if resume and resume != "auto" and not (Path(resume) / "trainer_state.json").is_file():
+        raise ConfigError("run.resume", f"{resume} is not a complete checkpoint "
+                          "(no trainer_state.json); use run.resume=auto or a checkpoints/step-* path")
+    if cfg.model.path is not None:
+        _check_model_dir(Path(cfg.model.path))
+    if cfg.data.task == "file" and cfg.data.file:
+        _check_problem_file(cfg)
+    _check_reward(cfg.reward.fn)
+    for key, engine, package in (("rollout.engine", cfg.rollout.engine, "vllm"),
+                                 ("trainer.engine", cfg.trainer.engine, "deepspeed")):
+        if engine == package and importlib.util.find_spec(package) is None:
+            raise ConfigError(key, f"{engine}: the {package} package is not installed in this "
+                              "Python environment (pip install 'streamflow[" f"{package}]')")
+
+
+def _check_model_dir(path: Path) -> None:
+    key = "model.path"
+    if not path.is_dir():
+        raise ConfigError(key, f"{path} is not a directory")
+    config = path / "config.json"
+    if not config.is_file():
+        raise ConfigError(key, f"{path} is not a Hugging Face model directory (no config.json)")
+    try:
+        json.loads(config.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(key, f"{config} is not readable JSON: {err}") from None
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(key, f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
+    if not weights:
+        raise ConfigError(key, f"{path} has no weights (*.safetensors or pytorch_model*.bin)")
+
+
+def _check_problem_file(cfg: RunConfig) -> None:
+    from workers.tasks import ProblemFileError, load_problem_file
+
+    d = cfg.data
+    try:
+        problems = load_problem_file(d.file, d.prompt_column, d.answer_column)  # type: ignore[arg-type]
+    except ProblemFileError as err:
+        raise ConfigError("data.file", str(err).replace("\n", " ")) from None
+    if not problems:
+        raise ConfigError("data.file", f"{d.file} has no rows")
+
+
+def _check_reward(fn: str) -> None:
+    from workers.rewards import RewardError, resolve_reward
+
+    try:
+        resolve_reward(fn)
+    except RewardError as err:
+        raise ConfigError("reward.fn", str(err).replace("\n", " ")) from None
+    except Exception as err:  # the user's module raised while being imported
+        raise ConfigError(
+            "reward.fn", f"importing {fn!r} raised {type(err).__name__}: {err}".replace("\n", " ")
+        ) from None
+
+
+# -- ports ----------------------------------------------------------------------------------------
+
+
+def port_in_use(key: str, address: str) -> ConfigError:
+    """The one error for a busy port, here and where the bind itself fails."""
+    return ConfigError(key, f"{address} is already in use (another run or program listens "
+                       f"there); free it, choose another {key}, or 0 for a free port")
+
+
+def _bindable(host: str, port: int) -> int | None:
+    """None when ``host:port`` can be bound now (as the servers bind: SO_REUSEADDR, so a port in
+    TIME_WAIT is free), else the errno."""
+    bind_host = "" if host in ("*", "0.0.0.0", "") else host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(bind_host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return None  # an unknown host is the bind's own error to report
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(sockaddr)
+        except OSError as err:
+            return err.errno
+    return None
+
+
+def check_ports(cfg: RunConfig) -> None:
+    wanted = []
+    if cfg.store.port and not cfg.store.addresses and cfg.run.mode != "sync":
+        # sync runs keep the store in-process and bind nothing
+        wanted.append(("store.port", cfg.store.host, cfg.store.port,
+                       f"tcp://{cfg.store.host}:{cfg.store.port}"))
+    if cfg.metrics.enabled and cfg.metrics.port:
+        wanted.append(("metrics.port", cfg.metrics.host, cfg.metrics.port,
+                       f"{cfg.metrics.host}:{cfg.metrics.port}"))
+    for key, host, port, address in wanted:
+        code = _bindable(host, port)
+        if code == errno.EADDRINUSE:
+            raise port_in_use(key, address)
+        if code == errno.EACCES:
+            raise ConfigError(key, f"{address}: permission denied (ports below 1024 need "
+                              "privileges); choose another port, or 0 for a free one")
