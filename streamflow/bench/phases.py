@@ -79,6 +79,8 @@ def measure_phases(
         for k in range(iterations + 1):  # iteration 0 is the warm-up of both sides
             sf_times = sf.iteration(k)
             plain_times = plain.iteration(sf.plan.problems(k))
+            _progress(f"phases: iteration {k} StreamFlow {sf_times.total:.2f} s, plain "
+                      f"{plain_times.total:.2f} s{' (warm-up)' if k == 0 else ''}")
             if k > 0:
                 sf_runs.append(sf_times)
                 plain_runs.append(plain_times)
@@ -130,7 +132,13 @@ def run_mode(
     if len(stamps) != iterations + 1:
         raise RuntimeError(f"streamflow run ({mode}): {len(stamps)} trainer steps in its "
                            f"timeline, expected {iterations + 1}")
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    seconds = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    _progress(f"mode {mode}: {seconds:.2f} s per iteration")
+    return seconds
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def summarize(
