@@ -32,6 +32,7 @@ the JSON line): ``{"phases": {NAME: {"streamflow_s", "baseline_s", "ratio"}}, "m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -211,17 +212,21 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         parser.error(str(err))
     work = Path(tempfile.mkdtemp(prefix="streamflow-bench-phases-"))
-    try:
-        model_dir = build_model_dir(work / "g1-model", shape)
-        started = time.perf_counter()
-        phases, plain_s, extras = measure_phases(
-            shape, model_dir, work, iterations=args.iterations, threads=args.threads,
-            device=args.device)
-        modes = {m: run_mode(shape, model_dir, work, mode=m, iterations=args.iterations,
-                             threads=args.threads, device=args.device) for m in MODES}
-        elapsed = time.perf_counter() - started
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    # With --json, whatever the libraries print while we measure (deepspeed's accelerator notice,
+    # pulled in by transformers, logs to stdout) goes to stderr: stdout keeps the JSON line.
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with quiet:
+        try:
+            model_dir = build_model_dir(work / "g1-model", shape)
+            started = time.perf_counter()
+            phases, plain_s, extras = measure_phases(
+                shape, model_dir, work, iterations=args.iterations, threads=args.threads,
+                device=args.device)
+            modes = {m: run_mode(shape, model_dir, work, mode=m, iterations=args.iterations,
+                                 threads=args.threads, device=args.device) for m in MODES}
+            elapsed = time.perf_counter() - started
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     report = summarize(phases, modes, plain_s)
     header = (f"G1{' (quick shapes)' if args.quick else ''}: Qwen2 hidden={shape.hidden} "
               f"layers={shape.layers} vocab={shape.vocab}, {shape.prompts} prompts x G="
