@@ -1,0 +1,242 @@
+"""Benchmark: StreamFlow's phases and modes against a plain Hugging Face GRPO loop (workload G1).
+
+Workload G1 (``streamflow.bench._g1``): a 4.2 M-parameter Qwen2 with a locally trained 1024-token
+byte-level BPE vocabulary, 2-digit sums ``a+b=``, 16 prompts x G=8 responses x 64 generated tokens
+per iteration (no eos: every response runs to 64 tokens on both sides), KL coefficient 0.04,
+``--threads`` (default 2) threads in all. Measured in one invocation:
+
+- phases, side by side in this process and interleaved iteration by iteration (load from other
+  processes hits both sides alike): StreamFlow's sync iteration through its own builders
+  (``_sfsync``: torch rollout engine, reference stage, torch trainer engine over an embedded
+  store, each stage claiming the whole batch) against the plain loop (``_plain``: ``generate``
+  with SDPA, reference forward, forward/backward + AdamW). Per phase (generation, reference,
+  train step) the MEDIAN of ``--iterations`` iterations after one warm-up iteration;
+- modes: real ``streamflow run`` jobs (``sync``, ``periodic``, ``async``) over the G1 model
+  directory, ``--iterations`` + 1 iterations each. Steady-state seconds per iteration come from
+  the run's timeline (``timeline.jsonl``, the trainer's step spans): (end of the last optimizer
+  step - end of the first) / (iterations - 1), so start-up, the first iteration (pipeline fill)
+  and the final checkpoint are left out. ``sync`` gets all threads in
+  its one process; ``periodic``/``async`` split them between the rollout worker and the trainer
+  (reference fused into the trainer); the reward worker's thread is mostly idle;
+- the plain loop's seconds per iteration: the median whole iteration of the phase measurement.
+
+Ratios are ``plain / StreamFlow`` (> 1: StreamFlow faster). Targets, printed, not asserted: every
+phase >= 1.0x, best mode >= 1.3x the plain loop, best streaming mode >= 1.0x sync.
+
+Output: a table, then one JSON line (with ``--json`` the table goes to stderr and stdout holds only
+the JSON line): ``{"phases": {NAME: {"streamflow_s", "baseline_s", "ratio"}}, "modes": {MODE:
+{"seconds_per_iteration", "ratio_to_plain"}}, "plain_seconds_per_iteration", "worst_phase_ratio",
+"best_ratio_to_plain", "best_streaming_ratio_to_sync"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from streamflow.bench._g1 import G1, KL_COEF, LR, QUICK, G1Shape, build_model_dir, run_config
+
+PHASES = ("generation", "reference", "train_step")
+MODES = ("sync", "periodic", "async")
+TARGET_PHASE, TARGET_PLAIN, TARGET_STREAMING = 1.0, 1.3, 1.0
+
+
+def measure_phases(
+    shape: G1Shape, model_dir: Path, work: Path, *, iterations: int, threads: int, device: str
+) -> tuple[dict[str, dict[str, float]], float, dict[str, float]]:
+    """Phases of both sides, interleaved: (phases, plain seconds per iteration, extras)."""
+    import torch
+
+    from streamflow.bench._plain import PlainGRPO, PlainSettings
+    from streamflow.bench._sfsync import StreamFlowSync
+    from streamflow.config import config_from_dict
+
+    torch.set_num_threads(threads)
+    # Far more iterations than are run: the trainer checkpoints at its last one, never here.
+    tree = run_config(shape, model_dir, work / "runs", mode="sync", iterations=10_000,
+                      threads=threads, device=device, phases=True)
+    cfg = config_from_dict(tree)
+    sf = StreamFlowSync(cfg, work / "runs" / "phases")
+    t = cfg.trainer
+    plain = PlainGRPO(model_dir, PlainSettings(
+        group_size=shape.group_size, new_tokens=shape.new_tokens, kl_coef=KL_COEF, lr=LR,
+        betas=(t.betas[0], t.betas[1]), clip_eps=t.clip_eps, max_grad_norm=t.max_grad_norm,
+        temperature=cfg.rollout.temperature, seed=cfg.run.seed,
+    ), device=device)
+    sf_runs, plain_runs = [], []
+    try:
+        for k in range(iterations + 1):  # iteration 0 is the warm-up of both sides
+            sf_times = sf.iteration(k)
+            plain_times = plain.iteration(sf.plan.problems(k))
+            _progress(f"phases: iteration {k} StreamFlow {sf_times.total:.2f} s, plain "
+                      f"{plain_times.total:.2f} s{' (warm-up)' if k == 0 else ''}")
+            if k > 0:
+                sf_runs.append(sf_times)
+                plain_runs.append(plain_times)
+    finally:
+        sf.close()
+
+    def median(runs: list[Any], name: str) -> float:
+        return statistics.median(getattr(r, name) for r in runs)
+
+    phases = {name: _pair(median(sf_runs, name), median(plain_runs, name)) for name in PHASES}
+    extras = {
+        "streamflow_reward_s": median(sf_runs, "reward"),
+        "baseline_reward_s": median(plain_runs, "reward"),
+        "streamflow_weight_sync_s": median(sf_runs, "weight_sync"),
+        "streamflow_sync_iteration_s": median(sf_runs, "total"),
+    }
+    return phases, median(plain_runs, "total"), extras
+
+
+def _pair(streamflow_s: float, baseline_s: float) -> dict[str, float]:
+    sf, base = round(streamflow_s, 6), round(baseline_s, 6)
+    return {"streamflow_s": sf, "baseline_s": base, "ratio": round(base / sf, 4)}
+
+
+def run_mode(
+    shape: G1Shape, model_dir: Path, work: Path, *, mode: str, iterations: int, threads: int,
+    device: str,
+) -> float:
+    """Steady-state seconds per iteration of a real ``streamflow run`` job of ``mode``."""
+    from streamflow.rundir import RunDir
+
+    tree = run_config(shape, model_dir, work / "runs", mode=mode, iterations=iterations + 1,
+                      threads=threads, device=device)
+    config = work / f"{mode}.yaml"
+    config.write_text(yaml.safe_dump(tree, sort_keys=False))
+    root = str(Path(__file__).resolve().parents[2])  # this checkout's streamflow, not another
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "streamflow", "run", str(config)], env=env,
+                          capture_output=True, text=True, timeout=3600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"streamflow run ({mode}) failed with exit status {proc.returncode}: "
+                           f"{(proc.stderr or proc.stdout)[-2000:]}")
+    run_dir = RunDir(tree["run"]["output_dir"].replace("{name}", tree["run"]["name"]))
+    # The trainer's own clock: the end of each optimizer step (its step span, rows == 0). The
+    # iteration records' timestamps are taken when the controller gets around to the report, and
+    # the last one also waits for the final checkpoint.
+    stamps = sorted(s.end for s in run_dir.read_spans() if s.stage == "trainer" and s.rows == 0)
+    if len(stamps) != iterations + 1:
+        raise RuntimeError(f"streamflow run ({mode}): {len(stamps)} trainer steps in its "
+                           f"timeline, expected {iterations + 1}")
+    seconds = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    _progress(f"mode {mode}: {seconds:.2f} s per iteration")
+    return seconds
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def summarize(
+    phases: dict[str, dict[str, float]], modes: dict[str, float], plain_s: float
+) -> dict[str, Any]:
+    """The JSON object: phases as measured, each mode's ratio to the plain loop, the headlines."""
+    plain = round(plain_s, 6)
+    mode_out = {m: {"seconds_per_iteration": round(s, 6), "ratio_to_plain": round(plain / round(s, 6), 4)}
+                for m, s in modes.items()}
+    sync = mode_out["sync"]["seconds_per_iteration"]
+    streaming = min(mode_out[m]["seconds_per_iteration"] for m in ("periodic", "async"))
+    return {
+        "phases": phases,
+        "modes": mode_out,
+        "plain_seconds_per_iteration": plain,
+        "worst_phase_ratio": min(p["ratio"] for p in phases.values()),
+        "best_ratio_to_plain": max(m["ratio_to_plain"] for m in mode_out.values()),
+        "best_streaming_ratio_to_sync": round(sync / streaming, 4),
+    }
+
+
+def _mark(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def table(report: dict[str, Any], extras: dict[str, float], header: str) -> str:
+    lines = [header, f"{'phase':<12} {'StreamFlow s':>12} {'plain HF s':>11} {'ratio':>6}"]
+    for name, p in report["phases"].items():
+        lines.append(f"{name:<12} {p['streamflow_s']:>12.4f} {p['baseline_s']:>11.4f} "
+                     f"{p['ratio']:>6.2f}")
+    lines.append(f"(not phases: reward {extras['streamflow_reward_s']:.4f} / "
+                 f"{extras['baseline_reward_s']:.4f} s; StreamFlow weight load + publish "
+                 f"{extras['streamflow_weight_sync_s']:.4f} s; in-process sync iteration "
+                 f"{extras['streamflow_sync_iteration_s']:.4f} s)")
+    lines.append(f"{'mode':<12} {'s/iteration':>12} {'plain/mode':>11}")
+    for name, m in report["modes"].items():
+        lines.append(f"{name:<12} {m['seconds_per_iteration']:>12.4f} {m['ratio_to_plain']:>11.2f}")
+    lines.append(f"{'plain loop':<12} {report['plain_seconds_per_iteration']:>12.4f}")
+    w, b, s = (report[k] for k in ("worst_phase_ratio", "best_ratio_to_plain",
+                                    "best_streaming_ratio_to_sync"))
+    lines.append(f"target every phase >= {TARGET_PHASE}x: worst {w:.2f}x ({_mark(w >= TARGET_PHASE)})")
+    lines.append(f"target best mode >= {TARGET_PLAIN}x the plain loop: {b:.2f}x "
+                 f"({_mark(b >= TARGET_PLAIN)})")
+    lines.append(f"target best streaming mode >= {TARGET_STREAMING}x sync: {s:.2f}x "
+                 f"({_mark(s >= TARGET_STREAMING)})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark; prints the table then one JSON line. Returns the exit status."""
+    parser = argparse.ArgumentParser(prog="streamflow bench phases",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="timed iterations per side and per mode (default 4; --quick 2)")
+    parser.add_argument("--threads", type=int, default=2, help="threads in all (default 2)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (for tests)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    parser.add_argument("--json", action="store_true", help="stdout holds only the JSON line")
+    args = parser.parse_args(argv)
+    if args.iterations is None:
+        args.iterations = 2 if args.quick else 4
+    if args.iterations < 1 or args.threads < 1:
+        parser.error("--iterations and --threads must be >= 1")
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        parser.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    shape = QUICK if args.quick else G1
+    try:  # a --device this build cannot place the roles on fails here, before any work
+        run_config(shape, Path("g1"), Path("."), mode="sync", iterations=1, threads=args.threads,
+                   device=args.device)
+    except ValueError as err:
+        parser.error(str(err))
+    work = Path(tempfile.mkdtemp(prefix="streamflow-bench-phases-"))
+    # With --json, whatever the libraries print while we measure (deepspeed's accelerator notice,
+    # pulled in by transformers, logs to stdout) goes to stderr: stdout keeps the JSON line.
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with quiet:
+        try:
+            model_dir = build_model_dir(work / "g1-model", shape)
+            started = time.perf_counter()
+            phases, plain_s, extras = measure_phases(
+                shape, model_dir, work, iterations=args.iterations, threads=args.threads,
+                device=args.device)
+            modes = {m: run_mode(shape, model_dir, work, mode=m, iterations=args.iterations,
+                                 threads=args.threads, device=args.device) for m in MODES}
+            elapsed = time.perf_counter() - started
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    report = summarize(phases, modes, plain_s)
+    header = (f"G1{' (quick shapes)' if args.quick else ''}: Qwen2 hidden={shape.hidden} "
+              f"layers={shape.layers} vocab={shape.vocab}, {shape.prompts} prompts x G="
+              f"{shape.group_size} x {shape.new_tokens} tokens, beta={KL_COEF}, {args.threads} "
+              f"threads, {args.device}; phases: median of {args.iterations} after 1 warm-up; "
+              f"modes: steady state over {args.iterations} iterations ({elapsed:.0f} s)")
+    print(table(report, extras, header), file=sys.stderr if args.json else sys.stdout)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

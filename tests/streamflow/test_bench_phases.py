@@ -1,0 +1,126 @@
+"""`streamflow bench phases --quick`: both sides and three real runs end to end, one JSON line.
+
+Also the pieces the figures rest on: the G1 workload's tokenizer and model directory (exact
+vocabulary, no eos, loadable by the run path), the steady-state rule and the ratios' direction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from streamflow.bench import _g1
+from streamflow.bench import phases as bench
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow  # three `streamflow run` jobs: minutes on a loaded 2-core machine
+@pytest.mark.timeout(1200)
+def test_quick_run_prints_one_json_line_with_consistent_figures(capsys):
+    # One thread: tiny shapes are all synchronisation, which a second thread only slows.
+    assert bench.main(["--quick", "--json", "--iterations", "1", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    # --json: the table on stderr, the JSON object as stdout's last line (a library that logs to
+    # stdout from an earlier test of the session may add a line above it)
+    assert "target every phase" in captured.err and "target every phase" not in captured.out
+    report = json.loads(captured.out.strip().splitlines()[-1])
+    assert set(report) == {"phases", "modes", "plain_seconds_per_iteration", "worst_phase_ratio",
+                           "best_ratio_to_plain", "best_streaming_ratio_to_sync"}
+    assert set(report["phases"]) == set(bench.PHASES)
+    for phase in report["phases"].values():
+        assert set(phase) == {"streamflow_s", "baseline_s", "ratio"}
+        assert all(_positive(v) for v in phase.values()), phase
+        assert phase["ratio"] == pytest.approx(phase["baseline_s"] / phase["streamflow_s"],
+                                               abs=1e-4)
+    plain = report["plain_seconds_per_iteration"]
+    assert _positive(plain)
+    assert set(report["modes"]) == set(bench.MODES)
+    for mode in report["modes"].values():
+        assert set(mode) == {"seconds_per_iteration", "ratio_to_plain"}
+        assert all(_positive(v) for v in mode.values()), mode
+        assert mode["ratio_to_plain"] == pytest.approx(plain / mode["seconds_per_iteration"],
+                                                       abs=1e-4)
+    assert report["worst_phase_ratio"] == min(p["ratio"] for p in report["phases"].values())
+    assert report["best_ratio_to_plain"] == max(
+        m["ratio_to_plain"] for m in report["modes"].values())
+    spi = {name: m["seconds_per_iteration"] for name, m in report["modes"].items()}
+    assert report["best_streaming_ratio_to_sync"] == pytest.approx(
+        spi["sync"] / min(spi["periodic"], spi["async"]), abs=1e-4)
+
+
+def test_g1_model_directory_loads_with_exact_vocabulary_and_no_eos(tmp_path):
+    from workers.models import load_model, load_tokenizer
+    from workers.tokenizer import encode_prompt
+
+    path = _g1.build_model_dir(tmp_path / "g1", _g1.QUICK)
+    tok = load_tokenizer(path)  # as the run path loads it (transformers picks Qwen2Tokenizer)
+    assert len(tok) == _g1.QUICK.vocab
+    assert tok.eos_token_id is None and tok.pad_token_id is not None
+    ids = encode_prompt(tok, "12+34=")
+    assert tok.decode(ids) == "12+34="
+    model = load_model(path)
+    assert model.config.vocab_size == _g1.QUICK.vocab and model.config.tie_word_embeddings
+    assert model.generation_config.eos_token_id is None
+    assert max(ids) < model.config.vocab_size
+
+
+def test_full_g1_has_the_specified_shape():
+    assert (_g1.G1.hidden, _g1.G1.layers, _g1.G1.heads, _g1.G1.kv_heads) == (256, 4, 4, 2)
+    assert (_g1.G1.intermediate, _g1.G1.vocab) == (1024, 1024)
+    assert (_g1.G1.prompts, _g1.G1.group_size, _g1.G1.new_tokens) == (16, 8, 64)
+    assert _g1.KL_COEF == 0.04
+
+
+def test_run_config_splits_the_thread_budget_and_is_a_valid_config(tmp_path):
+    from streamflow.config import config_from_dict
+
+    for mode, rollout, trainer in (("sync", 2, 2), ("periodic", 1, 1), ("async", 1, 1)):
+        tree = _g1.run_config(_g1.G1, tmp_path, tmp_path, mode=mode, iterations=3, threads=2,
+                              device="cpu")
+        cfg = config_from_dict(tree)
+        assert (cfg.rollout.threads, cfg.trainer.threads) == (rollout, trainer)
+        assert cfg.trainer.kl_coef == 0.04 and cfg.rollout.max_new_tokens == 64
+        assert cfg.data.prompts_per_iteration * cfg.data.group_size == 128
+    phases_cfg = config_from_dict(_g1.run_config(
+        _g1.G1, tmp_path, tmp_path, mode="sync", iterations=3, threads=2, device="cpu",
+        phases=True))
+    assert phases_cfg.reference.placement == "worker"
+    assert phases_cfg.trainer.rows_per_claim == phases_cfg.reference.rows_per_claim == 128
+
+
+def test_summary_ratios_are_plain_over_streamflow():
+    phases = {"generation": bench._pair(2.0, 1.0), "reference": bench._pair(0.5, 1.0),
+              "train_step": bench._pair(1.0, 1.0)}
+    assert [p["ratio"] for p in phases.values()] == [0.5, 2.0, 1.0]
+    report = bench.summarize(phases, {"sync": 4.0, "periodic": 2.0, "async": 5.0}, plain_s=3.0)
+    assert report["worst_phase_ratio"] == 0.5
+    assert report["modes"]["periodic"]["ratio_to_plain"] == 1.5
+    assert report["best_ratio_to_plain"] == 1.5
+    assert report["best_streaming_ratio_to_sync"] == 2.0  # sync 4.0 s / periodic 2.0 s
+
+
+def test_bad_flags_fail_fast_with_one_line(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--threads", "0"])
+    assert "--threads must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "tpu"])
+    assert "--device must be cpu or cuda" in capsys.readouterr().err
+
+
+def test_device_is_placed_on_every_role_or_refused(capsys, tmp_path):
+    from streamflow.config import RolloutSection
+
+    if "device" in RolloutSection.__dataclass_fields__:  # a build with per-role devices
+        tree = _g1.run_config(_g1.QUICK, tmp_path, tmp_path, mode="periodic", iterations=2,
+                              threads=2, device="cuda")
+        assert [tree[s]["device"] for s in ("rollout", "reference", "trainer")] == ["cuda"] * 3
+        return
+    with pytest.raises(SystemExit):  # all on the CPU: a cuda baseline would be a false compare
+        bench.main(["--quick", "--device", "cuda"])
+    assert "no per-role device" in capsys.readouterr().err
