@@ -240,6 +240,8 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         top_p=r.top_p,
         max_new_tokens=r.max_new_tokens,
         engine=r.engine,
+        attn_implementation=r.attn_implementation,
+        rows_per_generate=r.rows_per_generate,
         vllm_dtype=r.vllm_dtype,
         vllm_max_model_len=r.vllm_max_model_len,
         vllm_kv_cache_gib=r.vllm_kv_cache_gib,

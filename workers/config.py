@@ -62,6 +62,9 @@ class RolloutWorkerConfig:
     max_new_tokens: int = 16
     engine: str = "torch"  # torch | vllm | simulated
     weight_wait_s: float = 600.0  # longest wait for a required policy version
+    # torch engine: attention kernel and rows per forward batch (0 = the whole claim)
+    attn_implementation: str = "sdpa"
+    rows_per_generate: int = 0
     # vLLM engine settings (see streamflow.config.RolloutSection); ignored by the torch engine.
     vllm_dtype: str = "auto"
     vllm_max_model_len: int | None = None

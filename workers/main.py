@@ -70,7 +70,10 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
         return SimulatedRolloutEngine(cfg.common.simulated, len(tokenizer))
     from workers.engines.torch_rollout import TorchRolloutEngine
 
-    return TorchRolloutEngine(load_model(cfg.model_path), tokenizer)
+    return TorchRolloutEngine(
+        load_model(cfg.model_path, attn_implementation=cfg.attn_implementation), tokenizer,
+        max_batch_size=cfg.rows_per_generate or None,
+    )
 
 
 def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage:

@@ -3,21 +3,32 @@
 Owns ``TorchRolloutEngine``, which implements ``RolloutEngine`` (see ``base`` for the log-prob,
 stop-token and seeding contract). How one ``generate`` call runs:
 
-1. The ``len(prompts) * n`` rows (prompt i repeated n times, in order) are cut into chunks of at
-   most ``max_batch_size`` rows.
+1. The ``len(prompts) * n`` rows (prompt i repeated n times, in order) run as ONE batch, or in
+   chunks of at most ``max_batch_size`` rows when that is set (``rollout.rows_per_generate``).
+   Measured on a 4.2 M-parameter Qwen2 (docs/engines.md, ``streamflow bench generate``): 128 rows
+   in one batch cost about half of two 64-row chunks, so the default is the whole call.
 2. Each chunk is LEFT-padded; ``attention_mask`` marks real tokens and ``position_ids`` count real
    tokens only (``cumsum(mask) - 1``), so a padded row sees exactly what it would see alone.
-3. One prefill forward fills a ``DynamicCache``; then one forward per new token ([B, 1] input, the
-   mask grown by one column, positions advanced by one). Sampling (temperature, top-p, stop
-   tokens) is vectorised over the chunk: no per-row Python work inside the loop.
+3. One prefill forward fills a ``DynamicCache``; then one forward per new token ([B, 1] input, a
+   view of a preallocated mask one column wider, positions advanced by one). Sampling
+   (temperature, top-p, stop tokens) is vectorised over the chunk: no per-row Python work inside
+   the loop.
 4. Rows that have finished keep being fed a pad token (their outputs are ignored) until every row of
    the chunk has finished or ``max_new_tokens`` is reached; the cost is a few wasted rows, which is
    cheaper than re-packing the cache for the short responses this engine is used for.
 
-Greedy: ``temperature <= GREEDY_TEMPERATURE`` means argmax (temperature -> 0); its log-probs are
-those of the untempered distribution. Reproducibility: each call with ``params.seed`` set uses its
-own ``torch.Generator`` seeded with it, so same seed + weights + prompts + ``max_batch_size`` ->
-same outputs; with ``seed=None`` the global torch RNG is used.
+Sampling is the Gumbel-max form of categorical sampling: ``argmax(log_softmax(logits / T) + g)``
+with ``g = -log(E)``, ``E ~ Exp(1)`` per vocabulary entry, which draws exactly from the tempered
+distribution (top-p: dropped entries are set to ``-inf`` first) and reuses the log-softmax the
+behaviour log-prob needs anyway. Greedy: ``temperature <= GREEDY_TEMPERATURE`` means argmax
+(temperature -> 0); its log-probs are those of the untempered distribution.
+
+Reproducibility, per row: row j of prompt i draws its noise from its own ``torch.Generator``
+seeded ``prompt_seed(i) + j``, where ``prompt_seed(i)`` is ``params.prompt_seeds[i]`` when given,
+else ``params.seed + i * n`` (vLLM's convention: request seed s, child j seeded s + j). The noise
+comes in fixed blocks of steps per row, so a row's samples depend only on its seed, its prompt,
+the weights and the parameters: not on the other prompts of the call, the chunking or the order
+(up to float rounding of the batched logits). With no seed the global torch RNG is used.
 
 HF ``generate`` is not used: we need the exact full-vocabulary log-prob of every sampled token
 before top-p truncation (the behaviour log-prob contract), which is one gather here.
@@ -31,13 +42,57 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from workers.engines.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from workers.engines.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    SamplingParams,
+    prompt_seeds_of,
+)
 
 GREEDY_TEMPERATURE = 1e-5
+# Noise is drawn per row in blocks of steps x vocabulary: big enough that one generator call
+# serves many steps (per-step calls per row cost more than the model on small models), small
+# enough to bound memory for large vocabularies (one step per block past 64 Ki entries).
+NOISE_BLOCK_ENTRIES = 1 << 16
+
+
+def row_seeds(params: SamplingParams, num_prompts: int, n: int) -> list[int] | None:
+    """The seed of each of the ``num_prompts * n`` rows (None: unseeded, global RNG)."""
+    bases = prompt_seeds_of(params, num_prompts, n)
+    return None if bases is None else [b + j for b in bases for j in range(n)]
+
+
+class _Noise:
+    """Gumbel noise [B, V] per step, each row from its own generator in fixed-size blocks."""
+
+    def __init__(
+        self, seeds: list[int] | None, batch: int, vocab: int, max_new: int, device: torch.device
+    ) -> None:
+        self.block = max(1, min(max_new, NOISE_BLOCK_ENTRIES // max(vocab, 1)))
+        self.gens = None
+        if seeds is not None:
+            self.gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.shape = (batch, self.block, vocab)
+        self.device = device
+        self.buf: torch.Tensor | None = None
+
+    def step(self, t: int) -> torch.Tensor:
+        k = t % self.block
+        if k == 0:
+            buf = torch.empty(self.shape, device=self.device)
+            if self.gens is None:
+                buf.exponential_()
+            else:
+                for row, gen in zip(buf, self.gens, strict=True):
+                    row.exponential_(generator=gen)
+            self.buf = buf.log_().neg_()  # Gumbel(0, 1) = -log(Exp(1))
+        assert self.buf is not None
+        return self.buf[:, k]
 
 
 def _sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, noise: _Noise, step: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token [B] and its behaviour log-prob [B] from float32 logits [B, V]."""
     if params.temperature <= GREEDY_TEMPERATURE:
@@ -45,17 +100,15 @@ def _sample(
         token = logp.argmax(dim=-1, keepdim=True)
         return token.squeeze(-1), logp.gather(-1, token).squeeze(-1)
     logp = torch.log_softmax(logits / params.temperature, dim=-1)  # [B, V], before truncation
+    scores = logp + noise.step(step)
     if params.top_p < 1.0:
         sorted_logp, order = logp.sort(dim=-1, descending=True)
         probs = sorted_logp.exp()
         # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass BEFORE it is
         # below top_p (the most likely token always stays).
         drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
-        kept = probs.masked_fill(drop, 0.0)
-        choice = torch.multinomial(kept, 1, generator=generator)
-        token = order.gather(-1, choice)
-    else:
-        token = torch.multinomial(logp.exp(), 1, generator=generator)
+        scores.masked_fill_(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
+    token = scores.argmax(dim=-1, keepdim=True)
     return token.squeeze(-1), logp.gather(-1, token).squeeze(-1)
 
 
@@ -68,12 +121,12 @@ class TorchRolloutEngine:
         tokenizer_or_eos_ids: PreTrainedTokenizerBase | Sequence[int],
         *,
         device: str | torch.device = "cpu",
-        max_batch_size: int = 64,
+        max_batch_size: int | None = None,
         pad_token_id: int | None = None,
         policy_version: int = 0,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be None or >= 1, got {max_batch_size}")
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         if isinstance(tokenizer_or_eos_ids, PreTrainedTokenizerBase):
@@ -87,7 +140,7 @@ class TorchRolloutEngine:
         if pad_token_id is not None:
             pad = pad_token_id
         self.pad_token_id = int(pad if pad is not None else (eos[0] if eos else 0))
-        self.max_batch_size = int(max_batch_size)
+        self.max_batch_size = max_batch_size  # rows per forward batch; None = the whole call
         self.policy_version = int(policy_version)
         # Running totals, read by the rollout worker for its metrics.
         self.generated_tokens_total = 0
@@ -128,9 +181,7 @@ class TorchRolloutEngine:
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty (needs at least one token)")
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(int(params.seed))
+        seeds = row_seeds(params, len(prompts), n)
         stop_ids = torch.tensor(
             sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
             dtype=torch.long,
@@ -138,9 +189,10 @@ class TorchRolloutEngine:
         )
         t0 = time.perf_counter()
         flat: list[Generation] = []
-        for start in range(0, len(rows), self.max_batch_size):
-            chunk = rows[start : start + self.max_batch_size]
-            flat.extend(self._generate_chunk(chunk, params, stop_ids, generator))
+        step = self.max_batch_size or max(len(rows), 1)
+        for start in range(0, len(rows), step):
+            chunk_seeds = None if seeds is None else seeds[start : start + step]
+            flat.extend(self._generate_chunk(rows[start : start + step], params, stop_ids, chunk_seeds))
         self.generate_seconds_total += time.perf_counter() - t0
         self.generated_tokens_total += sum(len(g.token_ids) for g in flat)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -151,17 +203,21 @@ class TorchRolloutEngine:
         rows: list[list[int]],
         params: SamplingParams,
         stop_ids: torch.Tensor,
-        generator: torch.Generator | None,
+        seeds: list[int] | None,
     ) -> list[Generation]:
         dev = self.device
         batch = len(rows)
         width = max(len(r) for r in rows)
+        max_new = params.max_new_tokens
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        # The mask of the whole generation, allocated once: step t passes a view of its first
+        # width + t + 1 columns (growing it with a cat per step copies it every step).
+        full_mask = torch.ones((batch, width + max_new), dtype=torch.long)
         for i, r in enumerate(rows):
             input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, width - len(r) :] = 1
-        input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
+            full_mask[i, : width - len(r)] = 0
+        input_ids, full_mask = input_ids.to(dev), full_mask.to(dev)
+        attention_mask = full_mask[:, :width]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
         cache = DynamicCache()
@@ -175,15 +231,14 @@ class TorchRolloutEngine:
         )
         logits = out.logits[:, -1, :].float()
         next_pos = position_ids[:, -1:] + 1  # [B, 1]
+        noise = _Noise(seeds, batch, int(logits.shape[-1]), max_new, dev)
 
-        max_new = params.max_new_tokens
         tokens = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=dev)
         logps = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)
         lengths = torch.full((batch,), max_new, dtype=torch.long, device=dev)
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
-        ones = torch.ones((batch, 1), dtype=attention_mask.dtype, device=dev)
         for step in range(max_new):
-            token, logp = _sample(logits, params, generator)
+            token, logp = _sample(logits, params, noise, step)
             token = token.masked_fill(finished, self.pad_token_id)
             tokens[:, step] = token
             logps[:, step] = logp
@@ -192,10 +247,9 @@ class TorchRolloutEngine:
             finished |= stopped
             if step == max_new - 1 or bool(finished.all()):
                 break
-            attention_mask = torch.cat([attention_mask, ones], dim=1)
             out = self.model(
                 input_ids=token[:, None],
-                attention_mask=attention_mask,
+                attention_mask=full_mask[:, : width + step + 1],
                 position_ids=next_pos,
                 past_key_values=cache,
                 use_cache=True,
