@@ -225,7 +225,7 @@ def test_a_group_samples_the_same_alone_or_batched_with_other_groups(model, tok)
 
 
 def test_sampling_draws_from_the_tempered_top_p_distribution(tok):
-    # Gumbel-max sampling: the empirical frequency of the first token matches its probability.
+    # Inverse-CDF sampling: the empirical frequency of the first token matches its probability.
     model = _peaked_model(tok, scale=0.3)
     prompt = _prompt_ids(tok)[0]
     temperature, top_p = 1.3, 0.8

@@ -17,18 +17,24 @@ stop-token and seeding contract). How one ``generate`` call runs:
    the chunk has finished or ``max_new_tokens`` is reached; the cost is a few wasted rows, which is
    cheaper than re-packing the cache for the short responses this engine is used for.
 
-Sampling is the Gumbel-max form of categorical sampling: ``argmax(log_softmax(logits / T) + g)``
-with ``g = -log(E)``, ``E ~ Exp(1)`` per vocabulary entry, which draws exactly from the tempered
-distribution (top-p: dropped entries are set to ``-inf`` first) and reuses the log-softmax the
-behaviour log-prob needs anyway. Greedy: ``temperature <= GREEDY_TEMPERATURE`` means argmax
-(temperature -> 0); its log-probs are those of the untempered distribution.
+Sampling is inverse-CDF sampling with one uniform per row and step: the token is where
+``u * mass`` falls in the cumulative sum of ``exp(log_softmax(logits / T))`` (top-p: over the
+kept prefix of the sorted distribution), an exact draw from the tempered (truncated) distribution
+that reuses the log-softmax the behaviour log-prob needs anyway. Greedy: ``temperature <=
+GREEDY_TEMPERATURE`` means argmax (temperature -> 0); its log-probs are those of the untempered
+distribution.
 
-Reproducibility, per row: row j of prompt i draws its noise from its own ``torch.Generator``
-seeded ``prompt_seed(i) + j``, where ``prompt_seed(i)`` is ``params.prompt_seeds[i]`` when given,
-else ``params.seed + i * n`` (vLLM's convention: request seed s, child j seeded s + j). The noise
-comes in fixed blocks of steps per row, so a row's samples depend only on its seed, its prompt,
-the weights and the parameters: not on the other prompts of the call, the chunking or the order
-(up to float rounding of the batched logits). With no seed the global torch RNG is used.
+Reproducibility, per row: row j of prompt i draws its ``max_new_tokens`` uniforms from its own
+``torch.Generator`` seeded ``prompt_seed(i) + j``, where ``prompt_seed(i)`` is
+``params.prompt_seeds[i]`` when given, else ``params.seed + i * n`` (vLLM's convention: request
+seed s, child j seeded s + j). So a row's samples depend only on its seed, its prompt, the weights
+and the parameters: not on the other prompts of the call, the chunking or the order (up to float
+rounding of the batched logits). With no seed the global torch RNG is used.
+
+Per-token costs removed from the decode loop (measured with cProfile, docs/engines.md): the KV
+cache is preallocated for the whole generation (``_PreallocatedLayer``: no ``torch.cat`` of the
+cache per token), and with sdpa a one-token step attends each KV head with its group of query
+heads (``decode_sdpa_attention``: no copy of the cache per layer to repeat grouped KV heads).
 
 HF ``generate`` is not used: we need the exact full-vocabulary log-prob of every sampled token
 before top-p truncation (the behaviour log-prob contract), which is one gather here.
@@ -36,11 +42,17 @@ before top-p truncation (the behaviour log-prob contract), which is one gather h
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from workers.engines.base import (
     FINISH_LENGTH,
@@ -51,10 +63,100 @@ from workers.engines.base import (
 )
 
 GREEDY_TEMPERATURE = 1e-5
-# Noise is drawn per row in blocks of steps x vocabulary: big enough that one generator call
-# serves many steps (per-step calls per row cost more than the model on small models), small
-# enough to bound memory for large vocabularies (one step per block past 64 Ki entries).
-NOISE_BLOCK_ENTRIES = 1 << 16
+DECODE_ATTENTION = "streamflow_decode_sdpa"
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A full-attention KV-cache layer whose buffer holds the whole generation from the start.
+
+    ``DynamicLayer`` grows by ``torch.cat`` at every step (the whole cache copied per token per
+    layer); this one writes the new step in place and hands attention a view of the filled part.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = key_states.shape[-2]
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            b, h, _, d = key_states.shape
+            self.k_buf = key_states.new_empty((b, h, self.capacity, d))
+            self.v_buf = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+            self.is_initialized = True
+        if self.length + new > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions is full")
+        self.k_buf[:, :, self.length : self.length + new] = key_states
+        self.v_buf[:, :, self.length : self.length + new] = value_states
+        self.length += new
+        self.keys = self.k_buf[:, :, : self.length]
+        self.values = self.v_buf[:, :, : self.length]
+        return self.keys, self.values
+
+
+def _cache_for(model: PreTrainedModel, capacity: int) -> DynamicCache:
+    """A ``DynamicCache`` whose plain full-attention layers are preallocated to ``capacity``."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [
+        _PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
+        for layer in cache.layers
+    ]
+    return cache
+
+
+def decode_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, q, d]
+    key: torch.Tensor,  # [B, Hkv, T, d]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA that skips copying grouped KV heads when decoding one token.
+
+    Plain SDPA with grouped-query attention repeats every KV head for its query heads (a copy of
+    the whole cache per layer per token, measured as large as all the linear layers of a 4-layer
+    model). With one new token the H query heads are instead viewed as ``H / Hkv`` queries of each
+    KV head: the same dot products, over the cache as it is. Prefill (q > 1) is plain SDPA.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, h, q, d = query.shape
+    if q != 1 or groups == 1 or dropout or kwargs.get("output_attentions"):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    mask = attention_mask
+    if mask is not None:
+        mask = mask[:, :, :, : key.shape[-2]]  # [B, 1, 1, T]: the same for every query head
+    out = F.scaled_dot_product_attention(
+        query.view(b, h // groups, groups, d), key, value, attn_mask=mask, scale=scaling
+    )  # [B, Hkv, groups, d]
+    return out.reshape(b, h, 1, d).transpose(1, 2), None
+
+
+AttentionInterface.register(DECODE_ATTENTION, decode_sdpa_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _decode_attention(model: PreTrainedModel) -> Iterator[None]:
+    """Use ``decode_sdpa_attention`` for one generate call when the model is set to sdpa."""
+    config = model.config
+    before = config._attn_implementation
+    if before != "sdpa":
+        yield
+        return
+    config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def row_seeds(params: SamplingParams, num_prompts: int, n: int) -> list[int] | None:
@@ -63,52 +165,45 @@ def row_seeds(params: SamplingParams, num_prompts: int, n: int) -> list[int] | N
     return None if bases is None else [b + j for b in bases for j in range(n)]
 
 
-class _Noise:
-    """Gumbel noise [B, V] per step, each row from its own generator in fixed-size blocks."""
+class _Uniforms:
+    """One uniform in [0, 1) per row and step, each row from its own generator."""
 
-    def __init__(
-        self, seeds: list[int] | None, batch: int, vocab: int, max_new: int, device: torch.device
-    ) -> None:
-        self.block = max(1, min(max_new, NOISE_BLOCK_ENTRIES // max(vocab, 1)))
-        self.gens = None
-        if seeds is not None:
-            self.gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        self.shape = (batch, self.block, vocab)
-        self.device = device
-        self.buf: torch.Tensor | None = None
+    def __init__(self, seeds: list[int] | None, batch: int, max_new: int, device: torch.device):
+        if seeds is None:
+            self.u = torch.rand((batch, max_new), device=device)
+        else:
+            self.u = torch.empty((batch, max_new), device=device)
+            for row, seed in zip(self.u, seeds, strict=True):
+                row.uniform_(generator=torch.Generator(device=device).manual_seed(seed))
 
-    def step(self, t: int) -> torch.Tensor:
-        k = t % self.block
-        if k == 0:
-            buf = torch.empty(self.shape, device=self.device)
-            if self.gens is None:
-                buf.exponential_()
-            else:
-                for row, gen in zip(buf, self.gens, strict=True):
-                    row.exponential_(generator=gen)
-            self.buf = buf.log_().neg_()  # Gumbel(0, 1) = -log(Exp(1))
-        assert self.buf is not None
-        return self.buf[:, k]
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B, 1] index drawn from the (unnormalised) rows of ``probs`` [B, V] with uniforms u [B]."""
+    cdf = probs.cumsum(dim=-1)
+    # right=True: the first entry whose cdf exceeds u * mass, so a zero-probability entry (flat
+    # cdf) is never picked; the clamp guards u * mass rounding up to the mass itself.
+    idx = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
+    return idx.clamp_(max=probs.shape[-1] - 1)
 
 
 def _sample(
-    logits: torch.Tensor, params: SamplingParams, noise: _Noise, step: int
+    logits: torch.Tensor, params: SamplingParams, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next token [B] and its behaviour log-prob [B] from float32 logits [B, V]."""
+    """Next token [B] and its behaviour log-prob [B] from float32 logits [B, V], uniforms u [B]."""
     if params.temperature <= GREEDY_TEMPERATURE:
         logp = torch.log_softmax(logits, dim=-1)
         token = logp.argmax(dim=-1, keepdim=True)
         return token.squeeze(-1), logp.gather(-1, token).squeeze(-1)
     logp = torch.log_softmax(logits / params.temperature, dim=-1)  # [B, V], before truncation
-    scores = logp + noise.step(step)
     if params.top_p < 1.0:
         sorted_logp, order = logp.sort(dim=-1, descending=True)
         probs = sorted_logp.exp()
         # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass BEFORE it is
         # below top_p (the most likely token always stays).
         drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
-        scores.masked_fill_(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
-    token = scores.argmax(dim=-1, keepdim=True)
+        token = order.gather(-1, _inverse_cdf(probs.masked_fill(drop, 0.0), u))
+    else:
+        token = _inverse_cdf(logp.exp(), u)
     return token.squeeze(-1), logp.gather(-1, token).squeeze(-1)
 
 
@@ -190,9 +285,11 @@ class TorchRolloutEngine:
         t0 = time.perf_counter()
         flat: list[Generation] = []
         step = self.max_batch_size or max(len(rows), 1)
-        for start in range(0, len(rows), step):
-            chunk_seeds = None if seeds is None else seeds[start : start + step]
-            flat.extend(self._generate_chunk(rows[start : start + step], params, stop_ids, chunk_seeds))
+        with _decode_attention(self.model):
+            for start in range(0, len(rows), step):
+                chunk = rows[start : start + step]
+                chunk_seeds = None if seeds is None else seeds[start : start + step]
+                flat.extend(self._generate_chunk(chunk, params, stop_ids, chunk_seeds))
         self.generate_seconds_total += time.perf_counter() - t0
         self.generated_tokens_total += sum(len(g.token_ids) for g in flat)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -220,7 +317,7 @@ class TorchRolloutEngine:
         attention_mask = full_mask[:, :width]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
-        cache = DynamicCache()
+        cache = _cache_for(self.model, width + max_new)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -231,14 +328,14 @@ class TorchRolloutEngine:
         )
         logits = out.logits[:, -1, :].float()
         next_pos = position_ids[:, -1:] + 1  # [B, 1]
-        noise = _Noise(seeds, batch, int(logits.shape[-1]), max_new, dev)
+        uniforms = _Uniforms(seeds, batch, max_new, dev).u
 
         tokens = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=dev)
         logps = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)
         lengths = torch.full((batch,), max_new, dtype=torch.long, device=dev)
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         for step in range(max_new):
-            token, logp = _sample(logits, params, noise, step)
+            token, logp = _sample(logits, params, uniforms[:, step])
             token = token.masked_fill(finished, self.pad_token_id)
             tokens[:, step] = token
             logps[:, step] = logp
