@@ -291,6 +291,10 @@ class TrainerSection:
     importance_correction: bool = False  # async: correct the ratio by behaviour log-probs
     is_cap: float = _f(2.0, ge=1)  # cap of the truncated importance weight
     packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
+    # ... in the micro-batches (trainer and reference) whose token saving 1 - packed/unpacked
+    # reaches this (0 = every batch). Below it, packing is slower than plain rows: measured with
+    # `streamflow bench packing` (docs/engines.md); = workers.packing.DEFAULT_MIN_SAVING
+    packing_min_saving: float = _f(0.25, ge=0, le=1)
     token_budget: int = _f(4096, ge=1)  # max tokens per packed micro-batch
     threads: int = _f(1, ge=1)  # torch threads of the trainer (per rank)
     # Bitwise-reproducible updates whatever order groups arrive in: one group per forward/backward

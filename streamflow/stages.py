@@ -264,6 +264,7 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
             temperature=r.temperature,
             rows_per_claim=cfg.reference.rows_per_claim,
             packing=t.packing,
+            packing_min_saving=t.packing_min_saving,
             token_budget=t.token_budget,
             dtype=cfg.reference.dtype,
         )
@@ -290,6 +291,7 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> RunPlan:
         is_cap=t.is_cap,
         temperature=r.temperature,
         packing=t.packing,
+        packing_min_saving=t.packing_min_saving,
         token_budget=t.token_budget,
         reference_dtype=cfg.reference.dtype,
         checkpoint_dir=str(run_dir / "checkpoints"),

@@ -92,6 +92,7 @@ class ReferenceWorkerConfig:
     temperature: float = 1.0
     rows_per_claim: int = 64
     packing: bool = True
+    packing_min_saving: float = 0.25  # pack a batch whose token saving reaches this
     token_budget: int = 4096
     dtype: str = "float32"
 
@@ -120,6 +121,7 @@ class TrainerWorkerConfig:
     is_cap: float = 2.0
     temperature: float = 1.0
     packing: bool = True
+    packing_min_saving: float = 0.25  # pack a batch whose token saving reaches this
     token_budget: int = 4096
     reference_dtype: str = "float32"
     checkpoint_dir: str | None = None

@@ -122,7 +122,7 @@ def build_reference(cfg: ReferenceWorkerConfig) -> Any:
     return ReferenceStage(
         load_model(cfg.model_path, dtype=DTYPES[cfg.dtype]),
         temperature=cfg.temperature, max_rows=cfg.rows_per_claim, packing=cfg.packing,
-        token_budget=cfg.token_budget,
+        packing_min_saving=cfg.packing_min_saving, token_budget=cfg.token_budget,
     )
 
 
@@ -190,6 +190,7 @@ def build_trainer(
         std_normalize=cfg.std_normalize, updates_per_batch=cfg.updates_per_batch,
         importance_correction=cfg.importance_correction, is_cap=cfg.is_cap,
         temperature=cfg.temperature, packing=cfg.packing, token_budget=cfg.token_budget,
+        packing_min_saving=cfg.packing_min_saving,
         rows_per_claim=cfg.rows_per_claim, deterministic=cfg.deterministic,
     )
     tokenizer = load_tokenizer(cfg.model_path)
