@@ -12,8 +12,9 @@ Invariants:
   their packed path switches to its own SDPA attention). The rollout worker passes
   ``rollout.attn_implementation`` (default ``"sdpa"``): on the embedded model both give the same
   tokens for prompts alone or left-padded in one batch, with log-probs equal to within 4.8e-7
-  (7.2e-7 for right-padded rows; tests/workers/test_torch_rollout.py), and sdpa decodes the G1
-  batch of ``streamflow bench generate`` about 1.7x faster (docs/engines.md). Eager's masking is
+  (7.2e-7 for right-padded rows; tests/workers/test_torch_rollout.py), and with sdpa (plus the whole
+  claim in one batch) the rollout engine took 1.7x less CPU time than eager in 64-row chunks on
+  the G1 batch of ``streamflow bench generate`` (docs/engines.md). Eager's masking is
   plain arithmetic (a fully padded query row gets a uniform, finite softmax, never NaN).
 - ``save_model`` writes into a temporary sibling directory and renames it into place, so a reader
   never sees a half-written model directory.
