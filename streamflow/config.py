@@ -222,7 +222,7 @@ class RolloutSection:
     groups_per_claim: int = _f(4, ge=1)  # prompt groups claimed from the store per micro-batch
     threads: int = _f(1, ge=1)  # torch threads per rollout worker
     # torch engine only: attention kernel ("sdpa": same tokens as "eager", log-probs within 1e-5
-    # on the embedded model, ~2x faster decoding; see docs/engines.md) and rows per forward
+    # on the embedded model, faster; `streamflow bench generate`, docs/engines.md) and rows per forward
     # batch of one generate call (0 = the whole claim: groups_per_claim x group_size rows)
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     rows_per_generate: int = _f(0, ge=0)
