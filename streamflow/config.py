@@ -246,6 +246,11 @@ class RolloutSection:
     max_new_tokens: int = _f(16, ge=1)  # generation limit per response
     groups_per_claim: int = _f(4, ge=1)  # prompt groups claimed from the store per micro-batch
     threads: int = _f(1, ge=1)  # torch threads per rollout worker
+    # torch engine only: attention kernel ("sdpa": same tokens as "eager", log-probs within 1e-5
+    # on the embedded model, faster; `streamflow bench generate`, docs/engines.md) and rows per forward
+    # batch of one generate call (0 = the whole claim: groups_per_claim x group_size rows)
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    rows_per_generate: int = _f(0, ge=0)
     # vLLM engine only (engine=vllm): weights dtype ("auto" = the checkpoint's; "float32" matches
     # the trainer's log-probs exactly), context length (None = the model's), KV-cache GiB on CPU,
     # fraction of GPU memory on GPU, and eager mode (no graph capture: faster start, CPU-safe).
@@ -322,6 +327,10 @@ class TrainerSection:
     importance_correction: bool = False  # async: correct the ratio by behaviour log-probs
     is_cap: float = _f(2.0, ge=1)  # cap of the truncated importance weight
     packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
+    # ... in the micro-batches (trainer and reference) whose token saving 1 - packed/unpacked
+    # reaches this (0 = every batch). Below it, packing is slower than plain rows: measured with
+    # `streamflow bench packing` (docs/engines.md); = workers.packing.DEFAULT_MIN_SAVING
+    packing_min_saving: float = _f(0.25, ge=0, le=1)
     token_budget: int = _f(4096, ge=1)  # max tokens per packed micro-batch
     threads: int = _f(1, ge=1)  # torch threads of the trainer (per rank)
     # Bitwise-reproducible updates whatever order groups arrive in: one group per forward/backward

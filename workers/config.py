@@ -86,6 +86,9 @@ class RolloutWorkerConfig:
     max_new_tokens: int = 16
     engine: str = "torch"  # torch | vllm | simulated
     weight_wait_s: float = 600.0  # longest wait for a required policy version
+    # torch engine: attention kernel and rows per forward batch (0 = the whole claim)
+    attn_implementation: str = "sdpa"
+    rows_per_generate: int = 0
     # vLLM engine settings (see streamflow.config.RolloutSection); ignored by the torch engine.
     vllm_dtype: str = "auto"
     vllm_max_model_len: int | None = None
@@ -116,6 +119,7 @@ class ReferenceWorkerConfig:
     temperature: float = 1.0
     rows_per_claim: int = 64
     packing: bool = True
+    packing_min_saving: float = 0.25  # pack a batch whose token saving reaches this
     token_budget: int = 4096
     dtype: str = "float32"
     device: str = "cpu"  # cpu | cuda:N
@@ -145,6 +149,7 @@ class TrainerWorkerConfig:
     is_cap: float = 2.0
     temperature: float = 1.0
     packing: bool = True
+    packing_min_saving: float = 0.25  # pack a batch whose token saving reaches this
     token_budget: int = 4096
     reference_dtype: str = "float32"
     checkpoint_dir: str | None = None

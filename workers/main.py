@@ -84,8 +84,10 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
         return SimulatedRolloutEngine(cfg.common.simulated, len(tokenizer))
     from workers.engines.torch_rollout import TorchRolloutEngine
 
-    model = load_model(cfg.model_path, dtype=dtype_of(cfg.dtype))
-    return TorchRolloutEngine(model, tokenizer, device=torch_device(cfg.device))
+    model = load_model(cfg.model_path, dtype=dtype_of(cfg.dtype),
+                       attn_implementation=cfg.attn_implementation)
+    return TorchRolloutEngine(model, tokenizer, device=torch_device(cfg.device),
+                              max_batch_size=cfg.rows_per_generate or None)
 
 
 def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage:
@@ -142,7 +144,7 @@ def build_reference(cfg: ReferenceWorkerConfig) -> Any:
     return ReferenceStage(
         load_model(cfg.model_path, dtype=DTYPES[cfg.dtype]).to(torch_device(cfg.device)),
         temperature=cfg.temperature, max_rows=cfg.rows_per_claim, packing=cfg.packing,
-        token_budget=cfg.token_budget,
+        packing_min_saving=cfg.packing_min_saving, token_budget=cfg.token_budget,
     )
 
 
@@ -221,6 +223,7 @@ def build_trainer(
         std_normalize=cfg.std_normalize, updates_per_batch=cfg.updates_per_batch,
         importance_correction=cfg.importance_correction, is_cap=cfg.is_cap,
         temperature=cfg.temperature, packing=cfg.packing, token_budget=cfg.token_budget,
+        packing_min_saving=cfg.packing_min_saving,
         rows_per_claim=cfg.rows_per_claim, deterministic=cfg.deterministic,
     )
     tokenizer = load_tokenizer(cfg.model_path)

@@ -8,11 +8,14 @@ Invariants:
 - The embedded model is a real ``Qwen2ForCausalLM`` built from a ``Qwen2Config``, so everything
   that loads an HF directory (this module, vLLM, transformers) loads it; nothing here is specific to
   it beyond ``build_tiny_model``.
-- Attention is ``"eager"``. Measured on this CPU torch with the embedded model: both eager and
-  SDPA give the same greedy tokens for a prompt alone or left-padded in a batch of 64, with
-  log-probs equal to within 4e-6; SDPA was only ~5-10 % faster (512 samples x 5 tokens: 0.84 s vs
-  0.90 s). Eager's masking is plain arithmetic (a fully padded query row gets a uniform, finite
-  softmax, never NaN), so we keep it as the default; ``attn_implementation`` overrides it.
+- ``load_model``'s default attention is ``"eager"`` (the trainer and the reference load with it;
+  their packed path switches to its own SDPA attention). The rollout worker passes
+  ``rollout.attn_implementation`` (default ``"sdpa"``): on the embedded model both give the same
+  tokens for prompts alone or left-padded in one batch, with log-probs equal to within 4.8e-7
+  (7.2e-7 for right-padded rows; tests/workers/test_torch_rollout.py), and with sdpa (plus the whole
+  claim in one batch) the rollout engine took 1.7x less CPU time than eager in 64-row chunks on
+  the G1 batch of ``streamflow bench generate`` (docs/engines.md). Eager's masking is
+  plain arithmetic (a fully padded query row gets a uniform, finite softmax, never NaN).
 - ``save_model`` writes into a temporary sibling directory and renames it into place, so a reader
   never sees a half-written model directory.
 """

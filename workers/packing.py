@@ -34,7 +34,14 @@ How the attention is done (exact, checked by tests against unpacked forwards):
   Kept as a generic, independent implementation of the same pattern (tests check both).
 - In both, only the positions that score a response token go through ``lm_head``.
 Models outside ``PACKABLE_MODEL_TYPES`` or failing a one-time self-check on a tiny input fall back
-to unpacked rows with a ``PackingFallbackWarning`` naming the model. Flex attention is not used:
+to unpacked rows with a ``PackingFallbackWarning`` naming the model.
+
+When packing pays (``should_pack``): packing saves tokens but its attention runs per chunk, so for
+short prompts (little saved) it is slower than plain rows. Callers decide per batch from the token
+saving ``1 - packed / unpacked`` real tokens (``token_saving``): pack only when it reaches
+``min_saving`` (``trainer.packing_min_saving``; default ``DEFAULT_MIN_SAVING``, measured with
+``streamflow bench packing`` so that the auto choice is never more than 3 % slower than unpacked
+rows; docs/engines.md has the table). Flex attention is not used:
 on CPU it needs ``torch.compile`` per shape, and the segment path is already exact and cheap.
 """
 
@@ -58,6 +65,8 @@ LAYOUT_KWARG = "shared_prompt_layout"
 # interface, with a ``model`` decoder and a plain ``lm_head``. Others use unpacked rows.
 PACKABLE_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama"})
 AttentionKind = Literal["segments", "mask"]
+# Token saving at or above which a batch is packed (see the module docstring; docs/engines.md).
+DEFAULT_MIN_SAVING = 0.25
 
 
 class PackingError(ValueError):
@@ -153,6 +162,28 @@ class PackedBatch:
                     mask[c.row, 0, s : s + n, s : s + n] = torch.ones(n, n).tril().bool()
             self._dense_mask = mask
         return self._dense_mask
+
+
+def token_saving(groups: Sequence[PackGroup]) -> float:
+    """``1 - packed / unpacked`` real tokens of ``groups`` (one prompt copy per group packed).
+
+    Unpacked, every non-empty response carries its own prompt copy; packed, a group pays for its
+    prompt once (a group split over several rows pays a copy per chunk: ignored here, it only
+    happens for groups larger than the token budget).
+    """
+    unpacked = packed = 0
+    for g in groups:
+        responses = [len(r) for r in g.responses if len(r) > 0]
+        if not responses:
+            continue
+        unpacked += len(responses) * len(g.prompt_ids) + sum(responses)
+        packed += len(g.prompt_ids) + sum(responses)
+    return 1.0 - packed / unpacked if unpacked else 0.0
+
+
+def should_pack(groups: Sequence[PackGroup], min_saving: float = DEFAULT_MIN_SAVING) -> bool:
+    """Whether packing ``groups`` pays: their token saving reaches ``min_saving`` (0: always)."""
+    return min_saving <= 0.0 or token_saving(groups) >= min_saving
 
 
 def _validate(groups: Sequence[PackGroup], token_budget: int, max_per_row: int | None) -> None:
@@ -586,12 +617,15 @@ def packed_response_logprobs(
     pack: bool = True,
     max_responses_per_row: int | None = None,
     pad_id: int = 0,
+    min_saving: float = 0.0,
 ) -> list[list[torch.Tensor]]:
     """Per group, per response: token log-probs ``[L_i]``; packed or as unpacked rows.
 
     ``pack=True`` uses shared-prompt packing when the model supports it (else warns once and uses
-    unpacked rows); ``pack=False`` always uses unpacked right-padded ``prompt + response`` rows.
+    unpacked rows) and the batch's token saving reaches ``min_saving`` (``should_pack``; 0 packs
+    every batch); ``pack=False`` always uses unpacked right-padded ``prompt + response`` rows.
     """
+    pack = pack and should_pack(groups, min_saving)
     if pack and packing_unsupported_reason(model) is None:
         batch = pack_groups(
             groups,

@@ -55,6 +55,7 @@ class ReferenceStage:
         max_rows: int,
         packing: bool,
         token_budget: int,
+        packing_min_saving: float = 0.0,
     ) -> None:
         self.model = model.eval()
         for p in self.model.parameters():
@@ -62,6 +63,7 @@ class ReferenceStage:
         self.temperature = temperature
         self.max_rows = max_rows
         self.packing = packing
+        self.packing_min_saving = packing_min_saving
         self.token_budget = token_budget
         self.last_tokens = 0
 
@@ -74,6 +76,7 @@ class ReferenceStage:
             temperature=self.temperature,
             token_budget=self.token_budget,
             pack=self.packing,
+            min_saving=self.packing_min_saving,
         )
         rows = [logprobs[g][r].float().tolist() for g, r in where]
         self.last_tokens = sum(len(r) for r in rows)

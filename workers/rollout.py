@@ -14,8 +14,10 @@ controller sets ``min_policy_version = iteration - max_staleness``, so
 - ``async``: rollout runs ahead with the newest weights it has, at most ``max_staleness`` versions
   behind the step that will train the sample, and picks up new weights between claims.
 
-Sampling is seeded by (run seed, first group id, policy version), so a group generates the same
-responses whichever worker claims it, in whichever order, and again after a redelivery.
+Sampling is seeded per group by (run seed, group id, policy version), passed to the engine as one
+seed per prompt (``SamplingParams.prompt_seeds``), so a group generates the same responses
+whichever worker claims it, in whichever order, together with whichever other groups, and again
+after a redelivery.
 """
 
 from __future__ import annotations
@@ -123,7 +125,9 @@ class RolloutStage:
             top_p=self.params.top_p,
             max_new_tokens=self.params.max_new_tokens,
             stop_token_ids=self.params.stop_token_ids,
+            # (``seed``: engines without per-prompt seeds, e.g. the simulated one, use the first)
             seed=sampling_seed(self.seed, group_ids[order[0]], version),
+            prompt_seeds=tuple(sampling_seed(self.seed, group_ids[i], version) for i in order),
         )
         generations = self.engine.generate([prompts[i] for i in order], self.group_size, params)
         n = batch.num_rows

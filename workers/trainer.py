@@ -76,6 +76,7 @@ from workers.engines.torch_trainer import TrainerEngine
 from workers.events import Span, StepReport
 from workers.faults import dead_groups
 from workers.loop import LeaseKeeper
+from workers.packing import DEFAULT_MIN_SAVING, should_pack
 from workers.reference import rows_to_groups
 from workers.rl import LossSums, group_advantages, grpo_loss_sums
 from workers.trimodel import TriModel
@@ -96,7 +97,8 @@ class TrainerSettings:
     importance_correction: bool = False
     is_cap: float = 2.0
     temperature: float = 1.0
-    packing: bool = True
+    packing: bool = True  # pack a micro-batch when its token saving reaches packing_min_saving
+    packing_min_saving: float = DEFAULT_MIN_SAVING
     token_budget: int = 4096
     rows_per_claim: int = 64
     deterministic: bool = False  # one group per forward + fp64 gradient sums (bitwise updates)
@@ -254,7 +256,7 @@ class Trainer:
         groups, where = rows_to_groups(rows)
         out = self.tri.forward(
             groups, temperature=self.s.temperature, token_budget=self.s.token_budget,
-            pack=self.s.packing,
+            pack=self.s.packing and should_pack(groups, self.s.packing_min_saving),
         )
         logp_rows = [out.policy[g][r] for g, r in where]
         logp = pad_sequence(logp_rows, batch_first=True)

@@ -14,8 +14,14 @@ the theoretical token ratio (G*P + sum L) / (P + sum L):
   temporaries. Each side runs in a fresh child process (``--isolate``, the default except with
   ``--quick``) so that the allocator's cache of one side never hides the other's peak.
 
-Target (issue 5): where the token saving is large, the time saving (1 - 1/time_ratio) reaches at
-least 80 % of the token saving (1 - 1/token_ratio); ``target_met`` says so per case.
+Target: where the token saving is large, the time saving (1 - 1/time_ratio) reaches at least
+80 % of the token saving (1 - 1/token_ratio); ``target_met`` says so per case.
+
+The auto rule (``workers.packing.should_pack``, what ``trainer.packing: true`` does per micro-batch):
+each case reports its token saving, whether the rule packs it (``auto_packs``, at ``--min-saving``,
+default the trainer's), the time of what it chose against unpacked rows (``auto_vs_unpacked``) and
+``auto_within_3pct``; the JSON's ``auto_never_over_3pct_slower`` holds over all cases. The short
+cases (P = 6, 16, 32 with L = 64, G = 8) bracket the threshold.
 
 Output: a table, then one JSON line ``{"bench": "packing", "cases": [...]}`` (with ``--json`` the
 table goes to stderr and stdout holds only the JSON line).
@@ -32,9 +38,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-FULL_CASES = [(512, 512, 8), (2048, 256, 16), (64, 512, 8)]
+FULL_CASES = [(512, 512, 8), (2048, 256, 16), (64, 512, 8), (6, 64, 8), (16, 64, 8), (32, 64, 8)]
 QUICK_CASES = [(64, 16, 4), (8, 48, 2)]
 LARGE_SAVING = 0.3  # token saving above which the 80 % target applies
+AUTO_SLOWDOWN_LIMIT = 1.03  # the auto rule's choice may cost at most 3 % more than unpacked rows
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,19 @@ def _reset_peak() -> bool:
         return True
     except OSError:
         return False
+
+
+def _group(P: int, L: int, G: int) -> Any:
+    """The benchmark's group shape (token ids only matter for the model, not for the decision)."""
+    from workers.packing import PackGroup
+
+    return PackGroup(0, [1] * P, [[1] * L for _ in range(G)])
+
+
+def should_pack(groups: Any, min_saving: float) -> bool:
+    from workers.packing import should_pack as rule
+
+    return rule(groups, min_saving)
 
 
 def _setup(P: int, L: int, G: int, shape: ModelShape, threads: int, attention: str) -> Any:
@@ -182,6 +202,9 @@ def _case(P: int, L: int, G: int, shape: ModelShape, args: argparse.Namespace) -
     mem_ratio = round(unp["peak_bytes"] / pk["peak_bytes"], 4) if mem_ok else None
     token_saving = 1 - 1 / token_ratio
     share = (1 - 1 / time_ratio) / token_saving if token_saving > 0 else float("nan")
+    auto_packs = should_pack([_group(P, L, G)], args.min_saving)
+    auto_seconds = t["seconds_packed"] if auto_packs else t["seconds_unpacked"]
+    auto_vs_unpacked = auto_seconds / t["seconds_unpacked"]
     return {
         "P": P,
         "L": L,
@@ -199,6 +222,10 @@ def _case(P: int, L: int, G: int, shape: ModelShape, args: argparse.Namespace) -
         "time_saving_share_of_token_saving": round(share, 4),
         "target_applies": token_saving >= LARGE_SAVING,
         "target_met": bool(token_saving < LARGE_SAVING or share >= 0.8),
+        "token_saving": round(token_saving, 4),
+        "auto_packs": auto_packs,
+        "auto_vs_unpacked": round(auto_vs_unpacked, 4),
+        "auto_within_3pct": bool(auto_vs_unpacked <= AUTO_SLOWDOWN_LIMIT),
     }
 
 
@@ -206,7 +233,7 @@ def _table(cases: list[dict[str, Any]]) -> str:
     head = (
         f"{'P':>5} {'L':>4} {'G':>3} | {'tokens unp/pk':>15} {'ratio':>5} {'theory':>6} | "
         f"{'fwd+bwd s unp/pk':>17} {'ratio':>5} {'cpu':>5} | {'peak MiB unp/pk':>16} "
-        f"{'ratio':>5} | {'saving share':>12}"
+        f"{'ratio':>5} | {'saving share':>12} | {'auto':>6} {'auto/unp':>8}"
     )
     lines = [head, "-" * len(head)]
     mib = 1024 * 1024
@@ -218,7 +245,8 @@ def _table(cases: list[dict[str, Any]]) -> str:
             f"{c['seconds_unpacked']:>8.3f}/{c['seconds_packed']:<8.3f} {c['time_ratio']:>5.2f} "
             f"{c['cpu_time_ratio']:>5.2f} | "
             f"{c['peak_bytes_unpacked'] / mib:>7.0f}/{c['peak_bytes_packed'] / mib:<8.0f} "
-            f"{_fmt(c['peak_memory_ratio'])} | {_share(c)}"
+            f"{_fmt(c['peak_memory_ratio'])} | {_share(c)} | "
+            f"{'pack' if c['auto_packs'] else 'rows':>6} {c['auto_vs_unpacked']:>8.3f}"
         )
     return "\n".join(lines)
 
@@ -247,6 +275,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--attention", choices=["segments", "mask"], default="segments")
     parser.add_argument(
+        "--min-saving", type=float, default=None,
+        help="the auto rule's token-saving threshold (default: the trainer's default)",
+    )
+    parser.add_argument(
+        "--cases", default=None, help="P,L,G triples separated by ';' instead of the built-in cases"
+    )
+    parser.add_argument(
         "--isolate",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -263,8 +298,20 @@ def main(argv: list[str]) -> int:
         args.isolate = not args.quick
     if args.repeats < 0 or args.threads < 1:
         parser.error("--repeats must be >= 0 and --threads >= 1")
+    if args.min_saving is None:
+        from workers.packing import DEFAULT_MIN_SAVING
+
+        args.min_saving = DEFAULT_MIN_SAVING
+    specs = QUICK_CASES if args.quick else FULL_CASES
+    if args.cases:
+        try:
+            specs = [tuple(int(x) for x in c.split(",")) for c in args.cases.split(";") if c]
+            if any(len(c) != 3 or min(c) < 1 for c in specs):
+                raise ValueError
+        except ValueError:
+            parser.error(f"--cases must be P,L,G triples of ints >= 1 separated by ';', got {args.cases!r}")
     shape = QUICK_MODEL if args.quick else FULL_MODEL
-    cases = [_case(P, L, G, shape, args) for P, L, G in (QUICK_CASES if args.quick else FULL_CASES)]
+    cases = [_case(P, L, G, shape, args) for P, L, G in specs]
     out = sys.stderr if args.json else sys.stdout
     print(
         f"shared-prompt packing, Qwen2 hidden={shape.hidden} layers={shape.layers} "
@@ -272,7 +319,12 @@ def main(argv: list[str]) -> int:
         file=out,
     )
     print(_table(cases), file=out)
-    print(json.dumps({"bench": "packing", "model": asdict(shape), "cases": cases}))
+    report = {
+        "bench": "packing", "model": asdict(shape), "threads": args.threads,
+        "min_saving": args.min_saving, "cases": cases,
+        "auto_never_over_3pct_slower": all(c["auto_within_3pct"] for c in cases),
+    }
+    print(json.dumps(report))
     return 0
 
 

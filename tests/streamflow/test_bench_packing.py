@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from streamflow.bench import packing as bench
 
 FIELDS = {"P", "L", "G", "token_ratio", "time_ratio", "peak_memory_ratio"}
@@ -37,3 +39,24 @@ def test_json_flag_keeps_stdout_machine_readable(capsys):
     assert len(captured.out.strip().splitlines()) == 1  # only the JSON line on stdout
     assert json.loads(captured.out)["bench"] == "packing"
     assert "tokens unp/pk" in captured.err
+
+
+def test_report_carries_the_auto_rule_decision(capsys):
+    from workers.packing import should_pack, token_saving
+
+    assert bench.main(["--quick", "--json", "--repeats", "0", "--threads", "1",
+                       "--cases", "16,8,2;2,8,4", "--min-saving", "0.3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["min_saving"] == 0.3 and isinstance(report["auto_never_over_3pct_slower"], bool)
+    assert [(c["P"], c["L"], c["G"]) for c in report["cases"]] == [(16, 8, 2), (2, 8, 4)]
+    for c in report["cases"]:
+        group = bench._group(c["P"], c["L"], c["G"])
+        assert c["token_saving"] == round(token_saving([group]), 4)
+        assert c["auto_packs"] is should_pack([group], 0.3)
+        chosen = c["seconds_packed"] if c["auto_packs"] else c["seconds_unpacked"]
+        # (the report's seconds are rounded to 4 decimals, its ratio from the unrounded ones)
+        assert c["auto_vs_unpacked"] == pytest.approx(chosen / c["seconds_unpacked"], rel=1e-2)
+        assert c["auto_within_3pct"] is (c["auto_vs_unpacked"] <= 1.03)
+    # 1 - 32/48 = 33 % saved: packed; 1 - 34/40 = 15 %: unpacked rows
+    assert [c["auto_packs"] for c in report["cases"]] == [True, False]
+    assert report["auto_never_over_3pct_slower"] is all(c["auto_within_3pct"] for c in report["cases"])

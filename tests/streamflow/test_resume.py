@@ -20,7 +20,7 @@ from streamflow.controller import run
 from workers.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMON = ("run.iterations=6", "run.checkpoint_every=3", "rollout.groups_per_claim=1",
+COMMON = ("run.iterations=6", "run.checkpoint_every=3", "rollout.groups_per_claim=2",
           "run.eval_every=0")
 
 

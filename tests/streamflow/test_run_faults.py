@@ -39,7 +39,7 @@ COMMON = (
     f"run.iterations={ITERATIONS}",
     "run.eval_every=0",
     "store.lease_seconds=2",
-    "rollout.groups_per_claim=1",
+    "rollout.groups_per_claim=2",
     "run.checkpoint_every=1",
     "run.stall_timeout_s=90",
 )

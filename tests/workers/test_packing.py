@@ -269,3 +269,45 @@ def test_unpacked_rows_one_response_per_row():
     assert not b.packed and b.num_rows == 3 and b.seq_len == 7
     assert b.num_tokens == (3 + 2) + (3 + 4) + (5 + 1)
     assert b.token_mask[0].tolist() == [True] * 5 + [False] * 2
+
+
+def test_token_saving_and_the_auto_rule():
+    from workers.packing import DEFAULT_MIN_SAVING, should_pack, token_saving
+
+    short = PackGroup(0, [1] * 6, [[2] * 64 for _ in range(8)])  # 560 tokens unpacked, 518 packed
+    assert token_saving([short]) == pytest.approx(1 - 518 / 560)
+    assert not should_pack([short])  # ~7 % saved: measured slower packed (docs/engines.md)
+    assert should_pack([short], min_saving=0.0)  # 0 = always pack
+    long = PackGroup(1, [1] * 64, [[2] * 64 for _ in range(8)])
+    assert token_saving([long]) == pytest.approx(1 - 576 / 1024) and should_pack([long])
+    # A batch is judged as a whole; empty responses carry no prompt copy either way.
+    both = token_saving([short, long])
+    assert both == pytest.approx(1 - (518 + 576) / (560 + 1024))
+    assert token_saving([PackGroup(2, [1] * 9, [[], []])]) == 0.0
+    assert should_pack([short, long]) is (both >= DEFAULT_MIN_SAVING)
+
+
+def test_packing_threshold_defaults_agree():
+    from streamflow.config import TrainerSection
+    from workers.config import ReferenceWorkerConfig, TrainerWorkerConfig
+    from workers.packing import DEFAULT_MIN_SAVING
+    from workers.trainer import TrainerSettings
+
+    assert TrainerSection().packing_min_saving == DEFAULT_MIN_SAVING
+    assert TrainerSettings(rows_per_iteration=2, group_size=2, reference_worker=False
+                           ).packing_min_saving == DEFAULT_MIN_SAVING
+    for cls in (ReferenceWorkerConfig, TrainerWorkerConfig):
+        assert cls.__dataclass_fields__["packing_min_saving"].default == DEFAULT_MIN_SAVING
+
+
+def test_below_the_threshold_the_batch_runs_unpacked(model, monkeypatch):
+    seen = []
+    real = packing.batch_logprobs
+    monkeypatch.setattr(packing, "batch_logprobs",
+                        lambda m, b, **kw: seen.append(b.packed) or real(m, b, **kw))
+    short = [PackGroup(0, [1, 2], [[3, 4, 5], [6, 7, 8]])]  # 1 - 8/10 = 20 % saved
+    packed = packed_response_logprobs(model, short, token_budget=64)  # min_saving 0: packs
+    rows = packed_response_logprobs(model, short, token_budget=64, min_saving=0.5)
+    assert seen[-2:] == [True, False]
+    for a, b in zip(rows[0], packed[0], strict=True):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -182,3 +182,148 @@ def test_bad_arguments_are_clear_errors(model, tok):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+# -- per-group seeds ---------------------------------------------------------------------------
+def _tokens_and_logprobs(groups):
+    return [g.token_ids for g in groups], [g.logprobs for g in groups]
+
+
+def test_a_group_samples_the_same_alone_or_batched_with_other_groups(model, tok):
+    prompts = _prompt_ids(tok)
+    seeds = (101, 202, 303, 404, 505)
+    params = SamplingParams(temperature=1.5, top_p=0.95, max_new_tokens=8, prompt_seeds=seeds)
+    together = {
+        rows: TorchRolloutEngine(model, tok, max_batch_size=rows).generate(prompts, 4, params)
+        for rows in (None, 3, 8)  # one batch; chunks that cut groups apart; other chunks
+    }
+    for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True)):
+        alone = TorchRolloutEngine(model, tok).generate(
+            [prompt], 4, SamplingParams(temperature=1.5, top_p=0.95, max_new_tokens=8,
+                                        prompt_seeds=(seed,))
+        )[0]
+        want_tokens, want_lp = _tokens_and_logprobs(alone)
+        for out in together.values():
+            got_tokens, got_lp = _tokens_and_logprobs(out[i])
+            assert got_tokens == want_tokens
+            for a, b in zip(got_lp, want_lp, strict=True):
+                assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+    # Reordering the other groups changes nothing either; a group's own seed does.
+    swapped = TorchRolloutEngine(model, tok).generate(
+        prompts[::-1], 4, SamplingParams(temperature=1.5, top_p=0.95, max_new_tokens=8,
+                                         prompt_seeds=seeds[::-1])
+    )
+    assert [g.token_ids for g in swapped[-1]] == [g.token_ids for g in together[None][0]]
+    reseeded = TorchRolloutEngine(model, tok).generate(
+        prompts[:1], 4, SamplingParams(temperature=1.5, max_new_tokens=8, prompt_seeds=(7,))
+    )
+    assert [g.token_ids for g in reseeded[0]] != [g.token_ids for g in together[None][0]]
+    # The samples of one group differ from each other (each row has its own stream).
+    assert len({tuple(g.token_ids) for g in together[None][0]}) > 1
+    with pytest.raises(ValueError, match="prompt_seeds has 1 seeds for 5 prompts"):
+        TorchRolloutEngine(model, tok).generate(prompts, 1, SamplingParams(prompt_seeds=(1,)))
+
+
+def test_sampling_draws_from_the_tempered_top_p_distribution(tok):
+    # Inverse-CDF sampling: the empirical frequency of the first token matches its probability.
+    model = _peaked_model(tok, scale=0.3)
+    prompt = _prompt_ids(tok)[0]
+    temperature, top_p = 1.3, 0.8
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].float() / temperature
+    probs = torch.softmax(logits, -1)
+    sorted_p, order = probs.sort(descending=True)
+    keep = order[(sorted_p.cumsum(0) - sorted_p) < top_p]
+    nucleus = torch.zeros_like(probs)
+    nucleus[keep] = probs[keep] / probs[keep].sum()
+    n = 4000
+    out = TorchRolloutEngine(model, tok).generate(
+        [prompt], n, SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=1, seed=5)
+    )[0]
+    counts = torch.bincount(torch.tensor([g.token_ids[0] for g in out]), minlength=len(probs))
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(keep.tolist())
+    freq = counts.float() / n
+    # 4 standard errors of a binomial proportion
+    assert torch.all((freq - nucleus).abs() <= 4 * (nucleus * (1 - nucleus) / n).sqrt() + 1e-3)
+
+
+def test_rollout_stage_seeds_each_group_by_its_own_id(model, tok, tmp_path):
+    # Before: the claim's first group id seeded the whole call, so a group's responses depended
+    # on which groups it was claimed with (identical redelivery needed groups_per_claim = 1).
+    import pyarrow as pa
+
+    from storage.schema import ROW_ID, Lease
+    from workers.rollout import RolloutStage
+    from workers.weights import WeightSubscriber
+
+    group_size = 3
+    prompts = {7: _prompt_ids(tok)[0], 8: _prompt_ids(tok)[1], 9: _prompt_ids(tok)[2]}
+
+    def claim(group_ids):
+        gids = [g for g in group_ids for _ in range(group_size)]
+        batch = pa.RecordBatch.from_pydict({
+            "group_id": pa.array(gids, pa.int64()),
+            "iteration": pa.array([0] * len(gids), pa.int64()),
+            "min_policy_version": pa.array([0] * len(gids), pa.int64()),
+            "prompt_ids": pa.array([prompts[g] for g in gids], pa.list_(pa.int32())),
+            ROW_ID: pa.array(range(len(gids)), pa.uint64()),
+        })
+        stage = RolloutStage(
+            TorchRolloutEngine(model, tok), WeightSubscriber(tmp_path),
+            SamplingParams(temperature=1.5, max_new_tokens=6), worker="r", group_size=group_size,
+            groups_per_claim=len(group_ids), seed=3, weight_wait_s=1.0,
+        )
+        out = stage.process(Lease(1, "t", "rollout", 0, 0.0, batch)).to_pydict()
+        by_group: dict[int, list] = {}
+        for g, ids, lp in zip(gids, out["response_ids"], out["response_logprobs"], strict=True):
+            by_group.setdefault(g, []).append((ids, lp))
+        return by_group
+
+    alone = {g: claim([g])[g] for g in prompts}
+    for together in (claim([7, 8, 9]), claim([9, 8, 7]), claim([8, 9])):
+        for g, samples in together.items():
+            assert [ids for ids, _ in samples] == [ids for ids, _ in alone[g]]
+            for (_, a), (_, b) in zip(samples, alone[g], strict=True):
+                assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+
+
+# -- attention implementation ----------------------------------------------------------------
+@pytest.mark.parametrize("weights", ["embedded", "peaked"])
+def test_sdpa_and_eager_give_the_same_tokens_and_logprobs_with_padding(tok, weights):
+    """The rollout default (sdpa) against eager on the embedded model: left-padded prompts of
+    different lengths in one batch (generation), right-padded rows (the trainer's recomputation).
+    """
+    def make(attn):
+        if weights == "embedded":
+            m = build_tiny_model(TinyModelSpec(), tok)  # the embedded model as built (default init)
+        else:
+            m = _peaked_model(tok, scale=0.5)
+        m.set_attn_implementation(attn)
+        assert m.config._attn_implementation == attn
+        return m
+
+    eager, sdpa = make("eager"), make("sdpa")
+    prompts = _prompt_ids(tok) + [encode_prompt(tok, "1234+5678=")]
+    assert len({len(p) for p in prompts}) > 2  # several pad widths
+    outs = {}
+    for name, m in (("eager", eager), ("sdpa", sdpa)):
+        engine = TorchRolloutEngine(m, tok)
+        outs[name] = (
+            engine.generate(prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=12, seed=9)),
+            engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=12)),
+        )
+    for got_all, want_all in zip(outs["sdpa"], outs["eager"], strict=True):
+        for got_group, want_group in zip(got_all, want_all, strict=True):
+            for got, want in zip(got_group, want_group, strict=True):
+                assert got.token_ids == want.token_ids
+                diff = (torch.tensor(got.logprobs) - torch.tensor(want.logprobs)).abs()
+                assert torch.isfinite(torch.tensor(got.logprobs)).all() and diff.max() <= 1e-5
+    pairs = [(p, g.token_ids) for p, group in zip(prompts, outs["eager"][0], strict=True)
+             for g in group]
+    batch = build_token_batch(pairs, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        lp = [
+            response_logprobs(m, batch.input_ids, batch.attention_mask, batch.response_mask)
+            for m in (eager, sdpa)
+        ]
+    assert torch.isfinite(lp[1]).all() and (lp[0] - lp[1]).abs().max() <= 1e-5

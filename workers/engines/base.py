@@ -13,6 +13,9 @@ Owns the records every rollout engine speaks. Invariants an implementation must 
 - ``policy_version`` is the version passed to the last ``load_weights`` (the initial weights are
   whatever version the engine was built with, usually 0).
 - Same ``seed``, prompts, parameters and weights -> same outputs.
+- ``prompt_seeds`` (one per prompt): prompt i's samples depend only on ``prompt_seeds[i]``, its
+  prompt, the parameters and the weights, never on the other prompts of the call (up to float
+  rounding of batched logits): a group samples the same responses alone or batched with others.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    prompt_seeds: tuple[int, ...] = ()  # per-prompt seeds (override ``seed``; see module doc)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -48,6 +52,25 @@ class SamplingParams:
                 f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}"
             )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "prompt_seeds", tuple(int(s) for s in self.prompt_seeds))
+
+
+def prompt_seeds_of(params: SamplingParams, num_prompts: int, n: int) -> list[int] | None:
+    """The seed of each prompt's samples (sample j uses seed + j); None when unseeded.
+
+    ``params.prompt_seeds`` when given (one per prompt), else ``params.seed + i * n`` for prompt i
+    (so no two samples of one call share a seed).
+    """
+    if params.prompt_seeds:
+        if len(params.prompt_seeds) != num_prompts:
+            raise ValueError(
+                f"generate: SamplingParams.prompt_seeds has {len(params.prompt_seeds)} seeds for "
+                f"{num_prompts} prompts"
+            )
+        return list(params.prompt_seeds)
+    if params.seed is None:
+        return None
+    return [int(params.seed) + i * n for i in range(num_prompts)]
 
 
 @dataclass

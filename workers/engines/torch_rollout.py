@@ -3,21 +3,38 @@
 Owns ``TorchRolloutEngine``, which implements ``RolloutEngine`` (see ``base`` for the log-prob,
 stop-token and seeding contract). How one ``generate`` call runs:
 
-1. The ``len(prompts) * n`` rows (prompt i repeated n times, in order) are cut into chunks of at
-   most ``max_batch_size`` rows.
+1. The ``len(prompts) * n`` rows (prompt i repeated n times, in order) run as ONE batch, or in
+   chunks of at most ``max_batch_size`` rows when that is set (``rollout.rows_per_generate``).
+   Measured on a 4.2 M-parameter Qwen2 (docs/engines.md, ``streamflow bench generate``): 128 rows
+   in one batch cost about half of two 64-row chunks, so the default is the whole call.
 2. Each chunk is LEFT-padded; ``attention_mask`` marks real tokens and ``position_ids`` count real
    tokens only (``cumsum(mask) - 1``), so a padded row sees exactly what it would see alone.
-3. One prefill forward fills a ``DynamicCache``; then one forward per new token ([B, 1] input, the
-   mask grown by one column, positions advanced by one). Sampling (temperature, top-p, stop
-   tokens) is vectorised over the chunk: no per-row Python work inside the loop.
+3. One prefill forward fills a ``DynamicCache``; then one forward per new token ([B, 1] input, a
+   view of a preallocated mask one column wider, positions advanced by one). Sampling
+   (temperature, top-p, stop tokens) is vectorised over the chunk: no per-row Python work inside
+   the loop.
 4. Rows that have finished keep being fed a pad token (their outputs are ignored) until every row of
    the chunk has finished or ``max_new_tokens`` is reached; the cost is a few wasted rows, which is
    cheaper than re-packing the cache for the short responses this engine is used for.
 
-Greedy: ``temperature <= GREEDY_TEMPERATURE`` means argmax (temperature -> 0); its log-probs are
-those of the untempered distribution. Reproducibility: each call with ``params.seed`` set uses its
-own ``torch.Generator`` seeded with it, so same seed + weights + prompts + ``max_batch_size`` ->
-same outputs; with ``seed=None`` the global torch RNG is used.
+Sampling is inverse-CDF sampling with one uniform per row and step: the token is where
+``u * mass`` falls in the cumulative sum of ``exp(log_softmax(logits / T))`` (top-p: over the
+kept prefix of the sorted distribution), an exact draw from the tempered (truncated) distribution
+that reuses the log-softmax the behaviour log-prob needs anyway. Greedy: ``temperature <=
+GREEDY_TEMPERATURE`` means argmax (temperature -> 0); its log-probs are those of the untempered
+distribution.
+
+Reproducibility, per row: row j of prompt i draws its ``max_new_tokens`` uniforms from its own
+``torch.Generator`` seeded ``prompt_seed(i) + j``, where ``prompt_seed(i)`` is
+``params.prompt_seeds[i]`` when given, else ``params.seed + i * n`` (vLLM's convention: request
+seed s, child j seeded s + j). So a row's samples depend only on its seed, its prompt, the weights
+and the parameters: not on the other prompts of the call, the chunking or the order (up to float
+rounding of the batched logits). With no seed the global torch RNG is used.
+
+Per-token costs removed from the decode loop (measured with cProfile, docs/engines.md): the KV
+cache is preallocated for the whole generation (``_PreallocatedLayer``: no ``torch.cat`` of the
+cache per token), and with sdpa a one-token step attends each KV head with its group of query
+heads (``decode_sdpa_attention``: no copy of the cache per layer to repeat grouped KV heads).
 
 HF ``generate`` is not used: we need the exact full-vocabulary log-prob of every sampled token
 before top-p truncation (the behaviour log-prob contract), which is one gather here.
@@ -25,21 +42,154 @@ before top-p truncation (the behaviour log-prob contract), which is one gather h
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from workers.engines.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from workers.engines.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    SamplingParams,
+    prompt_seeds_of,
+)
 
 GREEDY_TEMPERATURE = 1e-5
+DECODE_ATTENTION = "streamflow_decode_sdpa"
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A full-attention KV-cache layer whose buffer holds the whole generation from the start.
+
+    ``DynamicLayer`` grows by ``torch.cat`` at every step (the whole cache copied per token per
+    layer); this one writes the new step in place and hands attention a view of the filled part.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = key_states.shape[-2]
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            b, h, _, d = key_states.shape
+            self.k_buf = key_states.new_empty((b, h, self.capacity, d))
+            self.v_buf = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+            self.is_initialized = True
+        if self.length + new > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions is full")
+        self.k_buf[:, :, self.length : self.length + new] = key_states
+        self.v_buf[:, :, self.length : self.length + new] = value_states
+        self.length += new
+        self.keys = self.k_buf[:, :, : self.length]
+        self.values = self.v_buf[:, :, : self.length]
+        return self.keys, self.values
+
+
+def _cache_for(model: PreTrainedModel, capacity: int) -> DynamicCache:
+    """A ``DynamicCache`` whose plain full-attention layers are preallocated to ``capacity``."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [
+        _PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
+        for layer in cache.layers
+    ]
+    return cache
+
+
+def decode_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, q, d]
+    key: torch.Tensor,  # [B, Hkv, T, d]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA that skips copying grouped KV heads when decoding one token.
+
+    Plain SDPA with grouped-query attention repeats every KV head for its query heads (a copy of
+    the whole cache per layer per token, measured as large as all the linear layers of a 4-layer
+    model). With one new token the H query heads are instead viewed as ``H / Hkv`` queries of each
+    KV head: the same dot products, over the cache as it is. Prefill (q > 1) is plain SDPA.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, h, q, d = query.shape
+    if q != 1 or groups == 1 or dropout or kwargs.get("output_attentions"):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    mask = attention_mask
+    if mask is not None:
+        mask = mask[:, :, :, : key.shape[-2]]  # [B, 1, 1, T]: the same for every query head
+    out = F.scaled_dot_product_attention(
+        query.view(b, h // groups, groups, d), key, value, attn_mask=mask, scale=scaling
+    )  # [B, Hkv, groups, d]
+    return out.reshape(b, h, 1, d).transpose(1, 2), None
+
+
+AttentionInterface.register(DECODE_ATTENTION, decode_sdpa_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _decode_attention(model: PreTrainedModel) -> Iterator[None]:
+    """Use ``decode_sdpa_attention`` for one generate call when the model is set to sdpa."""
+    config = model.config
+    before = config._attn_implementation
+    if before != "sdpa":
+        yield
+        return
+    config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def row_seeds(params: SamplingParams, num_prompts: int, n: int) -> list[int] | None:
+    """The seed of each of the ``num_prompts * n`` rows (None: unseeded, global RNG)."""
+    bases = prompt_seeds_of(params, num_prompts, n)
+    return None if bases is None else [b + j for b in bases for j in range(n)]
+
+
+class _Uniforms:
+    """One uniform in [0, 1) per row and step, each row from its own generator."""
+
+    def __init__(self, seeds: list[int] | None, batch: int, max_new: int, device: torch.device):
+        if seeds is None:
+            self.u = torch.rand((batch, max_new), device=device)
+        else:
+            self.u = torch.empty((batch, max_new), device=device)
+            for row, seed in zip(self.u, seeds, strict=True):
+                row.uniform_(generator=torch.Generator(device=device).manual_seed(seed))
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B, 1] index drawn from the (unnormalised) rows of ``probs`` [B, V] with uniforms u [B]."""
+    cdf = probs.cumsum(dim=-1)
+    # right=True: the first entry whose cdf exceeds u * mass, so a zero-probability entry (flat
+    # cdf) is never picked; the clamp guards u * mass rounding up to the mass itself.
+    idx = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
+    return idx.clamp_(max=probs.shape[-1] - 1)
 
 
 def _sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next token [B] and its behaviour log-prob [B] from float32 logits [B, V]."""
+    """Next token [B] and its behaviour log-prob [B] from float32 logits [B, V], uniforms u [B]."""
     if params.temperature <= GREEDY_TEMPERATURE:
         logp = torch.log_softmax(logits, dim=-1)
         token = logp.argmax(dim=-1, keepdim=True)
@@ -51,11 +201,9 @@ def _sample(
         # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass BEFORE it is
         # below top_p (the most likely token always stays).
         drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
-        kept = probs.masked_fill(drop, 0.0)
-        choice = torch.multinomial(kept, 1, generator=generator)
-        token = order.gather(-1, choice)
+        token = order.gather(-1, _inverse_cdf(probs.masked_fill(drop, 0.0), u))
     else:
-        token = torch.multinomial(logp.exp(), 1, generator=generator)
+        token = _inverse_cdf(logp.exp(), u)
     return token.squeeze(-1), logp.gather(-1, token).squeeze(-1)
 
 
@@ -68,12 +216,12 @@ class TorchRolloutEngine:
         tokenizer_or_eos_ids: PreTrainedTokenizerBase | Sequence[int],
         *,
         device: str | torch.device = "cpu",
-        max_batch_size: int = 64,
+        max_batch_size: int | None = None,
         pad_token_id: int | None = None,
         policy_version: int = 0,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be None or >= 1, got {max_batch_size}")
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         if isinstance(tokenizer_or_eos_ids, PreTrainedTokenizerBase):
@@ -87,7 +235,7 @@ class TorchRolloutEngine:
         if pad_token_id is not None:
             pad = pad_token_id
         self.pad_token_id = int(pad if pad is not None else (eos[0] if eos else 0))
-        self.max_batch_size = int(max_batch_size)
+        self.max_batch_size = max_batch_size  # rows per forward batch; None = the whole call
         self.policy_version = int(policy_version)
         # Running totals, read by the rollout worker for its metrics.
         self.generated_tokens_total = 0
@@ -132,9 +280,7 @@ class TorchRolloutEngine:
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty (needs at least one token)")
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(int(params.seed))
+        seeds = row_seeds(params, len(prompts), n)
         stop_ids = torch.tensor(
             sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
             dtype=torch.long,
@@ -142,9 +288,12 @@ class TorchRolloutEngine:
         )
         t0 = time.perf_counter()
         flat: list[Generation] = []
-        for start in range(0, len(rows), self.max_batch_size):
-            chunk = rows[start : start + self.max_batch_size]
-            flat.extend(self._generate_chunk(chunk, params, stop_ids, generator))
+        step = self.max_batch_size or max(len(rows), 1)
+        with _decode_attention(self.model):
+            for start in range(0, len(rows), step):
+                chunk = rows[start : start + step]
+                chunk_seeds = None if seeds is None else seeds[start : start + step]
+                flat.extend(self._generate_chunk(chunk, params, stop_ids, chunk_seeds))
         self.generate_seconds_total += time.perf_counter() - t0
         self.generated_tokens_total += sum(len(g.token_ids) for g in flat)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -155,20 +304,24 @@ class TorchRolloutEngine:
         rows: list[list[int]],
         params: SamplingParams,
         stop_ids: torch.Tensor,
-        generator: torch.Generator | None,
+        seeds: list[int] | None,
     ) -> list[Generation]:
         dev = self.device
         batch = len(rows)
         width = max(len(r) for r in rows)
+        max_new = params.max_new_tokens
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        # The mask of the whole generation, allocated once: step t passes a view of its first
+        # width + t + 1 columns (growing it with a cat per step copies it every step).
+        full_mask = torch.ones((batch, width + max_new), dtype=torch.long)
         for i, r in enumerate(rows):
             input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, width - len(r) :] = 1
-        input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
+            full_mask[i, : width - len(r)] = 0
+        input_ids, full_mask = input_ids.to(dev), full_mask.to(dev)
+        attention_mask = full_mask[:, :width]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
-        cache = DynamicCache()
+        cache = _cache_for(self.model, width + max_new)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -179,15 +332,14 @@ class TorchRolloutEngine:
         )
         logits = out.logits[:, -1, :].float()
         next_pos = position_ids[:, -1:] + 1  # [B, 1]
+        uniforms = _Uniforms(seeds, batch, max_new, dev).u
 
-        max_new = params.max_new_tokens
         tokens = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=dev)
         logps = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)
         lengths = torch.full((batch,), max_new, dtype=torch.long, device=dev)
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
-        ones = torch.ones((batch, 1), dtype=attention_mask.dtype, device=dev)
         for step in range(max_new):
-            token, logp = _sample(logits, params, generator)
+            token, logp = _sample(logits, params, uniforms[:, step])
             token = token.masked_fill(finished, self.pad_token_id)
             tokens[:, step] = token
             logps[:, step] = logp
@@ -196,10 +348,9 @@ class TorchRolloutEngine:
             finished |= stopped
             if step == max_new - 1 or bool(finished.all()):
                 break
-            attention_mask = torch.cat([attention_mask, ones], dim=1)
             out = self.model(
                 input_ids=token[:, None],
-                attention_mask=attention_mask,
+                attention_mask=full_mask[:, : width + step + 1],
                 position_ids=next_pos,
                 past_key_values=cache,
                 use_cache=True,

@@ -8,7 +8,8 @@ to the CPU build: vLLM picks the device; we only pass generic engine arguments.
 
 How one ``generate`` call maps onto vLLM:
 - one request per prompt (token ids in, no tokenization), with ``n`` samples: vLLM fans a request
-  out into n children, child j seeded ``seed + j``; prompt i gets ``seed + i * n``, so every sample
+  out into n children, child j seeded ``seed + j``; prompt i gets ``params.prompt_seeds[i]`` when
+  given (the rollout worker passes each group's own seed), else ``seed + i * n``, so every sample
   of a call has its own stream and same seed + weights + prompts -> same outputs;
 - ``stop_token_ids`` = the call's plus the model's eos ids (read by us from the model directory,
   so stopping does not depend on how vLLM finds eos); ``detokenize=False`` (we need ids only).
@@ -55,7 +56,13 @@ from typing import Any
 
 import torch
 
-from workers.engines.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from workers.engines.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    SamplingParams,
+    prompt_seeds_of,
+)
 
 INSTALL_HINT = (
     "pip install 'streamflow[vllm]' (GPU: the official vllm wheel) or "
@@ -241,12 +248,12 @@ class VllmRolloutEngine:
                 raise ValueError(f"generate: prompt {i} is empty (needs at least one token)")
         if not prompts:
             return []
-        # One SamplingParams per prompt: vLLM seeds child j of a request with seed + j, so prompt
-        # i gets seeds seed + i*n + j: no two samples of one call share a random stream.
+        # One SamplingParams per prompt: vLLM seeds child j of a request with seed + j. Prompt i's
+        # seed is params.prompt_seeds[i] (its group's own seed) or seed + i*n: either way a
+        # request's samples never depend on the other requests of the call.
+        seeds = prompt_seeds_of(params, len(prompts), n)
         sps = [
-            self._sampling_params(
-                n, params, None if params.seed is None else int(params.seed) + i * n
-            )
+            self._sampling_params(n, params, None if seeds is None else seeds[i])
             for i in range(len(prompts))
         ]
         greedy = params.temperature <= GREEDY_TEMPERATURE
