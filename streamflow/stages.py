@@ -195,8 +195,9 @@ class RunPlan:
             base = common(role, i, threads)
             if self.cores_path is None:
                 return base
-            share = CoreShareConfig(str(self.cores_path), next(slots), c.run.host_threads)
-            return replace(base, threads=c.run.host_threads, cores=share)
+            cap = threads if role == "rollout" else 0  # see CoreShareConfig.max_threads
+            share = CoreShareConfig(str(self.cores_path), next(slots), c.run.host_threads, cap)
+            return replace(base, threads=cap or c.run.host_threads, cores=share)
 
         for i in range(c.rollout.num_workers):
             w = _replace_common(self.rollout, compute("rollout", i, c.rollout.threads))

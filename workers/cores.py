@@ -1,7 +1,7 @@
 """One host's CPU threads, handed back and forth between its compute processes by phase.
 
 Owns: ``CoreShare`` (a process's view of the host's thread budget) and the process-wide
-``refresh()`` hook that long computations (the rollout's decode loop) call between steps.
+``busy()`` hook that the stage loop and the trainer wrap their compute phases in.
 
 Why: in the streaming modes rollout and trainer are separate processes. A fixed thread count per
 process either fights over the cores (each takes them all: oversubscription, measured 1.2-1.6x
@@ -44,6 +44,10 @@ class CoreShareConfig:
     path: str  # the shared file (created by the controller)
     slot: int  # this process's byte, 0 <= slot < MAX_SLOTS, unique on the host
     total_threads: int  # the host's budget for its compute processes
+    # at most this many threads for this process (0 = no cap). The rollout is capped at its own
+    # `threads`: a decode step is a few hundred microseconds, too short to resize a thread pool
+    # in, so it marks itself busy (the others yield to it) but never grows.
+    max_threads: int = 0
 
 
 def create(path: str | os.PathLike[str]) -> Path:
@@ -80,7 +84,8 @@ class CoreShare:
             busy.append(self.cfg.slot)
             busy.sort()
         base, extra = divmod(self.cfg.total_threads, len(busy))
-        return max(1, base + (1 if busy.index(self.cfg.slot) < extra else 0))
+        share = max(1, base + (1 if busy.index(self.cfg.slot) < extra else 0))
+        return min(share, self.cfg.max_threads) if self.cfg.max_threads else share
 
     def refresh(self) -> int:
         """Apply ``share()`` to torch if it changed (cheap: reads 64 bytes); returns it."""
@@ -113,15 +118,9 @@ _current: CoreShare | None = None
 
 
 def install(share: CoreShare | None) -> None:
-    """Make ``share`` the process's budget (``refresh()`` and ``busy()`` act on it)."""
+    """Make ``share`` the process's budget (``busy()`` acts on it)."""
     global _current
     _current = share
-
-
-def refresh() -> None:
-    """Re-read the host's budget between steps of a long computation; no-op without a share."""
-    if _current is not None:
-        _current.refresh()
 
 
 def busy() -> contextlib.AbstractContextManager[int]:

@@ -36,6 +36,20 @@ def test_share_splits_the_budget_among_busy_processes(tmp_path):
             s.close()
 
 
+def test_a_capped_process_never_grows_but_still_makes_the_others_yield(tmp_path):
+    path = create(tmp_path / "cores")
+    rollout = CoreShare(CoreShareConfig(str(path), 1, 2, max_threads=1))
+    trainer = CoreShare(CoreShareConfig(str(path), 2, 2))
+    try:
+        assert rollout.share() == 1  # alone, still capped
+        assert trainer.share() == 2
+        with rollout.busy():
+            assert trainer.share() == 1
+    finally:
+        rollout.close()
+        trainer.close()
+
+
 def test_busy_is_reentrant_and_marks_idle_on_exit(tmp_path):
     path = create(tmp_path / "cores")
     a = CoreShare(CoreShareConfig(str(path), 4, 2))
@@ -53,7 +67,6 @@ def test_module_hooks_are_noops_without_a_share():
     before = torch.get_num_threads()
     with cores.busy() as threads:
         assert threads == before
-    cores.refresh()
     assert torch.get_num_threads() == before
 
 
