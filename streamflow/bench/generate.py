@@ -26,25 +26,15 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
+from streamflow.bench._g1 import G1, G1Shape
 
-@dataclass(frozen=True)
-class Workload:
-    prompts: int = 16
-    group: int = 8
-    new_tokens: int = 64
-    hidden: int = 256
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate: int = 1024
-    vocab: int = 1024
-
-
-QUICK = Workload(prompts=2, group=2, new_tokens=4, hidden=32, layers=1, heads=2, kv_heads=1,
-                 intermediate=64, vocab=64)
+# One definition of the G1 workload's sizes, shared with `bench phases`.
+Workload = G1Shape
+QUICK = G1Shape(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, vocab=64, prompts=2,
+                group_size=2, new_tokens=4)
 SIDES = ("engine", "engine_eager_64", "hf_generate")
 
 
@@ -89,14 +79,14 @@ def make_side(side: str, w: Workload) -> Callable[[], int]:
         params = SamplingParams(temperature=1.0, max_new_tokens=w.new_tokens, seed=3)
 
         def run_engine() -> int:
-            out = engine.generate(prompts, w.group, params)
+            out = engine.generate(prompts, w.group_size, params)
             return sum(len(g.token_ids) for group in out for g in group)
 
         return run_engine
     if side != "hf_generate":
         raise ValueError(f"unknown side {side!r}; sides: {list(SIDES)}")
     model = build_model(w, "sdpa")
-    rows = [p for p in prompts for _ in range(w.group)]
+    rows = [p for p in prompts for _ in range(w.group_size)]
     width = max(len(r) for r in rows)
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = (ids != 0).long()
@@ -116,7 +106,7 @@ def make_side(side: str, w: Workload) -> Callable[[], int]:
 
 
 def generate_seconds(
-    sides: tuple[str, ...] = SIDES, *, workload: Workload = Workload(), repeats: int = 3,
+    sides: tuple[str, ...] = SIDES, *, workload: Workload = G1, repeats: int = 3,
     threads: int = 2,
 ) -> dict[str, dict[str, float]]:
     """Best wall/CPU seconds per side, interleaved after one warm-up round."""
@@ -152,10 +142,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 0 or args.threads < 1:
         parser.error("--repeats must be >= 0 and --threads >= 1")
-    w = QUICK if args.quick else Workload()
+    w = QUICK if args.quick else G1
     result = generate_seconds(workload=w, repeats=args.repeats, threads=args.threads)
     out = sys.stderr if args.json else sys.stdout
-    print(f"generation: {w.prompts} prompts x {w.group} samples x {w.new_tokens} tokens, Qwen2 "
+    print(f"generation: {w.prompts} prompts x {w.group_size} samples x {w.new_tokens} tokens, Qwen2 "
           f"hidden={w.hidden} layers={w.layers} vocab={w.vocab}, fp32, {args.threads} threads",
           file=out)
     print(f"{'side':>16} | {'wall s':>7} | {'cpu s':>7} | {'tokens':>6}", file=out)

@@ -16,7 +16,7 @@ def test_quick_run_prints_table_then_json(capsys):
     w = bench.QUICK
     assert report["bench"] == "generate" and set(report["sides"]) == set(bench.SIDES)
     for side in report["sides"].values():  # no stop token: every row runs the full length
-        assert side["tokens"] == w.prompts * w.group * w.new_tokens
+        assert side["tokens"] == w.prompts * w.group_size * w.new_tokens
         assert side["seconds"] > 0 and side["cpu_seconds"] >= 0
     assert report["engine_vs_hf"] > 0 and report["engine_vs_eager_64"] > 0
 
