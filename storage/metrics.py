@@ -164,12 +164,12 @@ class StoreMetrics(HttpEndpoint):
             p + "bad_requests_total", "Requests refused as malformed.", registry=r
         )
         self.tables_recovered = Gauge(
-            p + "tables_recovered",
+            p + "recovered_tables",
             "Tables recovered from the persistence root when this node started.",
             registry=r,
         )
         self.rows_recovered = Gauge(
-            p + "rows_recovered",
+            p + "recovered_rows",
             "Rows a table held when it was recovered at this node's start.",
             ["table"],
             registry=r,

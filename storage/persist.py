@@ -15,7 +15,7 @@ in place (logged), and without the marker the directory is no longer the store's
 
 Recovery at start. A node with a root opens every ``<root>/<table>`` holding the marker and a
 ``table.json`` before it serves, and recovers it as below; it logs each table and its row count
-and counts them in its metrics (``streamflow_store_tables_recovered``). A later ``create_table``
+and counts them in its metrics (``streamflow_store_recovered_tables``). A later ``create_table``
 with the same spec is a no-op; one with a different spec gets TableExists.
 
 Incarnations. ``<root>/.node-<index>.epoch`` holds the node's last lease epoch; each start (and a

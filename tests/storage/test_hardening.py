@@ -218,8 +218,8 @@ def test_a_node_with_a_persistence_root_serves_its_tables_at_start(tmp_path, h, 
             c.create_table(h.make_spec("b", fsync="interval"))  # the same spec: a no-op
         assert "table a recovered" in caplog.text and "table b recovered" in caplog.text
         value = server.metrics.registry.get_sample_value
-        assert value("streamflow_store_tables_recovered") == 2
-        assert value("streamflow_store_rows_recovered", {"table": "a"}) == 12
+        assert value("streamflow_store_recovered_tables") == 2
+        assert value("streamflow_store_recovered_rows", {"table": "a"}) == 12
     finally:
         server.stop()
         ctx.destroy(linger=0)

@@ -152,7 +152,7 @@ def test_metric_names_follow_the_conventions() -> None:
     families += _families(StoreMetrics().registry)
     assert len(families) >= 40
     units = ("_seconds", "_bytes", "_rows", "_versions", "_ratio", "_mean", "_std", "_version",
-             "_iterations", "_alive", "_info", "_tokens")
+             "_iterations", "_alive", "_info", "_tokens", "_tables", "_requests")
     for f in families:
         name = f.name + ("_total" if f.type == "counter" else "")
         assert name.startswith("streamflow_"), name
