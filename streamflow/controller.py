@@ -299,7 +299,14 @@ class Controller:
                     raise WorkerFailed(remote_failure)
                 code = trainer.exit_code() if trainer else cluster.exit_code("trainer-0")
                 if code == 0:
-                    self._dispatch(receiver.recv(0.2))  # the last reports
+                    # The last reports: the trainer's process can exit before the controller has
+                    # read its final step report (by seconds on a loaded machine), so read until
+                    # that step is in, bounded, before calling the run cut short.
+                    deadline = time.monotonic() + 10.0
+                    self._dispatch(receiver.recv(0.2))
+                    while (self._version() < self.cfg.run.iterations
+                           and time.monotonic() < deadline):
+                        self._dispatch(receiver.recv(0.2))
                     self._loop_ended = self._loop_ended or time.time()
                     if self._version() < self.cfg.run.iterations:
                         # The trainer was stopped from outside (SIGTERM sent to it alone): it
