@@ -51,7 +51,7 @@ compose-test:
 	docker/ci.sh
 
 demo: $(BASE)
-	$(BIN)/streamflow run configs/quickstart.yaml
+	$(BIN)/streamflow run configs/quickstart.yaml --overwrite
 
 # On a GPU box (torch from PyPI is its CUDA build there): SmolLM2 and its word problems prepared once,
 # then GRPO on the GPU(s) with devices and weight sync on 'auto' (README "Running on a GPU box").
