@@ -123,6 +123,10 @@ class CollectiveSubscriber:
         self._thread: threading.Thread | None = None
         self.member: GroupMember | None = None
         self._epoch: int | None = None  # the epoch this process (or its engine) is a member of
+        # the version the follower thread is receiving now (None between broadcasts): its file can
+        # appear before the receive returns (the trainer writes it right after the barrier), and
+        # waiting for the receive is cheaper than loading the same version again from disk
+        self._receiving: int | None = None
         self._reports: list[WeightSyncReport] = []
         self.received = 0
         self.failures = 0
@@ -157,7 +161,8 @@ class CollectiveSubscriber:
                 if engine.policy_version >= required:
                     return True
                 newest = self.files.newest()
-                if newest is not None and newest >= required:
+                in_flight = self._receiving is not None and self._receiving >= required
+                if newest is not None and newest >= required and not in_flight:
                     return False
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -174,6 +179,8 @@ class CollectiveSubscriber:
             if ann is None:
                 continue
             seq += 1
+            with self._changed:
+                self._receiving = int(ann["version"])
             try:
                 self._apply(engine, store, ann)
             except Exception as exc:  # noqa: BLE001 - the file path delivers this version
@@ -181,6 +188,10 @@ class CollectiveSubscriber:
                 self._epoch, self.member = None, None
                 log.warning("collective sync of version %s failed (%s); loading it from its "
                             "file", ann.get("version"), exc)
+            finally:
+                with self._changed:  # a waiter that saw the file waits for this outcome
+                    self._receiving = None
+                    self._changed.notify_all()
 
     def _apply(self, engine: Any, store: Any, ann: dict[str, Any]) -> None:
         epoch, version = int(ann["epoch"]), int(ann["version"])

@@ -213,7 +213,9 @@ def _case(P: int, L: int, G: int, shape: ModelShape, args: argparse.Namespace) -
         "tokens_unpacked": unp["tokens"],
         "tokens_packed": pk["tokens"],
         "token_ratio": round(token_ratio, 4),
-        **{k: round(v, 4) for k, v in t.items()},
+        # seconds to 6 significant digits: a quick case runs in milliseconds, where 4 decimals
+        # would lose more than the ratios below carry
+        **{k: float(f"{v:.6g}") for k, v in t.items()},
         "time_ratio": round(time_ratio, 4),
         "cpu_time_ratio": round(t["cpu_seconds_unpacked"] / t["cpu_seconds_packed"], 4),
         "peak_bytes_unpacked": unp["peak_bytes"],

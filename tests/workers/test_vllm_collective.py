@@ -34,6 +34,7 @@ def check_vllm_collective(tmp_path, device: str) -> None:
                                kv_cache_gib=0.25, max_num_seqs=16)
     prompts = [encode_prompt(tok, p) for p in ("12+34=", "7+8=")]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    pub = sub = None
     try:
         before = [g[0].token_ids for g in engine.generate(prompts, 1, greedy)]
         rdv = Rendezvous()
@@ -56,7 +57,9 @@ def check_vllm_collective(tmp_path, device: str) -> None:
         assert after != before  # the weights really changed
         engine.load_weights_file(weights_path(tmp_path / "w", 1), 1)  # the same version by file
         assert [g[0].token_ids for g in engine.generate(prompts, 1, greedy)] == after
-        sub.close()
-        pub.close()
-    finally:
+    finally:  # a failed assertion must not leave the follower thread or the group behind
+        if sub is not None:
+            sub.close()
+        if pub is not None:
+            pub.close()
         engine.close()

@@ -154,6 +154,46 @@ def test_a_missing_member_times_out_and_the_version_goes_by_file(tmp_path: Path)
     pub.close()
 
 
+class RemoteEngine(Engine):
+    """Like vLLM: the member lives behind an RPC, so the barrier passes (and the trainer writes
+    the version's file) before ``receive_weights`` returns and sets ``policy_version``."""
+
+    def __init__(self, return_delay_s: float) -> None:
+        super().__init__()
+        self.return_delay_s = return_delay_s
+        self.member: GroupMember | None = None
+
+    def join_weight_group(self, spec: GroupSpec, epoch: int) -> None:
+        self.member = GroupMember(spec, connect_store(spec), epoch, torch.device("cpu"))
+
+    def receive_weights(self, meta: list, bucket_bytes: int, version: int) -> int:
+        assert self.member is not None
+        nbytes = self.member.receive(meta, bucket_bytes,
+                                     copy_into(self.weight_targets(), meta))
+        self.member.barrier()
+        time.sleep(self.return_delay_s)  # the RPC's way back
+        self.policy_version = version
+        return nbytes
+
+
+def test_a_version_in_flight_is_waited_for_although_its_file_already_exists(tmp_path: Path):
+    rdv = Rendezvous()
+    pub = CollectivePublisher(WeightPublisher(tmp_path), _spec(rdv.address, 0, 2), "cpu")
+    engine = RemoteEngine(return_delay_s=1.0)
+    sub = CollectiveSubscriber(WeightSubscriber(tmp_path), _spec(rdv.address, 1, 2), "cpu")
+    try:
+        sub.start(engine)
+        pub.publish(_state(0), 0)
+        pub.publish(_state(1), 1)  # returns after the barrier, with the file written
+        assert sub.newest() == 1 and engine.policy_version == 0  # the receive is still returning
+        assert sub.wait_engine(engine, 1, 10.0) is True  # not a second load of the same version
+        assert pub.broadcasts == 1 and sub.received == 1
+        assert torch.equal(engine.model.state_dict()["0.weight"], _state(1)["0.weight"])
+    finally:
+        sub.close()
+        pub.close()
+
+
 def _member(address: str, rank: int, directory: str, versions: list[int], q) -> None:  # noqa: ANN001
     """A rollout worker's weight side in its own process: report how each version arrived."""
     engine = Engine()
