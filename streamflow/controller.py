@@ -65,6 +65,7 @@ import torch
 
 import storage
 from storage.errors import Unavailable, UnknownTable
+from storage.ports import free_port
 from streamflow import interrupt, preflight
 from streamflow.admission import admissible, min_policy_version
 from streamflow.config import RunConfig, config_to_dict
@@ -72,7 +73,7 @@ from streamflow.metrics import ControllerMetrics, with_metrics, write_targets
 from streamflow.progress import ProgressDisplay, StepProgress, describe_run
 from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan
 from streamflow.stages import Evaluator, RunPlan, build_plan
-from streamflow.supervisor import Child, RestartPolicy, Supervisor, free_port
+from streamflow.supervisor import Child, RestartPolicy, Supervisor
 from workers import cores
 from workers.checkpoint import latest_checkpoint, read_state
 from workers.config import to_json

@@ -67,9 +67,10 @@ from typing import Any
 
 from storage.coordinator import Coordinator, CoordinatorClient, LookupTimeout
 from storage.errors import StoreError
+from storage.ports import free_port
 from streamflow.config import RunConfig
 from streamflow.metrics import with_metrics
-from streamflow.supervisor import Supervisor, free_port
+from streamflow.supervisor import Supervisor
 from workers.config import to_json
 
 log = logging.getLogger("streamflow.launch")

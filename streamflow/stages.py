@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
+from storage.ports import free_port
 from streamflow.config import RunConfig, StoreSection
 from streamflow.devices import RoleDevices, resolve_devices, weight_sync_path
-from streamflow.supervisor import free_port
 from workers import cores
 from workers.checkpoint import latest_checkpoint, read_state
 from workers.config import (

@@ -33,13 +33,9 @@ child's earlier ones included) is waited for before it returns, even when the gr
 cut short (an exception raised in ``between`` or in a wait): no child is left running or as an unreaped zombie of the caller's
 process — which matters when the run is in-process (tests, notebooks).
 
-Ports for children (``free_port``): an address a child will bind (the trainer's weight
-announcements, torch.distributed's master port) is chosen by the parent before the child starts,
-because the other children need it in their configs. It is taken below the kernel's ephemeral
-range: a port from ``bind(0)`` comes from that range, which every outgoing connection on the
-machine draws from too, so in the gap before the child binds, any ``connect()`` could take it
-(seen as "Address already in use" in the test suite, where hundreds of ZeroMQ connections
-churn). Below the range only another explicit listener can collide.
+Ports for children: ``free_port`` (``storage/ports.py``) picks them below the
+kernel's ephemeral range, before the child starts, because the other children need them in their
+configs.
 """
 
 from __future__ import annotations
@@ -47,9 +43,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -61,41 +55,6 @@ _PR_SET_PDEATHSIG = 1
 log = logging.getLogger("streamflow.supervisor")
 
 
-# Ports handed out by this process: two picks for one run (announce + master port) never
-# return the same port although neither is bound yet.
-_handed_out: set[tuple[str, int]] = set()
-
-
-def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
-    """The lowest port the kernel uses for outgoing connections (32768 when it cannot tell)."""
-    try:
-        return int(Path(path).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(host: str = "127.0.0.1", *, ephemeral_low: int | None = None) -> int:
-    """A TCP port on ``host`` that is free now, for a child process to bind (module docstring:
-    why below the ephemeral range). Falls back to ``bind(0)`` when that range starts too low to
-    leave room below it."""
-    low = _ephemeral_low() if ephemeral_low is None else ephemeral_low
-    first = 10_000
-    if low - first >= 1_000:
-        rng = random.SystemRandom()
-        for _ in range(200):
-            port = rng.randrange(first, low)
-            if (host, port) in _handed_out:
-                continue
-            with socket.socket() as sock:
-                try:
-                    sock.bind((host, port))
-                except OSError:
-                    continue
-            _handed_out.add((host, port))
-            return port
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from streamflow.supervisor import free_port
+from storage.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))

@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from streamflow import supervisor
-from streamflow.supervisor import RestartPolicy, Supervisor, _ephemeral_low, free_port
+from storage import ports
+from storage.ports import _ephemeral_low, free_port
+from streamflow.supervisor import RestartPolicy, Supervisor
 
 
 def test_free_port_is_below_the_ephemeral_range_and_bindable() -> None:
@@ -45,7 +46,7 @@ def test_free_port_skips_a_port_that_is_taken(monkeypatch: pytest.MonkeyPatch) -
             def randrange(self, *_args: int) -> int:  # type: ignore[override]
                 return next(picks)
 
-        monkeypatch.setattr(supervisor.random, "SystemRandom", Scripted)
+        monkeypatch.setattr(ports.random, "SystemRandom", Scripted)
         # The range is widened so that the bound port is a candidate; it is skipped.
         assert free_port(ephemeral_low=65_000) == spare
 

@@ -1,0 +1,37 @@
+"""What tests share: ``wait_until`` (a bounded wait on a condition, instead of a ``sleep`` used as
+synchronisation) and ``free_port`` (the project's own pick, below the ephemeral range: see
+``storage/ports.py`` for why ``bind(0)`` is not used for a port a child process binds later).
+
+Importable from every test as ``from testkit import wait_until, free_port``: ``tests/conftest.py``
+sits in this directory, and pytest puts a conftest's directory on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from storage.ports import free_port
+
+__all__ = ["free_port", "wait_until"]
+
+T = TypeVar("T")
+
+
+def wait_until(
+    condition: Callable[[], T], timeout: float = 10.0, interval: float = 0.01, what: str = ""
+) -> T:
+    """Call ``condition`` until it returns something truthy and return that; AssertionError naming
+    ``what`` (or the condition) after ``timeout`` seconds. The interval doubles up to 0.1 s, so a
+    fast condition is seen fast and a slow one does not spin."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            name = what or getattr(condition, "__name__", repr(condition))
+            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {name}")
+        time.sleep(interval)
+        interval = min(interval * 2, 0.1)
