@@ -1,6 +1,8 @@
-"""The accounting of requests parked by a store server, and the limits on it.
+"""Requests parked by a store server: the waiting claims and puts, their limits and deadlines.
 
-Owns: how many claims are parked on the node, how many body bytes parked puts hold, how many
+Owns: the parked requests themselves (``ParkedRequests``, a mixin of ``storage.server.Server``:
+retried when their table changes, answered at their deadline, dropped when their peer is gone,
+answered ``ShuttingDown`` at shutdown) and their accounting (``ParkedBook``): how many claims are parked on the node, how many body bytes parked puts hold, how many
 requests each peer (ROUTER identity) has parked and since when, and the refusal of a request
 that would go past a limit (``StoreFull`` for a put, ``TooManyWaiting`` for a claim; the limits
 are ``ServerConfig``'s, the rules ``storage/wire.py``'s). The server's loop thread is its only
@@ -9,9 +11,24 @@ caller: it calls ``admit`` before parking a request and ``release`` whenever one
 
 from __future__ import annotations
 
+import errno
+import logging
 import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
-from storage.errors import StoreFull, TooManyWaiting
+import pyarrow as pa
+import zmq
+
+from storage import rpc, wire
+from storage.errors import StoreError, StoreFull, TooManyWaiting
+
+log = logging.getLogger("storage.server")
+
+# A message with req_id 0 sent by the node is a liveness probe (clients never use req_id 0 and
+# drop replies that match none of their requests), see storage/wire.py.
+PROBE_FRAME = wire.pack_header({"ok": True, "req_id": 0, "error": None, "probe": True})
 
 
 class ParkedBook:
@@ -21,6 +38,7 @@ class ParkedBook:
         self.node_index = node_index
         self.max_bytes, self.max_per_peer, self.max_claims = max_bytes, max_per_peer, max_claims
         self.claims = 0
+        self.puts = 0
         self.put_bytes = 0  # body bytes of parked puts
         self.per_peer: dict[bytes, int] = {}
         self.since: dict[bytes, float] = {}  # monotonic: when a peer's parked count left 0
@@ -51,6 +69,7 @@ class ParkedBook:
                     f"table {table!r} is at capacity and node {self.node_index} already holds "
                     f"{self.put_bytes} bytes of waiting puts (max_parked_bytes {self.max_bytes})"
                 )
+            self.puts += 1
             self.put_bytes += nbytes
         self.per_peer[ident] = held + 1
         if not held:
@@ -61,6 +80,7 @@ class ParkedBook:
         if verb == "claim":
             self.claims -= 1
         else:
+            self.puts -= 1
             self.put_bytes -= nbytes
         left = self.per_peer.get(ident, 0) - 1
         if left > 0:
@@ -74,6 +94,194 @@ class ParkedBook:
         return [ident for ident, since in self.since.items() if since <= before]
 
     def clear(self) -> None:
-        self.claims = self.put_bytes = 0
+        self.claims = self.puts = self.put_bytes = 0
         self.per_peer.clear()
         self.since.clear()
+
+@dataclass
+class ParkedRequest(rpc.Parked):
+    batch: pa.RecordBatch | None = None  # a parked put's rows
+    nbytes: int = 0  # a parked put's body bytes (held until it leaves)
+
+
+class ParkedRequests:
+    """Mixin of ``Server``: claims waiting for rows (``_claims``, per table, FIFO) and puts
+    waiting for room (``_puts``, per table, FIFO: a put waits behind older puts)."""
+
+    node: Any
+    config: Any
+    metrics: Any
+    _sock: Any
+    _book: ParkedBook
+    _claims: dict[str, list[ParkedRequest]]
+    _puts: dict[str, deque[ParkedRequest]]
+    _dirty: set[str]
+
+    def parked(self) -> dict[str, int]:
+        """What is parked now: {"claims", "puts", "put_bytes", "peers"}. Safe to call from any
+        thread (plain counters, updated by the loop thread as requests park and leave)."""
+        return {
+            "claims": self._book.claims,
+            "puts": self._book.puts,
+            "put_bytes": self._book.put_bytes,
+            "peers": len(self._book.per_peer),
+        }
+
+    def _park(self, p: ParkedRequest, verb: str) -> None:
+        """Count a request about to be parked, or refuse it (limits in ServerConfig)."""
+        try:
+            self._book.admit(p.ident, verb, p.nbytes, p.req.args["table"])
+        except StoreError:
+            self.metrics.parked_refused.labels(verb).inc()
+            raise
+
+    def _unpark(self, p: ParkedRequest) -> None:
+        """Count a parked request that left (answered, timed out, cancelled, dropped)."""
+        self._book.release(p.ident, p.req.verb, p.nbytes)
+        p.batch = None
+
+    def _probe_peers(self) -> None:
+        """Drop the parked requests of every peer whose connection is gone: a send to it fails
+        with EHOSTUNREACH (ROUTER_MANDATORY) once ZeroMQ removed its route (closed socket,
+        closed TCP connection, or missed heartbeats). A live peer gets one small message with
+        req_id 0, which clients ignore; only peers that have had requests parked for a whole
+        interval are probed (a short long-poll never sees a probe)."""
+        sock = self._sock
+        gone = set()
+        old = time.monotonic() - self.config.peer_probe_interval_s
+        for ident in self._book.waiting_since(old):
+            try:
+                sock.send_multipart([ident, PROBE_FRAME], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EHOSTUNREACH:
+                    gone.add(ident)
+                # EAGAIN: the peer is there but slow to read; it keeps its requests
+        if gone:
+            self._drop_peers(gone)
+
+    def _drop_peers(self, gone: set[bytes]) -> None:
+        dropped = 0
+        for claims in self._claims.values():
+            keep = [p for p in claims if p.ident not in gone]
+            for p in claims:
+                if p.ident in gone:
+                    self._unpark(p)
+            dropped += len(claims) - len(keep)
+            claims[:] = keep
+        for puts in self._puts.values():
+            for p in [p for p in puts if p.ident in gone]:
+                puts.remove(p)
+                self._unpark(p)
+                dropped += 1
+        if dropped:
+            self.metrics.parked_dropped.inc(dropped)
+            log.info("dropped %d parked requests of %d departed peers", dropped, len(gone))
+
+    def _parked_deadline(self, default: float) -> float:
+        """The soonest deadline (monotonic) of a parked request, or ``default``."""
+        for ps in (*self._claims.values(), *self._puts.values()):
+            default = rpc.earliest(ps, default)
+        return default
+
+    def _answer_parked(self, exc: StoreError) -> None:
+        """Answer every parked request with ``exc`` (shutdown) and forget them."""
+        for ps in (*self._claims.values(), *self._puts.values()):
+            for p in ps:
+                self._reply_error(p.ident, p.req, exc, p.t_recv)
+        self._claims.clear()
+        self._puts.clear()
+        self._book.clear()
+
+    def _retry_parked(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for table in dirty:
+            puts = self._puts.get(table)
+            while puts:
+                p = puts[0]
+                try:
+                    if not self._try_put(p.ident, p.req, p.batch, p.t_recv):
+                        break
+                except Exception as exc:
+                    self._reply_error(p.ident, p.req, _as_store_error(exc), p.t_recv)
+                self._unpark(puts.popleft())
+            claims = self._claims.get(table)
+            if claims:
+                self._retry_claims(table, claims)
+        self._dirty.clear()  # changes made while retrying were just served
+
+    def _retry_claims(self, table: str, claims: list[ParkedRequest]) -> None:
+        keep: list[ParkedRequest] = []
+        # (task, whole_groups, shards) with nothing ready. The shards are part of the key: a
+        # claim limited to one shard finding it empty says nothing about the other shards.
+        dry: set[tuple[str, bool, tuple[int, ...] | None]] = set()
+        for p in claims:
+            a = p.req.args
+            shards = a["shards"]
+            key = (a["task"], a["whole_groups"], None if shards is None else tuple(shards))
+            if key in dry:
+                keep.append(p)
+                continue
+            try:
+                ready = self.node.ready_count(
+                    table, a["task"], whole_groups=a["whole_groups"], shards=a["shards"]
+                )
+                lease = self._try_claim(p.req, a["min_rows"]) if ready >= a["min_rows"] else None
+            except Exception as exc:
+                self._unpark(p)
+                self._reply_error(p.ident, p.req, _as_store_error(exc), p.t_recv)
+                continue
+            if lease is None:
+                if ready == 0:
+                    dry.add(key)
+                keep.append(p)
+            else:
+                self._unpark(p)
+                self._reply_lease(p.ident, p.req, lease, p.t_recv)
+        claims[:] = keep
+
+    def _time_out_parked(self) -> None:
+        now = time.monotonic()
+        for claims in self._claims.values():
+            if not any(p.deadline <= now for p in claims):
+                continue
+            keep = []
+            for p in claims:
+                if p.deadline > now:
+                    keep.append(p)
+                    continue
+                self._unpark(p)
+                try:
+                    self._reply_lease(p.ident, p.req, self._try_claim(p.req, 1), p.t_recv)
+                except Exception as exc:
+                    self._reply_error(p.ident, p.req, _as_store_error(exc), p.t_recv)
+            claims[:] = keep
+        for table, puts in self._puts.items():
+            while puts and puts[0].deadline <= now:
+                p = puts.popleft()
+                self._unpark(p)
+                self._reply_error(
+                    p.ident,
+                    p.req,
+                    StoreFull(
+                        f"table {table!r} stayed at capacity for the put's timeout "
+                        f"({p.req.args['timeout']:.3g} s)"
+                    ),
+                    p.t_recv,
+                )
+            # Later puts with shorter timeouts wait behind the head; expire them too.
+            for p in [p for p in puts if p.deadline <= now]:
+                puts.remove(p)
+                self._unpark(p)
+                self._reply_error(
+                    p.ident, p.req, StoreFull(f"table {table!r} is at capacity"), p.t_recv
+                )
+
+
+def _as_store_error(exc: Exception) -> StoreError:
+    if isinstance(exc, StoreError):
+        return exc
+    log.error("internal error in a parked request", exc_info=exc)
+    return rpc.InternalError(f"{type(exc).__name__}: {exc}")
+
+
+# -- entry points ---------------------------------------------------------------------------------

@@ -88,29 +88,34 @@ Delivery guarantees (the store as a whole, enforced by the node, transported her
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 import pyarrow as pa
 
+from storage import headers
 from storage.errors import BadRequest, StoreError, error_from_code
+from storage.headers import (  # noqa: F401 (the protocol's limits, re-exported)
+    MAX_LIST_LEN,
+    MAX_NAME_LEN,
+    MAX_ROWS_PER_CLAIM,
+    MAX_TIMEOUT_S,
+    PROTOCOL_VERSION,
+)
 from storage.schema import ShardStats, TableSpec, TableStats, TaskSpec, TaskStats
 
-PROTOCOL_VERSION = 1
 ZERO_COPY_BYTES = 64 * 1024  # bodies at least this big are sent without copying
 MAX_HEADER_BYTES = 1 << 20
 MAX_DEPTH = 8  # nesting of the header map (spec/stats are the deepest, at 5)
 MAX_BODIES = 4
-MAX_NAME_LEN = 256
-MAX_LIST_LEN = 4096  # columns, shards, tasks per request
-MAX_ROWS_PER_CLAIM = 10_000_000
-MAX_TIMEOUT_S = 24 * 3600.0
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
+# The limits of the diagnostic decode (``unpack_header``): a header msgspec refused is decoded
+# once more, untyped and bounded, to report framing faults (not msgpack, ext, nesting) first.
 _UNPACK_LIMITS = dict(
     raw=False,
     strict_map_key=True,
@@ -127,74 +132,10 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise BadRequest(f"msgpack ext type {code} is not allowed")
 
 
-# -- header schema --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class F:
-    """One header field: its kind, whether it must be present, its default, None allowed."""
-
-    kind: str  # "str" | "name" | "int" | "float" | "bool" | "names" | "ints" | "bytes" | "map"
-    required: bool = False
-    default: Any = None
-    nullable: bool = False
-    lo: float | None = None  # inclusive bounds for numbers
-    hi: float | None = None
-    min_len: int = 0  # fewest items of a list ("names"/"ints")
-
-
-_TABLE = F("name", required=True)
-_TASK = F("name", required=True)
-_LEASE = F("int", required=True, lo=0, hi=(1 << 64) - 1)
-_TIMEOUT = F("float", default=0.0, lo=0.0, hi=MAX_TIMEOUT_S)
-
-# verb -> field name -> rule. Unknown fields are refused (a typo must not be silently ignored).
-VERBS: dict[str, dict[str, F]] = {
-    "hello": {},
-    "tables": {},
-    "create_table": {"spec": F("map", required=True)},
-    "drop_table": {"table": _TABLE},
-    "put": {
-        "table": _TABLE,
-        "timeout": _TIMEOUT,
-        "shard_id": F("int", nullable=True, lo=0, hi=65535),
-    },
-    "claim": {
-        "table": _TABLE,
-        "task": _TASK,
-        "columns": F("names", required=True),
-        "max_rows": F("int", required=True, lo=1, hi=MAX_ROWS_PER_CLAIM),
-        "min_rows": F("int", default=1, lo=1, hi=MAX_ROWS_PER_CLAIM),
-        "whole_groups": F("bool", default=False),
-        "timeout": _TIMEOUT,
-        "lease_seconds": F("float", nullable=True, lo=0.001, hi=MAX_TIMEOUT_S),
-        "shards": F("ints", nullable=True, min_len=1),  # null = every shard of the node
-        # Piggybacked ack (see "Combined ack + claim" above): a lease of the same table to ack
-        # (with the optional body written under it first) before the claim runs.
-        "ack_lease_id": F("int", nullable=True, lo=0, hi=(1 << 64) - 1),
-    },
-    "write": {
-        "table": _TABLE,
-        "lease_id": F("int", nullable=True, lo=0, hi=(1 << 64) - 1),
-        "ack": F("bool", default=False),
-        "overwrite": F("bool", default=False),
-    },
-    "ack": {"table": _TABLE, "lease_id": _LEASE},
-    "extend": {
-        "table": _TABLE,
-        "lease_id": _LEASE,
-        "seconds": F("float", nullable=True, lo=0.001, hi=MAX_TIMEOUT_S),
-    },
-    "release": {
-        "table": _TABLE,
-        "lease_id": _LEASE,
-        "error": F("str", nullable=True),
-    },
-    "stats": {"table": _TABLE},
-    "clear": {"table": _TABLE, "dead": F("bool", default=False)},
-    "snapshot": {"table": _TABLE},
-    "cancel": {"target": F("int", required=True, lo=0, hi=(1 << 64) - 1)},
-}
+# verb -> its header fields (the Structs of storage/headers.py are the schema).
+VERBS: dict[str, tuple[str, ...]] = headers.fields_by_verb(headers.STORE_HEADERS)
+_DECODER = headers.decoder(headers.STORE_HEADERS)
+_VERB_OF = {cls: headers.verb_of(cls) for cls in headers.STORE_HEADERS}
 # Verbs whose request carries Arrow bodies: verb -> (fewest, most). A claim carries one only with
 # ``ack_lease_id`` (the columns written under that lease before it is acked).
 BODY_COUNTS: dict[str, tuple[int, int]] = {"put": (1, 1), "write": (1, 1), "claim": (0, 1)}
@@ -203,150 +144,22 @@ BODY_VERBS = frozenset(BODY_COUNTS)
 MUTATING_VERBS = frozenset({"put", "write", "ack", "release", "clear", "create_table"})
 
 
-def _check_value(verb: str, name: str, rule: F, value: Any) -> Any:
-    where = f"{verb}.{name}"
-    if value is None:
-        if rule.nullable:
-            return None
-        raise BadRequest(f"header field {where!r} must not be null")
-    kind = rule.kind
-    if kind in ("str", "name"):
-        if not isinstance(value, str):
-            raise BadRequest(f"header field {where!r} must be a string, got {type(value).__name__}")
-        if kind == "name" and not (0 < len(value) <= MAX_NAME_LEN):
-            raise BadRequest(f"header field {where!r} must be 1..{MAX_NAME_LEN} characters")
-        if kind == "str" and len(value) > 4096:
-            raise BadRequest(f"header field {where!r} is longer than 4096 characters")
-        return value
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise BadRequest(f"header field {where!r} must be a bool, got {type(value).__name__}")
-        return value
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise BadRequest(f"header field {where!r} must be an int, got {type(value).__name__}")
-        _check_bounds(where, rule, value)
-        return value
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise BadRequest(f"header field {where!r} must be a number, got {type(value).__name__}")
-        value = float(value)
-        if not math.isfinite(value):
-            raise BadRequest(f"header field {where!r} must be finite")
-        _check_bounds(where, rule, value)
-        return value
-    if kind in ("names", "ints"):
-        if not isinstance(value, list):
-            raise BadRequest(f"header field {where!r} must be a list, got {type(value).__name__}")
-        if len(value) > MAX_LIST_LEN:
-            raise BadRequest(f"header field {where!r} has more than {MAX_LIST_LEN} items")
-        if len(value) < rule.min_len:
-            raise BadRequest(f"header field {where!r} needs at least {rule.min_len} item(s)")
-        item = F("name") if kind == "names" else F("int", lo=0, hi=65535)
-        return [_check_value(verb, f"{name}[{i}]", item, v) for i, v in enumerate(value)]
-    if kind == "map":
-        if not isinstance(value, dict):
-            raise BadRequest(f"header field {where!r} must be a map, got {type(value).__name__}")
-        return value
-    if kind == "bytes":
-        if not isinstance(value, bytes):
-            raise BadRequest(f"header field {where!r} must be bytes, got {type(value).__name__}")
-        return value
-    raise AssertionError(f"unknown rule kind {kind}")  # a bug in VERBS, not bad input
-
-
-def _fast_check(rule: F) -> Callable[[Any], bool]:
-    """A predicate accepting the common well-formed values of ``rule`` (exact types, in
-    bounds) with a few bytecodes; anything it rejects goes through ``_check_value``, which
-    either normalizes it (an int for a float field) or raises the descriptive BadRequest."""
-    lo = -math.inf if rule.lo is None else rule.lo
-    hi = math.inf if rule.hi is None else rule.hi
-    kind = rule.kind
-    if kind == "name":
-        return lambda v: type(v) is str and 0 < len(v) <= MAX_NAME_LEN
-    if kind == "str":
-        return lambda v: type(v) is str and len(v) <= 4096
-    if kind == "bool":
-        return lambda v: v is True or v is False
-    if kind == "int":
-        return lambda v: type(v) is int and lo <= v <= hi
-    if kind == "float":
-        return lambda v: type(v) is float and lo <= v <= hi  # NaN fails both comparisons
-    min_len = rule.min_len
-    if kind == "names":
-        return lambda v: (
-            type(v) is list
-            and min_len <= len(v) <= MAX_LIST_LEN
-            and all(type(x) is str and 0 < len(x) <= MAX_NAME_LEN for x in v)
-        )
-    if kind == "ints":
-        return lambda v: (
-            type(v) is list
-            and min_len <= len(v) <= MAX_LIST_LEN
-            and all(type(x) is int and 0 <= x <= 65535 for x in v)
-        )
-    if kind == "map":
-        return lambda v: type(v) is dict
-    if kind == "bytes":
-        return lambda v: type(v) is bytes
-    raise AssertionError(f"unknown rule kind {kind}")
-
-
-def _compile(verb: str, rules: dict[str, F]) -> tuple[frozenset[str], list[tuple]]:
-    """(allowed header keys, [(name, rule, fast predicate)]) of one verb."""
-    fields = [(name, rule, _fast_check(rule)) for name, rule in rules.items()]
-    return frozenset(rules) | {"v", "verb", "req_id"}, fields
-
-
-_COMPILED = {verb: _compile(verb, rules) for verb, rules in VERBS.items()}
-
-
-def _check_bounds(where: str, rule: F, value: float) -> None:
-    if rule.lo is not None and value < rule.lo:
-        raise BadRequest(f"header field {where!r} must be >= {rule.lo}, got {value}")
-    if rule.hi is not None and value > rule.hi:
-        raise BadRequest(f"header field {where!r} must be <= {rule.hi}, got {value}")
-
-
 def _depth(obj: Any) -> int:
     """Nesting depth of a decoded msgpack value, iteratively (no recursion on hostile input)."""
-    if type(obj) is dict:
-        # The common headers: scalars and flat lists of scalars (claim.columns): skip the walk.
-        flat = 1
-        for v in obj.values():
-            if type(v) is list:
-                for x in v:
-                    if isinstance(x, dict | list):
-                        flat = 0
-                        break
-                else:
-                    flat = 2 if flat else 0
-            elif isinstance(v, dict | list):
-                flat = 0
-            if not flat:
-                break
-        if flat:
-            return flat
     deepest, stack = 0, [(obj, 1)]
     while stack:
         cur, d = stack.pop()
-        if isinstance(cur, dict):
+        if isinstance(cur, dict | list):
             deepest = max(deepest, d)
             if d > MAX_DEPTH:
                 return d
-            stack.extend((v, d + 1) for v in cur.values())
-        elif isinstance(cur, list):
-            deepest = max(deepest, d)
-            if d > MAX_DEPTH:
-                return d
-            stack.extend((v, d + 1) for v in cur)
+            stack.extend((v, d + 1) for v in (cur.values() if isinstance(cur, dict) else cur))
     return deepest
 
 
 def unpack_header(data: bytes | memoryview) -> dict[str, Any]:
-    """Decode a header frame with strict limits; BadRequest for anything but a bounded map."""
-    if len(data) > MAX_HEADER_BYTES:
-        raise BadRequest(f"header frame is {len(data)} bytes, limit {MAX_HEADER_BYTES}")
+    """Decode a header frame untyped, with strict limits; BadRequest for anything but a bounded
+    map. Only a header that failed typed decoding comes here (to name the fault)."""
     try:
         obj = msgpack.unpackb(data, ext_hook=_no_ext, **_UNPACK_LIMITS)
     except BadRequest:
@@ -362,8 +175,40 @@ def unpack_header(data: bytes | memoryview) -> dict[str, Any]:
     return obj
 
 
+def decode_header(frame: Any, decoder: msgspec.msgpack.Decoder, verbs: Any) -> Any:
+    """A header frame -> its typed Struct, decoded and validated in one pass. A refusal is a
+    BadRequest naming the fault, with ``.req_id`` set to the request's id when it is readable
+    (0 otherwise), so the error reply reaches the right caller."""
+    data = _bytes_view(frame)
+    if len(data) > MAX_HEADER_BYTES:
+        raise BadRequest(f"header frame is {len(data)} bytes, limit {MAX_HEADER_BYTES}")
+    try:
+        return decoder.decode(data)
+    except (msgspec.MsgspecError, ValueError, RecursionError) as exc:
+        failure = exc
+    err: BadRequest | None = None
+    req_id = 0
+    try:
+        obj = unpack_header(data)
+        req_id = peek_req_id(obj)
+    except BadRequest as framing:
+        err = framing
+    if err is None:
+        verb = obj.get("verb")
+        if isinstance(failure, msgspec.ValidationError):
+            err = headers.field_error(failure, verb if verb in verbs else "", verbs=verbs)
+        else:  # valid msgpack for the loose decoder, not for the typed one
+            err = BadRequest(f"header frame is not valid msgpack: {failure}")
+    err.req_id = req_id  # type: ignore[attr-defined]
+    raise err
+
+
 def pack_header(header: dict[str, Any]) -> bytes:
-    return msgpack.packb(header, use_bin_type=True)
+    return _ENCODER.encode(header)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_REPLY_DECODER = msgspec.msgpack.Decoder(dict[str, Any])
 
 
 # -- requests and replies -------------------------------------------------------------------------
@@ -371,11 +216,11 @@ def pack_header(header: dict[str, Any]) -> bytes:
 
 @dataclass
 class Request:
-    """A validated request: ``args`` holds every field of the verb (defaults filled in)."""
+    """A validated request: ``args`` is the verb's header Struct (defaults filled in)."""
 
     verb: str
     req_id: int
-    args: dict[str, Any]
+    args: Any  # a storage.headers.Header (or {} for a request that could not be read)
     bodies: list[pa.Buffer] = field(default_factory=list)
     acked: bool = False  # set by the server once a claim's piggybacked ack has been applied
 
@@ -406,53 +251,23 @@ def peek_req_id(header: dict[str, Any]) -> int:
 
 
 def decode_request(frames: Sequence[Any]) -> Request:
-    """Validate a request's frames (header rules, body count, sizes). Bodies stay Arrow buffers;
+    """Validate a request's frames (header Struct, body count, sizes). Bodies stay Arrow buffers;
     parse them with ``read_batch``. Raises BadRequest with ``.req_id`` set when known."""
     if not frames:
         raise BadRequest("empty message")
-    header = unpack_header(_bytes_view(frames[0]))
-    req_id = peek_req_id(header)
-    try:
-        return _validate(header, req_id, frames[1:])
-    except BadRequest as exc:
-        exc.req_id = req_id  # type: ignore[attr-defined]
-        raise
-
-
-_MISSING = object()
-
-
-def _validate(header: dict[str, Any], req_id: int, bodies: Sequence[Any]) -> Request:
-    if header.get("v") != PROTOCOL_VERSION:
-        raise BadRequest(f"header field 'v' must be {PROTOCOL_VERSION}, got {header.get('v')!r}")
-    if "req_id" not in header or peek_req_id(header) != header["req_id"]:
-        raise BadRequest("header field 'req_id' must be an int in [0, 2**64)")
-    verb = header.get("verb")
-    if not isinstance(verb, str) or verb not in VERBS:
-        raise BadRequest(f"header field 'verb' must be one of {sorted(VERBS)}, got {verb!r}")
-    allowed, fields = _COMPILED[verb]
-    unknown = header.keys() - allowed
-    if unknown:
-        raise BadRequest(f"unknown header fields for {verb!r}: {sorted(unknown)}")
-    args: dict[str, Any] = {}
-    missing = _MISSING
-    for name, rule, fast in fields:
-        value = header.get(name, missing)
-        if value is missing:
-            if rule.required:
-                raise BadRequest(f"missing header field {verb}.{name!r}")
-            args[name] = rule.default
-        elif fast(value) or (value is None and rule.nullable):
-            args[name] = value
-        else:
-            args[name] = _check_value(verb, name, rule, value)
+    args = decode_header(frames[0], _DECODER, VERBS)
+    verb, bodies = _VERB_OF[type(args)], frames[1:]
     lo, hi = BODY_COUNTS.get(verb, (0, 0))
-    if not lo <= len(bodies) <= hi:
-        want = str(lo) if lo == hi else f"{lo}..{hi}"
-        raise BadRequest(f"{verb!r} takes {want} Arrow body frame(s), got {len(bodies)}")
-    if verb == "claim" and bodies and args["ack_lease_id"] is None:
-        raise BadRequest("a 'claim' body (columns to write) needs 'claim.ack_lease_id'")
-    return Request(verb, req_id, args, [pa.py_buffer(_bytes_view(b)) for b in bodies])
+    try:
+        if not lo <= len(bodies) <= hi:
+            want = str(lo) if lo == hi else f"{lo}..{hi}"
+            raise BadRequest(f"{verb!r} takes {want} Arrow body frame(s), got {len(bodies)}")
+        if verb == "claim" and bodies and args.ack_lease_id is None:
+            raise BadRequest("a 'claim' body (columns to write) needs 'claim.ack_lease_id'")
+    except BadRequest as exc:
+        exc.req_id = args.req_id  # type: ignore[attr-defined]
+        raise
+    return Request(verb, args.req_id, args, [pa.py_buffer(_bytes_view(b)) for b in bodies])
 
 
 def encode_reply(req_id: int, result: dict[str, Any], bodies: Sequence[Any] = ()) -> list:
@@ -475,7 +290,13 @@ def decode_reply(frames: Sequence[Any]) -> Reply:
     not a store)."""
     if not frames:
         raise BadRequest("empty reply")
-    header = unpack_header(_bytes_view(frames[0]))
+    data = _bytes_view(frames[0])
+    if len(data) > MAX_HEADER_BYTES:
+        raise BadRequest(f"reply header is {len(data)} bytes, limit {MAX_HEADER_BYTES}")
+    try:
+        header = _REPLY_DECODER.decode(data)
+    except (msgspec.MsgspecError, ValueError, RecursionError) as exc:
+        raise BadRequest(f"reply header is not a msgpack map: {exc}") from None
     ok, req_id = header.pop("ok", None), peek_req_id(header)
     header.pop("req_id", None)
     err = header.pop("error", None)
@@ -574,18 +395,6 @@ def row_ids_from_bytes(data: bytes) -> np.ndarray:
 
 # -- TableSpec and TableStats as msgpack maps -----------------------------------------------------
 
-_SPEC_SCALARS: dict[str, F] = {
-    "group_column": F("name", nullable=True),
-    "group_size": F("int", nullable=True, lo=1, hi=1 << 20),
-    "capacity_rows": F("int", lo=1, hi=1 << 48),
-    "capacity_bytes": F("int", lo=1, hi=1 << 50),
-    "lease_seconds": F("float", lo=0.001, hi=MAX_TIMEOUT_S),
-    "max_deliveries": F("int", lo=1, hi=65535),
-    "fsync": F("name"),
-    "fsync_interval_s": F("float", lo=0.0, hi=3600.0),
-}
-
-
 def spec_to_wire(spec: TableSpec) -> dict[str, Any]:
     out: dict[str, Any] = {
         "name": spec.name,
@@ -595,54 +404,27 @@ def spec_to_wire(spec: TableSpec) -> dict[str, Any]:
             for t in spec.tasks
         ],
     }
-    for key in _SPEC_SCALARS:
+    for key in headers.SPEC_SCALARS:
         out[key] = getattr(spec, key)
     return out
 
 
-def spec_from_wire(data: dict[str, Any]) -> TableSpec:
-    """Rebuild a TableSpec, checking every field's type (BadRequest naming the field). Semantic
+def spec_from_wire(data: dict[str, Any] | headers.WireSpec) -> TableSpec:
+    """Rebuild a TableSpec from its wire form (a ``create_table`` header's typed ``spec``, or a
+    plain map, checked here against the same Struct: BadRequest naming the field). Semantic
     checks (columns exist, tasks unique, ...) are the node's."""
-    unknown = set(data) - {"name", "schema", "tasks"} - set(_SPEC_SCALARS)
-    if "persist_dir" in unknown:
-        raise BadRequest(
-            "spec.persist_dir is not accepted: where a table is persisted is the node's "
-            "configuration (store serve --persist-dir), a client only names the table"
-        )
-    if unknown:
-        raise BadRequest(f"unknown spec fields: {sorted(unknown)}")
-    for key in ("name", "schema", "tasks"):
-        if key not in data:
-            raise BadRequest(f"missing spec field {key!r}")
-    name = _check_value("spec", "name", F("name"), data["name"])
-    raw_schema = _check_value("spec", "schema", F("bytes"), data["schema"])
+    if not isinstance(data, headers.WireSpec):
+        try:
+            data = msgspec.convert(data, headers.WireSpec)
+        except msgspec.ValidationError as exc:
+            raise headers.field_error(exc, "", kind="spec") from None
     try:
-        schema = pa.ipc.read_schema(pa.py_buffer(raw_schema))
+        schema = pa.ipc.read_schema(pa.py_buffer(data.schema))
     except (pa.ArrowException, ValueError, OSError) as exc:
         raise BadRequest(f"spec.schema is not an Arrow IPC schema: {exc}") from None
-    tasks_raw = data["tasks"]
-    if not isinstance(tasks_raw, list) or len(tasks_raw) > MAX_LIST_LEN:
-        raise BadRequest("spec.tasks must be a list of task maps")
-    tasks = []
-    for i, t in enumerate(tasks_raw):
-        if not isinstance(t, dict) or set(t) - {"name", "needs", "whole_groups"}:
-            raise BadRequest(f"spec.tasks[{i}] must be a map with name, needs, whole_groups")
-        if "name" not in t or "needs" not in t:
-            raise BadRequest(f"spec.tasks[{i}] needs fields 'name' and 'needs'")
-        tasks.append(
-            TaskSpec(
-                name=_check_value("spec", f"tasks[{i}].name", F("name"), t["name"]),
-                needs=tuple(_check_value("spec", f"tasks[{i}].needs", F("names"), t["needs"])),
-                whole_groups=_check_value(
-                    "spec", f"tasks[{i}].whole_groups", F("bool"), t.get("whole_groups", False)
-                ),
-            )
-        )
-    kwargs = {}
-    for key, rule in _SPEC_SCALARS.items():
-        if key in data:
-            kwargs[key] = _check_value("spec", key, rule, data[key])
-    return TableSpec(name=name, schema=schema, tasks=tuple(tasks), **kwargs)
+    tasks = tuple(TaskSpec(t.name, tuple(t.needs), t.whole_groups) for t in data.tasks)
+    scalars = {key: getattr(data, key) for key in headers.SPEC_SCALARS}
+    return TableSpec(name=data.name, schema=schema, tasks=tasks, **scalars)
 
 
 def stats_to_wire(stats: TableStats) -> dict[str, Any]:

@@ -1,0 +1,279 @@
+"""Message headers as typed msgspec Structs: the store's verbs, the coordinator's, a table spec.
+
+Owns: the schema of every request header (field names, types, inclusive bounds, defaults), the
+verb of each Struct (msgpack key ``verb`` is the Struct tag), and the translation of msgspec's
+validation errors into one-line ``BadRequest`` messages naming the field. A header is decoded and
+validated in one pass by ``msgspec.msgpack.Decoder`` (``storage.wire.decode_header``); anything
+it refuses never reaches a handler.
+
+Rules shared by every header: unknown fields are refused (a typo must not be silently ignored),
+ints are never bools, floats are finite (every float field has both bounds, which NaN and the
+infinities fail), ``v`` is the protocol version and ``req_id`` an int in ``[0, 2**64)``.
+Fields are read as attributes; ``header["field"]`` also works (handlers written against the
+older mapping form, e.g. the benchmark's null node).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+from storage.errors import BadRequest
+from storage.schema import TableSpec
+
+PROTOCOL_VERSION = 1
+MAX_NAME_LEN = 256
+MAX_TEXT_LEN = 4096
+MAX_LIST_LEN = 4096  # columns, shards, tasks per request
+MAX_ROWS_PER_CLAIM = 10_000_000
+MAX_TIMEOUT_S = 24 * 3600.0
+MAX_KEY_LEN = 256  # coordinator directory keys and prefixes
+MAX_VALUE_LEN = 4096  # coordinator directory values
+
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT_LEN)]
+Names = Annotated[list[Name], Meta(max_length=MAX_LIST_LEN)]
+U64 = Annotated[int, Meta(ge=0)]  # msgpack ints end at 2**64 - 1
+Timeout = Annotated[float, Meta(ge=0.0, le=MAX_TIMEOUT_S)]
+Seconds = Annotated[float, Meta(ge=0.001, le=MAX_TIMEOUT_S)]
+ShardId = Annotated[int, Meta(ge=0, le=65535)]
+Rows = Annotated[int, Meta(ge=1, le=MAX_ROWS_PER_CLAIM)]
+
+
+class Header(Struct, tag_field="verb", forbid_unknown_fields=True, kw_only=True):
+    """Fields every request carries; subclasses add a verb's own (their tag is the verb)."""
+
+    v: Literal[1]
+    req_id: U64
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self, name)
+
+
+# -- table spec (the body of create_table) --------------------------------------------------------
+
+_SPEC_DEFAULTS = {k: f.default for k, f in TableSpec.__dataclass_fields__.items()}
+
+
+class WireTask(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Name
+    needs: Names
+    whole_groups: bool = False
+
+
+class WireSpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A ``TableSpec`` on the wire: the Arrow schema as IPC bytes, tasks as maps. Semantic checks
+    (columns exist, tasks unique, fsync policy) are ``storage._validate``'s."""
+
+    name: Name
+    schema: bytes
+    tasks: Annotated[list[WireTask], Meta(max_length=MAX_LIST_LEN)]
+    group_column: Name | None = None
+    group_size: Annotated[int, Meta(ge=1, le=1 << 20)] | None = None
+    capacity_rows: Annotated[int, Meta(ge=1, le=1 << 48)] = _SPEC_DEFAULTS["capacity_rows"]
+    capacity_bytes: Annotated[int, Meta(ge=1, le=1 << 50)] = _SPEC_DEFAULTS["capacity_bytes"]
+    lease_seconds: Seconds = _SPEC_DEFAULTS["lease_seconds"]
+    max_deliveries: Annotated[int, Meta(ge=1, le=65535)] = _SPEC_DEFAULTS["max_deliveries"]
+    fsync: Name = _SPEC_DEFAULTS["fsync"]
+    fsync_interval_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = _SPEC_DEFAULTS[
+        "fsync_interval_s"
+    ]
+
+
+SPEC_SCALARS = tuple(f for f in WireSpec.__struct_fields__ if f not in ("name", "schema", "tasks"))
+
+
+# -- the store's verbs (served by storage.server; guarantees in storage/wire.py) ------------------
+
+
+class Hello(Header, tag="hello"):
+    pass
+
+
+class Tables(Header, tag="tables"):
+    pass
+
+
+class CreateTable(Header, tag="create_table"):
+    spec: WireSpec
+
+
+class DropTable(Header, tag="drop_table"):
+    table: Name
+
+
+class Put(Header, tag="put"):
+    table: Name
+    timeout: Timeout = 0.0
+    shard_id: ShardId | None = None
+
+
+class Claim(Header, tag="claim"):
+    table: Name
+    task: Name
+    columns: Names
+    max_rows: Rows
+    min_rows: Rows = 1
+    whole_groups: bool = False
+    timeout: Timeout = 0.0
+    lease_seconds: Seconds | None = None
+    # null = every shard of the node; an empty list is refused
+    shards: Annotated[list[ShardId], Meta(min_length=1, max_length=MAX_LIST_LEN)] | None = None
+    # Piggybacked ack ("Combined ack + claim" in storage/wire.py): a lease of the same table to
+    # ack (with the optional body written under it first) before the claim runs.
+    ack_lease_id: U64 | None = None
+
+
+class Write(Header, tag="write"):
+    table: Name
+    lease_id: U64 | None = None
+    ack: bool = False
+    overwrite: bool = False
+
+
+class Ack(Header, tag="ack"):
+    table: Name
+    lease_id: U64
+
+
+class Extend(Header, tag="extend"):
+    table: Name
+    lease_id: U64
+    seconds: Seconds | None = None
+
+
+class Release(Header, tag="release"):
+    table: Name
+    lease_id: U64
+    error: Text | None = None
+
+
+class Stats(Header, tag="stats"):
+    table: Name
+
+
+class Clear(Header, tag="clear"):
+    table: Name
+    dead: bool = False
+
+
+class Snapshot(Header, tag="snapshot"):
+    table: Name
+
+
+class Cancel(Header, tag="cancel"):
+    target: U64
+
+
+STORE_HEADERS = (Hello, Tables, CreateTable, DropTable, Put, Claim, Write, Ack, Extend, Release,
+                 Stats, Clear, Snapshot, Cancel)  # fmt: skip
+
+
+# -- the coordinator's verbs (served by storage.coordinator) --------------------------------------
+
+Key = Annotated[str, Meta(min_length=1, max_length=MAX_KEY_LEN)]
+
+
+class CoordHello(Header, tag="hello"):
+    pass
+
+
+class Register(Header, tag="register"):
+    key: Key
+    value: Annotated[str, Meta(max_length=MAX_VALUE_LEN)]
+
+
+class Lookup(Header, tag="lookup"):
+    key: Key
+    timeout: Timeout = 0.0
+
+
+class LookupPrefix(Header, tag="lookup_prefix"):
+    prefix: Annotated[str, Meta(max_length=MAX_KEY_LEN)]
+
+
+class _Member(Header):
+    table: Name
+    task: Name
+    consumer: Name
+
+
+class Join(_Member, tag="join"):
+    pass
+
+
+class Heartbeat(_Member, tag="heartbeat"):
+    generation: Annotated[int, Meta(ge=0, le=1 << 62)] = 0
+    rate: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0
+    in_flight: Annotated[int, Meta(ge=0, le=1 << 48)] = 0
+
+
+class Leave(_Member, tag="leave"):
+    pass
+
+
+class Assignment(Header, tag="assignment"):
+    table: Name
+    task: Name
+
+
+COORD_HEADERS = (CoordHello, Register, Lookup, LookupPrefix, Join, Heartbeat, Leave, Assignment)
+
+
+def verb_of(cls: type[Header]) -> str:
+    return str(cls.__struct_config__.tag)
+
+
+def fields_by_verb(classes: tuple[type[Header], ...]) -> dict[str, tuple[str, ...]]:
+    """verb -> the verb's own header fields (without ``v`` and ``req_id``)."""
+    return {
+        verb_of(c): tuple(f for f in c.__struct_fields__ if f not in ("v", "req_id"))
+        for c in classes
+    }
+
+
+def decoder(classes: tuple[type[Header], ...]) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Union[classes])  # noqa: UP007 (a runtime tuple of types)
+
+
+# -- msgspec's errors as BadRequest naming the field ----------------------------------------------
+
+_AT = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>.*)`)?$", re.S)
+_TOP = frozenset({"v", "req_id", "verb"})
+
+
+def field_error(
+    exc: msgspec.ValidationError, scope: str, kind: str = "header", verbs: Any = ()
+) -> BadRequest:
+    """One line naming the field msgspec refused: ``header field 'claim.max_rows': Expected `int`
+    >= 1``. ``scope`` prefixes a field path (the verb of a header, "" for a spec); ``verbs``:
+    the valid tags, listed when ``verb`` itself is bad."""
+    m = _AT.match(str(exc).splitlines()[0] if str(exc) else "")
+    detail, path = (m["detail"], (m["path"] or "").lstrip(".")) if m else (str(exc), "")
+
+    def where(name: str) -> str:
+        if name in _TOP and kind == "header":
+            return name
+        return ".".join(p for p in (scope, name) if p).replace(".[", "[")
+
+    for prefix, form in (
+        ("Object missing required field `", "missing {kind} field {where!r}"),
+        ("Object contains unknown field `", "unknown {kind} field {where!r}"),
+    ):
+        if detail.startswith(prefix):
+            name = detail[len(prefix) :].split("`")[0]
+            full = where(".".join(p for p in (path, name) if p))
+            text = form.format(kind=kind, where=full)
+            if name == "persist_dir":
+                text += (
+                    ": where a table is persisted is the node's configuration "
+                    "(store serve --persist-dir), a client only names the table"
+                )
+            return BadRequest(text)
+    text = f"{kind} field {where(path)!r}: {detail}"
+    if path == "verb" and verbs:
+        text += f" (one of {sorted(verbs)})"
+    return BadRequest(text)

@@ -1,0 +1,238 @@
+"""What each store verb does: the handlers of ``storage.server.Server`` (``_v_<verb>``).
+
+Owns: the translation of a validated request (``storage.headers``) into calls on the node
+(``storage.node.StoreNode``) and the reply it queues; which verbs wait (``put`` for room, ``claim``
+for rows: ``storage.parking`` keeps them); a claim's piggybacked ack (rules in
+``storage/wire.py``); the cached empty-lease bodies. Runs only on the server's loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from storage import wire
+from storage.errors import BadRequest, StoreFull, UnknownTable
+from storage.parking import ParkedRequest
+from storage.schema import META_COLUMNS, ROW_ID
+
+
+class StoreVerbs:
+    """Mixin of ``Server``: one ``_v_<verb>(ident, req, t_recv)`` per verb of ``wire.VERBS``. Each
+    queues its reply (``_queue``/``_reply_error``) or parks the request; none blocks."""
+
+    node: Any
+    config: Any
+    _claims: dict[str, list[ParkedRequest]]
+    _puts: dict[str, deque[ParkedRequest]]
+    _empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer]
+    _dirty: set[str]
+
+    def _v_hello(self, ident: bytes, req: wire.Request, t: float) -> None:
+        self._queue(
+            ident,
+            req,
+            {
+                "node_index": self.config.node_index,
+                "shard_ids": list(self.node.shard_ids),
+                "protocol": wire.PROTOCOL_VERSION,
+            },
+            t,
+        )
+
+    def _v_tables(self, ident: bytes, req: wire.Request, t: float) -> None:
+        self._queue(ident, req, {"tables": list(self.node.table_names())}, t)
+
+    def _v_create_table(self, ident: bytes, req: wire.Request, t: float) -> None:
+        spec = wire.spec_from_wire(req.args["spec"])
+        self.node.create_table(spec)
+        self._empty_bodies.clear()
+        self._queue(ident, req, {}, t, mutated=spec.name)
+
+    def _v_drop_table(self, ident: bytes, req: wire.Request, t: float) -> None:
+        table = req.args["table"]
+        self.node.drop_table(table)
+        self._empty_bodies.clear()
+        for p in self._claims.pop(table, []) + list(self._puts.pop(table, ())):
+            self._unpark(p)
+            self._reply_error(
+                p.ident, p.req, UnknownTable(f"table {table!r} was dropped"), p.t_recv
+            )
+        self._queue(ident, req, {}, t)
+
+    def _v_put(self, ident: bytes, req: wire.Request, t: float) -> None:
+        table = req.args["table"]
+        batch = wire.read_batch(req.bodies[0], "put body")
+        self.node.table_spec(table)  # UnknownTable before parking anything
+        waiting = self._puts.get(table)
+        if not waiting and self._try_put(ident, req, batch, t):
+            return
+        if req.args["timeout"] <= 0:
+            raise StoreFull(f"table {table!r} is at capacity")
+        deadline = time.monotonic() + req.args["timeout"]
+        parked = ParkedRequest(ident, req, t, deadline, batch, nbytes=req.bodies[0].size)
+        self._park(parked, "put")
+        self._puts.setdefault(table, deque()).append(parked)
+
+    def _try_put(self, ident: bytes, req: wire.Request, batch: pa.RecordBatch, t: float) -> bool:
+        table = req.args["table"]
+        try:
+            row_ids = self.node.put(table, batch, shard_id=req.args["shard_id"])
+        except StoreFull:
+            return False
+        self._queue(
+            ident,
+            req,
+            {"row_ids": wire.row_ids_to_bytes(row_ids), "depth": self._depth(table)},
+            t,
+            mutated=table,
+        )
+        return True
+
+    def _depth(self, table: str) -> int:
+        """Live rows of a table on this node (a hint for client-side placement): O(shards)."""
+        return self.node.live_rows(table)
+
+    def _v_claim(self, ident: bytes, req: wire.Request, t: float) -> None:
+        a = req.args
+        if a["ack_lease_id"] is not None:
+            self._piggybacked_ack(req)
+        lease = self._try_claim(req, a["min_rows"])
+        if lease is None and a["timeout"] > 0:
+            parked = ParkedRequest(ident, req, t, time.monotonic() + a["timeout"])
+            self._park(parked, "claim")
+            self._claims.setdefault(a["table"], []).append(parked)
+            return
+        if lease is None:
+            lease = self._try_claim(req, 1)
+        self._reply_lease(ident, req, lease, t)
+
+    def _piggybacked_ack(self, req: wire.Request) -> None:
+        """A claim's ack (and write) of the previous lease, before the claim (rules in wire.py):
+        the claim's own arguments are checked first, so any error up to the ack leaves nothing
+        applied; ``req.acked`` then marks every later error reply of this request."""
+        a = req.args
+        table = a["table"]
+        self.node.check_claim(
+            table,
+            a["task"],
+            a["columns"],
+            a["max_rows"],
+            min_rows=a["min_rows"],
+            whole_groups=a["whole_groups"],
+            lease_seconds=a["lease_seconds"],
+            shards=a["shards"],
+        )
+        if req.bodies:
+            batch = wire.read_batch(req.bodies[0], "claim body (columns to write)")
+            self.node.write(table, batch, lease_id=a["ack_lease_id"], ack=True)
+        else:
+            self.node.ack(table, a["ack_lease_id"])
+        req.bodies = []  # written: a claim that now waits must not hold the body's memory
+        req.acked = True
+        self._dirty.add(table)  # written columns may make rows ready for other tasks
+        self._note_mutation(table)
+
+    def _try_claim(self, req: wire.Request, min_rows: int) -> Any:
+        a = req.args
+        return self.node.claim(
+            a["table"],
+            a["task"],
+            a["columns"],
+            a["max_rows"],
+            min_rows=min_rows,
+            whole_groups=a["whole_groups"],
+            lease_seconds=a["lease_seconds"],
+            shards=a["shards"],
+        )
+
+    def _reply_lease(self, ident: bytes, req: wire.Request, lease: Any, t: float) -> None:
+        a = req.args
+        if lease is None:
+            key = (a["table"], tuple(a["columns"]))
+            body = self._empty_bodies.get(key)
+            if body is None:
+                body = wire.write_batch(self._empty_batch(a["table"], a["columns"]))
+                if len(self._empty_bodies) >= 1024:  # bounded: columns come from clients
+                    self._empty_bodies.clear()
+                self._empty_bodies[key] = body
+            empty = {"lease_id": 0, "shard_id": 0, "deadline": 0.0}
+            self._queue(ident, req, empty, t, [body])
+            return
+        result = {
+            "lease_id": lease.lease_id,
+            "shard_id": lease.shard_id,
+            "deadline": lease.deadline,
+        }
+
+        # A lease whose reply cannot be delivered (the consumer is gone) is handed back at once
+        # instead of stranding its rows until the deadline.
+        def undo() -> None:
+            self.node.release(a["table"], lease.lease_id)
+            self._dirty.add(a["table"])
+
+        self._queue(ident, req, result, t, [wire.write_batch(lease.batch)], undo=undo)
+
+    def _empty_batch(self, table: str, columns: Sequence[str]) -> pa.RecordBatch:
+        schema = self.node.table_spec(table).schema
+        fields = []
+        for name in [*columns, ROW_ID, "deliveries"]:
+            if name in META_COLUMNS:
+                fields.append(pa.field(name, META_COLUMNS[name]))
+            elif schema.get_field_index(name) >= 0:
+                fields.append(schema.field(name))
+            else:
+                raise BadRequest(f"claim.columns: unknown column {name!r} in table {table!r}")
+        return pa.RecordBatch.from_pylist([], schema=pa.schema(fields))
+
+    def _v_write(self, ident: bytes, req: wire.Request, t: float) -> None:
+        a = req.args
+        batch = wire.read_batch(req.bodies[0], "write body")
+        self.node.write(
+            a["table"], batch, lease_id=a["lease_id"], ack=a["ack"], overwrite=a["overwrite"]
+        )
+        self._queue(ident, req, {}, t, mutated=a["table"])
+
+    def _v_ack(self, ident: bytes, req: wire.Request, t: float) -> None:
+        self.node.ack(req.args["table"], req.args["lease_id"])
+        self._queue(ident, req, {}, t, mutated=req.args["table"])
+
+    def _v_extend(self, ident: bytes, req: wire.Request, t: float) -> None:
+        a = req.args
+        deadline = self.node.extend(a["table"], a["lease_id"], a["seconds"])
+        self._queue(ident, req, {"deadline": deadline}, t)
+
+    def _v_release(self, ident: bytes, req: wire.Request, t: float) -> None:
+        a = req.args
+        self.node.release(a["table"], a["lease_id"], error=a["error"])
+        self._queue(ident, req, {}, t, mutated=a["table"])
+
+    def _v_stats(self, ident: bytes, req: wire.Request, t: float) -> None:
+        stats = self.node.stats(req.args["table"])
+        self._queue(ident, req, {"stats": wire.stats_to_wire(stats)}, t)
+
+    def _v_clear(self, ident: bytes, req: wire.Request, t: float) -> None:
+        freed = self.node.clear(req.args["table"], dead=req.args["dead"])
+        self._queue(ident, req, {"freed": int(freed)}, t, mutated=req.args["table"])
+
+    def _v_snapshot(self, ident: bytes, req: wire.Request, t: float) -> None:
+        path = self.node.snapshot(req.args["table"])
+        self._queue(ident, req, {"path": str(path)}, t)
+
+    def _v_cancel(self, ident: bytes, req: wire.Request, t: float) -> None:
+        """End a parked claim of the same peer early (its reply: an empty lease)."""
+        target = req.args["target"]
+        for ps in self._claims.values():
+            for i, p in enumerate(ps):
+                if p.ident == ident and p.req.req_id == target:
+                    del ps[i]
+                    self._unpark(p)
+                    self._reply_lease(p.ident, p.req, None, p.t_recv)
+                    self._queue(ident, req, {"cancelled": True}, t)
+                    return
+        self._queue(ident, req, {"cancelled": False}, t)
+
