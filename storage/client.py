@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import zmq
 
-from storage import wire
+from storage import rpc, wire
 from storage.errors import StoreError, Unavailable
 from storage.schema import ROW_ID, SEQ_BITS, Lease, TableSpec, TableStats
 
@@ -43,40 +43,24 @@ class CurveClientKeys:
     server_public_key: bytes
 
 
-class _Conn:
-    """One node: its socket (replaced after a timeout), node index and placement hint."""
+class _Conn(rpc.Channel):
+    """One node: its channel (socket replaced after a timeout), node index and placement hint."""
 
     def __init__(self, client: Client, address: str) -> None:
-        self.client = client
-        self.address = address
+        options: list[tuple[int, Any]] = [
+            (zmq.RECONNECT_IVL, 100),
+            (zmq.RECONNECT_IVL_MAX, 5000),
+            (zmq.MAXMSGSIZE, client.max_message_bytes),
+        ]
+        if client.curve is not None:
+            options += [
+                (zmq.CURVE_PUBLICKEY, client.curve.public_key),
+                (zmq.CURVE_SECRETKEY, client.curve.secret_key),
+                (zmq.CURVE_SERVERKEY, client.curve.server_public_key),
+            ]
+        super().__init__(client.context, address, timeout_error=Unavailable, options=options)
         self.node_index: int | None = None
         self.depth = 0  # live rows of the last-put table, from the last put reply
-        self.sock = self._open()
-
-    def _new_socket(self) -> zmq.Socket:
-        c = self.client
-        sock = c.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-        sock.setsockopt(zmq.MAXMSGSIZE, c.max_message_bytes)
-        if c.curve is not None:
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, c.curve.public_key)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, c.curve.secret_key)
-            sock.setsockopt(zmq.CURVE_SERVERKEY, c.curve.server_public_key)
-        sock.connect(self.address)
-        return sock
-
-    def reset(self) -> None:
-        self.sock.close(linger=0)
-        self.sock = self._open()
-
-    def _open(self) -> zmq.Socket:
-        sock = self._new_socket()
-        # One Poller per socket: Socket.poll() would build (and tear down) one per call.
-        self.poller = zmq.Poller()
-        self.poller.register(sock, zmq.POLLIN)
-        return sock
 
 
 class Client:
@@ -113,18 +97,12 @@ class Client:
         return req_id
 
     def _recv(self, conn: _Conn, req_id: int, timeout: float) -> wire.Reply:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not conn.poller.poll(int(left * 1000) + 1):
-                if time.monotonic() < deadline:
-                    continue
-                conn.reset()  # a late reply must land on a socket nobody reads any more
-                raise Unavailable(f"no reply from {conn.address} within {timeout:.3g} s")
-            reply = wire.decode_reply(conn.sock.recv_multipart(copy=False))
-            if reply.req_id == req_id:
-                return reply
-            # A reply to an earlier request (e.g. a cancelled claim): not ours, drop it.
+        def ours(frames: list) -> wire.Reply | None:
+            reply = wire.decode_reply(frames)
+            # A reply to an earlier request (e.g. a cancelled claim): not ours, dropped.
+            return reply if reply.req_id == req_id else None
+
+        return conn.wait(ours, timeout)
 
     def _call(
         self,
@@ -519,7 +497,7 @@ class Client:
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
         for conn in self._conns:
-            conn.sock.close(linger=0)
+            conn.close()
         self._conns = []
 
     def __enter__(self) -> Client:

@@ -1,6 +1,6 @@
 """The coordinator: a small key-value directory and the shard map of every (table, task).
 
-Owns: one ZeroMQ ROUTER loop thread (like ``storage/server.py``) serving
+Owns: one ZeroMQ ROUTER loop thread (``storage.rpc.RouterService``, like the store node) serving
 
 - a **directory**: ``register(key, value)``, ``lookup(key, timeout)`` (a server-side wait, parked
   like the store's long-poll claim, ``LookupTimeout`` when it runs out) and
@@ -12,9 +12,9 @@ Owns: one ZeroMQ ROUTER loop thread (like ``storage/server.py``) serving
 
 Wire: the store's frame layout and limits (``storage/wire.py``: msgpack header map
 ``{v, verb, req_id, ...}``, replies ``{ok, req_id, error}``), with its own verbs
-(``storage/coordinator_wire.py``). Every
-request is validated field by field; a bad one gets a typed ``BadRequest`` reply naming the field
-and the loop goes on. Nothing is unpickled.
+(the ``COORD_HEADERS`` Structs of ``storage/headers.py``). Every request is decoded and validated
+in one pass; a bad one gets a typed ``BadRequest`` reply naming the field and the loop goes on.
+Nothing is unpickled.
 
 Threads: the loop thread owns the socket, the directory, the balancers and parked lookups (no
 locks). The stats poller thread owns its own ``storage.Client`` and hands depth snapshots over
@@ -30,23 +30,18 @@ which are independent of ownership, so a coordinator outage never loses or dupli
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import signal
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from storage import errors, wire
+from storage import errors, headers, rpc, wire
 from storage.coordinator_client import CoordinatorClient, LookupTimeout, StatsPoller
 from storage.coordinator_session import ConsumerSession
-from storage.coordinator_wire import decode_request
-from storage.errors import BadRequest, StoreError
+from storage.errors import BadRequest
 
 __all__ = [
     "ConsumerSession",
@@ -59,20 +54,21 @@ __all__ = [
 
 log = logging.getLogger("storage.coordinator")
 
-MAX_POLL_S = 0.1  # upper bound on one poll, so stop() and timers are noticed promptly
 MAX_KEYS = 65536  # directory entries (a bound on memory, not a realistic size)
 MAX_GROUPS = 1024  # (table, task) consumer groups
 
 
+COORD_VERBS = headers.fields_by_verb(headers.COORD_HEADERS)
+_DECODER = headers.decoder(headers.COORD_HEADERS)
+_VERB_OF = {cls: headers.verb_of(cls) for cls in headers.COORD_HEADERS}
+
+
 @dataclass
-class _Parked:
-    ident: bytes
-    req_id: int
-    key: str
-    deadline: float  # monotonic
+class _Lookup(rpc.Parked):
+    key: str = ""  # the directory key it waits for
 
 
-class Coordinator:
+class Coordinator(rpc.RouterService):
     """The coordinator service. ``start()`` runs its loop in a daemon thread; ``stop()`` ends it.
 
     ``store_addresses``: the store nodes whose ``stats`` feed live depth to the balancer (empty:
@@ -93,6 +89,7 @@ class Coordinator:
     ) -> None:
         from storage.balance import BalancerConfig
 
+        super().__init__()
         self.bind = bind
         self.store_addresses = list(store_addresses)
         self.balancer_config: BalancerConfig = balancer or BalancerConfig()
@@ -107,171 +104,75 @@ class Coordinator:
         self.context = context or zmq.Context.instance()
         self.address = ""
         self._directory: dict[str, str] = {}
-        self._parked: list[_Parked] = []
+        self._parked: list[_Lookup] = []
         self._groups: dict[tuple[str, str], Any] = {}  # (table, task) -> Balancer
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._sock: zmq.Socket | None = None
-        self._out: list[list] = []
         self._last_round = 0.0
         self._poller: Any = None  # _StatsPoller, when store addresses are given
         from storage.metrics import CoordinatorMetrics
 
         self.metrics = CoordinatorMetrics()
 
+    thread_name = "coordinator"
+
     # -- lifecycle -------------------------------------------------------------------------------
-    def start(self, timeout: float = 10.0) -> Coordinator:
-        """Bind and serve from a daemon thread; returns once bound (raises the bind error)."""
-        self._thread = threading.Thread(target=self.run, name="coordinator", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError("coordinator did not start in time")
-        if self._start_error is not None:
-            raise self._start_error
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop (thread-safe); parked lookups are answered with ``ShuttingDown``."""
-        self._stop.set()
-        if self._thread is not None and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def __enter__(self) -> Coordinator:
         return self.start() if self._thread is None else self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def run(self) -> None:
-        try:
-            self._open()
-        except BaseException as exc:
-            self._start_error = exc
-            self._ready.set()
-            self._close()
-            raise
-        self._ready.set()
-        log.info("coordinator serving %s", self.address)
-        try:
-            self._loop()
-        finally:
-            self._shutdown()
-
     def _open(self) -> None:
-        sock = self.context.socket(zmq.ROUTER)
-        self._sock = sock
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # headers only: no Arrow bodies here
-        sock.setsockopt(zmq.LINGER, 1000)
-        addr = self.bind
-        if addr.startswith("tcp://") and addr.endswith(":0"):
-            addr = addr[:-2] + ":*"
-        sock.bind(addr)
-        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # headers only: no Arrow bodies here
+        self._sock, bound = rpc.bind_router(self.context, [self.bind], max_message_bytes=1 << 20)
+        self.address = bound[0]
         if self.metrics_port_requested is not None:
             self.metrics_port = self.metrics.start_http(
                 self.metrics_addr, self.metrics_port_requested
             )
         if self.store_addresses:
             self._poller = StatsPoller(self.store_addresses, self.round_interval_s, self.context)
+        log.info("coordinator serving %s", self.address)
 
     def _close(self) -> None:
         if self._poller is not None:
             self._poller.close()
             self._poller = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        super()._close()
         self.metrics.stop_http()
 
     def _shutdown(self) -> None:
         for p in self._parked:
-            self._queue(
-                p.ident, wire.encode_error(p.req_id, errors.ShuttingDown("coordinator stopping"))
-            )
+            self._reply_error(p.ident, p.req, errors.ShuttingDown("coordinator stopping"), 0.0)
         self._parked.clear()
-        self._flush()
-        self._close()
+        super()._shutdown()
         log.info("coordinator stopped")
 
     # -- the loop --------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        sock = self._sock
-        assert sock is not None
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            events = dict(poller.poll(self._poll_timeout_ms()))
-            if sock in events:
-                for _ in range(256):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
-            for step in (self._time_out_parked, self._round, self._flush):
-                try:
-                    step()
-                except Exception:  # a bug must not take the coordinator down
-                    log.exception("coordinator loop step %s failed", step.__name__)
+    def _steps(self) -> Sequence[Callable[[], None]]:
+        return (self._time_out_parked, self._round, self._flush)
 
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
-        wait = min(MAX_POLL_S, self._last_round + self.round_interval_s - now)
-        for p in self._parked:
-            wait = min(wait, p.deadline - now)
-        return max(0, int(wait * 1000) + 1)
+        wait = min(rpc.MAX_POLL_S, self._last_round + self.round_interval_s - now)
+        return self._timeout_ms(rpc.earliest(self._parked, now + wait) - now)
 
-    def _handle(self, frames: list) -> None:
-        if len(frames) < 2:
-            return
-        ident = frames[0].bytes
-        try:
-            req = decode_request(frames[1:])
-        except BadRequest as exc:
-            self._queue(ident, wire.encode_error(getattr(exc, "req_id", 0), exc))
-            return
-        except Exception as exc:  # a bug in validation must not kill the loop
-            log.exception("decoding a coordinator request")
-            self._queue(ident, wire.encode_error(0, StoreError(f"internal: {exc!r}")))
-            return
-        try:
-            result = getattr(self, "_v_" + req.verb)(ident, req)
-        except StoreError as exc:
-            self._queue(ident, wire.encode_error(req.req_id, exc))
-            return
-        except Exception as exc:
-            log.exception("coordinator verb %s failed", req.verb)
-            self._queue(
-                ident, wire.encode_error(req.req_id, StoreError(f"{type(exc).__name__}: {exc}"))
-            )
-            return
-        if result is not None:
-            self._queue(ident, wire.encode_reply(req.req_id, result))
-
-    def _queue(self, ident: bytes, frames: list) -> None:
-        self._out.append([ident, *frames])
-
-    def _flush(self) -> None:
-        sock = self._sock
-        out, self._out = self._out, []
-        for msg in out:
-            try:
-                sock.send_multipart(msg, zmq.NOBLOCK)  # type: ignore[union-attr]
-            except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue is full
-                log.debug("dropping a coordinator reply: %s", exc)
+    def _decode(self, frames: list) -> wire.Request:
+        """A coordinator request: its header Struct; no body frames."""
+        if not frames:
+            raise BadRequest("empty message")
+        args = wire.decode_header(frames[0], _DECODER, COORD_VERBS)
+        verb = _VERB_OF[type(args)]
+        if len(frames) > 1:
+            exc = BadRequest(f"{verb!r} takes no body frames, got {len(frames) - 1}")
+            exc.req_id = args.req_id  # type: ignore[attr-defined]
+            raise exc
+        return wire.Request(verb, args.req_id, args)
 
     # -- directory verbs -------------------------------------------------------------------------
-    def _v_hello(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+    def _v_hello(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         return {"protocol": wire.PROTOCOL_VERSION, "role": "coordinator"}
 
-    def _v_register(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+    def _v_register(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         key, value = req.args["key"], req.args["value"]
         if key not in self._directory and len(self._directory) >= MAX_KEYS:
             raise BadRequest(f"the directory is full ({MAX_KEYS} keys)")
@@ -279,22 +180,22 @@ class Coordinator:
         keep = []
         for p in self._parked:  # wake the lookups waiting for this key
             if p.key == key:
-                self._queue(p.ident, wire.encode_reply(p.req_id, {"value": value}))
+                self._reply(p.ident, p.req, {"value": value}, p.t_recv)
             else:
                 keep.append(p)
         self._parked = keep
         return {}
 
-    def _v_lookup(self, ident: bytes, req: wire.Request) -> dict[str, Any] | None:
+    def _v_lookup(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any] | None:
         key, timeout = req.args["key"], req.args["timeout"]
         if key in self._directory:
             return {"value": self._directory[key]}
         if timeout <= 0:
             raise LookupTimeout(f"key {key!r} is not registered")
-        self._parked.append(_Parked(ident, req.req_id, key, time.monotonic() + timeout))
+        self._parked.append(_Lookup(ident, req, t, time.monotonic() + timeout, key))
         return None  # answered by register() or at the deadline
 
-    def _v_lookup_prefix(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+    def _v_lookup_prefix(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         prefix = req.args["prefix"]
         return {"entries": {k: v for k, v in self._directory.items() if k.startswith(prefix)}}
 
@@ -306,7 +207,7 @@ class Coordinator:
         for p in self._parked:
             if p.deadline <= now:
                 exc = LookupTimeout(f"key {p.key!r} was not registered within the timeout")
-                self._queue(p.ident, wire.encode_error(p.req_id, exc))
+                self._reply_error(p.ident, p.req, exc, p.t_recv)
             else:
                 keep.append(p)
         self._parked = keep
@@ -376,13 +277,13 @@ class Coordinator:
             "deepest": others[:4],
         }
 
-    def _v_join(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+    def _v_join(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         a = req.args
         b = self._group(a["table"], a["task"])
         gen, shards = b.join(a["consumer"], time.monotonic())
         return self._view(b, a["consumer"], gen, shards)
 
-    def _v_heartbeat(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+    def _v_heartbeat(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         a = req.args
         b = self._group(a["table"], a["task"])
         gen, shards = b.heartbeat(
@@ -394,14 +295,14 @@ class Coordinator:
         )
         return self._view(b, a["consumer"], gen, shards)
 
-    def _v_leave(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+    def _v_leave(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         a = req.args
         b = self._groups.get((a["table"], a["task"]))
         if b is not None:
             b.leave(a["consumer"], time.monotonic())
         return {}
 
-    def _v_assignment(self, ident: bytes, req: wire.Request) -> dict[str, Any]:
+    def _v_assignment(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         a = req.args
         b = self._groups.get((a["table"], a["task"]))
         if b is None:
@@ -439,31 +340,11 @@ class Coordinator:
 def serve(coordinator: Coordinator, *, ready_file: str | None = None) -> None:
     """Run ``coordinator`` until SIGTERM/SIGINT. With ``ready_file``, write {"address",
     "metrics_port", "pid"} there as JSON (atomically) once bound."""
-
-    def _on_signal(signum: int, frame: Any) -> None:
-        coordinator.stop(timeout=0)
-
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        coordinator.start()
-        if ready_file:
-            tmp = ready_file + ".tmp"
-            with open(tmp, "w") as fh:
-                json.dump(
-                    {
-                        "address": coordinator.address,
-                        "metrics_port": coordinator.metrics_port,
-                        "pid": os.getpid(),
-                    },
-                    fh,
-                )
-            os.replace(tmp, ready_file)
-        while coordinator.running:
-            time.sleep(0.1)
-    finally:
-        coordinator.stop()
-        for s, h in previous.items():
-            signal.signal(s, h)
+    rpc.run_until_signalled(
+        coordinator,
+        ready_file,
+        lambda: {"address": coordinator.address, "metrics_port": coordinator.metrics_port},
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,13 +15,12 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import zmq
 
-from storage import errors, wire
+from storage import errors, rpc, wire
 from storage.errors import StoreError, Unavailable
 
 log = logging.getLogger("storage.coordinator")
@@ -54,42 +53,34 @@ class CoordinatorClient:
         self.context = context or zmq.Context.instance()
         self.request_timeout = request_timeout
         self._req_ids = itertools.count(1)
-        self._sock: zmq.Socket | None = None
-        self._open()
-
-    def _open(self) -> None:
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 24)
-        sock.connect(self.address)
-        self._sock = sock
+        self._channel: rpc.Channel | None = rpc.Channel(
+            self.context,
+            address,
+            name=f"coordinator {address}",
+            timeout_error=Unavailable,
+            options=[
+                (zmq.RECONNECT_IVL, 100),
+                (zmq.RECONNECT_IVL_MAX, 2000),
+                (zmq.MAXMSGSIZE, 1 << 24),
+            ],
+        )
 
     def call(self, verb: str, args: dict[str, Any], *, wait: float = 0.0) -> dict[str, Any]:
         """One request; returns the reply's result fields or raises its typed error."""
-        if self._sock is None:
+        if self._channel is None:
             raise StoreError("CoordinatorClient is closed")
         req_id = next(self._req_ids)
-        self._sock.send_multipart(wire.encode_request(verb, req_id, args))
-        timeout = wait + self.request_timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
-                if time.monotonic() < deadline:
-                    continue
-                self._sock.close(linger=0)
-                self._open()  # a late reply must land on a socket nobody reads any more
-                raise Unavailable(
-                    f"no reply from coordinator {self.address} within {timeout:.3g} s"
-                )
-            reply = wire.decode_reply(self._sock.recv_multipart())
-            if reply.req_id != req_id:
-                continue  # stale reply to an earlier request
-            if reply.error is not None:
-                raise reply.error
-            return reply.result
+
+        def ours(frames: list) -> wire.Reply | None:
+            reply = wire.decode_reply(frames)
+            return reply if reply.req_id == req_id else None  # else: stale, dropped
+
+        reply = self._channel.call(
+            wire.encode_request(verb, req_id, args), ours, wait + self.request_timeout
+        )
+        if reply.error is not None:
+            raise reply.error
+        return reply.result
 
     # -- directory -------------------------------------------------------------------------------
     def register(self, key: str, value: str) -> None:
@@ -144,9 +135,9 @@ class CoordinatorClient:
         return self.call("assignment", {"table": table, "task": task})
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
     def __enter__(self) -> CoordinatorClient:
         return self

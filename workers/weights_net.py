@@ -13,8 +13,9 @@ Wire (every frame after the ROUTER identity):
     reply     [msgpack {"id", "ok", "newest", "version", "bytes", "error"}, (safetensors bytes)]
 
 Only msgpack headers and raw safetensors bytes travel (nothing is unpickled; safetensors is a
-plain tensor container). Requests are small and size-capped (``MAXMSGSIZE``); a malformed one gets
-``ok: false`` with the reason and the server keeps serving. A version the trainer has already
+plain tensor container). Requests are small and size-capped (``MAXMSGSIZE``) and decoded into a
+typed Struct (``WeightRequest``); a malformed one gets ``ok: false`` with the reason and the server
+keeps serving. The serve loop and the call with a deadline are the store's (``storage.rpc``). A version the trainer has already
 pruned (it keeps the newest ``weights_keep``) is answered ``ok: false``; the reader then asks for
 the newest one again.
 
@@ -28,13 +29,14 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
-import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgpack
+import msgspec
 import zmq
+
+from storage import rpc
 
 log = logging.getLogger("workers.weights")
 
@@ -45,49 +47,50 @@ class WeightFetchError(RuntimeError):
     """A fetch or newest request failed (no reply in time, or the server refused it)."""
 
 
+class WeightRequest(msgspec.Struct):
+    """A reader's request: ``newest``, or ``fetch`` of one version."""
+
+    id: int
+    op: Literal["newest", "fetch"]
+    version: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+_DECODER = msgspec.msgpack.Decoder(WeightRequest)
+
+
 def _versions(directory: Path) -> list[int]:
     from workers.weights import published_versions  # weights.py imports this module at its top
 
     return published_versions(directory)
 
 
-class WeightServer:
+class WeightServer(rpc.RouterService):
     """Answers ``newest`` and ``fetch(version)`` for the files in ``directory`` (its own thread)."""
 
+    thread_name = "weight-server"
+
     def __init__(self, directory: str | os.PathLike, bind: str) -> None:
+        super().__init__()
         self.directory = Path(directory)
         self.served_bytes = 0
         self.served_versions = 0
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.bind(bind)
-        self.endpoint: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._sock = sock  # handed to the thread below, never touched here again
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="weight-server", daemon=True)
-        self._thread.start()
+        self._bind = bind
+        self.endpoint = ""
+        self.start()
 
-    def _run(self) -> None:
-        sock = self._sock
-        try:
-            while not self._stop.is_set():
-                if not sock.poll(100):
-                    continue
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                header, data = self._handle(frames[1:])
-                try:
-                    sock.send_multipart([frames[0], msgpack.packb(header), *data], copy=False)
-                except zmq.ZMQError as exc:  # the reader went away: nothing to answer
-                    log.warning("weight server: reply dropped: %s", exc)
-        finally:
-            sock.close()
+    def _open(self) -> None:
+        self._sock, bound = rpc.bind_router(
+            zmq.Context.instance(), [self._bind], max_message_bytes=MAX_REQUEST_BYTES, linger_ms=0
+        )
+        self.endpoint = bound[0]
 
-    def _handle(self, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+    def _handle(self, frames: list) -> None:
+        if len(frames) < 2:
+            return
+        header, data = self._answer([f.bytes for f in frames[1:]])
+        self._out.append((frames[0].bytes, [msgpack.packb(header), *data], "weights", 0.0, None))
+
+    def _answer(self, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
         header: dict[str, Any] = {
             "id": None,
             "ok": False,
@@ -99,30 +102,30 @@ class WeightServer:
         try:
             if len(frames) != 1:
                 raise ValueError(f"expected 1 frame, got {len(frames)}")
-            req = msgpack.unpackb(frames[0], raw=False, max_str_len=256, max_map_len=8)
-            if not isinstance(req, dict) or not isinstance(req.get("id"), int):
-                raise ValueError("request must be a map with an integer 'id'")
-            header["id"] = req["id"]
-            op = req.get("op")
+            try:
+                req = _DECODER.decode(frames[0])
+            except msgspec.ValidationError as exc:
+                loose = msgspec.msgpack.decode(frames[0])  # only to answer with its id
+                if isinstance(loose, dict) and isinstance(loose.get("id"), int):
+                    header["id"] = loose["id"]
+                raise ValueError(f"bad request: {exc}") from None
+            header["id"] = req.id
             versions = _versions(self.directory)
             header["newest"] = versions[-1] if versions else None
-            if op == "newest":
+            if req.op == "newest":
                 header["ok"] = True
                 return header, []
-            if op != "fetch":
-                raise ValueError(f"op must be 'newest' or 'fetch', got {op!r}")
-            version = req.get("version")
-            if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-                raise ValueError(f"fetch.version must be an integer >= 0, got {version!r}")
+            if req.version is None:
+                raise ValueError("fetch.version is required")
             from workers.weights import weights_path
 
             try:
-                data = weights_path(self.directory, version).read_bytes()
+                data = weights_path(self.directory, req.version).read_bytes()
             except FileNotFoundError:
                 raise ValueError(
-                    f"version {version} is not available (published: {versions})"
+                    f"version {req.version} is not available (published: {versions})"
                 ) from None
-            header.update(ok=True, version=version, bytes=len(data))
+            header.update(ok=True, version=req.version, bytes=len(data))
             self.served_bytes += len(data)
             self.served_versions += 1
             return header, [data]
@@ -131,8 +134,7 @@ class WeightServer:
             return header, []
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self.stop(timeout=5)
 
 
 class WeightFetcher:
@@ -142,37 +144,29 @@ class WeightFetcher:
         self.address = address
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
-        self._sock: zmq.Socket | None = None
-        self._open()
-
-    def _open(self) -> None:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.address)
-        self._sock = sock
+        self._channel: rpc.Channel | None = rpc.Channel(
+            zmq.Context.instance(),
+            address,
+            name=f"weight server {address}",
+            timeout_error=WeightFetchError,
+        )
 
     def _call(self, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], list]:
-        assert self._sock is not None
+        assert self._channel is not None
         req_id = next(self._ids)
-        self._sock.send(msgpack.packb({**request, "id": req_id}))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
-                if time.monotonic() < deadline:
-                    continue
-                self._sock.close(linger=0)
-                self._open()  # a late reply must land on a socket nobody reads any more
-                raise WeightFetchError(
-                    f"no reply from weight server {self.address} within {timeout_s:.3g} s"
-                )
-            frames = self._sock.recv_multipart(copy=False)
+
+        def ours(frames: list) -> tuple[dict[str, Any], list] | None:
             header = msgpack.unpackb(frames[0].bytes, raw=False, max_str_len=1 << 16)
             if not isinstance(header, dict) or header.get("id") != req_id:
-                continue  # a late reply to an earlier request
-            if not header.get("ok"):
-                raise WeightFetchError(f"weight server {self.address}: {header.get('error')}")
+                return None  # a late reply to an earlier request
             return header, frames[1:]
+
+        header, frames = self._channel.call(
+            [msgpack.packb({**request, "id": req_id})], ours, timeout_s
+        )
+        if not header.get("ok"):
+            raise WeightFetchError(f"weight server {self.address}: {header.get('error')}")
+        return header, frames
 
     def newest(self, timeout_s: float | None = None) -> int | None:
         header, _ = self._call({"op": "newest"}, timeout_s or self.timeout_s)
@@ -200,6 +194,6 @@ class WeightFetcher:
         return len(frames[0])
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
