@@ -68,8 +68,17 @@ from storage.errors import (
 )
 from storage.persist import TableStore
 from storage.persist_root import MAX_EPOCH, discover, next_epoch
-from storage.schema import META_COLUMNS, ROW_ID, Lease, RowState, TableSpec, TableStats
-from storage.shard import LeaseRec, Shard, split_row_ids
+from storage.queues import LeaseRec
+from storage.schema import (
+    META_COLUMNS,
+    ROW_ID,
+    Lease,
+    RowState,
+    TableSpec,
+    TableStats,
+    split_row_ids,
+)
+from storage.shard import Shard
 
 _EXPIRED_MEMORY = 65536  # expired lease ids remembered for LeaseExpired (vs UnknownLease)
 _MAX_LEASE_SECONDS = 7 * 24 * 3600.0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 
 ROW_ID = "row_id"
@@ -163,3 +164,10 @@ class TableStats:
             for reason, n in s.dead_reasons.items():
                 total.dead_reasons[reason] = total.dead_reasons.get(reason, 0) + n
         return total
+
+
+def split_row_ids(row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(shard ids, int64 sequences) of uint64 row ids."""
+    shards = (row_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
+    seqs = (row_ids & np.uint64(SEQ_MASK)).astype(np.int64)
+    return shards, seqs

@@ -11,10 +11,8 @@ array, so arrays stay within ~2x the live rows whatever order rows are freed in,
 costs O(1) amortized per row. Dense indices therefore change at compaction: anything kept across
 calls (ready queues, leases) holds sequences, never indices.
 
-Ready queues (one per task) hold the sequences of READY rows in FIFO order, so ``claim`` costs
-O(rows claimed), never O(rows resident). A READY row is in its task's queue exactly once: it is
-pushed when it becomes READY (last needed cell written, lease expired or released) and popped by
-the claim that leases it. The only stale entries are rows freed by ``clear_dead``; pops skip them.
+Ready queues (one per task, ``storage.queues.SeqQueue``) hold the sequences of READY rows in FIFO
+order, so ``claim`` costs O(rows claimed), never O(rows resident); rules in ``storage/queues.py``.
 
 Groups. A grouped put is reordered so each group's rows get consecutive sequences; ``gpos`` is a
 row's position in its group. For a whole-group task the queue holds group *leaders* (first row),
@@ -29,91 +27,34 @@ live lease of that task holding it; a row is freed once every task CONSUMED it.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
-from storage._columns import Source, gather, gather_with_nulls
+from storage._columns import Source, claimed_batch, gather_with_nulls
 from storage.errors import BadRequest, CellAlreadyWritten, UnknownRows
-from storage.schema import SEQ_BITS, SEQ_MASK, RowState, ShardStats, TableSpec, TaskStats
+from storage.queues import LeaseRec, SeqQueue
+from storage.schema import SEQ_BITS, RowState, ShardStats, TableSpec, TaskStats
 
 PENDING, READY, LEASED, CONSUMED, DEAD = (int(s) for s in RowState)
 _NUM_STATES = len(RowState)
 _COMPACT_MIN = 4096
-_ROW_ARRAYS = (
-    "seqs",
-    "alive",
-    "created",
-    "gpos",
-    "src",
-    "off",
-    "state",
-    "deliv",
-    "lease",
-    "reason",
-    "gready",
-)
-
-
-class SeqQueue:
-    """FIFO of int64 sequences, stored as a deque of numpy pieces (push/pop cost per piece)."""
-
-    __slots__ = ("_parts", "_head", "size")
-
-    def __init__(self) -> None:
-        self._parts: deque[np.ndarray] = deque()
-        self._head = 0
-        self.size = 0  # entries held, stale ones included
-
-    def push(self, seqs: np.ndarray) -> None:
-        if len(seqs):
-            self._parts.append(seqs)
-            self.size += len(seqs)
-
-    def push_front(self, seqs: np.ndarray) -> None:
-        if len(seqs):
-            if self._head:
-                self._parts[0] = self._parts[0][self._head :]
-                self._head = 0
-            self._parts.appendleft(seqs)
-            self.size += len(seqs)
-
-    def pop(self, n: int) -> np.ndarray:
-        out: list[np.ndarray] = []
-        need = n
-        while need and self._parts:
-            first = self._parts[0]
-            avail = len(first) - self._head
-            if avail <= need:
-                out.append(first[self._head :])
-                self._parts.popleft()
-                self._head = 0
-                need -= avail
-            else:
-                out.append(first[self._head : self._head + need])
-                self._head += need
-                need = 0
-        self.size -= n - need
-        if len(out) == 1:
-            return out[0]
-        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
-
-
-@dataclass(slots=True)
-class LeaseRec:
-    """A live lease: which task holds which rows (by sequence) until when."""
-
-    lease_id: int
-    task: int
-    seqs: np.ndarray  # int64 sequences of the leased rows, in batch order
-    deadline: float
-    lease_seconds: float
-    row_ids: np.ndarray | None = None  # uint64 row ids, in batch order (write's fast path)
-    idx: np.ndarray | None = None  # dense indices of seqs, valid while the shard's layout is
-    layout: int = -1  # ... this one (``Shard.layout`` changes only at compaction)
+# Every per-row array: name -> (leading axis: "" per row, "col" per column, "task" per task;
+# dtype; value of a new slot). Rows are the last axis of each.
+_ROW_ARRAYS: dict[str, tuple[str, type, int | float | bool]] = {
+    "seqs": ("", np.int64, 0),
+    "alive": ("", np.bool_, False),
+    "created": ("", np.float64, 0.0),
+    "gpos": ("", np.int64, 0),
+    "src": ("col", np.int32, -1),  # -1 = cell not written
+    "off": ("col", np.int32, 0),
+    "state": ("task", np.uint8, PENDING),
+    "deliv": ("task", np.uint16, 0),
+    "lease": ("task", np.int64, 0),  # 0 = not leased
+    "reason": ("task", np.int32, -1),  # index into reasons, -1 = none
+    "gready": ("task", np.int32, 0),  # READY rows of group, at leader
+}
 
 
 class Shard:
@@ -134,17 +75,9 @@ class Shard:
         self.n = 0  # dense slots in use (live + freed-not-yet-compacted)
         self.num_alive = 0
         self.next_seq = 0
-        self.seqs = np.empty(0, dtype=np.int64)
-        self.alive = np.empty(0, dtype=bool)
-        self.created = np.empty(0, dtype=np.float64)
-        self.gpos = np.empty(0, dtype=np.int64)
-        self.src = np.empty((num_cols, 0), dtype=np.int32)  # -1 = cell not written
-        self.off = np.empty((num_cols, 0), dtype=np.int32)
-        self.state = np.empty((num_tasks, 0), dtype=np.uint8)
-        self.deliv = np.empty((num_tasks, 0), dtype=np.uint16)
-        self.lease = np.empty((num_tasks, 0), dtype=np.int64)  # 0 = not leased
-        self.reason = np.empty((num_tasks, 0), dtype=np.int32)  # index into reasons, -1 = none
-        self.gready = np.empty((num_tasks, 0), dtype=np.int32)  # READY rows of group, at leader
+        lead = {"": (), "col": (num_cols,), "task": (num_tasks,)}
+        for name, (axis, dtype, _) in _ROW_ARRAYS.items():
+            setattr(self, name, np.empty((*lead[axis], 0), dtype=dtype))
         self.counts = np.zeros((num_tasks, _NUM_STATES), dtype=np.int64)
         self.consumed_total = np.zeros(num_tasks, dtype=np.int64)
         self.redelivered_total = np.zeros(num_tasks, dtype=np.int64)
@@ -204,12 +137,8 @@ class Shard:
             out[..., : self.n] = a[..., : self.n]
             return out
 
-        self.seqs, self.alive = grown(self.seqs, 0), grown(self.alive, False)
-        self.created, self.gpos = grown(self.created, 0.0), grown(self.gpos, 0)
-        self.src, self.off = grown(self.src, -1), grown(self.off, 0)
-        self.state, self.deliv = grown(self.state, PENDING), grown(self.deliv, 0)
-        self.lease, self.reason = grown(self.lease, 0), grown(self.reason, -1)
-        self.gready = grown(self.gready, 0)
+        for name, (_, _, fill) in _ROW_ARRAYS.items():
+            setattr(self, name, grown(getattr(self, name), fill))
 
     def _compact(self) -> None:
         keep = np.flatnonzero(self.alive[: self.n])
@@ -273,16 +202,13 @@ class Shard:
         self.n += k
         self.num_alive += k
         self.next_seq = max(self.next_seq, int(seqs[-1]) + 1)
-        self.seqs[sl], self.alive[sl], self.created[sl] = seqs, True, created
         # Slots past n may hold rows moved away by _compact: reset every per-row field.
-        self.gpos[sl] = 0 if gpos is None else gpos
-        self.src[:, sl], self.off[:, sl] = -1, 0
-        self.state[:, sl], self.deliv[:, sl], self.lease[:, sl] = PENDING, 0, 0
-        self.reason[:, sl], self.gready[:, sl] = -1, 0
-        if written is None:
-            refs = k * len(arrays)
-        else:
-            refs = sum(int(written[c].sum()) for c in arrays)
+        for name, (_, _, fill) in _ROW_ARRAYS.items():
+            getattr(self, name)[..., sl] = fill
+        self.seqs[sl], self.alive[sl], self.created[sl] = seqs, True, created
+        if gpos is not None:
+            self.gpos[sl] = gpos
+        refs = k * len(arrays) if written is None else sum(int(written[c].sum()) for c in arrays)
         sid = self._add_source(arrays, refs, nbytes)
         positions = np.arange(k, dtype=np.int32)
         for c in arrays:
@@ -437,46 +363,12 @@ class Shard:
         """The claimed batch: requested columns (col id -1 = created_at), row_id, deliveries.
 
         ``row_ids``: the rows' ids when the caller has them already."""
-        arrays: list[pa.Array] = []
-        k = len(idx)
-        data_cols = [c for c in cols if c >= 0]
-        fast: dict[int, pa.Array] = {}
-        if data_cols and k:
-            # One gather of every column's (source, offset) pointers; a column whose cells are
-            # a contiguous run of one source (the streaming case) is a zero-copy slice.
-            src = np.take(self.src, idx, axis=1)  # (rows first: never copy whole columns)
-            off = np.take(self.off, idx, axis=1)
-            if len(data_cols) != len(src):
-                src, off = src[data_cols], off[data_cols]
-            one_src = (src == src[:, :1]).all(axis=1)
-            runs = (off[:, 1:] - off[:, :-1] == 1).all(axis=1) if k > 1 else one_src
-            for j, (c, single, run, s0, o0) in enumerate(
-                zip(
-                    data_cols,
-                    one_src.tolist(),
-                    runs.tolist(),
-                    src[:, 0].tolist(),
-                    off[:, 0].tolist(),
-                    strict=True,
-                )
-            ):
-                if single and run and s0 >= 0:
-                    fast[c] = self.sources[s0].arrays[c].slice(o0, k)
-                else:
-                    fast[c] = gather(self.sources, c, src[j], off[j])
-        # pa.array infers float64/uint64/uint16 from the numpy dtypes, ~3x faster than type=.
-        for c in cols:
-            if c < 0:
-                arrays.append(pa.array(self.created[idx]))
-            elif c in fast:
-                arrays.append(fast[c])
-            else:
-                arrays.append(gather(self.sources, c, self.src[c, idx], self.off[c, idx]))
         if row_ids is None:
             row_ids = self.row_ids(self.seqs[idx])
-        arrays.append(pa.array(row_ids.astype(np.uint64, copy=False)))
-        arrays.append(pa.array(self.deliv[t, idx]))
-        return pa.RecordBatch.from_arrays(arrays, names=[*names, "row_id", "deliveries"])
+        return claimed_batch(
+            self.sources, self.src, self.off, self.created, idx, names, cols, row_ids,
+            self.deliv[t, idx],
+        )  # fmt: skip
 
     def cells(self, idx: np.ndarray, c: int) -> pa.Array:
         """Column ``c`` of rows idx with nulls for unwritten cells (snapshots)."""
@@ -602,22 +494,7 @@ class Shard:
                 r = self.reason[t, live][self.state[t, live] == DEAD]
                 for rid, k in zip(*np.unique(r, return_counts=True), strict=True):
                     reasons[self.reasons[int(rid)]] = int(k)
-            tasks[name] = TaskStats(
-                pending=int(c[PENDING]),
-                ready=int(c[READY]),
-                in_flight=int(c[LEASED]),
-                consumed=int(self.consumed_total[t]),
-                dead=int(c[DEAD]),
-                redelivered_total=int(self.redelivered_total[t]),
-                dead_reasons=reasons,
-            )
-        return ShardStats(
-            shard_id=self.shard_id, rows=self.num_alive, bytes=self.bytes, tasks=tasks
-        )
-
-
-def split_row_ids(row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(shard ids, int64 sequences) of uint64 row ids."""
-    shards = (row_ids >> np.uint64(SEQ_BITS)).astype(np.int64)
-    seqs = (row_ids & np.uint64(SEQ_MASK)).astype(np.int64)
-    return shards, seqs
+            pending, ready, in_flight, dead = (int(c[k]) for k in (PENDING, READY, LEASED, DEAD))
+            consumed, again = int(self.consumed_total[t]), int(self.redelivered_total[t])
+            tasks[name] = TaskStats(pending, ready, in_flight, consumed, dead, again, reasons)
+        return ShardStats(self.shard_id, self.num_alive, self.bytes, tasks)

@@ -7,8 +7,8 @@ import pyarrow as pa
 
 from storage._columns import Source, gather, gather_with_nulls
 from storage.node import StoreNode
-from storage.schema import TableSpec, TaskSpec, make_row_id
-from storage.shard import SeqQueue, split_row_ids
+from storage.queues import SeqQueue
+from storage.schema import TableSpec, TaskSpec, make_row_id, split_row_ids
 
 
 def test_seq_queue_fifo_across_pieces_and_push_front() -> None:
