@@ -15,6 +15,7 @@ import errno
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,22 +161,30 @@ class ParkedRequests:
             self._drop_peers(gone)
 
     def _drop_peers(self, gone: set[bytes]) -> None:
-        dropped = 0
-        for claims in self._claims.values():
-            keep = [p for p in claims if p.ident not in gone]
-            for p in claims:
-                if p.ident in gone:
-                    self._unpark(p)
-            dropped += len(claims) - len(keep)
-            claims[:] = keep
-        for puts in self._puts.values():
-            for p in [p for p in puts if p.ident in gone]:
-                puts.remove(p)
-                self._unpark(p)
-                dropped += 1
+        dropped = self._take(lambda p: p.ident in gone)
         if dropped:
-            self.metrics.parked_dropped.inc(dropped)
-            log.info("dropped %d parked requests of %d departed peers", dropped, len(gone))
+            self.metrics.parked_dropped.inc(len(dropped))
+            log.info("dropped %d parked requests of %d departed peers", len(dropped), len(gone))
+
+    def _take(
+        self, pred: Callable[[ParkedRequest], bool], tables: Iterable[str] | None = None
+    ) -> list[ParkedRequest]:
+        """Remove the parked requests ``pred`` selects (of ``tables``; None: every table), claims
+        first, and count them as left; the others keep their FIFO order. The caller answers
+        them (or not: a departed peer)."""
+        taken: list[ParkedRequest] = []
+        for parked in (self._claims, self._puts):
+            for table in list(parked) if tables is None else tables:
+                ps = parked.get(table)
+                if not ps or not any(pred(p) for p in ps):
+                    continue
+                keep = [p for p in ps if not pred(p)]
+                taken += [p for p in ps if pred(p)]
+                ps.clear()
+                ps.extend(keep)
+        for p in taken:
+            self._unpark(p)
+        return taken
 
     def _parked_deadline(self, default: float) -> float:
         """The soonest deadline (monotonic) of a parked request, or ``default``."""
@@ -185,12 +194,8 @@ class ParkedRequests:
 
     def _answer_parked(self, exc: StoreError) -> None:
         """Answer every parked request with ``exc`` (shutdown) and forget them."""
-        for ps in (*self._claims.values(), *self._puts.values()):
-            for p in ps:
-                self._reply_error(p.ident, p.req, exc, p.t_recv)
-        self._claims.clear()
-        self._puts.clear()
-        self._book.clear()
+        for p in self._take(lambda p: True):
+            self._reply_error(p.ident, p.req, exc, p.t_recv)
 
     def _retry_parked(self) -> None:
         dirty, self._dirty = self._dirty, set()
@@ -240,41 +245,22 @@ class ParkedRequests:
         claims[:] = keep
 
     def _time_out_parked(self) -> None:
+        """Answer the parked requests whose wait ran out: a claim gets one last try with
+        ``min_rows=1`` (possibly an empty lease), a put ``StoreFull`` (a put behind the head
+        of its table's queue too: a shorter timeout does not wait for the head)."""
         now = time.monotonic()
-        for claims in self._claims.values():
-            if not any(p.deadline <= now for p in claims):
-                continue
-            keep = []
-            for p in claims:
-                if p.deadline > now:
-                    keep.append(p)
-                    continue
-                self._unpark(p)
-                try:
+        for p in self._take(lambda p: p.deadline <= now):
+            try:
+                if p.req.verb == "claim":
                     self._reply_lease(p.ident, p.req, self._try_claim(p.req, 1), p.t_recv)
-                except Exception as exc:
-                    self._reply_error(p.ident, p.req, _as_store_error(exc), p.t_recv)
-            claims[:] = keep
-        for table, puts in self._puts.items():
-            while puts and puts[0].deadline <= now:
-                p = puts.popleft()
-                self._unpark(p)
-                self._reply_error(
-                    p.ident,
-                    p.req,
-                    StoreFull(
-                        f"table {table!r} stayed at capacity for the put's timeout "
-                        f"({p.req.args['timeout']:.3g} s)"
-                    ),
-                    p.t_recv,
+                    continue
+                a = p.req.args
+                raise StoreFull(
+                    f"table {a.table!r} stayed at capacity for the put's timeout "
+                    f"({a.timeout:.3g} s)"
                 )
-            # Later puts with shorter timeouts wait behind the head; expire them too.
-            for p in [p for p in puts if p.deadline <= now]:
-                puts.remove(p)
-                self._unpark(p)
-                self._reply_error(
-                    p.ident, p.req, StoreFull(f"table {table!r} is at capacity"), p.t_recv
-                )
+            except Exception as exc:
+                self._reply_error(p.ident, p.req, _as_store_error(exc), p.t_recv)
 
 
 def _as_store_error(exc: Exception) -> StoreError:
@@ -282,6 +268,3 @@ def _as_store_error(exc: Exception) -> StoreError:
         return exc
     log.error("internal error in a parked request", exc_info=exc)
     return rpc.InternalError(f"{type(exc).__name__}: {exc}")
-
-
-# -- entry points ---------------------------------------------------------------------------------
