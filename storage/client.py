@@ -96,14 +96,6 @@ class Client:
         conn.sock.send_multipart(wire.encode_request(verb, req_id, args, bodies), copy=False)
         return req_id
 
-    def _recv(self, conn: _Conn, req_id: int, timeout: float) -> wire.Reply:
-        def ours(frames: list) -> wire.Reply | None:
-            reply = wire.decode_reply(frames)
-            # A reply to an earlier request (e.g. a cancelled claim): not ours, dropped.
-            return reply if reply.req_id == req_id else None
-
-        return conn.wait(ours, timeout)
-
     def _call(
         self,
         conn: _Conn,
@@ -114,7 +106,7 @@ class Client:
         wait: float = 0.0,
     ) -> wire.Reply:
         req_id = self._send(conn, verb, args, bodies)
-        reply = self._recv(conn, req_id, wait + self.request_timeout)
+        reply = conn.wait(rpc.reply_to(req_id), wait + self.request_timeout)
         if reply.error is not None:
             raise reply.error
         return reply
@@ -301,17 +293,10 @@ class Client:
 
     def _ack_piggy(self, piggy: tuple[Lease, list[Any]]) -> None:
         lease, bodies = piggy
-        conn = self._conn_for_shard(lease.shard_id)
         if bodies:
-            args = {
-                "table": lease.table,
-                "lease_id": lease.lease_id,
-                "ack": True,
-                "overwrite": False,
-            }
-            self._call(conn, "write", args, bodies)
+            self._on_lease(lease, "write", bodies, ack=True, overwrite=False)
         else:
-            self._call(conn, "ack", {"table": lease.table, "lease_id": lease.lease_id})
+            self._on_lease(lease, "ack")
 
     def _lease(self, args: dict[str, Any], reply: wire.Reply) -> Lease:
         batch = wire.read_batch(reply.bodies[0], "claim reply") if reply.bodies else None
@@ -418,10 +403,7 @@ class Client:
 
     def _cancel_all(self, pending: dict[int, _Conn]) -> None:
         for req_id, conn in pending.items():
-            conn.sock.send_multipart(
-                wire.encode_request("cancel", next(self._req_ids), {"target": req_id})
-            )
-            # The cancel's own reply is skipped as stale by the req_id match.
+            self._send(conn, "cancel", {"target": req_id})  # its reply is dropped as stale
 
     def write(
         self,
@@ -440,13 +422,8 @@ class Client:
             lease = lease_or_row_ids
             if ROW_ID not in batch.schema.names:
                 batch = _with_row_ids(batch, lease.batch.column(ROW_ID))
-            conn = self._conn_for_shard(lease.shard_id)
-            self._call(
-                conn,
-                "write",
-                {"table": table, "lease_id": lease.lease_id, "ack": ack, "overwrite": overwrite},
-                [wire.write_batch(batch)],
-            )
+            body = [wire.write_batch(batch)]
+            self._on_lease(lease, "write", body, table=table, ack=ack, overwrite=overwrite)
             return
         if ack:
             raise ValueError("write(ack=True) needs a Lease, not row ids")
@@ -466,33 +443,27 @@ class Client:
                 [wire.write_batch(part)],
             )
 
+    def _on_lease(
+        self, lease: Lease, verb: str, bodies: Sequence[Any] = (), **extra: Any
+    ) -> wire.Reply:
+        """A verb about ``lease``, sent to the node that issued it."""
+        args = {"table": lease.table, "lease_id": lease.lease_id, **extra}
+        return self._call(self._conn_for_shard(lease.shard_id), verb, args, bodies)
+
     def ack(self, lease: Lease) -> None:
         """Mark the lease's rows consumed by its task. Fenced: LeaseExpired/UnknownLease."""
         if lease.lease_id:
-            self._call(
-                self._conn_for_shard(lease.shard_id),
-                "ack",
-                {"table": lease.table, "lease_id": lease.lease_id},
-            )
+            self._on_lease(lease, "ack")
 
     def extend(self, lease: Lease, seconds: float | None = None) -> float:
         """Renew the lease (``seconds`` from now, default the table's); returns the new deadline."""
-        reply = self._call(
-            self._conn_for_shard(lease.shard_id),
-            "extend",
-            {"table": lease.table, "lease_id": lease.lease_id, "seconds": seconds},
-        )
-        return float(reply.result["deadline"])
+        return float(self._on_lease(lease, "extend", seconds=seconds).result["deadline"])
 
     def release(self, lease: Lease, error: str | None = None) -> None:
         """Hand the rows back now. ``error`` counts as a failed delivery (and is the dead-letter
         reason if the row ends DEAD); None is a clean hand-back."""
         if lease.lease_id:
-            self._call(
-                self._conn_for_shard(lease.shard_id),
-                "release",
-                {"table": lease.table, "lease_id": lease.lease_id, "error": error},
-            )
+            self._on_lease(lease, "release", error=error)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:

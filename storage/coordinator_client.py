@@ -70,14 +70,8 @@ class CoordinatorClient:
         if self._channel is None:
             raise StoreError("CoordinatorClient is closed")
         req_id = next(self._req_ids)
-
-        def ours(frames: list) -> wire.Reply | None:
-            reply = wire.decode_reply(frames)
-            return reply if reply.req_id == req_id else None  # else: stale, dropped
-
-        reply = self._channel.call(
-            wire.encode_request(verb, req_id, args), ours, wait + self.request_timeout
-        )
+        frames = wire.encode_request(verb, req_id, args)
+        reply = self._channel.call(frames, rpc.reply_to(req_id), wait + self.request_timeout)
         if reply.error is not None:
             raise reply.error
         return reply.result

@@ -89,30 +89,32 @@ SPEC_SCALARS = tuple(f for f in WireSpec.__struct_fields__ if f not in ("name", 
 # -- the store's verbs (served by storage.server; guarantees in storage/wire.py) ------------------
 
 
-class Hello(Header, tag="hello"):
-    pass
+def _verb(tag: str, base: type[Header] = Header) -> Any:
+    """The header Struct of a verb with no fields beyond ``base``'s."""
+    name = tag.title().replace("_", "")
+    return msgspec.defstruct(name, [], bases=(base,), tag=tag, module=__name__)
 
 
-class Tables(Header, tag="tables"):
-    pass
+class _OfTable(Header):
+    table: Name
+
+
+Hello, Tables = _verb("hello"), _verb("tables")
+DropTable = _verb("drop_table", _OfTable)
+Stats = _verb("stats", _OfTable)
+Snapshot = _verb("snapshot", _OfTable)
 
 
 class CreateTable(Header, tag="create_table"):
     spec: WireSpec
 
 
-class DropTable(Header, tag="drop_table"):
-    table: Name
-
-
-class Put(Header, tag="put"):
-    table: Name
+class Put(_OfTable, tag="put"):
     timeout: Timeout = 0.0
     shard_id: ShardId | None = None
 
 
-class Claim(Header, tag="claim"):
-    table: Name
+class Claim(_OfTable, tag="claim"):
     task: Name
     columns: Names
     max_rows: Rows
@@ -127,41 +129,26 @@ class Claim(Header, tag="claim"):
     ack_lease_id: U64 | None = None
 
 
-class Write(Header, tag="write"):
-    table: Name
+class Write(_OfTable, tag="write"):
     lease_id: U64 | None = None
     ack: bool = False
     overwrite: bool = False
 
 
-class Ack(Header, tag="ack"):
-    table: Name
+class Ack(_OfTable, tag="ack"):
     lease_id: U64
 
 
-class Extend(Header, tag="extend"):
-    table: Name
-    lease_id: U64
+class Extend(Ack, tag="extend"):
     seconds: Seconds | None = None
 
 
-class Release(Header, tag="release"):
-    table: Name
-    lease_id: U64
+class Release(Ack, tag="release"):
     error: Text | None = None
 
 
-class Stats(Header, tag="stats"):
-    table: Name
-
-
-class Clear(Header, tag="clear"):
-    table: Name
+class Clear(_OfTable, tag="clear"):
     dead: bool = False
-
-
-class Snapshot(Header, tag="snapshot"):
-    table: Name
 
 
 class Cancel(Header, tag="cancel"):
@@ -177,8 +164,7 @@ STORE_HEADERS = (Hello, Tables, CreateTable, DropTable, Put, Claim, Write, Ack, 
 Key = Annotated[str, Meta(min_length=1, max_length=MAX_KEY_LEN)]
 
 
-class CoordHello(Header, tag="hello"):
-    pass
+CoordHello = _verb("hello")
 
 
 class Register(Header, tag="register"):
@@ -201,18 +187,13 @@ class _Member(Header):
     consumer: Name
 
 
-class Join(_Member, tag="join"):
-    pass
+Join, Leave = _verb("join", _Member), _verb("leave", _Member)
 
 
 class Heartbeat(_Member, tag="heartbeat"):
     generation: Annotated[int, Meta(ge=0, le=1 << 62)] = 0
     rate: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0
     in_flight: Annotated[int, Meta(ge=0, le=1 << 48)] = 0
-
-
-class Leave(_Member, tag="leave"):
-    pass
 
 
 class Assignment(Header, tag="assignment"):

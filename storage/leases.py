@@ -42,15 +42,9 @@ class NodeLeases:
     _leases: dict[int, tuple[_Table, Shard, LeaseRec]]
     _deadlines: list[tuple[float, int]]  # heap; stale entries skipped lazily
     _expired: OrderedDict[int, None]
-
-    def _table(self, name: str) -> _Table:
-        raise NotImplementedError
-
-    def _task(self, tb: _Table, task: str) -> int:
-        raise NotImplementedError
-
-    def _next_lease_id(self) -> int:
-        raise NotImplementedError
+    _table: Callable[[str], _Table]  # StoreNode's: table by name (UnknownTable)
+    _task: Callable[[_Table, str], int]  # StoreNode's: task index (UnknownTask)
+    _next_lease_id: Callable[[], int]  # StoreNode's (see "Ids" in storage/node.py)
 
     def _shards(self, tb: _Table, shards: Sequence[int] | None) -> list[Shard]:
         if shards is None:

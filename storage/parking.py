@@ -207,7 +207,7 @@ class ParkedRequests:
                     if not self._try_put(p.ident, p.req, p.batch, p.t_recv):
                         break
                 except Exception as exc:
-                    self._reply_error(p.ident, p.req, _as_store_error(exc), p.t_recv)
+                    self._reply_error(p.ident, p.req, rpc.as_store_error(exc, "a parked request"), p.t_recv)
                 self._unpark(puts.popleft())
             claims = self._claims.get(table)
             if claims:
@@ -233,7 +233,7 @@ class ParkedRequests:
                 lease = self._try_claim(p.req, a["min_rows"]) if ready >= a["min_rows"] else None
             except Exception as exc:
                 self._unpark(p)
-                self._reply_error(p.ident, p.req, _as_store_error(exc), p.t_recv)
+                self._reply_error(p.ident, p.req, rpc.as_store_error(exc, "a parked request"), p.t_recv)
                 continue
             if lease is None:
                 if ready == 0:
@@ -260,11 +260,4 @@ class ParkedRequests:
                     f"({a.timeout:.3g} s)"
                 )
             except Exception as exc:
-                self._reply_error(p.ident, p.req, _as_store_error(exc), p.t_recv)
-
-
-def _as_store_error(exc: Exception) -> StoreError:
-    if isinstance(exc, StoreError):
-        return exc
-    log.error("internal error in a parked request", exc_info=exc)
-    return rpc.InternalError(f"{type(exc).__name__}: {exc}")
+                self._reply_error(p.ident, p.req, rpc.as_store_error(exc, "a parked request"), p.t_recv)

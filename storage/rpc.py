@@ -52,6 +52,25 @@ class BindError(OSError):
     """A ROUTER could not bind: "ADDRESS: cannot bind: REASON" (one line)."""
 
 
+def as_store_error(exc: Exception, what: str) -> StoreError:
+    """``exc`` itself if it is a StoreError, else (a bug) logged and wrapped as InternalError."""
+    if isinstance(exc, StoreError):
+        return exc
+    log.error("%s failed", what, exc_info=exc)
+    return InternalError(f"{type(exc).__name__}: {exc}")
+
+
+def reply_to(req_id: int) -> Callable[[list], wire.Reply | None]:
+    """A ``Channel.wait`` matcher for the store's reply format: the reply to ``req_id``; any
+    other (a late reply to an earlier request, the node's probe) is not ours and dropped."""
+
+    def match(frames: list) -> wire.Reply | None:
+        reply = wire.decode_reply(frames)
+        return reply if reply.req_id == req_id else None
+
+    return match
+
+
 def bind_router(
     context: zmq.Context,
     addresses: Sequence[str],
@@ -235,28 +254,15 @@ class RouterService:
             return
         ident = frames[0].bytes
         self._received(frames)
+        req = wire.Request("invalid", 0, {})
         try:
             req = self._decode(frames[1:])
-        except BadRequest as exc:
-            self._bad_request()
-            self._reply_error(ident, wire.Request("invalid", getattr(exc, "req_id", 0), {}), exc,
-                              t_recv)  # fmt: skip
-            return
-        except Exception as exc:  # a bug in validation must not kill the loop
-            log.exception("decoding a request")
-            self._reply_error(ident, wire.Request("invalid", 0, {}), InternalError(repr(exc)),
-                              t_recv)  # fmt: skip
-            return
-        try:
             result = getattr(self, "_v_" + req.verb)(ident, req, t_recv)
-        except StoreError as exc:
+        except Exception as exc:  # a bad request, a refusal, or a bug: answered, the loop goes on
             if isinstance(exc, BadRequest):
                 self._bad_request()
-            self._reply_error(ident, req, exc, t_recv)
-            return
-        except Exception as exc:
-            log.exception("verb %s failed", req.verb)
-            self._reply_error(ident, req, InternalError(f"{type(exc).__name__}: {exc}"), t_recv)
+                req.req_id = req.req_id or getattr(exc, "req_id", 0)
+            self._reply_error(ident, req, as_store_error(exc, req.verb), t_recv)
             return
         if result is not None:
             self._reply(ident, req, result, t_recv)

@@ -16,18 +16,12 @@ The loop (one thread; the node is never touched by any other thread, so it needs
       -> node.sync() if a queued reply acknowledges a mutation of an fsync="always" table
       -> send the queued replies (group commit: one fsync covers the whole batch)
 
-Delivery guarantees are stated in ``storage/wire.py``. What this module adds:
-- Nothing from the network reaches the node unvalidated; a bad request gets a typed error reply.
-- A handler exception that is not a ``StoreError`` is logged and answered with code "internal";
-  the loop goes on. No request can block the loop: waits are parked, never slept.
-- A reply is sent without blocking; if the peer is gone (ROUTER_MANDATORY) or its queue is full,
-  the reply is dropped and logged (the client times out with ``Unavailable``).
+Delivery guarantees are stated in ``storage/wire.py``, the loop's own rules (typed error replies,
+"internal" for a bug, replies sent without blocking) in ``storage/rpc.py``. What this module adds:
+- Nothing from the network reaches the node unvalidated. No request can block the loop: waits
+  are parked (bounded; a departed peer's are dropped: ``storage/parking.py``), never slept.
 - Shutdown (``stop()``, SIGTERM/SIGINT in ``serve``): every parked request is answered with
   ``ShuttingDown``, replies are flushed, sockets closed (linger 1 s), the node closed.
-- Parked requests are bounded (limits in ``ServerConfig``, rules in ``storage/wire.py``): body
-  bytes of parked puts per node, parked requests per peer, parked claims per node; and a peer
-  that is gone loses its parked requests within ``peer_probe_interval_s`` (a probe to each
-  peer with parked requests; ROUTER_MANDATORY says whether its connection still exists).
 """
 
 from __future__ import annotations

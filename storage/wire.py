@@ -106,7 +106,7 @@ from storage.headers import (  # noqa: F401 (the protocol's limits, re-exported)
     MAX_TIMEOUT_S,
     PROTOCOL_VERSION,
 )
-from storage.schema import ShardStats, TableSpec, TableStats, TaskSpec, TaskStats
+from storage.schema import TableSpec, TableStats, TaskSpec
 
 ZERO_COPY_BYTES = 64 * 1024  # bodies at least this big are sent without copying
 MAX_HEADER_BYTES = 1 << 20
@@ -428,41 +428,14 @@ def spec_from_wire(data: dict[str, Any] | headers.WireSpec) -> TableSpec:
 
 
 def stats_to_wire(stats: TableStats) -> dict[str, Any]:
-    return {
-        "table": stats.table,
-        "shards": [
-            {
-                "shard_id": s.shard_id,
-                "rows": s.rows,
-                "bytes": s.bytes,
-                "tasks": {
-                    name: [
-                        t.pending,
-                        t.ready,
-                        t.in_flight,
-                        t.consumed,
-                        t.dead,
-                        t.redelivered_total,
-                        dict(t.dead_reasons),
-                    ]
-                    for name, t in s.tasks.items()
-                },
-            }
-            for s in stats.shards
-        ],
-    }
+    """TableStats -> nested msgpack maps (the dataclasses' fields)."""
+    return msgspec.to_builtins(stats)
 
 
 def stats_from_wire(data: dict[str, Any]) -> TableStats:
     try:
-        shards = []
-        for s in data["shards"]:
-            tasks = {}
-            for name, v in s["tasks"].items():
-                tasks[name] = TaskStats(*[int(x) for x in v[:6]], dead_reasons=dict(v[6]))
-            shards.append(ShardStats(int(s["shard_id"]), int(s["rows"]), int(s["bytes"]), tasks))
-        return TableStats(str(data["table"]), shards)
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        return msgspec.convert(data, TableStats)
+    except msgspec.ValidationError as exc:
         raise BadRequest(f"malformed stats reply: {exc}") from None
 
 
