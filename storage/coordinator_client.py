@@ -109,17 +109,9 @@ class CoordinatorClient:
         rate: float = 0.0,
         in_flight: int = 0,
     ) -> dict[str, Any]:
-        return self.call(
-            "heartbeat",
-            {
-                "table": table,
-                "task": task,
-                "consumer": consumer,
-                "generation": int(generation),
-                "rate": float(rate),
-                "in_flight": int(in_flight),
-            },
-        )
+        member = {"table": table, "task": task, "consumer": consumer}
+        load = {"generation": int(generation), "rate": float(rate), "in_flight": int(in_flight)}
+        return self.call("heartbeat", {**member, **load})
 
     def leave(self, table: str, task: str, consumer: str) -> None:
         self.call("leave", {"table": table, "task": task, "consumer": consumer})

@@ -331,19 +331,8 @@ def spawn_node(
     benchmarks and tests); returns (process, addresses) once it is bound, or kills it and raises
     RuntimeError if it exits or is not ready within 60 s."""
     ready = Path(ready_dir) / f"store-ready-{uuid.uuid4().hex[:8]}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "storage.server",
-        "--bind",
-        "tcp://127.0.0.1:0",
-        "--shards",
-        str(shards),
-        "--ready-file",
-        str(ready),
-        "--log-level",
-        "WARNING",
-    ]
+    cmd = [sys.executable, "-m", "storage.server", "--bind", "tcp://127.0.0.1:0",
+           "--shards", str(shards), "--ready-file", str(ready), "--log-level", "WARNING"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env)
     deadline = time.monotonic() + 60
     while not ready.exists():

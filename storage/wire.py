@@ -396,17 +396,12 @@ def row_ids_from_bytes(data: bytes) -> np.ndarray:
 # -- TableSpec and TableStats as msgpack maps -----------------------------------------------------
 
 def spec_to_wire(spec: TableSpec) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "name": spec.name,
-        "schema": spec.schema.serialize().to_pybytes(),
-        "tasks": [
-            {"name": t.name, "needs": list(t.needs), "whole_groups": t.whole_groups}
-            for t in spec.tasks
-        ],
-    }
-    for key in headers.SPEC_SCALARS:
-        out[key] = getattr(spec, key)
-    return out
+    tasks = [headers.WireTask(name=t.name, needs=list(t.needs), whole_groups=t.whole_groups)
+             for t in spec.tasks]  # fmt: skip
+    scalars = {key: getattr(spec, key) for key in headers.SPEC_SCALARS}
+    schema = spec.schema.serialize().to_pybytes()
+    wire_spec = headers.WireSpec(name=spec.name, schema=schema, tasks=tasks, **scalars)
+    return msgspec.to_builtins(wire_spec, builtin_types=(bytes,))  # the schema stays bytes
 
 
 def spec_from_wire(data: dict[str, Any] | headers.WireSpec) -> TableSpec:
