@@ -103,6 +103,10 @@ class EmbeddedStore:
             self._clients.append(c)
         return c
 
+    def parked(self) -> dict[str, int]:
+        """What the node has parked now: {"claims", "puts", "put_bytes", "peers"} (any thread)."""
+        return self.server.parked()
+
     def close(self) -> None:
         with self._lock:
             clients, self._clients = self._clients, []

@@ -131,6 +131,11 @@ class Client:
             raise StoreError(f"no connected node serves shard {shard_id} (node {node})") from None
 
     # -- admin verbs -----------------------------------------------------------------------------
+    def parked(self) -> list[dict[str, int]]:
+        """What each node has parked now ({"claims", "puts", "put_bytes", "peers"}), in the
+        order of the addresses: a test waits on it instead of sleeping."""
+        return [dict(self._call(c, "hello", {}).result["parked"]) for c in self._conns]
+
     def create_table(self, spec: TableSpec) -> None:
         """Create the table on every node (idempotent for an equal spec)."""
         for conn in self._conns:

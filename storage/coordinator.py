@@ -107,6 +107,7 @@ class Coordinator(rpc.RouterService):
         self._parked: list[_Lookup] = []
         self._groups: dict[tuple[str, str], Any] = {}  # (table, task) -> Balancer
         self._last_round = 0.0
+        self.rounds = 0  # balancing rounds run so far (tests wait on it)
         self._poller: Any = None  # _StatsPoller, when store addresses are given
         from storage.metrics import CoordinatorMetrics
 
@@ -146,6 +147,10 @@ class Coordinator(rpc.RouterService):
         self._parked.clear()
         super()._shutdown()
         log.info("coordinator stopped")
+
+    def parked(self) -> int:
+        """Lookups waiting server-side now (any thread: a list's length)."""
+        return len(self._parked)
 
     # -- the loop --------------------------------------------------------------------------------
     def _steps(self) -> Sequence[Callable[[], None]]:
@@ -219,6 +224,7 @@ class Coordinator(rpc.RouterService):
         if now - self._last_round < self.round_interval_s:
             return
         self._last_round = now
+        self.rounds += 1
         if self._poller is not None:
             self._poller.want({table for table, _ in self._groups})
             latest = self._poller.latest()

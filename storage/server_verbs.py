@@ -32,10 +32,13 @@ class StoreVerbs:
     _empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer]
     _dirty: set[str]
     _take: Callable[..., list[ParkedRequest]]
+    parked: Callable[[], dict[str, int]]
 
     def _v_hello(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         shard_ids, protocol = list(self.node.shard_ids), wire.PROTOCOL_VERSION
-        return {"node_index": self.config.node_index, "shard_ids": shard_ids, "protocol": protocol}
+        # parked: what waits on this node now (Server.parked), for operators and tests
+        return {"node_index": self.config.node_index, "shard_ids": shard_ids, "protocol": protocol,
+                "parked": self.parked()}  # fmt: skip
 
     def _v_tables(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         return {"tables": list(self.node.table_names())}

@@ -7,27 +7,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from testkit import free_port, wait_until
 
 import storage
 from storage.schema import TableSpec, TaskSpec
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StoreProcess:
@@ -58,14 +51,17 @@ class StoreProcess:
         cmd += list(self.extra)
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env)
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
+
+        def bound() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"store node exited with {self.proc.returncode}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise TimeoutError("store node did not become ready")
-            time.sleep(0.02)
+            return ready.exists()
+
+        try:
+            wait_until(bound, timeout, what="the store node's ready file")
+        except AssertionError:
+            self.kill()
+            raise TimeoutError("store node did not become ready") from None
         self.metrics_port = json.loads(ready.read_text())["metrics_port"]
         return self
 

@@ -5,11 +5,11 @@ failed after the ack: ``exc.acked``), durability, wire validation and multi-node
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from testkit import wait_until
 
 import storage
 from storage import wire
@@ -55,7 +55,8 @@ def test_fenced_ack_applies_nothing_and_rows_come_back(embedded_store, h):
     c.create_table(h.make_spec(lease_seconds=0.2))
     c.put("t", h.make_rows(2))
     old = c.claim("t", "reward", ["x"], 4)
-    time.sleep(0.3)  # past the deadline: a zombie
+    # past the deadline (the node expired the lease): a zombie
+    wait_until(lambda: c.stats("t").task_total("reward").in_flight == 0, what="lease expiry")
     with pytest.raises(LeaseExpired) as ei:
         c.claim("t", "reward", ["x"], 4, ack=old, write=_rewards(4, 9.0))
     assert ei.value.acked is False
@@ -120,9 +121,7 @@ def test_shutdown_while_waiting_after_the_ack_reports_acked(h):
 
         t = threading.Thread(target=wait, daemon=True)
         t.start()
-        deadline = time.monotonic() + 10
-        while not store.server._claims.get("t") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: store.parked()["claims"] == 1, what="the claim to park")
         reward = store.server.node.stats("t").shards[0].tasks["reward"]
         assert reward.consumed == 4  # acked, now waiting for rows
         store.server.stop()

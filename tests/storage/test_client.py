@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pyarrow as pa
 import pytest
+from testkit import wait_until
 
 import storage
 from storage.errors import (
@@ -145,7 +146,8 @@ def test_multi_node_long_poll_takes_the_first_lease(store_factory, h):
     t = threading.Thread(target=wait, daemon=True)
     t0 = time.monotonic()
     t.start()
-    time.sleep(0.3)
+    with storage.connect([n0.address, n1.address]) as watcher:  # both long polls parked
+        wait_until(lambda: [p["claims"] for p in watcher.parked()] == [1, 1])
     with storage.connect(n1.address) as producer:
         ids = producer.put("t", h.make_rows(1))
     t.join(30)

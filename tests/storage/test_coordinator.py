@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from testkit import wait_until
 
 import storage
 from storage.balance import REASONS, BalancerConfig
@@ -77,16 +78,18 @@ def test_dead_consumer_shards_go_to_the_live_one_within_the_bound():
             live = ConsumerSession(coord.address, "t", "work", "live")
             ghost = CoordinatorClient(coord.address)
             ghost.join("t", "work", "ghost")
-            deadline = time.monotonic() + 10
             with CoordinatorClient(coord.address) as cc:
-                while not cc.assignment("t", "work")["members"].get("ghost", {}).get("shards"):
+
+                def ghost_owns_shards() -> bool:
+                    if cc.assignment("t", "work")["members"].get("ghost", {}).get("shards"):
+                        return True
                     ghost.heartbeat("t", "work", "ghost", generation=1 << 40)
-                    assert time.monotonic() < deadline, "ghost never got shards"
-                    time.sleep(0.1)
-                died = time.monotonic()  # the ghost stops heartbeating now
-                while sorted(live.shards()) != [0, 1, 2, 3]:
-                    assert time.monotonic() - died < cfg.unowned_bound_s + 2.0, live.shards()
-                    time.sleep(0.05)
+                    return False
+
+                wait_until(ghost_owns_shards, 10, what="the ghost to get shards")
+                # the ghost stops heartbeating now
+                wait_until(lambda: sorted(live.shards()) == [0, 1, 2, 3],
+                           cfg.unowned_bound_s + 2.0, what="the live consumer to own all")
                 assert "ghost" not in cc.assignment("t", "work")["members"]
             m = coord.metrics
             assert m.reassignments.labels("t", "work", "expired")._value.get() >= 1
@@ -95,10 +98,8 @@ def test_dead_consumer_shards_go_to_the_live_one_within_the_bound():
             # The dead consumer's process is restarted under the same id: it rejoins and the
             # balancer hands it its share again (by handoff: never owned by both at once).
             reborn = ConsumerSession(coord.address, "t", "work", "ghost")
-            rejoined = time.monotonic()
-            while len(reborn.shards()) != 2:
-                assert time.monotonic() - rejoined < cfg.unowned_bound_s + 5.0, reborn.shards()
-                time.sleep(0.05)
+            wait_until(lambda: len(reborn.shards()) == 2, cfg.unowned_bound_s + 5.0,
+                       what="the reborn consumer's share")
             with CoordinatorClient(coord.address) as cc:
                 members = cc.assignment("t", "work")["members"]
                 owned = [s for m in members.values() for s in m.get("shards", [])]
@@ -123,10 +124,8 @@ def test_skewed_workload_balancer_moves_the_flooded_shard_to_the_fast_consumer(h
             cost = {"c0-slow": 0.005, "c1-fast": 0.001}
             sessions = {n: ConsumerSession(coord.address, "t", "work", n, steal=False)
                         for n in names}
-            deadline = time.monotonic() + 10
-            while sorted(sessions["c0-slow"].shards()) != [0, 2]:  # round-robin start
-                assert time.monotonic() < deadline, sessions["c0-slow"].shards()
-                time.sleep(0.05)
+            wait_until(lambda: sorted(sessions["c0-slow"].shards()) == [0, 2], 10,
+                       what="the round-robin start")
             done = {n: 0 for n in names}
             stop = threading.Event()
 
@@ -152,9 +151,8 @@ def test_skewed_workload_balancer_moves_the_flooded_shard_to_the_fast_consumer(h
             admin.put("t", rows(1800), shard_id=0)  # the flood, on c0-slow's shard
             admin.put("t", rows(total - 1800, 1800), shard_id=1)  # c1-fast's own work
             start = time.monotonic()
-            while admin.stats("t").task_total("work").consumed < total:
-                assert time.monotonic() - start < 20, done
-                time.sleep(0.05)
+            wait_until(lambda: admin.stats("t").task_total("work").consumed >= total, 20,
+                       what="every row consumed")
             wall = time.monotonic() - start
             stop.set()
             for t in threads:
@@ -207,13 +205,11 @@ class Beater:
 
 
 def wait_for(what: Callable[[], object], timeout: float, message: Callable[[], object]) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = what()
-        if got:
-            return got
-        assert time.monotonic() < deadline, message()
-        time.sleep(0.02)
+    """``wait_until`` whose failure shows ``message()`` (the state at the timeout)."""
+    try:
+        return wait_until(what, timeout)
+    except AssertionError:
+        raise AssertionError(message()) from None
 
 
 def shard_stats(client: storage.Client, shard_id: int) -> dict:
@@ -267,7 +263,8 @@ def test_depth_imbalance_gauge_reports_the_skew_and_falls_back_after_the_move():
             assert skewed > cfg.threshold
             wait_for(lambda: scrape(coord.metrics_port).get(key) == pytest.approx(skewed), 10,
                      lambda: (scrape(coord.metrics_port).get(key), cc.assignment("t", "work")))
-            time.sleep(10 * cfg.heartbeat_interval_s)  # > patience rounds: hysteresis holds
+            rounds = coord.rounds
+            wait_until(lambda: coord.rounds >= rounds + 10)  # > patience rounds: hysteresis holds
             scraped = scrape(coord.metrics_port)
             assert scraped[key] == pytest.approx(skewed)
             registered = coord.metrics.registry.get_sample_value(

@@ -14,6 +14,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from testkit import wait_until
 
 from storage import wire
 from storage.coordinator import Coordinator, CoordinatorClient, LookupTimeout
@@ -45,7 +46,8 @@ def test_register_lookup_prefix(coord):
 
 def test_lookup_waits_server_side_then_times_out(coord):
     def later() -> None:
-        time.sleep(0.3)
+        wait_until(lambda: coord.parked() == 1, what="the lookup to park")
+        time.sleep(0.3)  # the wait under test: registered while the lookup waits server-side
         with CoordinatorClient(coord.address) as other:
             other.register("late", "v")
 
@@ -114,7 +116,7 @@ def test_stop_answers_parked_lookups():
 
     t = threading.Thread(target=wait)
     t.start()
-    time.sleep(0.3)
+    wait_until(lambda: coord.parked() == 1, what="the lookup to park")
     coord.stop()
     t.join(10)
     assert not t.is_alive()
@@ -132,11 +134,11 @@ def test_process_form(tmp_path, h):
         cwd=h.repo, env=env,
     )
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
+        def up() -> bool:
             assert proc.poll() is None, "coordinator exited"
-            assert time.monotonic() < deadline, "coordinator did not become ready"
-            time.sleep(0.05)
+            return ready.exists()
+
+        wait_until(up, 30, what="the coordinator's ready file")
         info = json.loads(ready.read_text())
         assert info["address"] == f"tcp://127.0.0.1:{port}"
         assert info["pid"] == proc.pid and info["metrics_port"] > 0

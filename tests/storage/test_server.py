@@ -11,6 +11,7 @@ import urllib.request
 import pyarrow as pa
 import pytest
 import zmq
+from testkit import wait_until
 
 import storage
 from storage import wire
@@ -47,7 +48,7 @@ def test_long_poll_claim_is_woken_by_put(embedded_store, h):
     waiter = embedded_store.client()
     t0 = time.monotonic()
     t, box = _in_thread(lambda: waiter.claim("t", "reward", ["x"], 64, timeout=60))
-    time.sleep(0.2)  # let the claim park (if it did not, it returns empty: the assert below fails)
+    wait_until(lambda: embedded_store.parked()["claims"] == 1, what="the claim to park")
     c.put("t", h.make_rows(2))
     t.join(30)
     lease = box["value"]
@@ -68,12 +69,12 @@ def test_parked_claim_on_one_shard_is_woken_though_one_on_another_shard_stays_dr
     t_first, box_first = _in_thread(
         lambda: first.claim("t", "reward", ["x"], 64, timeout=20, shards=[0])
     )
-    time.sleep(0.2)  # park the shard-0 claim first
+    wait_until(lambda: embedded_store.parked()["claims"] == 1)  # the shard-0 claim parks first
     t0 = time.monotonic()
     t_second, box_second = _in_thread(
         lambda: second.claim("t", "reward", ["x"], 64, timeout=20, shards=[1])
     )
-    time.sleep(0.2)
+    wait_until(lambda: embedded_store.parked()["claims"] == 2)
     c.put("t", h.make_rows(2), shard_id=1)
     t_second.join(30)
     lease = box_second["value"]
@@ -127,7 +128,7 @@ def test_parked_put_waits_for_capacity(embedded_store, h):
         c.put("t", h.make_rows(1, start_gid=10), timeout=0.1)
     producer = embedded_store.client()
     t, box = _in_thread(lambda: producer.put("t", h.make_rows(1, start_gid=20), timeout=60))
-    time.sleep(0.1)
+    wait_until(lambda: embedded_store.parked()["puts"] == 1, what="the put to park")
     assert "value" not in box  # still parked: the table is full
     # Consume everything with both tasks: the rows are freed and the parked put goes in.
     lease = c.claim("t", "reward", ["x"], 8)
@@ -156,7 +157,7 @@ def test_shutdown_answers_parked_claims(h):
     c.create_table(h.make_spec())
     waiter = store.client()
     t, box = _in_thread(lambda: waiter.claim("t", "reward", ["x"], 8, timeout=60))
-    time.sleep(0.2)
+    wait_until(lambda: store.parked()["claims"] == 1, what="the claim to park")
     store.server.stop()
     t.join(30)
     assert isinstance(box.get("error"), ShuttingDown)
@@ -263,7 +264,7 @@ def test_cancel_ends_a_parked_claim_with_an_empty_lease(embedded_store, h):
     sock.connect(embedded_store.address)
     args = {"table": "t", "task": "reward", "columns": ["x"], "max_rows": 8, "timeout": 60.0}
     sock.send_multipart(wire.encode_request("claim", 11, args))
-    time.sleep(0.1)
+    wait_until(lambda: embedded_store.parked()["claims"] == 1, what="the claim to park")
     sock.send_multipart(wire.encode_request("cancel", 12, {"target": 11}))
     replies = {}
     for _ in range(2):
@@ -282,8 +283,10 @@ def test_lease_for_a_vanished_consumer_is_handed_back_at_once(embedded_store, h)
     gone.connect(embedded_store.address)
     args = {"table": "t", "task": "reward", "columns": ["x"], "max_rows": 8, "timeout": 60.0}
     gone.send_multipart(wire.encode_request("claim", 1, args))
-    time.sleep(0.2)
+    wait_until(lambda: embedded_store.parked()["claims"] == 1, what="the claim to park")
     gone.close(0)  # the consumer disappears while its claim is parked
+    # ZeroMQ tears the closed peer's pipe down on the server socket's own thread, with nothing
+    # observable from here: give it a moment, so that the reply below finds no route.
     time.sleep(0.2)
     c.put("t", h.make_rows(1))  # the parked claim is served, its reply is undeliverable
     lease = c.claim("t", "reward", ["x"], 8, timeout=10)  # long before the 600 s deadline
