@@ -223,6 +223,7 @@ def decoder(classes: tuple[type[Header], ...]) -> msgspec.msgpack.Decoder:
 # -- msgspec's errors as BadRequest naming the field ----------------------------------------------
 
 _AT = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>.*)`)?$", re.S)
+_FIELD = re.compile(r"^Object (?P<how>missing required|contains unknown) field `(?P<name>.*)`$")
 _TOP = frozenset({"v", "req_id", "verb"})
 
 
@@ -232,29 +233,20 @@ def field_error(
     """One line naming the field msgspec refused: ``header field 'claim.max_rows': Expected `int`
     >= 1``. ``scope`` prefixes a field path (the verb of a header, "" for a spec); ``verbs``:
     the valid tags, listed when ``verb`` itself is bad."""
-    m = _AT.match(str(exc).splitlines()[0] if str(exc) else "")
-    detail, path = (m["detail"], (m["path"] or "").lstrip(".")) if m else (str(exc), "")
-
-    def where(name: str) -> str:
-        if name in _TOP and kind == "header":
-            return name
-        return ".".join(p for p in (scope, name) if p).replace(".[", "[")
-
-    for prefix, form in (
-        ("Object missing required field `", "missing {kind} field {where!r}"),
-        ("Object contains unknown field `", "unknown {kind} field {where!r}"),
-    ):
-        if detail.startswith(prefix):
-            name = detail[len(prefix) :].split("`")[0]
-            full = where(".".join(p for p in (path, name) if p))
-            text = form.format(kind=kind, where=full)
-            if name == "persist_dir":
-                text += (
-                    ": where a table is persisted is the node's configuration "
-                    "(store serve --persist-dir), a client only names the table"
-                )
-            return BadRequest(text)
-    text = f"{kind} field {where(path)!r}: {detail}"
+    m = _AT.match(str(exc))
+    detail, path = m["detail"], (m["path"] or "").lstrip(".")  # type: ignore[index]
+    named = _FIELD.match(detail)  # a missing or unknown field is named in the detail
+    if named:
+        path = ".".join(p for p in (path, named["name"]) if p)
+    where = ".".join(p for p in (scope, path) if p).replace(".[", "[")
+    if kind == "header" and path in _TOP:
+        where = path
+    if named:
+        text = f"{named['how'].split()[0].replace('contains', 'unknown')} {kind} field {where!r}"
+    else:
+        text = f"{kind} field {where!r}: {detail}"
+    if path.endswith("persist_dir"):
+        text += ": where a table is persisted is the node's configuration (--persist-dir)"
     if path == "verb" and verbs:
         text += f" (one of {sorted(verbs)})"
     return BadRequest(text)

@@ -186,21 +186,17 @@ def decode_header(frame: Any, decoder: msgspec.msgpack.Decoder, verbs: Any) -> A
         return decoder.decode(data)
     except (msgspec.MsgspecError, ValueError, RecursionError) as exc:
         failure = exc
-    err: BadRequest | None = None
-    req_id = 0
-    try:
+    obj: dict[str, Any] = {}
+    try:  # name the fault; framing faults (not msgpack, ext, nesting, not a map) first
         obj = unpack_header(data)
-        req_id = peek_req_id(obj)
-    except BadRequest as framing:
-        err = framing
-    if err is None:
+        if not isinstance(failure, msgspec.ValidationError):  # msgpack only the loose one reads
+            raise BadRequest(f"header frame is not valid msgpack: {failure}")
         verb = obj.get("verb")
-        if isinstance(failure, msgspec.ValidationError):
-            err = headers.field_error(failure, verb if verb in verbs else "", verbs=verbs)
-        else:  # valid msgpack for the loose decoder, not for the typed one
-            err = BadRequest(f"header frame is not valid msgpack: {failure}")
-    err.req_id = req_id  # type: ignore[attr-defined]
-    raise err
+        scope = verb if isinstance(verb, str) and verb in verbs else ""
+        raise headers.field_error(failure, scope, verbs=verbs)
+    except BadRequest as err:
+        err.req_id = peek_req_id(obj)  # type: ignore[attr-defined]
+        raise
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
