@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from storage.errors import BadRequest, SchemaMismatch
 from storage.schema import META_COLUMNS, ROW_ID, TableSpec
+from storage.wire import to_batch
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
@@ -72,12 +73,11 @@ def positive(x: object) -> bool:
 
 
 def as_batch(batch: pa.RecordBatch | pa.Table, what: str) -> pa.RecordBatch:
-    if isinstance(batch, pa.Table):
-        batches = batch.combine_chunks().to_batches()
-        return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=batch.schema)
-    if not isinstance(batch, pa.RecordBatch):
-        raise BadRequest(f"{what}: expected a pyarrow RecordBatch, got {type(batch).__name__}")
-    return batch
+    try:
+        return to_batch(batch)
+    except TypeError:
+        got = type(batch).__name__
+        raise BadRequest(f"{what}: expected a pyarrow RecordBatch, got {got}") from None
 
 
 def check_columns(spec: TableSpec, batch: pa.RecordBatch) -> dict[int, pa.Array]:

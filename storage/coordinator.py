@@ -60,7 +60,6 @@ MAX_GROUPS = 1024  # (table, task) consumer groups
 
 COORD_VERBS = headers.fields_by_verb(headers.COORD_HEADERS)
 _DECODER = headers.decoder(headers.COORD_HEADERS)
-_VERB_OF = {cls: headers.verb_of(cls) for cls in headers.COORD_HEADERS}
 
 
 @dataclass
@@ -162,16 +161,7 @@ class Coordinator(rpc.RouterService):
         return self._timeout_ms(rpc.earliest(self._parked, now + wait) - now)
 
     def _decode(self, frames: list) -> wire.Request:
-        """A coordinator request: its header Struct; no body frames."""
-        if not frames:
-            raise BadRequest("empty message")
-        args = wire.decode_header(frames[0], _DECODER, COORD_VERBS)
-        verb = _VERB_OF[type(args)]
-        if len(frames) > 1:
-            exc = BadRequest(f"{verb!r} takes no body frames, got {len(frames) - 1}")
-            exc.req_id = args.req_id  # type: ignore[attr-defined]
-            raise exc
-        return wire.Request(verb, args.req_id, args)
+        return wire.decode_request(frames, _DECODER, COORD_VERBS, {})  # no bodies here
 
     # -- directory verbs -------------------------------------------------------------------------
     def _v_hello(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:

@@ -208,6 +208,9 @@ def verb_of(cls: type[Header]) -> str:
     return str(cls.__struct_config__.tag)
 
 
+VERB_OF = {cls: verb_of(cls) for cls in STORE_HEADERS + COORD_HEADERS}
+
+
 def fields_by_verb(classes: tuple[type[Header], ...]) -> dict[str, tuple[str, ...]]:
     """verb -> the verb's own header fields (without ``v`` and ``req_id``)."""
     return {

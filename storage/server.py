@@ -8,7 +8,7 @@ long-poll claims and capacity-waiting puts parked server-side are ``storage.park
 The loop (one thread; the node is never touched by any other thread, so it needs no locks)::
 
     poll(timeout = min(next lease deadline, next parked deadline, fsync/metrics timers, 100 ms))
-      -> drain up to MAX_BATCH requests: validate, run the verb, queue the reply, or PARK it
+      -> drain up to max_batch (256) requests: validate, run the verb, queue the reply, or PARK it
       -> node.expire()                       leases past their deadline: rows READY again / DEAD
       -> retry parked claims/puts of tables that changed (FIFO; a put waits behind older puts)
       -> answer parked requests whose wait ran out (claim: one last try with min_rows=1, then an
@@ -47,12 +47,10 @@ from storage import rpc, wire
 from storage.errors import ShuttingDown, StoreError
 from storage.metrics import StoreMetrics
 from storage.parking import ParkedBook, ParkedRequest, ParkedRequests
-from storage.rpc import InternalError  # noqa: F401 (the "internal" error, importable from here)
 from storage.server_verbs import StoreVerbs
 
 log = logging.getLogger("storage.server")
 
-MAX_BATCH = 256  # requests handled between two expire/park/flush rounds
 SYNC_TICK_S = 0.02  # how often node.sync() runs while an fsync="interval" table has been written
 
 
@@ -112,7 +110,6 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
     """One store node. ``run()`` in the foreground, or ``start()``/``stop()`` for a thread."""
 
     thread_name = "store-server"
-    max_batch = MAX_BATCH
 
     def __init__(
         self, config: ServerConfig, *, context: zmq.Context | None = None, node: Any = None

@@ -1,8 +1,8 @@
 """The store's wire format: frame layout, header validation, Arrow and record encodings.
 
-Owns: how a request/reply is laid out in ZeroMQ frames, the per-verb header schema (field names,
-types, bounds), the limits applied to anything read from a socket, and the msgpack encodings of
-``TableSpec`` and ``TableStats``. Never pickle; msgpack ext types are refused; Arrow is the only
+Owns: how a request/reply is laid out in ZeroMQ frames, the decoding of headers into the verbs'
+Structs (their schema: ``storage/headers.py``), the limits applied to anything read from a socket,
+and the msgpack encodings of ``TableSpec`` and ``TableStats``. Never pickle; msgpack ext types are refused; Arrow is the only
 binary body format.
 
 Frame layout (one ZeroMQ multipart message; the ROUTER prepends the peer identity)::
@@ -12,13 +12,15 @@ Frame layout (one ZeroMQ multipart message; the ROUTER prepends the peer identit
 
 Bodies are Arrow IPC *streams* holding exactly one record batch (``put``: the new rows; ``write``:
 ``row_id`` + the new columns; a ``claim`` with ``ack_lease_id``, optionally: the columns to write
-under that lease; a ``claim`` reply: the leased rows). Bodies of at least
-``ZERO_COPY_BYTES`` are sent as zero-copy frames; received bodies are wrapped, not copied.
+under that lease; a ``claim`` reply: the leased rows). Bodies of at least 64 KiB (pyzmq's
+copy threshold) are sent as zero-copy frames; received bodies are wrapped, not copied.
 Row ids in headers travel as little-endian uint64 bytes (``row_ids``), never as msgpack arrays.
 
 Limits on anything read from a socket: the whole message <= ``max_message_bytes`` (ZeroMQ
-``MAXMSGSIZE`` drops bigger ones before we see them); header <= ``MAX_HEADER_BYTES``; msgpack
-strings/bins/arrays/maps bounded, nesting <= ``MAX_DEPTH``; at most ``MAX_BODIES`` bodies; every
+``MAXMSGSIZE`` drops bigger ones before we see them); header <= ``MAX_HEADER_BYTES``, decoded and
+validated in one pass into the verb's Struct (``storage/headers.py``: every field typed and
+bounded, unknown fields refused; a refused header is reported as not msgpack, an ext type, nesting
+deeper than ``MAX_DEPTH`` or the field at fault); the bodies a verb takes (``BODY_COUNTS``); every
 Arrow body is fully validated (``validate(full=True)``) before the node sees it. A request that
 breaks any rule gets a ``BadRequest`` reply naming the field; it never reaches the node.
 
@@ -78,8 +80,8 @@ Delivery guarantees (the store as a whole, enforced by the node, transported her
   monotonic epoch in the id's high bits; see ``storage/node.py``): a zombie's lease id from
   before a restart is ``UnknownLease``, never another consumer's lease.
 - Header lists: ``claim.shards`` is null (every shard of the node) or 1..4096 shard ids; an
-  empty list is a BadRequest. Every number has inclusive bounds (see ``VERBS``); NaN and
-  infinities are refused.
+  empty list is a BadRequest. Every number has inclusive bounds (``storage/headers.py``); NaN
+  and infinities are refused.
 - Replies: a reply is matched to its request by ``req_id``; a client that times out drops its
   socket, so a late reply can never be taken for another request's. A lost reply to a mutating
   verb means "unknown outcome": a lost put may have created rows; a lost claim's rows come back
@@ -99,19 +101,11 @@ import pyarrow as pa
 
 from storage import headers
 from storage.errors import BadRequest, StoreError, error_from_code
-from storage.headers import (  # noqa: F401 (the protocol's limits, re-exported)
-    MAX_LIST_LEN,
-    MAX_NAME_LEN,
-    MAX_ROWS_PER_CLAIM,
-    MAX_TIMEOUT_S,
-    PROTOCOL_VERSION,
-)
+from storage.headers import PROTOCOL_VERSION
 from storage.schema import TableSpec, TableStats, TaskSpec
 
-ZERO_COPY_BYTES = 64 * 1024  # bodies at least this big are sent without copying
 MAX_HEADER_BYTES = 1 << 20
 MAX_DEPTH = 8  # nesting of the header map (spec/stats are the deepest, at 5)
-MAX_BODIES = 4
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
 # The limits of the diagnostic decode (``unpack_header``): a header msgspec refused is decoded
@@ -135,11 +129,9 @@ def _no_ext(code: int, data: bytes) -> Any:
 # verb -> its header fields (the Structs of storage/headers.py are the schema).
 VERBS: dict[str, tuple[str, ...]] = headers.fields_by_verb(headers.STORE_HEADERS)
 _DECODER = headers.decoder(headers.STORE_HEADERS)
-_VERB_OF = {cls: headers.verb_of(cls) for cls in headers.STORE_HEADERS}
 # Verbs whose request carries Arrow bodies: verb -> (fewest, most). A claim carries one only with
 # ``ack_lease_id`` (the columns written under that lease before it is acked).
 BODY_COUNTS: dict[str, tuple[int, int]] = {"put": (1, 1), "write": (1, 1), "claim": (0, 1)}
-BODY_VERBS = frozenset(BODY_COUNTS)
 # Verbs that change durable state: the server fsyncs (fsync="always") before replying to them.
 MUTATING_VERBS = frozenset({"put", "write", "ack", "release", "clear", "create_table"})
 
@@ -246,14 +238,20 @@ def peek_req_id(header: dict[str, Any]) -> int:
     return 0
 
 
-def decode_request(frames: Sequence[Any]) -> Request:
-    """Validate a request's frames (header Struct, body count, sizes). Bodies stay Arrow buffers;
-    parse them with ``read_batch``. Raises BadRequest with ``.req_id`` set when known."""
+def decode_request(
+    frames: Sequence[Any],
+    decoder: msgspec.msgpack.Decoder = _DECODER,
+    verbs: dict[str, Any] = VERBS,
+    body_counts: dict[str, tuple[int, int]] = BODY_COUNTS,
+) -> Request:
+    """Validate a request's frames (header Struct, body count, sizes): the store's by default,
+    the coordinator's with its decoder and verbs. Bodies stay Arrow buffers; parse them with
+    ``read_batch``. Raises BadRequest with ``.req_id`` set when known."""
     if not frames:
         raise BadRequest("empty message")
-    args = decode_header(frames[0], _DECODER, VERBS)
-    verb, bodies = _VERB_OF[type(args)], frames[1:]
-    lo, hi = BODY_COUNTS.get(verb, (0, 0))
+    args = decode_header(frames[0], decoder, verbs)
+    verb, bodies = headers.VERB_OF[type(args)], frames[1:]
+    lo, hi = body_counts.get(verb, (0, 0))
     try:
         if not lo <= len(bodies) <= hi:
             want = str(lo) if lo == hi else f"{lo}..{hi}"
@@ -371,11 +369,8 @@ def to_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     if isinstance(data, pa.RecordBatch):
         return data
     if isinstance(data, pa.Table):
-        return (
-            data.combine_chunks().to_batches(max_chunksize=None)[0]
-            if data.num_rows
-            else (pa.RecordBatch.from_pylist([], schema=data.schema))
-        )
+        batches = data.combine_chunks().to_batches(max_chunksize=None)
+        return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=data.schema)
     raise TypeError(f"expected a pyarrow RecordBatch or Table, got {type(data).__name__}")
 
 
