@@ -2,11 +2,12 @@
 
 Owns: the parked requests themselves (``ParkedRequests``, a mixin of ``storage.server.Server``:
 retried when their table changes, answered at their deadline, dropped when their peer is gone,
-answered ``ShuttingDown`` at shutdown) and their accounting (``ParkedBook``): how many claims are parked on the node, how many body bytes parked puts hold, how many
-requests each peer (ROUTER identity) has parked and since when, and the refusal of a request
-that would go past a limit (``StoreFull`` for a put, ``TooManyWaiting`` for a claim; the limits
-are ``ServerConfig``'s, the rules ``storage/wire.py``'s). The server's loop thread is its only
-caller: it calls ``admit`` before parking a request and ``release`` whenever one leaves.
+answered ``ShuttingDown`` at shutdown) and their accounting (``ParkedBook``): how many claims and
+puts are parked on the node, how many body bytes parked puts hold, how many requests each peer
+(ROUTER identity) has parked and since when, and the refusal of a request that would go past a
+limit (``StoreFull`` for a put, ``TooManyWaiting`` for a claim; the limits are ``ServerConfig``'s,
+the rules ``storage/wire.py``'s). The server's loop thread is the only caller: ``admit`` before
+parking a request, ``release`` whenever one leaves; ``parked()`` reads the counts from any thread.
 """
 
 from __future__ import annotations
