@@ -103,9 +103,6 @@ class ServerConfig:
             raise ValueError("ServerConfig: curve_secret_key and curve_public_key go together")
 
 
-@dataclass
-
-
 class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
     """One store node. ``run()`` in the foreground, or ``start()``/``stop()`` for a thread."""
 
