@@ -271,7 +271,7 @@ class StoreNode(NodeLeases):
         self.events.on_put(table, shard.shard_id, n, nbytes)
         return shard.row_ids(seqs)
 
-    # ----------------------------------------------------------------------------- claim
+    # ----------------------------------------------------------------------------- ready rows (claims: storage.leases)
     def ready_count(
         self,
         table: str,
@@ -285,7 +285,7 @@ class StoreNode(NodeLeases):
         units = sum(s.ready_units(t) for s in self._shards(tb, shards))
         return units * (tb.spec.group_size or 1) if tb.spec.tasks[t].whole_groups else units
 
-    # ----------------------------------------------------------------------------- write / ack
+    # ----------------------------------------------------------------------------- write
     def write(
         self,
         table: str,
