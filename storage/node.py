@@ -271,7 +271,7 @@ class StoreNode(NodeLeases):
         self.events.on_put(table, shard.shard_id, n, nbytes)
         return shard.row_ids(seqs)
 
-    # ----------------------------------------------------------------------------- ready rows (claims: storage.leases)
+    # ---------------------------------------------------------- ready rows (claims: storage.leases)
     def ready_count(
         self,
         table: str,
