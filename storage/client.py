@@ -287,7 +287,8 @@ class Client:
             )
         only: dict[_Conn, list[int]] = {}
         for sid in shards:
-            if isinstance(sid, bool) or not isinstance(sid, int | np.integer) or not 0 <= sid < 65536:
+            ok = isinstance(sid, int | np.integer) and not isinstance(sid, bool)
+            if not ok or not 0 <= sid < 65536:
                 raise ValueError(f"claim(shards=...): {sid!r} is not a shard id")
             only.setdefault(self._conn_for_shard(int(sid)), []).append(int(sid))
         return only

@@ -196,7 +196,11 @@ class ParkedRequests:
     def _answer_parked(self, exc: StoreError) -> None:
         """Answer every parked request with ``exc`` (shutdown) and forget them."""
         for p in self._take(lambda p: True):
-            self._reply_error(p.ident, p.req, exc, p.t_recv)
+            self._fail(p, exc)
+
+    def _fail(self, p: ParkedRequest, exc: Exception) -> None:
+        """Answer a parked request with ``exc`` (not a StoreError: a bug, logged, "internal")."""
+        self._reply_error(p.ident, p.req, rpc.as_store_error(exc, "a parked request"), p.t_recv)
 
     def _retry_parked(self) -> None:
         dirty, self._dirty = self._dirty, set()
@@ -208,7 +212,7 @@ class ParkedRequests:
                     if not self._try_put(p.ident, p.req, p.batch, p.t_recv):
                         break
                 except Exception as exc:
-                    self._reply_error(p.ident, p.req, rpc.as_store_error(exc, "a parked request"), p.t_recv)
+                    self._fail(p, exc)
                 self._unpark(puts.popleft())
             claims = self._claims.get(table)
             if claims:
@@ -234,7 +238,7 @@ class ParkedRequests:
                 lease = self._try_claim(p.req, a["min_rows"]) if ready >= a["min_rows"] else None
             except Exception as exc:
                 self._unpark(p)
-                self._reply_error(p.ident, p.req, rpc.as_store_error(exc, "a parked request"), p.t_recv)
+                self._fail(p, exc)
                 continue
             if lease is None:
                 if ready == 0:
@@ -261,4 +265,4 @@ class ParkedRequests:
                     f"({a.timeout:.3g} s)"
                 )
             except Exception as exc:
-                self._reply_error(p.ident, p.req, rpc.as_store_error(exc, "a parked request"), p.t_recv)
+                self._fail(p, exc)

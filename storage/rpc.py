@@ -296,7 +296,7 @@ class RouterService:
         now = time.perf_counter()
         for ident, frames, verb, t_recv, undo in out:
             try:
-                sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)  # type: ignore[union-attr]
+                sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)  # type: ignore
             except zmq.ZMQError as exc:
                 log.warning("%s: dropping %s reply: %s", self.thread_name, verb, exc)
                 if undo is not None:

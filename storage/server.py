@@ -143,7 +143,7 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         )
         self._last_probe = 0.0
         self._dirty: set[str] = set()
-        self._needs_sync = False  # a queued reply acknowledges a mutation of an fsync="always" table
+        self._needs_sync = False  # a queued reply acks a mutation of an fsync="always" table
         self._last_metrics = 0.0
         self._last_interval_sync = 0.0
         self._interval_dirty = False
@@ -325,8 +325,8 @@ def spawn_node(
     benchmarks and tests); returns (process, addresses) once it is bound, or kills it and raises
     RuntimeError if it exits or is not ready within 60 s."""
     ready = Path(ready_dir) / f"store-ready-{uuid.uuid4().hex[:8]}.json"
-    cmd = [sys.executable, "-m", "storage.server", "--bind", "tcp://127.0.0.1:0",
-           "--shards", str(shards), "--ready-file", str(ready), "--log-level", "WARNING"]  # fmt: skip
+    cmd = [sys.executable, "-m", "storage.server", "--bind", "tcp://127.0.0.1:0", "--shards",
+           str(shards), "--ready-file", str(ready), "--log-level", "WARNING"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env)
     deadline = time.monotonic() + 60
     while not ready.exists():

@@ -32,6 +32,7 @@ class StoreVerbs:
     _empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer]
     _dirty: set[str]
     _take: Callable[..., list[ParkedRequest]]
+    _fail: Callable[[ParkedRequest, Exception], None]
     parked: Callable[[], dict[str, int]]
 
     def _v_hello(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
@@ -54,7 +55,7 @@ class StoreVerbs:
         self.node.drop_table(table)
         self._empty_bodies.clear()
         for p in self._take(lambda p: True, [table]):
-            self._reply_error(p.ident, p.req, UnknownTable(f"table {table!r} was dropped"), p.t_recv)
+            self._fail(p, UnknownTable(f"table {table!r} was dropped"))
         self._claims.pop(table, None)
         self._puts.pop(table, None)
         return {}
@@ -140,7 +141,8 @@ class StoreVerbs:
             empty = {"lease_id": 0, "shard_id": 0, "deadline": 0.0}
             self._queue(ident, req, empty, t, [body])
             return
-        result = {"lease_id": lease.lease_id, "shard_id": lease.shard_id, "deadline": lease.deadline}
+        result = {"lease_id": lease.lease_id, "shard_id": lease.shard_id}
+        result["deadline"] = lease.deadline
 
         # A lease whose reply cannot be delivered (the consumer is gone) is handed back at once
         # instead of stranding its rows until the deadline.

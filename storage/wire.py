@@ -2,8 +2,8 @@
 
 Owns: how a request/reply is laid out in ZeroMQ frames, the decoding of headers into the verbs'
 Structs (their schema: ``storage/headers.py``), the limits applied to anything read from a socket,
-and the msgpack encodings of ``TableSpec`` and ``TableStats``. Never pickle; msgpack ext types are refused; Arrow is the only
-binary body format.
+and the msgpack encodings of ``TableSpec`` and ``TableStats``. Never pickle; msgpack ext types are
+refused; Arrow is the only binary body format.
 
 Frame layout (one ZeroMQ multipart message; the ROUTER prepends the peer identity)::
 

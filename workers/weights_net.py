@@ -15,9 +15,9 @@ Wire (every frame after the ROUTER identity):
 Only msgpack headers and raw safetensors bytes travel (nothing is unpickled; safetensors is a
 plain tensor container). Requests are small and size-capped (``MAXMSGSIZE``) and decoded into a
 typed Struct (``WeightRequest``); a malformed one gets ``ok: false`` with the reason and the server
-keeps serving. The serve loop and the call with a deadline are the store's (``storage.rpc``). A version the trainer has already
-pruned (it keeps the newest ``weights_keep``) is answered ``ok: false``; the reader then asks for
-the newest one again.
+keeps serving. The serve loop and the call with a deadline are the store's (``storage.rpc``). A
+version the trainer has already pruned (it keeps the newest ``weights_keep``) is answered
+``ok: false``; the reader then asks for the newest one again.
 
 Failure: a request with no reply within its timeout raises ``WeightFetchError`` and the socket is
 replaced (a late reply can never be taken for another request's); callers retry within their own
