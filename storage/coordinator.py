@@ -172,13 +172,8 @@ class Coordinator(rpc.RouterService):
         if key not in self._directory and len(self._directory) >= MAX_KEYS:
             raise BadRequest(f"the directory is full ({MAX_KEYS} keys)")
         self._directory[key] = value
-        keep = []
-        for p in self._parked:  # wake the lookups waiting for this key
-            if p.key == key:
-                self._reply(p.ident, p.req, {"value": value}, p.t_recv)
-            else:
-                keep.append(p)
-        self._parked = keep
+        for p in rpc.take(self._parked, lambda p: p.key == key):  # the lookups waiting for it
+            self._reply(p.ident, p.req, {"value": value}, p.t_recv)
         return {}
 
     def _v_lookup(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any] | None:
@@ -196,16 +191,9 @@ class Coordinator(rpc.RouterService):
 
     def _time_out_parked(self) -> None:
         now = time.monotonic()
-        if not any(p.deadline <= now for p in self._parked):
-            return
-        keep = []
-        for p in self._parked:
-            if p.deadline <= now:
-                exc = LookupTimeout(f"key {p.key!r} was not registered within the timeout")
-                self._reply_error(p.ident, p.req, exc, p.t_recv)
-            else:
-                keep.append(p)
-        self._parked = keep
+        for p in rpc.take(self._parked, lambda p: p.deadline <= now):
+            exc = LookupTimeout(f"key {p.key!r} was not registered within the timeout")
+            self._reply_error(p.ident, p.req, exc, p.t_recv)
 
     # -- shard map verbs (storage.balance does the deciding) -------------------------------------
     def _round(self) -> None:

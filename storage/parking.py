@@ -176,13 +176,7 @@ class ParkedRequests:
         taken: list[ParkedRequest] = []
         for parked in (self._claims, self._puts):
             for table in list(parked) if tables is None else tables:
-                ps = parked.get(table)
-                if not ps or not any(pred(p) for p in ps):
-                    continue
-                keep = [p for p in ps if not pred(p)]
-                taken += [p for p in ps if pred(p)]
-                ps.clear()
-                ps.extend(keep)
+                taken += rpc.take(parked.get(table, []), pred)
         for p in taken:
             self._unpark(p)
         return taken

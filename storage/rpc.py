@@ -26,7 +26,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ from storage.errors import BadRequest, StoreError
 log = logging.getLogger("storage.rpc")
 
 T = TypeVar("T")
+P = TypeVar("P", bound="Parked")
 MAX_POLL_S = 0.1  # upper bound on one poll, so stop() and timers are noticed promptly
 
 
@@ -119,6 +120,17 @@ class Parked:
 def earliest(parked: Sequence[Parked], default: float) -> float:
     """The soonest deadline among ``parked`` and ``default``."""
     return min(default, *(p.deadline for p in parked)) if parked else default
+
+
+def take(parked: MutableSequence[P], pred: Callable[[P], bool]) -> list[P]:
+    """Remove from ``parked`` (a list or deque) and return, in order, the entries ``pred``
+    selects; the others keep their order."""
+    taken = [p for p in parked if pred(p)]
+    if taken:
+        keep = [p for p in parked if not pred(p)]
+        parked.clear()
+        parked.extend(keep)
+    return taken
 
 
 # One queued reply: (peer, frames, verb, t_recv, undo). ``undo`` runs if it cannot be delivered.
