@@ -298,7 +298,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     names = available_benches()
     if args.name not in names:
         raise UsageError(f"unknown bench {args.name!r}; available: {', '.join(names)}")
-    module_name = "storage.bench" if args.name == "store" else f"streamflow.bench.{args.name}"
+    module_name = "storage.bench" if args.name == "store" else f"bench.{args.name}"
     try:
         module: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

@@ -1,4 +1,4 @@
-"""The ``simulated`` engine's roles (workers/sim/roles.py) in isolation: what they draw, write and
+"""The ``simulated`` engine's roles (workers/engines/simulated.py) in isolation: what they draw, write and
 hold. Whole runs through the controller are in tests/streamflow/test_run_simulated.py."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from storage.schema import ROW_ID, Lease
 from workers.config import SimulatedDevice
 from workers.engines.base import FINISH_LENGTH, FINISH_STOP, RolloutEngine, SamplingParams
-from workers.sim.cost import preset
-from workers.sim.roles import SimulatedReferenceStage, SimulatedRewardStage, SimulatedRolloutEngine
+from workers.engines.sim_cost import preset
+from workers.engines.simulated import SimulatedReferenceStage, SimulatedRewardStage, SimulatedRolloutEngine
 
 SPEC = SimulatedDevice(cost="7b-1acc", time_scale=1e6, median_response_tokens=50, skew=1.0)
 COST = preset("7b-1acc")

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from streamflow.admission import admissible, min_policy_version
-from streamflow.sim import SimConfig, run_sim
-from streamflow.sim_bound import Layout, bound_seconds, list_schedule
-from workers.sim.cost import CostModel, Workload, group_lengths, iteration_lengths, preset
+from bench.sim.cluster import SimConfig, run_sim
+from bench.sim.bound import Layout, bound_seconds, list_schedule
+from workers.engines.sim_cost import CostModel, Workload, group_lengths, iteration_lengths, preset
 
 # Round numbers so that the bounds below can be computed by hand.
 TOY = CostModel(

@@ -24,6 +24,9 @@ Time: ``seconds`` of simulated work sleep ``seconds / time_scale`` real seconds.
 times (summary, timeline) are real seconds: multiply by ``time_scale`` for simulated ones.
 What the simulated trainer leaves out (use the torch engine to test them): restarts from a
 checkpoint (it writes none), DEAD groups, several ranks.
+
+Imports: no torch at import time (``sim_cost`` and the rollout/reward/reference roles need none);
+the trainer imports it when it publishes and computes advantages.
 """
 
 from __future__ import annotations
@@ -33,22 +36,24 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from storage.errors import CellAlreadyWritten, LeaseExpired, Unavailable, UnknownTable
 from storage.schema import ROW_ID, Lease
 from workers.config import SimulatedDevice
 from workers.engines.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from workers.engines.sim_cost import CostModel, preset
 from workers.events import Span, StepReport
 from workers.loop import LeaseKeeper, with_row_ids
-from workers.rl import group_advantages
-from workers.sim.cost import CostModel, preset
-from workers.weights import WeightPublisher
+
+if TYPE_CHECKING:
+    import torch
+
+    from workers.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +219,8 @@ class SimulatedTrainer:
         self._busy_s = 0.0
 
     def publish_current(self) -> None:
+        import torch
+
         self.publisher.publish({VERSION_TENSOR: torch.tensor([self.step])}, self.step)
 
     def poll(self, timeout_s: float) -> bool:
@@ -275,6 +282,10 @@ class SimulatedTrainer:
             log.warning("ack of lease %s refused (%s)", lease.lease_id, exc)
 
     def _finish_iteration(self) -> None:
+        import torch
+
+        from workers.rl import group_advantages
+
         start = time.time()
         self.device.hold(self.device.cost.step_s(1))
         self.step += 1
