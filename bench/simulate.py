@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.sim.cluster import SimConfig, SimResult, run_sim
 from bench.sim.bound import Layout
+from bench.sim.cluster import SimConfig, SimResult, run_sim
 from workers.engines.sim_cost import Workload
 
 ROOT = Path(__file__).resolve().parents[2]

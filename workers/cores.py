@@ -28,9 +28,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-import sys
 from pathlib import Path
 
 MAX_SLOTS = 64

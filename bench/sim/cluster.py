@@ -40,12 +40,12 @@ import pyarrow as pa
 import zmq
 
 import storage
+from bench.sim.bound import Layout, bound_seconds, micro_batches
+from bench.sim.engine import PAYLOAD_TOKENS, SIM_COLUMN
 from storage.server import spawn_node
 from streamflow.admission import admissible, min_policy_version
-from bench.sim.bound import Layout, bound_seconds, micro_batches
-from workers.schema import PUT_COLUMNS, SAMPLES_SCHEMA, samples_table_spec
 from workers.engines.sim_cost import Workload, preset
-from bench.sim.engine import PAYLOAD_TOKENS, SIM_COLUMN
+from workers.schema import PUT_COLUMNS, SAMPLES_SCHEMA, samples_table_spec
 
 TABLE = "sim"
 ROLES = ("rollout", "reward", "reference", "trainer")

@@ -40,8 +40,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage.schema import ROW_ID, Lease
-from workers.loop import with_row_ids
 from workers.engines.sim_cost import CostModel, Workload, group_lengths
+from workers.loop import with_row_ids
 
 PAYLOAD_TOKENS = 4  # tokens actually stored per response / log-prob list (placeholders)
 SIM_COLUMN = "sim_response_tokens"

@@ -32,9 +32,7 @@ import msgpack
 import zmq
 
 import storage
-from workers.loop import StageLoop
 from bench.sim.colocated import ColocatedTurns
-from workers.engines.sim_cost import Workload, group_lengths, preset
 from bench.sim.engine import (
     DeviceClock,
     SimReferenceStage,
@@ -43,6 +41,8 @@ from bench.sim.engine import (
     TrainerGroup,
     VersionBoard,
 )
+from workers.engines.sim_cost import Workload, group_lengths, preset
+from workers.loop import StageLoop
 
 
 class _NoEvents:

@@ -12,7 +12,11 @@ from storage.schema import ROW_ID, Lease
 from workers.config import SimulatedDevice
 from workers.engines.base import FINISH_LENGTH, FINISH_STOP, RolloutEngine, SamplingParams
 from workers.engines.sim_cost import preset
-from workers.engines.simulated import SimulatedReferenceStage, SimulatedRewardStage, SimulatedRolloutEngine
+from workers.engines.simulated import (
+    SimulatedReferenceStage,
+    SimulatedRewardStage,
+    SimulatedRolloutEngine,
+)
 
 SPEC = SimulatedDevice(cost="7b-1acc", time_scale=1e6, median_response_tokens=50, skew=1.0)
 COST = preset("7b-1acc")

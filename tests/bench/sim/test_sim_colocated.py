@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 
 import storage
-from storage.schema import ROW_ID, TableSpec, TaskSpec
 from bench.sim.colocated import ColocatedTurns
+from storage.schema import ROW_ID, TableSpec, TaskSpec
 
 G = 4  # rows per group
 SCHEMA = pa.schema([("group_id", pa.int64()), ("x", pa.int64()), ("y", pa.int64())])
