@@ -36,6 +36,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from workers.weights_files import published_versions, weights_path
+
 log = logging.getLogger("workers.weights")
 
 MAX_REQUEST_BYTES = 4096
@@ -43,12 +45,6 @@ MAX_REQUEST_BYTES = 4096
 
 class WeightFetchError(RuntimeError):
     """A fetch or newest request failed (no reply in time, or the server refused it)."""
-
-
-def _versions(directory: Path) -> list[int]:
-    from workers.weights import published_versions  # weights.py imports this module at its top
-
-    return published_versions(directory)
 
 
 class WeightServer:
@@ -104,7 +100,7 @@ class WeightServer:
                 raise ValueError("request must be a map with an integer 'id'")
             header["id"] = req["id"]
             op = req.get("op")
-            versions = _versions(self.directory)
+            versions = published_versions(self.directory)
             header["newest"] = versions[-1] if versions else None
             if op == "newest":
                 header["ok"] = True
@@ -114,8 +110,6 @@ class WeightServer:
             version = req.get("version")
             if not isinstance(version, int) or isinstance(version, bool) or version < 0:
                 raise ValueError(f"fetch.version must be an integer >= 0, got {version!r}")
-            from workers.weights import weights_path
-
             try:
                 data = weights_path(self.directory, version).read_bytes()
             except FileNotFoundError:
@@ -181,8 +175,6 @@ class WeightFetcher:
 
     def fetch(self, version: int, directory: str | os.PathLike) -> int:
         """Copy ``version`` into ``directory`` (atomically); returns the bytes received."""
-        from workers.weights import weights_path
-
         header, frames = self._call({"op": "fetch", "version": int(version)}, self.timeout_s)
         if (
             len(frames) != 1
