@@ -256,7 +256,7 @@ def build_trainer(
 def build_simulated_trainer(
     cfg: TrainerWorkerConfig, client: Any, events: EventSender, keeper: LeaseKeeper | None
 ) -> Any:
-    from workers.engines.simulated import SimulatedTrainer
+    from workers.engines.simulated_trainer import SimulatedTrainer
 
     if cfg.common.simulated is None:
         raise ValueError("trainer engine 'simulated' needs common.simulated (the device)")

@@ -14,48 +14,46 @@ simulated, per role:
   ``cost.reward_s``.
 - reference: ``SimulatedReferenceStage``: ``ref_logprobs`` of the right length (placeholders),
   held for ``cost.reference_s``.
-- trainer: ``SimulatedTrainer``, the control surface of ``workers.trainer.Trainer`` (claim whole
-  groups, park later iterations, one step per iteration, publish, report, ack after the step), with
-  ``cost.train_s`` per claim and ``cost.step_s`` per step instead of forward/backward/AdamW. It
-  publishes a one-tensor "weights" file per version (the version number): rollout engines pay the
-  cost model's sync time, not the copy of a real model.
+- trainer: the real ``workers.trainer.Trainer`` (claim whole groups, park later iterations,
+  dedup, dead groups, one step per iteration, publish, report, ack after the step) over a
+  simulated training engine: ``SimulatedTriModel`` holds ``cost.train_s`` per micro-batch instead
+  of forward/backward and returns zero log-probs, ``SimulatedTrainingEngine`` holds
+  ``cost.step_s`` per optimizer step and publishes a one-tensor "weights" file per version (the
+  version number): rollout engines pay the cost model's sync time, not the copy of a real model.
+  ``SimulatedTrainer`` (``workers.engines.simulated_trainer``) puts them together.
 
 Time: ``seconds`` of simulated work sleep ``seconds / time_scale`` real seconds. A run's wall
 times (summary, timeline) are real seconds: multiply by ``time_scale`` for simulated ones.
 What the simulated trainer leaves out (use the torch engine to test them): restarts from a
-checkpoint (it writes none), DEAD groups, several ranks.
+checkpoint (it writes none), several ranks. Its loss figures are those of the placeholders.
 
 Imports: no torch at import time (``sim_cost`` and the rollout/reward/reference roles need none);
-the trainer imports it when it publishes and computes advantages.
+the training engine imports it when it first builds tensors.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.errors import CellAlreadyWritten, LeaseExpired, Unavailable, UnknownTable
-from storage.schema import ROW_ID, Lease
+from storage.schema import Lease
 from workers.config import SimulatedDevice
 from workers.engines.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from workers.engines.sim_cost import CostModel, preset
-from workers.events import Span, StepReport
-from workers.loop import LeaseKeeper, with_row_ids
+from workers.loop import with_row_ids
 
 if TYPE_CHECKING:
     import torch
 
-    from workers.weights import WeightPublisher
-
-log = logging.getLogger(__name__)
+    from workers.packing import PackGroup
 
 VERSION_TENSOR = "simulated.policy_version"  # the one tensor of a simulated weights file
 
@@ -173,168 +171,69 @@ class SimulatedReferenceStage:
         return with_row_ids(lease, {"ref_logprobs": pa.ListArray.from_arrays(offsets, values)})
 
 
-class SimulatedTrainer:
-    """``workers.trainer.Trainer``'s control surface over a simulated device (module docstring).
+@dataclass
+class SimulatedLogprobs:
+    """What ``TriModel.forward`` returns, as placeholders: per group, per response ``[L_i]``."""
 
-    Lifecycle of iteration k's rows: claimed (whole groups) -> held for ``train_s`` (k == step) or
-    parked (k > step, lease kept alive by the keeper) -> at ``rows_per_iteration`` trained rows:
-    ``step_s`` -> publish version k+1 -> report -> advantages written and leases acked. Rows of an
-    iteration below ``step`` (delivered again after a lost lease) are acked without training.
-    """
+    policy: list[list[torch.Tensor]]
+    ref: list[list[torch.Tensor]] | None
 
-    ranks = None  # one simulated device: no follower ranks
 
-    def __init__(
+class SimulatedTriModel:
+    """``TriModel.forward`` without a model: the device is held for the cost model's training
+    time of the groups (forward and backward of a micro-batch, priced together as ``train_s``),
+    and the log-probs are zeros of each response's length (ratio 1, no KL)."""
+
+    def __init__(self, device: Device, *, reference: bool) -> None:
+        self.device = device
+        self.reference = reference  # the trainer's own reference log-probs (no reference worker)
+
+    def forward(
         self,
-        client: Any,
-        table: str,
-        spec: SimulatedDevice,
-        publisher: WeightPublisher,
+        groups: Sequence[PackGroup],
         *,
-        rows_per_iteration: int,
-        group_size: int,
-        rows_per_claim: int,
-        reference_worker: bool,
-        std_normalize: bool = True,
-        worker: str = "trainer-0",
-        send: Callable[[Any], None] = lambda r: None,
-        keeper: LeaseKeeper | None = None,
-    ) -> None:
-        self.client, self.table, self.publisher = client, table, publisher
-        self.device = Device(spec)
-        self.rows_per_iteration, self.group_size = rows_per_iteration, group_size
-        self.rows_per_claim, self.std_normalize = rows_per_claim, std_normalize
-        self.worker, self.send, self.keeper = worker, send, keeper
-        self.columns = (
-            "group_id", "iteration", "prompt_ids", "response_ids", "policy_version", "reward",
-            "reward_ok",
-        ) + (("ref_logprobs",) if reference_worker else ())
-        self.step = 0  # = policy version of the current "weights"
-        self._parked: dict[int, list[tuple[Lease, pa.RecordBatch]]] = {}
-        self._held: dict[int, Lease] = {}  # lease id -> lease, until its rows are all trained
-        self._untrained: dict[int, int] = {}  # lease id -> rows of it not yet trained
-        self._done: list[tuple[Lease, pa.RecordBatch]] = []  # trained pieces of this iteration
-        self._rows_in = self._tokens = 0
-        self._first_at: float | None = None
-        self._busy_s = 0.0
-
-    def publish_current(self) -> None:
+        temperature: float = 1.0,
+        token_budget: int = 4096,
+        pack: bool = True,
+        max_responses_per_row: int | None = None,
+    ) -> SimulatedLogprobs:
         import torch
 
-        self.publisher.publish({VERSION_TENSOR: torch.tensor([self.step])}, self.step)
+        lengths = [len(r) for g in groups for r in g.responses]
+        prompt = _prompt_tokens([len(g.prompt_ids) for g in groups for _ in g.responses])
+        self.device.hold(self.device.cost.train_s(prompt, lengths))
 
-    def poll(self, timeout_s: float) -> bool:
-        """One claim turn; True when it completed an iteration (a step was taken)."""
-        try:
-            lease = self.client.claim(self.table, "trainer", list(self.columns),
-                                      self.rows_per_claim, whole_groups=True, timeout=timeout_s)
-        except (Unavailable, UnknownTable):  # store node down or recovering: its rows come back
-            time.sleep(0.5)
-            return False
-        if lease.num_rows:
-            self._accept(lease)
-        for lease_, rows in self._parked.pop(self.step, []):
-            self._train(lease_, rows)
-        if self._rows_in >= self.rows_per_iteration:
-            self._finish_iteration()
-            return True
-        return False
+        def zeros() -> list[list[torch.Tensor]]:
+            return [[torch.zeros(len(r)) for r in g.responses] for g in groups]
 
-    def _accept(self, lease: Lease) -> None:
-        self._held[lease.lease_id] = lease
-        self._untrained[lease.lease_id] = lease.num_rows
-        if self.keeper is not None:
-            self.keeper.hold(lease)
-        iterations = lease.batch.column("iteration").to_numpy()
-        for it in sorted(set(iterations.tolist())):
-            rows = lease.batch.filter(pa.array(iterations == it))
-            if it < self.step:  # already in the weights: ack, never train again
-                self._trained(lease, rows.num_rows)
-            elif it == self.step:
-                self._train(lease, rows)
-            else:
-                self._parked.setdefault(int(it), []).append((lease, rows))
+        return SimulatedLogprobs(policy=zeros(), ref=zeros() if self.reference else None)
 
-    def _train(self, lease: Lease, rows: pa.RecordBatch) -> None:
-        start = time.time()
-        self._first_at = self._first_at or start
-        lengths = _lengths(rows, "response_ids")
-        seconds = self.device.cost.train_s(_prompt_tokens(_lengths(rows, "prompt_ids")), lengths)
-        self.device.hold(seconds)
-        self._busy_s += time.time() - start
-        self._done.append((lease, rows))
-        self._rows_in += rows.num_rows
-        self._tokens += sum(lengths)
-        self.send(Span("trainer", self.worker, start, time.time(), self.step, rows.num_rows,
-                       sum(lengths)))
 
-    def _trained(self, lease: Lease, num_rows: int) -> None:
-        """Count rows of ``lease`` as trained; ack it once all of them are."""
-        self._untrained[lease.lease_id] -= num_rows
-        if self._untrained[lease.lease_id] > 0:
-            return
-        del self._untrained[lease.lease_id], self._held[lease.lease_id]
-        if self.keeper is not None:
-            self.keeper.drop(lease.lease_id)
-        try:
-            self.client.ack(lease)
-        except (LeaseExpired, Unavailable, UnknownTable) as exc:  # its rows come back: acked then
-            log.warning("ack of lease %s refused (%s)", lease.lease_id, exc)
+class SimulatedTrainingEngine:
+    """A ``TrainerEngine`` without parameters: ``backward`` costs nothing more (the forward's hold
+    priced it), each optimizer ``step`` holds ``cost.step_s(1)``, and the "weights" are one tensor,
+    the policy version (rollout engines pay the cost model's sync time, not a real copy)."""
 
-    def _finish_iteration(self) -> None:
-        import torch
+    def __init__(self, device: Device, *, updates_per_batch: int = 1) -> None:
+        self.device = device
+        self.updates_per_batch = updates_per_batch  # optimizer steps per version
+        self.steps = 0
 
-        from workers.rl import group_advantages
-
-        start = time.time()
-        self.device.hold(self.device.cost.step_s(1))
-        self.step += 1
-        published = self.publisher.publish({VERSION_TENSOR: torch.tensor([self.step])}, self.step)
-        end = time.time()
-        self._busy_s += end - start
-        rows = pa.Table.from_batches([r for _, r in self._done]).combine_chunks()
-        rewards = torch.tensor(rows.column("reward").to_pylist(), dtype=torch.float32)
-        staleness = [self.step - 1 - v for v in rows.column("policy_version").to_pylist()]
-        self.send(Span("trainer", self.worker, start, end, self.step - 1, 0, 0))
-        self.send(StepReport(
-            iteration=self.step - 1, policy_version=self.step, samples=self._rows_in,
-            response_tokens=self._tokens, loss=0.0, kl=0.0, clip_fraction=0.0, grad_norm=0.0,
-            reward_mean=float(rewards.mean()),
-            reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
-            reward_failures=sum(1 for ok in rows.column("reward_ok").to_pylist() if not ok),
-            staleness_mean=sum(staleness) / max(len(staleness), 1),
-            staleness_max=max(staleness, default=0), importance_weight_mean=1.0,
-            ratio_mean=1.0, ratio_max=1.0, ratio_min=1.0, step_seconds=end - (self._first_at or start),
-            publish_seconds=published.seconds, publish_bytes=published.bytes,
-            busy_seconds=self._busy_s,
-        ))
-        for lease, piece in self._done:  # advantages (for inspection), then the ack
-            adv = group_advantages(
-                torch.tensor(piece.column("reward").to_pylist(), dtype=torch.float32),
-                torch.tensor(piece.column("group_id").to_pylist(), dtype=torch.int64),
-                group_size=self.group_size, std_normalize=self.std_normalize,
-            )
-            out = pa.RecordBatch.from_pydict({ROW_ID: piece.column(ROW_ID),
-                                              "advantage": pa.array(adv.tolist(), pa.float32())})
-            try:
-                self.client.write(self.table, lease, out)
-            except (LeaseExpired, CellAlreadyWritten, Unavailable, UnknownTable) as exc:
-                log.warning("advantages of lease %s not recorded: %s", lease.lease_id, exc)
-            self._trained(lease, piece.num_rows)
-        self._done, self._rows_in, self._tokens = [], 0, 0
-        self._first_at, self._busy_s = None, 0.0
-
-    def follow(self) -> None:
-        raise RuntimeError("a simulated trainer has no follower ranks")
-
-    def stop_followers(self) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         pass
 
-    def release_held(self) -> None:
-        """Clean stop: hand every held lease back at once."""
-        for lease in self._held.values():
-            if self.keeper is not None:
-                self.keeper.drop(lease.lease_id)
-            self.client.release(lease)
-        self._held.clear()
-        self._untrained.clear()
+    def step(self, grad_scale: float) -> float:
+        self.device.hold(self.device.cost.step_s(1))
+        self.steps += 1
+        return 0.0  # no gradients: the reported norm is 0
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        import torch
+
+        return {VERSION_TENSOR: torch.tensor([self.steps // self.updates_per_batch])}
+
+    def save_state(self, directory: str) -> None:
+        raise RuntimeError("a simulated trainer writes no checkpoints")
+
+    def load_state(self, directory: str) -> None:
+        raise RuntimeError("a simulated trainer writes no checkpoints: it cannot resume")
