@@ -121,3 +121,15 @@ def test_training_engine_holds_train_and_step_times_and_publishes_the_version():
     assert engine.state_dict()[VERSION_TENSOR].tolist() == [1]  # two steps make one version
     with pytest.raises(RuntimeError, match="no checkpoints"):
         engine.save_state("/nonexistent")
+
+
+def test_a_hold_begun_by_the_forward_covers_the_trainers_math_until_backward():
+    import time
+
+    device = Device(SimulatedDevice(cost="7b-1acc", time_scale=1.0))
+    start = time.monotonic()
+    device.begin(0.5)
+    time.sleep(0.3)  # the trainer's loss math on the placeholders: inside the hold
+    device.finish()
+    elapsed = time.monotonic() - start
+    assert 0.5 <= elapsed < 0.75 and device.busy_s == 0.5

@@ -67,11 +67,23 @@ class Device:
         self.spec = spec
         self.cost: CostModel = preset(spec.cost)
         self.busy_s = 0.0  # simulated seconds held so far
+        self._until = 0.0  # monotonic end of the hold begun and not yet finished
 
     def hold(self, seconds: float) -> None:
+        self.begin(seconds)
+        self.finish()
+
+    def begin(self, seconds: float) -> None:
+        """Start a hold of ``seconds`` that ``finish`` completes: real work done in between (the
+        trainer's loss math on the placeholders) runs inside the hold instead of adding to it."""
         self.busy_s += seconds
-        if seconds > 0:
-            time.sleep(seconds / self.spec.time_scale)
+        self._until = time.monotonic() + max(seconds, 0.0) / self.spec.time_scale
+
+    def finish(self) -> None:
+        left = self._until - time.monotonic()
+        self._until = 0.0
+        if left > 0:
+            time.sleep(left)
 
 
 def _prompt_tokens(lengths: Sequence[int]) -> int:
@@ -201,7 +213,8 @@ class SimulatedTriModel:
 
         lengths = [len(r) for g in groups for r in g.responses]
         prompt = _prompt_tokens([len(g.prompt_ids) for g in groups for _ in g.responses])
-        self.device.hold(self.device.cost.train_s(prompt, lengths))
+        # The hold ends in the engine's backward: the trainer's math in between is inside it.
+        self.device.begin(self.device.cost.train_s(prompt, lengths))
 
         def zeros() -> list[list[torch.Tensor]]:
             return [[torch.zeros(len(r)) for r in g.responses] for g in groups]
@@ -210,8 +223,8 @@ class SimulatedTriModel:
 
 
 class SimulatedTrainingEngine:
-    """A ``TrainerEngine`` without parameters: ``backward`` costs nothing more (the forward's hold
-    priced it), each optimizer ``step`` holds ``cost.step_s(1)``, and the "weights" are one tensor,
+    """A ``TrainerEngine`` without parameters: ``backward`` ends the hold the forward began
+    (``train_s`` covers both), each optimizer ``step`` holds ``cost.step_s(1)``, and the "weights" are one tensor,
     the policy version (rollout engines pay the cost model's sync time, not a real copy)."""
 
     def __init__(self, device: Device, *, updates_per_batch: int = 1) -> None:
@@ -220,7 +233,7 @@ class SimulatedTrainingEngine:
         self.steps = 0
 
     def backward(self, loss: torch.Tensor) -> None:
-        pass
+        self.device.finish()  # the end of the micro-batch's hold, begun by its forward
 
     def step(self, grad_scale: float) -> float:
         self.device.hold(self.device.cost.step_s(1))
