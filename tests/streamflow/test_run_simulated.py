@@ -1,5 +1,5 @@
-"""``streamflow run`` with ``engine: simulated`` (issue 8): the real controller, worker processes,
-store and modes over simulated devices (workers/engines/simulated.py), and the config rules around it."""
+"""``streamflow run`` with ``engine: simulated``: the real controller, worker processes, store and
+modes over simulated devices (workers/engines/simulated.py), and the config rules around it."""
 
 from __future__ import annotations
 
