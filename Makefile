@@ -36,13 +36,13 @@ $(FULL): $(BASE)
 	touch $(FULL)
 
 test: $(FULL)
-	$(BIN)/ruff check streamflow storage workers tests
+	$(BIN)/ruff check streamflow storage workers bench tests
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) compose-test
 
 # The unit tests alone (no real processes, sockets between processes, or engines): minutes.
 test-fast: $(FULL)
-	$(BIN)/ruff check streamflow storage workers tests
+	$(BIN)/ruff check streamflow storage workers bench tests
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 # `docker compose up` for real: docker/compose.yaml with local images and a short job, checked
@@ -64,7 +64,7 @@ gpu-smollm2: $(BASE)
 	$(BIN)/streamflow run configs/gpu-smollm2.yaml
 
 lint: $(FULL)
-	$(BIN)/ruff check streamflow storage workers tests
+	$(BIN)/ruff check streamflow storage workers bench tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

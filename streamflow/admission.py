@@ -1,5 +1,5 @@
 """The one admission rule behind the three modes (used by ``streamflow.controller`` and by the
-simulated cluster ``streamflow.sim``).
+simulated cluster ``bench.sim.cluster``).
 
 Iteration k's prompt rows carry ``min_policy_version = max(k - s, 0)`` and are put once the
 newest published policy version is >= k - s, where s is the staleness bound: 0 for ``sync`` and

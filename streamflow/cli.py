@@ -93,7 +93,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(handler=_cmd_store_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark: streamflow bench NAME [args...]")
-    bench.add_argument("name", help="benchmark name (a module of streamflow/bench, or 'store')")
+    bench.add_argument("name", help="benchmark name (a module of the bench package, e.g. store)")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(handler=_cmd_bench)
 
@@ -286,27 +286,36 @@ def _cmd_store_serve(args: argparse.Namespace) -> int:
 # -- bench ----------------------------------------------------------------------------------------
 
 
-def available_benches() -> list[str]:
-    """Modules of streamflow/bench (each exposes main(argv)), plus 'store' (storage.bench)."""
-    import streamflow.bench as bench_pkg
+BENCH_PACKAGE = "bench"  # top-level package of benchmarks; installed with the project
 
-    names = {m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if not m.name.startswith("_")}
-    return sorted(names | {"store"})
+
+def available_benches() -> list[str]:
+    """Public modules of the bench package (each exposes main(argv)); [] if it is not installed.
+
+    Found by name at call time: streamflow never imports bench at module import (bench imports
+    streamflow, not the other way round)."""
+    try:
+        bench_pkg = importlib.import_module(BENCH_PACKAGE)
+    except ModuleNotFoundError as err:
+        if err.name != BENCH_PACKAGE:
+            raise
+        return []
+    return sorted(
+        m.name for m in pkgutil.iter_modules(bench_pkg.__path__)
+        if not m.name.startswith("_") and not m.ispkg
+    )
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     names = available_benches()
+    if not names:
+        raise UsageError(
+            f"no benchmarks available: the {BENCH_PACKAGE!r} package is not installed "
+            "(install the project from its source tree: pip install -e .)"
+        )
     if args.name not in names:
         raise UsageError(f"unknown bench {args.name!r}; available: {', '.join(names)}")
-    module_name = "storage.bench" if args.name == "store" else f"streamflow.bench.{args.name}"
-    try:
-        module: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name != module_name:
-            raise
-        raise UsageError(
-            f"bench {args.name!r} is not installed ({module_name} is missing)"
-        ) from None
+    module: Any = importlib.import_module(f"{BENCH_PACKAGE}.{args.name}")
     rc = module.main(list(args.args))
     return EXIT_OK if rc is None else int(rc)
 

@@ -372,7 +372,7 @@ class SimulatedSection:
 
     def __post_init__(self) -> None:
         _check_bounds(self)
-        from workers.sim.cost import PRESETS
+        from workers.engines.sim_cost import PRESETS
 
         _require(self.cost in PRESETS, "cost", f"must be one of {sorted(PRESETS)}, got {self.cost!r}")
 

@@ -28,11 +28,10 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 MAX_SLOTS = 64
 
@@ -91,6 +90,8 @@ class CoreShare:
         """Apply ``share()`` to torch if it changed (cheap: reads 64 bytes); returns it."""
         want = self.share()
         if want != self.threads:
+            import torch  # here, not at import: simulated hosts use the loop and never need torch
+
             torch.set_num_threads(want)
             self.threads = want
         return want
@@ -125,6 +126,7 @@ def install(share: CoreShare | None) -> None:
 
 def busy() -> contextlib.AbstractContextManager[int]:
     """``CoreShare.busy`` of the installed share, or a no-op context without one."""
-    if _current is None:
-        return contextlib.nullcontext(torch.get_num_threads())
+    if _current is None:  # torch's own count; a process without torch (simulated host): the CPUs
+        torch = sys.modules.get("torch")
+        return contextlib.nullcontext(torch.get_num_threads() if torch else os.cpu_count() or 1)
     return _current.busy()

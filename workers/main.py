@@ -77,7 +77,7 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
         return VllmRolloutEngine(cfg.model_path, seed=cfg.common.seed, **settings)
     tokenizer = load_tokenizer(cfg.model_path)
     if cfg.engine == "simulated":  # no model: the cost model's device (workers.sim.roles)
-        from workers.sim.roles import SimulatedRolloutEngine
+        from workers.engines.simulated import SimulatedRolloutEngine
 
         if cfg.common.simulated is None:
             raise ValueError("rollout engine 'simulated' needs common.simulated (the device)")
@@ -130,7 +130,7 @@ def build_reward(cfg: RewardWorkerConfig) -> Any:
         max_rows=cfg.rows_per_claim, on_error=cfg.on_error,
     )
     if cfg.common.simulated is not None:  # the real verifier, plus the cost model's time
-        from workers.sim.roles import SimulatedRewardStage
+        from workers.engines.simulated import SimulatedRewardStage
 
         return SimulatedRewardStage(stage, cfg.common.simulated)
     return stage
@@ -138,7 +138,7 @@ def build_reward(cfg: RewardWorkerConfig) -> Any:
 
 def build_reference(cfg: ReferenceWorkerConfig) -> Any:
     if cfg.common.simulated is not None:
-        from workers.sim.roles import SimulatedReferenceStage
+        from workers.engines.simulated import SimulatedReferenceStage
 
         return SimulatedReferenceStage(cfg.common.simulated, cfg.rows_per_claim)
     return ReferenceStage(
@@ -256,7 +256,7 @@ def build_trainer(
 def build_simulated_trainer(
     cfg: TrainerWorkerConfig, client: Any, events: EventSender, keeper: LeaseKeeper | None
 ) -> Any:
-    from workers.sim.roles import SimulatedTrainer
+    from workers.engines.simulated_trainer import SimulatedTrainer
 
     if cfg.common.simulated is None:
         raise ValueError("trainer engine 'simulated' needs common.simulated (the device)")

@@ -17,13 +17,14 @@ Across hosts (``streamflow launch``) the directory is not shared: the publisher 
 files over ZeroMQ (``serve=``) and a subscriber given ``fetch=`` copies each version it needs into
 its own local directory before loading it (``workers/weights_net.py``); the announcement is then
 only a wake-up, the server's ``newest`` the truth. The fetch time is reported with the sync cost.
+File names and directory listings (``weights_path``, ``published_versions``) live in
+``workers/weights_files.py``, shared with ``weights_net`` without an import circle.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,10 +35,15 @@ import torch
 import zmq
 from safetensors.torch import load_file, save_file
 
+from workers.weights_files import latest_version, published_versions, version_of, weights_path
 from workers.weights_net import WeightFetcher, WeightFetchError, WeightServer
 
+__all__ = [  # the file helpers are re-exported: callers import them from here
+    "PublishedWeights", "WeightPublisher", "WeightSubscriber", "WeightSyncTimeout",
+    "latest_version", "published_versions", "weights_path",
+]
+
 log = logging.getLogger("workers.weights")
-_NAME = re.compile(r"^policy-v(\d{6,})\.safetensors$")
 
 
 class WeightSyncTimeout(TimeoutError):
@@ -50,23 +56,6 @@ class PublishedWeights:
     path: str
     bytes: int
     seconds: float  # time to serialise and write
-
-
-def weights_path(directory: str | os.PathLike, version: int) -> Path:
-    return Path(directory) / f"policy-v{version:06d}.safetensors"
-
-
-def published_versions(directory: str | os.PathLike) -> list[int]:
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    return sorted(int(m.group(1)) for n in names if (m := _NAME.match(n)))
-
-
-def latest_version(directory: str | os.PathLike) -> int | None:
-    versions = published_versions(directory)
-    return versions[-1] if versions else None
 
 
 class WeightPublisher:
@@ -105,8 +94,8 @@ class WeightPublisher:
 
     def _prune(self, newest: int) -> None:
         for name in os.listdir(self.directory):
-            m = _NAME.match(name)
-            if m and int(m.group(1)) <= newest - self.keep:
+            version = version_of(name)
+            if version is not None and version <= newest - self.keep:
                 try:
                     os.unlink(self.directory / name)
                 except FileNotFoundError:

@@ -37,6 +37,7 @@ import msgspec
 import zmq
 
 from storage import rpc
+from workers.weights_files import published_versions, weights_path
 
 log = logging.getLogger("workers.weights")
 
@@ -56,12 +57,6 @@ class WeightRequest(msgspec.Struct):
 
 
 _DECODER = msgspec.msgpack.Decoder(WeightRequest)
-
-
-def _versions(directory: Path) -> list[int]:
-    from workers.weights import published_versions  # weights.py imports this module at its top
-
-    return published_versions(directory)
 
 
 class WeightServer(rpc.RouterService):
@@ -110,15 +105,13 @@ class WeightServer(rpc.RouterService):
                     header["id"] = loose["id"]
                 raise ValueError(f"bad request: {exc}") from None
             header["id"] = req.id
-            versions = _versions(self.directory)
+            versions = published_versions(self.directory)
             header["newest"] = versions[-1] if versions else None
             if req.op == "newest":
                 header["ok"] = True
                 return header, []
             if req.version is None:
                 raise ValueError("fetch.version is required")
-            from workers.weights import weights_path
-
             try:
                 data = weights_path(self.directory, req.version).read_bytes()
             except FileNotFoundError:
@@ -175,7 +168,6 @@ class WeightFetcher:
 
     def fetch(self, version: int, directory: str | os.PathLike) -> int:
         """Copy ``version`` into ``directory`` (atomically); returns the bytes received."""
-        from workers.weights import weights_path
 
         header, frames = self._call({"op": "fetch", "version": int(version)}, self.timeout_s)
         if (

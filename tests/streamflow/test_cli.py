@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import streamflow.bench
+import bench
 from streamflow import cli
 from streamflow.cli import main
 from streamflow.config import config_from_dict, load_config
@@ -57,11 +57,11 @@ def test_dry_run_prints_resolved_yaml_and_starts_nothing(fake_controller, capsys
 
 
 def test_dry_run_does_not_import_the_engine():
-    # The config checks the simulated cost preset's name against workers.sim.cost, a
+    # The config checks the simulated cost preset's name against workers.engines.sim_cost, a
     # standard-library-only table of presets; anything else of workers (engines, torch) is heavy.
     # The early checks (streamflow/preflight.py) resolve reward.fn with workers.rewards, which
     # is standard-library only as well.
-    light = ("workers", "workers.sim", "workers.sim.cost", "workers.rewards")
+    light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.rewards")
     code = (
         "import sys; from streamflow.cli import main; "
         f"rc = main(['run', {TINY!r}, '--dry-run']); "
@@ -161,12 +161,34 @@ def test_bench_dispatches_to_module_main(tmp_path, monkeypatch, capsys):
     (tmp_path / "fakebench.py").write_text(
         "def main(argv):\n    print('fakebench got', argv)\n    return 3\n"
     )
-    monkeypatch.setattr(streamflow.bench, "__path__", [*streamflow.bench.__path__, str(tmp_path)])
-    monkeypatch.delitem(sys.modules, "streamflow.bench.fakebench", raising=False)
+    monkeypatch.setattr(bench, "__path__", [*bench.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "bench.fakebench", raising=False)
     assert "fakebench" in cli.available_benches()
     assert main(["bench", "fakebench", "--json", "--iterations", "2"]) == 3
     assert "fakebench got ['--json', '--iterations', '2']" in capsys.readouterr().out
-    sys.modules.pop("streamflow.bench.fakebench", None)
+    sys.modules.pop("bench.fakebench", None)
+
+
+def test_bench_lists_modules_not_helpers_or_packages():
+    names = cli.available_benches()
+    assert {"store", "simulate", "packing", "pipeline"} <= set(names)
+    assert not any(n.startswith("_") for n in names) and "sim" not in names
+
+
+def test_bench_without_the_bench_package_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "bench", None)  # import bench -> ModuleNotFoundError
+    assert main(["bench", "store"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'bench' package is not installed" in err
+
+
+def test_streamflow_does_not_import_bench():
+    code = ("import sys, streamflow.cli, streamflow.config, workers.engines.simulated; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'bench'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 def test_store_serve_dry_run(tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""``streamflow run`` with ``engine: simulated`` (issue 8): the real controller, worker processes,
-store and modes over simulated devices (workers/sim/roles.py), and the config rules around it."""
+"""``streamflow run`` with ``engine: simulated``: the real controller, worker processes, store and
+modes over simulated devices (workers/engines/simulated.py), and the config rules around it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from streamflow.config import ConfigError, load_config
 from streamflow.controller import run
 from tests.streamflow.conftest import ROOT
-from workers.sim.cost import preset
+from workers.engines.sim_cost import preset
 
 ITERATIONS = 3
 PROMPTS = 8

@@ -144,8 +144,8 @@ def test_bench_weights_on_gpu():
 
 
 def test_bench_phases_on_gpu():
-    pytest.importorskip("streamflow.bench.phases",
-                        reason="streamflow/bench/phases.py is not part of this tree")
+    pytest.importorskip("bench.phases",
+                        reason="bench/phases.py is not part of this tree")
     proc = subprocess.run([sys.executable, "-m", "streamflow", "bench", "phases", "--quick",
                            "--json", "--device", "cuda"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)

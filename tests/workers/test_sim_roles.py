@@ -1,5 +1,5 @@
-"""The ``simulated`` engine's roles (workers/sim/roles.py) in isolation: what they draw, write and
-hold. Whole runs through the controller are in tests/streamflow/test_run_simulated.py."""
+"""The ``simulated`` engine's roles (workers/engines/simulated.py) in isolation: what they draw,
+write and hold. Whole runs through the controller are in tests/streamflow/test_run_simulated.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,17 @@ import pytest
 from storage.schema import ROW_ID, Lease
 from workers.config import SimulatedDevice
 from workers.engines.base import FINISH_LENGTH, FINISH_STOP, RolloutEngine, SamplingParams
-from workers.sim.cost import preset
-from workers.sim.roles import SimulatedReferenceStage, SimulatedRewardStage, SimulatedRolloutEngine
+from workers.engines.sim_cost import preset
+from workers.engines.simulated import (
+    VERSION_TENSOR,
+    Device,
+    SimulatedReferenceStage,
+    SimulatedRewardStage,
+    SimulatedRolloutEngine,
+    SimulatedTrainingEngine,
+    SimulatedTriModel,
+)
+from workers.packing import PackGroup
 
 SPEC = SimulatedDevice(cost="7b-1acc", time_scale=1e6, median_response_tokens=50, skew=1.0)
 COST = preset("7b-1acc")
@@ -94,3 +103,33 @@ def test_reward_stage_is_the_real_stage_plus_the_verifier_time():
     assert stage.device.busy_s == pytest.approx(COST.reward_s(2))
     stage.close()
     assert inner.closed
+
+
+def test_training_engine_holds_train_and_step_times_and_publishes_the_version():
+    device = Device(SPEC)
+    tri = SimulatedTriModel(device, reference=True)
+    groups = [PackGroup(group_id=0, prompt_ids=[1, 2], responses=[[5], [5, 5, 5]]),
+              PackGroup(group_id=1, prompt_ids=[1, 2, 3, 4], responses=[[6, 6]])]
+    out = tri.forward(groups, temperature=1.0, token_budget=64, pack=False)
+    assert [[len(t) for t in g] for g in out.policy] == [[1, 3], [2]]
+    assert out.ref is not None and all(float(t.abs().sum()) == 0 for g in out.ref for t in g)
+    assert device.busy_s == pytest.approx(COST.train_s(math.ceil(8 / 3), [1, 3, 2]))
+    assert SimulatedTriModel(device, reference=False).forward(groups).ref is None
+    engine = SimulatedTrainingEngine(Device(SPEC), updates_per_batch=2)
+    assert engine.step(1.0) == 0.0 and engine.step(1.0) == 0.0
+    assert engine.device.busy_s == pytest.approx(2 * COST.step_s(1))
+    assert engine.state_dict()[VERSION_TENSOR].tolist() == [1]  # two steps make one version
+    with pytest.raises(RuntimeError, match="no checkpoints"):
+        engine.save_state("/nonexistent")
+
+
+def test_a_hold_begun_by_the_forward_covers_the_trainers_math_until_backward():
+    import time
+
+    device = Device(SimulatedDevice(cost="7b-1acc", time_scale=1.0))
+    start = time.monotonic()
+    device.begin(0.5)
+    time.sleep(0.3)  # the trainer's loss math on the placeholders: inside the hold
+    device.finish()
+    elapsed = time.monotonic() - start
+    assert 0.5 <= elapsed < 0.75 and device.busy_s == 0.5

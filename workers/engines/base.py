@@ -23,9 +23,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # annotations only: the records and the protocol need no torch at import
+    import torch
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

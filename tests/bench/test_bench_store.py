@@ -7,8 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from storage.bench import PROMPT_LEN, RESPONSE_LEN, w1_batch, w1_spec
+from bench._w1 import PROMPT_LEN, RESPONSE_LEN, w1_batch, w1_full_batch, w1_spec
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_w1_rows_have_the_issue_shapes():
@@ -22,12 +25,21 @@ def test_w1_rows_have_the_issue_shapes():
     assert [t.name for t in w1_spec().tasks] == ["reward", "reference", "trainer"]
 
 
-def test_tiny_w1_run_is_exactly_once(h):
-    env = {**os.environ, "PYTHONPATH": str(h.repo), "OMP_NUM_THREADS": "1"}
+def test_full_rows_carry_what_the_consumers_write():
+    import numpy as np
+
+    batch = w1_full_batch(7, 3, np.random.default_rng(0))
+    assert batch.schema.names == w1_spec().schema.names
+    assert batch.column("reward").to_pylist() == [7.0, 8.0, 9.0]
+    assert batch.column("ref_logprobs")[1].as_py() == [8.0] * RESPONSE_LEN
+
+
+def test_tiny_w1_run_is_exactly_once():
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "storage.bench", "--rows", "256", "--resident", "1000",
+        [sys.executable, "-m", "bench.store", "--rows", "256", "--resident", "1000",
          "--small-rows", "20000", "--limit-mib", "8", "--json"],
-        cwd=h.repo, env=env, capture_output=True, text=True, timeout=240,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 timeout_s=120.0, shm_dir=directory)
     job = {"spec": {**spec, "rank": 1}, "device": peer, "directory": directory,
            "transports": transports, "metas": [tensor_meta(state) for _, state in models]}
-    child = subprocess.Popen([sys.executable, "-m", "streamflow.bench.weights", "--receiver",
+    child = subprocess.Popen([sys.executable, "-m", "bench.weights", "--receiver",
                               json.dumps(job)])
     cases: list[dict[str, Any]] = []
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from streamflow.bench.learn import ROOT, read_case, report
+from bench.learn import ROOT, read_case, report
 
 
 def _fake_run(path: Path, accuracies: list[float | None], walls: list[float]) -> Path:

@@ -1,7 +1,7 @@
 """The ceiling of the W1 benchmark on this machine: W1's own client processes against a node that
 does no store work.
 
-Why it exists. W1 (``storage.bench``) is compared with a raw ZeroMQ PUSH->PULL stream between two
+Why it exists. W1 (``bench.store``) is compared with a raw ZeroMQ PUSH->PULL stream between two
 processes. W1 itself runs five processes (a store node, a producer, three consumers) that talk in
 request/reply round trips of 64 rows, each side encoding and decoding Arrow IPC in Python. How
 much of the gap is the store's own work, and how much is the shape of the workload on this
@@ -31,19 +31,13 @@ import numpy as np
 import pyarrow as pa
 import zmq
 
+from bench._w1 import MICRO, w1_full_batch
 from storage import wire
-
-MICRO = 64  # W1's micro-batch, the most rows one claim hands out
 
 
 def _full_batch() -> pa.RecordBatch:
     """64 W1 rows with every column, values as W1's consumers would have written them."""
-    from storage.bench import RESPONSE_LEN, _lists, w1_batch
-
-    base = w1_batch(0, MICRO, np.random.default_rng(0))
-    first = np.arange(MICRO, dtype=np.float32)  # w1_batch puts row i's first token = i
-    ref = _lists(np.repeat(first, RESPONSE_LEN), RESPONSE_LEN, pa.float32())
-    return base.append_column("reward", pa.array(first)).append_column("ref_logprobs", ref)
+    return w1_full_batch(0, MICRO, np.random.default_rng(0))  # row i's first token = i
 
 
 @dataclass

@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from streamflow.bench import _g1
-from streamflow.bench import phases as bench
+from bench import _g1
+from bench import phases as bench
 
 
 def _positive(value: object) -> bool:

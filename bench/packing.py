@@ -170,7 +170,7 @@ def _run(kind: str, spec: dict[str, Any], isolate: bool) -> dict[str, Any]:
         fn = measure_memory if kind == "memory" else measure_time
         return fn(**{k: v for k, v in spec.items()})
     payload = json.dumps({"kind": kind, **spec, "shape": asdict(spec["shape"])})
-    cmd = [sys.executable, "-m", "streamflow.bench.packing", "--child", payload]
+    cmd = [sys.executable, "-m", "bench.packing", "--child", payload]
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=False)
     if proc.returncode != 0:

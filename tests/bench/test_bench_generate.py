@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from streamflow.bench import generate as bench
+from bench import generate as bench
 
 
 def test_quick_run_prints_table_then_json(capsys):

@@ -1,5 +1,5 @@
 """The ``simulated`` engine: rollout, reward, reference and trainer stages that do no math but hold
-their device for the time the cost model gives (``workers.sim.cost``), scaled by ``time_scale``.
+their device for the time the cost model gives (``workers.engines.sim_cost``), scaled by ``time_scale``.
 
 Everything around the hold is real: the stages plug into the real ``workers.loop.StageLoop``
 (claim -> process -> write+ack carried by the next claim) against a real store over real sockets,
@@ -40,8 +40,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage.schema import ROW_ID, Lease
+from workers.engines.sim_cost import CostModel, Workload, group_lengths
 from workers.loop import with_row_ids
-from workers.sim.cost import CostModel, Workload, group_lengths
 
 PAYLOAD_TOKENS = 4  # tokens actually stored per response / log-prob list (placeholders)
 SIM_COLUMN = "sim_response_tokens"

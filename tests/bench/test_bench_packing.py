@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from streamflow.bench import packing as bench
+from bench import packing as bench
 
 FIELDS = {"P", "L", "G", "token_ratio", "time_ratio", "peak_memory_ratio"}
 

@@ -6,7 +6,7 @@ rules as the engine, but every claim, write, ack, admission and announcement is 
 every device pulls the next micro-batch the instant it is free. The engine's efficiency is
 ``bound / achieved`` (= achieved throughput / bound throughput); an ideal engine scores 1.
 
-Notation (costs from ``workers.sim.cost``; micro-batches cut in put order, as the store hands
+Notation (costs from ``workers.engines.sim_cost``; micro-batches cut in put order, as the store hands
 them out):
 
     g_k,b     rollout batch b of iteration k (``groups_per_rollout_batch`` groups)  generate_s
@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.sim.cost import CostModel, Workload, iteration_lengths
+from workers.engines.sim_cost import CostModel, Workload, iteration_lengths
 
 
 @dataclass(frozen=True)

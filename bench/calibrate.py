@@ -1,7 +1,7 @@
 """``streamflow bench calibrate``: measure the cost model's per-device figures on a real accelerator.
 
 The simulated cluster (``streamflow bench simulate``) holds its devices for times from the cost
-preset ``7b-1acc`` (``workers/sim/cost.py``), whose numbers come from datasheets and published
+preset ``7b-1acc`` (``workers/engines/sim_cost.py``), whose numbers come from datasheets and published
 benchmarks. This bench checks them on the accelerator it runs on: it builds a model of the
 preset's shape (Qwen2.5-7B: 28 layers, width 3584, MLP 18944, 28 query / 4 key-value heads, vocab
 152064; random bf16 weights — timing does not depend on their values, and nothing is downloaded)
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from workers.sim.cost import preset
+from workers.engines.sim_cost import preset
 
 # The preset's model: Qwen2.5-7B's architecture (its config.json), built locally from these.
 QWEN25_7B = dict(

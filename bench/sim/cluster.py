@@ -2,11 +2,11 @@
 
 ``run_sim(SimConfig)`` starts a real store node process (``storage.server``), optionally the shard
 coordinator (a thread of this process, as in a real streaming run), and host processes of
-simulated workers (``workers.sim.host``: many device threads per process), then acts as the
+simulated workers (``bench.sim.host``: many device threads per process), then acts as the
 controller: it puts iteration k's prompt rows once ``streamflow.admission.admissible`` says so
 (the same function the real controller calls) and announces versions and admissions to the hosts.
 It returns a ``SimResult``: achieved throughput in samples per *simulated* second, the bound from
-``streamflow.sim_bound``, efficiency = bound time / achieved time, utilisation per role and per
+``bench.sim.bound``, efficiency = bound time / achieved time, utilisation per role and per
 device, the holds (for timelines) and the CPU seconds the controller, the coordinator and the store
 node spent (the control-plane cost the bench reports per micro-batch).
 
@@ -40,12 +40,12 @@ import pyarrow as pa
 import zmq
 
 import storage
+from bench.sim.bound import Layout, bound_seconds, micro_batches
+from bench.sim.engine import PAYLOAD_TOKENS, SIM_COLUMN
 from storage.server import spawn_node
 from streamflow.admission import admissible, min_policy_version
-from streamflow.sim_bound import Layout, bound_seconds, micro_batches
+from workers.engines.sim_cost import Workload, preset
 from workers.schema import PUT_COLUMNS, SAMPLES_SCHEMA, samples_table_spec
-from workers.sim.cost import Workload, preset
-from workers.sim.engine import PAYLOAD_TOKENS, SIM_COLUMN
 
 TABLE = "sim"
 ROLES = ("rollout", "reward", "reference", "trainer")
@@ -225,7 +225,7 @@ def run_sim(cfg: SimConfig) -> SimResult:
         for spec in specs:
             path = tmp / f"host-{spec['host']}.json"
             path.write_text(json.dumps(spec))
-            procs.append(subprocess.Popen([sys.executable, "-m", "workers.sim.host", str(path)]))
+            procs.append(subprocess.Popen([sys.executable, "-m", "bench.sim.host", str(path)]))
         state = {"version": 0, "admitted": 0, "stop": False}
 
         def announce() -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from streamflow.bench._g1 import G1, G1Shape
+from bench._g1 import G1, G1Shape
 
 # One definition of the G1 workload's sizes, shared with `bench phases`.
 Workload = G1Shape

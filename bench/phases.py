@@ -1,6 +1,6 @@
 """Benchmark: StreamFlow's phases and modes against a plain Hugging Face GRPO loop (workload G1).
 
-Workload G1 (``streamflow.bench._g1``): a 4.2 M-parameter Qwen2 with a locally trained 1024-token
+Workload G1 (``bench._g1``): a 4.2 M-parameter Qwen2 with a locally trained 1024-token
 byte-level BPE vocabulary, 2-digit sums ``a+b=``, 16 prompts x G=8 responses x 64 generated tokens
 per iteration (no eos: every response runs to 64 tokens on both sides), KL coefficient 0.04,
 ``--threads`` (default 2) threads in all. Measured in one invocation:
@@ -46,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from streamflow.bench._g1 import G1, KL_COEF, LR, QUICK, G1Shape, build_model_dir, run_config
+from bench._g1 import G1, KL_COEF, LR, QUICK, G1Shape, build_model_dir, run_config
 
 PHASES = ("generation", "reference", "train_step")
 MODES = ("sync", "periodic", "async")
@@ -59,8 +59,8 @@ def measure_phases(
     """Phases of both sides, interleaved: (phases, plain seconds per iteration, extras)."""
     import torch
 
-    from streamflow.bench._plain import PlainGRPO, PlainSettings
-    from streamflow.bench._sfsync import StreamFlowSync
+    from bench._plain import PlainGRPO, PlainSettings
+    from bench._sfsync import StreamFlowSync
     from streamflow.config import config_from_dict
 
     torch.set_num_threads(threads)

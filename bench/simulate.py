@@ -1,9 +1,9 @@
 """``streamflow bench simulate``: the simulated cluster (issue 8), swept over modes, sizes and skew.
 
-Every case is a real run of ``streamflow.sim.run_sim``: a real store node process, real host
+Every case is a real run of ``bench.sim.cluster.run_sim``: a real store node process, real host
 processes of simulated device threads, the real admission rule; only the devices are simulated
-(cost preset ``7b-1acc``, ``workers.sim.cost``). Reported per case: throughput (samples per
-simulated second), the bound from the cost model (``streamflow.sim_bound``), efficiency =
+(cost preset ``7b-1acc``, ``workers.engines.sim_cost``). Reported per case: throughput (samples per
+simulated second), the bound from the cost model (``bench.sim.bound``), efficiency =
 achieved / bound, utilisation per role, and the controller's, coordinator's and store node's CPU
 seconds per micro-batch.
 
@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streamflow.sim import SimConfig, SimResult, run_sim
-from streamflow.sim_bound import Layout
-from workers.sim.cost import Workload
+from bench.sim.bound import Layout
+from bench.sim.cluster import SimConfig, SimResult, run_sim
+from workers.engines.sim_cost import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = (("sync", 0), ("periodic", 0), ("async", 1), ("async", 2))
@@ -361,15 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     result["targets"] = targets(rows)
     result["time_scale"] = args.time_scale
     if not args.no_plots and not args.quick:
-        from streamflow.bench._simulate_plots import draw
+        from bench._simulate_plots import draw
 
         draw(rows, Path(args.plots))
     if args.markdown:
-        from streamflow.bench._simulate_plots import markdown
+        from bench._simulate_plots import markdown
 
         print(markdown(rows, result["targets"]))
     elif not args.json:
-        from streamflow.bench._simulate_plots import print_tables
+        from bench._simulate_plots import print_tables
 
         print_tables(rows, result["targets"])
     for r in rows:

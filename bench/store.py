@@ -1,7 +1,7 @@
 """The store benchmark: the RL-shaped W1 workload against a real multi-process store, the raw
 ZeroMQ+Arrow limit measured in the same run, a claim-latency sweep and a small-rows figure.
 
-W1 (issue 2): ``--rows`` rows (default 4,096), each ``prompt_ids`` int32[128], ``response_ids``
+W1 (``bench._w1``): ``--rows`` rows (default 4,096), each ``prompt_ids`` int32[128], ``response_ids``
 int32[512], ``response_logprobs`` float32[512], later ``reward`` float32 and ``ref_logprobs``
 float32[512]; micro-batches of 64 rows. Processes: one store node (2 shards), a producer that
 puts, a reward consumer (claims ``response_ids``, writes ``reward``), a reference consumer (claims
@@ -35,13 +35,13 @@ Figures (the JSON object on the last line):
   resident (the store's scheduling cost must not grow with resident rows).
 - ``small_rows_per_second``: put + claim + ack of 8-byte rows in batches of 10,000, one client.
 - ``ceiling_bytes_per_second`` / ``ceiling_ratio_to_limit``: the same W1 client processes against
-  ``storage.bench_ceiling.NullNode``, a node that speaks the wire protocol but keeps no state,
+  ``bench._store_ceiling.NullNode``, a node that speaks the wire protocol but keeps no state,
   reads no body and answers claims from one pre-built batch: an upper bound for any store node
   in Python on this machine (``--no-ceiling`` skips it; it needs ``--rows`` a multiple of 64).
 - ``clients_cpu_bound_ratio``: W1's bytes over the time the four client processes' CPU seconds
   take on this machine's cores, over the limit: the ratio a node costing nothing could not beat.
 
-Run: ``python -m storage.bench [--rows N] [--json]`` (or ``streamflow bench store``).
+Run: ``streamflow bench store [--rows N] [--json]`` (or ``python -m bench.store``).
 """
 
 from __future__ import annotations
@@ -61,62 +61,17 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-PROMPT_LEN, RESPONSE_LEN, MICRO = 128, 512, 64
-W1_TASKS = {"reward": ("response_ids",), "reference": ("prompt_ids", "response_ids")}
-ALL_COLUMNS = ["prompt_ids", "response_ids", "response_logprobs", "reward", "ref_logprobs"]
-
-
-def w1_schema() -> pa.Schema:
-    return pa.schema(
-        [
-            ("prompt_ids", pa.list_(pa.int32())),
-            ("response_ids", pa.list_(pa.int32())),
-            ("response_logprobs", pa.list_(pa.float32())),
-            ("reward", pa.float32()),
-            ("ref_logprobs", pa.list_(pa.float32())),
-        ]
-    )
-
-
-def w1_spec(name: str = "w1") -> Any:
-    from storage.schema import TableSpec, TaskSpec
-
-    tasks = (
-        TaskSpec("reward", W1_TASKS["reward"]),
-        TaskSpec("reference", W1_TASKS["reference"]),
-        TaskSpec("trainer", tuple(ALL_COLUMNS)),
-    )
-    return TableSpec(name, w1_schema(), tasks, lease_seconds=60.0)
-
-
-def _lists(values: np.ndarray, width: int, typ: pa.DataType) -> pa.Array:
-    n = len(values) // width
-    offsets = pa.array(np.arange(n + 1, dtype=np.int32) * width)
-    return pa.ListArray.from_arrays(offsets, pa.array(values, type=typ))
-
-
-def w1_batch(start: int, n: int, rng: np.random.Generator) -> pa.RecordBatch:
-    """n producer rows; response_ids[i][0] = start + i so the trainer can check values."""
-    resp = rng.integers(0, 32000, size=(n, RESPONSE_LEN), dtype=np.int32)
-    resp[:, 0] = np.arange(start, start + n, dtype=np.int32)
-    return pa.RecordBatch.from_arrays(
-        [
-            _lists(
-                rng.integers(0, 32000, size=n * PROMPT_LEN, dtype=np.int32), PROMPT_LEN, pa.int32()
-            ),
-            _lists(resp.ravel(), RESPONSE_LEN, pa.int32()),
-            _lists(
-                rng.standard_normal(n * RESPONSE_LEN, dtype=np.float32), RESPONSE_LEN, pa.float32()
-            ),
-        ],
-        names=["prompt_ids", "response_ids", "response_logprobs"],
-    )
-
-
-def _first_token(batch: pa.RecordBatch) -> np.ndarray:
-    col = batch.column("response_ids")
-    return col.values.to_numpy()[col.offsets.to_numpy()[:-1]]
-
+from bench._w1 import (
+    ALL_COLUMNS,
+    MICRO,
+    RESPONSE_LEN,
+    first_token,
+    ref_logprobs_column,
+    reward_column,
+    w1_batch,
+    w1_full_batch,
+    w1_spec,
+)
 
 # -- W1 roles (each in its own process) -----------------------------------------------------------
 
@@ -171,17 +126,14 @@ def _role(role: str, address: str, rows: int, go: Any, out: Any) -> None:
                 break
         nbytes += ipc_size(lease.batch)
         seen += lease.batch.column("row_id").to_numpy().tolist()  # (to_pylist is ~10x slower)
-        first = _first_token(lease.batch)
+        first = first_token(lease.batch)
         row_id = lease.batch.column("row_id")
         if role == "reward":
-            prev_out = pa.record_batch(
-                {"row_id": row_id, "reward": pa.array(first.astype(np.float32))}
-            )
+            prev_out = pa.record_batch({"row_id": row_id, "reward": reward_column(first)})
         elif role == "reference":
-            ref = _lists(
-                np.repeat(first.astype(np.float32), RESPONSE_LEN), RESPONSE_LEN, pa.float32()
+            prev_out = pa.record_batch(
+                {"row_id": row_id, "ref_logprobs": ref_logprobs_column(first)}
             )
-            prev_out = pa.record_batch({"row_id": row_id, "ref_logprobs": ref})
         else:
             reward = lease.batch.column("reward").to_numpy()
             ref = lease.batch.column("ref_logprobs").values.to_numpy()[::RESPONSE_LEN]
@@ -237,12 +189,8 @@ def measure_limit(min_bytes: int = 256 << 20) -> float:
 
     from storage import wire
 
-    batch = w1_batch(0, MICRO, np.random.default_rng(1))
-    n = MICRO
-    full = batch.append_column("reward", pa.array(np.zeros(n, np.float32))).append_column(
-        "ref_logprobs", batch.column("response_logprobs")
-    )
-    payload = wire.write_batch(full)
+    # Same columns, types and sizes as the trainer's claims (the values do not change the bytes).
+    payload = wire.write_batch(w1_full_batch(0, MICRO, np.random.default_rng(1)))
     count = max(64, min_bytes // len(payload))
     ctx_mp = mp.get_context("spawn")
     out = ctx_mp.Queue()
@@ -394,7 +342,7 @@ def small_rows(address: str, total: int = 200_000, batch: int = 10_000) -> float
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m storage.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.store", description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=4096, help="W1 rows (default 4096)")
     ap.add_argument("--resident", default="1000,10000,100000", help="claim sweep sizes")
     ap.add_argument("--small-rows", type=int, default=200_000)
@@ -421,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "clients_cpu_bound_ratio": clients_bound / limit if limit else 0.0,
     }
     if not args.no_ceiling and args.rows % MICRO == 0:  # the null node counts whole batches
-        from storage.bench_ceiling import start_null_node
+        from bench._store_ceiling import start_null_node
 
         proc, address = start_null_node()
         try:

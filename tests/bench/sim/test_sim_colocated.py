@@ -1,4 +1,4 @@
-"""Colocated stage turns (``workers.sim.colocated``): one claimer feeding every device through a
+"""Colocated stage turns (``bench.sim.colocated``): one claimer feeding every device through a
 real (embedded) store — requests per turn, exactly-once results, whole groups, failures."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 
 import storage
+from bench.sim.colocated import ColocatedTurns
 from storage.schema import ROW_ID, TableSpec, TaskSpec
-from workers.sim.colocated import ColocatedTurns
 
 G = 4  # rows per group
 SCHEMA = pa.schema([("group_id", pa.int64()), ("x", pa.int64()), ("y", pa.int64())])

@@ -3,7 +3,7 @@
 Owns ``CostModel`` (per-device hardware/model costs, with the calibrated preset ``7b-1acc``),
 ``Workload`` (the shape of one RL iteration and its response-length distribution) and the pure
 functions that turn rows into device seconds. Everything is in *simulated* seconds; the engine
-(``workers.sim.engine``) sleeps ``seconds / time_scale`` of real time.
+(``bench.sim.engine``) sleeps ``seconds / time_scale`` of real time.
 
 Cost of each kind of work (N = parameters, P = prompt tokens, L_i = response lengths)::
 
@@ -22,7 +22,7 @@ A batch's generation time is dominated by its longest response (``decode_base_s 
 batch-size effect and the long tail in one formula. Response lengths are lognormal with median
 ``median_response_tokens`` and shape ``skew`` (sigma of the underlying normal), capped at
 ``max_response_tokens``; they are a pure function of (seed, group id, sample index), so the engine
-and the bound (``streamflow.sim_bound``) see the same lengths.
+and the bound (``bench.sim.bound``) see the same lengths.
 
 Invariants: every cost is finite and >= 0; lengths are integers in [1, max_response_tokens].
 """

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from streamflow.bench import balance as bench
+from bench import balance as bench
 from streamflow.cli import available_benches
 
 

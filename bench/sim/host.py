@@ -1,15 +1,15 @@
-"""A host process of simulated workers: ``python -m workers.sim.host SPEC.json``.
+"""A host process of simulated workers: ``python -m bench.sim.host SPEC.json``.
 
 Runs many simulated devices as threads of one process (each thread with its own store client:
 ZeroMQ sockets are not thread-safe) against a real store node over TCP. The controller
-(``streamflow.sim``) talks to it over two sockets:
+(``bench.sim.cluster``) talks to it over two sockets:
 
     controller PUB  --{"version", "admitted", "stop"}-->  SUB here   (state, re-sent every 50 ms)
     controller PULL <--{"kind": "ready" | "version" | "done", ...}--  PUSH here
 
 Two shapes, chosen by ``spec["mode"]``:
 - ``sync`` (colocated): ``devices`` threads that do every stage in turn, fed by one claimer
-  (``workers.sim.colocated.ColocatedTurns``), plus a ``TrainerGroup`` over the same device names;
+  (``bench.sim.colocated.ColocatedTurns``), plus a ``TrainerGroup`` over the same device names;
   an orchestrator runs one stage at a time: iteration k's rollout (when the controller admitted
   k), then reward, then reference, then training until version k+1 is announced. No two stages
   overlap.
@@ -32,10 +32,8 @@ import msgpack
 import zmq
 
 import storage
-from workers.loop import StageLoop
-from workers.sim.colocated import ColocatedTurns
-from workers.sim.cost import Workload, group_lengths, preset
-from workers.sim.engine import (
+from bench.sim.colocated import ColocatedTurns
+from bench.sim.engine import (
     DeviceClock,
     SimReferenceStage,
     SimRewardStage,
@@ -43,6 +41,8 @@ from workers.sim.engine import (
     TrainerGroup,
     VersionBoard,
 )
+from workers.engines.sim_cost import Workload, group_lengths, preset
+from workers.loop import StageLoop
 
 
 class _NoEvents:
@@ -250,7 +250,7 @@ class Host:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m workers.sim.host SPEC.json", file=sys.stderr)
+        print("usage: python -m bench.sim.host SPEC.json", file=sys.stderr)
         return 2
     with open(args[0]) as fh:
         spec = json.load(fh)

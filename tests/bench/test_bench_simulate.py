@@ -66,7 +66,7 @@ def _row(label: str, sweep: str, workers: int, eff: float, thr: float, bound: fl
 
 
 def test_targets_cover_every_bounded_sweep_and_name_the_worst_case() -> None:
-    from streamflow.bench.simulate import targets
+    from bench.simulate import targets
 
     rows = [
         _row("sync", "scaling", 64, 0.95, 1.0, 1.0),
@@ -101,8 +101,8 @@ def test_balance_case_makes_reference_the_bottleneck_at_its_own_time_scale(
     it runs at ``BALANCE_TIME_SCALE`` unless ``--time-scale`` says otherwise."""
     import argparse
 
-    from streamflow.bench import simulate
-    from workers.sim.cost import Workload, preset
+    from bench import simulate
+    from workers.engines.sim_cost import Workload, preset
 
     seen = []
 

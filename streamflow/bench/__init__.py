@@ -1,1 +1,0 @@
-"""Benchmarks: each module exposes main(argv) -> int and prints a table then one JSON line."""

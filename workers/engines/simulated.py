@@ -1,0 +1,252 @@
+"""The ``simulated`` engine inside a real run (``streamflow run`` with ``rollout.engine: simulated``
+and ``trainer.engine: simulated``): the roles' compute replaced by device holds from the cost model.
+
+Everything else is the real run: the controller and its modes, the worker processes, the store and
+its leases, the balancer, the weight publication (files + announcements), the reports. What is
+simulated, per role:
+
+- rollout: ``SimulatedRolloutEngine`` behind the real ``RolloutStage`` (``RolloutEngine`` and
+  ``LoadsWeightsFile`` protocols). Response lengths are lognormal (median, skew) capped at
+  ``max_new_tokens``, drawn from the per-group sampling seed the stage passes (deterministic);
+  the tokens are random ids of the real vocabulary (the store moves real-size responses); the
+  device is held for ``cost.generate_s`` of the claim, and ``cost.sync_s`` per weight load.
+- reward: the real ``RewardStage`` (the verifier runs on the decoded tokens) plus a hold of
+  ``cost.reward_s``.
+- reference: ``SimulatedReferenceStage``: ``ref_logprobs`` of the right length (placeholders),
+  held for ``cost.reference_s``.
+- trainer: the real ``workers.trainer.Trainer`` (claim whole groups, park later iterations,
+  dedup, dead groups, one step per iteration, publish, report, ack after the step) over a
+  simulated training engine: ``SimulatedTriModel`` holds ``cost.train_s`` per micro-batch instead
+  of forward/backward and returns zero log-probs, ``SimulatedTrainingEngine`` holds
+  ``cost.step_s`` per optimizer step and publishes a one-tensor "weights" file per version (the
+  version number): rollout engines pay the cost model's sync time, not the copy of a real model.
+  ``SimulatedTrainer`` (``workers.engines.simulated_trainer``) puts them together.
+
+Time: ``seconds`` of simulated work sleep ``seconds / time_scale`` real seconds. A run's wall
+times (summary, timeline) are real seconds: multiply by ``time_scale`` for simulated ones.
+What the simulated trainer leaves out (use the torch engine to test them): restarts from a
+checkpoint (it writes none), several ranks. Its loss figures are those of the placeholders.
+
+Imports: no torch at import time (``sim_cost`` and the rollout/reward/reference roles need none);
+the training engine imports it when it first builds tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from storage.schema import Lease
+from workers.config import SimulatedDevice
+from workers.engines.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from workers.engines.sim_cost import CostModel, preset
+from workers.loop import with_row_ids
+
+if TYPE_CHECKING:
+    import torch
+
+    from workers.packing import PackGroup
+
+VERSION_TENSOR = "simulated.policy_version"  # the one tensor of a simulated weights file
+
+
+class Device:
+    """One simulated device: holds for cost-model seconds, counts the simulated busy time."""
+
+    def __init__(self, spec: SimulatedDevice) -> None:
+        if not spec.time_scale > 0:
+            raise ValueError(f"simulated.time_scale must be > 0, got {spec.time_scale}")
+        self.spec = spec
+        self.cost: CostModel = preset(spec.cost)
+        self.busy_s = 0.0  # simulated seconds held so far
+        self._until = 0.0  # monotonic end of the hold begun and not yet finished
+
+    def hold(self, seconds: float) -> None:
+        self.begin(seconds)
+        self.finish()
+
+    def begin(self, seconds: float) -> None:
+        """Start a hold of ``seconds`` that ``finish`` completes: real work done in between (the
+        trainer's loss math on the placeholders) runs inside the hold instead of adding to it."""
+        self.busy_s += seconds
+        self._until = time.monotonic() + max(seconds, 0.0) / self.spec.time_scale
+
+    def finish(self) -> None:
+        left = self._until - time.monotonic()
+        self._until = 0.0
+        if left > 0:
+            time.sleep(left)
+
+
+def _prompt_tokens(lengths: Sequence[int]) -> int:
+    """The cost model prices a batch by one prompt length: the mean (rounded up)."""
+    return math.ceil(sum(lengths) / len(lengths)) if lengths else 0
+
+
+class SimulatedRolloutEngine:
+    """A ``RolloutEngine`` that draws responses instead of generating them (module docstring)."""
+
+    def __init__(self, spec: SimulatedDevice, vocab_size: int, eos_ids: Sequence[int] = ()) -> None:
+        self.device = Device(spec)
+        self.vocab_size = vocab_size
+        self.eos_ids = tuple(eos_ids)
+        self.policy_version = 0
+
+    def lengths(self, count: int, params: SamplingParams) -> np.ndarray:
+        rng = np.random.default_rng(params.seed)
+        spec = self.device.spec
+        drawn = rng.lognormal(math.log(spec.median_response_tokens), spec.skew, size=count)
+        return np.clip(np.rint(drawn), 1, params.max_new_tokens).astype(np.int64)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[Generation]]:
+        lengths = self.lengths(len(prompts) * n, params)
+        rng = np.random.default_rng((params.seed or 0) + 1)
+        stops = params.stop_token_ids + self.eos_ids
+        out: list[list[Generation]] = []
+        for i in range(len(prompts)):
+            group = []
+            for j in range(n):
+                length = int(lengths[i * n + j])
+                tokens = rng.integers(0, self.vocab_size, size=length).tolist()
+                stopped = length < params.max_new_tokens
+                if stopped and stops:  # a response that ended early ends with a stop token
+                    tokens[-1] = stops[0]
+                group.append(Generation(
+                    token_ids=tokens, logprobs=[-math.log(self.vocab_size)] * length,
+                    finish_reason=FINISH_STOP if stopped else FINISH_LENGTH,
+                ))
+            out.append(group)
+        cost = self.device.cost
+        self.device.hold(cost.generate_s(_prompt_tokens([len(p) for p in prompts]),
+                                         lengths.tolist()))
+        return out
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.device.hold(self.device.cost.sync_s())
+        self.policy_version = version
+
+    def load_weights_file(self, path: str | os.PathLike[str], version: int) -> None:
+        self.load_weights({}, version)  # the file's content is a version number: not read
+
+
+class SimulatedRewardStage:
+    """The real reward stage, plus the cost model's verifier time."""
+
+    def __init__(self, inner: Any, spec: SimulatedDevice) -> None:
+        self.inner = inner
+        self.device = Device(spec)
+        self.task, self.columns = inner.task, inner.columns
+        self.whole_groups, self.max_rows = inner.whole_groups, inner.max_rows
+
+    def process(self, lease: Lease) -> pa.RecordBatch:
+        out = self.inner.process(lease)
+        self.device.hold(self.device.cost.reward_s(lease.num_rows))
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _lengths(batch: pa.RecordBatch, column: str) -> list[int]:
+    return pc.list_value_length(batch.column(column)).to_pylist()
+
+
+class SimulatedReferenceStage:
+    """Reference log-probs without a model: placeholders of each response's length."""
+
+    task = "reference"
+    columns = ("group_id", "iteration", "prompt_ids", "response_ids")
+    whole_groups = False
+
+    def __init__(self, spec: SimulatedDevice, max_rows: int) -> None:
+        self.device = Device(spec)
+        self.max_rows = max_rows
+        self.last_tokens = 0
+
+    def process(self, lease: Lease) -> pa.RecordBatch:
+        lengths = _lengths(lease.batch, "response_ids")
+        prompt = _prompt_tokens(_lengths(lease.batch, "prompt_ids"))
+        self.device.hold(self.device.cost.reference_s(prompt, lengths))
+        self.last_tokens = sum(lengths)
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())
+        values = pa.array(np.zeros(self.last_tokens, np.float32))
+        return with_row_ids(lease, {"ref_logprobs": pa.ListArray.from_arrays(offsets, values)})
+
+
+@dataclass
+class SimulatedLogprobs:
+    """What ``TriModel.forward`` returns, as placeholders: per group, per response ``[L_i]``."""
+
+    policy: list[list[torch.Tensor]]
+    ref: list[list[torch.Tensor]] | None
+
+
+class SimulatedTriModel:
+    """``TriModel.forward`` without a model: the device is held for the cost model's training
+    time of the groups (forward and backward of a micro-batch, priced together as ``train_s``),
+    and the log-probs are zeros of each response's length (ratio 1, no KL)."""
+
+    def __init__(self, device: Device, *, reference: bool) -> None:
+        self.device = device
+        self.reference = reference  # the trainer's own reference log-probs (no reference worker)
+
+    def forward(
+        self,
+        groups: Sequence[PackGroup],
+        *,
+        temperature: float = 1.0,
+        token_budget: int = 4096,
+        pack: bool = True,
+        max_responses_per_row: int | None = None,
+    ) -> SimulatedLogprobs:
+        import torch
+
+        lengths = [len(r) for g in groups for r in g.responses]
+        prompt = _prompt_tokens([len(g.prompt_ids) for g in groups for _ in g.responses])
+        # The hold ends in the engine's backward: the trainer's math in between is inside it.
+        self.device.begin(self.device.cost.train_s(prompt, lengths))
+
+        def zeros() -> list[list[torch.Tensor]]:
+            return [[torch.zeros(len(r)) for r in g.responses] for g in groups]
+
+        return SimulatedLogprobs(policy=zeros(), ref=zeros() if self.reference else None)
+
+
+class SimulatedTrainingEngine:
+    """A ``TrainerEngine`` without parameters: ``backward`` ends the hold the forward began
+    (``train_s`` covers both), each optimizer ``step`` holds ``cost.step_s(1)``, and the "weights" are one tensor,
+    the policy version (rollout engines pay the cost model's sync time, not a real copy)."""
+
+    def __init__(self, device: Device, *, updates_per_batch: int = 1) -> None:
+        self.device = device
+        self.updates_per_batch = updates_per_batch  # optimizer steps per version
+        self.steps = 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.device.finish()  # the end of the micro-batch's hold, begun by its forward
+
+    def step(self, grad_scale: float) -> float:
+        self.device.hold(self.device.cost.step_s(1))
+        self.steps += 1
+        return 0.0  # no gradients: the reported norm is 0
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        import torch
+
+        return {VERSION_TENSOR: torch.tensor([self.steps // self.updates_per_batch])}
+
+    def save_state(self, directory: str) -> None:
+        raise RuntimeError("a simulated trainer writes no checkpoints")
+
+    def load_state(self, directory: str) -> None:
+        raise RuntimeError("a simulated trainer writes no checkpoints: it cannot resume")
