@@ -1,0 +1,284 @@
+"""Shared-prompt packing, the layout half: which tokens go where (``pack_groups`` ->
+``PackedBatch``, ``unpacked_rows``) and when packing pays (``token_saving``, ``should_pack``).
+
+Pure tensor bookkeeping, no model: ``workers/packing.py`` owns the attention that makes the layout
+exact and the log-prob forwards over it; its module docstring draws the layout and states the
+invariants this module builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+# Token saving at or above which a batch is packed (workers/packing.py's docstring; docs/engines.md).
+DEFAULT_MIN_SAVING = 0.25
+
+
+class PackingError(ValueError):
+    """The groups or packing parameters are invalid (the message names what and where)."""
+
+
+class PackingUnsupportedError(RuntimeError):
+    """A packed batch was given to a model that cannot run the shared-prompt layout."""
+
+
+class PackingFallbackWarning(UserWarning):
+    """Packing was requested for a model that cannot take it; unpacked rows are used instead."""
+
+
+@dataclass
+class PackGroup:
+    """One prompt and the responses sampled from it (token ids, no padding)."""
+
+    group_id: int
+    prompt_ids: list[int]
+    responses: list[list[int]]
+
+
+@dataclass(frozen=True)
+class PackChunk:
+    """One prompt copy and the responses that follow it inside one row."""
+
+    group_index: int  # index of the group in the input list
+    row: int
+    prompt_start: int
+    prompt_len: int
+    response_indices: tuple[int, ...]  # indices into the group's responses
+    response_starts: tuple[int, ...]
+    response_lens: tuple[int, ...]
+
+
+@dataclass
+class PackedBatch:
+    """Model inputs for a list of groups plus the map from logits back to response tokens.
+
+    ``target_*`` are flat over (group, response, token) in input order; ``response_lengths`` splits
+    them back. Logits of ``(target_row[n], target_pos[n])`` score token ``target_token[n]``.
+    """
+
+    input_ids: torch.Tensor  # [R, T] long
+    position_ids: torch.Tensor  # [R, T] long
+    token_mask: torch.Tensor  # [R, T] bool, real (non-pad) tokens
+    score_mask: torch.Tensor  # [R, T] bool, positions whose logits score some response token
+    target_row: torch.Tensor  # [N] long
+    target_pos: torch.Tensor  # [N] long
+    target_token: torch.Tensor  # [N] long
+    target_keep_index: torch.Tensor  # [N] long, index into the row-major True entries of score_mask
+    response_lengths: list[list[int]]  # per group, per response
+    group_ids: list[int]
+    chunks: list[PackChunk]
+    packed: bool  # False: one prompt+response per row, plain causal attention
+    _dense_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens that go through the model (what the linear layers pay for)."""
+        return int(self.token_mask.sum())
+
+    def target_index(self, group: int, response: int) -> torch.Tensor:
+        """[L, 2] (row, position) of the logits that score each token of one response."""
+        lens = self.response_lengths
+        offset = sum(sum(g) for g in lens[:group]) + sum(lens[group][:response])
+        n = lens[group][response]
+        rows = self.target_row[offset : offset + n]
+        return torch.stack([rows, self.target_pos[offset : offset + n]], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """The dense ``[R, 1, T, T]`` bool mask of the layout (True = may attend); built on demand."""
+        if self._dense_mask is None:
+            rows, width = self.num_rows, self.seq_len
+            mask = torch.zeros(rows, 1, width, width, dtype=torch.bool)
+            idx = torch.arange(width)
+            mask[:, 0, idx, idx] = True  # pads see themselves only
+            for c in self.chunks:
+                ps, pl = c.prompt_start, c.prompt_len
+                mask[c.row, 0, ps : ps + pl, ps : ps + pl] = torch.ones(pl, pl).tril().bool()
+                for s, n in zip(c.response_starts, c.response_lens, strict=True):
+                    mask[c.row, 0, s : s + n, ps : ps + pl] = True
+                    mask[c.row, 0, s : s + n, s : s + n] = torch.ones(n, n).tril().bool()
+            self._dense_mask = mask
+        return self._dense_mask
+
+
+def token_saving(groups: Sequence[PackGroup]) -> float:
+    """``1 - packed / unpacked`` real tokens of ``groups`` (one prompt copy per group packed).
+
+    Unpacked, every non-empty response carries its own prompt copy; packed, a group pays for its
+    prompt once (a group split over several rows pays a copy per chunk: ignored here, it only
+    happens for groups larger than the token budget).
+    """
+    unpacked = packed = 0
+    for g in groups:
+        responses = [len(r) for r in g.responses if len(r) > 0]
+        if not responses:
+            continue
+        unpacked += len(responses) * len(g.prompt_ids) + sum(responses)
+        packed += len(g.prompt_ids) + sum(responses)
+    return 1.0 - packed / unpacked if unpacked else 0.0
+
+
+def should_pack(groups: Sequence[PackGroup], min_saving: float = DEFAULT_MIN_SAVING) -> bool:
+    """Whether packing ``groups`` pays: their token saving reaches ``min_saving`` (0: always)."""
+    return min_saving <= 0.0 or token_saving(groups) >= min_saving
+
+
+def _validate(groups: Sequence[PackGroup], token_budget: int, max_per_row: int | None) -> None:
+    if not groups:
+        raise PackingError("no groups to pack")
+    if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 2:
+        raise PackingError(f"token_budget must be an int >= 2, got {token_budget!r}")
+    if max_per_row is not None and (not isinstance(max_per_row, int) or max_per_row < 1):
+        raise PackingError(
+            f"max_responses_per_row must be None or an int >= 1, got {max_per_row!r}"
+        )
+    seen: set[int] = set()
+    for g in groups:
+        if g.group_id in seen:
+            raise PackingError(f"group_id {g.group_id} appears twice in one batch")
+        seen.add(g.group_id)
+        if len(g.prompt_ids) == 0:
+            raise PackingError(f"group {g.group_id}: empty prompt (nothing to score token 0 from)")
+        for i, r in enumerate(g.responses):
+            if len(g.prompt_ids) + len(r) > token_budget:
+                raise PackingError(
+                    f"group {g.group_id} response {i}: prompt ({len(g.prompt_ids)}) + response "
+                    f"({len(r)}) tokens exceed token_budget={token_budget}"
+                )
+        for ids in [g.prompt_ids, *g.responses]:
+            if any(int(t) < 0 for t in ids):
+                raise PackingError(f"group {g.group_id}: negative token id")
+
+
+def _plan_chunks(
+    groups: Sequence[PackGroup], token_budget: int, max_per_row: int | None
+) -> list[tuple[int, list[int]]]:
+    """Split each group into (group index, response indices) chunks that fit one row."""
+    plan: list[tuple[int, list[int]]] = []
+    for gi, g in enumerate(groups):
+        cur: list[int] = []
+        used = len(g.prompt_ids)
+        for ri, r in enumerate(g.responses):
+            if len(r) == 0:
+                continue  # nothing to score; it gets an empty tensor
+            full = max_per_row is not None and len(cur) >= max_per_row
+            if cur and (full or used + len(r) > token_budget):
+                plan.append((gi, cur))
+                cur, used = [], len(g.prompt_ids)
+            cur.append(ri)
+            used += len(r)
+        if cur:
+            plan.append((gi, cur))
+    return plan
+
+
+def pack_groups(
+    groups: Sequence[PackGroup],
+    *,
+    token_budget: int,
+    max_responses_per_row: int | None = None,
+    pad_id: int = 0,
+) -> PackedBatch:
+    """Pack groups as ``prompt + r1 + r2 + ...`` chunks into rows of at most ``token_budget``."""
+    _validate(groups, token_budget, max_responses_per_row)
+    rows_used: list[int] = []
+    placed: list[tuple[int, list[int], int, int]] = []  # (group, responses, row, start)
+    for gi, resp in _plan_chunks(groups, token_budget, max_responses_per_row):
+        g = groups[gi]
+        size = len(g.prompt_ids) + sum(len(g.responses[i]) for i in resp)
+        # First fit: the earliest row with room keeps the layout deterministic.
+        row = next((r for r, u in enumerate(rows_used) if u + size <= token_budget), None)
+        if row is None:
+            row = len(rows_used)
+            rows_used.append(0)
+        placed.append((gi, resp, row, rows_used[row]))
+        rows_used[row] += size
+    return _assemble(groups, placed, max(rows_used, default=1), pad_id, packed=True)
+
+
+def unpacked_rows(groups: Sequence[PackGroup], *, pad_id: int = 0) -> PackedBatch:
+    """One right-padded ``prompt + response`` row per response: the reference layout."""
+    budget = max(len(g.prompt_ids) + max((len(r) for r in g.responses), default=0) for g in groups)
+    _validate(groups, max(budget, 2), None)
+    placed: list[tuple[int, list[int], int, int]] = []
+    for gi, g in enumerate(groups):
+        for ri, r in enumerate(g.responses):
+            if len(r) > 0:
+                placed.append((gi, [ri], len(placed), 0))
+    return _assemble(groups, placed, budget, pad_id, packed=False)
+
+
+def _assemble(
+    groups: Sequence[PackGroup],
+    placed: list[tuple[int, list[int], int, int]],
+    width: int,
+    pad_id: int,
+    *,
+    packed: bool,
+) -> PackedBatch:
+    num_rows = max((row for _, _, row, _ in placed), default=-1) + 1
+    num_rows = max(num_rows, 1)
+    input_ids = torch.full((num_rows, width), int(pad_id), dtype=torch.long)
+    position_ids = torch.zeros((num_rows, width), dtype=torch.long)
+    token_mask = torch.zeros((num_rows, width), dtype=torch.bool)
+    score_mask = torch.zeros((num_rows, width), dtype=torch.bool)
+    where: dict[tuple[int, int], tuple[int, int, int]] = {}  # (g, r) -> (row, start, prompt_end)
+    chunks: list[PackChunk] = []
+    for gi, resp, row, start in placed:
+        g = groups[gi]
+        plen = len(g.prompt_ids)
+        input_ids[row, start : start + plen] = torch.tensor(g.prompt_ids, dtype=torch.long)
+        position_ids[row, start : start + plen] = torch.arange(plen)
+        cursor, starts, lens = start + plen, [], []
+        for ri in resp:
+            r = g.responses[ri]
+            n = len(r)
+            input_ids[row, cursor : cursor + n] = torch.tensor(r, dtype=torch.long)
+            position_ids[row, cursor : cursor + n] = torch.arange(plen, plen + n)
+            where[(gi, ri)] = (row, cursor, start + plen)
+            starts.append(cursor)
+            lens.append(n)
+            cursor += n
+        token_mask[row, start:cursor] = True
+        chunks.append(PackChunk(gi, row, start, plen, tuple(resp), tuple(starts), tuple(lens)))
+    t_row: list[int] = []
+    t_pos: list[int] = []
+    t_tok: list[int] = []
+    for gi, g in enumerate(groups):
+        for ri, r in enumerate(g.responses):
+            if not r:
+                continue
+            row, s, prompt_end = where[(gi, ri)]
+            # token 0 from the prompt's last position, token j from the response's token j - 1
+            t_pos += [prompt_end - 1] + list(range(s, s + len(r) - 1))
+            t_row += [row] * len(r)
+            t_tok += [int(t) for t in r]
+    target_row = torch.tensor(t_row, dtype=torch.long)
+    target_pos = torch.tensor(t_pos, dtype=torch.long)
+    score_mask[target_row, target_pos] = True
+    keep_rank = torch.cumsum(score_mask.flatten().long(), 0) - 1
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        token_mask=token_mask,
+        score_mask=score_mask,
+        target_row=target_row,
+        target_pos=target_pos,
+        target_token=torch.tensor(t_tok, dtype=torch.long),
+        target_keep_index=keep_rank[target_row * width + target_pos],
+        response_lengths=[[len(r) for r in g.responses] for g in groups],
+        group_ids=[g.group_id for g in groups],
+        chunks=chunks,
+        packed=packed,
+    )
