@@ -1,0 +1,210 @@
+"""The knobs the workers compute with, declared once: each field here is a YAML key of the run.
+
+Owns: the frozen settings dataclasses of the workers' math (sampling, vLLM engine, optimizer,
+GRPO loss, packing), their defaults, their allowed ranges and the errors a bad value raises.
+The run configuration (``streamflow.config``) embeds these objects in its sections, so a field
+declared here is read from YAML as a flat key of that section (``trainer.lr``,
+``rollout.temperature``); the worker records (``workers.config``) carry the same objects to the
+worker processes. Adding a knob is one field here plus its use.
+
+Ranges are declared with ``bounded(default, ge=/gt=/le=, why=)`` and checked on construction by
+``check_bounds``: a settings object that exists is valid, however it was built. Errors name the
+bare field (``lr``); the config loader prefixes the section (``trainer.lr``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """Base of every configuration error. ``key`` is the dotted key at fault ('' = whole file)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        self.detail = message
+        super().__init__(f"{key}: {message}" if key else message)
+
+    def with_prefix(self, prefix: str) -> ConfigError:
+        """The same error with its key moved under ``prefix`` (used while descending sections)."""
+        key = f"{prefix}.{self.key}" if self.key else prefix
+        err = type(self).__new__(type(self))
+        ConfigError.__init__(err, key, self.detail)
+        return err
+
+
+class ConfigValueError(ConfigError):
+    """A value of the right type outside its range or allowed choices, or a cross-field conflict."""
+
+
+def require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigValueError(key, message)
+
+
+def bounded(
+    default: Any,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    why: str = "",
+) -> Any:
+    """A numeric field with its allowed range (inclusive ge/le, exclusive gt) and its reason."""
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "why": why})
+
+
+def check_bounds(obj: Any) -> None:
+    """Check every ``bounded`` field of a dataclass instance (None always passes)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None or "ge" not in f.metadata:
+            continue
+        ge, gt, le = f.metadata["ge"], f.metadata["gt"], f.metadata["le"]
+        ok = (ge is None or value >= ge) and (gt is None or value > gt)
+        if not (ok and (le is None or value <= le)):
+            bounds = [f"{op} {b}" for op, b in ((">=", ge), (">", gt), ("<=", le)) if b is not None]
+            why = f" ({f.metadata['why']})" if f.metadata["why"] else ""
+            raise ConfigValueError(f.name, f"must be {' and '.join(bounds)}, got {value}{why}")
+
+
+def embed(cls: type, **defaults: Any) -> Any:
+    """A field holding a settings object of class ``cls`` whose fields read and build as the
+    owner's own (see ``flat``); ``defaults`` override the class's for this owner."""
+    factory: Callable[[], Any] = functools.partial(cls, **defaults) if defaults else cls
+    return field(default_factory=factory, metadata={"embed": cls})
+
+
+def embedded(cls: type) -> dict[str, type]:
+    """Field name -> settings class of every ``embed`` field of dataclass ``cls``."""
+    return {f.name: f.metadata["embed"] for f in dataclasses.fields(cls) if "embed" in f.metadata}
+
+
+def flat(cls: type[T]) -> type[T]:
+    """Class decorator (applied after ``@dataclass``): the fields of ``embed`` fields are the
+    owner's own to callers. ``Owner(lr=1e-3)`` and ``dataclasses.replace(owner, lr=1e-3)`` set
+    ``owner.optim.lr``, and ``owner.lr`` reads it. So YAML keys and callers see one flat section
+    while the object carries the workers' settings whole."""
+    owner_of: dict[str, str] = {}
+    for name, inner in embedded(cls).items():
+        for f in dataclasses.fields(inner):
+            if f.name in owner_of or f.name in cls.__dataclass_fields__:  # type: ignore[attr-defined]
+                raise TypeError(f"{cls.__name__}: field {f.name!r} is declared twice")
+            owner_of[f.name] = name
+    init = cls.__init__
+    factories = {f.name: f.default_factory for f in dataclasses.fields(cls) if "embed" in f.metadata}
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        moved: dict[str, dict[str, Any]] = {}
+        for key in [k for k in kwargs if k in owner_of]:
+            moved.setdefault(owner_of[key], {})[key] = kwargs.pop(key)
+        for name, values in moved.items():
+            base = kwargs.get(name)
+            kwargs[name] = dataclasses.replace(base if base is not None else factories[name](),
+                                               **values)
+        init(self, *args, **kwargs)
+
+    def __getattr__(self: Any, name: str) -> Any:
+        owner = owner_of.get(name)
+        if owner is not None:
+            try:  # (not yet set while unpickling: fall through to AttributeError)
+                return getattr(object.__getattribute__(self, owner), name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    return cls
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How rollout samples (``rollout.*``); the trainer and reference use the same temperature so
+    their log-probs compare with the behaviour log-probs."""
+
+    temperature: float = bounded(1.0, gt=0, why="GRPO needs stochastic samples and finite log-probs")
+    top_p: float = bounded(1.0, gt=0, le=1)  # nucleus sampling mass
+    max_new_tokens: int = bounded(16, ge=1)  # generation limit per response
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """vLLM engine only (``rollout.engine=vllm``): weights dtype ("auto" = the checkpoint's;
+    "float32" matches the trainer's log-probs exactly), context length (None = the model's),
+    KV-cache GiB on CPU, fraction of GPU memory on GPU, and eager mode (no graph capture: faster
+    start, CPU-safe). The field names are the YAML keys, hence the prefix."""
+
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    vllm_max_model_len: int | None = bounded(None, ge=16)
+    vllm_kv_cache_gib: float = bounded(1.0, gt=0)
+    vllm_gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
+    vllm_enforce_eager: bool = True
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``VllmRolloutEngine`` (the names without the prefix)."""
+        return {f.name.removeprefix("vllm_"): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW and gradient clipping of the trainer (``trainer.*``)."""
+
+    lr: float = bounded(1e-4, gt=0)  # AdamW learning rate
+    weight_decay: float = bounded(0.0, ge=0)  # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas, each in [0, 1)
+    max_grad_norm: float = bounded(1.0, ge=0)  # gradient clipping norm (0 = no clipping)
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        object.__setattr__(self, "betas", tuple(self.betas))  # a JSON list comes back a tuple
+        require(all(0 <= b < 1 for b in self.betas), "betas", f"must be in [0, 1), got {self.betas}")
+
+
+@dataclass(frozen=True)
+class GrpoSettings:
+    """The GRPO objective (``trainer.*``; ``workers.rl``)."""
+
+    clip_eps: float = bounded(0.2, gt=0)  # ratio clip epsilon
+    kl_coef: float = bounded(0.02, ge=0)  # beta of the k3 KL-to-reference term (0 = no reference)
+    std_normalize: bool = True  # divide group-centred rewards by the group std (+eps)
+    # optimizer steps per iteration's batch (1: the ratio is exactly 1 when on-policy)
+    updates_per_batch: int = bounded(1, ge=1)
+    importance_correction: bool = False  # async: correct the ratio by behaviour log-probs
+    is_cap: float = bounded(2.0, ge=1)  # cap of the truncated importance weight
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+
+
+# Token saving at or above which a batch is packed: below it, packing is slower than plain rows
+# (measured with `streamflow bench packing`; docs/engines.md has the table).
+DEFAULT_MIN_SAVING = 0.25
+
+
+@dataclass(frozen=True)
+class PackingSettings:
+    """Shared-prompt packing of the trainer's and reference's forwards (``trainer.*``;
+    ``workers.packing``)."""
+
+    packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
+    # ... in the micro-batches (trainer and reference) whose token saving 1 - packed/unpacked
+    # reaches this (0 = every batch)
+    packing_min_saving: float = bounded(DEFAULT_MIN_SAVING, ge=0, le=1)
+    token_budget: int = bounded(4096, ge=1)  # max tokens per packed micro-batch
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
