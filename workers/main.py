@@ -44,7 +44,7 @@ from workers.models import load_model, load_tokenizer
 from workers.reference import ReferenceStage
 from workers.reward import RewardStage
 from workers.rollout import RolloutStage
-from workers.trainer import Trainer, TrainerSettings
+from workers.trainer import Trainer
 from workers.trimodel import TriModel
 from workers.weights import WeightPublisher, WeightSubscriber
 from workers.weights_collective import GroupSpec
@@ -67,14 +67,7 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
             os.environ["CUDA_VISIBLE_DEVICES"] = cfg.device.partition(":")[2]
         from workers.engines.vllm_rollout import VllmRolloutEngine  # needs the [vllm] extra
 
-        # vllm_* fields are optional on RolloutWorkerConfig: the engine's defaults apply without them.
-        settings = {
-            key: getattr(cfg, f"vllm_{key}")
-            for key in ("dtype", "max_model_len", "kv_cache_gib", "gpu_memory_utilization",
-                        "enforce_eager")
-            if hasattr(cfg, f"vllm_{key}")
-        }
-        return VllmRolloutEngine(cfg.model_path, seed=cfg.common.seed, **settings)
+        return VllmRolloutEngine(cfg.model_path, seed=cfg.common.seed, **cfg.vllm.engine_kwargs())
     tokenizer = load_tokenizer(cfg.model_path)
     if cfg.engine == "simulated":  # no model: the cost model's device (workers.sim.roles)
         from workers.sim.roles import SimulatedRolloutEngine
@@ -93,10 +86,9 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
 def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage:
     tokenizer = load_tokenizer(cfg.model_path)
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-    params = SamplingParams(
-        temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-        stop_token_ids=stops,
-    )
+    sampling = cfg.sampling
+    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                            max_new_tokens=sampling.max_new_tokens, stop_token_ids=stops)
     files = WeightSubscriber(cfg.weights_dir, cfg.weights_announce, fetch=cfg.weights_fetch)
 
     def on_sync(report: WeightSyncReport) -> None:  # a fetched version's copy is sync cost too
@@ -143,8 +135,7 @@ def build_reference(cfg: ReferenceWorkerConfig) -> Any:
         return SimulatedReferenceStage(cfg.common.simulated, cfg.rows_per_claim)
     return ReferenceStage(
         load_model(cfg.model_path, dtype=DTYPES[cfg.dtype]).to(torch_device(cfg.device)),
-        temperature=cfg.temperature, max_rows=cfg.rows_per_claim, packing=cfg.packing,
-        packing_min_saving=cfg.packing_min_saving, token_budget=cfg.token_budget,
+        temperature=cfg.sampling.temperature, max_rows=cfg.rows_per_claim, pack=cfg.pack,
     )
 
 
@@ -154,9 +145,10 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
     ``deepspeed`` joins the process group torch's launcher describes (one process per rank).
     """
     if cfg.engine == "torch":
+        o = cfg.optim
         engine = TorchTrainerEngine(
-            model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]),
-            max_grad_norm=cfg.max_grad_norm, fp64_accumulation=cfg.deterministic,
+            model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
+            max_grad_norm=o.max_grad_norm, fp64_accumulation=cfg.deterministic,
         )
         return engine, None
     if cfg.engine == "deepspeed":  # needs the [deepspeed] extra (clear error if missing)
@@ -170,11 +162,9 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
             start_ranks,
         )
 
-        settings = DeepSpeedSettings(
-            lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]),
-            max_grad_norm=cfg.max_grad_norm,
-            zero_stage=cfg.zero_stage,
-        )
+        o = cfg.optim
+        settings = DeepSpeedSettings(lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
+                                     max_grad_norm=o.max_grad_norm, zero_stage=cfg.zero_stage)
         ranks = start_ranks()
         expected = cfg.num_ranks
         if expected != ranks.world_size:
@@ -206,10 +196,10 @@ def build_trainer(
         restore_rng(cfg.resume_from)
         start_iteration = read_state(cfg.resume_from).step
     reference = None
-    if cfg.reference_path and cfg.kl_coef > 0 and not cfg.reference_worker:
+    if cfg.reference_path and cfg.loss.kl_coef > 0 and not cfg.reference_worker:
         reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype])
     compute = dtype_of(cfg.dtype)
-    # updates_per_batch: the trainer (settings below) keeps the first pass's log-probs as the old
+    # updates_per_batch: the trainer keeps the first pass's log-probs as the old policy
     tri = TriModel(model, reference=reference,
                    frozen_device=next(model.parameters()).device,
                    autocast_dtype=None if compute == torch.float32 else compute)
@@ -217,15 +207,6 @@ def build_trainer(
         logging.getLogger("workers.trainer").info(
             "tri-model: frozen reference copy holds %d bytes beside the policy",
             tri.extra_bytes())
-    settings = TrainerSettings(
-        rows_per_iteration=cfg.rows_per_iteration, group_size=cfg.group_size,
-        reference_worker=cfg.reference_worker, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
-        std_normalize=cfg.std_normalize, updates_per_batch=cfg.updates_per_batch,
-        importance_correction=cfg.importance_correction, is_cap=cfg.is_cap,
-        temperature=cfg.temperature, packing=cfg.packing, token_budget=cfg.token_budget,
-        packing_min_saving=cfg.packing_min_saving,
-        rows_per_claim=cfg.rows_per_claim, deterministic=cfg.deterministic,
-    )
     tokenizer = load_tokenizer(cfg.model_path)
 
     def checkpoint(step: int) -> None:
@@ -247,7 +228,7 @@ def build_trainer(
 
         publisher = CollectivePublisher(publisher, spec, next(model.parameters()).device)
     return Trainer(
-        client, cfg.common.table, engine, tri, settings, publisher,
+        client, cfg.common.table, engine, tri, cfg, publisher,
         worker=cfg.common.name, send=events.send if leader else (lambda r: None),
         start_iteration=start_iteration, on_step=checkpoint, keeper=keeper, ranks=ranks,
     )
@@ -268,7 +249,7 @@ def build_simulated_trainer(
                         serve=cfg.weights_serve),
         rows_per_iteration=cfg.rows_per_iteration, group_size=cfg.group_size,
         rows_per_claim=cfg.rows_per_claim, reference_worker=cfg.reference_worker,
-        std_normalize=cfg.std_normalize, worker=cfg.common.name, send=events.send, keeper=keeper,
+        std_normalize=cfg.loss.std_normalize, worker=cfg.common.name, send=events.send, keeper=keeper,
     )
 
 
