@@ -23,21 +23,13 @@ from workers.settings import (
     OptimizerSettings,
     PackingSettings,
     SamplingSettings,
+    SimulatedDevice,
     VllmSettings,
     embed,
     flat,
 )
 
-
-@dataclass
-class SimulatedDevice:
-    """The ``simulated`` engine's device (``workers.sim.roles``): no math, the device is held for
-    the time the cost model gives. Set on every worker of a run whose engines are simulated."""
-
-    cost: str = "7b-1acc"  # cost preset (workers.sim.cost.PRESETS)
-    time_scale: float = 50.0  # simulated seconds per real second
-    median_response_tokens: int = 600  # lognormal response lengths: median ...
-    skew: float = 1.0  # ... and sigma of the underlying normal (capped at max_new_tokens)
+__all__ = ["SimulatedDevice"]  # (re-exported: the simulated roles' device travels in WorkerCommon)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The knobs the workers compute with, declared once: each field here is a YAML key of the run.
 
 Owns: the frozen settings dataclasses of the workers' math (sampling, vLLM engine, optimizer,
-GRPO loss, packing), their defaults, their allowed ranges and the errors a bad value raises.
+GRPO loss, packing) and of the simulated device, their defaults, their allowed ranges and the errors a bad value raises.
 The run configuration (``streamflow.config``) embeds these objects in its sections, so a field
 declared here is read from YAML as a flat key of that section (``trainer.lr``,
 ``rollout.temperature``); the worker records (``workers.config``) carry the same objects to the
@@ -208,3 +208,22 @@ class PackingSettings:
 
     def __post_init__(self) -> None:
         check_bounds(self)
+
+
+@dataclass(frozen=True)
+class SimulatedDevice:
+    """The ``simulated`` engines' device (``simulated.*``; ``workers.sim.roles``): every role
+    holds it for the cost model's time instead of computing. Set on every worker of a run whose
+    engines are simulated."""
+
+    cost: str = "7b-1acc"  # cost preset (workers/sim/cost.py; README "Performance" cites its sources)
+    time_scale: float = bounded(50.0, gt=0)  # simulated seconds per real second
+    # response lengths: lognormal with this median and sigma, capped at rollout.max_new_tokens
+    median_response_tokens: int = bounded(600, ge=1)
+    skew: float = bounded(1.0, ge=0, le=4)
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        from workers.sim.cost import PRESETS
+
+        require(self.cost in PRESETS, "cost", f"must be one of {sorted(PRESETS)}, got {self.cost!r}")

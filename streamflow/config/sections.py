@@ -22,6 +22,7 @@ from workers.settings import (
     OptimizerSettings,
     PackingSettings,
     SamplingSettings,
+    SimulatedDevice,
     VllmSettings,
     bounded,
     check_bounds,
@@ -261,23 +262,14 @@ class TrainerSection:
         )
 
 
+@flat
 @dataclass(frozen=True)
 class SimulatedSection:
     """Simulated devices (``rollout.engine`` and ``trainer.engine`` both ``simulated``): every role
     holds its device for the cost model's time instead of computing (workers/sim/roles.py); the
     controller, workers, store, balancer and modes are the real ones. For capacity planning."""
 
-    cost: str = "7b-1acc"  # cost preset (workers/sim/cost.py; README "Performance" cites its sources)
-    time_scale: float = bounded(50.0, gt=0)  # simulated seconds per real second
-    # response lengths: lognormal with this median and sigma, capped at rollout.max_new_tokens
-    median_response_tokens: int = bounded(600, ge=1)
-    skew: float = bounded(1.0, ge=0, le=4)
-
-    def __post_init__(self) -> None:
-        check_bounds(self)
-        from workers.sim.cost import PRESETS
-
-        require(self.cost in PRESETS, "cost", f"must be one of {sorted(PRESETS)}, got {self.cost!r}")
+    device: SimulatedDevice = embed(SimulatedDevice)  # cost, time_scale, median_response_tokens, skew
 
 
 @dataclass(frozen=True)
