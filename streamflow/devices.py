@@ -109,9 +109,8 @@ def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
         if device == "cuda":
             _check_index(key, device, gpus)
     streaming = cfg.run.mode != "sync"
-    reference_worker = t.kl_coef > 0 and ref.enabled and ref.placement == "worker"
     rollouts = r.num_workers if streaming else 1
-    refs = int(reference_worker and streaming)
+    refs = int(cfg.reference_worker and streaming)
     need = t.num_ranks + refs + rollouts
     placement = cfg.devices.placement
     if placement == "separate" and gpus < need:

@@ -126,11 +126,11 @@ class RunPlan:
 
     @property
     def kl_active(self) -> bool:
-        return self.cfg.trainer.kl_coef > 0 and self.cfg.reference.enabled
+        return self.cfg.kl_active
 
     @property
     def reference_worker(self) -> bool:
-        return self.kl_active and self.cfg.reference.placement == "worker"
+        return self.cfg.reference_worker
 
     @property
     def store_persist_dir(self) -> str | None:
@@ -317,8 +317,8 @@ def _worker_records(
     plan.rollout = RolloutWorkerConfig(
         common=_named(blank, "rollout"), model_path=model, weights_dir=str(plan.weights_dir),
         weights_announce=announce, group_size=d.group_size, groups_per_claim=r.groups_per_claim,
-        sampling=r.sampling, engine=r.engine, attn_implementation=r.attn_implementation,
-        rows_per_generate=r.rows_per_generate, vllm=r.vllm, device=devices.rollout[0],
+        sampling=r.sampling, engine=r.engine, generate=r.generate, vllm=r.vllm,
+        device=devices.rollout[0],
         dtype=devices.rollout_dtype, weights_group=group and replace(group, rank=1),
     )
     plan.reward = RewardWorkerConfig(

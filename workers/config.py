@@ -24,6 +24,7 @@ from workers.settings import (
     PackingSettings,
     SamplingSettings,
     SimulatedDevice,
+    TorchGenerateSettings,
     VllmSettings,
     embed,
     flat,
@@ -90,9 +91,7 @@ class RolloutWorkerConfig:
     sampling: SamplingSettings = embed(SamplingSettings)
     engine: str = "torch"  # torch | vllm | simulated
     weight_wait_s: float = 600.0  # longest wait for a required policy version
-    # torch engine: attention kernel and rows per forward batch (0 = the whole claim)
-    attn_implementation: str = "sdpa"
-    rows_per_generate: int = 0
+    generate: TorchGenerateSettings = embed(TorchGenerateSettings)  # torch engine only
     vllm: VllmSettings = embed(VllmSettings)  # ignored by the torch engine
     # trainer on another host: its WeightServer; versions are copied into weights_dir (local)
     weights_fetch: str | None = None

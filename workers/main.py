@@ -78,9 +78,9 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
     from workers.engines.torch_rollout import TorchRolloutEngine
 
     model = load_model(cfg.model_path, dtype=dtype_of(cfg.dtype),
-                       attn_implementation=cfg.attn_implementation)
+                       attn_implementation=cfg.generate.attn_implementation)
     return TorchRolloutEngine(model, tokenizer, device=torch_device(cfg.device),
-                              max_batch_size=cfg.rows_per_generate or None)
+                              max_batch_size=cfg.generate.rows_per_generate or None)
 
 
 def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage:
@@ -162,9 +162,7 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
             start_ranks,
         )
 
-        o = cfg.optim
-        settings = DeepSpeedSettings(lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
-                                     max_grad_norm=o.max_grad_norm, zero_stage=cfg.zero_stage)
+        settings = DeepSpeedSettings(optim=cfg.optim, zero_stage=cfg.zero_stage)
         ranks = start_ranks()
         expected = cfg.num_ranks
         if expected != ranks.world_size:

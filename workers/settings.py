@@ -1,6 +1,6 @@
 """The knobs the workers compute with, declared once: each field here is a YAML key of the run.
 
-Owns: the frozen settings dataclasses of the workers' math (sampling, vLLM engine, optimizer,
+Owns: the frozen settings dataclasses of the workers' math (sampling, torch and vLLM engines, optimizer,
 GRPO loss, packing) and of the simulated device, their defaults, their allowed ranges and the errors a bad value raises.
 The run configuration (``streamflow.config``) embeds these objects in its sections, so a field
 declared here is read from YAML as a flat key of that section (``trainer.lr``,
@@ -133,6 +133,20 @@ class SamplingSettings:
     temperature: float = bounded(1.0, gt=0, why="GRPO needs stochastic samples and finite log-probs")
     top_p: float = bounded(1.0, gt=0, le=1)  # nucleus sampling mass
     max_new_tokens: int = bounded(16, ge=1)  # generation limit per response
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+
+
+@dataclass(frozen=True)
+class TorchGenerateSettings:
+    """The torch rollout engine only: attention kernel ("sdpa": same tokens as "eager", log-probs
+    within 1e-5 on the embedded model, faster; `streamflow bench generate`, docs/engines.md) and
+    rows per forward batch of one generate call (0 = the whole claim: groups_per_claim x
+    group_size rows)."""
+
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    rows_per_generate: int = bounded(0, ge=0)
 
     def __post_init__(self) -> None:
         check_bounds(self)

@@ -25,11 +25,6 @@ import yaml
 
 from workers.settings import ConfigError, ConfigValueError, embedded
 
-__all__ = [
-    "ConfigError", "ConfigTypeError", "ConfigValueError", "OverrideSyntaxError", "UnknownKeyError",
-    "apply_override", "from_dict", "parse_yaml", "section_keys", "to_dict",
-]
-
 
 class UnknownKeyError(ConfigError):
     """A key that no section declares."""

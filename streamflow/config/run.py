@@ -64,13 +64,10 @@ def _check_placement(cfg: RunConfig) -> None:
         "placement.nodes",
         "run.mode 'sync' keeps every role in one process: use periodic or async across hosts",
     )
-    reference_worker = (
-        cfg.trainer.kl_coef > 0 and cfg.reference.enabled and cfg.reference.placement == "worker"
-    )
     wanted = {
         "rollout": (cfg.rollout.num_workers, "rollout.num_workers"),
         "reward": (cfg.reward.num_workers, "reward.num_workers"),
-        "reference": (int(reference_worker), "a reference worker (trainer.kl_coef > 0, "
+        "reference": (int(cfg.reference_worker), "a reference worker (trainer.kl_coef > 0, "
                       "reference.enabled, reference.placement=worker)"),
         "trainer": (cfg.trainer.num_ranks, "trainer.num_ranks"),
     }
@@ -157,6 +154,16 @@ class RunConfig:
         )
         _check_placement(self)
         _check_weights(self)
+
+    @property
+    def kl_active(self) -> bool:
+        """The KL term is on (reference.enabled is forced off when kl_coef is 0)."""
+        return self.trainer.kl_coef > 0 and self.reference.enabled
+
+    @property
+    def reference_worker(self) -> bool:
+        """Reference log-probs come from a reference worker (not fused into the trainer)."""
+        return self.kl_active and self.reference.placement == "worker"
 
     @property
     def max_staleness(self) -> int:

@@ -23,6 +23,7 @@ from workers.settings import (
     PackingSettings,
     SamplingSettings,
     SimulatedDevice,
+    TorchGenerateSettings,
     VllmSettings,
     bounded,
     check_bounds,
@@ -171,11 +172,8 @@ class RolloutSection:
     sampling: SamplingSettings = embed(SamplingSettings)  # temperature, top_p, max_new_tokens
     groups_per_claim: int = bounded(4, ge=1)  # prompt groups claimed from the store per micro-batch
     threads: int = bounded(1, ge=1)  # torch threads per rollout worker
-    # torch engine only: attention kernel ("sdpa": same tokens as "eager", log-probs within 1e-5
-    # on the embedded model, faster; `streamflow bench generate`, docs/engines.md) and rows per forward
-    # batch of one generate call (0 = the whole claim: groups_per_claim x group_size rows)
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    rows_per_generate: int = bounded(0, ge=0)
+    # torch engine only: attn_implementation, rows_per_generate
+    generate: TorchGenerateSettings = embed(TorchGenerateSettings)
     vllm: VllmSettings = embed(VllmSettings)  # vllm_* keys: engine=vllm only
     # where the rollout engine runs: auto (a GPU when there is one, see devices.placement), cpu,
     # cuda or cuda:N; and the torch engine's parameter dtype (auto: model.dtype)

@@ -60,8 +60,8 @@ def test_dry_run_does_not_import_the_engine():
     # The config checks the simulated cost preset's name against workers.sim.cost, a
     # standard-library-only table of presets; anything else of workers (engines, torch) is heavy.
     # The early checks (streamflow/preflight.py) resolve reward.fn with workers.rewards, which
-    # is standard-library only as well.
-    light = ("workers", "workers.sim", "workers.sim.cost", "workers.rewards")
+    # is standard-library only as well, and so is workers.settings (the knobs the config embeds).
+    light = ("workers", "workers.sim", "workers.sim.cost", "workers.rewards", "workers.settings")
     code = (
         "import sys; from streamflow.cli import main; "
         f"rc = main(['run', {TINY!r}, '--dry-run']); "
