@@ -321,11 +321,9 @@ def _worker_records(
         device=devices.rollout[0],
         dtype=devices.rollout_dtype, weights_group=group and replace(group, rank=1),
     )
-    plan.reward = RewardWorkerConfig(
-        common=_named(blank, "reward"), model_path=model, reward_fn=cfg.reward.fn,
-        timeout_s=cfg.reward.timeout_s, rows_per_claim=cfg.reward.rows_per_claim,
-        on_error=cfg.reward.on_error,
-    )
+    plan.reward = RewardWorkerConfig(common=_named(blank, "reward"), model_path=model,
+                                     verifier=cfg.reward.verifier,
+                                     rows_per_claim=cfg.reward.rows_per_claim)
     plan.reference = None
     if plan.reference_worker:
         plan.reference = ReferenceWorkerConfig(

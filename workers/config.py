@@ -22,6 +22,7 @@ from workers.settings import (
     GrpoSettings,
     OptimizerSettings,
     PackingSettings,
+    RewardSettings,
     SamplingSettings,
     SimulatedDevice,
     TorchGenerateSettings,
@@ -100,14 +101,13 @@ class RolloutWorkerConfig:
     weights_group: WeightGroupConfig | None = None  # collective weight sync (None: files)
 
 
+@flat
 @dataclass
 class RewardWorkerConfig:
     common: WorkerCommon
     model_path: str  # for the tokenizer (responses are decoded to text for the verifier)
-    reward_fn: str  # registry name or "module:function"
-    timeout_s: float = 5.0
+    verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error
     rows_per_claim: int = 64
-    on_error: str = "retry"  # retry (failed delivery -> quarantine) | zero (score 0.0, train on it)
 
 
 @flat

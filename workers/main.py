@@ -117,10 +117,9 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
 
 
 def build_reward(cfg: RewardWorkerConfig) -> Any:
-    stage = RewardStage(
-        load_tokenizer(cfg.model_path), cfg.reward_fn, timeout_s=cfg.timeout_s,
-        max_rows=cfg.rows_per_claim, on_error=cfg.on_error,
-    )
+    r = cfg.verifier
+    stage = RewardStage(load_tokenizer(cfg.model_path), r.fn, timeout_s=r.timeout_s,
+                        max_rows=cfg.rows_per_claim, on_error=r.on_error)
     if cfg.common.simulated is not None:  # the real verifier, plus the cost model's time
         from workers.sim.roles import SimulatedRewardStage
 

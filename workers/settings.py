@@ -1,7 +1,9 @@
 """The knobs the workers compute with, declared once: each field here is a YAML key of the run.
 
-Owns: the frozen settings dataclasses of the workers' math (sampling, torch and vLLM engines, optimizer,
-GRPO loss, packing) and of the simulated device, their defaults, their allowed ranges and the errors a bad value raises.
+Owns: the frozen settings dataclasses of the workers' math (sampling, torch and vLLM engines,
+verifier, optimizer, GRPO loss, packing) and of the simulated device, with their defaults, their
+allowed ranges and the errors a bad value raises; and ``embed``/``flat``, which let an owner carry
+such an object while callers see its fields as the owner's own.
 The run configuration (``streamflow.config``) embeds these objects in its sections, so a field
 declared here is read from YAML as a flat key of that section (``trainer.lr``,
 ``rollout.temperature``); the worker records (``workers.config``) carry the same objects to the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -94,11 +97,12 @@ def flat(cls: type[T]) -> type[T]:
     owner_of: dict[str, str] = {}
     for name, inner in embedded(cls).items():
         for f in dataclasses.fields(inner):
-            if f.name in owner_of or f.name in cls.__dataclass_fields__:  # type: ignore[attr-defined]
+            if f.name in owner_of or f.name in cls.__dataclass_fields__:  # type: ignore
                 raise TypeError(f"{cls.__name__}: field {f.name!r} is declared twice")
             owner_of[f.name] = name
     init = cls.__init__
-    factories = {f.name: f.default_factory for f in dataclasses.fields(cls) if "embed" in f.metadata}
+    factories = {f.name: f.default_factory
+                 for f in dataclasses.fields(cls) if "embed" in f.metadata}
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -130,7 +134,8 @@ class SamplingSettings:
     """How rollout samples (``rollout.*``); the trainer and reference use the same temperature so
     their log-probs compare with the behaviour log-probs."""
 
-    temperature: float = bounded(1.0, gt=0, why="GRPO needs stochastic samples and finite log-probs")
+    temperature: float = bounded(  # sampling temperature
+        1.0, gt=0, why="GRPO needs stochastic samples and finite log-probs")
     top_p: float = bounded(1.0, gt=0, le=1)  # nucleus sampling mass
     max_new_tokens: int = bounded(16, ge=1)  # generation limit per response
 
@@ -170,7 +175,8 @@ class VllmSettings:
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``VllmRolloutEngine`` (the names without the prefix)."""
-        return {f.name.removeprefix("vllm_"): getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name.removeprefix("vllm_"): getattr(self, f.name)
+                for f in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True)
@@ -185,7 +191,8 @@ class OptimizerSettings:
     def __post_init__(self) -> None:
         check_bounds(self)
         object.__setattr__(self, "betas", tuple(self.betas))  # a JSON list comes back a tuple
-        require(all(0 <= b < 1 for b in self.betas), "betas", f"must be in [0, 1), got {self.betas}")
+        require(all(0 <= b < 1 for b in self.betas), "betas",
+                f"must be in [0, 1), got {self.betas}")
 
 
 @dataclass(frozen=True)
@@ -202,6 +209,26 @@ class GrpoSettings:
 
     def __post_init__(self) -> None:
         check_bounds(self)
+
+
+_REWARD_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    """The verifier of the reward workers (``reward.*``; ``workers.reward``)."""
+
+    fn: str = "exact_match"  # registry name, or "package.module:function" for a user verifier
+    timeout_s: float = bounded(2.0, gt=0)  # per-sample scoring timeout; a timeout scores as failed
+    # a sample whose verifier raised or timed out: "retry" hands it back as a failed delivery
+    # (quarantined DEAD after store.max_deliveries, its group left out of training); "zero"
+    # scores it 0.0 with reward_ok=false and trains on it
+    on_error: Literal["retry", "zero"] = "retry"
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        require(bool(_REWARD_FN.match(self.fn)), "fn",
+                f"must be a registry name or 'module.path:function', got {self.fn!r}")
 
 
 # Token saving at or above which a batch is packed: below it, packing is slower than plain rows
@@ -230,7 +257,8 @@ class SimulatedDevice:
     holds it for the cost model's time instead of computing. Set on every worker of a run whose
     engines are simulated."""
 
-    cost: str = "7b-1acc"  # cost preset (workers/sim/cost.py; README "Performance" cites its sources)
+    # cost preset (workers/sim/cost.py; README "Performance" cites its sources)
+    cost: str = "7b-1acc"
     time_scale: float = bounded(50.0, gt=0)  # simulated seconds per real second
     # response lengths: lognormal with this median and sigma, capped at rollout.max_new_tokens
     median_response_tokens: int = bounded(600, ge=1)
@@ -240,4 +268,5 @@ class SimulatedDevice:
         check_bounds(self)
         from workers.sim.cost import PRESETS
 
-        require(self.cost in PRESETS, "cost", f"must be one of {sorted(PRESETS)}, got {self.cost!r}")
+        require(self.cost in PRESETS, "cost",
+                f"must be one of {sorted(PRESETS)}, got {self.cost!r}")

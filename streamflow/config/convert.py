@@ -1,4 +1,4 @@
-"""Dataclass <-> plain data for the run configuration: the one generic converter and the YAML reader.
+"""Dataclass <-> plain data for the run configuration: the one generic converter, the YAML reader.
 
 Owns: the configuration errors a user sees, the type check of every value against its dataclass
 annotation (nested dataclasses, Optional, Literal, tuple, int/float with int accepted for float,
@@ -245,8 +245,9 @@ def _accepts_str(tp: Any) -> bool:
 
 
 def apply_override(tree: dict[str, Any], override: str, root: type) -> None:
-    """Apply one ``key.sub=value`` to a raw config tree of dataclass ``root``; the value is parsed as YAML (so
-    ``[0.9, 0.99]``, ``null``, ``true``, ``1e-4`` work) and type-checked when the tree is built."""
+    """Apply one ``key.sub=value`` to a raw config tree of dataclass ``root``; the value is parsed
+    as YAML (so ``[0.9, 0.99]``, ``null``, ``true``, ``1e-4`` work) and type-checked when the
+    tree is built."""
     key, sep, text = override.partition("=")
     key = key.strip()
     if not sep or not _KEY.match(key):

@@ -21,6 +21,7 @@ from workers.settings import (
     GrpoSettings,
     OptimizerSettings,
     PackingSettings,
+    RewardSettings,
     SamplingSettings,
     SimulatedDevice,
     TorchGenerateSettings,
@@ -185,30 +186,18 @@ class RolloutSection:
         _check_device(self.device)
 
 
-_REWARD_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
-
-
+@flat
 @dataclass(frozen=True)
 class RewardSection:
-    fn: str = "exact_match"  # registry name, or "package.module:function" for a user verifier
-    timeout_s: float = bounded(2.0, gt=0)  # per-sample scoring timeout; a timeout scores as failed
+    verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error
     num_workers: int = bounded(1, ge=1)  # reward worker processes
     rows_per_claim: int = bounded(32, ge=1)  # rows claimed per micro-batch
-    # a sample whose verifier raised or timed out: "retry" hands it back as a failed delivery
-    # (quarantined DEAD after store.max_deliveries, its group left out of training); "zero"
-    # scores it 0.0 with reward_ok=false and trains on it
-    on_error: Literal["retry", "zero"] = "retry"
     # held-out accuracy counts a prompt as solved when the reward of its greedy response is >= this
     # (1.0: the full score of a 0/1 verifier such as exact_match)
     success_threshold: float = 1.0
 
     def __post_init__(self) -> None:
         check_bounds(self)
-        require(
-            bool(_REWARD_FN.match(self.fn)),
-            "fn",
-            f"must be a registry name or 'module.path:function', got {self.fn!r}",
-        )
 
 
 @dataclass(frozen=True)

@@ -279,7 +279,7 @@ def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path, store_
         config.write_text(to_json(RewardWorkerConfig(
             common=WorkerCommon(name="reward-0", role="reward", store_addresses=[address],
                                 table="samples", claim_timeout_s=0.2),
-            model_path=str(tok_dir), reward_fn="exact_match", rows_per_claim=2,
+            model_path=str(tok_dir), fn="exact_match", rows_per_claim=2,
         )))
         worker = subprocess.Popen(
             [sys.executable, "-m", "streamflow", "worker", "--role", "reward",
