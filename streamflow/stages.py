@@ -12,7 +12,8 @@
   dtype (``streamflow/devices.py``) and, with collective weight sync, its rank in the weight group
   whose rendezvous (a TCP store) this process hosts for the whole run.
 
-The workers get plain records (``workers.config``), never this module's types: the layers point
+The workers get their own records (``workers.config``), carrying the settings objects the config
+sections embed (``workers.settings``) as they are, never this module's types: the layers point
 downwards only.
 """
 
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from storage.ports import free_port
+from streamflow.admission import min_policy_version
 from streamflow.config import RunConfig, StoreSection
 from streamflow.devices import RoleDevices, resolve_devices, weight_sync_path
 from workers import cores
@@ -49,6 +51,7 @@ from workers.engines.base import SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models import TinyModelSpec, load_model, load_tokenizer
 from workers.rewards import RewardRunner
+from workers.schema import prompt_rows
 from workers.tasks import ArithmeticTask, Problem, load_problem_file
 from workers.tokenizer import decode_response, encode_prompt
 from workers.warmstart import BuiltinRecipe, prepare_builtin
@@ -163,6 +166,14 @@ class RunPlan:
 
     def encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
+
+    def prompt_rows(self, iteration: int, staleness: int):  # noqa: ANN201 - pa.RecordBatch
+        """The rows to put for ``iteration`` (``workers.schema.prompt_rows``); ``staleness``: the
+        bound that sets their ``min_policy_version`` (``streamflow.admission``)."""
+        problems = self.problems(iteration)
+        return prompt_rows(iteration, [self.encode(p.prompt) for p in problems],
+                           [p.answer for p in problems], group_size=self.cfg.data.group_size,
+                           min_policy_version=min_policy_version(iteration, staleness))
 
     def workers(  # noqa: ANN201
         self,
