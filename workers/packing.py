@@ -59,14 +59,14 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from workers.settings import DEFAULT_MIN_SAVING  # token saving at which a batch is packed
-
 ATTENTION_NAME = "streamflow_shared_prompt"
 LAYOUT_KWARG = "shared_prompt_layout"
 # Architectures whose attention is plain RoPE softmax attention through the transformers attention
 # interface, with a ``model`` decoder and a plain ``lm_head``. Others use unpacked rows.
 PACKABLE_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama"})
 AttentionKind = Literal["segments", "mask"]
+# Token saving at or above which a batch is packed (see the module docstring; docs/engines.md).
+DEFAULT_MIN_SAVING = 0.25
 
 
 class PackingError(ValueError):

@@ -231,11 +231,6 @@ class RewardSettings:
                 f"must be a registry name or 'module.path:function', got {self.fn!r}")
 
 
-# Token saving at or above which a batch is packed: below it, packing is slower than plain rows
-# (measured with `streamflow bench packing`; docs/engines.md has the table).
-DEFAULT_MIN_SAVING = 0.25
-
-
 @dataclass(frozen=True)
 class PackingSettings:
     """Shared-prompt packing of the trainer's and reference's forwards (``trainer.*``;
@@ -243,8 +238,10 @@ class PackingSettings:
 
     packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
     # ... in the micro-batches (trainer and reference) whose token saving 1 - packed/unpacked
-    # reaches this (0 = every batch)
-    packing_min_saving: float = bounded(DEFAULT_MIN_SAVING, ge=0, le=1)
+    # reaches this (0 = every batch). Below it, packing is slower than plain rows: measured with
+    # `streamflow bench packing` (docs/engines.md); = workers.packing.DEFAULT_MIN_SAVING, which
+    # imports torch (tests/workers/test_packing.py checks they agree)
+    packing_min_saving: float = bounded(0.25, ge=0, le=1)
     token_budget: int = bounded(4096, ge=1)  # max tokens per packed micro-batch
 
     def __post_init__(self) -> None:

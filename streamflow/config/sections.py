@@ -2,9 +2,9 @@
 
 Owns: the frozen dataclass of each YAML section (``run``, ``model``, ``data``, ``rollout``, ...)
 with its defaults, one comment per field, and its own range checks in ``__post_init__``. The
-knobs of the workers' math are not declared here: ``rollout`` and ``trainer`` embed the workers'
-settings objects (``workers.settings``), whose fields are keys of the section
-(``workers.settings.flat``). Cross-section rules live in ``streamflow.config.run``.
+knobs of the workers' math are not declared here: ``rollout``, ``reward``, ``trainer`` and
+``simulated`` embed the workers' settings objects (``workers.settings``), whose fields are keys of
+the section (``workers.settings.flat``). Cross-section rules live in ``streamflow.config``.
 
 To add a knob: a field with a default and a comment in its section (a range with
 ``bounded(default, ge=/gt=/le=)``; other rules in ``__post_init__``), or, for a knob the workers
@@ -43,7 +43,7 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 def _check_device(value: str) -> None:
     """A role's device: auto (the GPU when there is one), cpu, cuda (GPU placement) or cuda:N."""
     require(bool(_DEVICE.match(value)), "device",
-             f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+            f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
 Operation = Literal["+", "-", "*"]
 
 
@@ -93,7 +93,7 @@ class RunSection:
             "must be > 0 when eval_every > 0 (set eval_every=0 to disable evaluation)",
         )
         require(not (self.overwrite and self.resume), "overwrite",
-                 "cannot be combined with run.resume (continue the run or replace it, not both)")
+                "cannot be combined with run.resume (continue the run or replace it, not both)")
         # The only substitution YAML values get: the run directory may be named after the run.
         object.__setattr__(self, "output_dir", self.output_dir.replace("{name}", self.name))
 
