@@ -77,6 +77,18 @@ def check_bounds(obj: Any) -> None:
             raise ConfigValueError(f.name, f"must be {' and '.join(bounds)}, got {value}{why}")
 
 
+class Checked:
+    """Base of a settings or section dataclass: on construction its ``bounded`` ranges are
+    checked, then its own rules (``check``)."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        self.check()
+
+    def check(self) -> None:
+        """Rules beyond the ranges (raise ``ConfigValueError`` naming the bare field)."""
+
+
 def embed(cls: type, **defaults: Any) -> Any:
     """A field holding a settings object of class ``cls`` whose fields read and build as the
     owner's own (see ``flat``); ``defaults`` override the class's for this owner."""
@@ -130,7 +142,7 @@ def flat(cls: type[T]) -> type[T]:
 
 
 @dataclass(frozen=True)
-class SamplingSettings:
+class SamplingSettings(Checked):
     """How rollout samples (``rollout.*``); the trainer and reference use the same temperature so
     their log-probs compare with the behaviour log-probs."""
 
@@ -139,12 +151,9 @@ class SamplingSettings:
     top_p: float = bounded(1.0, gt=0, le=1)  # nucleus sampling mass
     max_new_tokens: int = bounded(16, ge=1)  # generation limit per response
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
-
 
 @dataclass(frozen=True)
-class TorchGenerateSettings:
+class TorchGenerateSettings(Checked):
     """The torch rollout engine only: attention kernel ("sdpa": same tokens as "eager", log-probs
     within 1e-5 on the embedded model, faster; `streamflow bench generate`, docs/engines.md) and
     rows per forward batch of one generate call (0 = the whole claim: groups_per_claim x
@@ -153,12 +162,9 @@ class TorchGenerateSettings:
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     rows_per_generate: int = bounded(0, ge=0)
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
-
 
 @dataclass(frozen=True)
-class VllmSettings:
+class VllmSettings(Checked):
     """vLLM engine only (``rollout.engine=vllm``): weights dtype ("auto" = the checkpoint's;
     "float32" matches the trainer's log-probs exactly), context length (None = the model's),
     KV-cache GiB on CPU, fraction of GPU memory on GPU, and eager mode (no graph capture: faster
@@ -170,8 +176,6 @@ class VllmSettings:
     vllm_gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
     vllm_enforce_eager: bool = True
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``VllmRolloutEngine`` (the names without the prefix)."""
@@ -180,7 +184,7 @@ class VllmSettings:
 
 
 @dataclass(frozen=True)
-class OptimizerSettings:
+class OptimizerSettings(Checked):
     """AdamW and gradient clipping of the trainer (``trainer.*``)."""
 
     lr: float = bounded(1e-4, gt=0)  # AdamW learning rate
@@ -188,15 +192,14 @@ class OptimizerSettings:
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas, each in [0, 1)
     max_grad_norm: float = bounded(1.0, ge=0)  # gradient clipping norm (0 = no clipping)
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))  # a JSON list comes back a tuple
         require(all(0 <= b < 1 for b in self.betas), "betas",
                 f"must be in [0, 1), got {self.betas}")
 
 
 @dataclass(frozen=True)
-class GrpoSettings:
+class GrpoSettings(Checked):
     """The GRPO objective (``trainer.*``; ``workers.rl``)."""
 
     clip_eps: float = bounded(0.2, gt=0)  # ratio clip epsilon
@@ -207,15 +210,12 @@ class GrpoSettings:
     importance_correction: bool = False  # async: correct the ratio by behaviour log-probs
     is_cap: float = bounded(2.0, ge=1)  # cap of the truncated importance weight
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
-
 
 _REWARD_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 
 
 @dataclass(frozen=True)
-class RewardSettings:
+class RewardSettings(Checked):
     """The verifier of the reward workers (``reward.*``; ``workers.reward``)."""
 
     fn: str = "exact_match"  # registry name, or "package.module:function" for a user verifier
@@ -225,14 +225,13 @@ class RewardSettings:
     # scores it 0.0 with reward_ok=false and trains on it
     on_error: Literal["retry", "zero"] = "retry"
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         require(bool(_REWARD_FN.match(self.fn)), "fn",
                 f"must be a registry name or 'module.path:function', got {self.fn!r}")
 
 
 @dataclass(frozen=True)
-class PackingSettings:
+class PackingSettings(Checked):
     """Shared-prompt packing of the trainer's and reference's forwards (``trainer.*``;
     ``workers.packing``)."""
 
@@ -244,12 +243,9 @@ class PackingSettings:
     packing_min_saving: float = bounded(0.25, ge=0, le=1)
     token_budget: int = bounded(4096, ge=1)  # max tokens per packed micro-batch
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
-
 
 @dataclass(frozen=True)
-class SimulatedDevice:
+class SimulatedDevice(Checked):
     """The ``simulated`` engines' device (``simulated.*``; ``workers.sim.roles``): every role
     holds it for the cost model's time instead of computing. Set on every worker of a run whose
     engines are simulated."""
@@ -261,8 +257,7 @@ class SimulatedDevice:
     median_response_tokens: int = bounded(600, ge=1)
     skew: float = bounded(1.0, ge=0, le=4)
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         from workers.sim.cost import PRESETS
 
         require(self.cost in PRESETS, "cost",

@@ -1,13 +1,13 @@
 """The sections of a run's configuration: every knob of the controller, declared and checked once.
 
 Owns: the frozen dataclass of each YAML section (``run``, ``model``, ``data``, ``rollout``, ...)
-with its defaults, one comment per field, and its own range checks in ``__post_init__``. The
+with its defaults, one comment per field, its ranges and its own rules (``check``). The
 knobs of the workers' math are not declared here: ``rollout``, ``reward``, ``trainer`` and
 ``simulated`` embed the workers' settings objects (``workers.settings``), whose fields are keys of
 the section (``workers.settings.flat``). Cross-section rules live in ``streamflow.config``.
 
 To add a knob: a field with a default and a comment in its section (a range with
-``bounded(default, ge=/gt=/le=)``; other rules in ``__post_init__``), or, for a knob the workers
+``bounded(default, ge=/gt=/le=)``; other rules in ``check``), or, for a knob the workers
 compute with, a field of the settings object in ``workers.settings``.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from workers.settings import (
+    Checked,
     GrpoSettings,
     OptimizerSettings,
     PackingSettings,
@@ -27,7 +28,6 @@ from workers.settings import (
     TorchGenerateSettings,
     VllmSettings,
     bounded,
-    check_bounds,
     embed,
     flat,
     require,
@@ -48,7 +48,7 @@ Operation = Literal["+", "-", "*"]
 
 
 @dataclass(frozen=True)
-class RunSection:
+class RunSection(Checked):
     name: str = "run"  # run name; also names the run directory via {name}
     # sync: stages take turns; periodic: on-policy streaming; async: bounded staleness
     mode: Mode = "periodic"
@@ -83,8 +83,7 @@ class RunSection:
     progress: bool = True  # live display on a TTY; otherwise one log line per iteration
     log_level: LogLevel = "INFO"  # logging level of every process of the run
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         require(bool(self.name.strip()), "name", "must be a non-empty string")
         require(bool(self.output_dir.strip()), "output_dir", "must be a non-empty path")
         require(
@@ -99,7 +98,7 @@ class RunSection:
 
 
 @dataclass(frozen=True)
-class TinyModelConfig:
+class TinyModelConfig(Checked):
     hidden_size: int = bounded(128, ge=1)  # width of the built-in causal LM
     num_layers: int = bounded(2, ge=1)  # transformer blocks
     num_heads: int = bounded(4, ge=1)  # attention heads; divides hidden_size
@@ -107,8 +106,7 @@ class TinyModelConfig:
     intermediate_size: int = bounded(256, ge=1)  # MLP width
     seed: int = 0  # seed of the random initialisation (before the warm start)
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         require(
             self.hidden_size % self.num_heads == 0,
             "num_heads",
@@ -122,7 +120,7 @@ class TinyModelConfig:
 
 
 @dataclass(frozen=True)
-class ModelSection:
+class ModelSection(Checked):
     path: str | None = None  # local Hugging Face model directory; None = the built-in tiny model
     builtin: TinyModelConfig = field(default_factory=TinyModelConfig)  # used when path is None
     # Built-in model only: supervised warm start, at most this many steps (0 = none)...
@@ -135,14 +133,13 @@ class ModelSection:
     # dtype of every role whose own dtype (rollout/reference/trainer.dtype) is "auto"
     dtype: RoleDType = "auto"
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         if self.path is not None:
             require(bool(self.path.strip()), "path", "must be a directory path or null")
 
 
 @dataclass(frozen=True)
-class DataSection:
+class DataSection(Checked):
     task: Literal["arithmetic", "file"] = "arithmetic"  # procedural arithmetic, or a prompt file
     digits: int = bounded(2, ge=1, le=18)  # arithmetic: max digits per operand
     operations: tuple[Operation, ...] = ("+",)  # arithmetic: operators to draw from
@@ -154,8 +151,7 @@ class DataSection:
     group_size: int = bounded(8, ge=2, why="GRPO advantages compare responses within a group")
     seed: int = 0  # seed of prompt generation / shuffling (eval prompts are held out from it)
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         require(len(self.operations) > 0, "operations", "must list at least one of '+', '-', '*'")
         require(len(set(self.operations)) == len(self.operations), "operations", "has duplicates")
         if self.task == "file":
@@ -166,7 +162,7 @@ class DataSection:
 
 @flat
 @dataclass(frozen=True)
-class RolloutSection:
+class RolloutSection(Checked):
     # generation engine behind the rollout Protocol ("simulated": no model, see ``simulated``)
     engine: Literal["torch", "vllm", "simulated"] = "torch"
     num_workers: int = bounded(1, ge=1)  # rollout worker processes
@@ -181,14 +177,13 @@ class RolloutSection:
     device: str = "auto"
     dtype: RoleDType = "auto"
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         _check_device(self.device)
 
 
 @flat
 @dataclass(frozen=True)
-class RewardSection:
+class RewardSection(Checked):
     verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error
     num_workers: int = bounded(1, ge=1)  # reward worker processes
     rows_per_claim: int = bounded(32, ge=1)  # rows claimed per micro-batch
@@ -196,12 +191,9 @@ class RewardSection:
     # (1.0: the full score of a 0/1 verifier such as exact_match)
     success_threshold: float = 1.0
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
-
 
 @dataclass(frozen=True)
-class ReferenceSection:
+class ReferenceSection(Checked):
     enabled: bool = True  # compute frozen-reference log-probs (forced off when kl_coef == 0)
     placement: Literal["worker", "trainer"] = "worker"  # own worker process, or fused in trainer
     rows_per_claim: int = bounded(32, ge=1)  # rows claimed per micro-batch
@@ -210,14 +202,13 @@ class ReferenceSection:
     dtype: RoleDType = "auto"
     device: str = "auto"  # where the reference runs (auto | cpu | cuda | cuda:N)
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         _check_device(self.device)
 
 
 @flat
 @dataclass(frozen=True)
-class TrainerSection:
+class TrainerSection(Checked):
     # training engine behind the Protocol ("simulated": no model, see ``simulated``)
     engine: Literal["torch", "deepspeed", "simulated"] = "torch"
     optim: OptimizerSettings = embed(OptimizerSettings)  # lr, weight_decay, betas, max_grad_norm
@@ -239,8 +230,7 @@ class TrainerSection:
     device: str = "auto"
     dtype: RoleDType = "auto"
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         _check_device(self.device)
         require(
             self.num_ranks == 1 or self.engine == "deepspeed",
@@ -251,7 +241,7 @@ class TrainerSection:
 
 @flat
 @dataclass(frozen=True)
-class SimulatedSection:
+class SimulatedSection(Checked):
     """Simulated devices (``rollout.engine`` and ``trainer.engine`` both ``simulated``): every role
     holds its device for the cost model's time instead of computing (workers/sim/roles.py); the
     controller, workers, store, balancer and modes are the real ones. For capacity planning."""
@@ -260,7 +250,7 @@ class SimulatedSection:
 
 
 @dataclass(frozen=True)
-class StoreSection:
+class StoreSection(Checked):
     host: str = "127.0.0.1"  # address the store nodes bind (loopback by default)
     port: int = bounded(0, ge=0, le=65535)  # first port of the store nodes (0 = pick free ports)
     num_shards: int = bounded(2, ge=1)  # shards of the transfer queue
@@ -277,28 +267,24 @@ class StoreSection:
     # Started only when the store has >= 2 shards (one shard has nothing to balance).
     balancer: bool = True
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         require(bool(self.host), "host", "must be a non-empty address")
         bad = [a for a in self.addresses if not a.startswith(("tcp://", "ipc://"))]
         require(not bad, "addresses", f"must be ZeroMQ addresses like tcp://host:port, got {bad}")
 
 
 @dataclass(frozen=True)
-class MetricsSection:
+class MetricsSection(Checked):
     enabled: bool = True  # serve Prometheus metrics from every process
     host: str = "127.0.0.1"  # address the metrics endpoints bind
     port: int = bounded(0, ge=0, le=65535)  # controller's metrics port (0 = pick a free one)
-
-    def __post_init__(self) -> None:
-        check_bounds(self)
 
 
 _WILDCARDS = ("", "0.0.0.0", "*", "::", "[::]")
 
 
 @dataclass(frozen=True)
-class PlacementNode:
+class PlacementNode(Checked):
     # what this host's services bind and what the other hosts connect to: a concrete address
     host: str = "127.0.0.1"
     store_nodes: int = bounded(0, ge=0)  # store node processes here (store.num_shards shards each)
@@ -307,8 +293,7 @@ class PlacementNode:
     reference: int = bounded(0, ge=0)  # the reference worker (0 or 1 in all, when one runs)
     trainer: int = bounded(0, ge=0)  # trainer ranks here (torch engine: 1 in all; deepspeed: num_ranks)
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         require(
             self.host.strip() not in _WILDCARDS,
             "host",
@@ -317,7 +302,7 @@ class PlacementNode:
 
 
 @dataclass(frozen=True)
-class PlacementSection:
+class PlacementSection(Checked):
     # One entry per host of `streamflow launch` (its --node-rank indexes this list); node 0 also
     # runs the coordinator and the controller. Empty: everything on one host (`streamflow run`).
     nodes: tuple[PlacementNode, ...] = ()
@@ -325,12 +310,9 @@ class PlacementSection:
     # run should ride out (leases expire much sooner and hand the node's rows to others).
     node_timeout_s: float = bounded(60.0, gt=0)
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
-
 
 @dataclass(frozen=True)
-class DevicesSection:
+class DevicesSection(Checked):
     # How the roles whose device is 'auto' or 'cuda' share the GPUs of one host: colocated = all
     # on GPU 0; separate = trainer ranks, reference and each rollout worker on GPUs of their own
     # (streaming modes; one GPU per process); auto = separate when there are enough GPUs, else
@@ -339,7 +321,7 @@ class DevicesSection:
 
 
 @dataclass(frozen=True)
-class WeightsSection:
+class WeightsSection(Checked):
     # How a new policy version reaches the rollout workers: file = safetensors in /dev/shm and a
     # reload; collective = the trainer sends it over a torch.distributed group in buckets, copied
     # into the live parameters (workers/weights_collective.py): NCCL broadcast when every process
@@ -353,6 +335,5 @@ class WeightsSection:
     host: str = "127.0.0.1"  # address of the group's rendezvous (a TCP store in the controller)
     port: int = bounded(0, ge=0, le=65535)  # its port (0 = pick a free one)
 
-    def __post_init__(self) -> None:
-        check_bounds(self)
+    def check(self) -> None:
         require(bool(self.host.strip()), "host", "must be a non-empty address")
