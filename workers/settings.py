@@ -9,8 +9,8 @@ declared here is read from YAML as a flat key of that section (``trainer.lr``,
 ``rollout.temperature``); the worker records (``workers.config``) carry the same objects to the
 worker processes. Adding a knob is one field here plus its use.
 
-Ranges are declared with ``bounded(default, ge=/gt=/le=, why=)`` and checked on construction by
-``check_bounds``: a settings object that exists is valid, however it was built. Errors name the
+Ranges are declared with ``bounded(default, ge=/gt=/le=, why=)`` and checked on construction
+(``Checked``): a settings object that exists is valid, however it was built. Errors name the
 bare field (``lr``); the config loader prefixes the section (``trainer.lr``).
 """
 
