@@ -186,17 +186,10 @@ class RunPlan:
         out = []
 
         def common(role: str, i: int, threads: int) -> WorkerCommon:
-            return WorkerCommon(
-                name=f"{role}-{i}",
-                role=role,
-                store_addresses=store_addresses,
-                table=self.table,
-                events_address=events_address,
-                threads=threads,
-                seed=c.run.seed,
-                coordinator_address=coordinator_address,
-                simulated=self.rollout.common.simulated,
-            )
+            # (seed and the simulated device as build_plan set them on every record)
+            return replace(self.rollout.common, name=f"{role}-{i}", role=role, table=self.table,
+                           store_addresses=store_addresses, events_address=events_address,
+                           threads=threads, coordinator_address=coordinator_address)
 
         slots = iter(range(1, MAX_SLOTS))  # slot 0: the controller's evaluation
 
@@ -210,18 +203,18 @@ class RunPlan:
             return replace(base, threads=cap or c.run.host_threads, cores=share)
 
         for i in range(c.rollout.num_workers):
-            w = _replace_common(self.rollout, compute("rollout", i, c.rollout.threads))
+            w = replace(self.rollout, common=compute("rollout", i, c.rollout.threads))
             group = w.weights_group and replace(w.weights_group, rank=i + 1)
             w = replace(w, device=self.devices.rollout[i] if self.devices else w.device,
                         weights_group=group)
             out.append((w.common.name, "rollout", w, w.common.threads))
         for i in range(c.reward.num_workers):
-            w = _replace_common(self.reward, common("reward", i, 1))
+            w = replace(self.reward, common=common("reward", i, 1))
             out.append((w.common.name, "reward", w, 1))
         if self.reference is not None:
-            w = _replace_common(self.reference, compute("reference", 0, c.reference.threads))
+            w = replace(self.reference, common=compute("reference", 0, c.reference.threads))
             out.append((w.common.name, "reference", w, w.common.threads))
-        w = _replace_common(self.trainer, compute("trainer", 0, c.trainer.threads))
+        w = replace(self.trainer, common=compute("trainer", 0, c.trainer.threads))
         out.append((w.common.name, "trainer", w, w.common.threads))
         return out
 
@@ -238,10 +231,6 @@ class RunPlan:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
         if self.cores_path is not None:
             self.cores_path.unlink(missing_ok=True)
-
-
-def _replace_common(w, common: WorkerCommon):  # noqa: ANN001, ANN202
-    return replace(w, common=common)
 
 
 def _weights_dir(run_dir: Path) -> Path:

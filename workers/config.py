@@ -31,8 +31,6 @@ from workers.settings import (
     flat,
 )
 
-__all__ = ["SimulatedDevice"]  # (re-exported: the simulated roles' device travels in WorkerCommon)
-
 
 @dataclass
 class WorkerCommon:

@@ -13,6 +13,7 @@ redeliveries.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -52,11 +53,8 @@ from workers.weights_collective import GroupSpec
 
 def group_spec(cfg: Any) -> GroupSpec | None:
     """The weight group of a worker config (None: weights go by file only)."""
-    g = cfg.weights_group
-    if g is None:
-        return None
-    return GroupSpec(g.address, g.rank, g.world_size, g.backend, g.bucket_bytes, g.timeout_s,
-                     g.transport, g.shm_dir)
+    g = cfg.weights_group  # (WeightGroupConfig has GroupSpec's fields)
+    return None if g is None else GroupSpec(**dataclasses.asdict(g))
 
 
 def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
