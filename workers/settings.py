@@ -176,7 +176,6 @@ class VllmSettings(Checked):
     vllm_gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
     vllm_enforce_eager: bool = True
 
-
     def engine_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``VllmRolloutEngine`` (the names without the prefix)."""
         return {f.name.removeprefix("vllm_"): getattr(self, f.name)
@@ -250,8 +249,7 @@ class SimulatedDevice(Checked):
     holds it for the cost model's time instead of computing. Set on every worker of a run whose
     engines are simulated."""
 
-    # cost preset (workers/sim/cost.py; README "Performance" cites its sources)
-    cost: str = "7b-1acc"
+    cost: str = "7b-1acc"  # cost preset (workers/sim/cost.py; README "Performance": sources)
     time_scale: float = bounded(50.0, gt=0)  # simulated seconds per real second
     # response lengths: lognormal with this median and sigma, capped at rollout.max_new_tokens
     median_response_tokens: int = bounded(600, ge=1)
