@@ -20,16 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 import storage
-from streamflow.admission import min_policy_version
 from streamflow.config import RunConfig
 from streamflow.stages import build_plan
 from workers.events import EventSender, StepReport, WeightSyncReport
 from workers.loop import LeaseKeeper, StageLoop
 from workers.main import build_reference, build_reward, build_rollout, build_trainer
-from workers.schema import SAMPLES_SCHEMA
 
 
 @dataclass
@@ -76,22 +72,7 @@ class StreamFlowSync:
 
     def _put_iteration(self, k: int) -> None:
         """The prompts of iteration ``k`` (as the controller puts them)."""
-        problems = self.plan.problems(k)
-        g, n = self.cfg.data.group_size, len(problems)
-        prompts = [self.plan.encode(p.prompt) for p in problems]
-        columns = ("group_id", "iteration", "min_policy_version", "prompt_ids", "answer")
-        batch = pa.RecordBatch.from_pydict(
-            {
-                "group_id": pa.array([k * n + i for i in range(n) for _ in range(g)], pa.int64()),
-                "iteration": pa.array([k] * (n * g), pa.int64()),
-                "min_policy_version": pa.array([min_policy_version(k, 0)] * (n * g), pa.int64()),
-                "prompt_ids": pa.array([p for p in prompts for _ in range(g)],
-                                       pa.list_(pa.int32())),
-                "answer": pa.array([p.answer for p in problems for _ in range(g)], pa.string()),
-            },
-            schema=pa.schema([SAMPLES_SCHEMA.field(c) for c in columns]),
-        )
-        self.client.put(self.plan.table, batch, timeout=600.0)
+        self.client.put(self.plan.table, self.plan.prompt_rows(k, 0), timeout=600.0)
 
     def iteration(self, k: int) -> StreamFlowTimes:
         t0 = time.perf_counter()

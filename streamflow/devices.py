@@ -18,6 +18,9 @@ Placement on one host (roles whose device is ``auto`` or ``cuda``; an explicit `
   GPU, each rollout worker on a GPU of its own — the layout of verl/TRL's "separate" placement;
 - auto: separate when the GPUs suffice, else colocated.
 
+Dtypes: a role's own ``dtype``, else ``model.dtype``, else (both ``auto``) bfloat16 on a GPU and
+float32 on the CPU.
+
 The probe: ``CUDA_VISIBLE_DEVICES`` (empty or -1: none) bounded by the driver's device count from
 ``/proc/driver/nvidia/gpus`` (or ``nvidia-smi -L`` where /proc has none). The worker processes check
 again with torch when they place their model (``workers/devices.py``), which is authoritative.
@@ -78,9 +81,11 @@ class RoleDevices:
         return self.trainer.startswith("cuda")
 
 
-def _dtype(choice: str, device: str) -> str:
-    if choice != "auto":
-        return choice
+def _dtype(choice: str, model: str, device: str) -> str:
+    """A role's dtype: its own, else model.dtype, else by device (bfloat16 on a GPU)."""
+    for name in (choice, model):
+        if name != "auto":
+            return name
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
@@ -104,9 +109,8 @@ def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
         if device == "cuda":
             _check_index(key, device, gpus)
     streaming = cfg.run.mode != "sync"
-    reference_worker = t.kl_coef > 0 and ref.enabled and ref.placement == "worker"
     rollouts = r.num_workers if streaming else 1
-    refs = int(reference_worker and streaming)
+    refs = int(cfg.reference_worker and streaming)
     need = t.num_ranks + refs + rollouts
     placement = cfg.devices.placement
     if placement == "separate" and gpus < need:
@@ -142,8 +146,9 @@ def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
         trainer = reference = "cpu"
     return RoleDevices(
         gpus=gpus, rollout=rollout, reference=reference, trainer=trainer,
-        rollout_dtype=_dtype(r.dtype, rollout[0]), reference_dtype=_dtype(ref.dtype, reference),
-        trainer_dtype=_dtype(t.dtype, trainer),
+        rollout_dtype=_dtype(r.dtype, cfg.model.dtype, rollout[0]),
+        reference_dtype=_dtype(ref.dtype, cfg.model.dtype, reference),
+        trainer_dtype=_dtype(t.dtype, cfg.model.dtype, trainer),
     )
 
 

@@ -12,7 +12,8 @@
   dtype (``streamflow/devices.py``) and, with collective weight sync, its rank in the weight group
   whose rendezvous (a TCP store) this process hosts for the whole run.
 
-The workers get plain records (``workers.config``), never this module's types: the layers point
+The workers get their own records (``workers.config``), carrying the settings objects the config
+sections embed (``workers.settings``) as they are, never this module's types: the layers point
 downwards only.
 """
 
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from storage.ports import free_port
+from streamflow.admission import min_policy_version
 from streamflow.config import RunConfig, StoreSection
 from streamflow.devices import RoleDevices, resolve_devices, weight_sync_path
 from workers import cores
@@ -39,7 +41,6 @@ from workers.config import (
     ReferenceWorkerConfig,
     RewardWorkerConfig,
     RolloutWorkerConfig,
-    SimulatedDevice,
     TrainerWorkerConfig,
     WeightGroupConfig,
     WorkerCommon,
@@ -50,6 +51,7 @@ from workers.engines.base import SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models import TinyModelSpec, load_model, load_tokenizer
 from workers.rewards import RewardRunner
+from workers.schema import prompt_rows
 from workers.tasks import ArithmeticTask, Problem, load_problem_file
 from workers.tokenizer import decode_response, encode_prompt
 from workers.warmstart import BuiltinRecipe, prepare_builtin
@@ -127,11 +129,11 @@ class RunPlan:
 
     @property
     def kl_active(self) -> bool:
-        return self.cfg.trainer.kl_coef > 0 and self.cfg.reference.enabled
+        return self.cfg.kl_active
 
     @property
     def reference_worker(self) -> bool:
-        return self.kl_active and self.cfg.reference.placement == "worker"
+        return self.cfg.reference_worker
 
     @property
     def store_persist_dir(self) -> str | None:
@@ -165,6 +167,14 @@ class RunPlan:
     def encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
+    def prompt_rows(self, iteration: int, staleness: int):  # noqa: ANN201 - pa.RecordBatch
+        """The rows to put for ``iteration`` (``workers.schema.prompt_rows``); ``staleness``: the
+        bound that sets their ``min_policy_version`` (``streamflow.admission``)."""
+        problems = self.problems(iteration)
+        return prompt_rows(iteration, [self.encode(p.prompt) for p in problems],
+                           [p.answer for p in problems], group_size=self.cfg.data.group_size,
+                           min_policy_version=min_policy_version(iteration, staleness))
+
     def workers(  # noqa: ANN201
         self,
         store_addresses: list[str],
@@ -176,17 +186,10 @@ class RunPlan:
         out = []
 
         def common(role: str, i: int, threads: int) -> WorkerCommon:
-            return WorkerCommon(
-                name=f"{role}-{i}",
-                role=role,
-                store_addresses=store_addresses,
-                table=self.table,
-                events_address=events_address,
-                threads=threads,
-                seed=c.run.seed,
-                coordinator_address=coordinator_address,
-                simulated=self.rollout.common.simulated,
-            )
+            # (seed and the simulated device as build_plan set them on every record)
+            return replace(self.rollout.common, name=f"{role}-{i}", role=role, table=self.table,
+                           store_addresses=store_addresses, events_address=events_address,
+                           threads=threads, coordinator_address=coordinator_address)
 
         slots = iter(range(1, MAX_SLOTS))  # slot 0: the controller's evaluation
 
@@ -200,18 +203,18 @@ class RunPlan:
             return replace(base, threads=cap or c.run.host_threads, cores=share)
 
         for i in range(c.rollout.num_workers):
-            w = _replace_common(self.rollout, compute("rollout", i, c.rollout.threads))
+            w = replace(self.rollout, common=compute("rollout", i, c.rollout.threads))
             group = w.weights_group and replace(w.weights_group, rank=i + 1)
             w = replace(w, device=self.devices.rollout[i] if self.devices else w.device,
                         weights_group=group)
             out.append((w.common.name, "rollout", w, w.common.threads))
         for i in range(c.reward.num_workers):
-            w = _replace_common(self.reward, common("reward", i, 1))
+            w = replace(self.reward, common=common("reward", i, 1))
             out.append((w.common.name, "reward", w, 1))
         if self.reference is not None:
-            w = _replace_common(self.reference, compute("reference", 0, c.reference.threads))
+            w = replace(self.reference, common=compute("reference", 0, c.reference.threads))
             out.append((w.common.name, "reference", w, w.common.threads))
-        w = _replace_common(self.trainer, compute("trainer", 0, c.trainer.threads))
+        w = replace(self.trainer, common=compute("trainer", 0, c.trainer.threads))
         out.append((w.common.name, "trainer", w, w.common.threads))
         return out
 
@@ -230,10 +233,6 @@ class RunPlan:
             self.cores_path.unlink(missing_ok=True)
 
 
-def _replace_common(w, common: WorkerCommon):  # noqa: ANN001, ANN202
-    return replace(w, common=common)
-
-
 def _weights_dir(run_dir: Path) -> Path:
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
@@ -247,9 +246,34 @@ def _weights_dir(run_dir: Path) -> Path:
 def build_plan(
     cfg: RunConfig, run_dir: Path, progress: Callable[[int, int], None] | None = None
 ) -> RunPlan:
-    cache_root = Path(cfg.run.output_dir).parent / ".cache"
-    model_path = resolve_model(cfg, cache_root, progress)
-    tokenizer = load_tokenizer(model_path)
+    """Resolve everything a run needs before any process starts (module docstring)."""
+    model_path = resolve_model(cfg, Path(cfg.run.output_dir).parent / ".cache", progress)
+    train, task, evals = _problems(cfg)
+    plan = RunPlan(cfg, run_dir, model_path, _weights_dir(run_dir), load_tokenizer(model_path),
+                   train, task, evals)
+    if plan.shares_cores and cfg.run.mode != "sync":
+        plan.cores_path = create_core_table(plan.weights_dir.with_name(plan.weights_dir.name + ".cores"))
+    resume_from = find_resume(cfg, run_dir)
+    if resume_from is not None:
+        plan.start_iteration = read_state(resume_from).step
+    # Devices: torch's count is authoritative here (the --dry-run check used the driver's).
+    plan.devices = resolve_devices(cfg, torch.cuda.device_count())
+    plan.weight_sync = weight_sync_path(cfg, plan.devices)
+    group = _weight_group(plan) if plan.weight_sync == "collective" else None
+    # The trainer announces each published version on this PUB address; rollout workers SUBscribe
+    # and wake at once instead of waiting for their next directory check. (In-process sync runs
+    # need no announcement.) Across hosts, bind the trainer's address and share weights_dir.
+    announce = None if cfg.run.mode == "sync" else f"tcp://127.0.0.1:{free_port()}"
+    # every role on a simulated device with simulated engines (the config checks both)
+    simulated = cfg.simulated.device if cfg.rollout.engine == "simulated" else None
+    blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed,
+                         simulated=simulated)
+    _worker_records(plan, blank, announce, group, resume_from)
+    return plan
+
+
+def _problems(cfg: RunConfig) -> tuple[list[Problem] | None, ArithmeticTask | None, list[Problem]]:
+    """(training problems of a file, the arithmetic task, held-out problems)."""
     d = cfg.data
     if d.task == "file":
         if not d.file:
@@ -257,131 +281,72 @@ def build_plan(
         rows = load_problem_file(d.file, d.prompt_column, d.answer_column)
         held_out = cfg.run.eval_prompts if cfg.run.eval_every else 0
         train, evals = held_out_split(rows, held_out, seed=d.seed, source=d.file)
-        task = None
-    else:
-        task = ArithmeticTask(digits=d.digits, operations=tuple(d.operations), seed=d.seed)
-        train, evals = (
-            None,
-            task.eval_problems(cfg.run.eval_prompts) if cfg.run.eval_prompts else [],
-        )
-    plan = RunPlan(cfg, run_dir, model_path, _weights_dir(run_dir), tokenizer, train, task, evals)
-    if plan.shares_cores and cfg.run.mode != "sync":
-        plan.cores_path = create_core_table(plan.weights_dir.with_name(plan.weights_dir.name + ".cores"))
-    resume_from = find_resume(cfg, run_dir)
-    if resume_from is not None:
-        plan.start_iteration = read_state(resume_from).step
-    simulated = None
-    if cfg.rollout.engine == "simulated":  # every role on a simulated device (config checks both)
-        sim = cfg.simulated
-        simulated = SimulatedDevice(cost=sim.cost, time_scale=sim.time_scale,
-                                    median_response_tokens=sim.median_response_tokens, skew=sim.skew)
-    blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed,
-                         simulated=simulated)
-    r, t = cfg.rollout, cfg.trainer
-    # Devices: torch's count is authoritative here (the --dry-run check used the driver's).
-    devices = plan.devices = resolve_devices(cfg, torch.cuda.device_count())
-    plan.weight_sync = weight_sync_path(cfg, devices)
-    group = None
-    if plan.weight_sync == "collective":
-        from workers.weights_collective import Rendezvous
+        return train, None, evals
+    task = ArithmeticTask(digits=d.digits, operations=tuple(d.operations), seed=d.seed)
+    return None, task, task.eval_problems(cfg.run.eval_prompts) if cfg.run.eval_prompts else []
 
-        plan.rendezvous = rendezvous = Rendezvous(cfg.weights.host, cfg.weights.port)
-        members = [devices.trainer, *devices.rollout]
-        own_gpus = all(m.startswith("cuda") for m in members) and len(set(members)) == len(members)
-        group = WeightGroupConfig(address=rendezvous.address, rank=0,
-                                  world_size=1 + r.num_workers,
-                                  bucket_bytes=int(cfg.weights.bucket_mb * (1 << 20)),
-                                  timeout_s=cfg.weights.timeout_s,
-                                  backend="nccl" if own_gpus else "gloo",
-                                  transport="broadcast" if own_gpus else "shm",
-                                  shm_dir=str(plan.weights_dir))
-    # The trainer announces each published version on this PUB address; rollout workers SUBscribe
-    # and wake at once instead of waiting for their next directory check. (In-process sync runs
-    # need no announcement.) Across hosts, bind the trainer's address and share weights_dir.
-    announce = None if cfg.run.mode == "sync" else f"tcp://127.0.0.1:{free_port()}"
+
+def _weight_group(plan: RunPlan) -> WeightGroupConfig:
+    """Collective weight sync: start the group's rendezvous here (for the whole run) and describe
+    the group (trainer rank 0, rollout worker i rank i + 1)."""
+    from workers.weights_collective import Rendezvous
+
+    cfg, devices = plan.cfg, plan.devices
+    assert devices is not None
+    plan.rendezvous = rendezvous = Rendezvous(cfg.weights.host, cfg.weights.port)
+    members = [devices.trainer, *devices.rollout]
+    own_gpus = all(m.startswith("cuda") for m in members) and len(set(members)) == len(members)
+    return WeightGroupConfig(address=rendezvous.address, rank=0,
+                             world_size=1 + cfg.rollout.num_workers,
+                             bucket_bytes=int(cfg.weights.bucket_mb * (1 << 20)),
+                             timeout_s=cfg.weights.timeout_s,
+                             backend="nccl" if own_gpus else "gloo",
+                             transport="broadcast" if own_gpus else "shm",
+                             shm_dir=str(plan.weights_dir))
+
+
+def _worker_records(
+    plan: RunPlan, blank: WorkerCommon, announce: str | None, group: WeightGroupConfig | None,
+    resume_from: Path | None,
+) -> None:
+    """One ``workers.config`` record per role. The knobs of the workers' math go over as the
+    settings objects the config sections embed, whole; only resolved values are set here."""
+    cfg, devices, model = plan.cfg, plan.devices, str(plan.model_path)
+    assert devices is not None
+    r, t, d = cfg.rollout, cfg.trainer, cfg.data
     plan.rollout = RolloutWorkerConfig(
-        common=_named(blank, "rollout"),
-        model_path=str(model_path),
-        weights_dir=str(plan.weights_dir),
-        weights_announce=announce,
-        group_size=d.group_size,
-        groups_per_claim=r.groups_per_claim,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens,
-        engine=r.engine,
-        attn_implementation=r.attn_implementation,
-        rows_per_generate=r.rows_per_generate,
-        vllm_dtype=r.vllm_dtype,
-        vllm_max_model_len=r.vllm_max_model_len,
-        vllm_kv_cache_gib=r.vllm_kv_cache_gib,
-        vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-        vllm_enforce_eager=r.vllm_enforce_eager,
+        common=_named(blank, "rollout"), model_path=model, weights_dir=str(plan.weights_dir),
+        weights_announce=announce, group_size=d.group_size, groups_per_claim=r.groups_per_claim,
+        sampling=r.sampling, engine=r.engine, generate=r.generate, vllm=r.vllm,
         device=devices.rollout[0],
-        dtype=devices.rollout_dtype,
-        weights_group=group and replace(group, rank=1),
+        dtype=devices.rollout_dtype, weights_group=group and replace(group, rank=1),
     )
-    plan.reward = RewardWorkerConfig(
-        common=_named(blank, "reward"),
-        model_path=str(model_path),
-        reward_fn=cfg.reward.fn,
-        timeout_s=cfg.reward.timeout_s,
-        rows_per_claim=cfg.reward.rows_per_claim,
-        on_error=cfg.reward.on_error,
-    )
+    plan.reward = RewardWorkerConfig(common=_named(blank, "reward"), model_path=model,
+                                     verifier=cfg.reward.verifier,
+                                     rows_per_claim=cfg.reward.rows_per_claim)
     plan.reference = None
     if plan.reference_worker:
         plan.reference = ReferenceWorkerConfig(
-            common=_named(blank, "reference"),
-            model_path=str(model_path),
-            temperature=r.temperature,
-            rows_per_claim=cfg.reference.rows_per_claim,
-            packing=t.packing,
-            packing_min_saving=t.packing_min_saving,
-            token_budget=t.token_budget,
-            dtype=devices.reference_dtype,
-            device=devices.reference,
+            common=_named(blank, "reference"), model_path=model, sampling=r.sampling,
+            rows_per_claim=cfg.reference.rows_per_claim, pack=t.pack,
+            dtype=devices.reference_dtype, device=devices.reference,
         )
     plan.trainer = TrainerWorkerConfig(
-        common=_named(blank, "trainer"),
-        model_path=str(model_path),
-        reference_path=str(model_path) if plan.kl_active and not plan.reference_worker else None,
-        weights_dir=str(plan.weights_dir),
-        weights_bind=announce,
-        rows_per_iteration=d.prompts_per_iteration * d.group_size,
-        iterations=cfg.run.iterations,
-        group_size=d.group_size,
-        reference_worker=plan.reference_worker,
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        betas=list(t.betas),
-        clip_eps=t.clip_eps,
-        kl_coef=t.kl_coef if plan.kl_active else 0.0,
-        std_normalize=t.std_normalize,
-        max_grad_norm=t.max_grad_norm,
-        rows_per_claim=t.rows_per_claim,
-        updates_per_batch=t.updates_per_batch,
-        importance_correction=t.importance_correction,
-        is_cap=t.is_cap,
-        temperature=r.temperature,
-        packing=t.packing,
-        packing_min_saving=t.packing_min_saving,
-        token_budget=t.token_budget,
-        reference_dtype=devices.reference_dtype,
-        checkpoint_dir=str(run_dir / "checkpoints"),
-        checkpoint_every=cfg.run.checkpoint_every,
-        engine=t.engine,
-        num_ranks=t.num_ranks,
-        deterministic=t.deterministic,
-        zero_stage=t.zero_stage,
+        common=_named(blank, "trainer"), model_path=model,
+        reference_path=model if plan.kl_active and not plan.reference_worker else None,
+        weights_dir=str(plan.weights_dir), weights_bind=announce,
+        rows_per_iteration=d.prompts_per_iteration * d.group_size, iterations=cfg.run.iterations,
+        group_size=d.group_size, reference_worker=plan.reference_worker,
+        optim=t.optim, loss=t.loss if plan.kl_active else replace(t.loss, kl_coef=0.0),
+        sampling=r.sampling, pack=t.pack, rows_per_claim=t.rows_per_claim,
+        reference_dtype=devices.reference_dtype, checkpoint_dir=str(plan.run_dir / "checkpoints"),
+        checkpoint_every=cfg.run.checkpoint_every, engine=t.engine, num_ranks=t.num_ranks,
+        deterministic=t.deterministic, zero_stage=t.zero_stage,
         weights_keep=(cfg.run.max_staleness or 0) + 4,
         resume_from=str(resume_from) if resume_from is not None else None,
-        start_iteration=plan.start_iteration,
-        device=devices.trainer,
-        dtype=devices.trainer_dtype,
+        start_iteration=plan.start_iteration, device=devices.trainer, dtype=devices.trainer_dtype,
         weights_group=group,
     )
-    return plan
 
 
 def held_out_split(
@@ -443,8 +408,6 @@ def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
 
 
 def _named(common: WorkerCommon, role: str) -> WorkerCommon:
-    from dataclasses import replace
-
     return replace(common, name=f"{role}-0", role=role)
 
 

@@ -2,29 +2,34 @@
 
 The controller (``streamflow``) owns the run configuration; workers must not import it. It maps the
 run config onto one of these records per worker and passes it as a JSON file
-(``python -m workers.main --config FILE``). Every field is plain data so the record round-trips
-through JSON exactly (``to_json`` / ``from_json``), and unknown fields are an error.
+(``python -m workers.main --config FILE``). Every field is plain data or a dataclass of plain data
+so the record round-trips through JSON exactly (``to_json`` / ``from_json``), and unknown fields
+are an error. The knobs of the workers' math travel as the settings objects the run config embeds
+(``workers.settings``): the controller passes them through whole; their fields also read and build
+as the record's own (``cfg.lr`` is ``cfg.optim.lr``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from workers.cores import CoreShareConfig
-
-
-@dataclass
-class SimulatedDevice:
-    """The ``simulated`` engine's device (``workers.engines.simulated``): no math, the device is held for
-    the time the cost model gives. Set on every worker of a run whose engines are simulated."""
-
-    cost: str = "7b-1acc"  # cost preset (workers.engines.sim_cost.PRESETS)
-    time_scale: float = 50.0  # simulated seconds per real second
-    median_response_tokens: int = 600  # lognormal response lengths: median ...
-    skew: float = 1.0  # ... and sigma of the underlying normal (capped at max_new_tokens)
+from workers.settings import (
+    GrpoSettings,
+    OptimizerSettings,
+    PackingSettings,
+    RewardSettings,
+    SamplingSettings,
+    SimulatedDevice,
+    TorchGenerateSettings,
+    VllmSettings,
+    embed,
+    flat,
+)
 
 
 @dataclass
@@ -73,6 +78,7 @@ class WeightGroupConfig:
     shm_dir: str = ""
 
 
+@flat
 @dataclass
 class RolloutWorkerConfig:
     common: WorkerCommon
@@ -81,20 +87,11 @@ class RolloutWorkerConfig:
     weights_announce: str | None  # trainer's PUB address for version announcements
     group_size: int
     groups_per_claim: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 16
+    sampling: SamplingSettings = embed(SamplingSettings)
     engine: str = "torch"  # torch | vllm | simulated
     weight_wait_s: float = 600.0  # longest wait for a required policy version
-    # torch engine: attention kernel and rows per forward batch (0 = the whole claim)
-    attn_implementation: str = "sdpa"
-    rows_per_generate: int = 0
-    # vLLM engine settings (see streamflow.config.RolloutSection); ignored by the torch engine.
-    vllm_dtype: str = "auto"
-    vllm_max_model_len: int | None = None
-    vllm_kv_cache_gib: float = 1.0
-    vllm_gpu_memory_utilization: float = 0.9
-    vllm_enforce_eager: bool = True
+    generate: TorchGenerateSettings = embed(TorchGenerateSettings)  # torch engine only
+    vllm: VllmSettings = embed(VllmSettings)  # ignored by the torch engine
     # trainer on another host: its WeightServer; versions are copied into weights_dir (local)
     weights_fetch: str | None = None
     device: str = "cpu"  # cpu | cuda:N (resolved by the controller, streamflow/devices.py)
@@ -102,29 +99,28 @@ class RolloutWorkerConfig:
     weights_group: WeightGroupConfig | None = None  # collective weight sync (None: files)
 
 
+@flat
 @dataclass
 class RewardWorkerConfig:
     common: WorkerCommon
     model_path: str  # for the tokenizer (responses are decoded to text for the verifier)
-    reward_fn: str  # registry name or "module:function"
-    timeout_s: float = 5.0
+    verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error
     rows_per_claim: int = 64
-    on_error: str = "retry"  # retry (failed delivery -> quarantine) | zero (score 0.0, train on it)
 
 
+@flat
 @dataclass
 class ReferenceWorkerConfig:
     common: WorkerCommon
     model_path: str  # the frozen reference (the initial policy unless configured otherwise)
-    temperature: float = 1.0
+    sampling: SamplingSettings = embed(SamplingSettings)  # its temperature: the rollout's
     rows_per_claim: int = 64
-    packing: bool = True
-    packing_min_saving: float = 0.25  # pack a batch whose token saving reaches this
-    token_budget: int = 4096
+    pack: PackingSettings = embed(PackingSettings)
     dtype: str = "float32"
     device: str = "cpu"  # cpu | cuda:N
 
 
+@flat
 @dataclass
 class TrainerWorkerConfig:
     common: WorkerCommon
@@ -136,21 +132,11 @@ class TrainerWorkerConfig:
     iterations: int
     group_size: int
     reference_worker: bool  # ref_logprobs come from the reference task
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    std_normalize: bool = True
-    max_grad_norm: float = 1.0
+    optim: OptimizerSettings = embed(OptimizerSettings)
+    loss: GrpoSettings = embed(GrpoSettings, kl_coef=0.0)  # (no KL unless a reference is given)
+    sampling: SamplingSettings = embed(SamplingSettings)  # its temperature: the rollout's
+    pack: PackingSettings = embed(PackingSettings)
     rows_per_claim: int = 64
-    updates_per_batch: int = 1
-    importance_correction: bool = False
-    is_cap: float = 2.0
-    temperature: float = 1.0
-    packing: bool = True
-    packing_min_saving: float = 0.25  # pack a batch whose token saving reaches this
-    token_budget: int = 4096
     reference_dtype: str = "float32"
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -184,19 +170,14 @@ def to_json(config: WorkerConfig) -> str:
 
 
 def _build(cls: type[T], data: dict[str, Any]) -> T:
-    names = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(data) - set(names)
+    hints = typing.get_type_hints(cls)
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
-    kwargs = dict(data)
-    if "common" in kwargs and isinstance(kwargs["common"], dict):
-        kwargs["common"] = _build(WorkerCommon, kwargs["common"])
-    if isinstance(kwargs.get("cores"), dict):
-        kwargs["cores"] = _build(CoreShareConfig, kwargs["cores"])
-    if isinstance(kwargs.get("weights_group"), dict):
-        kwargs["weights_group"] = _build(WeightGroupConfig, kwargs["weights_group"])
-    if isinstance(kwargs.get("simulated"), dict):
-        kwargs["simulated"] = _build(SimulatedDevice, kwargs["simulated"])
+    kwargs = {}
+    for key, value in data.items():  # a mapping where a (maybe optional) dataclass goes: build it
+        inner = [a for a in (hints[key], *typing.get_args(hints[key])) if dataclasses.is_dataclass(a)]
+        kwargs[key] = _build(inner[0], value) if inner and isinstance(value, dict) else value
     return cls(**kwargs)
 
 

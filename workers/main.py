@@ -13,6 +13,7 @@ redeliveries.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -44,7 +45,7 @@ from workers.models import load_model, load_tokenizer
 from workers.reference import ReferenceStage
 from workers.reward import RewardStage
 from workers.rollout import RolloutStage
-from workers.trainer import Trainer, TrainerSettings
+from workers.trainer import Trainer
 from workers.trimodel import TriModel
 from workers.weights import WeightPublisher, WeightSubscriber
 from workers.weights_collective import GroupSpec
@@ -52,11 +53,8 @@ from workers.weights_collective import GroupSpec
 
 def group_spec(cfg: Any) -> GroupSpec | None:
     """The weight group of a worker config (None: weights go by file only)."""
-    g = cfg.weights_group
-    if g is None:
-        return None
-    return GroupSpec(g.address, g.rank, g.world_size, g.backend, g.bucket_bytes, g.timeout_s,
-                     g.transport, g.shm_dir)
+    g = cfg.weights_group  # (WeightGroupConfig has GroupSpec's fields)
+    return None if g is None else GroupSpec(**dataclasses.asdict(g))
 
 
 def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
@@ -67,16 +65,9 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
             os.environ["CUDA_VISIBLE_DEVICES"] = cfg.device.partition(":")[2]
         from workers.engines.vllm_rollout import VllmRolloutEngine  # needs the [vllm] extra
 
-        # vllm_* fields are optional on RolloutWorkerConfig: the engine's defaults apply without them.
-        settings = {
-            key: getattr(cfg, f"vllm_{key}")
-            for key in ("dtype", "max_model_len", "kv_cache_gib", "gpu_memory_utilization",
-                        "enforce_eager")
-            if hasattr(cfg, f"vllm_{key}")
-        }
-        return VllmRolloutEngine(cfg.model_path, seed=cfg.common.seed, **settings)
+        return VllmRolloutEngine(cfg.model_path, seed=cfg.common.seed, **cfg.vllm.engine_kwargs())
     tokenizer = load_tokenizer(cfg.model_path)
-    if cfg.engine == "simulated":  # no model: the cost model's device (workers.sim.roles)
+    if cfg.engine == "simulated":  # no model: the cost model's device (workers.engines.simulated)
         from workers.engines.simulated import SimulatedRolloutEngine
 
         if cfg.common.simulated is None:
@@ -85,18 +76,17 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
     from workers.engines.torch_rollout import TorchRolloutEngine
 
     model = load_model(cfg.model_path, dtype=dtype_of(cfg.dtype),
-                       attn_implementation=cfg.attn_implementation)
+                       attn_implementation=cfg.generate.attn_implementation)
     return TorchRolloutEngine(model, tokenizer, device=torch_device(cfg.device),
-                              max_batch_size=cfg.rows_per_generate or None)
+                              max_batch_size=cfg.generate.rows_per_generate or None)
 
 
 def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage:
     tokenizer = load_tokenizer(cfg.model_path)
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-    params = SamplingParams(
-        temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-        stop_token_ids=stops,
-    )
+    sampling = cfg.sampling
+    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                            max_new_tokens=sampling.max_new_tokens, stop_token_ids=stops)
     files = WeightSubscriber(cfg.weights_dir, cfg.weights_announce, fetch=cfg.weights_fetch)
 
     def on_sync(report: WeightSyncReport) -> None:  # a fetched version's copy is sync cost too
@@ -125,10 +115,9 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
 
 
 def build_reward(cfg: RewardWorkerConfig) -> Any:
-    stage = RewardStage(
-        load_tokenizer(cfg.model_path), cfg.reward_fn, timeout_s=cfg.timeout_s,
-        max_rows=cfg.rows_per_claim, on_error=cfg.on_error,
-    )
+    r = cfg.verifier
+    stage = RewardStage(load_tokenizer(cfg.model_path), r.fn, timeout_s=r.timeout_s,
+                        max_rows=cfg.rows_per_claim, on_error=r.on_error)
     if cfg.common.simulated is not None:  # the real verifier, plus the cost model's time
         from workers.engines.simulated import SimulatedRewardStage
 
@@ -143,8 +132,7 @@ def build_reference(cfg: ReferenceWorkerConfig) -> Any:
         return SimulatedReferenceStage(cfg.common.simulated, cfg.rows_per_claim)
     return ReferenceStage(
         load_model(cfg.model_path, dtype=DTYPES[cfg.dtype]).to(torch_device(cfg.device)),
-        temperature=cfg.temperature, max_rows=cfg.rows_per_claim, packing=cfg.packing,
-        packing_min_saving=cfg.packing_min_saving, token_budget=cfg.token_budget,
+        temperature=cfg.sampling.temperature, max_rows=cfg.rows_per_claim, pack=cfg.pack,
     )
 
 
@@ -154,9 +142,10 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
     ``deepspeed`` joins the process group torch's launcher describes (one process per rank).
     """
     if cfg.engine == "torch":
+        o = cfg.optim
         engine = TorchTrainerEngine(
-            model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]),
-            max_grad_norm=cfg.max_grad_norm, fp64_accumulation=cfg.deterministic,
+            model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
+            max_grad_norm=o.max_grad_norm, fp64_accumulation=cfg.deterministic,
         )
         return engine, None
     if cfg.engine == "deepspeed":  # needs the [deepspeed] extra (clear error if missing)
@@ -170,11 +159,7 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
             start_ranks,
         )
 
-        settings = DeepSpeedSettings(
-            lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]),
-            max_grad_norm=cfg.max_grad_norm,
-            zero_stage=cfg.zero_stage,
-        )
+        settings = DeepSpeedSettings(optim=cfg.optim, zero_stage=cfg.zero_stage)
         ranks = start_ranks()
         expected = cfg.num_ranks
         if expected != ranks.world_size:
@@ -206,10 +191,10 @@ def build_trainer(
         restore_rng(cfg.resume_from)
         start_iteration = read_state(cfg.resume_from).step
     reference = None
-    if cfg.reference_path and cfg.kl_coef > 0 and not cfg.reference_worker:
+    if cfg.reference_path and cfg.loss.kl_coef > 0 and not cfg.reference_worker:
         reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype])
     compute = dtype_of(cfg.dtype)
-    # updates_per_batch: the trainer (settings below) keeps the first pass's log-probs as the old
+    # updates_per_batch: the trainer keeps the first pass's log-probs as the old policy
     tri = TriModel(model, reference=reference,
                    frozen_device=next(model.parameters()).device,
                    autocast_dtype=None if compute == torch.float32 else compute)
@@ -217,15 +202,6 @@ def build_trainer(
         logging.getLogger("workers.trainer").info(
             "tri-model: frozen reference copy holds %d bytes beside the policy",
             tri.extra_bytes())
-    settings = TrainerSettings(
-        rows_per_iteration=cfg.rows_per_iteration, group_size=cfg.group_size,
-        reference_worker=cfg.reference_worker, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
-        std_normalize=cfg.std_normalize, updates_per_batch=cfg.updates_per_batch,
-        importance_correction=cfg.importance_correction, is_cap=cfg.is_cap,
-        temperature=cfg.temperature, packing=cfg.packing, token_budget=cfg.token_budget,
-        packing_min_saving=cfg.packing_min_saving,
-        rows_per_claim=cfg.rows_per_claim, deterministic=cfg.deterministic,
-    )
     tokenizer = load_tokenizer(cfg.model_path)
 
     def checkpoint(step: int) -> None:
@@ -247,7 +223,7 @@ def build_trainer(
 
         publisher = CollectivePublisher(publisher, spec, next(model.parameters()).device)
     return Trainer(
-        client, cfg.common.table, engine, tri, settings, publisher,
+        client, cfg.common.table, engine, tri, cfg, publisher,
         worker=cfg.common.name, send=events.send if leader else (lambda r: None),
         start_iteration=start_iteration, on_step=checkpoint, keeper=keeper, ranks=ranks,
     )
@@ -258,17 +234,13 @@ def build_simulated_trainer(
 ) -> Any:
     from workers.engines.simulated_trainer import SimulatedTrainer
 
-    if cfg.common.simulated is None:
-        raise ValueError("trainer engine 'simulated' needs common.simulated (the device)")
     if cfg.resume_from:
         raise ValueError("a simulated trainer writes no checkpoints: it cannot resume")
     return SimulatedTrainer(
-        client, cfg.common.table, cfg.common.simulated,
+        client, cfg,
         WeightPublisher(cfg.weights_dir, cfg.weights_bind, keep=cfg.weights_keep,
                         serve=cfg.weights_serve),
-        rows_per_iteration=cfg.rows_per_iteration, group_size=cfg.group_size,
-        rows_per_claim=cfg.rows_per_claim, reference_worker=cfg.reference_worker,
-        std_normalize=cfg.std_normalize, worker=cfg.common.name, send=events.send, keeper=keeper,
+        send=events.send, keeper=keeper,
     )
 
 

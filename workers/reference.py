@@ -19,6 +19,8 @@ import torch
 from storage.schema import Lease
 from workers.loop import with_row_ids
 from workers.packing import PackGroup, packed_response_logprobs
+from workers.schema import REFERENCE_READS
+from workers.settings import PackingSettings
 
 
 def rows_to_groups(batch: pa.RecordBatch) -> tuple[list[PackGroup], list[tuple[int, int]]]:
@@ -44,27 +46,18 @@ def rows_to_groups(batch: pa.RecordBatch) -> tuple[list[PackGroup], list[tuple[i
 
 class ReferenceStage:
     task = "reference"
-    columns = ("group_id", "iteration", "prompt_ids", "response_ids")
+    columns = REFERENCE_READS
     whole_groups = False
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        temperature: float,
-        max_rows: int,
-        packing: bool,
-        token_budget: int,
-        packing_min_saving: float = 0.0,
+        self, model: torch.nn.Module, *, temperature: float, max_rows: int, pack: PackingSettings
     ) -> None:
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.temperature = temperature
         self.max_rows = max_rows
-        self.packing = packing
-        self.packing_min_saving = packing_min_saving
-        self.token_budget = token_budget
+        self.pack = pack
         self.last_tokens = 0
 
     @torch.no_grad()
@@ -74,9 +67,9 @@ class ReferenceStage:
             self.model,
             groups,
             temperature=self.temperature,
-            token_budget=self.token_budget,
-            pack=self.packing,
-            min_saving=self.packing_min_saving,
+            token_budget=self.pack.token_budget,
+            pack=self.pack.packing,
+            min_saving=self.pack.packing_min_saving,
         )
         rows = [logprobs[g][r].float().tolist() for g, r in where]
         self.last_tokens = sum(len(r) for r in rows)

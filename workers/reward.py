@@ -24,11 +24,12 @@ import pyarrow as pa
 from storage.schema import Lease
 from workers.loop import HandBack, with_row_ids
 from workers.rewards import RewardRunner, resolve_reward
+from workers.schema import REWARD_READS
 
 
 class RewardStage:
     task = "reward"
-    columns = ("response_ids", "answer", "iteration", "group_id")
+    columns = REWARD_READS
     whole_groups = False
 
     def __init__(

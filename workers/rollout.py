@@ -32,6 +32,7 @@ from storage.schema import Lease
 from workers.engines.base import LoadsWeightsFile, RolloutEngine, SamplingParams
 from workers.events import WeightSyncReport
 from workers.loop import with_row_ids
+from workers.schema import ROLLOUT_READS
 from workers.weights import WeightSubscriber, weights_path
 
 
@@ -41,7 +42,7 @@ def sampling_seed(run_seed: int, group_id: int, policy_version: int) -> int:
 
 class RolloutStage:
     task = "rollout"
-    columns = ("group_id", "iteration", "min_policy_version", "prompt_ids")
+    columns = ROLLOUT_READS
     whole_groups = True
 
     def __init__(

@@ -18,7 +18,8 @@ are put together, so a group always lives in one shard. Each column is written b
     reward_ok            reward        write
     reward_error         reward        write
     ref_logprobs         reference     write      (absent when the reference is off or fused)
-    advantage            trainer       write+ack  (recorded for inspection; the row is then freed)
+    advantage            trainer       write+ack  (after the step, with the ack that frees the row;
+                                                  recorded for inspection)
 
 Tasks and the columns that make a row ready for them:
 
@@ -26,9 +27,14 @@ Tasks and the columns that make a row ready for them:
     reward     response_ids
     reference  response_ids
     trainer    response_ids, reward [, ref_logprobs]    whole groups (advantages need the group)
+
+The columns each task claims (``*_READS``) and writes (``*_COLUMNS``) are declared below, once;
+``prompt_rows`` builds the rows the controller puts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import pyarrow as pa
 
@@ -68,10 +74,12 @@ SAMPLES_SCHEMA = pa.schema(
 )
 
 PUT_COLUMNS = ("group_id", "iteration", "min_policy_version", "prompt_ids", "answer")
+ROLLOUT_READS = ("group_id", "iteration", "min_policy_version", "prompt_ids")
 ROLLOUT_COLUMNS = ("response_ids", "response_logprobs", "policy_version", "finish_reason")
+REWARD_READS = ("response_ids", "answer", "iteration", "group_id")
 REWARD_COLUMNS = ("reward", "reward_ok", "reward_error")
+REFERENCE_READS = ("group_id", "iteration", "prompt_ids", "response_ids")
 REFERENCE_COLUMNS = ("ref_logprobs",)
-
 TRAINER_READS = (
     "group_id",
     "iteration",
@@ -80,7 +88,33 @@ TRAINER_READS = (
     "response_logprobs",
     "policy_version",
     "reward",
+    "reward_ok",
 )
+TRAINER_COLUMNS = ("advantage",)
+_PUT_SCHEMA = pa.schema([SAMPLES_SCHEMA.field(c) for c in PUT_COLUMNS])
+
+
+def prompt_rows(
+    iteration: int,
+    prompts: Sequence[Sequence[int]],
+    answers: Sequence[str],
+    *,
+    group_size: int,
+    min_policy_version: int,
+) -> pa.RecordBatch:
+    """The ``PUT_COLUMNS`` rows of one iteration: each tokenised prompt ``group_size`` times (one
+    row per sample), prompt i of the iteration in group ``iteration * len(prompts) + i``."""
+    n, g = len(prompts), group_size
+    return pa.RecordBatch.from_pydict(
+        {
+            "group_id": [iteration * n + i for i in range(n) for _ in range(g)],
+            "iteration": [iteration] * (n * g),
+            "min_policy_version": [min_policy_version] * (n * g),
+            "prompt_ids": [list(p) for p in prompts for _ in range(g)],
+            "answer": [a for a in answers for _ in range(g)],
+        },
+        schema=_PUT_SCHEMA,
+    )
 
 
 def samples_table_spec(
@@ -103,7 +137,7 @@ def samples_table_spec(
     trainer_needs: tuple[str, ...] = ("response_ids", "reward")
     if reference_worker:
         tasks.append(TaskSpec("reference", ("response_ids",)))
-        trainer_needs += ("ref_logprobs",)
+        trainer_needs += REFERENCE_COLUMNS
     tasks.append(TaskSpec("trainer", trainer_needs, whole_groups=True))
     return TableSpec(
         name=name,
@@ -119,4 +153,5 @@ def samples_table_spec(
 
 
 def trainer_columns(reference_worker: bool) -> tuple[str, ...]:
-    return TRAINER_READS + (("ref_logprobs",) if reference_worker else ())
+    """What the trainer claims: ``ref_logprobs`` too when a reference worker writes them."""
+    return TRAINER_READS + (REFERENCE_COLUMNS if reference_worker else ())

@@ -3,10 +3,11 @@
 Lifecycle of the rows of iteration k (the trainer's current step, its weights are version k)::
 
     claim whole groups -> [iteration > k: park the piece, keep its lease alive]
-                       -> [iteration == k: forward+backward now, write advantages]
+                       -> [iteration == k: forward+backward now, keep the advantages]
     ... until all rows_per_iteration rows of k are in ...
     -> scale grads by 1/total_tokens -> clip -> AdamW step   (x updates_per_batch)
-    -> publish weights version k+1 -> ack every lease whose rows are all trained -> report
+    -> publish weights version k+1 -> report -> write the advantages of every lease whose rows
+       are all trained, acking it in the same request
 
 Why ack only after the step: a trainer that dies mid-iteration has applied nothing, so its rows
 must come back (their leases expire) and be trained by its successor; acking earlier would lose them.
@@ -18,8 +19,8 @@ Faults (a restart from a checkpoint, a freeze past the lease, a store node resta
 - a row of an iteration below ``step`` is already in the weights: it is acked, never retrained;
 - a row delivered again within its iteration (this process trained or parked it already and then
   lost the lease) is not trained twice: the new lease is only held and acked after the step;
-- acks and advantage writes refused by fencing are logged and skipped: those rows come back and
-  fall under the two rules above;
+- acks (with their advantage writes) refused by fencing are logged and skipped: those rows come
+  back and fall under the two rules above;
 - dead groups: rows quarantined DEAD name their iteration and group (``workers.faults``); the
   iteration's expected row count drops by group_size per dead group, so the step is taken over
   the groups that exist (never over none: an iteration with every group dead never steps, and the
@@ -71,37 +72,20 @@ from torch.nn.utils.rnn import pad_sequence
 from storage.errors import CellAlreadyWritten, LeaseExpired, Unavailable, UnknownTable
 from storage.schema import ROW_ID, Lease
 from workers import cores
+from workers.config import TrainerWorkerConfig
 from workers.distributed import Op, RankGroup, first_group
 from workers.engines.torch_trainer import TrainerEngine
 from workers.events import Span, StepReport
 from workers.faults import dead_groups
 from workers.loop import LeaseKeeper
-from workers.packing import DEFAULT_MIN_SAVING, should_pack
+from workers.packing import should_pack
 from workers.reference import rows_to_groups
 from workers.rl import LossSums, group_advantages, grpo_loss_sums
+from workers.schema import trainer_columns
 from workers.trimodel import TriModel
 from workers.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainerSettings:
-    rows_per_iteration: int
-    group_size: int
-    reference_worker: bool  # ref_logprobs come from the store
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    std_normalize: bool = True
-    updates_per_batch: int = 1
-    importance_correction: bool = False
-    is_cap: float = 2.0
-    temperature: float = 1.0
-    packing: bool = True  # pack a micro-batch when its token saving reaches packing_min_saving
-    packing_min_saving: float = DEFAULT_MIN_SAVING
-    token_budget: int = 4096
-    rows_per_claim: int = 64
-    deterministic: bool = False  # one group per forward + fp64 gradient sums (bitwise updates)
 
 
 @dataclass
@@ -120,6 +104,8 @@ class _Held:
     lease: Lease
     untrained: int  # rows of this lease not yet trained
     lifetime: float  # seconds the store granted at claim time; renewed at half of it
+    # (row ids, advantages) of its trained pieces: written with the ack (leader only)
+    advantages: list[tuple[pa.Array, pa.Array]] = field(default_factory=list)
 
 
 class Trainer:
@@ -131,7 +117,7 @@ class Trainer:
         table: str,
         engine: TrainerEngine,
         tri: TriModel,
-        settings: TrainerSettings,
+        settings: TrainerWorkerConfig,
         publisher: WeightPublisher,
         *,
         worker: str = "trainer-0",
@@ -153,10 +139,7 @@ class Trainer:
         self.keeper = keeper  # renews held leases from its own thread (else: between claims)
         self.ranks = ranks  # several trainer ranks (workers.distributed); None: this process alone
         self.step = start_iteration  # = policy version of the current weights
-        self.columns = (
-            "group_id", "iteration", "prompt_ids", "response_ids", "response_logprobs",
-            "policy_version", "reward", "reward_ok",
-        ) + (("ref_logprobs",) if settings.reference_worker else ())
+        self.columns = trainer_columns(settings.reference_worker)
         self._parked: dict[int, list[Piece]] = {}
         self._done: list[Piece] = []  # pieces of the current iteration already on the first pass
         self._held: dict[int, _Held] = {}
@@ -254,9 +237,10 @@ class Trainer:
         if idle:
             rows = first_group(piece.rows)
         groups, where = rows_to_groups(rows)
+        pack = self.s.pack
         out = self.tri.forward(
-            groups, temperature=self.s.temperature, token_budget=self.s.token_budget,
-            pack=self.s.packing and should_pack(groups, self.s.packing_min_saving),
+            groups, temperature=self.s.sampling.temperature, token_budget=pack.token_budget,
+            pack=pack.packing and should_pack(groups, pack.packing_min_saving),
         )
         logp_rows = [out.policy[g][r] for g, r in where]
         logp = pad_sequence(logp_rows, batch_first=True)
@@ -266,7 +250,8 @@ class Trainer:
             piece.old_logp = [x.detach() for x in logp_rows]
         old = pad_sequence(piece.old_logp, batch_first=True)
         ref = None
-        if self.s.kl_coef > 0:
+        loss = self.s.loss
+        if loss.kl_coef > 0:
             if self.s.reference_worker:
                 ref = _pad_lists(rows.column("ref_logprobs").to_pylist()).to(dev)
             else:
@@ -275,20 +260,20 @@ class Trainer:
         rewards = torch.tensor(rows.column("reward").to_pylist(), dtype=torch.float32)
         group_ids = torch.tensor(rows.column("group_id").to_pylist(), dtype=torch.int64)
         adv = group_advantages(
-            rewards, group_ids, group_size=self.s.group_size, std_normalize=self.s.std_normalize
+            rewards, group_ids, group_size=self.s.group_size, std_normalize=loss.std_normalize
         )
         loss_sum, sums = grpo_loss_sums(
-            logp, old, ref, adv.to(dev), mask, clip_eps=self.s.clip_eps, kl_coef=self.s.kl_coef,
-            behaviour_logp=behaviour, is_correction=self.s.importance_correction, is_cap=self.s.is_cap,
+            logp, old, ref, adv.to(dev), mask, clip_eps=loss.clip_eps, kl_coef=loss.kl_coef,
+            behaviour_logp=behaviour, is_correction=loss.importance_correction, is_cap=loss.is_cap,
         )
         if first_pass and (self.ranks is None or self.ranks.is_leader):
             if rows is not piece.rows:  # several ranks: the leader writes every row's advantage
                 adv = group_advantages(
                     torch.tensor(piece.rows.column("reward").to_pylist(), dtype=torch.float32),
                     torch.tensor(piece.rows.column("group_id").to_pylist(), dtype=torch.int64),
-                    group_size=self.s.group_size, std_normalize=self.s.std_normalize,
+                    group_size=self.s.group_size, std_normalize=loss.std_normalize,
                 )
-            self._write_advantages(piece, adv)
+            self._keep_advantages(piece, adv)
         if idle:  # same graph as the other ranks (ZeRO-2 reduces in backward), zero gradient
             return loss_sum * 0.0, LossSums()
         return loss_sum, sums
@@ -313,16 +298,11 @@ class Trainer:
         self._busy += end - start
         self.send(Span("trainer", self.worker, start, end, piece.iteration, rows.num_rows, sums.num_tokens))
 
-    def _write_advantages(self, piece: Piece, adv: torch.Tensor) -> None:
-        batch = pa.RecordBatch.from_pydict(
-            {ROW_ID: piece.rows.column(ROW_ID), "advantage": pa.array(adv.tolist(), pa.float32())}
-        )
-        try:
-            self.client.write(self.table, piece.lease, batch)
-        except (LeaseExpired, CellAlreadyWritten, Unavailable, UnknownTable) as exc:
-            # Advantages are recorded for inspection only; a fenced write (lease lost) or a cell a
-            # predecessor wrote (trainer restarted) changes nothing about the update.
-            log.warning("advantages of lease %s not recorded: %s", piece.lease.lease_id, exc)
+    def _keep_advantages(self, piece: Piece, adv: torch.Tensor) -> None:
+        """Advantages are recorded for inspection: they go with the ack after the step."""
+        assert piece.lease is not None  # the leader's pieces always come with their lease
+        self._held[piece.lease.lease_id].advantages.append(
+            (piece.rows.column(ROW_ID), pa.array(adv.tolist(), pa.float32())))
 
     def _finish_iteration(self) -> None:
         start = time.time()
@@ -335,7 +315,7 @@ class Trainer:
         # What the step reports: every pass's tokens (the first pass alone has ratio 1 and clips
         # nothing by construction, so reporting it would hide what later passes did).
         report = self._sums
-        for _ in range(self.s.updates_per_batch - 1):  # PPO-style extra passes (old = start of iteration)
+        for _ in range(self.s.loss.updates_per_batch - 1):  # PPO-style extra passes (old = start of iteration)
             total = LossSums()
             for piece in self._done:
                 loss_sum, sums = self._forward(piece, first_pass=False)
@@ -398,13 +378,27 @@ class Trainer:
                 if self.keeper is not None:
                     self.keeper.drop(held.lease.lease_id)
                 try:
-                    self.client.ack(held.lease)
+                    self._ack(held)
                 except (LeaseExpired, Unavailable, UnknownTable) as exc:
                     # The lease was lost (freeze, store restart): the rows come back and are
                     # acked then as rows of a trained iteration.
                     log.warning("ack of lease %s refused (%s)", held.lease.lease_id, exc)
                 del self._held[piece.lease.lease_id]
         self._ack_only = []
+
+    def _ack(self, held: _Held) -> None:
+        """Ack a trained lease, writing its rows' advantages in the same request."""
+        if held.advantages:
+            ids, adv = zip(*held.advantages, strict=True)
+            batch = pa.RecordBatch.from_arrays([pa.concat_arrays(list(ids)),
+                                                pa.concat_arrays(list(adv))],
+                                               names=[ROW_ID, "advantage"])
+            try:
+                self.client.write(self.table, held.lease, batch, ack=True)
+                return
+            except CellAlreadyWritten as exc:  # a predecessor recorded them: the ack still goes
+                log.warning("advantages of lease %s not recorded: %s", held.lease.lease_id, exc)
+        self.client.ack(held.lease)
 
     def _reset_iteration(self) -> None:
         self._seen = {it: ids for it, ids in self._seen.items() if it >= self.step}

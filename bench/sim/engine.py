@@ -42,6 +42,7 @@ import pyarrow.compute as pc
 from storage.schema import ROW_ID, Lease
 from workers.engines.sim_cost import CostModel, Workload, group_lengths
 from workers.loop import with_row_ids
+from workers.schema import ROLLOUT_READS
 
 PAYLOAD_TOKENS = 4  # tokens actually stored per response / log-prob list (placeholders)
 SIM_COLUMN = "sim_response_tokens"
@@ -126,7 +127,7 @@ class SimRolloutStage:
     """Rollout: G responses per prompt, lengths from the cost model, held for the batch's time."""
 
     task = "rollout"
-    columns = ("group_id", "iteration", "min_policy_version", "prompt_ids")
+    columns = ROLLOUT_READS
     whole_groups = True
 
     def __init__(

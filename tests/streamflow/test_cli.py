@@ -60,8 +60,9 @@ def test_dry_run_does_not_import_the_engine():
     # The config checks the simulated cost preset's name against workers.engines.sim_cost, a
     # standard-library-only table of presets; anything else of workers (engines, torch) is heavy.
     # The early checks (streamflow/preflight.py) resolve reward.fn with workers.rewards, which
-    # is standard-library only as well.
-    light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.rewards")
+    # is standard-library only as well, and so is workers.settings (the knobs the config embeds).
+    light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.rewards",
+             "workers.settings")
     code = (
         "import sys; from streamflow.cli import main; "
         f"rc = main(['run', {TINY!r}, '--dry-run']); "
@@ -301,7 +302,7 @@ def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path, store_
         config.write_text(to_json(RewardWorkerConfig(
             common=WorkerCommon(name="reward-0", role="reward", store_addresses=[address],
                                 table="samples", claim_timeout_s=0.2),
-            model_path=str(tok_dir), reward_fn="exact_match", rows_per_claim=2,
+            model_path=str(tok_dir), fn="exact_match", rows_per_claim=2,
         )))
         worker = subprocess.Popen(
             [sys.executable, "-m", "streamflow", "worker", "--role", "reward",

@@ -55,6 +55,14 @@ def test_explicit_devices_and_dtypes_are_kept():
     assert resolve_devices(cfg("rollout.dtype=float32"), gpus=1).rollout_dtype == "float32"
 
 
+def test_model_dtype_is_the_dtype_of_roles_left_auto():
+    d = resolve_devices(cfg("model.dtype=float32", "trainer.dtype=bfloat16"), gpus=1)
+    assert (d.rollout_dtype, d.reference_dtype, d.trainer_dtype) == ("float32", "float32",
+                                                                     "bfloat16")
+    d = resolve_devices(cfg("model.dtype=bfloat16", "trainer.device=cpu"), gpus=1)
+    assert d.trainer == "cpu" and d.trainer_dtype == "bfloat16"
+
+
 @pytest.mark.parametrize(("overrides", "gpus", "key", "words"), [
     (("rollout.device=cuda",), 0, "rollout.device", "no CUDA device is visible"),
     (("trainer.device=cuda:0",), 0, "trainer.device", "no CUDA device is visible"),

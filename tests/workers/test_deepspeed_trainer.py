@@ -41,7 +41,7 @@ from workers.events import EventSender, StepReport
 from workers.loop import StageLoop
 from workers.main import build_rollout, build_trainer
 from workers.models import TinyModelSpec, build_tiny_model, save_model
-from workers.schema import PUT_COLUMNS, SAMPLES_SCHEMA, samples_table_spec
+from workers.schema import prompt_rows, samples_table_spec
 from workers.tokenizer import build_char_tokenizer, encode_prompt
 from workers.weights import weights_path
 
@@ -106,16 +106,8 @@ def torch_result(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> t
 def _put(client, k: int) -> None:
     tok = build_char_tokenizer()
     problems = [(f"{a}+{a + k}=", str(2 * a + k)) for a in range(PROMPTS)]
-    batch = pa.RecordBatch.from_pydict(
-        {
-            "group_id": [k * PROMPTS + i for i in range(PROMPTS) for _ in range(G)],
-            "iteration": [k] * ROWS,
-            "min_policy_version": [0] * ROWS,  # all generated up front by the initial policy
-            "prompt_ids": [encode_prompt(tok, p) for p, _ in problems for _ in range(G)],
-            "answer": [a for _, a in problems for _ in range(G)],
-        },
-        schema=pa.schema([SAMPLES_SCHEMA.field(c) for c in PUT_COLUMNS]),
-    )
+    batch = prompt_rows(k, [encode_prompt(tok, p) for p, _ in problems], [a for _, a in problems],
+                        group_size=G, min_policy_version=0)  # all generated up front by the initial policy
     client.put("samples", batch)
 
 

@@ -291,13 +291,11 @@ def test_packing_threshold_defaults_agree():
     from streamflow.config import TrainerSection
     from workers.config import ReferenceWorkerConfig, TrainerWorkerConfig
     from workers.packing import DEFAULT_MIN_SAVING
-    from workers.trainer import TrainerSettings
 
     assert TrainerSection().packing_min_saving == DEFAULT_MIN_SAVING
-    assert TrainerSettings(rows_per_iteration=2, group_size=2, reference_worker=False
-                           ).packing_min_saving == DEFAULT_MIN_SAVING
     for cls in (ReferenceWorkerConfig, TrainerWorkerConfig):
-        assert cls.__dataclass_fields__["packing_min_saving"].default == DEFAULT_MIN_SAVING
+        assert cls.__dataclass_fields__["pack"].default_factory().packing_min_saving \
+            == DEFAULT_MIN_SAVING
 
 
 def test_below_the_threshold_the_batch_runs_unpacked(model, monkeypatch):

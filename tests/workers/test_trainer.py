@@ -32,7 +32,7 @@ from workers.rl import (
     grpo_loss_sums,
     response_logprobs,
 )
-from workers.schema import PUT_COLUMNS, SAMPLES_SCHEMA, samples_table_spec
+from workers.schema import prompt_rows, samples_table_spec
 from workers.tokenizer import build_char_tokenizer, encode_prompt
 
 _RUNS = itertools.count()  # one weights directory per training run of a test
@@ -79,16 +79,8 @@ def _spec(audit: bool):
 def _put(client, k: int) -> None:
     tok = build_char_tokenizer()
     problems = [(f"{a}+{a + k}=", str(2 * a + k)) for a in range(PROMPTS)]
-    batch = pa.RecordBatch.from_pydict(
-        {
-            "group_id": [k * PROMPTS + i for i in range(PROMPTS) for _ in range(G)],
-            "iteration": [k] * ROWS,
-            "min_policy_version": [k] * ROWS,
-            "prompt_ids": [encode_prompt(tok, p) for p, _ in problems for _ in range(G)],
-            "answer": [a for _, a in problems for _ in range(G)],
-        },
-        schema=pa.schema([SAMPLES_SCHEMA.field(c) for c in PUT_COLUMNS]),
-    )
+    batch = prompt_rows(k, [encode_prompt(tok, p) for p, _ in problems], [a for _, a in problems],
+                        group_size=G, min_policy_version=k)
     client.put("samples", batch)
 
 

@@ -47,6 +47,7 @@ import torch
 
 from workers.distributed import RankGroup, rank_env
 from workers.rl import make_optimizer
+from workers.settings import OptimizerSettings, embed, flat
 
 CHECKPOINT_TAG = "deepspeed"  # sub-directory of a trainer checkpoint holding DeepSpeed's files
 SUPPORTED_STAGES = (1, 2)
@@ -57,15 +58,13 @@ class MissingExtraError(ImportError):
     """A config asks for an engine whose optional dependency is not installed."""
 
 
+@flat
 @dataclass(frozen=True)
 class DeepSpeedSettings:
     """Everything the DeepSpeed engine needs from the run config (typed, validated here)."""
 
-    lr: float
+    optim: OptimizerSettings = embed(OptimizerSettings)  # lr, weight_decay, betas, max_grad_norm
     zero_stage: int = 2
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float | None = 1.0
     reduce_bucket_size: int = 50_000_000  # elements per gradient-reduction bucket
     allgather_bucket_size: int = 50_000_000  # elements per parameter all-gather bucket
     backend: str | None = None  # None: the accelerator's default (gloo on CPU, nccl on CUDA)
@@ -77,10 +76,6 @@ class DeepSpeedSettings:
                 f"DeepSpeedSettings.zero_stage must be one of {SUPPORTED_STAGES}, got "
                 f"{self.zero_stage!r} (stage 3 shards parameters: not supported by this engine)"
             )
-        if not self.lr > 0:
-            raise ValueError(f"DeepSpeedSettings.lr must be > 0, got {self.lr}")
-        if self.max_grad_norm is not None and self.max_grad_norm < 0:
-            raise ValueError(f"DeepSpeedSettings.max_grad_norm must be >= 0, got {self.max_grad_norm}")
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DeepSpeedSettings.{name} must be >= 1, got {getattr(self, name)}")
@@ -92,7 +87,7 @@ class DeepSpeedSettings:
             "gradient_accumulation_steps": 1,
             "train_batch_size": world_size,
             "managed_gradient_accumulation": False,  # step() is the boundary (see module doc)
-            "gradient_clipping": float(self.max_grad_norm or 0.0),
+            "gradient_clipping": float(self.optim.max_grad_norm or 0.0),
             "zero_optimization": {
                 "stage": self.zero_stage,
                 "overlap_comm": False,
@@ -160,7 +155,8 @@ class DeepSpeedTrainerEngine:
         model.train()
         # Same optimizer as TorchTrainerEngine (AdamW, foreach off); ZeRO wraps it and steps it on
         # this rank's flat fp32 partition.
-        optimizer = make_optimizer(model, settings.lr, settings.weight_decay, settings.betas)
+        o = settings.optim
+        optimizer = make_optimizer(model, o.lr, o.weight_decay, o.betas)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=settings.ds_config(ranks.world_size)
         )

@@ -49,6 +49,7 @@ from workers.config import SimulatedDevice
 from workers.engines.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from workers.engines.sim_cost import CostModel, preset
 from workers.loop import with_row_ids
+from workers.schema import REFERENCE_READS
 
 if TYPE_CHECKING:
     import torch
@@ -165,7 +166,7 @@ class SimulatedReferenceStage:
     """Reference log-probs without a model: placeholders of each response's length."""
 
     task = "reference"
-    columns = ("group_id", "iteration", "prompt_ids", "response_ids")
+    columns = REFERENCE_READS
     whole_groups = False
 
     def __init__(self, spec: SimulatedDevice, max_rows: int) -> None:

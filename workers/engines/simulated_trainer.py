@@ -11,13 +11,14 @@ imports torch, which the simulated rollout, reward and reference roles do not ne
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from workers.config import SimulatedDevice
+from workers.config import TrainerWorkerConfig
 from workers.engines.simulated import Device, SimulatedTrainingEngine, SimulatedTriModel
 from workers.loop import LeaseKeeper
-from workers.trainer import Trainer, TrainerSettings
+from workers.trainer import Trainer
 from workers.weights import WeightPublisher
 
 
@@ -27,29 +28,20 @@ class SimulatedTrainer(Trainer):
     def __init__(
         self,
         client: Any,
-        table: str,
-        spec: SimulatedDevice,
+        cfg: TrainerWorkerConfig,
         publisher: WeightPublisher,
         *,
-        rows_per_iteration: int,
-        group_size: int,
-        rows_per_claim: int,
-        reference_worker: bool,
-        std_normalize: bool = True,
-        worker: str = "trainer-0",
         send: Callable[[Any], None] = lambda r: None,
         keeper: LeaseKeeper | None = None,
     ) -> None:
-        device = Device(spec)
-        settings = TrainerSettings(
-            rows_per_iteration=rows_per_iteration, group_size=group_size,
-            reference_worker=reference_worker, std_normalize=std_normalize,
-            rows_per_claim=rows_per_claim,
-            packing=False,  # the simulated forward prices rows, not a packed layout
-        )
+        if cfg.common.simulated is None:
+            raise ValueError("trainer engine 'simulated' needs common.simulated (the device)")
+        device = Device(cfg.common.simulated)
+        # the simulated forward prices rows, not a packed layout
+        settings = dataclasses.replace(cfg, pack=dataclasses.replace(cfg.pack, packing=False))
         super().__init__(
-            client, table, SimulatedTrainingEngine(device),
-            SimulatedTriModel(device, reference=not reference_worker),  # type: ignore[arg-type]
-            settings, publisher, worker=worker, send=send, keeper=keeper,
+            client, cfg.common.table, SimulatedTrainingEngine(device),
+            SimulatedTriModel(device, reference=not cfg.reference_worker),  # type: ignore[arg-type]
+            settings, publisher, worker=cfg.common.name, send=send, keeper=keeper,
         )
         self.device = device

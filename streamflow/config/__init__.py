@@ -1,0 +1,258 @@
+"""Typed configuration of a run: every knob of a run declared, defaulted and checked once.
+
+Owns ``RunConfig`` (one field per YAML section), the rules that span sections (packing budget,
+simulated engines, multi-host placement, collective weight sync), the warnings for settings that
+have no effect, and ``load_config`` / ``dump_yaml``. It is also the one import point of its
+modules: ``sections`` (each section's frozen dataclass, defaults and range checks; ``rollout``,
+``reward`` and ``trainer`` embed the workers' settings objects, ``workers.settings``, whose fields
+are flat keys of the section: ``trainer.lr``) and ``convert`` (the one generic converter, the
+safe YAML loader, ``key.sub=value`` overrides and the errors).
+
+Invariants:
+- YAML only *fills values*: files are read with a safe loader (no tags, no eval, no
+  interpolation, duplicate keys rejected). The only substitution is ``{name}`` in
+  ``run.output_dir``, replaced by ``run.name``.
+- A ``RunConfig`` that exists is valid, however it was built: each section (and settings object)
+  checks its ranges on construction, ``RunConfig`` the cross-field rules.
+- Every bad input raises a ``ConfigError`` subclass whose one-line message names the full key
+  (``trainer.lr``), what was expected and what was given; unknown keys list the allowed keys
+  and a "did you mean" suggestion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from streamflow.config.convert import (
+    ConfigError,
+    ConfigTypeError,
+    ConfigValueError,
+    OverrideSyntaxError,
+    UnknownKeyError,
+    apply_override,
+    from_dict,
+    parse_yaml,
+    to_dict,
+)
+from streamflow.config.sections import (
+    DataSection,
+    DevicesSection,
+    MetricsSection,
+    ModelSection,
+    PlacementNode,
+    PlacementSection,
+    ReferenceSection,
+    RewardSection,
+    RolloutSection,
+    RunSection,
+    SimulatedSection,
+    StoreSection,
+    TinyModelConfig,
+    TrainerSection,
+    WeightsSection,
+)
+from workers.settings import require
+
+__all__ = [  # (re-exported: the sections and errors callers import from here)
+    "ConfigError", "ConfigTypeError", "ConfigValueError", "DataSection", "DevicesSection",
+    "MetricsSection", "ModelSection", "OverrideSyntaxError", "PlacementNode", "PlacementSection",
+    "ReferenceSection", "RewardSection", "RolloutSection", "RunConfig", "RunSection",
+    "SimulatedSection", "StoreSection", "TinyModelConfig", "TrainerSection", "UnknownKeyError",
+    "WeightsSection", "config_from_dict", "config_to_dict", "config_warnings", "dump_yaml",
+    "from_dict", "load_config", "to_dict",
+]
+
+
+def _check_weights(cfg: RunConfig) -> None:
+    """weights.sync=collective needs a group to broadcast to: streaming workers on one host."""
+    if cfg.weights.sync != "collective":
+        return
+    require(cfg.run.mode != "sync", "weights.sync",
+            "'collective' needs run.mode periodic or async (sync runs every role in one process: "
+            "there is no group to broadcast to)")
+    require(not cfg.placement.nodes, "weights.sync",
+            "'collective' is for one host; across hosts (placement.nodes) use 'file' or 'auto'")
+    require(cfg.rollout.engine != "simulated", "weights.sync",
+            "'collective' needs real engines (simulated engines publish version numbers only)")
+
+
+def _check_placement(cfg: RunConfig) -> None:
+    """Cross-section rules of a multi-host placement: every process of the run is placed once."""
+    nodes = cfg.placement.nodes
+    if not nodes:
+        return
+    require(
+        cfg.run.mode != "sync",
+        "placement.nodes",
+        "run.mode 'sync' keeps every role in one process: use periodic or async across hosts",
+    )
+    wanted = {
+        "rollout": (cfg.rollout.num_workers, "rollout.num_workers"),
+        "reward": (cfg.reward.num_workers, "reward.num_workers"),
+        "reference": (int(cfg.reference_worker), "a reference worker (trainer.kl_coef > 0, "
+                      "reference.enabled, reference.placement=worker)"),
+        "trainer": (cfg.trainer.num_ranks, "trainer.num_ranks"),
+    }
+    for role, (want, source) in wanted.items():
+        placed = sum(getattr(n, role) for n in nodes)
+        require(
+            placed == want,
+            "placement.nodes",
+            f"places {placed} {role} process(es) but the run has {want} ({source})",
+        )
+    stores = sum(n.store_nodes for n in nodes)
+    if cfg.store.addresses:
+        require(stores == 0, "placement.nodes",
+                f"places {stores} store node(s) but store.addresses names external ones")
+    else:
+        require(1 <= stores <= 256, "placement.nodes",
+                f"must place between 1 and 256 store nodes (store_nodes), got {stores}")
+    ranks = {n.trainer for n in nodes if n.trainer}
+    require(
+        len(ranks) <= 1,
+        "placement.nodes",
+        f"trainer ranks must be spread evenly (torch's launcher starts the same number per host), "
+        f"got {sorted(n.trainer for n in nodes if n.trainer)}",
+    )
+
+
+def _check_simulated(cfg: RunConfig) -> None:
+    """Simulated engines go together: a simulated trainer publishes version numbers, not weights
+    a real rollout engine could load, and a real trainer cannot learn from drawn tokens."""
+    rollout, trainer = cfg.rollout.engine == "simulated", cfg.trainer.engine == "simulated"
+    if rollout != trainer:
+        which = "rollout.engine" if rollout else "trainer.engine"
+        raise ConfigError(which, "'simulated' needs rollout.engine and trainer.engine both "
+                          f"'simulated' (got rollout.engine={cfg.rollout.engine!r}, "
+                          f"trainer.engine={cfg.trainer.engine!r})")
+    if not rollout:
+        return
+    require(cfg.run.eval_every == 0, "run.eval_every",
+            "must be 0 with simulated engines (there is no model to evaluate)")
+    require(cfg.run.resume is None, "run.resume",
+            "simulated engines write no checkpoints: there is nothing to resume from")
+    require(cfg.trainer.num_ranks == 1, "trainer.num_ranks",
+            "must be 1 with trainer.engine 'simulated' (one simulated trainer device)")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)  # the loop: mode, iterations, outputs
+    model: ModelSection = field(default_factory=ModelSection)  # policy model and warm start
+    data: DataSection = field(default_factory=DataSection)  # prompts and group size
+    rollout: RolloutSection = field(default_factory=RolloutSection)  # generation
+    reward: RewardSection = field(default_factory=RewardSection)  # verifiers
+    reference: ReferenceSection = field(default_factory=ReferenceSection)  # frozen reference
+    trainer: TrainerSection = field(default_factory=TrainerSection)  # GRPO update
+    store: StoreSection = field(default_factory=StoreSection)  # transfer queue nodes
+    metrics: MetricsSection = field(default_factory=MetricsSection)  # Prometheus endpoints
+    # hosts of a multi-host run (`streamflow launch`); empty: one host
+    placement: PlacementSection = field(default_factory=PlacementSection)
+    # the simulated devices of rollout.engine / trainer.engine "simulated" (ignored otherwise)
+    simulated: SimulatedSection = field(default_factory=SimulatedSection)
+    devices: DevicesSection = field(default_factory=DevicesSection)  # GPUs of one host per role
+    weights: WeightsSection = field(default_factory=WeightsSection)  # weight sync path
+
+    def __post_init__(self) -> None:
+        # With no KL term the reference log-probs are never used: don't pay for computing them.
+        if self.trainer.kl_coef == 0 and self.reference.enabled:
+            object.__setattr__(
+                self, "reference", dataclasses.replace(self.reference, enabled=False)
+            )
+        if self.trainer.packing and self.trainer.engine != "simulated":  # (no packing to do)
+            longest = self.rollout.max_new_tokens * self.data.group_size
+            require(
+                self.trainer.token_budget >= longest,
+                "trainer.token_budget",
+                f"must hold one packed group (>= rollout.max_new_tokens x data.group_size "
+                f"= {longest} tokens plus the prompt), got {self.trainer.token_budget}",
+            )
+        _check_simulated(self)
+        require(
+            self.trainer.engine in ("torch", "simulated") or self.run.mode != "sync",
+            "trainer.engine",
+            f"'{self.trainer.engine}' trains in its own ranks: use run.mode periodic or async "
+            "(sync keeps the trainer inside the controller process)",
+        )
+        _check_placement(self)
+        _check_weights(self)
+
+    @property
+    def kl_active(self) -> bool:
+        """The KL term is on (reference.enabled is forced off when kl_coef is 0)."""
+        return self.trainer.kl_coef > 0 and self.reference.enabled
+
+    @property
+    def reference_worker(self) -> bool:
+        """Reference log-probs come from a reference worker (not fused into the trainer)."""
+        return self.kl_active and self.reference.placement == "worker"
+
+    @property
+    def max_staleness(self) -> int:
+        """Policy versions a trained sample may lag: 0 in sync/periodic (on-policy), else the cap."""
+        return self.run.max_staleness if self.run.mode == "async" else 0
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.run.output_dir)
+
+
+def config_warnings(cfg: RunConfig) -> list[str]:
+    """Settings that are valid but have no effect in this configuration (printed by the CLI)."""
+    notes = []
+    if cfg.run.mode != "async" and cfg.run.max_staleness != RunSection.max_staleness:
+        notes.append(
+            f"run.max_staleness={cfg.run.max_staleness} is ignored in mode '{cfg.run.mode}' "
+            "(on-policy: staleness is always 0)"
+        )
+    if cfg.run.mode != "async" and cfg.trainer.importance_correction:
+        notes.append(
+            f"trainer.importance_correction has no effect in mode '{cfg.run.mode}' "
+            "(behaviour and trained policy are the same version)"
+        )
+    if cfg.model.path is not None and cfg.model.warmstart_steps > 0:
+        notes.append(
+            "model.warmstart_steps applies to the built-in model only; ignored with model.path"
+        )
+    if cfg.data.task != "arithmetic" and cfg.data.digits != DataSection.digits:
+        notes.append("data.digits applies to task 'arithmetic' only")
+    return notes
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML file (None = all defaults), apply overrides in order, and validate."""
+    tree: Any = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            raise ConfigError("", f"config file not found: {p}") from None
+        except OSError as err:
+            raise ConfigError("", f"cannot read config file {p}: {err.strerror}") from None
+        tree = parse_yaml(text, str(p))
+        if tree is None:
+            tree = {}
+        if not isinstance(tree, dict):
+            raise ConfigTypeError("", f"{p}: the top level must be a mapping of sections")
+    for override in overrides:
+        apply_override(tree, override, RunConfig)
+    return from_dict(RunConfig, tree)
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return to_dict(cfg)
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    return from_dict(RunConfig, data)
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML; ``load_config`` of this text gives back an equal config."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)

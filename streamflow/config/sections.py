@@ -1,0 +1,339 @@
+"""The sections of a run's configuration: every knob of the controller, declared and checked once.
+
+Owns: the frozen dataclass of each YAML section (``run``, ``model``, ``data``, ``rollout``, ...)
+with its defaults, one comment per field, its ranges and its own rules (``check``). The
+knobs of the workers' math are not declared here: ``rollout``, ``reward``, ``trainer`` and
+``simulated`` embed the workers' settings objects (``workers.settings``), whose fields are keys of
+the section (``workers.settings.flat``). Cross-section rules live in ``streamflow.config``.
+
+To add a knob: a field with a default and a comment in its section (a range with
+``bounded(default, ge=/gt=/le=)``; other rules in ``check``), or, for a knob the workers
+compute with, a field of the settings object in ``workers.settings``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from workers.settings import (
+    Checked,
+    GrpoSettings,
+    OptimizerSettings,
+    PackingSettings,
+    RewardSettings,
+    SamplingSettings,
+    SimulatedDevice,
+    TorchGenerateSettings,
+    VllmSettings,
+    bounded,
+    embed,
+    flat,
+    require,
+)
+
+Mode = Literal["sync", "periodic", "async"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+# A parameter dtype: "auto" = bfloat16 on a GPU, float32 on the CPU
+RoleDType = Literal["auto", "float32", "bfloat16"]
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _check_device(value: str) -> None:
+    """A role's device: auto (the GPU when there is one), cpu, cuda (GPU placement) or cuda:N."""
+    require(bool(_DEVICE.match(value)), "device",
+            f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+Operation = Literal["+", "-", "*"]
+
+
+@dataclass(frozen=True)
+class RunSection(Checked):
+    name: str = "run"  # run name; also names the run directory via {name}
+    # sync: stages take turns; periodic: on-policy streaming; async: bounded staleness
+    mode: Mode = "periodic"
+    iterations: int = bounded(10, ge=1)  # RL iterations (= optimizer steps in sync/periodic)
+    seed: int = 0  # global seed: model init, sampling, data order
+    output_dir: str = "runs/{name}"  # run directory; '{name}' is replaced by run.name
+    # None: fresh run; "auto": latest checkpoint in output_dir if any; or a checkpoint path
+    resume: str | None = None
+    # an output_dir that already holds a run is refused unless this is true (its run files are
+    # then deleted first) or run.resume continues it
+    overwrite: bool = False
+    # async only: max policy versions a trained sample may lag behind the trainer (0 = on-policy)
+    max_staleness: int = bounded(1, ge=0)
+    eval_every: int = bounded(1, ge=0)  # evaluate held-out accuracy every N iterations (0 = never)
+    # number of held-out evaluation prompts (data.task=file: that many distinct prompts, drawn with
+    # data.seed, are removed from training while eval_every > 0)
+    eval_prompts: int = bounded(64, ge=0)
+    checkpoint_every: int = bounded(0, ge=0)  # checkpoint every N iterations (0 = only at the end)
+    # fail the run when worker processes are not all ready after this long (start-up, model load)
+    startup_timeout_s: float = bounded(300.0, gt=0)
+    # fail the run when no worker reports progress for this long (0 = wait forever)
+    stall_timeout_s: float = bounded(300.0, ge=0)
+    # a worker (or the run's own store node, with store.persist) that dies after it was ready is
+    # restarted up to this many times, with backoff; a trainer restart also needs
+    # checkpoint_every=1 (streamflow/supervisor.py, docs/faults.md). 0 = any death fails the run
+    max_restarts: int = bounded(3, ge=0)
+    # torch threads this host's compute processes (rollout, reference, trainer, evaluation) share
+    # in the streaming modes, handed back and forth by phase: one process at work gets them all,
+    # two split them (workers/cores.py). sync uses them all in its one process. 0 = off: each
+    # role keeps its own `threads`. Ignored (fixed threads) with trainer.deterministic.
+    host_threads: int = bounded(0, ge=0, le=1024)
+    progress: bool = True  # live display on a TTY; otherwise one log line per iteration
+    log_level: LogLevel = "INFO"  # logging level of every process of the run
+
+    def check(self) -> None:
+        require(bool(self.name.strip()), "name", "must be a non-empty string")
+        require(bool(self.output_dir.strip()), "output_dir", "must be a non-empty path")
+        require(
+            self.eval_every == 0 or self.eval_prompts > 0,
+            "eval_prompts",
+            "must be > 0 when eval_every > 0 (set eval_every=0 to disable evaluation)",
+        )
+        require(not (self.overwrite and self.resume), "overwrite",
+                "cannot be combined with run.resume (continue the run or replace it, not both)")
+        # The only substitution YAML values get: the run directory may be named after the run.
+        object.__setattr__(self, "output_dir", self.output_dir.replace("{name}", self.name))
+
+
+@dataclass(frozen=True)
+class TinyModelConfig(Checked):
+    hidden_size: int = bounded(128, ge=1)  # width of the built-in causal LM
+    num_layers: int = bounded(2, ge=1)  # transformer blocks
+    num_heads: int = bounded(4, ge=1)  # attention heads; divides hidden_size
+    num_kv_heads: int = bounded(2, ge=1)  # key/value heads (grouped-query attention); divides num_heads
+    intermediate_size: int = bounded(256, ge=1)  # MLP width
+    seed: int = 0  # seed of the random initialisation (before the warm start)
+
+    def check(self) -> None:
+        require(
+            self.hidden_size % self.num_heads == 0,
+            "num_heads",
+            f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}",
+        )
+        require(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}",
+        )
+
+
+@dataclass(frozen=True)
+class ModelSection(Checked):
+    path: str | None = None  # local Hugging Face model directory; None = the built-in tiny model
+    builtin: TinyModelConfig = field(default_factory=TinyModelConfig)  # used when path is None
+    # Built-in model only: supervised warm start, at most this many steps (0 = none)...
+    warmstart_steps: int = bounded(200, ge=0)
+    # ...stopped at the first check where greedy accuracy on training problems reaches this (0 =
+    # run every step). Makes the starting policy the same on any machine and thread count.
+    warmstart_target_accuracy: float = bounded(0.0, ge=0, le=1)
+    warmstart_lr: float = bounded(1e-3, gt=0)  # learning rate of the warm start
+    warmstart_batch_size: int = bounded(32, ge=1)  # examples per warm-start step
+    # dtype of every role whose own dtype (rollout/reference/trainer.dtype) is "auto"
+    dtype: RoleDType = "auto"
+
+    def check(self) -> None:
+        if self.path is not None:
+            require(bool(self.path.strip()), "path", "must be a directory path or null")
+
+
+@dataclass(frozen=True)
+class DataSection(Checked):
+    task: Literal["arithmetic", "file"] = "arithmetic"  # procedural arithmetic, or a prompt file
+    digits: int = bounded(2, ge=1, le=18)  # arithmetic: max digits per operand
+    operations: tuple[Operation, ...] = ("+",)  # arithmetic: operators to draw from
+    file: str | None = None  # task=file: a .jsonl or .parquet file (read with pyarrow)
+    prompt_column: str = "prompt"  # task=file: column holding the prompt text
+    answer_column: str = "answer"  # task=file: column holding the reference answer
+    prompts_per_iteration: int = bounded(16, ge=1)  # prompts per iteration (rows = x group_size)
+    # G: responses sampled per prompt
+    group_size: int = bounded(8, ge=2, why="GRPO advantages compare responses within a group")
+    seed: int = 0  # seed of prompt generation / shuffling (eval prompts are held out from it)
+
+    def check(self) -> None:
+        require(len(self.operations) > 0, "operations", "must list at least one of '+', '-', '*'")
+        require(len(set(self.operations)) == len(self.operations), "operations", "has duplicates")
+        if self.task == "file":
+            require(self.file is not None, "file", "is required when data.task is 'file'")
+        require(bool(self.prompt_column), "prompt_column", "must be a non-empty column name")
+        require(bool(self.answer_column), "answer_column", "must be a non-empty column name")
+
+
+@flat
+@dataclass(frozen=True)
+class RolloutSection(Checked):
+    # generation engine behind the rollout Protocol ("simulated": no model, see ``simulated``)
+    engine: Literal["torch", "vllm", "simulated"] = "torch"
+    num_workers: int = bounded(1, ge=1)  # rollout worker processes
+    sampling: SamplingSettings = embed(SamplingSettings)  # temperature, top_p, max_new_tokens
+    groups_per_claim: int = bounded(4, ge=1)  # prompt groups claimed from the store per micro-batch
+    threads: int = bounded(1, ge=1)  # torch threads per rollout worker
+    # torch engine only: attn_implementation, rows_per_generate
+    generate: TorchGenerateSettings = embed(TorchGenerateSettings)
+    vllm: VllmSettings = embed(VllmSettings)  # vllm_* keys: engine=vllm only
+    # where the rollout engine runs: auto (a GPU when there is one, see devices.placement), cpu,
+    # cuda or cuda:N; and the torch engine's parameter dtype (auto: model.dtype)
+    device: str = "auto"
+    dtype: RoleDType = "auto"
+
+    def check(self) -> None:
+        _check_device(self.device)
+
+
+@flat
+@dataclass(frozen=True)
+class RewardSection(Checked):
+    verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error
+    num_workers: int = bounded(1, ge=1)  # reward worker processes
+    rows_per_claim: int = bounded(32, ge=1)  # rows claimed per micro-batch
+    # held-out accuracy counts a prompt as solved when the reward of its greedy response is >= this
+    # (1.0: the full score of a 0/1 verifier such as exact_match)
+    success_threshold: float = 1.0
+
+
+@dataclass(frozen=True)
+class ReferenceSection(Checked):
+    enabled: bool = True  # compute frozen-reference log-probs (forced off when kl_coef == 0)
+    placement: Literal["worker", "trainer"] = "worker"  # own worker process, or fused in trainer
+    rows_per_claim: int = bounded(32, ge=1)  # rows claimed per micro-batch
+    threads: int = bounded(1, ge=1)  # torch threads of the reference worker
+    # dtype of the frozen reference copy (auto: model.dtype)
+    dtype: RoleDType = "auto"
+    device: str = "auto"  # where the reference runs (auto | cpu | cuda | cuda:N)
+
+    def check(self) -> None:
+        _check_device(self.device)
+
+
+@flat
+@dataclass(frozen=True)
+class TrainerSection(Checked):
+    # training engine behind the Protocol ("simulated": no model, see ``simulated``)
+    engine: Literal["torch", "deepspeed", "simulated"] = "torch"
+    optim: OptimizerSettings = embed(OptimizerSettings)  # lr, weight_decay, betas, max_grad_norm
+    # clip_eps, kl_coef, std_normalize, updates_per_batch, importance_correction, is_cap
+    loss: GrpoSettings = embed(GrpoSettings)
+    rows_per_claim: int = bounded(16, ge=1)  # rows per trainer micro-batch
+    # packing, packing_min_saving, token_budget (trainer and reference forwards)
+    pack: PackingSettings = embed(PackingSettings)
+    threads: int = bounded(1, ge=1)  # torch threads of the trainer (per rank)
+    # Bitwise-reproducible updates whatever order groups arrive in: one group per forward/backward
+    # and float64 gradient sums (torch engine). Slower (smaller forwards) and 8 bytes/parameter.
+    deterministic: bool = False
+    # engine=deepspeed: data-parallel ranks started by torch's launcher, and the ZeRO stage
+    num_ranks: int = bounded(1, ge=1)
+    zero_stage: int = bounded(2, ge=1, le=2)
+    # where the trainer runs (auto | cpu | cuda | cuda:N; deepspeed rank r uses the device after
+    # it + r) and its compute dtype: master weights and AdamW stay float32; bfloat16 runs the
+    # forward under autocast (auto: model.dtype)
+    device: str = "auto"
+    dtype: RoleDType = "auto"
+
+    def check(self) -> None:
+        _check_device(self.device)
+        require(
+            self.num_ranks == 1 or self.engine == "deepspeed",
+            "num_ranks",
+            f"{self.num_ranks} ranks need engine 'deepspeed' (the torch engine is one process)",
+        )
+
+
+@flat
+@dataclass(frozen=True)
+class SimulatedSection(Checked):
+    """Simulated devices (``rollout.engine`` and ``trainer.engine`` both ``simulated``): every role
+    holds its device for the cost model's time instead of computing (workers/engines/simulated.py); the
+    controller, workers, store, balancer and modes are the real ones. For capacity planning."""
+
+    device: SimulatedDevice = embed(SimulatedDevice)  # cost, time_scale, median_response_tokens, skew
+
+
+@dataclass(frozen=True)
+class StoreSection(Checked):
+    host: str = "127.0.0.1"  # address the store nodes bind (loopback by default)
+    port: int = bounded(0, ge=0, le=65535)  # first port of the store nodes (0 = pick free ports)
+    num_shards: int = bounded(2, ge=1)  # shards of the transfer queue
+    lease_seconds: float = bounded(30.0, gt=0)  # a claimed row not acked within this is redelivered
+    max_deliveries: int = bounded(3, ge=1)  # deliveries of a row before it is quarantined as poison
+    capacity_rows: int = bounded(100_000, ge=1)  # back-pressure: puts wait beyond this many live rows
+    persist: bool = False  # log the store's data to the run directory (for restart)
+    fsync: bool = False  # fsync that log on every write (durable, slower)
+    # Store nodes already running (`streamflow store serve`), e.g. "tcp://store:5555"; empty: the
+    # run starts its own node. The run's table is (re)created on them at start.
+    addresses: tuple[str, ...] = ()
+    # Shard coordinator (storage/coordinator.py) in streaming modes: stage workers own shards,
+    # rebalanced by live queue depth, and steal from the deepest shard when theirs are empty.
+    # Started only when the store has >= 2 shards (one shard has nothing to balance).
+    balancer: bool = True
+
+    def check(self) -> None:
+        require(bool(self.host), "host", "must be a non-empty address")
+        bad = [a for a in self.addresses if not a.startswith(("tcp://", "ipc://"))]
+        require(not bad, "addresses", f"must be ZeroMQ addresses like tcp://host:port, got {bad}")
+
+
+@dataclass(frozen=True)
+class MetricsSection(Checked):
+    enabled: bool = True  # serve Prometheus metrics from every process
+    host: str = "127.0.0.1"  # address the metrics endpoints bind
+    port: int = bounded(0, ge=0, le=65535)  # controller's metrics port (0 = pick a free one)
+
+
+_WILDCARDS = ("", "0.0.0.0", "*", "::", "[::]")
+
+
+@dataclass(frozen=True)
+class PlacementNode(Checked):
+    # what this host's services bind and what the other hosts connect to: a concrete address
+    host: str = "127.0.0.1"
+    store_nodes: int = bounded(0, ge=0)  # store node processes here (store.num_shards shards each)
+    rollout: int = bounded(0, ge=0)  # rollout worker processes here
+    reward: int = bounded(0, ge=0)  # reward worker processes here
+    reference: int = bounded(0, ge=0)  # the reference worker (0 or 1 in all, when one runs)
+    trainer: int = bounded(0, ge=0)  # trainer ranks here (torch engine: 1 in all; deepspeed: num_ranks)
+
+    def check(self) -> None:
+        require(
+            self.host.strip() not in _WILDCARDS,
+            "host",
+            f"must be an address the other hosts can reach (not a wildcard), got {self.host!r}",
+        )
+
+
+@dataclass(frozen=True)
+class PlacementSection(Checked):
+    # One entry per host of `streamflow launch` (its --node-rank indexes this list); node 0 also
+    # runs the coordinator and the controller. Empty: everything on one host (`streamflow run`).
+    nodes: tuple[PlacementNode, ...] = ()
+    # A node whose launcher is silent this long fails the run; keep it above any network cut the
+    # run should ride out (leases expire much sooner and hand the node's rows to others).
+    node_timeout_s: float = bounded(60.0, gt=0)
+
+
+@dataclass(frozen=True)
+class DevicesSection(Checked):
+    # How the roles whose device is 'auto' or 'cuda' share the GPUs of one host: colocated = all
+    # on GPU 0; separate = trainer ranks, reference and each rollout worker on GPUs of their own
+    # (streaming modes; one GPU per process); auto = separate when there are enough GPUs, else
+    # colocated. Checked against the visible GPUs at --dry-run and at start (streamflow/devices.py).
+    placement: Literal["auto", "colocated", "separate"] = "auto"
+
+
+@dataclass(frozen=True)
+class WeightsSection(Checked):
+    # How a new policy version reaches the rollout workers: file = safetensors in /dev/shm and a
+    # reload; collective = the trainer sends it over a torch.distributed group in buckets, copied
+    # into the live parameters (workers/weights_collective.py): NCCL broadcast when every process
+    # has a GPU of its own, else gloo signals + shared-memory buckets; auto = collective when the
+    # trainer is on a GPU and the run is streaming on one host, else file.
+    sync: Literal["auto", "file", "collective"] = "auto"
+    bucket_mb: float = bounded(32.0, gt=0)  # bucket size (MiB; a larger tensor goes alone)
+    # a broadcast (or joining the group) that takes longer fails with a clear error; the version
+    # then reaches the rollout through its file (the file is always written after the broadcast)
+    timeout_s: float = bounded(300.0, gt=0)
+    host: str = "127.0.0.1"  # address of the group's rendezvous (a TCP store in the controller)
+    port: int = bounded(0, ge=0, le=65535)  # its port (0 = pick a free one)
+
+    def check(self) -> None:
+        require(bool(self.host.strip()), "host", "must be a non-empty address")

@@ -1,0 +1,49 @@
+"""From a run config to what runs: the worker records carry the config's settings objects whole,
+and the plan puts its prompts as the one prompt-row builder lays them out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from streamflow.stages import build_plan
+from workers.config import from_json, to_json
+
+
+def test_worker_records_carry_the_configs_settings_objects(tiny_config, tmp_path: Path) -> None:
+    cfg = tiny_config("trainer.lr=0.003", "rollout.temperature=0.7", "trainer.packing=false",
+                      "rollout.vllm_dtype=float32", "reward.timeout_s=3")
+    plan = build_plan(cfg, tmp_path / "run")
+    plan.cleanup()
+    t, r = cfg.trainer, cfg.rollout
+    assert plan.trainer.optim is t.optim and plan.trainer.optim.lr == 0.003
+    assert plan.trainer.loss is t.loss and plan.trainer.pack is t.pack and not t.pack.packing
+    assert plan.trainer.sampling is r.sampling is plan.rollout.sampling
+    assert plan.rollout.sampling.temperature == 0.7
+    assert plan.rollout.vllm is r.vllm and plan.rollout.generate is r.generate
+    assert plan.reward.verifier is cfg.reward.verifier and plan.reward.timeout_s == 3.0
+    assert plan.reference is not None and plan.reference.pack is t.pack
+    assert plan.reference.sampling is r.sampling
+    for role in ("rollout", "reward", "reference", "trainer"):  # what the worker process reads
+        record = getattr(plan, role)
+        assert from_json(role, to_json(record)) == record
+
+
+def test_kl_off_reaches_the_trainer_as_a_zero_kl_coefficient(tiny_config, tmp_path: Path) -> None:
+    cfg = tiny_config("reference.enabled=false")
+    plan = build_plan(cfg, tmp_path / "run")
+    plan.cleanup()
+    assert cfg.trainer.kl_coef > 0 and plan.reference is None
+    assert plan.trainer.loss.kl_coef == 0.0 and plan.trainer.reference_path is None
+    assert plan.trainer.loss.clip_eps == cfg.trainer.clip_eps
+
+
+def test_prompt_rows_of_an_iteration(tiny_config, tmp_path: Path) -> None:
+    plan = build_plan(tiny_config(), tmp_path / "run")
+    plan.cleanup()
+    g, n = plan.cfg.data.group_size, plan.cfg.data.prompts_per_iteration
+    batch = plan.prompt_rows(3, staleness=1).to_pydict()
+    assert batch["group_id"] == [3 * n + i for i in range(n) for _ in range(g)]
+    assert batch["iteration"] == [3] * (n * g) and batch["min_policy_version"] == [2] * (n * g)
+    problems = plan.problems(3)
+    assert batch["prompt_ids"][::g] == [plan.encode(p.prompt) for p in problems]
+    assert batch["answer"][::g] == [p.answer for p in problems]

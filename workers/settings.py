@@ -1,0 +1,262 @@
+"""The knobs the workers compute with, declared once: each field here is a YAML key of the run.
+
+Owns: the frozen settings dataclasses of the workers' math (sampling, torch and vLLM engines,
+verifier, optimizer, GRPO loss, packing) and of the simulated device, with their defaults, their
+allowed ranges and the errors a bad value raises; and ``embed``/``flat``, which let an owner carry
+such an object while callers see its fields as the owner's own.
+The run configuration (``streamflow.config``) embeds these objects in its sections, so a field
+declared here is read from YAML as a flat key of that section (``trainer.lr``,
+``rollout.temperature``); the worker records (``workers.config``) carry the same objects to the
+worker processes. Adding a knob is one field here plus its use.
+
+Ranges are declared with ``bounded(default, ge=/gt=/le=, why=)`` and checked on construction
+(``Checked``): a settings object that exists is valid, however it was built. Errors name the
+bare field (``lr``); the config loader prefixes the section (``trainer.lr``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """Base of every configuration error. ``key`` is the dotted key at fault ('' = whole file)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        self.detail = message
+        super().__init__(f"{key}: {message}" if key else message)
+
+    def with_prefix(self, prefix: str) -> ConfigError:
+        """The same error with its key moved under ``prefix`` (used while descending sections)."""
+        key = f"{prefix}.{self.key}" if self.key else prefix
+        err = type(self).__new__(type(self))
+        ConfigError.__init__(err, key, self.detail)
+        return err
+
+
+class ConfigValueError(ConfigError):
+    """A value of the right type outside its range or allowed choices, or a cross-field conflict."""
+
+
+def require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigValueError(key, message)
+
+
+def bounded(
+    default: Any,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    why: str = "",
+) -> Any:
+    """A numeric field with its allowed range (inclusive ge/le, exclusive gt) and its reason."""
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "why": why})
+
+
+def check_bounds(obj: Any) -> None:
+    """Check every ``bounded`` field of a dataclass instance (None always passes)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None or "ge" not in f.metadata:
+            continue
+        ge, gt, le = f.metadata["ge"], f.metadata["gt"], f.metadata["le"]
+        ok = (ge is None or value >= ge) and (gt is None or value > gt)
+        if not (ok and (le is None or value <= le)):
+            bounds = [f"{op} {b}" for op, b in ((">=", ge), (">", gt), ("<=", le)) if b is not None]
+            why = f" ({f.metadata['why']})" if f.metadata["why"] else ""
+            raise ConfigValueError(f.name, f"must be {' and '.join(bounds)}, got {value}{why}")
+
+
+class Checked:
+    """Base of a settings or section dataclass: on construction its ``bounded`` ranges are
+    checked, then its own rules (``check``)."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        self.check()
+
+    def check(self) -> None:
+        """Rules beyond the ranges (raise ``ConfigValueError`` naming the bare field)."""
+
+
+def embed(cls: type, **defaults: Any) -> Any:
+    """A field holding a settings object of class ``cls`` whose fields read and build as the
+    owner's own (see ``flat``); ``defaults`` override the class's for this owner."""
+    factory: Callable[[], Any] = functools.partial(cls, **defaults) if defaults else cls
+    return field(default_factory=factory, metadata={"embed": cls})
+
+
+def embedded(cls: type) -> dict[str, type]:
+    """Field name -> settings class of every ``embed`` field of dataclass ``cls``."""
+    return {f.name: f.metadata["embed"] for f in dataclasses.fields(cls) if "embed" in f.metadata}
+
+
+def flat(cls: type[T]) -> type[T]:
+    """Class decorator (applied after ``@dataclass``): the fields of ``embed`` fields are the
+    owner's own to callers. ``Owner(lr=1e-3)`` and ``dataclasses.replace(owner, lr=1e-3)`` set
+    ``owner.optim.lr``, and ``owner.lr`` reads it. So YAML keys and callers see one flat section
+    while the object carries the workers' settings whole."""
+    owner_of: dict[str, str] = {}
+    for name, inner in embedded(cls).items():
+        for f in dataclasses.fields(inner):
+            if f.name in owner_of or f.name in cls.__dataclass_fields__:  # type: ignore
+                raise TypeError(f"{cls.__name__}: field {f.name!r} is declared twice")
+            owner_of[f.name] = name
+    init = cls.__init__
+    factories = {f.name: f.default_factory
+                 for f in dataclasses.fields(cls) if "embed" in f.metadata}
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        moved: dict[str, dict[str, Any]] = {}
+        for key in [k for k in kwargs if k in owner_of]:
+            moved.setdefault(owner_of[key], {})[key] = kwargs.pop(key)
+        for name, values in moved.items():
+            base = kwargs.get(name)
+            kwargs[name] = dataclasses.replace(base if base is not None else factories[name](),
+                                               **values)
+        init(self, *args, **kwargs)
+
+    def __getattr__(self: Any, name: str) -> Any:
+        owner = owner_of.get(name)
+        if owner is not None:
+            try:  # (not yet set while unpickling: fall through to AttributeError)
+                return getattr(object.__getattribute__(self, owner), name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    return cls
+
+
+@dataclass(frozen=True)
+class SamplingSettings(Checked):
+    """How rollout samples (``rollout.*``); the trainer and reference use the same temperature so
+    their log-probs compare with the behaviour log-probs."""
+
+    temperature: float = bounded(  # sampling temperature
+        1.0, gt=0, why="GRPO needs stochastic samples and finite log-probs")
+    top_p: float = bounded(1.0, gt=0, le=1)  # nucleus sampling mass
+    max_new_tokens: int = bounded(16, ge=1)  # generation limit per response
+
+
+@dataclass(frozen=True)
+class TorchGenerateSettings(Checked):
+    """The torch rollout engine only: attention kernel ("sdpa": same tokens as "eager", log-probs
+    within 1e-5 on the embedded model, faster; `streamflow bench generate`, docs/engines.md) and
+    rows per forward batch of one generate call (0 = the whole claim: groups_per_claim x
+    group_size rows)."""
+
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    rows_per_generate: int = bounded(0, ge=0)
+
+
+@dataclass(frozen=True)
+class VllmSettings(Checked):
+    """vLLM engine only (``rollout.engine=vllm``): weights dtype ("auto" = the checkpoint's;
+    "float32" matches the trainer's log-probs exactly), context length (None = the model's),
+    KV-cache GiB on CPU, fraction of GPU memory on GPU, and eager mode (no graph capture: faster
+    start, CPU-safe). The field names are the YAML keys, hence the prefix."""
+
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    vllm_max_model_len: int | None = bounded(None, ge=16)
+    vllm_kv_cache_gib: float = bounded(1.0, gt=0)
+    vllm_gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
+    vllm_enforce_eager: bool = True
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``VllmRolloutEngine`` (the names without the prefix)."""
+        return {f.name.removeprefix("vllm_"): getattr(self, f.name)
+                for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class OptimizerSettings(Checked):
+    """AdamW and gradient clipping of the trainer (``trainer.*``)."""
+
+    lr: float = bounded(1e-4, gt=0)  # AdamW learning rate
+    weight_decay: float = bounded(0.0, ge=0)  # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas, each in [0, 1)
+    max_grad_norm: float = bounded(1.0, ge=0)  # gradient clipping norm (0 = no clipping)
+
+    def check(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))  # a JSON list comes back a tuple
+        require(all(0 <= b < 1 for b in self.betas), "betas",
+                f"must be in [0, 1), got {self.betas}")
+
+
+@dataclass(frozen=True)
+class GrpoSettings(Checked):
+    """The GRPO objective (``trainer.*``; ``workers.rl``)."""
+
+    clip_eps: float = bounded(0.2, gt=0)  # ratio clip epsilon
+    kl_coef: float = bounded(0.02, ge=0)  # beta of the k3 KL-to-reference term (0 = no reference)
+    std_normalize: bool = True  # divide group-centred rewards by the group std (+eps)
+    # optimizer steps per iteration's batch (1: the ratio is exactly 1 when on-policy)
+    updates_per_batch: int = bounded(1, ge=1)
+    importance_correction: bool = False  # async: correct the ratio by behaviour log-probs
+    is_cap: float = bounded(2.0, ge=1)  # cap of the truncated importance weight
+
+
+_REWARD_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
+
+
+@dataclass(frozen=True)
+class RewardSettings(Checked):
+    """The verifier of the reward workers (``reward.*``; ``workers.reward``)."""
+
+    fn: str = "exact_match"  # registry name, or "package.module:function" for a user verifier
+    timeout_s: float = bounded(2.0, gt=0)  # per-sample scoring timeout; a timeout scores as failed
+    # a sample whose verifier raised or timed out: "retry" hands it back as a failed delivery
+    # (quarantined DEAD after store.max_deliveries, its group left out of training); "zero"
+    # scores it 0.0 with reward_ok=false and trains on it
+    on_error: Literal["retry", "zero"] = "retry"
+
+    def check(self) -> None:
+        require(bool(_REWARD_FN.match(self.fn)), "fn",
+                f"must be a registry name or 'module.path:function', got {self.fn!r}")
+
+
+@dataclass(frozen=True)
+class PackingSettings(Checked):
+    """Shared-prompt packing of the trainer's and reference's forwards (``trainer.*``;
+    ``workers.packing``)."""
+
+    packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
+    # ... in the micro-batches (trainer and reference) whose token saving 1 - packed/unpacked
+    # reaches this (0 = every batch). Below it, packing is slower than plain rows: measured with
+    # `streamflow bench packing` (docs/engines.md); = workers.packing.DEFAULT_MIN_SAVING, which
+    # imports torch (tests/workers/test_packing.py checks they agree)
+    packing_min_saving: float = bounded(0.25, ge=0, le=1)
+    token_budget: int = bounded(4096, ge=1)  # max tokens per packed micro-batch
+
+
+@dataclass(frozen=True)
+class SimulatedDevice(Checked):
+    """The ``simulated`` engines' device (``simulated.*``; ``workers.engines.simulated``): every role
+    holds it for the cost model's time instead of computing. Set on every worker of a run whose
+    engines are simulated."""
+
+    cost: str = "7b-1acc"  # cost preset (workers/engines/sim_cost.py; README "Performance": sources)
+    time_scale: float = bounded(50.0, gt=0)  # simulated seconds per real second
+    # response lengths: lognormal with this median and sigma, capped at rollout.max_new_tokens
+    median_response_tokens: int = bounded(600, ge=1)
+    skew: float = bounded(1.0, ge=0, le=4)
+
+    def check(self) -> None:
+        from workers.engines.sim_cost import PRESETS
+
+        require(self.cost in PRESETS, "cost",
+                f"must be one of {sorted(PRESETS)}, got {self.cost!r}")
