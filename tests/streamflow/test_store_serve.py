@@ -10,10 +10,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from testkit import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -23,7 +23,8 @@ NODE = [sys.executable, "-m", "storage"]
 
 @pytest.fixture
 def busy_port():
-    """A port held by a listening socket of this test on 127.0.0.1."""
+    """A port held by a listening socket of this test on 127.0.0.1 (bind(0) is right here: held
+    from the pick to the end of the test, it leaves no gap for anything else to take it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -53,11 +54,12 @@ def _start(args: list[str], ready: Path, log: Path) -> subprocess.Popen:
         proc = subprocess.Popen([*SERVE, "--bind", "tcp://127.0.0.1:0", "--ready-file",
                                  str(ready), *args], cwd=REPO, env=ENV,
                                 stdout=subprocess.DEVNULL, stderr=err)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
+
+    def up() -> bool:
         assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "no ready file"
-        time.sleep(0.05)
+        return ready.exists()
+
+    wait_until(up, timeout=60, what="the node's ready file")
     return proc
 
 
