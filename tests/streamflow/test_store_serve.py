@@ -92,7 +92,10 @@ def test_store_serve_persist_dir_recovers_every_table_at_start(tmp_path):
             c.put("samples", pa.record_batch({"x": pa.array(range(5), pa.int64())}))
         big = pa.record_batch({"x": pa.array(range(20_000), pa.int64())})  # > 64 KiB
         with storage.connect(address, request_timeout=1.0) as c, pytest.raises(Unavailable):
-            c.put("samples", big)  # --max-message-bytes applies: ZeroMQ drops it unanswered
+            # --max-message-bytes applies: ZeroMQ drops it unanswered. timeout=0: a put the node
+            # took would be answered at once (nothing to wait for), so only the 1 s request
+            # timeout is waited out, not the default 30 s server-side wait on top.
+            c.put("samples", big, timeout=0.0)
     finally:
         assert _stop(proc) == 0
     ready = tmp_path / "ready-2.json"
