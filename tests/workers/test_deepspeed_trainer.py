@@ -237,12 +237,14 @@ def zero2_run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, warm_de
     return got, out, tmp / "ckpt"
 
 
+@pytest.mark.slow  # ranks launched by torchrun: 20-40 s each
 def test_zero2_two_ranks_equals_torch(zero2_run: tuple, torch_result: tuple) -> None:
     got, out, _ = zero2_run
     _check_against_torch(got, out, torch_result, "zero2 x2 ranks")
     _assert_ranks_in_sync(out)
 
 
+@pytest.mark.slow  # ranks launched by torchrun: 20-40 s each
 def test_zero2_resumes_from_its_deepspeed_checkpoint(
     model_dir: Path, tmp_path: Path, zero2_run: tuple
 ) -> None:
@@ -262,6 +264,7 @@ def test_zero2_resumes_from_its_deepspeed_checkpoint(
     assert diff <= 1e-6, f"resume from the DeepSpeed checkpoint diverged by {diff}"
 
 
+@pytest.mark.slow  # ranks launched by torchrun: 20-40 s each
 def test_zero1_two_ranks_equals_torch_and_ranks_stay_in_sync(
     model_dir: Path, tmp_path: Path, warm_deepspeed: float, torch_result: dict
 ) -> None:
@@ -271,6 +274,7 @@ def test_zero1_two_ranks_equals_torch_and_ranks_stay_in_sync(
     assert len(rows) == ITERATIONS * ROWS
 
 
+@pytest.mark.slow  # ranks launched by torchrun: 20-40 s each
 def test_one_rank_equals_torch(
     model_dir: Path, tmp_path: Path, warm_deepspeed: float, torch_result: dict
 ) -> None:
