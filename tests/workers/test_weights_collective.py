@@ -211,6 +211,7 @@ def _member(address: str, rank: int, directory: str, versions: list[int], q, don
             how = "file"
         q.put((how, rank, v, float(engine.model.state_dict()["0.weight"].sum())))
     done.wait(120)
+    sub.close()  # its follower thread stops before the interpreter does (no exit with it mid-call)
 
 
 @pytest.mark.slow
