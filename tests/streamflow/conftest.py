@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from testkit import wait_until
 
 from streamflow.config import RunConfig, load_config
 
@@ -47,10 +47,12 @@ def store_serve(tmp_path: Path):
              "--shards", str(shards), "--ready-file", str(ready)], cwd=ROOT,
         )
         nodes.append(node)
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert node.poll() is None and time.monotonic() < deadline, "store did not start"
-            time.sleep(0.05)
+
+        def up() -> bool:
+            assert node.poll() is None, f"store node exited with {node.returncode}"
+            return ready.exists()
+
+        wait_until(up, timeout=60, what="the store node's ready file")
         return json.loads(ready.read_text())["addresses"][0], node
 
     yield start

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from safetensors.torch import load_file
+from testkit import wait_until
 
 import storage
 from streamflow.controller import run
@@ -43,10 +44,27 @@ def _check_run_dir(run_dir: Path, iterations: int) -> dict:
 
 
 def _no_children_left() -> None:
-    deadline = time.monotonic() + 10
-    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert psutil.Process().children(recursive=True) == []
+    left: list[psutil.Process] = []
+
+    def none_left() -> bool:
+        left[:] = psutil.Process().children(recursive=True)
+        return not left
+
+    try:
+        wait_until(none_left, timeout=10, what="every child process to exit")
+    except AssertionError as timed_out:
+        raise AssertionError(f"{timed_out}; left: {left}") from None
+
+
+def _wait_for_iterations(proc: subprocess.Popen, metrics: Path, n: int, timeout: float) -> None:
+    """Until the run ``proc`` recorded ``n`` iterations in ``metrics``; fails at once, with its
+    stderr, if the run ended first."""
+
+    def recorded() -> bool:
+        assert proc.poll() is None, proc.stderr.read()
+        return metrics.exists() and len(metrics.read_text().splitlines()) >= n
+
+    wait_until(recorded, timeout=timeout, what=f"{n} iteration(s) in {metrics}")
 
 
 @pytest.mark.slow
@@ -136,17 +154,19 @@ def test_killed_worker_fails_the_run_fast(tiny_config, tmp_path: Path) -> None:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        victim = None
-        deadline = time.monotonic() + 120
-        while victim is None and time.monotonic() < deadline:
+        def reward_worker() -> psutil.Process | None:
+            assert proc.poll() is None, proc.stderr.read()
+            if not (out / "metrics.jsonl").exists():
+                return None
             for child in psutil.Process(proc.pid).children(recursive=True):
                 try:
-                    if "reward" in child.cmdline() and (out / "metrics.jsonl").exists():
-                        victim = child
+                    if "reward" in child.cmdline():
+                        return child
                 except psutil.NoSuchProcess:
                     continue
-            time.sleep(0.2)
-        assert victim is not None, "the reward worker never started"
+            return None
+
+        victim = wait_until(reward_worker, timeout=120, what="the reward worker, once running")
         killed_at = time.monotonic()
         victim.send_signal(signal.SIGKILL)
         _, stderr = proc.communicate(timeout=60)
@@ -208,22 +228,19 @@ def test_sigterm_stops_cleanly_without_redeliveries(tiny_config) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )
     try:
-        deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, "no iteration finished"
-            time.sleep(0.1)
+        _wait_for_iterations(proc, out / "metrics.jsonl", 1, timeout=120)
         # SIGTERM while some worker holds a live lease (read from the store's own counts), so
         # "released at once, no redeliveries" is tested on leases that exist.
         cfg_json = json.loads((out / "workers" / "reward-0.json").read_text())
         with storage.connect(cfg_json["common"]["store_addresses"]) as client:
-            while True:
+
+            def leased() -> int:
+                assert proc.poll() is None, proc.stderr.read()
                 stats = client.stats("samples")
                 tasks = {t for shard in stats.shards for t in shard.tasks}
-                leased = sum(stats.task_total(t).in_flight for t in tasks)
-                if leased:
-                    break
-                assert proc.poll() is None and time.monotonic() < deadline, "no live lease"
-                time.sleep(0.005)
+                return sum(stats.task_total(t).in_flight for t in tasks)
+
+            wait_until(leased, timeout=120, what="a live lease")
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
     finally:
@@ -272,15 +289,13 @@ def test_ctrl_c_to_the_process_group_stops_cleanly(tiny_config) -> None:
             start_new_session=True,  # its own process group, as a shell gives a job
         )
         try:
-            deadline = time.monotonic() + 180
             metrics = out / "metrics.jsonl"
-            while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-                time.sleep(0.02)
+            _wait_for_iterations(proc, metrics, 2, timeout=180)
             records = [json.loads(x) for x in metrics.read_text().splitlines()]
             family = psutil.Process(proc.pid).children(recursive=True)
             assert len(family) >= 5  # store, rollout, reward, reference, trainer
-            # a random point inside the next iteration (one iteration's wall time from its start)
+            # a random point inside the next iteration (one iteration's wall time from its start):
+            # the moment of the Ctrl-C is what is under test, not a wait for something
             time.sleep(rng.uniform(0.0, records[-1]["wall_seconds"]))
             os.killpg(proc.pid, signal.SIGINT)
             sent = time.monotonic()

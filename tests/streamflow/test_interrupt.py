@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
+from testkit import wait_until
 
 from streamflow import interrupt
 from streamflow.interrupt import StopSignals
 
 
-def _deliver(sig: int) -> None:
+def _deliver(stop: StopSignals, sig: int) -> None:
+    """Send ``sig`` to this process and return once ``stop``'s handler has seen it (it runs in
+    the main thread at the next bytecode; the first one raises KeyboardInterrupt from here)."""
+    seen = len(stop.received)
     os.kill(os.getpid(), sig)
-    time.sleep(0.05)  # the handler runs in the main thread at the next bytecode
+    wait_until(lambda: len(stop.received) > seen, timeout=5, what=f"the handler of {sig!r}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -24,10 +27,10 @@ def test_first_signal_interrupts_second_forces(sig: int) -> None:
     with StopSignals() as stop:
         stop.on_force(lambda: forced.append(1))
         with pytest.raises(KeyboardInterrupt):
-            _deliver(sig)
+            _deliver(stop, sig)
         assert stop.signal_name == signal.Signals(sig).name and forced == []
-        _deliver(sig)  # forcing raises nothing: the caller still writes its summary
-        _deliver(signal.SIGINT)
+        _deliver(stop, sig)  # forcing raises nothing: the caller still writes its summary
+        _deliver(stop, signal.SIGINT)
         assert forced == [1, 1]
     assert signal.getsignal(sig) is previous
 
@@ -46,6 +49,6 @@ def test_removed_force_callback_is_not_called() -> None:
         remove = stop.on_force(lambda: forced.append(1))
         remove()
         with pytest.raises(KeyboardInterrupt):
-            _deliver(signal.SIGINT)
-        _deliver(signal.SIGINT)
+            _deliver(stop, signal.SIGINT)
+        _deliver(stop, signal.SIGINT)
     assert forced == []

@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from testkit import wait_until
 
 from streamflow.controller import run
+from tests.streamflow import slow_reward
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("_sf_netns", ROOT / "tests" / "netns.py")
@@ -55,7 +57,9 @@ def _placement(hosts, nodes: list[dict]) -> str:
     return "placement.nodes=[" + ", ".join("{" + i + "}" for i in items) + "]"
 
 
-def _launch(hosts, out: Path, overrides: list[str]) -> list[subprocess.Popen]:
+def _launch(
+    hosts, out: Path, overrides: list[str], env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
     procs = []
     n = len(hosts.names)
     for rank in range(n):
@@ -83,7 +87,7 @@ def _launch(hosts, out: Path, overrides: list[str]) -> list[subprocess.Popen]:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
         )
     return procs
@@ -188,19 +192,32 @@ def test_network_cut_longer_than_the_lease(one_host, hosts, model_cache: Path) -
             ],
         ),
     ]
-    procs = _launch(hosts, out, overrides)
+    marks = out.parent / f"{out.name}-scoring"  # when each score began, per namespace
+    marks.mkdir()
+    procs = _launch(hosts, out, overrides, env={slow_reward.SCORING_DIR_ENV: str(marks)})
     metrics = out / "metrics.jsonl"
+    b_scoring = marks / _netns_inode(hosts.names[1])
     try:
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and metrics.read_text().strip()):
+
+        def iteration_done() -> bool:
             assert all(p.poll() is None for p in procs), [
                 _node_log(out, r)[-2000:] for r in range(3)
             ]
-            assert time.monotonic() < deadline, "no iteration finished"
-            time.sleep(0.05)
-        time.sleep(0.3)  # iteration 1 is admitted: B's reward worker is scoring its rows
+            return metrics.exists() and bool(metrics.read_text().strip())
+
+        wait_until(iteration_done, timeout=120, what="the first iteration")
+
+        def b_is_scoring() -> bool:  # a score takes 0.25 s from its mark: this one is going on
+            assert all(p.poll() is None for p in procs), [
+                _node_log(out, r)[-2000:] for r in range(3)
+            ]
+            starts = b_scoring.read_text().split() if b_scoring.exists() else []
+            return bool(starts) and time.time() - float(starts[-1]) < 0.2
+
+        # iteration 1 is admitted: B's reward worker is scoring its rows, holding their lease
+        wait_until(b_is_scoring, timeout=60, what="B's reward worker to score a row")
         hosts.cut(1)
-        time.sleep(3 * lease)
+        time.sleep(3 * lease)  # on purpose: the cut outlasts the lease (the fault under test)
         hosts.heal(1)
         codes = _wait(procs, 120)
     finally:

@@ -80,7 +80,7 @@ def test_metered_client_observes_sample_age_and_keeps_the_stage_columns() -> Non
         client = MeteredClient(store.client(), m, "reward")
         client.create_table(spec)  # passes through
         client.put("t", pa.table({"group_id": [1, 2, 3], "x": [1, 2, 3]}))
-        time.sleep(0.05)
+        time.sleep(0.05)  # the rows' age is what is measured: at least 50 ms at the claim
         lease = client.claim("t", "reward", ["x"], 8, timeout=1.0)
         assert lease.num_rows == 3 and "x" in lease.batch.schema.names
         client.ack(lease)

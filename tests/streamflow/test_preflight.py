@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from testkit import free_port
 
 from streamflow import preflight
 from streamflow.config import ConfigError, load_config
@@ -52,10 +53,12 @@ def test_controller_refuses_an_existing_run_before_building_anything(tmp_path: P
 
 
 def test_port_probe_sees_a_listener_but_not_a_closed_port() -> None:
+    # The port must still be free once this listener closes (the last check): free_port's pick,
+    # below the ephemeral range that every outgoing connection on the machine draws from.
+    port = free_port()
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.0.1", port))
         sock.listen()
-        port = sock.getsockname()[1]
         cfg = load_config(None, [f"store.port={port}"])
         with pytest.raises(ConfigError, match=f"store.port: tcp://127.0.0.1:{port} is already"):
             preflight.check_ports(cfg)

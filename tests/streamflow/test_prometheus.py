@@ -11,13 +11,13 @@ Everything is bounded: the job is interrupted (clean stop) once the queries are 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -25,8 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from storage.ports import free_port
+from testkit import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
@@ -80,6 +79,7 @@ def test_promtool_accepts_shipped_config_and_rules() -> None:
     assert "6 rules found" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_dashboard_panel_returns_data_from_a_real_run(
     tmp_path: Path, model_cache: Path
@@ -113,26 +113,39 @@ def test_every_dashboard_panel_returns_data_from_a_real_run(
         stdout=prom_log, stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 180
-        while True:  # every endpoint up and several iterations scraped (rates need 2+ samples)
+        seen = {}
+
+        def scraped() -> bool:  # every endpoint up, several iterations scraped, a checkpoint
             assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
             assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
-            up = _scalar(base, 'sum(up{run="tiny"})')
-            done = _scalar(base, "max(streamflow_run_iterations_total)")
-            ckpt = _scalar(base, "max(streamflow_trainer_last_checkpoint_timestamp_seconds)")
-            if up >= ENDPOINTS and done >= 6 and ckpt > 0:
-                break
-            assert time.monotonic() < deadline, f"up={up} iterations={done} checkpoint={ckpt}"
-            time.sleep(1.0)
-        time.sleep(3.0)  # a few more scrapes inside every rate window
-        assert job.poll() is None, "the job ended before the queries: give it more iterations"
+            seen.update(up=_scalar(base, 'sum(up{run="tiny"})'),
+                        iterations=_scalar(base, "max(streamflow_run_iterations_total)"),
+                        checkpoint=_scalar(
+                            base, "max(streamflow_trainer_last_checkpoint_timestamp_seconds)"))
+            return seen["up"] >= ENDPOINTS and seen["iterations"] >= 6 and seen["checkpoint"] > 0
+
+        try:
+            wait_until(scraped, timeout=180, what="every endpoint scraped")
+        except AssertionError as timed_out:
+            raise AssertionError(f"{timed_out}: {seen}") from None
         empty, failed = [], []
-        for board, title, expr in queries:
-            reply = _query(base, expr)
-            if reply.get("status") != "success":
-                failed.append(f"{board} / {title}: {expr}: {reply.get('error')}")
-            elif not reply["data"]["result"]:
-                empty.append(f"{board} / {title}: {expr}")
+
+        def every_panel_answered() -> bool:  # rates need 2+ scrapes inside their window
+            assert job.poll() is None, "the job ended before the queries: give it more iterations"
+            empty.clear()
+            failed.clear()
+            for board, title, expr in queries:
+                reply = _query(base, expr)
+                if reply.get("status") != "success":
+                    failed.append(f"{board} / {title}: {expr}: {reply.get('error')}")
+                elif not reply["data"]["result"]:
+                    empty.append(f"{board} / {title}: {expr}")
+            return not failed and not empty
+
+        # Bounded; on a timeout the two assertions below name the panels.
+        with contextlib.suppress(AssertionError):
+            wait_until(every_panel_answered, timeout=60, what="every panel's query to return data")
+        assert job.poll() is None, "the job ended before the queries: give it more iterations"
         assert not failed, "\n".join(failed)
         assert not empty, "panels without data:\n" + "\n".join(empty)
         # Labels come from the service-discovery file: one series per worker of each role.

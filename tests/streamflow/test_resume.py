@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from testkit import wait_until
 
 from streamflow.controller import run
 from workers.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
@@ -46,10 +47,12 @@ def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, mode: str) -> 
     try:
         marker = killed_dir / "checkpoints" / "step-000003" / "trainer_state.json"
         deadline = time.monotonic() + 180
-        while not marker.exists():
+
+        def checkpointed() -> bool:
             assert proc.poll() is None, "the run ended before its first checkpoint"
-            assert time.monotonic() < deadline, "no checkpoint in time"
-            time.sleep(0.05)
+            return marker.exists()
+
+        wait_until(checkpointed, timeout=180, what="the checkpoint of step 3")
         # A random point after the N-th checkpoint (N=3) that still leaves work to do: once the
         # metrics of iteration 3 + r are written (r random in {0, 1}), plus a random part of
         # one iteration's wall time, so the kill lands anywhere in generation, training,
@@ -59,7 +62,9 @@ def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, mode: str) -> 
         print(f"kill point seed {seed}")
         target = 3 + rng.randint(0, 1) + 1
         metrics = killed_dir / "metrics.jsonl"
-        seen: list[float] = []  # when each metrics line was first seen
+        # Not a wait but a measurement: when each metrics line was first seen, polled every 5 ms
+        # (wait_until's backoff to 0.1 s would blur the iteration time estimated from it).
+        seen: list[float] = []
         while len(seen) < target:
             lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
             seen += [time.monotonic()] * (lines - len(seen))
@@ -67,7 +72,8 @@ def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, mode: str) -> 
             assert time.monotonic() < deadline, "no progress in time"
             time.sleep(0.005)
         iteration_s = (seen[-1] - seen[3]) / (len(seen) - 4) if len(seen) > 4 else seen[3] - seen[2]
-        time.sleep(rng.uniform(0.0, 0.5) * iteration_s)  # at most half an iteration: work remains
+        # The kill point itself (at most half an iteration: work remains), not a wait.
+        time.sleep(rng.uniform(0.0, 0.5) * iteration_s)
         assert proc.poll() is None, "the run ended before it could be killed"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 from safetensors.torch import load_file
+from testkit import wait_until
 
 import storage
 from storage.errors import Unavailable
@@ -116,8 +117,8 @@ class Run:
 
     def process(self, name: str, timeout: float = 120) -> psutil.Process:
         """The process of worker ``name`` (e.g. "reward-0") or of the store ("store-0")."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def found() -> psutil.Process | None:
             assert self.proc.poll() is None, self.stderr()
             for child in psutil.Process(self.proc.pid).children(recursive=True):
                 try:
@@ -126,8 +127,9 @@ class Run:
                     continue
                 if (name == "store-0" and "storage.server" in cmd) or f"/{name}.json" in cmd:
                     return child
-            time.sleep(0.1)
-        raise AssertionError(f"no process for {name}")
+            return None
+
+        return wait_until(found, timeout=timeout, what=f"the process of {name}")
 
     def iterations_done(self) -> int:
         """Iterations the controller recorded (it records one when the trainer reports its step)."""
@@ -152,23 +154,35 @@ class Run:
         claim wait) before it is resumed and stopped again. Returns the iterations done seen
         first: a lower bound of those done when the lease was seen."""
         deadline = time.monotonic() + timeout
-        while (done := self.iterations_done()) < min_iteration_done:
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
-            time.sleep(0.05)
+
+        def enough_done() -> tuple[int] | None:  # a tuple: truthy even when 0 are needed
+            assert self.proc.poll() is None, self.stderr()
+            done = self.iterations_done()
+            return (done,) if done >= min_iteration_done else None
+
+        (done,) = wait_until(enough_done, timeout=timeout,
+                             what=f"{min_iteration_done} iteration(s) done")
         with self._store() as client:
-            while True:
-                assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
+
+            def frozen_holding_a_lease() -> bool:
+                assert self.proc.poll() is None, self.stderr()
                 victim.send_signal(signal.SIGSTOP)
                 frozen = time.monotonic()
                 try:
+                    # A window, not a deadline: a claim waiting in the store when the victim
+                    # stopped may still be granted within it (see above).
                     while time.monotonic() - frozen < 1.5:
                         if client.stats("samples").task_total(task).in_flight > 0:
-                            return done
+                            return True
                         time.sleep(0.01)
                 except Unavailable:
                     raise AssertionError(f"the run ended first\n{self.stderr()}") from None
-                victim.send_signal(signal.SIGCONT)
-                time.sleep(0.05)
+                victim.send_signal(signal.SIGCONT)  # let it work a moment: its next lease
+                return False
+
+            wait_until(frozen_holding_a_lease, timeout=max(deadline - time.monotonic(), 1.0),
+                       interval=0.05, what=f"{victim.pid} ({task}) frozen holding a lease")
+            return done
 
     def wait(self, timeout: float = 120) -> int:
         try:
@@ -220,7 +234,9 @@ def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(
     r = start_run(model_cache / "faults-workers")
     reward = r.process("reward-0")
     r.freeze_leased("reward", reward, min_iteration_done=1)
-    time.sleep(2 * 2 + 1)  # past the 2 s lease (its keeper's renewals are frozen too)
+    # On purpose: the victim stays frozen past its 2 s lease (its keeper's renewals are frozen
+    # too), so the lease expires under it; the time is the fault under test.
+    time.sleep(2 * 2 + 1)
     reward.send_signal(signal.SIGCONT)  # its late write+ack is fenced; it goes on claiming
     r.freeze_leased("reward", reward, min_iteration_done=2)
     reward.send_signal(signal.SIGKILL)  # restarted; its lease expires, the rows come back
@@ -378,7 +394,7 @@ def test_a_worker_that_cannot_start_ends_the_run_fast_with_its_log(tiny_config):
     message = str(failed.value)
     assert "reward-0 exited with status 1 before it was ready" in message
     assert "cannot import module 'tests.streamflow.no_such_module'" in message  # the log tail
-    assert psutil.Process().children(recursive=True) == [] or _no_children_soon()
+    _no_children_left()
 
 
 def test_stop_all_reaps_every_child_even_when_cut_short(tmp_path):
@@ -400,8 +416,14 @@ def test_stop_all_reaps_every_child_even_when_cut_short(tmp_path):
         "rollout-0": True, "reward-0": True, "store-0": True}
 
 
-def _no_children_soon() -> bool:
-    deadline = time.monotonic() + 10
-    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return psutil.Process().children(recursive=True) == []
+def _no_children_left() -> None:
+    left: list[psutil.Process] = []
+
+    def none_left() -> bool:
+        left[:] = psutil.Process().children(recursive=True)
+        return not left
+
+    try:
+        wait_until(none_left, timeout=10, what="every child process to exit")
+    except AssertionError as timed_out:
+        raise AssertionError(f"{timed_out}; left: {left}") from None

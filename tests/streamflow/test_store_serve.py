@@ -10,10 +10,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from testkit import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -23,7 +23,8 @@ NODE = [sys.executable, "-m", "storage"]
 
 @pytest.fixture
 def busy_port():
-    """A port held by a listening socket of this test on 127.0.0.1."""
+    """A port held by a listening socket of this test on 127.0.0.1 (bind(0) is right here: held
+    from the pick to the end of the test, it leaves no gap for anything else to take it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -53,11 +54,12 @@ def _start(args: list[str], ready: Path, log: Path) -> subprocess.Popen:
         proc = subprocess.Popen([*SERVE, "--bind", "tcp://127.0.0.1:0", "--ready-file",
                                  str(ready), *args], cwd=REPO, env=ENV,
                                 stdout=subprocess.DEVNULL, stderr=err)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
+
+    def up() -> bool:
         assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "no ready file"
-        time.sleep(0.05)
+        return ready.exists()
+
+    wait_until(up, timeout=60, what="the node's ready file")
     return proc
 
 
@@ -90,7 +92,10 @@ def test_store_serve_persist_dir_recovers_every_table_at_start(tmp_path):
             c.put("samples", pa.record_batch({"x": pa.array(range(5), pa.int64())}))
         big = pa.record_batch({"x": pa.array(range(20_000), pa.int64())})  # > 64 KiB
         with storage.connect(address, request_timeout=1.0) as c, pytest.raises(Unavailable):
-            c.put("samples", big)  # --max-message-bytes applies: ZeroMQ drops it unanswered
+            # --max-message-bytes applies: ZeroMQ drops it unanswered. timeout=0: a put the node
+            # took would be answered at once (nothing to wait for), so only the 1 s request
+            # timeout is waited out, not the default 30 s server-side wait on top.
+            c.put("samples", big, timeout=0.0)
     finally:
         assert _stop(proc) == 0
     ready = tmp_path / "ready-2.json"

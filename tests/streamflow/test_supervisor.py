@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from testkit import wait_until
 
 from storage import ports
 from storage.ports import _ephemeral_low, free_port
@@ -67,7 +68,8 @@ def test_ephemeral_low_reads_the_kernel_setting(tmp_path) -> None:
 
 # -- stopping: children out of the terminal's reach, no restart once stopping, forced stop --------
 
-_IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+_IGNORE_TERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ignoring SIGTERM', flush=True); time.sleep(60)")
 
 
 def _sleeper(sup: Supervisor, name: str, code: str = "import time; time.sleep(60)"):
@@ -92,7 +94,7 @@ def test_nothing_is_restarted_once_the_stop_began(tmp_path) -> None:
     child = _sleeper(sup, "rollout-0")
     first = child.popen
     sup.stop_all(grace_s=5)  # exits by SIGTERM: non-zero, after it was ready
-    for _ in range(3):
+    for _ in range(3):  # checks at different moments (time passing is the point): none restarts
         assert sup.check() is None
         time.sleep(0.01)
     assert child.popen is first and child.restarts == 0 and first.poll() is not None
@@ -103,7 +105,9 @@ def test_kill_all_cuts_the_grace_period_short(tmp_path) -> None:
     sup = Supervisor(tmp_path)
     children = [_sleeper(sup, f"rollout-{i}", _IGNORE_TERM) for i in range(2)]
     store = sup.start("store-0", "store", [sys.executable, "-c", _IGNORE_TERM])
-    time.sleep(0.5)  # the children have installed SIG_IGN
+    for child in [*children, store]:  # each has installed SIG_IGN (it says so in its log)
+        wait_until(lambda c=child: "ignoring SIGTERM" in c.log_path.read_text(), timeout=30,
+                   what=f"{child.name} to ignore SIGTERM")
     timer = threading.Timer(1.0, sup.kill_all)
     timer.start()
     t0 = time.monotonic()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pyarrow as pa
 import pytest
 import torch
 from safetensors.torch import load_file
+from testkit import free_port, wait_until
 
 import storage
 from workers.config import RolloutWorkerConfig, TrainerWorkerConfig, WorkerCommon
@@ -93,9 +93,12 @@ def torch_result(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> t
         events = EventSender(None)
         trainer = build_trainer(cfg, client, events)
         trainer.publish_current()
-        deadline = time.time() + 60
-        while trainer.step < ITERATIONS and time.time() < deadline:
-            trainer.poll(0.1)
+
+        def trained() -> bool:
+            trainer.poll(0.1)  # the trainer's own wait for rows paces this loop
+            return trainer.step >= ITERATIONS
+
+        wait_until(trained, timeout=60, interval=0.0, what=f"{ITERATIONS} trainer steps")
         assert trainer.step == ITERATIONS
         client.close()
     norms = [r.grad_norm for r in events.sent if isinstance(r, StepReport)]
@@ -154,12 +157,6 @@ def _trainer_config(model_dir: Path, weights: Path, addresses: list[str], *, eng
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(cfg: TrainerWorkerConfig, tmp: Path, nproc: int, zero_stage: int | None) -> str:
     """Run the trainer under torch's launcher; returns its output (fails the test on error)."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -169,7 +166,7 @@ def _launch(cfg: TrainerWorkerConfig, tmp: Path, nproc: int, zero_stage: int | N
     entry = ["-m", "workers.main", "--role", "trainer", "--config", str(config)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), *entry]
+           "--master-port", str(free_port()), *entry]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)
@@ -232,12 +229,14 @@ def zero2_run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, warm_de
     return got, out, tmp / "ckpt"
 
 
+@pytest.mark.slow  # ranks launched by torchrun: 20-40 s each
 def test_zero2_two_ranks_equals_torch(zero2_run: tuple, torch_result: tuple) -> None:
     got, out, _ = zero2_run
     _check_against_torch(got, out, torch_result, "zero2 x2 ranks")
     _assert_ranks_in_sync(out)
 
 
+@pytest.mark.slow  # ranks launched by torchrun: 20-40 s each
 def test_zero2_resumes_from_its_deepspeed_checkpoint(
     model_dir: Path, tmp_path: Path, zero2_run: tuple
 ) -> None:
@@ -257,6 +256,7 @@ def test_zero2_resumes_from_its_deepspeed_checkpoint(
     assert diff <= 1e-6, f"resume from the DeepSpeed checkpoint diverged by {diff}"
 
 
+@pytest.mark.slow  # ranks launched by torchrun: 20-40 s each
 def test_zero1_two_ranks_equals_torch_and_ranks_stay_in_sync(
     model_dir: Path, tmp_path: Path, warm_deepspeed: float, torch_result: dict
 ) -> None:
@@ -266,6 +266,7 @@ def test_zero1_two_ranks_equals_torch_and_ranks_stay_in_sync(
     assert len(rows) == ITERATIONS * ROWS
 
 
+@pytest.mark.slow  # ranks launched by torchrun: 20-40 s each
 def test_one_rank_equals_torch(
     model_dir: Path, tmp_path: Path, warm_deepspeed: float, torch_result: dict
 ) -> None:

