@@ -225,6 +225,7 @@ def test_a_restarted_member_loads_files_then_rejoins_at_the_next_epoch(tmp_path:
     pub.publish(_state(0), 0)
     a = ctx.Process(target=_member, args=(rdv.address, 1, str(tmp_path), [1, 2, 3], q, done))
     b = ctx.Process(target=_member, args=(rdv.address, 2, str(tmp_path), [1, 2, 3], q, done))
+    procs = [a, b]
     try:
         a.start()
         b.start()
@@ -238,6 +239,7 @@ def test_a_restarted_member_loads_files_then_rejoins_at_the_next_epoch(tmp_path:
         assert pub.failures == 1
         assert q.get(timeout=60)[1:3] == (1, 2)  # the survivor has it (broadcast or file)
         b2 = ctx.Process(target=_member, args=(rdv.address, 2, str(tmp_path), [2, 3], q, done))
+        procs.append(b2)
         b2.start()
         assert q.get(timeout=120)[:2] == ("up", 2)
         assert q.get(timeout=60)[:3] == ("file", 2, 2)  # the fresh member catches up from the file
@@ -249,9 +251,12 @@ def test_a_restarted_member_loads_files_then_rejoins_at_the_next_epoch(tmp_path:
         assert pub.broadcasts == 2 and pub.failures == 1
     finally:
         done.set()  # every report is in (or the test failed): the members may leave
-    for p in (a, b2):
-        p.join(30)
-    pub.close()
+        for p in procs:  # a member stuck on its way out must not hold pytest's exit
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        pub.close()
 
 
 def test_an_unreachable_rendezvous_is_a_clear_error():
