@@ -1,7 +1,7 @@
 """A launcher N > 0 of a multi-host run (``streamflow launch ... --node-rank N``, N > 0).
 
 Owns: this host's children (its store nodes and workers, started through
-``streamflow.launch.NodeRuntime``), its heartbeat in the coordinator directory, and its side of the
+``streamflow.node.NodeRuntime``), its heartbeat in the coordinator directory, and its side of the
 two-phase end. The protocol and the directory's keys are described in ``streamflow/launch.py``.
 
 Invariants: it exits 0 only after node 0 registered ``run/end = ok``; on a child's failure it
@@ -23,8 +23,9 @@ from typing import Any
 
 from storage.coordinator import CoordinatorClient, LookupTimeout
 from storage.errors import StoreError
+from streamflow.cluster import WorkerFailed
 from streamflow.config import RunConfig
-from streamflow.launch import (
+from streamflow.node import (
     BEAT_S,
     END,
     EXIT,
@@ -148,7 +149,7 @@ class RemoteNode:
                 if self._end() is not None:
                     break
             return self._finish()
-        except (LaunchError, StoreError, OSError, ValueError) as exc:
+        except (LaunchError, WorkerFailed, StoreError, OSError, ValueError) as exc:
             cause = str(exc)
             print(f"error: node {rank}: {cause}", file=sys.stderr, flush=True)
             try:

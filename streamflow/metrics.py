@@ -21,6 +21,7 @@ Label values are bounded: ``task`` comes from the table spec, ``role`` from the 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import replace
@@ -36,6 +37,7 @@ from prometheus_client import (
 )
 
 from storage.metrics import HttpEndpoint
+from streamflow import preflight
 from streamflow.config import MetricsSection
 from streamflow.rundir import IterationRecord
 
@@ -90,6 +92,17 @@ class ControllerMetrics(HttpEndpoint):
         self._http: Any = None
         self._last_timestamp: float | None = None
 
+    def serve(self, host: str, port: int) -> str:
+        """Start /metrics on ``host:port`` (0: a free port); returns where Prometheus scrapes it.
+        A port taken since the preflight checks is the same one-line error as theirs."""
+        try:
+            bound = self.start_http(host, port)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise preflight.port_in_use("metrics.port", f"{host}:{port}") from None
+            raise
+        return scrape_address(host, bound)
+
     def on_record(self, rec: IterationRecord) -> None:
         self.iterations.inc()
         self.policy_version.set(rec.policy_version)
@@ -117,6 +130,11 @@ class ControllerMetrics(HttpEndpoint):
                 counts[child.role] += 1
         for role, n in counts.items():
             self.workers_alive.labels(role).set(n)
+
+
+def scrape_address(host: str, port: int) -> str:
+    """Where Prometheus on this host reaches an endpoint bound to ``host``."""
+    return f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
 
 
 def with_metrics(wcfg: Any, section: MetricsSection) -> Any:
