@@ -41,7 +41,7 @@ import storage
 from storage.ports import free_port
 from streamflow import preflight
 from streamflow.config import RunConfig
-from streamflow.metrics import scrape_address, with_metrics
+from streamflow.metrics import Endpoint, scrape_address, with_metrics
 from streamflow.supervisor import Child, RestartPolicy, Supervisor
 from workers.config import to_json
 
@@ -51,7 +51,6 @@ if TYPE_CHECKING:  # the plan's module loads the model stack; a launcher's dry r
 log = logging.getLogger("streamflow.cluster")
 
 WorkerSpec = tuple[str, str, Any, int]  # (name, role, typed worker config, threads): plan.workers
-Endpoint = tuple[str, str, str]  # (host:port of a /metrics, role, name) for Prometheus
 
 
 class WorkerFailed(RuntimeError):

@@ -134,8 +134,7 @@ class MultiHostCluster(LocalCluster):
                         raise LaunchError(
                             f"store node {index} was not registered within "
                             f"run.startup_timeout_s={self.cfg.run.startup_timeout_s:.0f}s "
-                            "(is every node's `streamflow launch` running?)"
-                        ) from None
+                            "(is every node's `streamflow launch` running?)") from None
         return addresses
 
     def start_workers(self, workers: list[WorkerSpec], events_address: str) -> None:
@@ -147,10 +146,8 @@ class MultiHostCluster(LocalCluster):
         for name, role, wcfg, threads in workers:
             wcfg = with_metrics(wcfg, self.cfg.metrics)
             if not self.is_local(name) or (role == "trainer" and spread):
-                self.coord.register(
-                    f"{WORKER}{name}",
-                    json.dumps({"role": role, "threads": threads, "config": to_json(wcfg)}),
-                )
+                spec = {"role": role, "threads": threads, "config": to_json(wcfg)}
+                self.coord.register(f"{WORKER}{name}", json.dumps(spec))
             if self.is_local(name):
                 local.append((name, role, wcfg, threads))
         for name, role, wcfg, threads in sorted(local, key=lambda w: w[1] != "trainer"):
@@ -177,10 +174,8 @@ class MultiHostCluster(LocalCluster):
             if beat != last or rank not in self._beats:
                 self._beats[rank] = (beat, now)
             elif now - since > limit:
-                return (
-                    f"node {rank} ({host}) silent for {now - since:.0f}s "
-                    f"(placement.node_timeout_s={limit:g}): its launcher or network is gone"
-                )
+                return (f"node {rank} ({host}) silent for {now - since:.0f}s "
+                        f"(placement.node_timeout_s={limit:g}): its launcher or network is gone")
         return None
 
     def trainer_exit_code(self) -> int | None:
@@ -229,11 +224,8 @@ class MultiHostCluster(LocalCluster):
                 entries = self.coord.lookup_prefix("node/")
             except StoreError:
                 entries = {}
-            missing = [
-                r
-                for r in range(1, self.nodes)
-                if not any(node_key(r, k) in entries for k in (answer, "failed", "exited"))
-            ]
+            missing = [r for r in range(1, self.nodes) if not any(
+                node_key(r, k) in entries for k in (answer, "failed", "exited"))]
             if not missing:
                 return
             if time.monotonic() > deadline:

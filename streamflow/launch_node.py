@@ -54,9 +54,8 @@ class RemoteNode:
         out = Path(cfg.run.output_dir)
         self.sup = Supervisor(out / "logs" / f"node-{rank}")
         self.weights_dir = local_weights_dir(rank)
-        self.runtime = NodeRuntime(
-            cfg, rank, self.coord, self.sup, out / "workers" / f"node-{rank}", self.weights_dir
-        )
+        self.runtime = NodeRuntime(cfg, rank, self.coord, self.sup,
+                                   out / "workers" / f"node-{rank}", self.weights_dir)
         self._beat = itertools.count()
         self._last_beat = 0.0
         self._reached = time.monotonic()  # last time the coordinator answered
@@ -72,9 +71,8 @@ class RemoteNode:
         except StoreError as exc:
             silent = time.monotonic() - self._reached
             if silent > self.cfg.placement.node_timeout_s:
-                raise LaunchError(
-                    f"lost the coordinator for {silent:.0f}s (placement.node_timeout_s): {exc}"
-                ) from None
+                raise LaunchError(f"lost the coordinator for {silent:.0f}s "
+                                  f"(placement.node_timeout_s): {exc}") from None
             time.sleep(0.2)
             return None
         self._reached = time.monotonic()
@@ -121,10 +119,8 @@ class RemoteNode:
                     break
                 except StoreError as exc:
                     if time.monotonic() > deadline:
-                        raise LaunchError(
-                            f"no coordinator at {self.coord.address} within "
-                            f"run.startup_timeout_s: {exc}"
-                        ) from None
+                        raise LaunchError(f"no coordinator at {self.coord.address} within "
+                                          f"run.startup_timeout_s: {exc}") from None
                     time.sleep(0.2)
             self._reached = time.monotonic()
             self.tick()
@@ -139,12 +135,8 @@ class RemoteNode:
                 spec = json.loads(spec)
                 wcfg = from_json(spec["role"], spec["config"])
                 self.runtime.start_worker(name, spec["role"], wcfg, int(spec["threads"]))
-            log.info(
-                "node %d: %d store node(s) and %s running",
-                rank,
-                len(store_slots(cfg, rank)),
-                mine or "no workers",
-            )
+            log.info("node %d: %d store node(s) and %s running", rank,
+                     len(store_slots(cfg, rank)), mine or "no workers")
             while self.wait_key(STOP, 3600.0) is None:
                 if self._end() is not None:
                     break
@@ -156,8 +148,7 @@ class RemoteNode:
                 self.coord.register(node_key(rank, "failed"), cause[-4000:])
             except StoreError:
                 pass
-            self.sup.stop_all(grace_s=5.0)
-            return 1
+            return 1  # its children are stopped below
         finally:
             self.sup.stop_all(grace_s=5.0)
             shutil.rmtree(self.weights_dir, ignore_errors=True)
@@ -171,11 +162,8 @@ class RemoteNode:
 
     def _ended_before_start(self, name: str) -> int:
         end = self._end()
-        raise LaunchError(
-            f"the run ended before {name} got its config ({end})"
-            if end
-            else f"no config for {name} within run.startup_timeout_s"
-        )
+        raise LaunchError(f"the run ended before {name} got its config ({end})" if end
+                          else f"no config for {name} within run.startup_timeout_s")
 
     def _finish(self) -> int:
         """Two-phase stop: workers (they release their leases), then the store nodes."""
@@ -197,9 +185,6 @@ class RemoteNode:
         if value == "ok":
             print(f"node {self.rank}: run finished", file=sys.stderr, flush=True)
             return 0
-        print(
-            f"error: node {self.rank}: run {value or 'ended without a verdict'}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"error: node {self.rank}: run {value or 'ended without a verdict'}",
+              file=sys.stderr, flush=True)
         return 1

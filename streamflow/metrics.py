@@ -41,6 +41,7 @@ from streamflow import preflight
 from streamflow.config import MetricsSection
 from streamflow.rundir import IterationRecord
 
+Endpoint = tuple[str, str, str]  # (host:port of a /metrics, role, worker): one scrape target
 ROLES = ("rollout", "reward", "reference", "trainer", "store")
 _ITERATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                       1800.0, 3600.0)
@@ -147,7 +148,7 @@ def targets_path(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "prometheus" / "targets.json"
 
 
-def write_targets(run_dir: str | os.PathLike, endpoints: list[tuple[str, str, str]],
+def write_targets(run_dir: str | os.PathLike, endpoints: list[Endpoint],
                   run_name: str = "") -> Path:
     """Write the file_sd list: one entry per (address "host:port", role, worker)."""
     groups = [

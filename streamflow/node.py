@@ -21,8 +21,9 @@ from typing import Any
 
 from storage.coordinator import CoordinatorClient
 from storage.ports import free_port
-from streamflow.cluster import Endpoint, TorchRun, refuse_restart, start_store_node, start_worker
+from streamflow.cluster import TorchRun, refuse_restart, start_store_node, start_worker
 from streamflow.config import RunConfig
+from streamflow.metrics import Endpoint
 from streamflow.supervisor import Supervisor
 
 STORE, EVENTS, WORKER, WEIGHTS = "store/", "run/events", "worker/", "run/weights"
@@ -79,10 +80,8 @@ def interface_of(host: str) -> str | None:
 def check_launch(cfg: RunConfig, rank: int, nodes: int) -> None:
     n = len(cfg.placement.nodes)
     if n == 0:
-        raise LaunchError(
-            "the config has no placement.nodes: use `streamflow run` on one host, "
-            "or list the hosts under placement.nodes"
-        )
+        raise LaunchError("the config has no placement.nodes: use `streamflow run` on one host, "
+                          "or list the hosts under placement.nodes")
     if nodes != n:
         raise LaunchError(f"--nodes {nodes} but placement.nodes lists {n} nodes")
     if not 0 <= rank < n:
@@ -155,8 +154,7 @@ class NodeRuntime:
         if iface is None:
             raise LaunchError(
                 f"placement host {self.host} of node {self.rank} is no address of this host's "
-                "interfaces: trainer ranks need it (or GLOO_SOCKET_IFNAME) to reach the others"
-            )
+                "interfaces: trainer ranks need it (or GLOO_SOCKET_IFNAME) to reach the others")
         return (f"GLOO_SOCKET_IFNAME={iface}",)
 
     def finish(self, role: str, wcfg: Any) -> Any:
@@ -168,17 +166,12 @@ class NodeRuntime:
             first = trainer_nodes(self.cfg)[0] == self.rank
             announce = f"tcp://{self.host}:{free_port(self.host)}"
             serve = f"tcp://{self.host}:{free_port(self.host)}"
-            wcfg = replace(
-                wcfg, weights_dir=str(self.weights_dir), weights_bind=announce, weights_serve=serve
-            )
+            wcfg = replace(wcfg, weights_dir=str(self.weights_dir), weights_bind=announce,
+                           weights_serve=serve)
             if first:  # rank 0 publishes; the other trainer hosts' ranks never do
                 self.coord.register(WEIGHTS, json.dumps({"announce": announce, "serve": serve}))
         elif role == "rollout":
             where = json.loads(self.coord.lookup(WEIGHTS, self.cfg.run.startup_timeout_s))
-            wcfg = replace(
-                wcfg,
-                weights_dir=str(self.weights_dir),
-                weights_announce=where["announce"],
-                weights_fetch=where["serve"],
-            )
+            wcfg = replace(wcfg, weights_dir=str(self.weights_dir),
+                           weights_announce=where["announce"], weights_fetch=where["serve"])
         return wcfg

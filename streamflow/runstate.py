@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import storage
+from streamflow.metrics import Endpoint
 from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan
 from workers.events import StepReport, WeightSyncReport
 
@@ -26,7 +27,6 @@ log = logging.getLogger("streamflow.controller")
 _STEP_FIELDS = ("reward_mean", "reward_std", "samples", "loss", "clip_fraction", "grad_norm",
                 "ratio_mean", "ratio_min", "ratio_max", "importance_weight_mean", "staleness_mean",
                 "staleness_max", "reward_failures")
-Endpoint = tuple[str, str, str]  # (host:port of a /metrics, role, worker) for Prometheus
 
 
 @dataclass
