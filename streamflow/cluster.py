@@ -14,13 +14,8 @@ Lifecycle, in the order the controller calls it::
     stop(between, ...)   workers first, then ``between`` (the store's final counts), then stores
     kill()               a second Ctrl-C: everything SIGKILLed at once (signal-safe)
 
-Restart rules (the supervisor's ``before_restart`` hooks, docs/faults.md): a store node comes back
-on its address with its persist directory only with ``store.persist``; the trainer resumes from its
-newest checkpoint only with ``run.checkpoint_every=1`` and the torch engine; the other workers come
-back as they are.
-
-One way to start a store node (``start_store_node``) and one way to start a worker
-(``start_worker``) serve both clusters and the other hosts' launchers (``streamflow.launch_node``).
+Restart rules (docs/faults.md) are the supervisor's ``before_restart`` hooks set here. One
+``start_store_node`` and one ``start_worker`` serve both clusters and the other hosts' launchers.
 """
 
 from __future__ import annotations
@@ -127,7 +122,6 @@ class StoreNode:
         def after(child: Child) -> None:
             self.wait()
             on_back()
-            log.warning("store node restarted on %s; tables recovered", self.addresses[0])
 
         self.child.before_restart, self.child.on_restarted = before, after
 
@@ -245,6 +239,8 @@ class LocalCluster:
         """After a store restart: a no-op (the node recovered the table before it served)."""
         with storage.connect(addresses, request_timeout=10.0) as client:
             client.create_table(self.plan.table_spec)
+        log.warning("store node restarted on %s; table %s recovered", addresses[0],
+                    self.plan.table)
 
     def start_coordinator(self, client: Any, addresses: list[str]) -> str | None:
         """The shard coordinator (a thread of this process) when ``store.balancer`` is on and the

@@ -1,11 +1,9 @@
 """One host of a multi-host run: placement, the directory's keys, and what a node starts there.
 
-Shared by node 0 (``streamflow.launch.MultiHostCluster``, inside the controller) and the other
-nodes' launchers (``streamflow.launch_node.RemoteNode``); the protocol between them, and what each
-key of the coordinator's directory holds, are described in ``streamflow/launch.py``.
-
-``placement.nodes`` is read the same way on every host: worker names, store node indices and
-trainer hosts count up in list order, so each host knows what it runs without asking anyone.
+Shared by node 0 (``streamflow.launch.MultiHostCluster``) and the other nodes' launchers
+(``streamflow.launch_node``); their protocol and the directory's keys: ``streamflow/launch.py``.
+Every host reads ``placement.nodes`` the same way (names and indices count up in list order), so
+each knows what it runs without asking anyone.
 """
 
 from __future__ import annotations
