@@ -34,77 +34,54 @@ The modes differ in a few lines (``_run_colocated`` vs ``_run_streaming`` and ``
 - ``async``: the same processes with staleness s = ``max_staleness`` ≥ 1: the controller admits
   iteration k as soon as version k - s exists, so rollout runs up to s versions ahead of training.
 
-Shutdown: on success the trainer exits after its last step and the controller stops the others
-(SIGTERM: each finishes its turn, releases its leases, exits 0). A worker that dies after it was
-ready is restarted by the supervisor (``run.max_restarts``; the trainer from its newest checkpoint,
-the run's store node on its address with its persist directory; rules in docs/faults.md). A worker
-that dies before it was ready, exhausts its restarts, or an iteration whose every group went DEAD,
-stops everything and raises ``WorkerFailed`` with the cause (exit non-zero). On Ctrl-C or SIGTERM
-(streamflow/interrupt.py) the same clean stop runs — the workers never see the terminal's Ctrl-C
-(each runs in its own session), nothing is restarted once the stop began, workers stop first
-(each releases its leases) and the store node last — and the summary says "interrupted"; a second
-Ctrl-C kills the processes at once. A run that makes no progress for ``run.stall_timeout_s``
-fails instead of hanging.
+Processes are a ``Cluster``'s (streamflow/cluster.py: this host; streamflow/launch.py: several
+hosts): this module asks it to start, check and stop them, and it applies the restart rules
+(docs/faults.md). On success the trainer exits after its last step and the others are stopped
+(each finishes its turn and releases its leases), workers first, the store node last; Ctrl-C or
+SIGTERM runs the same stop (streamflow/interrupt.py; the summary says "interrupted"), a second
+one kills at once. A worker that fails before it was ready or past its restarts, a trainer
+reporting its iteration "unrecoverable" (every group DEAD: the trainer owns that check,
+workers/faults.py), or ``run.stall_timeout_s`` without progress fails the run: ``WorkerFailed``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
+import contextlib
 import json
 import logging
-import shutil
 import sys
-import tempfile
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import pyarrow as pa
 import torch
 
 import storage
 from storage.errors import Unavailable, UnknownTable
-from storage.ports import free_port
 from streamflow import interrupt, preflight
-from streamflow.admission import admissible, min_policy_version
+from streamflow.admission import admissible, prompt_rows
+from streamflow.cluster import Cluster, LocalCluster, WorkerFailed
 from streamflow.config import RunConfig, config_to_dict
-from streamflow.metrics import ControllerMetrics, with_metrics, write_targets
+from streamflow.metrics import ControllerMetrics, write_targets
 from streamflow.progress import ProgressDisplay, StepProgress, describe_run
-from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan
+from streamflow.rundir import RunDir, RunSummary, StageSpan
+from streamflow.runstate import RunState
 from streamflow.stages import Evaluator, RunPlan, build_plan
-from streamflow.supervisor import Child, RestartPolicy, Supervisor
 from workers import cores
-from workers.checkpoint import latest_checkpoint, read_state
-from workers.config import to_json
 from workers.cores import CoreShareConfig
-from workers.events import (
-    EventReceiver,
-    EventSender,
-    Span,
-    StepReport,
-    WeightSyncReport,
-    WorkerStatus,
-)
-from workers.faults import dead_groups
+from workers.events import EventReceiver, EventSender, Span, StepReport, WorkerStatus
 from workers.loop import LeaseKeeper, StageLoop
 from workers.main import build_reference, build_reward, build_rollout, build_trainer
 from workers.metrics import MeteredEvents, WorkerMetrics
-from workers.schema import SAMPLES_SCHEMA
 
 log = logging.getLogger("streamflow.controller")
-
-
-class WorkerFailed(RuntimeError):
-    """A worker process failed; the message carries its error."""
+ClusterFactory = Callable[[RunConfig, RunPlan], Cluster]
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig, cluster: Any = None) -> None:
-        self.cfg = cfg
-        self.created = time.time()  # start-up (model build, warm start, workers) counts from here
-        # streamflow.launch.Cluster when launched over several hosts; None: one host
-        self.cluster = cluster
+    def __init__(self, cfg: RunConfig, cluster: ClusterFactory = LocalCluster) -> None:
+        created = time.time()
+        self.cfg, self.make_cluster = cfg, cluster
         preflight.check_output_dir(cfg)  # never silently into an older run's directory
         if cfg.run.overwrite:
             preflight.clear_output_dir(cfg.run.output_dir)
@@ -113,91 +90,46 @@ class Controller:
         self.rundir.write_config(cfg)  # the resolved config is in the run dir from the start
         with StepProgress("warm start", enabled=cfg.run.progress) as warm:
             self.plan: RunPlan = build_plan(cfg, self.rundir.path, progress=warm)
-        start = self.plan.start_iteration
-        # A fresh run never appends to an older run's files; a resumed one keeps the iterations
-        # before its checkpoint and rewrites the rest.
-        kept = [r for r in self.rundir.read_metrics() if r.iteration < start] if start else []
-        kept_spans = [s for s in self.rundir.read_spans() if s.iteration < start] if start else []
-        for stale in (self.rundir.metrics_path, self.rundir.timeline_path, self.rundir.summary_path):
-            stale.unlink(missing_ok=True)
-        for record in kept:
-            self.rundir.append_metrics(record)
-        self.rundir.append_spans(kept_spans)
-        self.staleness = 0 if cfg.run.mode != "async" else cfg.max_staleness
-        self.records: list[IterationRecord] = kept
-        self.spans: list[StageSpan] = kept_spans
-        self.syncs: list[WeightSyncReport] = []
-        self.admitted = self.plan.start_iteration  # next iteration whose prompts are not yet put
+        self.state = RunState.begin(created, self.rundir, self.plan.start_iteration,
+                                    previous and previous.accuracy_before)
+        self.staleness = cfg.max_staleness if cfg.run.mode == "async" else 0
         self.evaluator = Evaluator(self.plan)
-        if cluster is not None:  # versions published on the trainer's host are fetched
-            self.evaluator.fetch = lambda v: cluster.fetch_weights(v, self.plan.weights_dir)
-        # The one "accuracy before RL": the starting policy (the warm-started model) evaluated on
-        # the held-out problems before iteration 0; a resumed run keeps its first run's figure.
-        self.accuracy_before: float | None = (
-            previous.accuracy_before if previous is not None and start else None)
-        self.startup_seconds: float | None = None
-        self._iteration_started = time.time()
-        self._loop_ended: float | None = None  # end of the last optimizer step (see _on_step)
-        self._last_progress = time.monotonic()
-        # Prometheus (streamflow/metrics.py): None with metrics.enabled=false.
-        self.metrics = ControllerMetrics(cfg.run.mode, cfg.run.iterations) if cfg.metrics.enabled else None
-        self._endpoints: list[tuple[str, str, str]] = []  # (host:port, role, worker) to scrape
+        self.metrics = (ControllerMetrics(cfg.run.mode, cfg.run.iterations)  # Prometheus
+                        if cfg.metrics.enabled else None)
+        self.display = ProgressDisplay(cfg.run.iterations, cfg.run.mode, enabled=cfg.run.progress)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunSummary:
-        with interrupt.installed() as stop:
-            self._stop = stop
-            return self._run(stop)
-
-    def _run(self, stop: interrupt.StopSignals) -> RunSummary:
-        cfg = self.cfg
-        start = time.time()
+        cfg, st = self.cfg, self.state
         status, error = "ok", None
-        self._loop_started = start
-        display = ProgressDisplay(cfg.run.iterations, cfg.run.mode, enabled=cfg.run.progress)
-        self.display = display
-        try:
-            if self.metrics is not None:
-                try:
-                    port = self.metrics.start_http(cfg.metrics.host, cfg.metrics.port)
-                except OSError as err:
-                    if err.errno == errno.EADDRINUSE:
-                        raise preflight.port_in_use(
-                            "metrics.port", f"{cfg.metrics.host}:{cfg.metrics.port}") from None
-                    raise
-                self._endpoints.append(
-                    (_scrape_address(cfg.metrics.host, port), "controller", "controller"))
-                write_targets(self.rundir.path, self._endpoints, cfg.run.name)
-            with display:
-                if cfg.run.eval_every and not self.plan.start_iteration:
-                    display.set_phase("evaluating the starting policy")
-                    self.accuracy_before = self.evaluator.accuracy(self.plan.start_iteration)
-                display.accuracy_before = self.accuracy_before
-                if cfg.run.mode == "sync":
-                    self._run_colocated()
-                else:
-                    self._run_streaming()
-        except KeyboardInterrupt:
-            status = "interrupted"
-            error = f"interrupted by {stop.signal_name}" if stop.signal_name else "interrupted"
-        except Exception as exc:
-            status, error = "failed", f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            end = self._loop_ended or time.time()
-            wall = end - self._loop_started
-            if self.startup_seconds is None:  # stopped or failed before the loop began
-                self.startup_seconds, wall = time.time() - self.created, 0.0
-            summary = self._finish(wall, status, error, stop.signal_name)
-            if self.metrics is not None:
-                self.metrics.stop_http()
+        with interrupt.installed() as stop:
+            try:
+                if self.metrics is not None:
+                    address = self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
+                    st.endpoints.append((address, "controller", "controller"))
+                    write_targets(self.rundir.path, st.endpoints, cfg.run.name)
+                with self.display:
+                    if cfg.run.eval_every and not self.plan.start_iteration:
+                        self.display.set_phase("evaluating the starting policy")
+                        st.accuracy_before = self.evaluator.accuracy(self.plan.start_iteration)
+                    self.display.accuracy_before = st.accuracy_before
+                    if cfg.run.mode == "sync":
+                        self._run_colocated()
+                    else:
+                        self._run_streaming(stop)
+            except KeyboardInterrupt:
+                status = "interrupted"
+                error = f"interrupted by {stop.signal_name}" if stop.signal_name else "interrupted"
+            except Exception as exc:
+                status, error = "failed", f"{type(exc).__name__}: {exc}"
+                raise
+            finally:
+                summary = st.finish(cfg.run.mode, cfg.run.name, status, error, stop.signal_name)
+                cores.install(None)
+                self.plan.cleanup()
+                if self.metrics is not None:
+                    self.metrics.stop_http()
         return summary
-
-    def _loop_begins(self) -> None:
-        """The RL loop's clock starts: everything before it is start-up, reported apart."""
-        self._loop_started = self._iteration_started = time.time()
-        self.startup_seconds = self._loop_started - self.created
-        self.display.start_loop(self._loop_started)
 
     # ------------------------------------------------------------------ sync: stages take turns
     def _run_colocated(self) -> None:
@@ -208,522 +140,204 @@ class Controller:
         events: Any = EventSender(None)  # reports stay in memory
         if self.metrics is not None:  # the workers' series, from this one process's endpoint
             events = MeteredEvents(events, WorkerMetrics(self.metrics.registry))
+
+        def reports() -> None:
+            self._dispatch(events.sent)
+            events.sent.clear()
+
         with storage.embedded(plan.store.num_shards, persist_dir=plan.store_persist_dir) as store:
             client = store.client()
             client.create_table(plan.table_spec)
             keeper = LeaseKeeper(store.client)
-            rollout = build_rollout(plan.rollout, events)
-            reward = build_reward(plan.reward)
-            reference = build_reference(plan.reference) if plan.reference else None
+            stages = [("rollout", build_rollout(plan.rollout, events)),
+                      ("reward", reward := build_reward(plan.reward))]
+            if plan.reference:
+                stages.append(("reference", build_reference(plan.reference)))
             trainer = build_trainer(plan.trainer, client, events, keeper)
             trainer.publish_current()
-            self._loop_begins()
-            stages = [("rollout", rollout), ("reward", reward)]
-            if reference is not None:
-                stages.append(("reference", reference))
-            loops = [
-                StageLoop(client, plan.table, stage, worker=f"{role}-0", role=role, events=events,
-                          keeper=keeper)
-                for role, stage in stages
-            ]
+            self.display.start_loop(self.state.begin_loop())
+            loops = [StageLoop(client, plan.table, stage, worker=f"{role}-0", role=role,
+                               events=events, keeper=keeper) for role, stage in stages]
             for k in range(plan.start_iteration, self.cfg.run.iterations):
-                self._put_iteration(client, k)
+                client.put(plan.table, prompt_rows(plan, k, self.staleness), timeout=600.0)
                 for loop in loops:  # each stage drains the whole batch before the next
                     while loop.turn(0.0):  # the last (empty) claim carries the last write+ack
                         pass
-                    self._dispatch(events.sent)
-                    events.sent.clear()
+                    reports()
                 while not trainer.poll(0.0):
+                    reports()  # an "unrecoverable" iteration fails the run here
                     self._check_stall()
-                self._dispatch(events.sent)
-                events.sent.clear()
-            self._loop_ended = self._loop_ended or time.time()
+                reports()
+            self.state.loop_ended = self.state.loop_ended or time.time()
             keeper.close()
             reward.close()
             client.close()
 
     # ------------------------------------------------------------------ periodic / async: streaming
-    def _run_streaming(self) -> None:
-        plan = self.plan
-        sup = Supervisor(self.rundir.path / "logs",
-                         policy=RestartPolicy(max_restarts=self.cfg.run.max_restarts))
-        self._sup = sup
-        remove_force = self._stop.on_force(sup.kill_all)  # a second Ctrl-C: no grace period
-        cluster = self.cluster  # several hosts: its services bind the placed host
-        receiver = EventReceiver(cluster.events_bind) if cluster else EventReceiver()
-        coordinator: Any = None
+    def _run_streaming(self, stop: interrupt.StopSignals) -> None:
+        cfg, plan, st = self.cfg, self.plan, self.state
+        cluster = self.make_cluster(cfg, plan)
+        self.evaluator.fetch = cluster.fetch_weights  # versions published on another host
+        remove_force = stop.on_force(cluster.kill)  # a second Ctrl-C: no grace period
+        receiver = EventReceiver(cluster.events_bind)
+        addresses: list[str] = []
+        client: storage.Client | None = None
         try:
-            if cluster is not None:
-                addresses = list(self.cfg.store.addresses) or cluster.start_stores(
-                    sup, self.rundir.path, plan.weights_dir, self._endpoints)
-            else:
-                self.display.set_phase("starting the store node")
-                addresses = list(self.cfg.store.addresses) or self._start_store(sup)
+            self.display.set_phase("starting the store node")
+            addresses = list(cfg.store.addresses) or cluster.start_store()
             client = storage.connect(addresses, request_timeout=10.0)
-            self._client = client
-            if self.cfg.store.addresses:  # a long-lived store: this run's table starts afresh
-                try:
+            if cfg.store.addresses:  # a long-lived store: this run's table starts afresh
+                with contextlib.suppress(UnknownTable):
                     client.drop_table(plan.table)
-                except UnknownTable:
-                    pass
             client.create_table(plan.table_spec)
-            coordinator = self._start_coordinator(client, addresses)
-            coord_address = coordinator.address if coordinator is not None else None
-            workers = plan.workers(addresses, receiver.endpoint, coord_address)
+            coordinator = cluster.start_coordinator(client, addresses)
+            st.endpoints += cluster.endpoints  # its store nodes' and coordinator's /metrics
+            if self.metrics is not None:
+                write_targets(self.rundir.path, st.endpoints, cfg.run.name)
             if plan.cores_path is not None:  # evaluation takes slot 0 of the host's budget
                 cores.install(cores.CoreShare(CoreShareConfig(
-                    str(plan.cores_path), 0, self.cfg.run.host_threads)))
-            if cluster is not None:  # remote workers get their configs through the directory
-                cluster.start_workers(workers, receiver.endpoint)
-                workers = []
-            for name, role, wcfg, threads in workers:
-                path = self.rundir.path / "workers" / f"{name}.json"
-                path.parent.mkdir(exist_ok=True)
-                wcfg = with_metrics(wcfg, self.cfg.metrics)
-                path.write_text(to_json(wcfg))
-                self._start_worker(sup, name, role, wcfg, path, threads)
-                if role == "trainer":
-                    sup.children[name].before_restart = self._trainer_restart(wcfg, path)
-            self._wait_ready(sup, receiver, {name for name, *_ in plan.workers([], None)})
-            self._admit(client, version=plan.start_iteration)
-            trainer = sup.children.get("trainer-0")  # None: it runs on another host
-            while True:
-                self._dispatch(receiver.recv(0.2))
-                store_up = all(c.ready for c in sup.children.values() if c.role == "store")
-                if store_up:  # a put whose reply was lost could not be told from a lost put
-                    self._admit(client, version=self._version())
-                failed = sup.check()  # restarts what may be restarted (docs/faults.md)
-                if failed is not None:
-                    raise WorkerFailed(failed.describe_failure())
-                remote_failure = cluster.check() if cluster is not None else None
-                if remote_failure:
-                    raise WorkerFailed(remote_failure)
-                code = trainer.exit_code() if trainer else cluster.exit_code("trainer-0")
-                if code == 0:
-                    # The last reports: the trainer's process can exit before the controller has
-                    # read its final step report (by seconds on a loaded machine), so read until
-                    # that step is in, bounded, before calling the run cut short.
-                    deadline = time.monotonic() + 10.0
-                    self._dispatch(receiver.recv(0.2))
-                    while (self._version() < self.cfg.run.iterations
-                           and time.monotonic() < deadline):
-                        self._dispatch(receiver.recv(0.2))
-                    self._loop_ended = self._loop_ended or time.time()
-                    if self._version() < self.cfg.run.iterations:
-                        # The trainer was stopped from outside (SIGTERM sent to it alone): it
-                        # left cleanly before its last step; the run stops the same way.
-                        raise KeyboardInterrupt
-                    break
-                self._check_stall()
-                if store_up and time.monotonic() - self._last_depths > 1.0:
-                    self._refresh_depths(client)
-                    if self.metrics is not None:
-                        self.metrics.set_workers_alive(sup.children)
+                    str(plan.cores_path), 0, cfg.run.host_threads)))
+            workers = plan.workers(addresses, receiver.endpoint, coordinator)
+            cluster.start_workers(workers, receiver.endpoint)
+            self._wait_ready(cluster, receiver, {name for name, *_ in workers})
+            self._stream(cluster, receiver, client)
         finally:
-            final = locals().get("client")
-            if sys.exc_info()[0] is KeyboardInterrupt:
-                log.warning("stopping: each worker finishes its turn and releases its rows, then "
-                            "the store node stops (Ctrl-C again to stop at once)")
-            if cluster is not None:  # remote workers release their leases before final counts
-                cluster.stop_remote_workers()
-            sup.stop_all(between=(lambda: self._final_store_stats(addresses)) if final else None)
+            exc = sys.exc_info()[1]
+            if isinstance(exc, KeyboardInterrupt):
+                log.warning("stopping: workers finish their turn and release their rows, then the "
+                            "store node stops (Ctrl-C again to stop at once)")
+            final = (lambda: st.read_store_totals(addresses, plan.table_spec, cluster.restarts())
+                     ) if client is not None else None
+            cluster.stop(final, None if exc is None else f"{type(exc).__name__}: {exc}")
             remove_force()
-            if final is not None:
-                final.close()
-            if coordinator is not None:
-                coordinator.stop()
+            if client is not None:
+                client.close()
             receiver.close()
-            if cluster is not None:  # then the remote store nodes stop and the launchers exit
-                exc = sys.exc_info()[1]
-                cluster.end(None if exc is None else f"{type(exc).__name__}: {exc}")
 
-    def _start_coordinator(self, client: storage.Client, addresses: list[str]) -> Any:
-        """The shard coordinator (a thread of this process) when ``store.balancer`` is on and the
-        store has at least two shards; None otherwise (workers then claim from any shard).
-
-        With ``metrics.enabled`` it serves its own /metrics (``streamflow_coordinator_*``) on
-        ``metrics.host`` and a free port, listed in the run's targets.json as role and worker
-        ``coordinator`` (its registry is its own, so it gets its own endpoint, like each worker)."""
-        if not self.cfg.store.balancer:
-            return None
-        if len(client.stats(self.plan.table).shards) < 2:
-            return None
-        from storage.coordinator import Coordinator
-
-        host = self.cluster.host if self.cluster is not None else self.cfg.store.host
-        metrics = self.cfg.metrics
-        coordinator = Coordinator(
-            f"tcp://{host}:0",
-            store_addresses=addresses,
-            metrics_port=0 if metrics.enabled else None,
-            metrics_addr=metrics.host,
-        ).start()
-        if coordinator.metrics_port:
-            self._endpoints.append(
-                (_scrape_address(metrics.host, coordinator.metrics_port), "coordinator",
-                 "coordinator"))
-            write_targets(self.rundir.path, self._endpoints, self.cfg.run.name)
-        return coordinator
-
-    def _trainer_restart(self, wcfg: Any, path: Path) -> Any:
-        """The trainer restart rule: resume from the newest checkpoint, which must hold every
-        acked row — true only with a checkpoint after every step (the trainer checkpoints before
-        it acks). Rows of the unfinished iteration were never acked: their leases expire and
-        they are trained again; rows the dead trainer had trained before its checkpoint come back
-        (if unacked) and are acked without training."""
-
-        def before_restart(child: Child) -> None:
-            if self.cfg.trainer.engine != "torch":
-                raise RuntimeError(f"a {self.cfg.trainer.engine} trainer is not restarted")
-            if self.cfg.run.checkpoint_every != 1:
-                raise RuntimeError(
-                    "restarting the trainer needs run.checkpoint_every=1: rows acked after the "
-                    f"newest checkpoint would be lost (checkpoint_every="
-                    f"{self.cfg.run.checkpoint_every}); resume the run with run.resume=auto")
-            latest = latest_checkpoint(self.rundir.path / "checkpoints")
-            resumed = wcfg
-            if latest is not None:
-                resumed = dataclasses.replace(wcfg, resume_from=str(latest),
-                                              start_iteration=read_state(latest).step)
-            path.write_text(to_json(resumed))
-            log.warning("restarting the trainer from %s", latest or "the initial model")
-
-        return before_restart
-
-    def _final_store_stats(self, addresses: list[str]) -> None:
-        """After every worker stopped (and released what it held): what the store saw. A fresh
-        client with a short timeout: the loop's client may have been interrupted mid-request,
-        and a forced stop must not wait out a long timeout."""
-        with storage.connect(addresses, request_timeout=3.0) as client:
-            stats = client.stats(self.plan.table)
-        totals = {t.name: stats.task_total(t.name) for t in self.plan.table_spec.tasks}
-        redelivered = {t: s.redelivered_total for t, s in totals.items() if s.redelivered_total}
-        self.store_totals = {
-            "redelivered_rows": sum(redelivered.values()),
-            "redelivered_by_task": redelivered,
-            "dead_rows": sum(s.dead for s in totals.values()),
-            "in_flight_rows": sum(s.in_flight for s in totals.values()),
-            "dead_reasons": {f"{t}: {reason}": n for t, s in totals.items()
-                             for reason, n in s.dead_reasons.items()},
-            "worker_restarts": {c.name: c.restarts for c in self._sup.children.values()
-                                if c.restarts},
-        }
-
-    def _wait_ready(self, sup: Supervisor, receiver: EventReceiver, names: set[str]) -> None:
+    def _wait_ready(self, cluster: Cluster, receiver: EventReceiver, names: set[str]) -> None:
         """Start-up (imports, model loads) is not RL time: the loop clock starts once all are up."""
         deadline = time.monotonic() + self.cfg.run.startup_timeout_s
         total = len(names)
         while names:
             self.display.set_phase(f"starting workers: {total - len(names)}/{total} ready")
-            for rec in receiver.recv(0.2):
-                if isinstance(rec, WorkerStatus) and rec.state == "ready":
-                    names.discard(rec.worker)
-                    self._endpoints.append((rec.metrics_address, rec.role, rec.worker))
-                    if rec.worker in sup.children:
-                        sup.children[rec.worker].mark_ready()
-                else:
-                    self._dispatch([rec])
-            failed = sup.check()
-            if failed is not None:
-                raise WorkerFailed(f"during start-up: {failed.describe_failure()}")
-            remote_failure = self.cluster.check() if self.cluster is not None else None
-            if remote_failure:
-                raise WorkerFailed(f"during start-up: {remote_failure}")
+            for rec in self._receive(cluster, receiver, "during start-up: "):
+                names.discard(rec.worker)
+                self.state.endpoints.append((rec.metrics_address, rec.role, rec.worker))
             if time.monotonic() > deadline:
                 raise WorkerFailed(f"workers not ready in time: {sorted(names)}")
-        self._loop_begins()
-        self._last_progress = time.monotonic()
+        self.display.start_loop(self.state.begin_loop())  # start-up is not RL time
         if self.metrics is not None:  # every endpoint is known now: let Prometheus find them
-            write_targets(self.rundir.path, self._endpoints, self.cfg.run.name)
-            self.metrics.set_workers_alive(sup.children)
+            write_targets(self.rundir.path, self.state.endpoints, self.cfg.run.name)
+            self.metrics.set_workers_alive(cluster.children)
 
-    @staticmethod
-    def _start_worker(sup: Supervisor, name: str, role: str, wcfg, path: Path, threads: int) -> None:  # noqa: ANN001
-        args = ["--role", role, "--config", str(path)]
-        if role == "trainer" and wcfg.engine == "deepspeed":
-            # Data-parallel ranks come from torch's own launcher (rendezvous, RANK/WORLD_SIZE,
-            # MASTER_ADDR/PORT); rank 0 is the one that talks to the store and reports.
-            sup.start(name, role, [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                "--nproc-per-node", str(wcfg.num_ranks), "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port()), "-m", "workers.main", *args,
-            ], threads=threads)
-        else:
-            sup.start_python(name, role, "workers.main", args, threads=threads)
+    def _stream(self, cluster: Cluster, receiver: EventReceiver, client: storage.Client) -> None:
+        """Admit, read reports, let the cluster restart what died, until the trainer is done."""
+        st, iterations = self.state, self.cfg.run.iterations
+        self._admit(client, self.plan.start_iteration)
+        while True:
+            self._receive(cluster, receiver)
+            store_up = cluster.stores_up()
+            if store_up:  # a put whose reply was lost could not be told from a lost put
+                self._admit(client, st.version())
+            if cluster.trainer_exit_code() == 0:
+                # The last reports: the trainer's process can exit before the controller has
+                # read its final step report (by seconds on a loaded machine), so read until that
+                # step is in, bounded, before calling the run cut short.
+                deadline = time.monotonic() + 10.0
+                self._dispatch(receiver.recv(0.2))
+                while st.version() < iterations and time.monotonic() < deadline:
+                    self._dispatch(receiver.recv(0.2))
+                st.loop_ended = st.loop_ended or time.time()
+                if st.version() < iterations:
+                    # The trainer was stopped from outside (SIGTERM sent to it alone): it left
+                    # cleanly before its last step; the run stops the same way.
+                    raise KeyboardInterrupt
+                return
+            self._check_stall()
+            if store_up and time.monotonic() - st.last_depths > 1.0:
+                self._refresh_depths(client)
+                if self.metrics is not None:
+                    self.metrics.set_workers_alive(cluster.children)
 
-    def _start_store(self, sup: Supervisor) -> list[str]:
-        ready = Path(tempfile.mkdtemp(prefix="sf-store-")) / "ready.json"
-        store, persist = self.plan.store, self.plan.store_persist_dir
-        sup.start_python(
-            "store-0",
-            "store",
-            "storage.server",
-            [
-                "--bind",
-                f"tcp://{store.host}:{store.port}",
-                "--shards",
-                str(store.num_shards),
-                "--ready-file",
-                str(ready),
-                *(["--metrics-port", "0"] if self.metrics is not None else []),
-                *(["--persist-dir", persist] if persist else []),  # recovered at its start
-            ],
-        )
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if sup.failed() or time.monotonic() > deadline:
-                child = sup.children["store-0"]
-                if "Address already in use" in child.log_tail():
-                    raise preflight.port_in_use("store.port", f"tcp://{store.host}:{store.port}")
-                last = (child.log_tail(1) or "no output").strip()
-                raise WorkerFailed(f"store node did not start ({last}); its log: {child.log_path}")
-            time.sleep(0.05)
-        info = json.loads(ready.read_text())
-        addresses = info["addresses"]
-        if info.get("metrics_port"):  # the store node binds its metrics on 127.0.0.1
-            self._endpoints.append((f"127.0.0.1:{info['metrics_port']}", "store", "store-0"))
-        shutil.rmtree(ready.parent, ignore_errors=True)
-        child = sup.children["store-0"]
-        child.mark_ready()
-        child.before_restart, child.on_restarted = self._store_restart(list(addresses))
-        return list(addresses)
-
-    def _store_restart(self, addresses: list[str]) -> tuple[Any, Any]:
-        """The store restart rule: only with store.persist (else its rows are gone); the node
-        comes back on the same address with the same --persist-dir and recovers the table from
-        it before it serves (the controller's create_table is then a no-op); leases do not survive (rows leased at the crash are
-        READY again, delivery counts kept), so workers see their leases fenced and go on."""
-        box: dict[str, Path] = {}
-
-        def before(child: Child) -> None:
-            if not self.cfg.store.persist:
-                raise RuntimeError("store.persist is false: the rows it held are lost")
-            box["ready"] = Path(tempfile.mkdtemp(prefix="sf-store-")) / "ready.json"
-            argv = list(child.argv)
-            argv[argv.index("--bind") + 1] = addresses[0]  # clients reconnect to this address
-            argv[argv.index("--ready-file") + 1] = str(box["ready"])
-            child.argv = argv
-
-        def after(child: Child) -> None:
-            ready, deadline = box["ready"], time.monotonic() + 60
-            while not ready.exists():
-                if child.exit_code() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the store node did not come back:\n{child.log_tail()}")
-                time.sleep(0.05)
-            shutil.rmtree(ready.parent, ignore_errors=True)
-            self._client.create_table(self.plan.table_spec)  # no-op: recovered at the node's start
-            child.mark_ready()
-            log.warning("store node restarted on %s; table %s recovered", addresses[0],
-                        self.plan.table)
-
-        return before, after
+    def _receive(self, cluster: Cluster, receiver: EventReceiver,
+                 context: str = "") -> list[WorkerStatus]:
+        """Reports of the next 0.2 s, then the cluster's check (it restarts what may be
+        restarted, docs/faults.md); returns the "ready" reports (each marked in the cluster)."""
+        ready = []
+        for rec in receiver.recv(0.2):
+            if isinstance(rec, WorkerStatus) and rec.state == "ready":
+                cluster.mark_ready(rec.worker)
+                ready.append(rec)
+            else:
+                self._dispatch([rec])
+        cause = cluster.check()
+        if cause is not None:
+            raise WorkerFailed(context + cause)
+        return ready
 
     # ------------------------------------------------------------------ admission and reports
-    def _version(self) -> int:
-        return self.records[-1].policy_version if self.records else self.plan.start_iteration
-
     def _admit(self, client: storage.Client, version: int) -> None:
         """Put every iteration the staleness bound allows: k is admitted once version ≥ k - s."""
-        while self.admitted < self.cfg.run.iterations and admissible(
-            self.admitted, self.staleness, version
-        ):
-            self._put_iteration(client, self.admitted)
-            self.admitted += 1
-
-    def _put_iteration(self, client: storage.Client, k: int) -> None:
-        problems = self.plan.problems(k)
-        g = self.cfg.data.group_size
-        prompts = [self.plan.encode(p.prompt) for p in problems]
-        n = len(problems)
-        batch = pa.RecordBatch.from_pydict(
-            {
-                "group_id": pa.array([k * n + i for i in range(n) for _ in range(g)], pa.int64()),
-                "iteration": pa.array([k] * (n * g), pa.int64()),
-                "min_policy_version": pa.array([min_policy_version(k, self.staleness)] * (n * g),
-                                               pa.int64()),
-                "prompt_ids": pa.array(
-                    [p for p in prompts for _ in range(g)], pa.list_(pa.int32())
-                ),
-                "answer": pa.array([p.answer for p in problems for _ in range(g)], pa.string()),
-            },
-            schema=pa.schema(
-                [
-                    SAMPLES_SCHEMA.field(c)
-                    for c in ("group_id", "iteration", "min_policy_version", "prompt_ids", "answer")
-                ]
-            ),
-        )
-        client.put(self.plan.table, batch, timeout=600.0)
+        st = self.state
+        while st.admitted < self.cfg.run.iterations and admissible(st.admitted, self.staleness,
+                                                                   version):
+            client.put(self.plan.table, prompt_rows(self.plan, st.admitted, self.staleness),
+                       timeout=600.0)
+            st.admitted += 1
 
     def _dispatch(self, records: list) -> None:
+        st = self.state
         for rec in records:
-            self._last_progress = time.monotonic()
+            st.last_progress = time.monotonic()
             if isinstance(rec, Span):
-                self.spans.append(
-                    StageSpan(
-                        rec.role,
-                        rec.worker,
-                        rec.start,
-                        rec.end,
-                        rec.iteration,
-                        rec.rows,
-                        rec.tokens,
-                    )
-                )
-            elif isinstance(rec, WeightSyncReport):
-                self.syncs.append(rec)
+                st.spans.append(StageSpan(rec.role, rec.worker, rec.start, rec.end, rec.iteration,
+                                          rec.rows, rec.tokens))
             elif isinstance(rec, StepReport):
                 self._on_step(rec)
-            elif isinstance(rec, WorkerStatus) and rec.state == "failed":
-                sup = getattr(self, "_sup", None)
-                if sup is None:
-                    raise WorkerFailed(f"{rec.worker} failed: {rec.error}")
-                # The supervisor decides (restart or fail) once the process has exited.
+            elif not isinstance(rec, WorkerStatus):  # the one other record: a WeightSyncReport
+                st.syncs.append(rec)
+            elif rec.state == "unrecoverable":  # the trainer's iteration can never be trained
+                raise WorkerFailed(rec.error)
+            elif rec.state == "failed":
+                # The cluster decides (restart or fail) once the process has exited.
                 log.warning("%s failed: %s", rec.worker, (rec.error or "").splitlines()[0:1])
-            elif isinstance(rec, WorkerStatus) and rec.state == "ready":
-                child = getattr(self, "_sup", None) and self._sup.children.get(rec.worker)
-                if child:  # a restarted worker rejoined
-                    child.mark_ready()
-                    log.warning("%s is ready again (restart %d)", rec.worker, child.restarts)
 
     def _on_step(self, rep: StepReport) -> None:
-        if self.records and rep.iteration <= self.records[-1].iteration:
+        st, iterations = self.state, self.cfg.run.iterations
+        if st.records and rep.iteration <= st.records[-1].iteration:
             # A trainer restarted from a checkpoint older than its last report retrains that
             # iteration (the same update): the first report stands.
             return
-        now = time.time()
-        k = rep.iteration
-        mine = [s for s in self.spans if s.iteration == k]
-        busy: dict[str, float] = {}
-        for s in mine:
-            busy[s.stage] = busy.get(s.stage, 0.0) + (s.end - s.start)
-        gen_tokens = sum(s.tokens for s in mine if s.stage == "rollout")
-        syncs = [s for s in self.syncs if s.policy_version == k]
-        accuracy = None
         every = self.cfg.run.eval_every
-        if every and (rep.policy_version % every == 0 or k == self.cfg.run.iterations - 1):
-            accuracy = self.evaluator.accuracy(rep.policy_version)
-        record = IterationRecord(
-            iteration=k,
-            policy_version=rep.policy_version,
-            reward_mean=rep.reward_mean,
-            reward_std=rep.reward_std,
-            accuracy=accuracy,
-            samples=rep.samples,
-            generated_tokens=gen_tokens,
-            loss=rep.loss,
-            kl=rep.kl if self.plan.kl_active else None,
-            clip_fraction=rep.clip_fraction,
-            grad_norm=rep.grad_norm,
-            ratio_mean=rep.ratio_mean,
-            ratio_min=rep.ratio_min,
-            ratio_max=rep.ratio_max,
-            importance_weight_mean=rep.importance_weight_mean,
-            staleness_mean=rep.staleness_mean,
-            staleness_max=rep.staleness_max,
-            # Seconds: the trainer writing version k+1 plus the rollout engines loading version k.
-            # Bytes: what reached the rollout engines (each loads the whole state once per version).
-            weight_sync_seconds=rep.publish_seconds + sum(s.seconds for s in syncs),
-            weight_sync_bytes=sum(s.bytes for s in syncs),
-            reward_failures=rep.reward_failures,
-            wall_seconds=now - self._iteration_started,
-            stage_busy_seconds=busy,
-            queue_depths=dict(getattr(self, "_depths", {})),
-            timestamp=now,
-        )
-        self._iteration_started = now
-        if rep.policy_version >= self.cfg.run.iterations:
-            # The loop ends with the last optimizer step (its span's end), not when the trainer
-            # process exits: the final checkpoint write and interpreter teardown that follow are
-            # not RL time (they cost ~1.5 s of a 4 s benchmark run before this rule).
-            ends = [s.end for s in mine if s.stage == "trainer"]
-            self._loop_ended = max(ends) if ends else now
-        self.records.append(record)
-        self.rundir.append_metrics(record)
+        evaluate = every and (rep.policy_version % every == 0 or rep.iteration == iterations - 1)
+        accuracy = self.evaluator.accuracy(rep.policy_version) if evaluate else None
+        record = st.record(rep, accuracy, self.plan.kl_active, iterations)
         if self.metrics is not None:
             self.metrics.on_record(record)
-        self.rundir.append_spans(mine)
         self.display.update(record)
 
     def _refresh_depths(self, client: storage.Client) -> None:
-        self._last_depths = time.monotonic()
+        st = self.state
+        st.last_depths = time.monotonic()
         try:
             stats = client.stats(self.plan.table)
-        except (Unavailable, UnknownTable):  # the store node restarts: the supervisor handles it
+        except (Unavailable, UnknownTable):  # the store node restarts: the cluster handles it
             return
-        self._check_dead(stats)
-        self._depths = {t.name: stats.task_total(t.name).ready for t in self.plan.table_spec.tasks}
+        st.depths = {t.name: stats.task_total(t.name).ready for t in self.plan.table_spec.tasks}
         if self.metrics is not None:
-            self.metrics.set_queue_depths(self._depths)
-        self.display.set_queue_depths(self._depths)
-
-    _last_depths = 0.0
-
-    def _check_dead(self, stats: Any) -> None:
-        """Systematic failure: an iteration whose every group is DEAD can never be trained, and
-        dead rows that name no iteration cannot be accounted for by the trainer: fail now, with
-        the reasons, instead of waiting for the stall timeout (docs/faults.md)."""
-        by_iteration, unknown = dead_groups(stats, [t.name for t in self.plan.table_spec.tasks])
-        prompts = self.cfg.data.prompts_per_iteration
-        for k, groups in sorted(by_iteration.items()):
-            if len(groups) >= prompts:
-                reasons = sorted({r for t in self.plan.table_spec.tasks
-                                  for r in stats.task_total(t.name).dead_reasons
-                                  if r.startswith(f"iteration {k} ")})
-                raise WorkerFailed(
-                    f"every group of iteration {k} is DEAD (quarantined after "
-                    f"store.max_deliveries={self.cfg.store.max_deliveries}); reasons: "
-                    + "; ".join(reasons[:5]))
-        if unknown:
-            raise WorkerFailed(f"rows quarantined DEAD for reasons that name no iteration: "
-                               f"{unknown}")
+            self.metrics.set_queue_depths(st.depths)
+        self.display.set_queue_depths(st.depths)
 
     def _check_stall(self) -> None:
         limit = self.cfg.run.stall_timeout_s
-        if limit and time.monotonic() - self._last_progress > limit:
-            raise WorkerFailed(
-                f"no progress for {limit:.0f}s (run.stall_timeout_s); see "
-                f"{self.rundir.path / 'logs'}"
-            )
-
-    # ------------------------------------------------------------------ the end
-    store_totals: dict[str, int] = {}
-
-    def _finish(self, wall: float, status: str, error: str | None,
-                stopped_by: str | None) -> RunSummary:
-        summary = RunSummary.from_records(
-            self.cfg.run.mode,
-            self.records,
-            wall_seconds=wall,
-            name=self.cfg.run.name,
-            status=status,
-            error=error,
-            accuracy_before=self.accuracy_before,
-            startup_seconds=self.startup_seconds or 0.0,
-            total_seconds=time.time() - self.created,
-            stopped_by=stopped_by if status == "interrupted" else None,
-            **self.store_totals,
-        )
-        summary.weight_sync_count = len(self.syncs)  # version loads by rollout engines
-        self.rundir.write_summary(summary)
-        last = self.records[-1].iteration if self.records else None
-        try:
-            self.rundir.write_plots(last)
-        except Exception as exc:  # plots are a convenience; never mask the run's own outcome
-            log.warning("could not draw plots: %s", exc)
-        cores.install(None)
-        self.plan.cleanup()
-        self.rundir.close()
-        return summary
+        if limit and time.monotonic() - self.state.last_progress > limit:
+            raise WorkerFailed(f"no progress for {limit:.0f}s (run.stall_timeout_s); see "
+                               f"{self.rundir.path / 'logs'}")
 
 
-def _scrape_address(host: str, port: int) -> str:
-    """Where Prometheus on this host reaches an endpoint bound to ``host``."""
-    return f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
-
-
-def run(cfg: RunConfig, cluster: Any = None) -> RunSummary:
-    """Run one RL job to completion (the CLI's ``streamflow run``)."""
+def run(cfg: RunConfig, cluster: ClusterFactory = LocalCluster) -> RunSummary:
+    """Run one RL job to completion (the CLI's ``streamflow run``); ``cluster`` makes the
+    processes of a streaming run (``streamflow.launch`` passes its multi-host cluster)."""
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(message)s")
     # The whole resolved config is the run directory's config.yaml; the terminal gets a summary.
     log.debug("resolved config: %s", json.dumps(config_to_dict(cfg)))

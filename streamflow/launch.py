@@ -49,297 +49,76 @@ the first trainer node's torchrun hosts); rank 0 talks to the store. The ranks' 
 pinned to the interface carrying this node's ``host`` (``GLOO_SOCKET_IFNAME``, unless already set):
 left alone, gloo takes the address the machine's hostname resolves to, often a loopback address
 the other nodes cannot reach.
+
+Where it lives: node 0's side is ``MultiHostCluster`` below (the controller's ``Cluster``, see
+``streamflow/cluster.py``); a node N > 0 is ``streamflow/launch_node.py``; what both start on
+their host, the placement and the keys are ``streamflow/node.py``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import socket
 import sys
-import tempfile
 import time
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from storage.coordinator import Coordinator, CoordinatorClient, LookupTimeout
 from storage.errors import StoreError
-from storage.ports import free_port
+from streamflow.cluster import LocalCluster, WorkerSpec
 from streamflow.config import RunConfig
 from streamflow.metrics import with_metrics
-from streamflow.supervisor import Supervisor
+from streamflow.node import (
+    BEAT_S,
+    END,
+    EVENTS,
+    EXIT,
+    STOP,
+    STORE,
+    WEIGHTS,
+    WORKER,
+    LaunchError,
+    NodeRuntime,
+    check_launch,
+    node_key,
+    trainer_nodes,
+    worker_nodes,
+)
 from workers.config import to_json
+
+if TYPE_CHECKING:
+    from streamflow.stages import RunPlan
 
 log = logging.getLogger("streamflow.launch")
 
-STORE, EVENTS, WORKER, WEIGHTS = "store/", "run/events", "worker/", "run/weights"
-TRAINER_MASTER, STOP, END, EXIT = "run/trainer-master", "run/stop", "run/end", "exit/"
-BEAT_S = 0.5
 
+class MultiHostCluster(LocalCluster):
+    """Node 0's side of a multi-host run: node 0's processes (``LocalCluster``, placed by
+    ``NodeRuntime``) plus the other nodes', reached through the coordinator's directory."""
 
-def node_key(rank: int, what: str) -> str:
-    return f"node/{rank}/{what}"
-
-
-class LaunchError(RuntimeError):
-    """This node cannot take part in the run (the message names why)."""
-
-
-# -------------------------------------------------------------------------------- placement
-
-
-def worker_nodes(cfg: RunConfig) -> dict[str, int]:
-    """Worker name -> node rank, in ``placement.nodes`` order (rollout-0 on the first node that
-    places a rollout worker, ...). ``trainer-0`` is on the first node with trainer ranks."""
-    out: dict[str, int] = {}
-    counters = dict.fromkeys(("rollout", "reward", "reference"), 0)
-    for rank, node in enumerate(cfg.placement.nodes):
-        for role in counters:
-            for _ in range(getattr(node, role)):
-                out[f"{role}-{counters[role]}"] = rank
-                counters[role] += 1
-    out["trainer-0"] = trainer_nodes(cfg)[0]
-    return out
-
-
-def trainer_nodes(cfg: RunConfig) -> list[int]:
-    return [r for r, n in enumerate(cfg.placement.nodes) if n.trainer]
-
-
-def store_slots(cfg: RunConfig, rank: int) -> list[int]:
-    """Global store node indices placed on ``rank`` (indices count up over the nodes)."""
-    first = sum(n.store_nodes for n in cfg.placement.nodes[:rank])
-    return list(range(first, first + cfg.placement.nodes[rank].store_nodes))
-
-
-def interface_of(host: str) -> str | None:
-    """The name of the network interface holding address ``host`` on this machine, or None."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family in (socket.AF_INET, socket.AF_INET6) and a.address == host for a in addrs):
-            return name
-    return None
-
-
-def check_launch(cfg: RunConfig, rank: int, nodes: int) -> None:
-    n = len(cfg.placement.nodes)
-    if n == 0:
-        raise LaunchError(
-            "the config has no placement.nodes: use `streamflow run` on one host, "
-            "or list the hosts under placement.nodes"
-        )
-    if nodes != n:
-        raise LaunchError(f"--nodes {nodes} but placement.nodes lists {n} nodes")
-    if not 0 <= rank < n:
-        raise LaunchError(f"--node-rank {rank} is not in [0, {n})")
-
-
-# -------------------------------------------------------------------------------- one node
-
-
-class NodeRuntime:
-    """What one node starts: its store nodes and workers, finished for this host."""
-
-    def __init__(
-        self,
-        cfg: RunConfig,
-        rank: int,
-        coord: CoordinatorClient,
-        sup: Supervisor,
-        config_dir: Path,
-        weights_dir: Path,
-    ) -> None:
-        self.cfg, self.rank, self.coord, self.sup = cfg, rank, coord, sup
-        self.node = cfg.placement.nodes[rank]
-        self.host = self.node.host
-        self.config_dir, self.weights_dir = config_dir, weights_dir
-        config_dir.mkdir(parents=True, exist_ok=True)
-        self.endpoints: list[tuple[str, str, str]] = []  # store metrics (host:port, role, name)
-
-    def start_stores(self, deadline: float) -> dict[int, str]:
-        """Start this node's store nodes on its host; register and return their addresses."""
-        s = self.cfg.store
-        tmp = Path(tempfile.mkdtemp(prefix="sf-launch-"))
-        ready: dict[int, Path] = {}
-        try:
-            for k, index in enumerate(store_slots(self.cfg, self.rank)):
-                ready[index] = tmp / f"store-{index}.json"
-                port = s.port + k if s.port else 0
-                self.sup.start_python(
-                    f"store-{index}",
-                    "store",
-                    "storage.server",
-                    [
-                        "--bind",
-                        f"tcp://{self.host}:{port}",
-                        "--shards",
-                        str(s.num_shards),
-                        "--node-index",
-                        str(index),
-                        "--ready-file",
-                        str(ready[index]),
-                        *(["--metrics-port", "0"] if self.cfg.metrics.enabled else []),
-                        # store.persist: this host's persistence root (the node's own config)
-                        *(["--persist-dir", str(Path(self.cfg.run.output_dir) / "store")]
-                          if s.persist else []),
-                    ],
-                )
-            addresses = {}
-            for index, path in ready.items():
-                while not path.exists():
-                    child = self.sup.children[f"store-{index}"]
-                    if child.exit_code() is not None or time.monotonic() > deadline:
-                        raise LaunchError(f"store node {index} did not start:\n{child.log_tail()}")
-                    time.sleep(0.05)
-                info = json.loads(path.read_text())
-                child = self.sup.children[f"store-{index}"]
-                child.mark_ready()  # the controller admits prompts only while stores are ready
-                child.before_restart = _not_restarted
-                addresses[index] = info["addresses"][0]
-                if info.get("metrics_port"):
-                    self.endpoints.append(
-                        (f"127.0.0.1:{info['metrics_port']}", "store", f"store-{index}")
-                    )
-                self.coord.register(f"{STORE}{index}", addresses[index])
-            return addresses
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    def start_worker(self, name: str, role: str, wcfg: Any, threads: int) -> None:
-        """Finish ``wcfg`` for this host, write it, and start the process (torch's launcher for
-        DeepSpeed ranks)."""
-        wcfg = self.finish(role, wcfg)
-        path = self.config_dir / f"{name}.json"
-        path.write_text(to_json(wcfg))
-        args = ["--role", role, "--config", str(path)]
-        if role == "trainer" and wcfg.engine == "deepspeed":
-            hosts = trainer_nodes(self.cfg)
-            j = hosts.index(self.rank)
-            if j == 0:
-                master = f"{self.host}:{free_port(self.host)}"
-                self.coord.register(TRAINER_MASTER, master)
-            else:
-                master = self.coord.lookup(TRAINER_MASTER, self.cfg.run.startup_timeout_s)
-            addr, port = master.rsplit(":", 1)
-            self.sup.start(
-                name if j == 0 else f"{name}.{j}",
-                role,
-                [
-                    *self.gloo_env(len(hosts)),
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nnodes",
-                    str(len(hosts)),
-                    "--node-rank",
-                    str(j),
-                    "--nproc-per-node",
-                    str(self.node.trainer),
-                    "--master-addr",
-                    addr,
-                    "--master-port",
-                    port,
-                    "-m",
-                    "workers.main",
-                    *args,
-                ],
-                threads=threads,
-            )
-        else:
-            self.sup.start_python(name, role, "workers.main", args, threads=threads)
-        if role == "trainer":  # rollout/reward/reference rejoin as they are; a trainer does not
-            for child in self.sup.children.values():
-                if child.role == "trainer":
-                    child.before_restart = _not_restarted
-
-    def gloo_env(self, trainer_hosts: int) -> list[str]:
-        """``env GLOO_SOCKET_IFNAME=<interface of host>`` to prefix torchrun with when the ranks
-        span hosts (gloo would otherwise bind what the hostname resolves to, e.g. 127.0.1.1, and
-        tell the other ranks to connect there). A value already in the environment wins."""
-        if trainer_hosts == 1 or self.sup.env.get("GLOO_SOCKET_IFNAME"):
-            return []
-        iface = interface_of(self.host)
-        if iface is None:
-            raise LaunchError(
-                f"placement host {self.host} of node {self.rank} is no address of this host's "
-                "interfaces: trainer ranks need it (or GLOO_SOCKET_IFNAME) to reach the others"
-            )
-        return ["env", f"GLOO_SOCKET_IFNAME={iface}"]
-
-    def finish(self, role: str, wcfg: Any) -> Any:
-        common = wcfg.common
-        if common.metrics_host in ("127.0.0.1", "localhost"):  # reachable from node 0's scraper
-            common = replace(common, metrics_host=self.host)
-        wcfg = replace(wcfg, common=common)
-        if role == "trainer":
-            first = trainer_nodes(self.cfg)[0] == self.rank
-            announce = f"tcp://{self.host}:{free_port(self.host)}"
-            serve = f"tcp://{self.host}:{free_port(self.host)}"
-            wcfg = replace(
-                wcfg, weights_dir=str(self.weights_dir), weights_bind=announce, weights_serve=serve
-            )
-            if first:  # rank 0 publishes; the other trainer hosts' ranks never do
-                self.coord.register(WEIGHTS, json.dumps({"announce": announce, "serve": serve}))
-        elif role == "rollout":
-            where = json.loads(self.coord.lookup(WEIGHTS, self.cfg.run.startup_timeout_s))
-            wcfg = replace(
-                wcfg,
-                weights_dir=str(self.weights_dir),
-                weights_announce=where["announce"],
-                weights_fetch=where["serve"],
-            )
-        return wcfg
-
-
-def _not_restarted(child: Any) -> None:
-    """Node 0's supervisor may restart children; placed stores and trainers are not (a store's
-    address is registered in the directory; a trainer must resume from its checkpoint)."""
-    raise RuntimeError(
-        f"{child.name} is not restarted in a multi-host run; continue the run with run.resume=auto"
-    )
-
-
-def local_weights_dir(rank: int) -> Path:
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix=f"streamflow-weights-node{rank}-", dir=base))
-
-
-# -------------------------------------------------------------------------------- node 0
-
-
-class Cluster:
-    """Node 0's side, used by the controller (``Controller(cfg, cluster=...)``)."""
-
-    def __init__(self, cfg: RunConfig, nodes: int, coordinator: str) -> None:
-        self.cfg, self.nodes = cfg, nodes
+    def __init__(self, cfg: RunConfig, plan: RunPlan, *, nodes: int, coordinator: str) -> None:
+        super().__init__(cfg, plan)
+        self.nodes = nodes
         self.host = cfg.placement.nodes[0].host
+        self.events_bind = f"tcp://{self.host}:*"
         self.coord = CoordinatorClient(coordinator, request_timeout=10.0)
         self.where = worker_nodes(cfg)
-        self.runtime: NodeRuntime | None = None
+        self.runtime = NodeRuntime(cfg, 0, self.coord, self.sup, plan.run_dir / "workers",
+                                   plan.weights_dir)
         self._entries: dict[str, str] = {}
         self._checked = 0.0
         self._beats: dict[int, tuple[str | None, float]] = {}
 
-    @property
-    def events_bind(self) -> str:
-        return f"tcp://{self.host}:*"
-
     def is_local(self, name: str) -> bool:
         return self.where.get(name, 0) == 0
 
-    def start_stores(
-        self, sup: Supervisor, run_dir: Path, weights_dir: Path, endpoints: list
-    ) -> list[str]:  # noqa: ANN001
+    def start_store(self) -> list[str]:
         """Node 0's store nodes, then every node's (registered by their launchers), by index."""
         deadline = time.monotonic() + self.cfg.run.startup_timeout_s
-        self.runtime = NodeRuntime(self.cfg, 0, self.coord, sup, run_dir / "workers", weights_dir)
         self.runtime.start_stores(deadline)
-        endpoints.extend(self.runtime.endpoints)
+        self.endpoints += self.runtime.endpoints
         total = sum(n.store_nodes for n in self.cfg.placement.nodes)
         addresses = []
         for index in range(total):
@@ -348,37 +127,36 @@ class Cluster:
                     addresses.append(self.coord.lookup(f"{STORE}{index}", 0.5))
                     break
                 except LookupTimeout:
-                    cause = self.check(force=True)
+                    cause = self._check_nodes(force=True)
                     if cause:
                         raise LaunchError(cause) from None
                     if time.monotonic() > deadline:
                         raise LaunchError(
                             f"store node {index} was not registered within "
                             f"run.startup_timeout_s={self.cfg.run.startup_timeout_s:.0f}s "
-                            "(is every node's `streamflow launch` running?)"
-                        ) from None
+                            "(is every node's `streamflow launch` running?)") from None
         return addresses
 
-    def start_workers(self, workers: list, events_address: str) -> None:  # noqa: ANN001
+    def start_workers(self, workers: list[WorkerSpec], events_address: str) -> None:
         """Hand the remote workers their configs, then start node 0's own (trainer first: it
         registers the weights endpoints a rollout worker looks up)."""
-        assert self.runtime is not None
         self.coord.register(EVENTS, events_address)
         spread = len(trainer_nodes(self.cfg)) > 1
         local = []
         for name, role, wcfg, threads in workers:
             wcfg = with_metrics(wcfg, self.cfg.metrics)
             if not self.is_local(name) or (role == "trainer" and spread):
-                self.coord.register(
-                    f"{WORKER}{name}",
-                    json.dumps({"role": role, "threads": threads, "config": to_json(wcfg)}),
-                )
+                spec = {"role": role, "threads": threads, "config": to_json(wcfg)}
+                self.coord.register(f"{WORKER}{name}", json.dumps(spec))
             if self.is_local(name):
                 local.append((name, role, wcfg, threads))
         for name, role, wcfg, threads in sorted(local, key=lambda w: w[1] != "trainer"):
             self.runtime.start_worker(name, role, wcfg, threads)
 
-    def check(self, *, force: bool = False) -> str | None:
+    def check(self) -> str | None:
+        return super().check() or self._check_nodes()
+
+    def _check_nodes(self, *, force: bool = False) -> str | None:
         """A remote node's failure or silence (``placement.node_timeout_s``), or None."""
         now = time.monotonic()
         if not force and now - self._checked < BEAT_S:
@@ -396,18 +174,19 @@ class Cluster:
             if beat != last or rank not in self._beats:
                 self._beats[rank] = (beat, now)
             elif now - since > limit:
-                return (
-                    f"node {rank} ({host}) silent for {now - since:.0f}s "
-                    f"(placement.node_timeout_s={limit:g}): its launcher or network is gone"
-                )
+                return (f"node {rank} ({host}) silent for {now - since:.0f}s "
+                        f"(placement.node_timeout_s={limit:g}): its launcher or network is gone")
         return None
 
-    def exit_code(self, name: str) -> int | None:
-        """Exit status of a remote worker that ended (as of the last ``check``)."""
-        value = self._entries.get(f"{EXIT}{name}")
+    def trainer_exit_code(self) -> int | None:
+        """The trainer's exit status: its process here, or as registered by its node's launcher
+        (as of the last check)."""
+        if "trainer-0" in self.children:
+            return super().trainer_exit_code()
+        value = self._entries.get(f"{EXIT}trainer-0")
         return int(value) if value is not None else None
 
-    def fetch_weights(self, version: int, directory: Path) -> None:
+    def fetch_weights(self, version: int) -> None:
         """Copy a published version from the trainer's node (for the controller's evaluation)."""
         from workers.weights_net import WeightFetcher, WeightFetchError
 
@@ -415,64 +194,56 @@ class Cluster:
             serve = json.loads(self.coord.lookup(WEIGHTS, 0.0))["serve"]
             fetcher = WeightFetcher(serve, timeout_s=30.0)
             try:
-                fetcher.fetch(version, directory)
+                fetcher.fetch(version, self.plan.weights_dir)
             finally:
                 fetcher.close()
         except (StoreError, WeightFetchError) as exc:  # evaluation is skipped, never fatal
             log.warning("could not fetch policy version %d for evaluation: %s", version, exc)
 
-    def _wait_all(self, what: str, timeout_s: float) -> list[int]:
-        """Wait (bounded) until every remote node registered ``node/<r>/<what>`` (or failed or
-        exited); returns the ranks that did not."""
+    def stop(self, between: Callable[[], None] | None, cause: str | None) -> None:
+        """The two-phase end: every node's workers stop (releasing their leases) before
+        ``between`` reads the final counts; then every node's store nodes stop."""
+        try:
+            self._tell(STOP, "1", "stopped", 30.0)
+            super().stop(between, cause)
+            self._tell(END, "ok" if cause is None else f"failed: {cause}"[:4000], "exited", 20.0)
+        finally:
+            self.coord.close()
+
+    def _tell(self, key: str, value: str, answer: str, timeout_s: float) -> None:
+        """Register ``key``, then wait (bounded) until every remote node registered
+        ``node/<r>/<answer>`` (or failed or exited)."""
+        try:
+            self.coord.register(key, value)
+        except StoreError as exc:
+            log.warning("could not register %s for the other nodes: %s", key, exc)
+            return
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 entries = self.coord.lookup_prefix("node/")
             except StoreError:
                 entries = {}
-            missing = [
-                r
-                for r in range(1, self.nodes)
-                if not any(node_key(r, k) in entries for k in (what, "failed", "exited"))
-            ]
-            if not missing or time.monotonic() > deadline:
-                return missing
+            missing = [r for r in range(1, self.nodes) if not any(
+                node_key(r, k) in entries for k in (answer, "failed", "exited"))]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                log.warning("nodes %s did not register %s", missing, answer)
+                return
             time.sleep(0.1)
-
-    def stop_remote_workers(self, timeout_s: float = 30.0) -> None:
-        try:
-            self.coord.register(STOP, "1")
-        except StoreError as exc:
-            log.warning("could not ask the other nodes to stop: %s", exc)
-            return
-        missing = self._wait_all("stopped", timeout_s)
-        if missing:
-            log.warning("nodes %s did not report their workers stopped", missing)
-
-    def end(self, cause: str | None, timeout_s: float = 20.0) -> None:
-        try:
-            self.coord.register(END, "ok" if cause is None else f"failed: {cause}"[:4000])
-        except StoreError as exc:
-            log.warning("could not tell the other nodes the run ended: %s", exc)
-            return
-        missing = self._wait_all("exited", timeout_s)
-        if missing:
-            log.warning("nodes %s did not confirm their exit", missing)
-
-    def close(self) -> None:
-        self.coord.close()
 
 
 def launch_node0(cfg: RunConfig, nodes: int, coordinator: str) -> Any:
-    """Node 0: the coordinator (a thread of this process), then the controller with a Cluster."""
+    """Node 0: the coordinator (a thread of this process), then the controller over a
+    ``MultiHostCluster``."""
     coord = Coordinator(bind=f"tcp://{coordinator}").start()  # first: the others wait on it
-    cluster = Cluster(cfg, nodes, coord.address)
     try:
         from streamflow import controller  # heavy (torch): after the coordinator is up
 
+        cluster = partial(MultiHostCluster, nodes=nodes, coordinator=coord.address)
         return controller.run(cfg, cluster=cluster)
     finally:
-        cluster.close()
         coord.stop()
 
 

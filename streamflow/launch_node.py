@@ -1,7 +1,7 @@
 """A launcher N > 0 of a multi-host run (``streamflow launch ... --node-rank N``, N > 0).
 
 Owns: this host's children (its store nodes and workers, started through
-``streamflow.launch.NodeRuntime``), its heartbeat in the coordinator directory, and its side of the
+``streamflow.node.NodeRuntime``), its heartbeat in the coordinator directory, and its side of the
 two-phase end. The protocol and the directory's keys are described in ``streamflow/launch.py``.
 
 Invariants: it exits 0 only after node 0 registered ``run/end = ok``; on a child's failure it
@@ -23,8 +23,9 @@ from typing import Any
 
 from storage.coordinator import CoordinatorClient, LookupTimeout
 from storage.errors import StoreError
+from streamflow.cluster import WorkerFailed
 from streamflow.config import RunConfig
-from streamflow.launch import (
+from streamflow.node import (
     BEAT_S,
     END,
     EXIT,
@@ -53,9 +54,8 @@ class RemoteNode:
         out = Path(cfg.run.output_dir)
         self.sup = Supervisor(out / "logs" / f"node-{rank}")
         self.weights_dir = local_weights_dir(rank)
-        self.runtime = NodeRuntime(
-            cfg, rank, self.coord, self.sup, out / "workers" / f"node-{rank}", self.weights_dir
-        )
+        self.runtime = NodeRuntime(cfg, rank, self.coord, self.sup,
+                                   out / "workers" / f"node-{rank}", self.weights_dir)
         self._beat = itertools.count()
         self._last_beat = 0.0
         self._reached = time.monotonic()  # last time the coordinator answered
@@ -71,9 +71,8 @@ class RemoteNode:
         except StoreError as exc:
             silent = time.monotonic() - self._reached
             if silent > self.cfg.placement.node_timeout_s:
-                raise LaunchError(
-                    f"lost the coordinator for {silent:.0f}s (placement.node_timeout_s): {exc}"
-                ) from None
+                raise LaunchError(f"lost the coordinator for {silent:.0f}s "
+                                  f"(placement.node_timeout_s): {exc}") from None
             time.sleep(0.2)
             return None
         self._reached = time.monotonic()
@@ -120,10 +119,8 @@ class RemoteNode:
                     break
                 except StoreError as exc:
                     if time.monotonic() > deadline:
-                        raise LaunchError(
-                            f"no coordinator at {self.coord.address} within "
-                            f"run.startup_timeout_s: {exc}"
-                        ) from None
+                        raise LaunchError(f"no coordinator at {self.coord.address} within "
+                                          f"run.startup_timeout_s: {exc}") from None
                     time.sleep(0.2)
             self._reached = time.monotonic()
             self.tick()
@@ -138,25 +135,20 @@ class RemoteNode:
                 spec = json.loads(spec)
                 wcfg = from_json(spec["role"], spec["config"])
                 self.runtime.start_worker(name, spec["role"], wcfg, int(spec["threads"]))
-            log.info(
-                "node %d: %d store node(s) and %s running",
-                rank,
-                len(store_slots(cfg, rank)),
-                mine or "no workers",
-            )
+            log.info("node %d: %d store node(s) and %s running", rank,
+                     len(store_slots(cfg, rank)), mine or "no workers")
             while self.wait_key(STOP, 3600.0) is None:
                 if self._end() is not None:
                     break
             return self._finish()
-        except (LaunchError, StoreError, OSError, ValueError) as exc:
+        except (LaunchError, WorkerFailed, StoreError, OSError, ValueError) as exc:
             cause = str(exc)
             print(f"error: node {rank}: {cause}", file=sys.stderr, flush=True)
             try:
                 self.coord.register(node_key(rank, "failed"), cause[-4000:])
             except StoreError:
                 pass
-            self.sup.stop_all(grace_s=5.0)
-            return 1
+            return 1  # its children are stopped below
         finally:
             self.sup.stop_all(grace_s=5.0)
             shutil.rmtree(self.weights_dir, ignore_errors=True)
@@ -170,11 +162,8 @@ class RemoteNode:
 
     def _ended_before_start(self, name: str) -> int:
         end = self._end()
-        raise LaunchError(
-            f"the run ended before {name} got its config ({end})"
-            if end
-            else f"no config for {name} within run.startup_timeout_s"
-        )
+        raise LaunchError(f"the run ended before {name} got its config ({end})" if end
+                          else f"no config for {name} within run.startup_timeout_s")
 
     def _finish(self) -> int:
         """Two-phase stop: workers (they release their leases), then the store nodes."""
@@ -196,9 +185,6 @@ class RemoteNode:
         if value == "ok":
             print(f"node {self.rank}: run finished", file=sys.stderr, flush=True)
             return 0
-        print(
-            f"error: node {self.rank}: run {value or 'ended without a verdict'}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"error: node {self.rank}: run {value or 'ended without a verdict'}",
+              file=sys.stderr, flush=True)
         return 1

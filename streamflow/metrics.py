@@ -21,6 +21,7 @@ Label values are bounded: ``task`` comes from the table spec, ``role`` from the 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import replace
@@ -36,9 +37,11 @@ from prometheus_client import (
 )
 
 from storage.metrics import HttpEndpoint
+from streamflow import preflight
 from streamflow.config import MetricsSection
 from streamflow.rundir import IterationRecord
 
+Endpoint = tuple[str, str, str]  # (host:port of a /metrics, role, worker): one scrape target
 ROLES = ("rollout", "reward", "reference", "trainer", "store")
 _ITERATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                       1800.0, 3600.0)
@@ -90,6 +93,17 @@ class ControllerMetrics(HttpEndpoint):
         self._http: Any = None
         self._last_timestamp: float | None = None
 
+    def serve(self, host: str, port: int) -> str:
+        """Start /metrics on ``host:port`` (0: a free port); returns where Prometheus scrapes it.
+        A port taken since the preflight checks is the same one-line error as theirs."""
+        try:
+            bound = self.start_http(host, port)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise preflight.port_in_use("metrics.port", f"{host}:{port}") from None
+            raise
+        return scrape_address(host, bound)
+
     def on_record(self, rec: IterationRecord) -> None:
         self.iterations.inc()
         self.policy_version.set(rec.policy_version)
@@ -119,6 +133,11 @@ class ControllerMetrics(HttpEndpoint):
             self.workers_alive.labels(role).set(n)
 
 
+def scrape_address(host: str, port: int) -> str:
+    """Where Prometheus on this host reaches an endpoint bound to ``host``."""
+    return f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
+
+
 def with_metrics(wcfg: Any, section: MetricsSection) -> Any:
     """The worker config with its /metrics endpoint on ``section.host`` (a free port), or off."""
     host = section.host if section.enabled else None
@@ -129,7 +148,7 @@ def targets_path(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "prometheus" / "targets.json"
 
 
-def write_targets(run_dir: str | os.PathLike, endpoints: list[tuple[str, str, str]],
+def write_targets(run_dir: str | os.PathLike, endpoints: list[Endpoint],
                   run_name: str = "") -> Path:
     """Write the file_sd list: one entry per (address "host:port", role, worker)."""
     groups = [

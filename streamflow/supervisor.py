@@ -203,8 +203,6 @@ class Supervisor:
                     return child
         return None
 
-    failed = check  # the name older callers use
-
     def _why_not_restart(self, child: Child, code: int) -> str | None:
         if not child.ever_ready:
             return f"{child.name} exited with status {code} before it was ready (not restarted)"

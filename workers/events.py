@@ -77,11 +77,14 @@ class WeightSyncReport:
 
 @dataclass
 class WorkerStatus:
-    """Lifecycle: ready (after start-up) -> stopped | failed (with the error)."""
+    """Lifecycle: ready (after start-up) -> stopped | failed (with the error). "failed": this
+    process failed (its supervisor may restart it). "unrecoverable": the work itself cannot go
+    on, whoever runs it (the trainer's iteration has every group DEAD, ``workers.faults``): the
+    run fails with ``error``, nothing is restarted."""
 
     worker: str
     role: str
-    state: str  # ready | stopped | failed
+    state: str  # ready | stopped | failed | unrecoverable
     error: str = ""
     timestamp: float = field(default_factory=time.time)
     metrics_address: str = ""  # "host:port" of this worker's /metrics ("" when metrics are off)

@@ -6,11 +6,12 @@ counts dead rows per reason text only, so the reason names the iteration and gro
 
     "iteration 3 group 13: reward: ZeroDivisionError: poison"
 
-``dead_groups`` reads those back from ``TableStats``: the trainer learns which groups of its
-iteration will never arrive (and steps without them), the controller detects an iteration whose
-groups are all dead (a systematic failure: the run fails with the reasons). Rows that died for a
-reason that names no iteration (e.g. "lease expired 3 times": a worker died holding them every
-time) are returned under ``None``: nobody can tell which iteration lost them.
+``dead_groups`` reads those back from ``TableStats``. The trainer is their one reader
+(``dead_iteration``): it learns which groups of its iteration will never arrive (and steps without
+them), and when its iteration can never be trained — every group dead (a systematic failure), or
+rows dead for a reason that names no iteration (e.g. "lease expired 3 times": a worker died
+holding them every time; nobody can tell which iteration lost them) — it reports why
+(``WorkerStatus`` "unrecoverable") and the controller fails the run with that cause.
 """
 
 from __future__ import annotations
@@ -47,3 +48,19 @@ def dead_groups(stats: Any, tasks: list[str]) -> tuple[dict[int, set[int]], dict
                 continue
             by_iteration.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
     return by_iteration, unknown
+
+
+def dead_iteration(stats: Any, tasks: list[str], iteration: int,
+                   groups: int) -> tuple[set[int], str | None]:
+    """The dead group ids of ``iteration`` (of ``groups`` groups) and, when it can never be
+    trained, why (with up to five of the reasons); None while it still can."""
+    by_iteration, unknown = dead_groups(stats, tasks)
+    dead = by_iteration.get(iteration, set())
+    if len(dead) >= groups:
+        reasons = sorted({r for t in tasks for r in stats.task_total(t).dead_reasons
+                          if r.startswith(f"iteration {iteration} ")})
+        return dead, (f"every group of iteration {iteration} is DEAD (quarantined after "
+                      f"store.max_deliveries failed deliveries); reasons: " + "; ".join(reasons[:5]))
+    if unknown:
+        return dead, f"rows quarantined DEAD for reasons that name no iteration: {unknown}"
+    return dead, None

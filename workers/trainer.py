@@ -23,8 +23,8 @@ Faults (a restart from a checkpoint, a freeze past the lease, a store node resta
   back and fall under the two rules above;
 - dead groups: rows quarantined DEAD name their iteration and group (``workers.faults``); the
   iteration's expected row count drops by group_size per dead group, so the step is taken over
-  the groups that exist (never over none: an iteration with every group dead never steps, and the
-  controller fails the run).
+  the groups that exist (never over none: an iteration with every group dead never steps; the
+  trainer reports it "unrecoverable" and the controller fails the run).
 
 Loss normalisation: each micro-batch backpropagates its loss SUM; gradients are divided by the
 iteration's total response-token count once, before the step (``workers.rl``). So the update is the
@@ -75,8 +75,8 @@ from workers import cores
 from workers.config import TrainerWorkerConfig
 from workers.distributed import Op, RankGroup, first_group
 from workers.engines.torch_trainer import TrainerEngine
-from workers.events import Span, StepReport
-from workers.faults import dead_groups
+from workers.events import Span, StepReport, WorkerStatus
+from workers.faults import dead_iteration
 from workers.loop import LeaseKeeper
 from workers.packing import should_pack
 from workers.reference import rows_to_groups
@@ -196,7 +196,10 @@ class Trainer:
         except (Unavailable, UnknownTable):
             return
         tasks = sorted({t for shard in stats.shards for t in shard.tasks})
-        self._dead = dead_groups(stats, tasks)[0].get(self.step, set())
+        groups = self.s.rows_per_iteration // self.s.group_size
+        self._dead, cause = dead_iteration(stats, tasks, self.step, groups)
+        if cause is not None:  # no restart can help: the controller fails the run with the cause
+            self.send(WorkerStatus(self.worker, "trainer", "unrecoverable", cause))
 
     def _accept(self, lease: Lease) -> None:
         iterations = lease.batch.column("iteration").to_numpy()
