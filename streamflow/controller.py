@@ -59,7 +59,7 @@ import torch
 import storage
 from storage.errors import Unavailable, UnknownTable
 from streamflow import interrupt, preflight
-from streamflow.admission import admissible, prompt_rows
+from streamflow.admission import admissible
 from streamflow.cluster import Cluster, LocalCluster, WorkerFailed
 from streamflow.config import RunConfig, config_to_dict
 from streamflow.metrics import ControllerMetrics, write_targets
@@ -159,7 +159,7 @@ class Controller:
             loops = [StageLoop(client, plan.table, stage, worker=f"{role}-0", role=role,
                                events=events, keeper=keeper) for role, stage in stages]
             for k in range(plan.start_iteration, self.cfg.run.iterations):
-                client.put(plan.table, prompt_rows(plan, k, self.staleness), timeout=600.0)
+                client.put(plan.table, plan.prompt_rows(k, self.staleness), timeout=600.0)
                 for loop in loops:  # each stage drains the whole batch before the next
                     while loop.turn(0.0):  # the last (empty) claim carries the last write+ack
                         pass
@@ -281,7 +281,7 @@ class Controller:
         st = self.state
         while st.admitted < self.cfg.run.iterations and admissible(st.admitted, self.staleness,
                                                                    version):
-            client.put(self.plan.table, prompt_rows(self.plan, st.admitted, self.staleness),
+            client.put(self.plan.table, self.plan.prompt_rows(st.admitted, self.staleness),
                        timeout=600.0)
             st.admitted += 1
 
