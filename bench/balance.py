@@ -47,7 +47,7 @@ PUT_CHUNK = 50
 
 def start_store(shards: int, tmp: Path) -> tuple[subprocess.Popen, str]:
     """A store node process on a free 127.0.0.1 port; returns (process, address)."""
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
     proc, addresses = spawn_node(shards, tmp, env=env)
     return proc, addresses[0]

@@ -117,7 +117,7 @@ def run_mode(
                       threads=threads, device=device)
     config = work / f"{mode}.yaml"
     config.write_text(yaml.safe_dump(tree, sort_keys=False))
-    root = str(Path(__file__).resolve().parents[2])  # this checkout's streamflow, not another
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's streamflow, not another
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-m", "streamflow", "run", str(config)], env=env,

@@ -30,7 +30,7 @@ from rich.table import Table
 from streamflow.config import load_config
 from streamflow.controller import run
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("rollout", "reward", "reference", "trainer")
 
 

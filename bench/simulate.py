@@ -43,7 +43,7 @@ from bench.sim.bound import Layout
 from bench.sim.cluster import SimConfig, SimResult, run_sim
 from workers.engines.sim_cost import Workload
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MODES = (("sync", 0), ("periodic", 0), ("async", 1), ("async", 2))
 SWEEPS = ("scaling", "control", "skew", "equal", "balance")
 MODE_NAMES = ("sync", "sync-split", "periodic", "async")
