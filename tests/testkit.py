@@ -1,5 +1,5 @@
 """What tests share: ``wait_until`` (a bounded wait on a condition, instead of a ``sleep`` used as
-synchronisation) and ``free_port`` (the project's own pick, below the ephemeral range: see
+synchronisation), ``no_children_left`` (a run left no process behind) and ``free_port`` (the project's own pick, below the ephemeral range: see
 ``storage/ports.py`` for why ``bind(0)`` is not used for a port a child process binds later).
 
 Importable from every test as ``from testkit import wait_until, free_port``: ``tests/conftest.py``
@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from storage.ports import free_port
 
-__all__ = ["free_port", "wait_until"]
+__all__ = ["free_port", "no_children_left", "wait_until"]
 
 T = TypeVar("T")
 
@@ -35,3 +35,20 @@ def wait_until(
             raise AssertionError(f"timed out after {timeout:.1f}s waiting for {name}")
         time.sleep(interval)
         interval = min(interval * 2, 0.1)
+
+
+def no_children_left(timeout: float = 10.0) -> None:
+    """Wait until this process has no child processes left (a run stopped everything it started);
+    the AssertionError lists the ones still there."""
+    import psutil
+
+    left: list[psutil.Process] = []
+
+    def none_left() -> bool:
+        left[:] = psutil.Process().children(recursive=True)
+        return not left
+
+    try:
+        wait_until(none_left, timeout=timeout, what="every child process to exit")
+    except AssertionError as timed_out:
+        raise AssertionError(f"{timed_out}; left: {left}") from None

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from safetensors.torch import load_file
-from testkit import wait_until
+from testkit import no_children_left, wait_until
 
 import storage
 from streamflow.controller import run
@@ -43,19 +43,6 @@ def _check_run_dir(run_dir: Path, iterations: int) -> dict:
     return summary
 
 
-def _no_children_left() -> None:
-    left: list[psutil.Process] = []
-
-    def none_left() -> bool:
-        left[:] = psutil.Process().children(recursive=True)
-        return not left
-
-    try:
-        wait_until(none_left, timeout=10, what="every child process to exit")
-    except AssertionError as timed_out:
-        raise AssertionError(f"{timed_out}; left: {left}") from None
-
-
 def _wait_for_iterations(proc: subprocess.Popen, metrics: Path, n: int, timeout: float) -> None:
     """Until the run ``proc`` recorded ``n`` iterations in ``metrics``; fails at once, with its
     stderr, if the run ended first."""
@@ -76,7 +63,7 @@ def test_periodic_equals_sync_through_processes(tiny_config) -> None:
                            f"run.output_dir={Path(sync.run.output_dir).parent / 'periodic'}")
     s1 = run(sync)
     s2 = run(periodic)
-    _no_children_left()
+    no_children_left()
     for cfg, s in ((sync, s1), (periodic, s2)):
         summary = _check_run_dir(Path(cfg.run.output_dir), 2)
         assert summary["mode"] == s.mode
@@ -111,7 +98,7 @@ def test_async_respects_staleness_bound(tiny_config) -> None:
     cfg = tiny_config("run.mode=async", "run.max_staleness=1", "run.iterations=5",
                       "run.eval_every=0")
     summary = run(cfg)
-    _no_children_left()
+    no_children_left()
     on_disk = _check_run_dir(Path(cfg.run.output_dir), 5)
     assert on_disk["max_staleness_observed"] == summary.max_staleness_observed == 1
     lines = [json.loads(x) for x in (Path(cfg.run.output_dir) / "metrics.jsonl").read_text()
@@ -209,7 +196,7 @@ def test_deepspeed_two_ranks_match_the_torch_trainer(tiny_config) -> None:
     ds_run = tiny_config(*common, "trainer.engine=deepspeed", "trainer.num_ranks=2",
                          f"run.output_dir={Path(torch_run.run.output_dir).parent / 'ds'}")
     summary = run(ds_run)
-    _no_children_left()
+    no_children_left()
     assert summary.status == "ok" and summary.iterations == 2
     a = _final_params(Path(torch_run.run.output_dir), 2)
     b = _final_params(Path(ds_run.run.output_dir), 2)

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 from safetensors.torch import load_file
-from testkit import wait_until
+from testkit import no_children_left, wait_until
 
 import storage
 from storage.errors import Unavailable
@@ -394,7 +394,7 @@ def test_a_worker_that_cannot_start_ends_the_run_fast_with_its_log(tiny_config):
     message = str(failed.value)
     assert "reward-0 exited with status 1 before it was ready" in message
     assert "cannot import module 'tests.streamflow.no_such_module'" in message  # the log tail
-    _no_children_left()
+    no_children_left()
 
 
 def test_stop_all_reaps_every_child_even_when_cut_short(tmp_path):
@@ -416,14 +416,3 @@ def test_stop_all_reaps_every_child_even_when_cut_short(tmp_path):
         "rollout-0": True, "reward-0": True, "store-0": True}
 
 
-def _no_children_left() -> None:
-    left: list[psutil.Process] = []
-
-    def none_left() -> bool:
-        left[:] = psutil.Process().children(recursive=True)
-        return not left
-
-    try:
-        wait_until(none_left, timeout=10, what="every child process to exit")
-    except AssertionError as timed_out:
-        raise AssertionError(f"{timed_out}; left: {left}") from None
