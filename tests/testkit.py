@@ -1,6 +1,7 @@
 """What tests share: ``wait_until`` (a bounded wait on a condition, instead of a ``sleep`` used as
-synchronisation), ``no_children_left`` (a run left no process behind) and ``free_port`` (the project's own pick, below the ephemeral range: see
-``storage/ports.py`` for why ``bind(0)`` is not used for a port a child process binds later).
+synchronisation), ``no_children_left`` (a run left no process behind) and ``free_port`` (the
+project's own pick, below the ephemeral range: see ``storage/ports.py`` for why ``bind(0)`` is not
+used for a port a child process binds later).
 
 Importable from every test as ``from testkit import wait_until, free_port``: ``tests/conftest.py``
 sits in this directory, and pytest puts a conftest's directory on ``sys.path``.
