@@ -166,7 +166,11 @@ class Run:
 
             def frozen_holding_a_lease() -> bool:
                 assert self.proc.poll() is None, self.stderr()
-                victim.send_signal(signal.SIGSTOP)
+                try:
+                    victim.send_signal(signal.SIGSTOP)
+                except psutil.NoSuchProcess:
+                    raise AssertionError(f"{task} worker {victim.pid} exited before it was seen "
+                                         f"holding a lease\n{self.stderr()}") from None
                 frozen = time.monotonic()
                 try:
                     # A window, not a deadline: a claim waiting in the store when the victim
@@ -241,7 +245,9 @@ def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(
     r.freeze_leased("reward", reward, min_iteration_done=2)
     reward.send_signal(signal.SIGKILL)  # restarted; its lease expires, the rows come back
     trainer = r.process("trainer-0")
-    done = r.freeze_leased("trainer", trainer, min_iteration_done=3)
+    # (after 2 iterations, not later: the last iterations of this tiny run pass in a blink, and a
+    # trainer that finished cannot be caught holding a lease)
+    done = r.freeze_leased("trainer", trainer, min_iteration_done=2)
     trainer.send_signal(signal.SIGKILL)  # restarted from its newest checkpoint
     trainer.wait(30)
     # The newest complete checkpoint once it is dead: the one the restart must resume from. The
@@ -250,7 +256,7 @@ def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(
     # checkpoint k before its report of iteration k: with `done` iterations recorded before the
     # kill, checkpoint done-1 or a newer one is complete (done itself may not be yet).
     newest = latest_checkpoint(r.out / "checkpoints")
-    assert newest is not None and read_state(newest).step >= done - 1 >= 2, (newest, done)
+    assert newest is not None and read_state(newest).step >= done - 1 >= 1, (newest, done)
     assert r.wait() == 0, r.stderr()
     summary = _assert_trained_exactly_once(r, uninterrupted)
     assert summary["worker_restarts"] == {"reward-0": 1, "trainer-0": 1}
