@@ -59,7 +59,10 @@ def _query(base: str, expr: str) -> dict:
         with _HTTP.open(url, timeout=10) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as err:  # 400/422 carry the PromQL error as JSON
-        return json.loads(err.read())
+        body = err.read()
+        if err.code == 503:  # "Service Unavailable": still starting (its TSDB is not open yet)
+            return {"status": "starting", "error": body.decode(errors="replace")}
+        return json.loads(body)
     except urllib.error.URLError:  # not listening yet
         return {"status": "unreachable"}
 
