@@ -312,10 +312,10 @@ class RunDir:
 
     # Readers ----------------------------------------------------------------------------
     def read_metrics(self) -> list[IterationRecord]:
-        return [record_from_dict(IterationRecord, d) for d in _read_jsonl(self.metrics_path)]
+        return [record_from_dict(IterationRecord, d) for d in read_jsonl(self.metrics_path)]
 
     def read_spans(self) -> list[StageSpan]:
-        return [record_from_dict(StageSpan, d) for d in _read_jsonl(self.timeline_path)]
+        return [record_from_dict(StageSpan, d) for d in read_jsonl(self.timeline_path)]
 
     def reward_range(self) -> tuple[float, float] | None:
         """The range of the run's reward function when known (a built-in), from config.yaml."""
@@ -333,7 +333,7 @@ class RunDir:
         return record_from_dict(RunSummary, json.loads(self.summary_path.read_text()))
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     out = []

@@ -66,8 +66,8 @@ class RunState:
                    loop_started=created)
 
     def version(self) -> int:
-        """The newest policy version the trainer reported."""
-        return self.records[-1].policy_version if self.records else self.start_iteration
+        """The newest policy version the trainer reported (or resumed from)."""
+        return max(self.records[-1].policy_version if self.records else 0, self.start_iteration)
 
     def begin_loop(self) -> float:
         """The RL loop's clock starts (returned): everything before it is start-up."""

@@ -35,8 +35,9 @@ from storage.ports import free_port
 from streamflow.admission import min_policy_version
 from streamflow.config import RunConfig, StoreSection
 from streamflow.devices import RoleDevices, resolve_devices, weight_sync_path
+from streamflow.rundir import read_jsonl
 from workers import cores
-from workers.checkpoint import latest_checkpoint, read_state
+from workers.checkpoint import list_checkpoints, read_state
 from workers.config import (
     ReferenceWorkerConfig,
     RewardWorkerConfig,
@@ -399,12 +400,30 @@ def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
     if not cfg.run.resume:
         return None
     if cfg.run.resume == "auto":
-        return latest_checkpoint(run_dir / "checkpoints")
+        return _newest_recorded_checkpoint(run_dir)
     path = Path(cfg.run.resume)
     if not (path / "trainer_state.json").is_file():
         raise FileNotFoundError(f"run.resume={cfg.run.resume!r} is not a complete checkpoint "
                                 "(no trainer_state.json)")
     return path
+
+
+def _newest_recorded_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint whose iterations are all in the run's ``metrics.jsonl``. The trainer
+    writes checkpoint k just after it reports iteration k-1, so a run killed between the report and
+    the controller's line can leave checkpoint k without its record: resuming from it would finish
+    the run with that line missing for good. The older checkpoint (two are kept) retrains the
+    iteration instead — runs are deterministic, so to the same weights. Without a metrics file (or
+    no checkpoint that old) the newest checkpoint is taken as it is."""
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    metrics = run_dir / "metrics.jsonl"
+    if not checkpoints or not metrics.exists():
+        return checkpoints[-1] if checkpoints else None
+    recorded = {line["iteration"] for line in read_jsonl(metrics)}
+    for checkpoint in reversed(checkpoints):
+        if recorded.issuperset(range(read_state(checkpoint).step)):
+            return checkpoint
+    return checkpoints[-1]
 
 
 def _named(common: WorkerCommon, role: str) -> WorkerCommon:

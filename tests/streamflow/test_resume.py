@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -195,3 +196,25 @@ def test_replacing_a_step_never_leaves_it_missing(tmp_path: Path, monkeypatch) -
     assert [p.name for p in list_checkpoints(root)] == ["step-000001", "step-000002"]
     assert (root / "step-000001" / "optimizer.pt").read_bytes() == b"second"
     assert not list(root.glob(".old-*")) and not list(root.glob(".tmp-*"))
+
+
+def test_auto_resume_takes_the_newest_checkpoint_whose_iterations_were_recorded(tmp_path: Path):
+    """Checkpoint k is written just after iteration k-1 is reported: a run killed before the
+    controller wrote that report's line resumes from the older checkpoint and retrains the
+    iteration, so no line of metrics.jsonl is missing for good."""
+    from streamflow.stages import find_resume
+    from workers.checkpoint import FORMAT
+
+    for step in (3, 6):
+        state = tmp_path / "checkpoints" / f"step-{step:06d}" / "trainer_state.json"
+        state.parent.mkdir(parents=True)
+        state.write_text(json.dumps({"format": FORMAT, "step": step}))
+    cfg = SimpleNamespace(run=SimpleNamespace(resume="auto"))
+    assert find_resume(cfg, tmp_path).name == "step-000006"  # no metrics file: the newest
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"iteration": i}) + "\n" for i in range(5)))
+    assert find_resume(cfg, tmp_path).name == "step-000003"  # iteration 5's line never written
+    metrics.write_text(metrics.read_text() + '{"iteration": 5, "lo')  # torn by the kill
+    assert find_resume(cfg, tmp_path).name == "step-000003"
+    metrics.write_text("".join(json.dumps({"iteration": i}) + "\n" for i in range(6)))
+    assert find_resume(cfg, tmp_path).name == "step-000006"

@@ -43,6 +43,8 @@ COMMON = (
     "rollout.groups_per_claim=2",
     "run.checkpoint_every=1",
     "run.stall_timeout_s=90",
+    # Leases held long enough to be caught (a tiny iteration takes ~30 ms without it)
+    "reward.fn=tests.streamflow.faulty_rewards:slow",
 )
 # The balancer on: two shards start the run's coordinator (one shard has nothing to balance).
 BALANCED = ("store.num_shards=2", "store.balancer=true")
@@ -146,12 +148,12 @@ class Run:
     ) -> int:
         """Freeze ``victim``, the only worker of ``task``, at a moment it holds a live lease, after
         ``min_iteration_done`` iterations finished; the victim is left stopped (SIGSTOP) for the
-        test to kill or resume. Race-free: the victim is stopped *before* the store's counts are
-        read, and a stopped worker cannot ack, so a live lease of ``task`` seen then is the
-        victim's and stays live (a check-then-kill could find it acked already: flaky on a fast
-        machine). A victim stopped while its claim waits in the store still gets that claim's
-        rows as they become ready, so the counts are read for up to 1.5 s (longer than a stage's
-        claim wait) before it is resumed and stopped again. Returns the iterations done seen
+        test to kill or resume. Race-free: the store's counts are read again *after* the victim
+        is stopped, and a stopped worker cannot ack, so a live lease of ``task`` seen then is the
+        victim's and stays live. Two ways to get there, in turn: watch the running victim until
+        the store shows it a lease, then stop it (catches a lease held for a few milliseconds);
+        or stop it first and watch for 1.5 s (a claim it had waiting in the store when it stopped
+        is still granted, longer than a stage's claim wait). Returns the iterations done seen
         first: a lower bound of those done when the lease was seen."""
         deadline = time.monotonic() + timeout
 
@@ -164,24 +166,38 @@ class Run:
                              what=f"{min_iteration_done} iteration(s) done")
         with self._store() as client:
 
-            def frozen_holding_a_lease() -> bool:
-                assert self.proc.poll() is None, self.stderr()
+            def leased(window: float) -> bool:
+                """A live lease of ``task`` seen within ``window`` seconds (polled every 5 ms)."""
+                since = time.monotonic()
                 try:
-                    victim.send_signal(signal.SIGSTOP)
+                    while client.stats("samples").task_total(task).in_flight == 0:
+                        if time.monotonic() - since > window:
+                            return False
+                        time.sleep(0.005)
+                except Unavailable:
+                    raise AssertionError(f"the run ended first\n{self.stderr()}") from None
+                return True
+
+            def signal_victim(sig: signal.Signals) -> None:
+                try:
+                    if victim.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped
+                        raise psutil.NoSuchProcess(victim.pid)
+                    victim.send_signal(sig)
                 except psutil.NoSuchProcess:
                     raise AssertionError(f"{task} worker {victim.pid} exited before it was seen "
                                          f"holding a lease\n{self.stderr()}") from None
-                frozen = time.monotonic()
-                try:
-                    # A window, not a deadline: a claim waiting in the store when the victim
-                    # stopped may still be granted within it (see above).
-                    while time.monotonic() - frozen < 1.5:
-                        if client.stats("samples").task_total(task).in_flight > 0:
-                            return True
-                        time.sleep(0.01)
-                except Unavailable:
-                    raise AssertionError(f"the run ended first\n{self.stderr()}") from None
-                victim.send_signal(signal.SIGCONT)  # let it work a moment: its next lease
+
+            def frozen_holding_a_lease() -> bool:
+                assert self.proc.poll() is None, self.stderr()
+                if leased(window=1.0):  # the running victim holds one: stop it, check again
+                    signal_victim(signal.SIGSTOP)
+                    if leased(window=0.0):
+                        return True
+                    signal_victim(signal.SIGCONT)
+                signal_victim(signal.SIGSTOP)  # stopped first: a waiting claim may be granted
+                if leased(window=1.5):
+                    return True
+                signal_victim(signal.SIGCONT)  # let it work a moment: its next lease
                 return False
 
             wait_until(frozen_holding_a_lease, timeout=max(deadline - time.monotonic(), 1.0),
