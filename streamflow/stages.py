@@ -416,14 +416,9 @@ def _newest_recorded_checkpoint(run_dir: Path) -> Path | None:
     iteration instead — runs are deterministic, so to the same weights. Without a metrics file (or
     no checkpoint that old) the newest checkpoint is taken as it is."""
     checkpoints = list_checkpoints(run_dir / "checkpoints")
-    metrics = run_dir / "metrics.jsonl"
-    if not checkpoints or not metrics.exists():
-        return checkpoints[-1] if checkpoints else None
-    recorded = {line["iteration"] for line in read_jsonl(metrics)}
-    for checkpoint in reversed(checkpoints):
-        if recorded.issuperset(range(read_state(checkpoint).step)):
-            return checkpoint
-    return checkpoints[-1]
+    recorded = {line["iteration"] for line in read_jsonl(run_dir / "metrics.jsonl")}
+    complete = [c for c in checkpoints if recorded.issuperset(range(read_state(c).step))]
+    return (complete or checkpoints or [None])[-1]
 
 
 def _named(common: WorkerCommon, role: str) -> WorkerCommon:
