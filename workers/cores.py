@@ -1,26 +1,8 @@
 """One host's CPU threads, handed back and forth between its compute processes by phase.
 
-Owns: ``CoreShare`` (a process's view of the host's thread budget) and the process-wide
-``busy()`` hook that the stage loop and the trainer wrap their compute phases in.
-
-Why: in the streaming modes rollout and trainer are separate processes. A fixed thread count per
-process either fights over the cores (each takes them all: oversubscription, measured 1.2-1.6x
-slower on 2 cores) or leaves one idle (each takes half: the trainer runs on 1 thread while the
-rollout waits for the next policy version). Instead every compute process of a host marks itself
-busy or idle in a small shared-memory table and, at each phase boundary, takes its share of the
-budget: ``total // busy`` threads (the remainder to the lowest slots). A process alone at work gets
-every thread; two busy processes split them.
-
-Layout: a file of ``MAX_SLOTS`` bytes in /dev/shm, created by the controller, one byte per process
-(slot numbers are assigned by the controller): 1 = busy, 0 = idle. A byte store is atomic, so no
-lock is needed; a reader may see a neighbour's change one phase late, which costs at most one
-phase of over- or under-subscription, never correctness: thread counts change speed, not results
-(runs that compare parameters bitwise set ``trainer.deterministic``, which keeps threads fixed).
-
-Lifecycle: the controller creates the file before the workers start and removes it at the end;
-each worker opens it (``CoreShare.open``), wraps every compute phase in ``busy()``, and closes it.
-A worker that dies while busy leaves its byte at 1 until its restart takes the same slot and
-clears it (``open`` marks the slot idle).
+``CoreShare`` is a process's byte in a shared table (1 = busy); at each phase boundary it takes
+``total // busy`` threads. ``busy()`` is the process-wide hook the stage loop and trainer wrap
+compute in. Why, layout, lifecycle: docs/training.md "CPU threads shared by phase".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Reports from workers to whoever runs them (the controller): typed records over ZeroMQ PUSH/PULL.
+"""Reports from workers to the controller: typed records over ZeroMQ PUSH/PULL.
 
-Samples never travel here (they go through the store); these are small control-plane records:
-stage spans for the timeline, the trainer's per-step report, weight-sync costs, worker status.
-
-Wire: one msgpack map per message, ``{"kind": <record name>, **fields}``; decoded only into the
-dataclasses below (unknown kinds or fields are rejected, nothing is unpickled).
-
-Delivery: PUSH with a bounded send timeout. A report may be lost only if the controller is gone
-(then nobody is left to read it) — the run's correctness never depends on these records, only its
-bookkeeping does.
+Control-plane records only (spans, step reports, weight syncs, status), one msgpack map
+``{"kind": <record name>, **fields}`` each, decoded only into the dataclasses below. A report is
+lost only when the controller is gone (docs/training.md "Reports").
 """
 
 from __future__ import annotations

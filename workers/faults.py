@@ -1,17 +1,8 @@
 """Failure reasons that name their rows, and what the store's dead letters say about iterations.
 
-A stage that hands rows back as a failed delivery (``client.release(lease, error=...)``) gives a
-reason the store keeps if the rows end DEAD (quarantined after ``max_deliveries``). The store
-counts dead rows per reason text only, so the reason names the iteration and group of the rows:
-
-    "iteration 3 group 13: reward: ZeroDivisionError: poison"
-
-``dead_groups`` reads those back from ``TableStats``. The trainer is their one reader
-(``dead_iteration``): it learns which groups of its iteration will never arrive (and steps without
-them), and when its iteration can never be trained — every group dead (a systematic failure), or
-rows dead for a reason that names no iteration (e.g. "lease expired 3 times": a worker died
-holding them every time; nobody can tell which iteration lost them) — it reports why
-(``WorkerStatus`` "unrecoverable") and the controller fails the run with that cause.
+A failed delivery's reason names its rows' iteration and group ("iteration 3 group 13: ...");
+``dead_iteration`` reads them back for the trainer: which groups will never arrive, and why an
+iteration can never be trained (docs/training.md "Failure reasons and dead groups").
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """The streaming loop every stateless stage shares: claim -> compute -> write (+ack).
 
-A *stage* (reward, reference; rollout adds weight loading around it) is a small object saying which
-task it consumes, which columns it reads, and how to turn a claimed batch into the columns it
-writes. ``StageLoop.turn`` is one turn of the loop; ``serve_stage`` repeats it until told to stop.
-
-Lease lifecycle across turns (one round trip per micro-batch)::
-
-    turn n:   claim(ack=lease n-1, write=result n-1)  -> process lease n -> keep result n
-    turn n+1: claim(ack=lease n,   write=result n)    -> ...
-                                   \\-> process raised: release(lease n, error=...) and re-raise
-
-The carried write+ack is atomic from the store's point of view: either the columns are stored and
-the rows consumed by this task, or neither (then the lease expires or is released and the rows are
-delivered again). A stage that raises hands its rows back with the error
-(counted as a failed delivery, so a poison row ends quarantined rather than crashing workers
-forever) and the exception ends the worker process, which the controller restarts or reports.
-A stage that raises ``HandBack`` hands the rows back (cleanly, or as a failed delivery) and the
-worker goes on: a bad sample is the sample's problem, not the worker's. Failure reasons name the
-rows' iteration and group (``workers.faults``). A store node that is down or restarting
-(``Unavailable``, ``UnknownTable``) is waited out: the next claim retries.
-
-Shutdown: ``stop`` is checked between turns; a turn in progress finishes (its write is fenced by its
-lease anyway), so a clean stop never leaves rows leased.
+Each claim carries the previous turn's write+ack (one round trip per micro-batch); a stage that
+raises hands its rows back as a failed delivery, ``HandBack`` hands them back and goes on; a store
+node down is waited out. Lease lifecycle and shutdown: docs/training.md "The stage loop".
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """A worker process: ``python -m workers.main --role ROLE --config FILE``.
 
-Builds one role from its typed config (``workers.config``), connects to the store and to the
-controller's report socket, and runs the role's loop until the work is done (trainer: all
-iterations) or SIGTERM/SIGINT asks it to stop.
-
-Exit status is the contract with whoever started the process: 0 after a clean stop or completed
-work; 1 after an error, which is also reported as ``WorkerStatus(state="failed", error=...)``.
-A clean stop finishes the turn in progress and hands back any lease still held, so a stop causes no
-redeliveries.
+Builds one role from its typed config, runs its loop until the work is done or SIGTERM/SIGINT.
+Exit 0 after a clean stop (held leases handed back) or completed work; 1 after an error, also
+reported as ``WorkerStatus(state="failed")`` (docs/training.md "Worker processes").
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The reference role: log-probs of each response under the frozen reference model.
 
-Claims ``prompt_ids`` + ``response_ids`` and writes ``ref_logprobs`` (one float per response token,
-computed with the same temperature as the trainer so the KL term compares like with like). Rows of
-one prompt that arrive in the same claim are packed with a single copy of the prompt
-(shared-prompt attention, ``workers.packing``) when packing is on.
-
-Switched off entirely when the KL coefficient is 0, and replaced by the trainer's fused forward when
-``reference.placement = trainer`` (``workers.trimodel``).
+Writes ``ref_logprobs`` at the trainer's temperature, packing a claim's rows of one prompt when
+packing is on. Off when the KL coefficient is 0; fused into the trainer with
+``reference.placement = trainer`` (docs/training.md "The reference role").
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The reward role: score each response with a rule-based verifier.
 
-Claims ``response_ids`` (+ ``answer``), decodes the tokens to text, scores every sample with the
-configured verifier under a per-sample timeout, and writes ``reward``, ``reward_ok`` and
-``reward_error``. A verifier that raises or times out scores that sample 0.0 with the reason
-recorded; it never kills the worker (see ``workers.rewards.RewardRunner``).
-
-``on_error`` says what a failed sample becomes:
-- ``"zero"``: scored 0.0 with ``reward_ok=False`` and the reason, and trained on like any sample;
-- ``"retry"`` (default): the sample is handed back as a failed delivery, so a transient failure is
-  retried and a poison sample ends DEAD (quarantined) after ``max_deliveries`` with the reason
-  (naming its iteration and group, ``workers.faults``); the trainer leaves its group out. The
-  store releases whole leases only, so a failure in a multi-row lease hands the lease back
-  *cleanly* (its innocent rows are not charged a delivery) and the next claims take one row at a
-  time until as many rows were scored: the failing row is then handed back alone.
+Writes ``reward``, ``reward_ok``, ``reward_error``. ``on_error="zero"`` trains on a failed sample
+scored 0.0; ``"retry"`` hands it back as a failed delivery (a multi-row lease cleanly, then one
+row per claim to isolate it). Details: docs/training.md "The reward role".
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Reward functions: a registry of rule-based verifiers, and a runner that scores with timeouts.
 
-Owns: ``RewardFn`` (``fn(completion, answer) -> float``), the registry (``register_reward``,
-``resolve_reward``), the built-ins (``exact_match``, ``numeric_close``), ``RewardResult`` and
-``RewardRunner``.
-
-Where a function runs (the isolation choice):
-- Built-ins (registered in this module, pure and trivially fast) run IN-PROCESS: no IPC cost.
-- Any other function (a user's ``"package.module:function"``) runs in a persistent CHILD process
-  started with the ``spawn`` method (no inherited locks or threads, no torch state copied), fed
-  plain strings over a pipe and answering plain floats/strings — nothing is unpickled from a
-  socket, and the child only ever gets the function's import path, never a pickled function.
-  Every sample gets its own deadline: when it passes, the child is killed (SIGKILL), the sample
-  scores 0.0 with ``error="timeout after Xs"``, a fresh child is started and scoring goes on with
-  the next sample. A hung or crashing user function therefore never hangs or kills the worker.
-- An exception, a non-numeric or non-finite return value scores 0.0 with ``ok=False`` and the
-  reason in ``error``.
-Lifecycle: ``RewardRunner`` starts its child lazily on first use; ``close()`` (or ``with``) stops it.
-This module must stay light to import (no torch): the child imports it.
+Built-ins run in-process; any other ``"package.module:function"`` runs in a spawned child that a
+per-sample timeout kills and restarts; a failure scores 0.0 with ``ok=False`` and the reason
+(docs/training.md "The reward role"). Stays light to import (no torch): the child imports it.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """The rollout role: generate G responses per prompt with the policy version the mode requires.
 
-Claims whole groups (the G rows of a prompt), generates G samples of the prompt in one call, and
-writes ``response_ids``, ``response_logprobs`` (behaviour log-probs), ``policy_version`` and
-``finish_reason``.
-
-Which weights (the one rule behind all three modes): every prompt row carries
-``min_policy_version``. Before generating, the worker loads the newest published version if it is
-newer than what its engine holds, waiting (bounded) for ``min_policy_version`` to appear. The
-controller sets ``min_policy_version = iteration - max_staleness``, so
-
-- on-policy (``sync``/``periodic``, staleness 0): iteration k is generated with exactly version k,
-  which the trainer publishes only after step k-1 — generation of k+1 never overlaps training of k;
-- ``async``: rollout runs ahead with the newest weights it has, at most ``max_staleness`` versions
-  behind the step that will train the sample, and picks up new weights between claims.
-
-Sampling is seeded per group by (run seed, group id, policy version), passed to the engine as one
-seed per prompt (``SamplingParams.prompt_seeds``), so a group generates the same responses
-whichever worker claims it, in whichever order, together with whichever other groups, and again
-after a redelivery.
+Before generating, loads the newest published version, waiting (bounded) for the rows'
+``min_policy_version``; sampling is seeded per group by (run seed, group id, policy version), so
+a group's responses do not depend on who claims it (docs/training.md "The rollout role").
 """
 
 from __future__ import annotations

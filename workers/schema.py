@@ -1,35 +1,8 @@
 """The RL sample table: the one place where the columns of a GRPO run are defined.
 
-One row per sample (one response to one prompt); the G rows of a prompt share a ``group_id`` and
-are put together, so a group always lives in one shard. Each column is written by exactly one task:
-
-    column               written by    at
-    -------------------  ------------  ---------------------------------------------------------
-    group_id             controller    put        (the store's group column)
-    iteration            controller    put
-    min_policy_version   controller    put        (admission: rollout must use a version >= this)
-    prompt_ids           controller    put
-    answer               controller    put
-    response_ids         rollout       write      (makes the row ready for reward and reference)
-    response_logprobs    rollout       write
-    policy_version       rollout       write
-    finish_reason        rollout       write
-    reward               reward        write
-    reward_ok            reward        write
-    reward_error         reward        write
-    ref_logprobs         reference     write      (absent when the reference is off or fused)
-    advantage            trainer       write+ack  (after the step, with the ack that frees the row;
-                                                  recorded for inspection)
-
-Tasks and the columns that make a row ready for them:
-
-    rollout    prompt_ids                               whole groups (G samples of one prompt)
-    reward     response_ids
-    reference  response_ids
-    trainer    response_ids, reward [, ref_logprobs]    whole groups (advantages need the group)
-
-The columns each task claims (``*_READS``) and writes (``*_COLUMNS``) are declared below, once;
-``prompt_rows`` builds the rows the controller puts.
+One row per sample; the G rows of a prompt share a ``group_id``. Each column is written by one
+task; the columns each task claims (``*_READS``) and writes (``*_COLUMNS``) are declared here,
+once. The column table: docs/training.md "The sample table".
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """The knobs the workers compute with, declared once: each field here is a YAML key of the run.
 
-Owns: the frozen settings dataclasses of the workers' math (sampling, torch and vLLM engines,
-verifier, optimizer, GRPO loss, packing) and of the simulated device, with their defaults, their
-allowed ranges and the errors a bad value raises; and ``embed``/``flat``, which let an owner carry
-such an object while callers see its fields as the owner's own.
-The run configuration (``streamflow.config``) embeds these objects in its sections, so a field
-declared here is read from YAML as a flat key of that section (``trainer.lr``,
-``rollout.temperature``); the worker records (``workers.config``) carry the same objects to the
-worker processes. Adding a knob is one field here plus its use.
-
-Ranges are declared with ``bounded(default, ge=/gt=/le=, why=)`` and checked on construction
-(``Checked``): a settings object that exists is valid, however it was built. Errors name the
-bare field (``lr``); the config loader prefixes the section (``trainer.lr``).
+Frozen settings dataclasses (sampling, engines, verifier, optimizer, GRPO loss, packing, simulated
+device) with defaults and ``bounded`` ranges checked on construction; ``embed``/``flat`` let an
+owner carry one while callers see its fields as the owner's own. Details: docs/training.md.
 """
 
 from __future__ import annotations
@@ -51,14 +42,8 @@ def require(ok: bool, key: str, message: str) -> None:
         raise ConfigValueError(key, message)
 
 
-def bounded(
-    default: Any,
-    *,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    why: str = "",
-) -> Any:
+def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, why: str = "") -> Any:
     """A numeric field with its allowed range (inclusive ge/le, exclusive gt) and its reason."""
     return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "why": why})
 
@@ -78,8 +63,7 @@ def check_bounds(obj: Any) -> None:
 
 
 class Checked:
-    """Base of a settings or section dataclass: on construction its ``bounded`` ranges are
-    checked, then its own rules (``check``)."""
+    """Base of a settings dataclass: construction checks its ``bounded`` ranges, then ``check``."""
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -102,10 +86,8 @@ def embedded(cls: type) -> dict[str, type]:
 
 
 def flat(cls: type[T]) -> type[T]:
-    """Class decorator (applied after ``@dataclass``): the fields of ``embed`` fields are the
-    owner's own to callers. ``Owner(lr=1e-3)`` and ``dataclasses.replace(owner, lr=1e-3)`` set
-    ``owner.optim.lr``, and ``owner.lr`` reads it. So YAML keys and callers see one flat section
-    while the object carries the workers' settings whole."""
+    """Class decorator (after ``@dataclass``): the fields of ``embed`` fields are the owner's own
+    to callers: ``Owner(lr=1e-3)`` sets ``owner.optim.lr``, ``owner.lr`` reads it."""
     owner_of: dict[str, str] = {}
     for name, inner in embedded(cls).items():
         for f in dataclasses.fields(inner):
@@ -143,8 +125,7 @@ def flat(cls: type[T]) -> type[T]:
 
 @dataclass(frozen=True)
 class SamplingSettings(Checked):
-    """How rollout samples (``rollout.*``); the trainer and reference use the same temperature so
-    their log-probs compare with the behaviour log-probs."""
+    """How rollout samples (``rollout.*``); the trainer and reference use its temperature."""
 
     temperature: float = bounded(  # sampling temperature
         1.0, gt=0, why="GRPO needs stochastic samples and finite log-probs")
@@ -154,27 +135,22 @@ class SamplingSettings(Checked):
 
 @dataclass(frozen=True)
 class TorchGenerateSettings(Checked):
-    """The torch rollout engine only: attention kernel ("sdpa": same tokens as "eager", log-probs
-    within 1e-5 on the embedded model, faster; `streamflow bench generate`, docs/engines.md) and
-    rows per forward batch of one generate call (0 = the whole claim: groups_per_claim x
-    group_size rows)."""
+    """The torch rollout engine only (docs/training.md "Settings")."""
 
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    rows_per_generate: int = bounded(0, ge=0)
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"  # "sdpa": same tokens, faster
+    rows_per_generate: int = bounded(0, ge=0)  # rows per forward batch (0 = the whole claim)
 
 
 @dataclass(frozen=True)
 class VllmSettings(Checked):
-    """vLLM engine only (``rollout.engine=vllm``): weights dtype ("auto" = the checkpoint's;
-    "float32" matches the trainer's log-probs exactly), context length (None = the model's),
-    KV-cache GiB on CPU, fraction of GPU memory on GPU, and eager mode (no graph capture: faster
-    start, CPU-safe). The field names are the YAML keys, hence the prefix."""
+    """vLLM engine only (``rollout.engine=vllm``); the field names are the YAML keys, hence the
+    prefix (docs/training.md "Settings")."""
 
-    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    vllm_max_model_len: int | None = bounded(None, ge=16)
-    vllm_kv_cache_gib: float = bounded(1.0, gt=0)
-    vllm_gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
-    vllm_enforce_eager: bool = True
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: checkpoint's
+    vllm_max_model_len: int | None = bounded(None, ge=16)  # None = the model's
+    vllm_kv_cache_gib: float = bounded(1.0, gt=0)  # KV cache on CPU
+    vllm_gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)  # on GPU
+    vllm_enforce_eager: bool = True  # no graph capture: faster start, CPU-safe
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``VllmRolloutEngine`` (the names without the prefix)."""
@@ -219,9 +195,7 @@ class RewardSettings(Checked):
 
     fn: str = "exact_match"  # registry name, or "package.module:function" for a user verifier
     timeout_s: float = bounded(2.0, gt=0)  # per-sample scoring timeout; a timeout scores as failed
-    # a sample whose verifier raised or timed out: "retry" hands it back as a failed delivery
-    # (quarantined DEAD after store.max_deliveries, its group left out of training); "zero"
-    # scores it 0.0 with reward_ok=false and trains on it
+    # a failed sample: "retry" = a failed delivery, "zero" = scored 0.0 and trained on
     on_error: Literal["retry", "zero"] = "retry"
 
     def check(self) -> None:
@@ -231,25 +205,19 @@ class RewardSettings(Checked):
 
 @dataclass(frozen=True)
 class PackingSettings(Checked):
-    """Shared-prompt packing of the trainer's and reference's forwards (``trainer.*``;
-    ``workers.packing``)."""
+    """Shared-prompt packing of the trainer's and reference's forwards (``trainer.*``)."""
 
     packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
-    # ... in the micro-batches (trainer and reference) whose token saving 1 - packed/unpacked
-    # reaches this (0 = every batch). Below it, packing is slower than plain rows: measured with
-    # `streamflow bench packing` (docs/engines.md); = workers.packing.DEFAULT_MIN_SAVING, which
-    # imports torch (tests/workers/test_packing.py checks they agree)
+    # ... a batch whose token saving reaches this (= workers.packing.DEFAULT_MIN_SAVING)
     packing_min_saving: float = bounded(0.25, ge=0, le=1)
     token_budget: int = bounded(4096, ge=1)  # max tokens per packed micro-batch
 
 
 @dataclass(frozen=True)
 class SimulatedDevice(Checked):
-    """The ``simulated`` engines' device (``simulated.*``; ``workers.engines.simulated``): every role
-    holds it for the cost model's time instead of computing. Set on every worker of a run whose
-    engines are simulated."""
+    """The ``simulated`` engines' device (``simulated.*``): roles wait the cost model's time."""
 
-    cost: str = "7b-1acc"  # cost preset (workers/engines/sim_cost.py; README "Performance": sources)
+    cost: str = "7b-1acc"  # cost preset (workers/engines/sim_cost.py)
     time_scale: float = bounded(50.0, gt=0)  # simulated seconds per real second
     # response lengths: lognormal with this median and sigma, capped at rollout.max_new_tokens
     median_response_tokens: int = bounded(600, ge=1)

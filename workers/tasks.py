@@ -1,19 +1,8 @@
 """Verifiable tasks: the embedded procedural arithmetic task, and prompts from a user's file.
 
-Owns: ``Problem`` (a prompt and its reference answer), ``ArithmeticTask`` (deterministic streams of
-problems like ``"12+34="`` -> ``"46"``) and ``load_problem_file`` (JSONL or Parquet via pyarrow).
-
-Invariants of ``ArithmeticTask``:
-- Every (operation, a, b) triple is either *held out* (evaluation only) or *training*, decided by a
-  hash of the triple that does not depend on the seed; for ``+`` and ``*`` the hash is of the
-  unordered pair, so ``a+b`` and ``b+a`` are always on the same side; ``eval_problems`` draws only held-out
-  triples and the training streams never yield one, so evaluation is disjoint from training by
-  construction.
-- ``iterate(seed)`` is an infinite stream that depends only on (digits, operations, seed); two
-  streams with the same arguments yield the same problems. ``train_problems(n, epoch_or_offset=k)``
-  is the k-th block of ``n`` problems of the stream seeded by the task's seed (k >= 0).
-- Operands have up to ``digits`` digits (0 .. 10**digits - 1); answers are plain base-10 integers
-  (``-`` may give a negative answer, written with a leading ``-``).
+``ArithmeticTask`` streams problems like ``"12+34="`` -> ``"46"`` with a seed-independent held-out
+split (``a+b`` and ``b+a`` on the same side); ``load_problem_file`` reads JSONL or Parquet.
+The task contract: docs/training.md "Tasks".
 """
 
 from __future__ import annotations

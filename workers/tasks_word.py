@@ -1,21 +1,8 @@
 """Arithmetic word problems for instruct models, and chat-template prompts.
 
-Owns: ``WordProblemTask`` (seeded streams of short word problems such as "Tom has 3 apples and
-buys 4 more. How many apples does Tom have now?" -> "7", with a held-out split),
-``chat_prompt_text`` / ``chat_prompt_ids`` (a question rendered with the tokenizer's own chat
-template, ready for generation), ``final_number`` and the reward ``last_number_match``.
-
-Invariants of ``WordProblemTask`` (the same contract as ``workers.tasks.ArithmeticTask``, so the
-controller can use either):
-- A problem is fixed by its *triple* (kind, a, b); names and objects are surface decoration drawn
-  from a generator seeded by the triple, so a triple always reads the same.
-- Every triple is either held out (evaluation only) or training, decided by a keyed hash that does
-  not depend on the seed: ``eval_problems`` draws held-out triples only and the training streams
-  never yield one, so evaluation is disjoint from training by construction.
-- ``iterate(seed)`` depends only on (max_value, kinds, seed); ``train_problems(n, epoch_or_offset=k)``
-  is the k-th block of ``n`` problems of the stream seeded by the task's seed.
-- Answers are non-negative integers written in base 10 (subtraction never goes below zero, a
-  division always comes out even).
+``WordProblemTask`` (the same contract as ``workers.tasks.ArithmeticTask``), ``chat_prompt_text``
+/ ``chat_prompt_ids``, ``final_number`` and the reward ``last_number_match``
+(docs/training.md "Tasks").
 """
 
 from __future__ import annotations

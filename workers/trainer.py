@@ -1,63 +1,14 @@
 """The trainer role: GRPO over streamed micro-batches, one optimizer step per iteration.
 
-Lifecycle of the rows of iteration k (the trainer's current step, its weights are version k)::
-
-    claim whole groups -> [iteration > k: park the piece, keep its lease alive]
-                       -> [iteration == k: forward+backward now, keep the advantages]
-    ... until all rows_per_iteration rows of k are in ...
-    -> scale grads by 1/total_tokens -> clip -> AdamW step   (x updates_per_batch)
-    -> publish weights version k+1 -> report -> write the advantages of every lease whose rows
-       are all trained, acking it in the same request
-
-Why ack only after the step: a trainer that dies mid-iteration has applied nothing, so its rows
-must come back (their leases expire) and be trained by its successor; acking earlier would lose them.
-The order at the end of an iteration is step -> publish -> report -> checkpoint (``on_step``) ->
-ack, so with a checkpoint every iteration no acked row is ever missing from the newest checkpoint:
-a trainer restarted from it loses nothing (docs/faults.md).
-
-Faults (a restart from a checkpoint, a freeze past the lease, a store node restarted: leases lost):
-- a row of an iteration below ``step`` is already in the weights: it is acked, never retrained;
-- a row delivered again within its iteration (this process trained or parked it already and then
-  lost the lease) is not trained twice: the new lease is only held and acked after the step;
-- acks (with their advantage writes) refused by fencing are logged and skipped: those rows come
-  back and fall under the two rules above;
-- dead groups: rows quarantined DEAD name their iteration and group (``workers.faults``); the
-  iteration's expected row count drops by group_size per dead group, so the step is taken over
-  the groups that exist (never over none: an iteration with every group dead never steps; the
-  trainer reports it "unrecoverable" and the controller fails the run).
-
-Loss normalisation: each micro-batch backpropagates its loss SUM; gradients are divided by the
-iteration's total response-token count once, before the step (``workers.rl``). So the update is the
-exact token-mean over the whole batch whatever the arrival order — the property that makes
-``periodic`` equal ``sync``.
-
-Old policy: with one update per batch the old policy IS the current policy (its log-probs equal the
-policy's before the step), so no old-policy forward runs and the ratio is exactly 1 on the first
-pass. With ``updates_per_batch > 1`` (``trainer.updates_per_batch``) the first pass records the
-log-probs of the policy at the start of the iteration (no step is taken before every row of the
-iteration is in) in ``Piece.old_logp``; each later pass is a full forward/backward over the same
-rows against those recorded log-probs, then one more optimizer step. No frozen old-policy copy is
-held: the recorded log-probs are the old policy, and it is never a one-step-stale copy.
-
-What a step reports (``StepReport``): loss, KL, clip fraction, ratio mean/min/max and importance
-weight are token-weighted over every pass (a pass's tokens count once per pass); grad_norm is the
-mean of the passes' pre-clip norms.
-
-Several ranks (``ranks``, DeepSpeed under torchrun): rank 0 runs this loop against the store and
-broadcasts every micro-batch it trains; each rank backpropagates its share of the groups
-(``workers.distributed``); the step waits for rank 0's STEP, all-reduces the loss sums so
-1/total_tokens is the whole iteration's, and only rank 0 publishes, acks and reports. Followers run
-``follow()``.
-
-Staleness: a sample generated with policy version v and trained at step k has staleness k - v. By
-default nothing corrects for it: the ratio is taken against the old policy (the trainer's own
-log-probs at the start of the iteration), not the behaviour policy that generated the sample. With
-``importance_correction`` each token's term is additionally weighted by the detached, truncated
-importance weight min(exp(old - behaviour), is_cap), behaviour = the rollout's log-probs.
+Claims whole groups, trains the current iteration's rows as they come (parks later ones), steps
+when all are in, then publishes -> reports -> checkpoints -> acks (acks only after the step, so a
+dead trainer's rows come back). The ledger, the fault rules, loss normalisation, old policy,
+staleness and the multi-rank protocol: docs/training.md "The trainer".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -203,7 +154,8 @@ class Trainer:
 
     def _accept(self, lease: Lease) -> None:
         iterations = lease.batch.column("iteration").to_numpy()
-        self._held[lease.lease_id] = _Held(lease, lease.num_rows, max(lease.deadline - time.time(), 1.0))
+        lifetime = max(lease.deadline - time.time(), 1.0)
+        self._held[lease.lease_id] = _Held(lease, lease.num_rows, lifetime)
         if self.keeper is not None:
             self.keeper.hold(lease)
         for it in sorted(set(iterations.tolist())):
@@ -226,8 +178,7 @@ class Trainer:
                     self._parked.setdefault(int(it), []).append(piece)
 
     def _split(self, rows: pa.RecordBatch) -> list[pa.RecordBatch]:
-        """Deterministic mode: one forward/backward per group, so each group's gradient is the
-        same computation whichever groups it arrived with (sums are then fp64, see the engine)."""
+        """Deterministic mode: one forward/backward per group (docs/training.md)."""
         if not self.s.deterministic or self.ranks is not None:
             return [rows]
         groups = rows.column("group_id").to_numpy()
@@ -260,26 +211,25 @@ class Trainer:
             else:
                 ref = pad_sequence([out.ref[g][r] for g, r in where], batch_first=True)
         behaviour = _pad_lists(rows.column("response_logprobs").to_pylist()).to(dev)
-        rewards = torch.tensor(rows.column("reward").to_pylist(), dtype=torch.float32)
-        group_ids = torch.tensor(rows.column("group_id").to_pylist(), dtype=torch.int64)
-        adv = group_advantages(
-            rewards, group_ids, group_size=self.s.group_size, std_normalize=loss.std_normalize
-        )
+        adv = self._advantages(rows)
         loss_sum, sums = grpo_loss_sums(
             logp, old, ref, adv.to(dev), mask, clip_eps=loss.clip_eps, kl_coef=loss.kl_coef,
             behaviour_logp=behaviour, is_correction=loss.importance_correction, is_cap=loss.is_cap,
         )
         if first_pass and (self.ranks is None or self.ranks.is_leader):
             if rows is not piece.rows:  # several ranks: the leader writes every row's advantage
-                adv = group_advantages(
-                    torch.tensor(piece.rows.column("reward").to_pylist(), dtype=torch.float32),
-                    torch.tensor(piece.rows.column("group_id").to_pylist(), dtype=torch.int64),
-                    group_size=self.s.group_size, std_normalize=loss.std_normalize,
-                )
+                adv = self._advantages(piece.rows)
             self._keep_advantages(piece, adv)
         if idle:  # same graph as the other ranks (ZeRO-2 reduces in backward), zero gradient
             return loss_sum * 0.0, LossSums()
         return loss_sum, sums
+
+    def _advantages(self, rows: pa.RecordBatch) -> torch.Tensor:
+        return group_advantages(
+            torch.tensor(rows.column("reward").to_pylist(), dtype=torch.float32),
+            torch.tensor(rows.column("group_id").to_pylist(), dtype=torch.int64),
+            group_size=self.s.group_size, std_normalize=self.s.loss.std_normalize,
+        )
 
     def _train_first_pass(self, piece: Piece) -> None:
         start = time.time()
@@ -299,7 +249,8 @@ class Trainer:
         self._done.append(piece)
         end = time.time()
         self._busy += end - start
-        self.send(Span("trainer", self.worker, start, end, piece.iteration, rows.num_rows, sums.num_tokens))
+        self.send(Span("trainer", self.worker, start, end, piece.iteration, rows.num_rows,
+                       sums.num_tokens))
 
     def _keep_advantages(self, piece: Piece, adv: torch.Tensor) -> None:
         """Advantages are recorded for inspection: they go with the ack after the step."""
@@ -315,10 +266,8 @@ class Trainer:
             self._sums = self.ranks.all_reduce_sums(self._sums)
         num_tokens = max(self._sums.num_tokens, 1)
         grad_norms = [self.engine.step(1.0 / num_tokens)]
-        # What the step reports: every pass's tokens (the first pass alone has ratio 1 and clips
-        # nothing by construction, so reporting it would hide what later passes did).
         report = self._sums
-        for _ in range(self.s.loss.updates_per_batch - 1):  # PPO-style extra passes (old = start of iteration)
+        for _ in range(self.s.loss.updates_per_batch - 1):  # extra passes, old = iteration start
             total = LossSums()
             for piece in self._done:
                 loss_sum, sums = self._forward(piece, first_pass=False)
@@ -340,31 +289,20 @@ class Trainer:
         means = report.means()
         rewards = torch.tensor(self._rewards) if self._rewards else torch.zeros(1)
         self.send(Span("trainer", self.worker, start, end, self.step - 1, 0, 0))
-        self.send(
-            StepReport(
-                iteration=self.step - 1,
-                policy_version=self.step,
-                samples=self._rows_in,
-                response_tokens=self._sums.num_tokens,
-                loss=means["loss"],
-                kl=means["kl"],
-                clip_fraction=means["clip_fraction"],
-                grad_norm=grad_norm,
-                reward_mean=float(rewards.mean()),
-                reward_std=float(rewards.std()) if len(self._rewards) > 1 else 0.0,
-                reward_failures=self._failures,
-                staleness_mean=sum(self._staleness) / max(len(self._staleness), 1),
-                staleness_max=max(self._staleness, default=0),
-                importance_weight_mean=means["is_weight_mean"],
-                ratio_mean=means["ratio_mean"],
-                ratio_max=means["ratio_max"],
-                ratio_min=means["ratio_min"],
-                step_seconds=end - (self._first_at or start),
-                publish_seconds=published.seconds,
-                publish_bytes=published.bytes,
-                busy_seconds=self._busy,
-            )
-        )
+        self.send(StepReport(
+            iteration=self.step - 1, policy_version=self.step, samples=self._rows_in,
+            response_tokens=self._sums.num_tokens, loss=means["loss"], kl=means["kl"],
+            clip_fraction=means["clip_fraction"], grad_norm=grad_norm,
+            reward_mean=float(rewards.mean()),
+            reward_std=float(rewards.std()) if len(self._rewards) > 1 else 0.0,
+            reward_failures=self._failures,
+            staleness_mean=sum(self._staleness) / max(len(self._staleness), 1),
+            staleness_max=max(self._staleness, default=0),
+            importance_weight_mean=means["is_weight_mean"], ratio_mean=means["ratio_mean"],
+            ratio_max=means["ratio_max"], ratio_min=means["ratio_min"],
+            step_seconds=end - (self._first_at or start), publish_seconds=published.seconds,
+            publish_bytes=published.bytes, busy_seconds=self._busy,
+        ))
         self.on_step(self.step)  # the checkpoint, before any ack (see the module docstring)
         self._ack_done()
         self._reset_iteration()
@@ -382,9 +320,7 @@ class Trainer:
                     self.keeper.drop(held.lease.lease_id)
                 try:
                     self._ack(held)
-                except (LeaseExpired, Unavailable, UnknownTable) as exc:
-                    # The lease was lost (freeze, store restart): the rows come back and are
-                    # acked then as rows of a trained iteration.
+                except (LeaseExpired, Unavailable, UnknownTable) as exc:  # rows come back
                     log.warning("ack of lease %s refused (%s)", held.lease.lease_id, exc)
                 del self._held[piece.lease.lease_id]
         self._ack_only = []
@@ -412,8 +348,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ follower ranks
     def follow(self) -> None:
-        """A follower rank's whole loop: train what rank 0 broadcasts, step when it says, return
-        at STOP. Never touches the store (``workers.distributed``)."""
+        """A follower rank's loop: train what rank 0 sends, step when it says, return at STOP."""
         if self.ranks is None or self.ranks.is_leader:
             raise RuntimeError("follow() is for ranks > 0 of a multi-rank trainer")
         while True:
@@ -437,8 +372,7 @@ class Trainer:
             self.ranks.send_stop()
 
     def release_held(self) -> None:
-        """Clean stop: hand every held lease back at once (not counted as a failed delivery);
-        the successor retrains the unfinished iteration from the last published weights."""
+        """Clean stop: hand every held lease back at once (not counted as a failed delivery)."""
         for held in self._held.values():
             if self.keeper is not None:
                 self.keeper.drop(held.lease.lease_id)
@@ -446,18 +380,14 @@ class Trainer:
         self._held.clear()
 
     def _keep_leases_alive(self) -> None:
-        """Held leases outlive one claim turn (rows wait for the step): renew them in time."""
+        """Without a keeper: renew held leases (they outlive a claim turn) at half their life."""
         if not self._held or self.keeper is not None:
             return
         now = time.time()
         for held in self._held.values():
             if held.lease.deadline - now < held.lifetime / 2:
                 deadline = self.client.extend(held.lease)
-                held.lease = _with_deadline(held.lease, deadline)
-
-
-def _with_deadline(lease: Lease, deadline: float) -> Lease:
-    return Lease(lease.lease_id, lease.table, lease.task, lease.shard_id, deadline, lease.batch)
+                held.lease = dataclasses.replace(held.lease, deadline=deadline)
 
 
 def _pad_lists(values: list[list[float]]) -> torch.Tensor:
