@@ -26,15 +26,8 @@ log = logging.getLogger(__name__)
 
 
 class LeaseKeeper:
-    """Renews the leases a worker is computing on, from a background thread with its own client.
-
-    Long work (a slow generation, a big reference forward) must not lose its rows to expiry while
-    the worker is alive and busy, but must lose them quickly if the worker dies or freezes. So a
-    lease is claimed with the table's (short) lease time and this thread extends every registered
-    lease when half of its lifetime has passed — a heartbeat, as Kafka consumers send. A frozen
-    process (SIGSTOP) stops heartbeating too, so its leases still expire and get fenced.
-    ``client_factory`` must give a client usable from the keeper thread (clients are per thread).
-    """
+    """Extends held leases at half their lifetime from a background thread (a heartbeat: a frozen
+    process stops it too). ``client_factory`` gives the thread its own client (docs/training.md)."""
 
     def __init__(self, client_factory: Callable[[], Any], *, tick_s: float = 0.25) -> None:
         self._factory = client_factory
@@ -85,10 +78,8 @@ class LeaseKeeper:
 
 
 class HandBack(Exception):  # noqa: N818 - a control-flow signal, not an error of the worker
-    """Raised by ``Stage.process``: hand the lease's rows back and go on (the worker lives).
-
-    ``error=None`` is a clean hand-back (not counted as a delivery); a text is a failed delivery
-    with that reason (the row is quarantined after max_deliveries; see ``workers.faults``)."""
+    """Raised by ``Stage.process``: hand the rows back and go on; ``error=None``: cleanly (not a
+    delivery), a text: as a failed delivery with that reason."""
 
     def __init__(self, error: str | None = None) -> None:
         super().__init__(error or "hand back")
@@ -120,27 +111,12 @@ def with_row_ids(lease: Lease, columns: dict[str, pa.Array]) -> pa.RecordBatch:
 
 
 class StageLoop:
-    """The streaming form of the turn: each claim also carries the previous turn's write+ack.
+    """The streaming turn: each claim also carries the previous turn's write+ack (a fenced one is
+    dropped and the worker goes on); ``flush`` writes the last result on a clean stop."""
 
-    One round trip per micro-batch instead of two (``client.claim(..., ack=, write=)``): the store
-    applies the write+ack first, fenced exactly like a plain write, then hands out the next rows.
-    If the carried write is fenced (our lease expired: we were frozen or too slow), nothing of it
-    is applied, its rows come back to another consumer, and this worker just goes on — a zombie's
-    late result is dropped, never written. ``flush`` writes the last result on a clean stop.
-    """
-
-    def __init__(
-        self,
-        client: Any,
-        table: str,
-        stage: Stage,
-        *,
-        worker: str,
-        role: str,
-        events: EventSender,
-        keeper: LeaseKeeper | None = None,
-        session: Any = None,
-    ) -> None:
+    def __init__(self, client: Any, table: str, stage: Stage, *, worker: str, role: str,
+                 events: EventSender, keeper: LeaseKeeper | None = None,
+                 session: Any = None) -> None:
         self.client, self.table, self.stage = client, table, stage
         self.worker, self.role, self.events, self.keeper = worker, role, events, keeper
         # storage.coordinator_session.ConsumerSession: claim from owned shards (+ steal), and
@@ -152,19 +128,15 @@ class StageLoop:
         """Ack the previous result, claim and process the next rows; returns rows processed
         (-1: the stage handed its rows back, see ``HandBack``; more are waiting)."""
         prev, self._prev = self._prev, None
+        columns, kw = list(self.stage.columns), {
+            "whole_groups": self.stage.whole_groups, "timeout": timeout_s,
+            "ack": prev[0] if prev else None, "write": prev[1] if prev else None}
         try:
             if self.session is not None:
-                lease = self.session.claim(
-                    self.client, list(self.stage.columns), self.stage.max_rows,
-                    whole_groups=self.stage.whole_groups, timeout=timeout_s,
-                    ack=prev[0] if prev else None, write=prev[1] if prev else None,
-                )
+                lease = self.session.claim(self.client, columns, self.stage.max_rows, **kw)
             else:
-                lease = self.client.claim(
-                    self.table, self.stage.task, list(self.stage.columns), self.stage.max_rows,
-                    whole_groups=self.stage.whole_groups, timeout=timeout_s,
-                    ack=prev[0] if prev else None, write=prev[1] if prev else None,
-                )
+                lease = self.client.claim(self.table, self.stage.task, columns,
+                                          self.stage.max_rows, **kw)
         except (LeaseExpired, UnknownLease) as exc:
             if getattr(exc, "acked", False):
                 raise
@@ -172,9 +144,7 @@ class StageLoop:
                         self.worker, prev[0].lease_id if prev else None, exc)
             return 0
         except (Unavailable, UnknownTable) as exc:
-            # The store node is down or restarting (its table not yet recovered). The carried
-            # result's fate is unknown: applied, or its rows come back (leases do not survive a
-            # restart) and are computed again. Either way: wait a moment and claim again.
+            # node down or restarting: the carried result was applied or its rows come back
             log.warning("%s: store unavailable (%s); retrying", self.worker, exc)
             time.sleep(0.5)
             return 0
@@ -211,24 +181,12 @@ class StageLoop:
             self.client.write(self.table, lease, out, ack=True)
 
 
-def serve_stage(
-    client: Any,
-    table: str,
-    stage: Stage,
-    stop: threading.Event,
-    *,
-    worker: str,
-    role: str,
-    events: EventSender,
-    timeout_s: float = 1.0,
-    keeper: LeaseKeeper | None = None,
-    session: Any = None,
-) -> int:
+def serve_stage(client: Any, table: str, stage: Stage, stop: threading.Event, *, worker: str,
+                role: str, events: EventSender, timeout_s: float = 1.0,
+                keeper: LeaseKeeper | None = None, session: Any = None) -> int:
     """Run turns until ``stop`` is set, then flush; returns the rows processed."""
-    loop = StageLoop(
-        client, table, stage, worker=worker, role=role, events=events, keeper=keeper,
-        session=session,
-    )
+    loop = StageLoop(client, table, stage, worker=worker, role=role, events=events,
+                     keeper=keeper, session=session)
     total = 0
     while not stop.is_set():
         total += max(loop.turn(timeout_s), 0)

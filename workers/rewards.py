@@ -7,6 +7,7 @@ per-sample timeout kills and restarts; a failure scores 0.0 with ``ok=False`` an
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import multiprocessing as mp
@@ -15,10 +16,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from types import TracebackType
 from typing import Any
 
 RewardFn = Callable[[str, str], float]
+_START_TIMEOUT_S = 60.0  # for the child to import the verifier and answer "ready"
 
 _REGISTRY: dict[str, RewardFn] = {}
 _BUILTIN_NAMES: set[str] = set()
@@ -49,8 +50,7 @@ def _import_path(path: str) -> RewardFn:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise RewardError(
-            f"reward import path must look like 'package.module:function', got {path!r}"
-        )
+            f"reward import path must look like 'package.module:function', got {path!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -71,10 +71,8 @@ def resolve_reward(name_or_import_path: str) -> RewardFn:
         return _REGISTRY[name_or_import_path]
     if ":" in name_or_import_path:
         return _import_path(name_or_import_path)
-    raise RewardError(
-        f"unknown reward {name_or_import_path!r}; registered: {available_rewards()} "
-        "(or give an import path 'package.module:function')"
-    )
+    raise RewardError(f"unknown reward {name_or_import_path!r}; registered: {available_rewards()} "
+                      "(or give an import path 'package.module:function')")
 
 
 # --------------------------------------------------------------------------- built-ins
@@ -102,11 +100,8 @@ def numeric_close(completion: str, answer: str) -> float:
 
 @register_reward("brevity")
 def brevity(completion: str, answer: str) -> float:
-    """1 / (1 + characters in the completion): a shaping reward that prefers short answers.
-
-    Ignores the answer. Useful to control response length, and as a dense signal for smoke tests
-    of the training path (an untrained model's random outputs still get different scores).
-    """
+    """1 / (1 + characters in the completion), ignoring the answer: prefers short answers, and a
+    dense signal for smoke tests (an untrained model's random outputs still score differently)."""
     return 1.0 / (1.0 + len(completion.strip()))
 
 
@@ -167,25 +162,15 @@ def _import_path_of(fn: RewardFn) -> str | None:
 
 
 class RewardRunner:
-    """Scores completions with ``fn``, each sample under ``timeout_s`` (see module docstring).
+    """Scores completions with ``fn`` (a registered name, an import path, or a callable), each
+    sample under ``timeout_s``. ``isolate=None``: built-ins in-process, the rest in the child,
+    which needs an import path (a module-level function of an importable module)."""
 
-    ``fn`` is a registered name, an import path, or a callable. ``isolate=None`` picks: built-ins
-    in-process, everything else in the child process. A callable that must be isolated needs an
-    import path (a module-level function of an importable module), else ``RewardError``.
-    """
-
-    def __init__(
-        self,
-        fn: RewardFn | str,
-        timeout_s: float = 5.0,
-        *,
-        isolate: bool | None = None,
-        start_timeout_s: float = 60.0,
-    ) -> None:
+    def __init__(self, fn: RewardFn | str, timeout_s: float = 5.0, *,
+                 isolate: bool | None = None) -> None:
         if not timeout_s > 0:
             raise RewardError(f"RewardRunner: timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
-        self.start_timeout_s = float(start_timeout_s)
         self.fn: RewardFn = resolve_reward(fn) if isinstance(fn, str) else fn
         builtin = any(self.fn is _REGISTRY[n] for n in _BUILTIN_NAMES)
         self.isolated = (not builtin) if isolate is None else isolate
@@ -208,12 +193,11 @@ class RewardRunner:
     # -- child lifecycle -----------------------------------------------------------------------
     def _start(self) -> None:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=_child_main, args=(self.import_path, child), daemon=True, name="reward-fn"
-        )
+        proc = self._ctx.Process(target=_child_main, args=(self.import_path, child), daemon=True,
+                                 name="reward-fn")
         proc.start()
         child.close()
-        if not parent.poll(self.start_timeout_s):
+        if not parent.poll(_START_TIMEOUT_S):
             proc.kill()
             proc.join()
             raise RewardError(f"reward child for {self.import_path!r} did not start")
@@ -244,12 +228,7 @@ class RewardRunner:
     def __enter__(self) -> RewardRunner:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- scoring -------------------------------------------------------------------------------
@@ -257,14 +236,8 @@ class RewardRunner:
         """One ``RewardResult`` per completion, in order; never raises for a bad sample."""
         if len(completions) != len(answers):
             raise ValueError(f"score: {len(completions)} completions but {len(answers)} answers")
-        if not self.isolated:
-            return [
-                _score_one(self.fn, str(c), str(a))
-                for c, a in zip(completions, answers, strict=True)
-            ]
-        return [
-            self._score_isolated(str(c), str(a)) for c, a in zip(completions, answers, strict=True)
-        ]
+        one = self._score_isolated if self.isolated else functools.partial(_score_one, self.fn)
+        return [one(str(c), str(a)) for c, a in zip(completions, answers, strict=True)]
 
     def _score_isolated(self, completion: str, answer: str) -> RewardResult:
         if self._conn is None:

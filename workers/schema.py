@@ -13,38 +13,22 @@ import pyarrow as pa
 
 from storage.schema import TableSpec, TaskSpec
 
-SAMPLES_SCHEMA = pa.schema(
-    [
-        # Identity of the prompt this sample answers; the G samples of a prompt share it.
-        pa.field("group_id", pa.int64(), nullable=False),
-        # Iteration (= optimizer step) whose batch this sample belongs to.
-        pa.field("iteration", pa.int64(), nullable=False),
-        # Admission: the rollout must generate with a policy version >= this
-        # (iteration - max_staleness; equals the iteration when on-policy).
-        pa.field("min_policy_version", pa.int64(), nullable=False),
-        # Tokenised prompt (no padding).                                   [P]
-        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
-        # Reference answer the verifier compares against.
-        pa.field("answer", pa.string(), nullable=False),
-        # Generated tokens, stop token included when the sample stopped.   [L]
-        pa.field("response_ids", pa.list_(pa.int32())),
-        # Behaviour log-probs: log softmax(logits / T) of each sampled token. [L]
-        pa.field("response_logprobs", pa.list_(pa.float32())),
-        # Policy version (trainer step count) of the weights that generated the sample.
-        pa.field("policy_version", pa.int64()),
-        # "stop" (a stop token was emitted) or "length" (max_new_tokens reached).
-        pa.field("finish_reason", pa.string()),
-        # Verifier score; 0.0 when scoring failed.
-        pa.field("reward", pa.float32()),
-        # False when the verifier raised or timed out; reward_error says why.
-        pa.field("reward_ok", pa.bool_()),
-        pa.field("reward_error", pa.string()),
-        # Frozen reference model's log-probs of the response tokens.       [L]
-        pa.field("ref_logprobs", pa.list_(pa.float32())),
-        # Group-normalised advantage used for this sample's update.
-        pa.field("advantage", pa.float32()),
-    ]
-)
+SAMPLES_SCHEMA = pa.schema([  # what each column holds: docs/training.md "The sample table"
+    pa.field("group_id", pa.int64(), nullable=False),
+    pa.field("iteration", pa.int64(), nullable=False),
+    pa.field("min_policy_version", pa.int64(), nullable=False),
+    pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("answer", pa.string(), nullable=False),
+    pa.field("response_ids", pa.list_(pa.int32())),
+    pa.field("response_logprobs", pa.list_(pa.float32())),
+    pa.field("policy_version", pa.int64()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("reward", pa.float32()),
+    pa.field("reward_ok", pa.bool_()),
+    pa.field("reward_error", pa.string()),
+    pa.field("ref_logprobs", pa.list_(pa.float32())),
+    pa.field("advantage", pa.float32()),
+])
 
 PUT_COLUMNS = ("group_id", "iteration", "min_policy_version", "prompt_ids", "answer")
 ROLLOUT_READS = ("group_id", "iteration", "min_policy_version", "prompt_ids")
@@ -53,53 +37,29 @@ REWARD_READS = ("response_ids", "answer", "iteration", "group_id")
 REWARD_COLUMNS = ("reward", "reward_ok", "reward_error")
 REFERENCE_READS = ("group_id", "iteration", "prompt_ids", "response_ids")
 REFERENCE_COLUMNS = ("ref_logprobs",)
-TRAINER_READS = (
-    "group_id",
-    "iteration",
-    "prompt_ids",
-    "response_ids",
-    "response_logprobs",
-    "policy_version",
-    "reward",
-    "reward_ok",
-)
+TRAINER_READS = ("group_id", "iteration", "prompt_ids", "response_ids", "response_logprobs",
+                 "policy_version", "reward", "reward_ok")
 TRAINER_COLUMNS = ("advantage",)
 _PUT_SCHEMA = pa.schema([SAMPLES_SCHEMA.field(c) for c in PUT_COLUMNS])
 
 
-def prompt_rows(
-    iteration: int,
-    prompts: Sequence[Sequence[int]],
-    answers: Sequence[str],
-    *,
-    group_size: int,
-    min_policy_version: int,
-) -> pa.RecordBatch:
+def prompt_rows(iteration: int, prompts: Sequence[Sequence[int]], answers: Sequence[str], *,
+                group_size: int, min_policy_version: int) -> pa.RecordBatch:
     """The ``PUT_COLUMNS`` rows of one iteration: each tokenised prompt ``group_size`` times (one
     row per sample), prompt i of the iteration in group ``iteration * len(prompts) + i``."""
     n, g = len(prompts), group_size
-    return pa.RecordBatch.from_pydict(
-        {
-            "group_id": [iteration * n + i for i in range(n) for _ in range(g)],
-            "iteration": [iteration] * (n * g),
-            "min_policy_version": [min_policy_version] * (n * g),
-            "prompt_ids": [list(p) for p in prompts for _ in range(g)],
-            "answer": [a for a in answers for _ in range(g)],
-        },
-        schema=_PUT_SCHEMA,
-    )
+    return pa.RecordBatch.from_pydict({
+        "group_id": [iteration * n + i for i in range(n) for _ in range(g)],
+        "iteration": [iteration] * (n * g),
+        "min_policy_version": [min_policy_version] * (n * g),
+        "prompt_ids": [list(p) for p in prompts for _ in range(g)],
+        "answer": [a for a in answers for _ in range(g)],
+    }, schema=_PUT_SCHEMA)
 
 
-def samples_table_spec(
-    name: str,
-    *,
-    group_size: int,
-    reference_worker: bool,
-    capacity_rows: int = 1_000_000,
-    lease_seconds: float = 60.0,
-    max_deliveries: int = 5,
-    fsync: str = "always",
-) -> TableSpec:
+def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
+                       capacity_rows: int = 1_000_000, lease_seconds: float = 60.0,
+                       max_deliveries: int = 5, fsync: str = "always") -> TableSpec:
     """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
     wait for ``ref_logprobs`` (off when the KL term is off or the reference is fused into the
     trainer)."""
@@ -113,15 +73,9 @@ def samples_table_spec(
         trainer_needs += REFERENCE_COLUMNS
     tasks.append(TaskSpec("trainer", trainer_needs, whole_groups=True))
     return TableSpec(
-        name=name,
-        schema=SAMPLES_SCHEMA,
-        tasks=tuple(tasks),
-        group_column="group_id",
-        group_size=group_size,
-        capacity_rows=capacity_rows,
-        lease_seconds=lease_seconds,
-        max_deliveries=max_deliveries,
-        fsync=fsync,
+        name=name, schema=SAMPLES_SCHEMA, tasks=tuple(tasks), group_column="group_id",
+        group_size=group_size, capacity_rows=capacity_rows, lease_seconds=lease_seconds,
+        max_deliveries=max_deliveries, fsync=fsync,
     )
 
 

@@ -34,9 +34,7 @@ COMMUTATIVE_OPERATIONS = ("+", "*")
 
 
 def _is_held_out(op: str, a: int, b: int, fraction: float) -> bool:
-    # A commutative problem and its twin (a+b, b+a) are one problem to a learner: hash the
-    # unordered pair so both land on the same side of the split. Otherwise ~80 % of held-out sums
-    # would have their commuted twin in training and "held-out accuracy" would measure recall.
+    # a+b and b+a are one problem to a learner: hash the unordered pair (docs/training.md)
     if op in COMMUTATIVE_OPERATIONS and a > b:
         a, b = b, a
     # A keyed hash (not Python's salted hash()) so the split is identical in every process.
@@ -53,13 +51,11 @@ def _solve(op: str, a: int, b: int) -> int:
 
 
 class TrainingStream:
-    """Shared by the procedural tasks: a seeded stream of training problems, cut into blocks.
-
-    A task provides ``seed`` and ``_stream(seed, held_out)``; block k of the stream is what
-    iteration k trains on, so the data position is a pure function of the iteration.
-    """
+    """Shared by the procedural tasks: a seeded stream of training problems, cut into blocks (block
+    k is what iteration k trains on). A task provides ``seed`` and ``_stream(seed, held_out)``."""
 
     seed: int
+    held_out_fraction: float
 
     def _stream(self, seed: int, held_out: bool) -> Iterator[Problem]:
         raise NotImplementedError
@@ -74,6 +70,21 @@ class TrainingStream:
             raise ValueError(f"n and epoch_or_offset must be >= 0, got {n}, {epoch_or_offset}")
         start = n * epoch_or_offset
         return list(itertools.islice(self.iterate(), start, start + n))
+
+    def _check_fraction(self) -> None:
+        if not 0.0 < self.held_out_fraction < 0.5:
+            raise ValueError(f"{type(self).__name__}.held_out_fraction must be in (0, 0.5), "
+                             f"got {self.held_out_fraction}")
+
+    def _distinct_held_out(self, n: int, draws: int | None = None) -> list[Problem]:
+        """The first ``n`` distinct problems of the seed-independent held-out stream."""
+        out: dict[str, Problem] = {}
+        for p in itertools.islice(self._stream(seed=-1, held_out=True), draws):
+            if p.prompt not in out:
+                out[p.prompt] = p
+                if len(out) == n:
+                    return list(out.values())
+        raise ValueError(f"eval_problems: only {len(out)} distinct held-out problems, wanted {n}")
 
 
 @dataclass
@@ -94,12 +105,8 @@ class ArithmeticTask(TrainingStream):
         bad = [op for op in self.operations if op not in SUPPORTED_OPERATIONS]
         if bad:
             raise ValueError(
-                f"ArithmeticTask.operations has unsupported {bad}; allowed: {SUPPORTED_OPERATIONS}"
-            )
-        if not 0.0 < self.held_out_fraction < 0.5:
-            raise ValueError(
-                f"ArithmeticTask.held_out_fraction must be in (0, 0.5), got {self.held_out_fraction}"
-            )
+                f"ArithmeticTask.operations has unsupported {bad}; allowed: {SUPPORTED_OPERATIONS}")
+        self._check_fraction()
 
     @property
     def max_operand(self) -> int:
@@ -147,19 +154,10 @@ class ArithmeticTask(TrainingStream):
             ]
             if n > len(held):
                 raise ValueError(
-                    f"eval_problems: n={n} but this task has only {len(held)} held-out problems"
-                )
+                    f"eval_problems: n={n} but this task has only {len(held)} held-out problems")
             rng = random.Random(f"arith-eval|{self.digits}|{','.join(self.operations)}")
             return [self.make_problem(*t) for t in rng.sample(held, n)]
-        seen: set[str] = set()
-        out: list[Problem] = []
-        for p in self._stream(seed=-1, held_out=True):
-            if p.prompt not in seen:
-                seen.add(p.prompt)
-                out.append(p)
-                if len(out) == n:
-                    break
-        return out
+        return self._distinct_held_out(n)
 
 
 class ProblemFileError(ValueError):
@@ -178,8 +176,7 @@ def _read_table(path: Path) -> pa.Table:
     if suffix == ".parquet":
         return pq.read_table(path)
     if suffix in (".jsonl", ".json", ".ndjson"):
-        # pyarrow.json fails on a column mixing "46" and 46 (common for answers), so parse lines
-        # ourselves and build string columns.
+        # pyarrow.json fails on a column mixing "46" and 46 (common for answers): parse lines
         rows = []
         with path.open(encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, 1):
@@ -192,9 +189,8 @@ def _read_table(path: Path) -> pa.Table:
         if not rows:
             raise ProblemFileError(f"{path}: no rows")
         keys = sorted({k for r in rows for k in r})
-        return pa.table(
-            {k: pa.array([_as_text(r.get(k)) for r in rows], pa.string()) for k in keys}
-        )
+        return pa.table({k: pa.array([_as_text(r.get(k)) for r in rows], pa.string())
+                         for k in keys})
     raise ProblemFileError(f"{path}: unsupported file type {suffix!r}; use .jsonl or .parquet")
 
 
@@ -220,7 +216,6 @@ def load_problem_file(
     for i, (q, a) in enumerate(zip(prompts, answers, strict=True)):
         if q is None or a is None:
             raise ProblemFileError(
-                f"{p}: row {i} has a null {prompt_column!r} or {answer_column!r}"
-            )
+                f"{p}: row {i} has a null {prompt_column!r} or {answer_column!r}")
         out.append(Problem(prompt=str(q), answer=str(a)))
     return out

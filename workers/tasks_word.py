@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import random
 import re
 from collections.abc import Iterator, Sequence
@@ -33,7 +32,6 @@ _TEMPLATES = {
 
 
 def _held_out(kind: str, a: int, b: int, fraction: float) -> bool:
-    # A keyed hash (not Python's salted hash()) so the split is identical in every process.
     digest = hashlib.blake2b(f"word|{kind}|{a}|{b}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
@@ -54,12 +52,8 @@ class WordProblemTask(TrainingStream):
         bad = [k for k in self.kinds if k not in KINDS]
         if not self.kinds or bad:
             raise ValueError(
-                f"WordProblemTask.kinds must be a non-empty subset of {KINDS}, got {bad}"
-            )
-        if not 0.0 < self.held_out_fraction < 0.5:
-            raise ValueError(
-                f"WordProblemTask.held_out_fraction must be in (0, 0.5), got {self.held_out_fraction}"
-            )
+                f"WordProblemTask.kinds must be a non-empty subset of {KINDS}, got {bad}")
+        self._check_fraction()
 
     def answer(self, kind: str, a: int, b: int) -> int:
         if kind in ("add", "total"):
@@ -101,25 +95,13 @@ class WordProblemTask(TrainingStream):
 
     def eval_problems(self, n: int) -> list[Problem]:
         """``n`` distinct held-out problems, the same list on every call (seed-independent)."""
-        seen: set[str] = set()
-        out: list[Problem] = []
-        for p in itertools.islice(self._stream(seed=-1, held_out=True), 200 * max(n, 1)):
-            if p.prompt not in seen:
-                seen.add(p.prompt)
-                out.append(p)
-                if len(out) == n:
-                    return out
-        raise ValueError(f"eval_problems: only {len(out)} distinct held-out problems, wanted {n}")
+        return self._distinct_held_out(n, 200 * max(n, 1))
 
 
 # --------------------------------------------------------------------------- chat prompts
-def chat_prompt_text(
-    tokenizer: PreTrainedTokenizerBase,
-    question: str,
-    *,
-    instruction: str | None = DEFAULT_INSTRUCTION,
-    system: str | None = None,
-) -> str:
+def chat_prompt_text(tokenizer: PreTrainedTokenizerBase, question: str, *,
+                     instruction: str | None = DEFAULT_INSTRUCTION,
+                     system: str | None = None) -> str:
     """``question`` (plus ``instruction``) as one user turn in the tokenizer's chat template,
     ending with the assistant's turn opener (the model continues from there)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -131,15 +113,10 @@ def chat_prompt_text(
     return str(text)
 
 
-def chat_prompt_ids(
-    tokenizer: PreTrainedTokenizerBase,
-    question: str,
-    *,
-    instruction: str | None = DEFAULT_INSTRUCTION,
-    system: str | None = None,
-) -> list[int]:
-    """Token ids of ``chat_prompt_text``. The template already holds every special token it
-    wants, so none is added again (a second BOS would shift the model off its training format)."""
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, question: str, *,
+                    instruction: str | None = DEFAULT_INSTRUCTION,
+                    system: str | None = None) -> list[int]:
+    """Token ids of ``chat_prompt_text``; no special token is added again (no second BOS)."""
     text = chat_prompt_text(tokenizer, question, instruction=instruction, system=system)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -155,9 +132,8 @@ def final_number(text: str) -> str | None:
 
 
 def last_number_match(completion: str, answer: str) -> float:
-    """1.0 if the last number of the completion equals the answer (a reward for chatty models).
-
-    Use it as ``reward.fn: workers.tasks_word:last_number_match``."""
+    """1.0 if the last number of the completion equals the answer (a reward for chatty models:
+    ``reward.fn: workers.tasks_word:last_number_match``)."""
     got = final_number(completion)
     if got is None:
         return 0.0
@@ -167,23 +143,16 @@ def last_number_match(completion: str, answer: str) -> float:
         return 0.0
 
 
-def problems_as_rows(
-    problems: Sequence[Problem],
-    tokenizer: PreTrainedTokenizerBase | None = None,
-    *,
-    instruction: str | None = DEFAULT_INSTRUCTION,
-) -> list[dict[str, str]]:
+def problems_as_rows(problems: Sequence[Problem],
+                     tokenizer: PreTrainedTokenizerBase | None = None, *,
+                     instruction: str | None = DEFAULT_INSTRUCTION) -> list[dict[str, str]]:
     """Rows ``{"prompt", "answer"}`` for a problem file (``data.task: file``); with a tokenizer
     the prompt is already rendered in its chat template."""
-    rows = []
-    for p in problems:
-        prompt = (
-            p.prompt
-            if tokenizer is None
-            else chat_prompt_text(tokenizer, p.prompt, instruction=instruction)
-        )
-        rows.append({"prompt": prompt, "answer": p.answer})
-    return rows
+
+    def render(q: str) -> str:
+        return q if tokenizer is None else chat_prompt_text(tokenizer, q, instruction=instruction)
+
+    return [{"prompt": render(p.prompt), "answer": p.answer} for p in problems]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,9 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default="add,sub,total", help=f"comma-separated, of {KINDS}")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    task = WordProblemTask(
-        max_value=args.max_value, kinds=tuple(args.kinds.split(",")), seed=args.seed
-    )
+    kinds = tuple(args.kinds.split(","))
+    task = WordProblemTask(max_value=args.max_value, kinds=kinds, seed=args.seed)
     tokenizer = None
     if args.model:
         from workers.models import load_tokenizer
