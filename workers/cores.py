@@ -25,9 +25,7 @@ class CoreShareConfig:
     path: str  # the shared file (created by the controller)
     slot: int  # this process's byte, 0 <= slot < MAX_SLOTS, unique on the host
     total_threads: int  # the host's budget for its compute processes
-    # at most this many threads for this process (0 = no cap). The rollout is capped at its own
-    # `threads`: a decode step is a few hundred microseconds, too short to resize a thread pool
-    # in, so it marks itself busy (the others yield to it) but never grows.
+    # at most this many threads for this process (0 = no cap; the rollout: its own `threads`)
     max_threads: int = 0
 
 
@@ -47,8 +45,7 @@ class CoreShare:
         if cfg.total_threads < 1:
             raise ValueError(f"CoreShare total_threads must be >= 1, got {cfg.total_threads}")
         self.cfg = cfg
-        # A worker on another host finds no file at the path: it creates its host's own table
-        # there (never truncating one that exists, so a restart keeps its neighbours' marks).
+        # another host's worker creates its host's own table (never truncating: keep the marks)
         with open(cfg.path, "a+b") as fh:
             if os.fstat(fh.fileno()).st_size < MAX_SLOTS:
                 fh.truncate(MAX_SLOTS)

@@ -37,9 +37,7 @@ class StepReport:
     policy_version: int  # version published after this step (= iteration + 1)
     samples: int
     response_tokens: int
-    # loss, kl, clip_fraction and the ratio/importance stats are token-weighted over EVERY pass of
-    # the step (updates_per_batch passes over the batch); grad_norm is the mean pre-clip norm of
-    # the step's updates_per_batch optimizer updates.
+    # token-weighted over every pass of the step; grad_norm: the mean pre-clip norm of its updates
     loss: float
     kl: float
     clip_fraction: float  # fraction of token-passes where the clipped term was the active one
@@ -71,10 +69,8 @@ class WeightSyncReport:
 
 @dataclass
 class WorkerStatus:
-    """Lifecycle: ready (after start-up) -> stopped | failed (with the error). "failed": this
-    process failed (its supervisor may restart it). "unrecoverable": the work itself cannot go
-    on, whoever runs it (the trainer's iteration has every group DEAD, ``workers.faults``): the
-    run fails with ``error``, nothing is restarted."""
+    """ready -> stopped | failed (this process: it may be restarted) | unrecoverable (the work
+    itself: the run fails with ``error``); docs/training.md "Reports"."""
 
     worker: str
     role: str
@@ -84,10 +80,8 @@ class WorkerStatus:
     metrics_address: str = ""  # "host:port" of this worker's /metrics ("" when metrics are off)
 
 
-RECORDS: dict[str, type] = {
-    cls.__name__: cls for cls in (Span, StepReport, WeightSyncReport, WorkerStatus)
-}
 Record = Span | StepReport | WeightSyncReport | WorkerStatus
+RECORDS: dict[str, type] = {c.__name__: c for c in Record.__args__}
 
 
 def encode(record: Record) -> bytes:
@@ -101,10 +95,10 @@ def decode(payload: bytes) -> Record:
     except Exception as exc:  # msgpack raises several types for malformed input
         raise ValueError(f"undecodable report: {exc}") from exc
     if not isinstance(obj, dict) or obj.get("kind") not in RECORDS:
-        raise ValueError(f"unknown report kind: {obj.get('kind') if isinstance(obj, dict) else obj!r}")
+        kind = obj.get("kind") if isinstance(obj, dict) else repr(obj)
+        raise ValueError(f"unknown report kind: {kind}")
     cls = RECORDS[obj.pop("kind")]
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(obj) - names
+    unknown = set(obj) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
     return cls(**obj)
@@ -138,7 +132,7 @@ class EventSender:
 
 
 class EventReceiver:
-    """The controller's PULL socket. ``address`` is bound; ``endpoint`` is what workers connect to."""
+    """The controller's PULL socket, bound to ``bind``; workers connect to ``endpoint``."""
 
     def __init__(self, bind: str = "tcp://127.0.0.1:*") -> None:
         self._socket = zmq.Context.instance().socket(zmq.PULL)

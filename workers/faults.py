@@ -51,7 +51,8 @@ def dead_iteration(stats: Any, tasks: list[str], iteration: int,
         reasons = sorted({r for t in tasks for r in stats.task_total(t).dead_reasons
                           if r.startswith(f"iteration {iteration} ")})
         return dead, (f"every group of iteration {iteration} is DEAD (quarantined after "
-                      f"store.max_deliveries failed deliveries); reasons: " + "; ".join(reasons[:5]))
+                      "store.max_deliveries failed deliveries); reasons: "
+                      + "; ".join(reasons[:5]))
     if unknown:
         return dead, f"rows quarantined DEAD for reasons that name no iteration: {unknown}"
     return dead, None

@@ -96,17 +96,9 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
 
         weights = CollectiveSubscriber(files, spec, cfg.device, on_sync, worker=cfg.common.name)
         weights.start(engine)
-    return RolloutStage(
-        engine,
-        weights,
-        params,
-        worker=cfg.common.name,
-        group_size=cfg.group_size,
-        groups_per_claim=cfg.groups_per_claim,
-        seed=cfg.common.seed,
-        weight_wait_s=cfg.weight_wait_s,
-        on_sync=on_sync,
-    )
+    return RolloutStage(engine, weights, params, worker=cfg.common.name,
+                        group_size=cfg.group_size, groups_per_claim=cfg.groups_per_claim,
+                        seed=cfg.common.seed, weight_wait_s=cfg.weight_wait_s, on_sync=on_sync)
 
 
 def build_reward(cfg: RewardWorkerConfig) -> Any:
@@ -132,17 +124,13 @@ def build_reference(cfg: ReferenceWorkerConfig) -> Any:
 
 
 def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tuple[Any, Any]:
-    """The configured training engine and, for DeepSpeed, this process's ``RankGroup``.
-
-    ``deepspeed`` joins the process group torch's launcher describes (one process per rank).
-    """
+    """The configured training engine and, for DeepSpeed (one process per rank, joining the
+    group torch's launcher describes), this process's ``RankGroup``."""
     if cfg.engine == "torch":
         o = cfg.optim
-        engine = TorchTrainerEngine(
-            model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
-            max_grad_norm=o.max_grad_norm, fp64_accumulation=cfg.deterministic,
-        )
-        return engine, None
+        return TorchTrainerEngine(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
+                                  max_grad_norm=o.max_grad_norm,
+                                  fp64_accumulation=cfg.deterministic), None
     if cfg.engine == "deepspeed":  # needs the [deepspeed] extra (clear error if missing)
         import os
 
@@ -156,20 +144,16 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
 
         settings = DeepSpeedSettings(optim=cfg.optim, zero_stage=cfg.zero_stage)
         ranks = start_ranks()
-        expected = cfg.num_ranks
-        if expected != ranks.world_size:
-            raise ValueError(
-                f"trainer.num_ranks={expected} but the launcher started {ranks.world_size} ranks"
-            )
+        if cfg.num_ranks != ranks.world_size:
+            raise ValueError(f"trainer.num_ranks={cfg.num_ranks} but the launcher started "
+                             f"{ranks.world_size} ranks")
         return DeepSpeedTrainerEngine(model, settings, ranks), ranks
     raise ValueError(
         f"unknown trainer engine {cfg.engine!r}; engines: ['deepspeed', 'simulated', 'torch']")
 
 
-def build_trainer(
-    cfg: TrainerWorkerConfig, client: Any, events: EventSender, keeper: LeaseKeeper | None = None,
-    metrics: WorkerMetrics | None = None,
-) -> Any:
+def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
+                  keeper: LeaseKeeper | None = None, metrics: WorkerMetrics | None = None) -> Any:
     """The trainer of ``cfg.engine``: ``Trainer`` (torch, deepspeed) or ``SimulatedTrainer``."""
     if cfg.engine == "simulated":
         return build_simulated_trainer(cfg, client, events, keeper)
@@ -195,15 +179,15 @@ def build_trainer(
                    autocast_dtype=None if compute == torch.float32 else compute)
     if reference is not None:  # what the fused reference costs (reference.dtype=bfloat16 halves it)
         logging.getLogger("workers.trainer").info(
-            "tri-model: frozen reference copy holds %d bytes beside the policy",
-            tri.extra_bytes())
+            "tri-model: frozen reference copy holds %d bytes beside the policy", tri.extra_bytes())
     tokenizer = load_tokenizer(cfg.model_path)
 
     def checkpoint(step: int) -> None:
         every = cfg.checkpoint_every
         if cfg.checkpoint_dir and (step == cfg.iterations or (every and step % every == 0)):
             if leader:
-                save_checkpoint(cfg.checkpoint_dir, step, model, tokenizer, engine, keep=cfg.checkpoint_keep)
+                save_checkpoint(cfg.checkpoint_dir, step, model, tokenizer, engine,
+                                keep=cfg.checkpoint_keep)
                 if metrics is not None:
                     metrics.checkpoint_saved()
             else:  # join rank 0's collective engine save (the directory comes from rank 0)
@@ -224,19 +208,15 @@ def build_trainer(
     )
 
 
-def build_simulated_trainer(
-    cfg: TrainerWorkerConfig, client: Any, events: EventSender, keeper: LeaseKeeper | None
-) -> Any:
+def build_simulated_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
+                            keeper: LeaseKeeper | None) -> Any:
     from workers.engines.simulated_trainer import SimulatedTrainer
 
     if cfg.resume_from:
         raise ValueError("a simulated trainer writes no checkpoints: it cannot resume")
-    return SimulatedTrainer(
-        client, cfg,
-        WeightPublisher(cfg.weights_dir, cfg.weights_bind, keep=cfg.weights_keep,
-                        serve=cfg.weights_serve),
-        send=events.send, keeper=keeper,
-    )
+    publisher = WeightPublisher(cfg.weights_dir, cfg.weights_bind, keep=cfg.weights_keep,
+                                serve=cfg.weights_serve)
+    return SimulatedTrainer(client, cfg, publisher, send=events.send, keeper=keeper)
 
 
 def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
@@ -295,7 +275,8 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
         return 0
     except Exception as exc:
         detail = "".join(traceback.format_exception(exc))[-4000:]
-        events.send(WorkerStatus(common.name, common.role, "failed", f"{type(exc).__name__}: {exc}\n{detail}"))
+        error = f"{type(exc).__name__}: {exc}\n{detail}"
+        events.send(WorkerStatus(common.name, common.role, "failed", error))
         print(detail, file=sys.stderr, flush=True)
         return 1
     finally:
@@ -311,7 +292,8 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.main", description=__doc__)
-    parser.add_argument("--role", required=True, choices=["rollout", "reward", "reference", "trainer"])
+    parser.add_argument("--role", required=True,
+                        choices=["rollout", "reward", "reference", "trainer"])
     parser.add_argument("--config", required=True, help="JSON file written by the controller")
     args = parser.parse_args(argv)
     cfg = from_json(args.role, Path(args.config).read_text())

@@ -148,8 +148,7 @@ class MeteredEvents:
     """An ``EventSender`` look-alike: observes each report, then forwards it unchanged."""
 
     def __init__(self, inner: Any, metrics: WorkerMetrics) -> None:
-        self._inner = inner
-        self._metrics = metrics
+        self._inner, self._metrics = inner, metrics
 
     def send(self, record: Record) -> None:
         try:
@@ -165,9 +164,7 @@ class MeteredClient:
     """A store client look-alike: ``claim`` adds ``created_at`` and observes the rows' ages."""
 
     def __init__(self, inner: Any, metrics: WorkerMetrics, stage: str) -> None:
-        self._inner = inner
-        self._metrics = metrics
-        self._stage = stage
+        self._inner, self._metrics, self._stage = inner, metrics, stage
 
     def claim(self, table: str, task: str, columns: Any, max_rows: int, **kwargs: Any) -> Any:
         columns = list(columns)

@@ -20,10 +20,8 @@ from workers.settings import PackingSettings
 
 
 def rows_to_groups(batch: pa.RecordBatch) -> tuple[list[PackGroup], list[tuple[int, int]]]:
-    """Group a batch's rows by ``group_id`` (rows of a group share their prompt).
-
-    Returns the groups and, per row, its (group index, response index) so results map back.
-    """
+    """A batch's rows grouped by ``group_id`` (they share their prompt), and per row its
+    (group index, response index) so results map back."""
     group_ids = batch.column("group_id").to_pylist()
     prompts = batch.column("prompt_ids").to_pylist()
     responses = batch.column("response_ids").to_pylist()
@@ -45,9 +43,8 @@ class ReferenceStage:
     columns = REFERENCE_READS
     whole_groups = False
 
-    def __init__(
-        self, model: torch.nn.Module, *, temperature: float, max_rows: int, pack: PackingSettings
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, *, temperature: float, max_rows: int,
+                 pack: PackingSettings) -> None:
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -60,13 +57,8 @@ class ReferenceStage:
     def process(self, lease: Lease) -> pa.RecordBatch:
         groups, where = rows_to_groups(lease.batch)
         logprobs = packed_response_logprobs(
-            self.model,
-            groups,
-            temperature=self.temperature,
-            token_budget=self.pack.token_budget,
-            pack=self.pack.packing,
-            min_saving=self.pack.packing_min_saving,
-        )
+            self.model, groups, temperature=self.temperature, token_budget=self.pack.token_budget,
+            pack=self.pack.packing, min_saving=self.pack.packing_min_saving)
         rows = [logprobs[g][r].float().tolist() for g, r in where]
         self.last_tokens = sum(len(r) for r in rows)
         return with_row_ids(lease, {"ref_logprobs": pa.array(rows, pa.list_(pa.float32()))})

@@ -22,10 +22,8 @@ class RewardStage:
     columns = REWARD_READS
     whole_groups = False
 
-    def __init__(
-        self, tokenizer: Any, reward_fn: str, *, timeout_s: float, max_rows: int,
-        on_error: str = "retry",
-    ) -> None:
+    def __init__(self, tokenizer: Any, reward_fn: str, *, timeout_s: float, max_rows: int,
+                 on_error: str = "retry") -> None:
         if on_error not in ("retry", "zero"):
             raise ValueError(f"reward on_error must be 'retry' or 'zero', got {on_error!r}")
         self.tokenizer = tokenizer
@@ -51,16 +49,11 @@ class RewardStage:
                 raise HandBack(None)
             raise HandBack(f"reward: {failed[0].error}")
         self.last_tokens = sum(len(r) for r in responses)
-        return with_row_ids(
-            lease,
-            {
-                "reward": pa.array([r.score for r in results], pa.float32()),
-                "reward_ok": pa.array([r.ok for r in results], pa.bool_()),
-                "reward_error": pa.array([r.error for r in results], pa.string()),
-            },
-        )
+        return with_row_ids(lease, {
+            "reward": pa.array([r.score for r in results], pa.float32()),
+            "reward_ok": pa.array([r.ok for r in results], pa.bool_()),
+            "reward_error": pa.array([r.error for r in results], pa.string()),
+        })
 
     def close(self) -> None:
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()

@@ -7,6 +7,7 @@ a group's responses do not depend on who claims it (docs/training.md "The rollou
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -30,19 +31,10 @@ class RolloutStage:
     columns = ROLLOUT_READS
     whole_groups = True
 
-    def __init__(
-        self,
-        engine: RolloutEngine,
-        weights: WeightSubscriber,
-        params: SamplingParams,
-        *,
-        worker: str,
-        group_size: int,
-        groups_per_claim: int,
-        seed: int,
-        weight_wait_s: float,
-        on_sync: Callable[[WeightSyncReport], None] = lambda r: None,
-    ) -> None:
+    def __init__(self, engine: RolloutEngine, weights: WeightSubscriber, params: SamplingParams, *,
+                 worker: str, group_size: int, groups_per_claim: int, seed: int,
+                 weight_wait_s: float,
+                 on_sync: Callable[[WeightSyncReport], None] = lambda r: None) -> None:
         self.engine = engine
         self.weights = weights
         self.params = params
@@ -53,14 +45,12 @@ class RolloutStage:
         self.weight_wait_s = weight_wait_s
         self.on_sync = on_sync
         self.last_tokens = 0
-        # collective sync (workers.weights_group): weights arrive on another thread, never while
-        # this stage generates; the file path has no such thread
+        # collective sync: weights arrive on another thread, never while this stage generates
         self.engine_lock = getattr(weights, "engine_lock", None) or nullcontext()
 
     def ensure_version(self, required: int) -> None:
         """Load the newest published version if it is newer than the engine's, waiting (bounded)
-        until one >= ``required`` exists (collective sync: until it is broadcast, or its file
-        appears because the broadcast failed or this worker is not a member of the group yet)."""
+        until one >= ``required`` exists (broadcast, or as a file)."""
         wait_engine = getattr(self.weights, "wait_engine", None)
         if wait_engine is not None and wait_engine(self.engine, required, self.weight_wait_s):
             return
@@ -105,16 +95,11 @@ class RolloutStage:
             rows_of[gid].append(i)
         for gid, rows in rows_of.items():
             if len(rows) != self.group_size:
-                raise ValueError(f"group {gid}: claimed {len(rows)} rows, expected {self.group_size}")
-        params = SamplingParams(
-            temperature=self.params.temperature,
-            top_p=self.params.top_p,
-            max_new_tokens=self.params.max_new_tokens,
-            stop_token_ids=self.params.stop_token_ids,
-            # (``seed``: engines without per-prompt seeds, e.g. the simulated one, use the first)
-            seed=sampling_seed(self.seed, group_ids[order[0]], version),
-            prompt_seeds=tuple(sampling_seed(self.seed, group_ids[i], version) for i in order),
-        )
+                raise ValueError(
+                    f"group {gid}: claimed {len(rows)} rows, expected {self.group_size}")
+        seeds = tuple(sampling_seed(self.seed, group_ids[i], version) for i in order)
+        # (``seed``: engines without per-prompt seeds, e.g. the simulated one, use the first)
+        params = dataclasses.replace(self.params, seed=seeds[0], prompt_seeds=seeds)
         generations = self.engine.generate([prompts[i] for i in order], self.group_size, params)
         n = batch.num_rows
         response_ids: list[list[int]] = [[] for _ in range(n)]
@@ -126,12 +111,9 @@ class RolloutStage:
                 logprobs[row] = sample.logprobs
                 finish[row] = sample.finish_reason
         self.last_tokens = sum(len(r) for r in response_ids)
-        return with_row_ids(
-            lease,
-            {
-                "response_ids": pa.array(response_ids, pa.list_(pa.int32())),
-                "response_logprobs": pa.array(logprobs, pa.list_(pa.float32())),
-                "policy_version": pa.array([version] * n, pa.int64()),
-                "finish_reason": pa.array(finish, pa.string()),
-            },
-        )
+        return with_row_ids(lease, {
+            "response_ids": pa.array(response_ids, pa.list_(pa.int32())),
+            "response_logprobs": pa.array(logprobs, pa.list_(pa.float32())),
+            "policy_version": pa.array([version] * n, pa.int64()),
+            "finish_reason": pa.array(finish, pa.string()),
+        })

@@ -219,7 +219,10 @@ class Trainer:
         if first_pass and (self.ranks is None or self.ranks.is_leader):
             if rows is not piece.rows:  # several ranks: the leader writes every row's advantage
                 adv = self._advantages(piece.rows)
-            self._keep_advantages(piece, adv)
+            assert piece.lease is not None  # the leader's pieces come with their lease
+            # recorded for inspection: written with the ack after the step
+            self._held[piece.lease.lease_id].advantages.append(
+                (piece.rows.column(ROW_ID), pa.array(adv.tolist(), pa.float32())))
         if idle:  # same graph as the other ranks (ZeRO-2 reduces in backward), zero gradient
             return loss_sum * 0.0, LossSums()
         return loss_sum, sums
@@ -251,12 +254,6 @@ class Trainer:
         self._busy += end - start
         self.send(Span("trainer", self.worker, start, end, piece.iteration, rows.num_rows,
                        sums.num_tokens))
-
-    def _keep_advantages(self, piece: Piece, adv: torch.Tensor) -> None:
-        """Advantages are recorded for inspection: they go with the ack after the step."""
-        assert piece.lease is not None  # the leader's pieces always come with their lease
-        self._held[piece.lease.lease_id].advantages.append(
-            (piece.rows.column(ROW_ID), pa.array(adv.tolist(), pa.float32())))
 
     def _finish_iteration(self) -> None:
         start = time.time()
@@ -329,9 +326,8 @@ class Trainer:
         """Ack a trained lease, writing its rows' advantages in the same request."""
         if held.advantages:
             ids, adv = zip(*held.advantages, strict=True)
-            batch = pa.RecordBatch.from_arrays([pa.concat_arrays(list(ids)),
-                                                pa.concat_arrays(list(adv))],
-                                               names=[ROW_ID, "advantage"])
+            arrays = [pa.concat_arrays(list(ids)), pa.concat_arrays(list(adv))]
+            batch = pa.RecordBatch.from_arrays(arrays, names=[ROW_ID, "advantage"])
             try:
                 self.client.write(self.table, held.lease, batch, ack=True)
                 return
