@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgpack
 import zmq
@@ -158,7 +157,3 @@ class EventReceiver:
 
     def close(self) -> None:
         self._socket.close()
-
-
-def as_dict(record: Any) -> dict[str, Any]:
-    return dataclasses.asdict(record)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
@@ -55,8 +56,6 @@ def group_spec(cfg: Any) -> GroupSpec | None:
 def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
     if cfg.engine == "vllm":
         if cfg.device.startswith("cuda:"):  # vLLM places itself on the first visible GPU
-            import os
-
             os.environ["CUDA_VISIBLE_DEVICES"] = cfg.device.partition(":")[2]
         from workers.engines.vllm_rollout import VllmRolloutEngine  # needs the [vllm] extra
 
@@ -132,8 +131,6 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
                                   max_grad_norm=o.max_grad_norm,
                                   fp64_accumulation=cfg.deterministic), None
     if cfg.engine == "deepspeed":  # needs the [deepspeed] extra (clear error if missing)
-        import os
-
         if cfg.device.startswith("cuda"):  # rank r on the GPU after the trainer's first + r
             torch.cuda.set_device(torch_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0))))
         from workers.engines.deepspeed_trainer import (

@@ -132,12 +132,10 @@ class WorkerMetrics(HttpEndpoint):
             self.reward_failures.inc(rep.reward_failures)
         self._sync("publish", rep.publish_seconds, rep.publish_bytes, rep.policy_version)
 
-    def observe_ages(self, stage: str, created_at: Any, now: float | None = None) -> None:
-        """Ages of claimed rows; ``created_at`` is the claimed batch's Arrow/numpy column."""
-        now = time.time() if now is None else now
-        child = self._child(self.sample_age, stage)
-        values = created_at.to_numpy() if hasattr(created_at, "to_numpy") else created_at
-        for t in values:
+    def observe_ages(self, stage: str, created_at: Any) -> None:
+        """Ages of claimed rows; ``created_at`` is the claimed batch's Arrow column."""
+        now, child = time.time(), self._child(self.sample_age, stage)
+        for t in created_at.to_numpy():
             child.observe(max(now - float(t), 0.0))
 
     def checkpoint_saved(self, when: float | None = None) -> None:

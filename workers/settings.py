@@ -27,10 +27,7 @@ class ConfigError(ValueError):
 
     def with_prefix(self, prefix: str) -> ConfigError:
         """The same error with its key moved under ``prefix`` (used while descending sections)."""
-        key = f"{prefix}.{self.key}" if self.key else prefix
-        err = type(self).__new__(type(self))
-        ConfigError.__init__(err, key, self.detail)
-        return err
+        return type(self)(f"{prefix}.{self.key}" if self.key else prefix, self.detail)
 
 
 class ConfigValueError(ConfigError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import operator
 import os
 import random
 from collections.abc import Iterator
@@ -42,12 +43,7 @@ def _is_held_out(op: str, a: int, b: int, fraction: float) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
-def _solve(op: str, a: int, b: int) -> int:
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    return a * b
+_SOLVE = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
 class TrainingStream:
@@ -113,7 +109,7 @@ class ArithmeticTask(TrainingStream):
         return 10**self.digits - 1
 
     def make_problem(self, op: str, a: int, b: int) -> Problem:
-        return Problem(prompt=f"{a}{op}{b}=", answer=str(_solve(op, a, b)))
+        return Problem(prompt=f"{a}{op}{b}=", answer=str(_SOLVE[op](a, b)))
 
     def is_held_out(self, problem_or_triple: Problem | tuple[str, int, int]) -> bool:
         """Whether a problem (or an (op, a, b) triple) belongs to the evaluation split."""

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import hashlib
+import operator
 import random
 import re
 from collections.abc import Iterator, Sequence
@@ -29,6 +30,10 @@ _TEMPLATES = {
     "div": "{n} shares {a} {i} equally among {b} friends. How many {i} does each friend get?",
     "total": "There are {a} {i} on the table and {b} {i} in a box. How many {i} are there in all?",
 }
+
+
+_ANSWER = {"add": operator.add, "total": operator.add, "sub": operator.sub,
+           "mul": operator.mul, "div": operator.floordiv}
 
 
 def _held_out(kind: str, a: int, b: int, fraction: float) -> bool:
@@ -56,13 +61,7 @@ class WordProblemTask(TrainingStream):
         self._check_fraction()
 
     def answer(self, kind: str, a: int, b: int) -> int:
-        if kind in ("add", "total"):
-            return a + b
-        if kind == "sub":
-            return a - b
-        if kind == "mul":
-            return a * b
-        return a // b  # div: make_problem guarantees b divides a
+        return _ANSWER[kind](a, b)  # div: make_problem guarantees b divides a
 
     def make_problem(self, kind: str, a: int, b: int) -> Problem:
         """The problem of one triple (for ``sub``, a >= b; for ``div``, b divides a)."""
