@@ -7,6 +7,7 @@ per-sample timeout kills and restarts; a failure scores 0.0 with ``ok=False`` an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
@@ -22,7 +23,6 @@ RewardFn = Callable[[str, str], float]
 _START_TIMEOUT_S = 60.0  # for the child to import the verifier and answer "ready"
 
 _REGISTRY: dict[str, RewardFn] = {}
-_BUILTIN_NAMES: set[str] = set()
 
 
 class RewardError(ValueError):
@@ -105,7 +105,7 @@ def brevity(completion: str, answer: str) -> float:
     return 1.0 / (1.0 + len(completion.strip()))
 
 
-_BUILTIN_NAMES.update(_REGISTRY)
+_BUILTINS = frozenset(_REGISTRY.values())  # pure and fast: they run in-process
 
 
 # --------------------------------------------------------------------------- runner
@@ -142,16 +142,10 @@ def _child_main(import_path: str, conn: Connection) -> None:
         conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
-        completion, answer = msg
-        r = _score_one(fn, str(completion), str(answer))
-        conn.send((r.score, r.ok, r.error))
+    with contextlib.suppress(EOFError):  # the parent is gone
+        while (msg := conn.recv()) is not None:  # None: stop
+            r = _score_one(fn, str(msg[0]), str(msg[1]))
+            conn.send((r.score, r.ok, r.error))
 
 
 def _import_path_of(fn: RewardFn) -> str | None:
@@ -172,8 +166,7 @@ class RewardRunner:
             raise RewardError(f"RewardRunner: timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
         self.fn: RewardFn = resolve_reward(fn) if isinstance(fn, str) else fn
-        builtin = any(self.fn is _REGISTRY[n] for n in _BUILTIN_NAMES)
-        self.isolated = (not builtin) if isolate is None else isolate
+        self.isolated = (self.fn not in _BUILTINS) if isolate is None else isolate
         self.import_path: str | None = None
         if self.isolated:
             # The child gets an import path, never a pickled function; a registered name is

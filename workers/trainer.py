@@ -62,49 +62,23 @@ class _Held:
 class Trainer:
     """One GRPO trainer over the store. ``poll`` is one claim turn; ``run`` loops until done."""
 
-    def __init__(
-        self,
-        client: Any,
-        table: str,
-        engine: TrainerEngine,
-        tri: TriModel,
-        settings: TrainerWorkerConfig,
-        publisher: WeightPublisher,
-        *,
-        worker: str = "trainer-0",
-        send: Callable[[Any], None] = lambda r: None,
-        start_iteration: int = 0,
-        on_step: Callable[[int], None] = lambda it: None,
-        keeper: LeaseKeeper | None = None,
-        ranks: RankGroup | None = None,
-    ) -> None:
-        self.client = client
-        self.table = table
-        self.engine = engine
-        self.tri = tri
-        self.s = settings
-        self.publisher = publisher
-        self.worker = worker
-        self.send = send
-        self.on_step = on_step
+    def __init__(self, client: Any, table: str, engine: TrainerEngine, tri: TriModel,
+                 settings: TrainerWorkerConfig, publisher: WeightPublisher, *,
+                 worker: str = "trainer-0", send: Callable[[Any], None] = lambda r: None,
+                 start_iteration: int = 0, on_step: Callable[[int], None] = lambda it: None,
+                 keeper: LeaseKeeper | None = None, ranks: RankGroup | None = None) -> None:
+        self.client, self.table, self.engine, self.tri = client, table, engine, tri
+        self.s, self.publisher, self.worker = settings, publisher, worker
+        self.send, self.on_step = send, on_step
         self.keeper = keeper  # renews held leases from its own thread (else: between claims)
         self.ranks = ranks  # several trainer ranks (workers.distributed); None: this process alone
         self.step = start_iteration  # = policy version of the current weights
         self.columns = trainer_columns(settings.reference_worker)
         self._parked: dict[int, list[Piece]] = {}
-        self._done: list[Piece] = []  # pieces of the current iteration already on the first pass
         self._held: dict[int, _Held] = {}
-        self._rows_in = 0
-        self._sums = LossSums()
-        self._staleness: list[int] = []
-        self._rewards: list[float] = []
-        self._failures = 0
-        self._first_at: float | None = None
-        self._busy = 0.0
         self._seen: dict[int, set[int]] = {}  # iteration (>= step) -> row ids accepted for training
         self._ack_only: list[Piece] = []  # duplicates and stale rows: acked after the next step
-        self._dead: set[int] = set()  # dead group ids of the current iteration
-        self._dead_checked = 0.0
+        self._reset_iteration()
 
     # ------------------------------------------------------------------ the loop
     def publish_current(self) -> None:
@@ -336,11 +310,18 @@ class Trainer:
         self.client.ack(held.lease)
 
     def _reset_iteration(self) -> None:
+        """The state of the current iteration: its dead group ids, the pieces already on the
+        first pass, their loss sums and the stats of its report."""
         self._seen = {it: ids for it, ids in self._seen.items() if it >= self.step}
-        self._dead, self._dead_checked = set(), 0.0
-        self._done, self._rows_in, self._sums = [], 0, LossSums()
-        self._staleness, self._rewards, self._failures = [], [], 0
-        self._first_at, self._busy = None, 0.0
+        self._dead: set[int] = set()
+        self._dead_checked = 0.0
+        self._done: list[Piece] = []
+        self._rows_in, self._sums = 0, LossSums()
+        self._staleness: list[int] = []
+        self._rewards: list[float] = []
+        self._failures = 0
+        self._first_at: float | None = None
+        self._busy = 0.0
 
     # ------------------------------------------------------------------ follower ranks
     def follow(self) -> None:
