@@ -37,7 +37,7 @@ def create(path: str | os.PathLike[str]) -> Path:
 
 
 class CoreShare:
-    """This process's view of the host's budget; see the module docstring."""
+    """This process's view of the host's budget (docs/training.md)."""
 
     def __init__(self, cfg: CoreShareConfig) -> None:
         if not 0 <= cfg.slot < MAX_SLOTS:

@@ -122,7 +122,7 @@ class EventSender:
         try:
             self._socket.send(encode(record))
         except zmq.Again:
-            pass  # controller gone or stuck: see the module docstring
+            pass  # controller gone or stuck: nobody reads it (docs/training.md)
 
     def close(self) -> None:
         if self._socket is not None:

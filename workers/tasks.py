@@ -85,7 +85,7 @@ class TrainingStream:
 
 @dataclass
 class ArithmeticTask(TrainingStream):
-    """Problems ``"{a}{op}{b}="`` with answer ``str(a op b)``; see the module docstring."""
+    """Problems ``"{a}{op}{b}="`` with answer ``str(a op b)`` (docs/training.md "Tasks")."""
 
     digits: int = 2
     operations: tuple[str, ...] = ("+",)

@@ -43,7 +43,7 @@ def _held_out(kind: str, a: int, b: int, fraction: float) -> bool:
 
 @dataclass
 class WordProblemTask(TrainingStream):
-    """Word problems over operands 1..``max_value``; see the module docstring."""
+    """Word problems over operands 1..``max_value``; contract: docs/training.md "Tasks"."""
 
     max_value: int = 20
     kinds: tuple[str, ...] = ("add", "sub", "total")

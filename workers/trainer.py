@@ -60,7 +60,7 @@ class _Held:
 
 
 class Trainer:
-    """One GRPO trainer over the store. ``poll`` is one claim turn; ``run`` loops until done."""
+    """One GRPO trainer over the store. ``poll`` is one claim turn (``workers.main`` loops it)."""
 
     def __init__(self, client: Any, table: str, engine: TrainerEngine, tri: TriModel,
                  settings: TrainerWorkerConfig, publisher: WeightPublisher, *,
@@ -134,7 +134,7 @@ class Trainer:
             self.keeper.hold(lease)
         for it in sorted(set(iterations.tolist())):
             rows = lease.batch.filter(pa.array(iterations == it))
-            if it < self.step:  # trained into the current weights already (see module docstring)
+            if it < self.step:  # in the current weights already (docs/training.md)
                 self._ack_only.append(Piece(lease, int(it), rows))
                 continue
             seen = self._seen.setdefault(int(it), set())
@@ -274,7 +274,7 @@ class Trainer:
             step_seconds=end - (self._first_at or start), publish_seconds=published.seconds,
             publish_bytes=published.bytes, busy_seconds=self._busy,
         ))
-        self.on_step(self.step)  # the checkpoint, before any ack (see the module docstring)
+        self.on_step(self.step)  # the checkpoint, before any ack (docs/training.md)
         self._ack_done()
         self._reset_iteration()
 
