@@ -1,15 +1,7 @@
 """storage: the sharded, Arrow-backed transfer queue over ZeroMQ (the project's data store).
 
-Public API::
-
-    import storage
-    client = storage.connect("tcp://127.0.0.1:5555")          # or a list, one address per node
-    with storage.embedded(num_shards=2) as store:             # a real Server in a thread, inproc://
-        client = store.client()                               # one Client per thread
-
-The embedded form runs the same code path as the network (ROUTER server loop, wire validation,
-DEALER client), only over ``inproc://`` (or a 127.0.0.1 port with ``tcp=True``).
-Layering: ``storage`` imports neither ``workers`` nor ``streamflow``.
+``storage.connect(addresses)`` or ``storage.embedded(num_shards=2)`` (a real Server in a thread
+over inproc://); see docs/store-protocol.md. ``storage`` imports neither workers nor streamflow.
 """
 
 from __future__ import annotations

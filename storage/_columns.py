@@ -1,14 +1,7 @@
 """Column data of a shard: Arrow chunks as they arrived, and the gather that builds a claimed batch.
 
-A shard never copies column data on arrival. Every ``put`` and every ``write`` becomes one
-*source*: the Arrow arrays of that request, kept as received (zero-copy slices of the request's
-frame when the server decoded it that way). Each (row, column) cell points at ``(source, offset)``.
-A source is freed once no live cell points at it any more (``refs`` counts live cells), which is
-how memory held goes down in whole chunks.
-
-``gather`` turns the (source, offset) pairs of the claimed rows into one contiguous Arrow array:
-a zero-copy slice when the rows are a contiguous run of one source (the common streaming case:
-rows claimed in the order they were put), otherwise ``take`` per run and one concat.
+Every put/write becomes one *source* kept as received; each cell points at ``(source, offset)``
+and a source is freed once no live cell points at it. See docs/store-protocol.md ("Shards").
 """
 
 from __future__ import annotations

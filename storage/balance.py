@@ -1,36 +1,8 @@
 """The shard map of one (table, task) consumer group and how it changes: a pure state machine.
 
-Owns: which consumer owns which shard, the handoffs in flight, the members' sessions, and the
-depth-based rebalancing decision. No sockets, threads or clocks: the coordinator
-(``storage/coordinator.py``) feeds it ``now`` (monotonic seconds), heartbeats and the live depth
-(ready rows per shard for the task), so every rule below is tested directly
-(``tests/storage/test_balance*.py``).
-
-Invariants:
-- **One owner.** A shard is in at most one consumer's assignment at a time, *including what
-  consumers are still using*. A move is a handoff: the shard is revoked from its old owner first
-  (generation g is bumped; the old owner's assignment no longer lists it) and granted to the new
-  owner only once the old owner confirms a generation >= g (its heartbeat says it adopted g and no
-  claim of an older generation is still running), or its session expired, or it left.
-- **Bounded unowned time.** A shard is unowned only during a handoff or after its owner died. A
-  handoff not confirmed within ``session_timeout_s`` is cancelled (the shard goes back to the old
-  owner, which may still be using it); a dead owner is detected ``session_timeout_s`` after its
-  last heartbeat; the next round (<= ``heartbeat_interval_s`` later, the coordinator's round
-  interval) grants the shard. So no shard is without a live owner longer than
-  ``session_timeout_s + heartbeat_interval_s`` (while the group has a live member).
-- **Consumer-side expiry.** A consumer treats its assignment as void ``session_timeout_s -
-  claim_wait`` after *sending* its last acknowledged heartbeat (``storage.coordinator_session``),
-  i.e. before the coordinator (which counts from *receiving* it) can declare it dead and give its
-  shards away; so a consumer frozen past its session never overlaps its successor.
-- **No churn.** Depth moves need the imbalance (max over mean of the members' expected drain
-  times) above ``threshold`` with a gap over ``min_gap_s`` for ``patience`` consecutive rounds, a
-  move that lowers the two consumers' larger drain time by ``margin``, no handoff in flight, and
-  the shard not moved within ``cooldown_s``. A move and its reverse cannot both pass the margin on
-  the same numbers, so a steady state never flips back and forth.
-
-Ownership is for locality and balance, never for correctness: the store's leases decide who
-processes a row, and they are independent of ownership (a lease taken before a move stays valid
-until acked or expired), so a move never loses, moves or duplicates rows.
+Owns which consumer owns which shard, the handoffs in flight, the members' sessions and the
+depth-based rebalancing decision; no sockets, threads or clocks. Invariants (one owner, bounded
+unowned time, consumer-side expiry, no churn): docs/store-protocol.md ("Shard map").
 """
 
 from __future__ import annotations

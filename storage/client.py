@@ -1,18 +1,7 @@
 """The store client: explicit verbs over one ZeroMQ DEALER socket per store node.
 
-Owns: routing (row-id-keyed verbs go to the node owning the row's shard: ``shard_id >> 8`` is the
-node index), placement of puts (the node with the shallowest depth hint, piggybacked on put
-replies), multi-node claims (probe without waiting, then one server-side long poll per node; the
-first lease wins, the others are cancelled and any late lease is released cleanly), request
-timeouts and reconnection.
-
-Threading: a ``Client`` is used from ONE thread (ZeroMQ sockets are not thread-safe). Make one
-client per thread; they may share a ``zmq.Context`` (``EmbeddedStore.client()`` does).
-
-Replies are matched by ``req_id``. When a request times out the client raises ``Unavailable``,
-closes that node's socket and opens a fresh one (ZeroMQ then reconnects with exponential backoff,
-100 ms .. 5 s), so a late reply to a timed-out request can never be taken for another's. The
-outcome of a timed-out mutating request is unknown (see the guarantees in ``storage/wire.py``).
+Owns routing by shard, placement of puts, multi-node claims, request timeouts and reconnection.
+Use a ``Client`` from ONE thread. Rules: docs/store-protocol.md ("Client").
 """
 
 from __future__ import annotations
@@ -224,25 +213,9 @@ class Client:
         for ``min_rows`` rows; at the timeout takes whatever is ready (possibly an empty lease,
         ``num_rows == 0``, which needs no ack). Raises ShuttingDown if a node shuts down.
 
-        ``ack``: the consumer's previous lease (same table), acked before the claim in the same
-        round trip, the way a streaming consumer turns "ack; claim next" into one request. With
-        ``write``, those columns are first written under ``ack`` (as ``write(..., ack=True)``;
-        ``row_id`` is added from the lease when absent). Order and failure rules (wire.py):
-        if the write/ack is refused (``LeaseExpired``/``UnknownLease`` when fenced,
-        ``CellAlreadyWritten``, ``SchemaMismatch``, ``BadRequest``), or the claim's own arguments
-        are bad, that error is raised and nothing was applied: no cell written, nothing acked,
-        no row leased, exactly as if the plain write/ack had raised. If the ack went through and
-        the claim then fails (``ShuttingDown`` while waiting, table dropped), the error is raised
-        with ``exc.acked = True``. An empty ``ack`` lease (``lease_id == 0``) is ignored. Usage::
-
-            lease = client.claim(t, "reward", cols, 64, timeout=1.0)
-            while lease.num_rows:
-                out = score(lease)              # row_id + the reward column
-                lease = client.claim(t, "reward", cols, 64, timeout=1.0, ack=lease, write=out)
-
-        ``shards``: claim only from these shard ids (a consumer's owned shards, see
-        ``storage.coordinator_session``); only the nodes serving them are asked (``shard_id >> 8``
-        is the node index). None: any shard; each node serves its deepest one.
+        ``ack`` (the previous lease, with ``write``: columns written under it first) is acked in
+        the same round trip; ``shards`` limits the claim to those shard ids. Rules and usage:
+        docs/store-protocol.md ("Client: claim").
         """
         args = {
             "table": table,

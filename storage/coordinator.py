@@ -1,30 +1,8 @@
 """The coordinator: a small key-value directory and the shard map of every (table, task).
 
-Owns: one ZeroMQ ROUTER loop thread (``storage.rpc.RouterService``, like the store node) serving
-
-- a **directory**: ``register(key, value)``, ``lookup(key, timeout)`` (a server-side wait, parked
-  like the store's long-poll claim, ``LookupTimeout`` when it runs out) and
-  ``lookup_prefix(prefix)``. Hosts of a multi-host run publish their addresses here;
-- the **shard map** of each (table, task) consumer group: ``join``, ``heartbeat``, ``leave`` and
-  ``assignment`` (read-only view). The map itself is ``storage.balance.Balancer`` (pure, tested on
-  its own); this module feeds it time, heartbeats and the live queue depth, which a poller thread
-  reads from the store nodes (``storage.Client.stats``) every round.
-
-Wire: the store's frame layout and limits (``storage/wire.py``: msgpack header map
-``{v, verb, req_id, ...}``, replies ``{ok, req_id, error}``), with its own verbs
-(the ``COORD_HEADERS`` Structs of ``storage/headers.py``). Every request is decoded and validated
-in one pass; a bad one gets a typed ``BadRequest`` reply naming the field and the loop goes on.
-Nothing is unpickled.
-
-Threads: the loop thread owns the socket, the directory, the balancers and parked lookups (no
-locks). The stats poller thread owns its own ``storage.Client`` and hands depth snapshots over
-through a lock. ``CoordinatorClient`` and ``ConsumerSession`` (``storage/coordinator_client.py``)
-are the client side.
-
-Durability: none. The directory and the map live in memory; after a coordinator restart hosts
-register again and consumers rejoin (a heartbeat from an unknown consumer is a join). Ownership is
-for locality and balance only; correctness (no double delivery) comes from the store's leases,
-which are independent of ownership, so a coordinator outage never loses or duplicates rows.
+One ZeroMQ ROUTER loop thread (``storage.rpc.RouterService``) serving the directory verbs
+(register, lookup, lookup_prefix) and the group verbs (join, heartbeat, leave, assignment) over
+``storage.balance.Balancer``. In memory only. Details: docs/store-protocol.md ("Coordinator").
 """
 
 from __future__ import annotations

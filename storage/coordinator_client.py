@@ -1,13 +1,6 @@
-"""The client side of the coordinator (``storage/coordinator.py``).
+"""The client side of the coordinator: ``CoordinatorClient`` and ``StatsPoller``.
 
-Owns: ``CoordinatorClient`` (one DEALER socket, the directory verbs and the raw group verbs),
-and ``StatsPoller`` (the coordinator's thread that reads live depth from the store nodes). A
-consumer's membership, heartbeat thread and balanced claim are ``storage.coordinator_session``.
-
-Threading: a ``CoordinatorClient`` is used from ONE thread (ZeroMQ sockets are not thread-safe);
-make one per thread. A request that gets no reply within its timeout raises ``Unavailable`` and the
-socket is replaced, so a late reply can never be taken for another request's (as in
-``storage.Client``).
+Use a ``CoordinatorClient`` from ONE thread; see docs/store-protocol.md ("Coordinator").
 """
 
 from __future__ import annotations

@@ -1,33 +1,8 @@
 """A consumer's membership in a (table, task) group: heartbeats, its owned shards, balanced claims.
 
-Owns: ``ConsumerSession``, a background heartbeat thread with its own ``CoordinatorClient`` (ZeroMQ
-sockets are not thread-safe), the consumer's adopted assignment (generation + shard ids), its
-throughput measurement, and the claim policy that uses them (``claim``).
-
-Claim policy (``claim``), one call = at most three store requests, usually one:
-1. a non-waiting claim on the owned shards (carrying the previous lease's write+ack);
-2. if empty and ``steal``: a non-waiting claim on the deepest shard another consumer owns (the
-   coordinator's hint), then one on any shard (each node then serves its deepest); a consumer
-   that owns no shard makes that last one a long poll (below) on every shard instead, so an
-   idle consumer waits server-side rather than probing in a loop;
-3. if still empty: a long poll on the owned shards for at most ``claim_wait_s`` (= the heartbeat
-   interval), so a claim never runs long on an assignment that has been revoked meanwhile.
-Why steal: ownership moves whole shards, so a single flooded shard cannot be split between two
-consumers by reassignment alone; a consumer whose own shards are empty takes rows from the
-deepest one instead of idling. That is safe because store leases, not ownership, prevent double
-delivery: a stolen row is leased like any other. An owner steals only by non-waiting probes, so it
-waits only on its own shards; stealing can be switched off (``steal=False``: the static baseline).
-Rows claimed each way are counted (``rows_owned``/``rows_stolen``, and the Prometheus counter
-``streamflow_consumer_rows_claimed_total{source="owned"|"stolen"}`` of ``storage.metrics``, in the
-registry passed as ``registry``: a worker's, to be served on its ``/metrics``).
-
-Handoff safety (``storage.balance``): the generation reported in a heartbeat is the oldest one
-still in use: a claim started under generation g keeps g "in use" until it returns, so the
-coordinator grants a revoked shard to its new owner only after the old owner's last claim on it
-ended. The assignment is void ``session_timeout_s - claim_wait_s`` after sending the last
-heartbeat that got a reply (the coordinator waits ``session_timeout_s`` after receiving it), so a
-consumer cut off from the coordinator stops claiming its shards before they are given away; it
-then only steals (or, with ``steal=False``, waits).
+Owns ``ConsumerSession``: a heartbeat thread with its own ``CoordinatorClient``, the adopted
+assignment, throughput measurement and the claim policy (owned shards, then steal, then a long
+poll). Policy and handoff safety: docs/store-protocol.md ("Consumer sessions").
 """
 
 from __future__ import annotations
@@ -150,7 +125,7 @@ class ConsumerSession:
         write: pa.RecordBatch | pa.Table | None = None,
         **kwargs: Any,
     ) -> Lease:
-        """Claim by the policy in the module docstring (``kwargs``: ``min_rows``,
+        """Claim by the policy in docs/store-protocol.md (``kwargs``: ``min_rows``,
         ``whole_groups``, ``lease_seconds`` as for ``Client.claim``)."""
         with self._lock:
             valid = time.monotonic() < self._valid_until

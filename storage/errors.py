@@ -1,12 +1,4 @@
-"""Typed errors of the transfer queue.
-
-Every error the store can return has a stable wire ``code`` so that a client in another process
-re-raises the same type. Errors never carry tracebacks or objects across the wire: only the code
-and a human-readable message naming what was wrong.
-
-Lifecycle: a node raises one of these inside a verb; the server turns it into an error reply
-(``wire.ErrorReply``); the client turns the reply back into the same exception class.
-"""
+"""Typed errors of the store; each has a stable wire ``code`` (see docs/store-protocol.md)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
 """Message headers as typed msgspec Structs: the store's verbs, the coordinator's, a table spec.
 
-Owns: the schema of every request header (field names, types, inclusive bounds, defaults), the
-verb of each Struct (msgpack key ``verb`` is the Struct tag), and the translation of msgspec's
-validation errors into one-line ``BadRequest`` messages naming the field. A header is decoded and
-validated in one pass by ``msgspec.msgpack.Decoder`` (``storage.wire.decode_header``); anything
-it refuses never reaches a handler.
-
-Rules shared by every header: unknown fields are refused (a typo must not be silently ignored),
-ints are never bools, floats are finite (every float field has both bounds, which NaN and the
-infinities fail), ``v`` is the protocol version and ``req_id`` an int in ``[0, 2**64)``.
-Fields are read as attributes; ``header["field"]`` also works (handlers written against the
-older mapping form, e.g. the benchmark's null node).
+Owns the schema of every request header and the translation of msgspec's errors into one-line
+``BadRequest`` messages naming the field. Shared rules: docs/store-protocol.md ("Headers").
 """
 
 from __future__ import annotations
@@ -86,7 +77,7 @@ class WireSpec(Struct, forbid_unknown_fields=True, kw_only=True):
 SPEC_SCALARS = tuple(f for f in WireSpec.__struct_fields__ if f not in ("name", "schema", "tasks"))
 
 
-# -- the store's verbs (served by storage.server; guarantees in storage/wire.py) ------------------
+# -- the store's verbs (served by storage.server) -------------------------------------------------
 
 
 def _verb(tag: str, base: type[Header] = Header) -> Any:
@@ -124,7 +115,7 @@ class Claim(_OfTable, tag="claim"):
     lease_seconds: Seconds | None = None
     # null = every shard of the node; an empty list is refused
     shards: Annotated[list[ShardId], Meta(min_length=1, max_length=MAX_LIST_LEN)] | None = None
-    # Piggybacked ack ("Combined ack + claim" in storage/wire.py): a lease of the same table to
+    # Piggybacked ack ("Combined ack + claim" in the protocol doc): a lease of the same table to
     # ack (with the optional body written under it first) before the claim runs.
     ack_lease_id: U64 | None = None
 

@@ -1,15 +1,7 @@
 """Leases of a store node: handing rows out (``claim``) and ending leases (ack, release, expiry).
 
-Owns, for ``StoreNode`` (a mixin: same single caller thread, same all-or-nothing rule: every verb
-validates its whole input before mutating anything): claim planning (argument checks, cached per
-table for the argument sets consumers repeat), the choice of shard (the one with the most ready
-units), the lease records and their deadline heap, and the fencing of every verb that takes a
-lease. Lease ids are minted by the node (``StoreNode._next_lease_id``, see "Ids" there).
-
-Fencing. A lease whose deadline is <= clock() is expired, whether or not ``expire()`` has run
-yet: every verb that takes a lease first expires what is due, then checks the lease. Ids of
-leases that expired here are remembered (bounded) so that a zombie gets LeaseExpired rather than
-UnknownLease.
+A mixin of ``StoreNode``: claim planning, shard choice, lease records and their deadline heap,
+and fencing (rules: docs/store-protocol.md, "Leases and fencing").
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """Prometheus metrics of one store node, of the shard coordinator and of a consumer session.
 
-Owns: a private ``CollectorRegistry`` (so several nodes, e.g. embedded ones in tests, never clash
-in the process-global registry), the counters fed by the node's ``NodeEvents`` callbacks, the
-per-verb request-duration histogram and byte counters fed by the server, the gauges refreshed from
-``node.stats()`` by the server loop, and the optional ``/metrics`` HTTP endpoint (127.0.0.1 by
-default).
-
-Threading: every ``on_*``/``observe_*``/``refresh`` call comes from the server's loop thread; the
-HTTP thread only reads (prometheus-client's metric objects are thread-safe).
-
-Label cardinality is bounded: table, task and shard come from table specs (a handful each), verb
-from ``wire.VERBS``, and dead-letter reasons are mapped onto ``DEAD_REASONS``.
+Each in a private ``CollectorRegistry``; threading and label bounds: docs/store-protocol.md.
 """
 
 from __future__ import annotations

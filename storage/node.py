@@ -1,40 +1,8 @@
 """StoreNode: the in-process, single-threaded, non-blocking state machine of one store node.
 
-Owns the node's tables, each split into ``num_shards`` ``Shard``s, and every live lease. No
-sockets, threads or sleeping: the server's loop thread calls the verbs one at a time, parks what
-must wait (``claim`` returning None, ``put`` raising StoreFull) and wakes it on state changes, and
-drives time with ``expire()`` at ``next_deadline()``. Every verb validates its whole input before
-mutating anything, so a failed verb changes nothing (all-or-nothing).
-
-Ids. Global shard ids are ``(node_index << 8) | local_index``. Lease ids are
-``(epoch << 32) | counter`` (counter from 1; epoch in [1, 2**31), so ids stay positive int64
-everywhere). The epoch names one incarnation of the node: with a persistence root it is the
-persisted epoch + 1 (``persist_root.next_epoch``), so lease ids never repeat across restarts on
-that root and a zombie's pre-crash lease id is UnknownLease after a restart, never someone else's
-lease; without a root the node keeps no tables across restarts and the epoch is random (31 bits:
-two incarnations share one with probability 2**-31). When the counter reaches 2**32 the node moves
-to a new epoch the same way.
-
-Persistence. ``persist_root`` (the node's configuration, never a client's) holds every table of
-the node in ``<root>/<table>``; the node recovers all of them at construction, before serving
-(``recovered``: table -> rows). Rules: ``storage/persist.py``.
-
-Leases. Claims, acks, releases, expiry and fencing are ``storage.leases`` (a mixin of StoreNode).
-
-Choices where the contract is silent:
-- a task with ``whole_groups=True`` is always served whole groups (the ``whole_groups`` argument
-  may be left False); asking ``whole_groups=True`` for a task without it is a BadRequest;
-- ``claim`` may ask for any column the task needs, ``created_at``, or any column written for
-  every row it would hand out (else BadRequest naming the column; nothing is leased);
-- ``TaskStats.consumed`` is cumulative (rows acked since the table was created), so it keeps
-  counting after rows are freed; ``dead`` counts rows currently held DEAD;
-- a put that could never fit (more rows/bytes than the capacity) is a BadRequest, not StoreFull;
-- groups are identified within one put; ``clear(dead=True)`` frees whole groups;
-- ``sync()`` may be called as often as the server likes: it fsyncs dirty logs of fsync="always"
-  tables every call and of "interval" tables at most every ``fsync_interval_s``;
-- ``snapshot()`` returns the table's directory (``<root>/<table>``, one snapshot per shard).
-
-Contract deviation: lease ids are (31-bit epoch << 32) | 32-bit counter, see "Ids" above.
+Owns the node's tables (each split into ``num_shards`` ``Shard``s) and every live lease. No
+sockets, threads or sleeping; every verb validates its whole input before mutating anything.
+Ids, persistence and the choices where the contract is silent: docs/store-protocol.md.
 """
 
 from __future__ import annotations

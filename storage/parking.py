@@ -1,13 +1,7 @@
 """Requests parked by a store server: the waiting claims and puts, their limits and deadlines.
 
-Owns: the parked requests themselves (``ParkedRequests``, a mixin of ``storage.server.Server``:
-retried when their table changes, answered at their deadline, dropped when their peer is gone,
-answered ``ShuttingDown`` at shutdown) and their accounting (``ParkedBook``): how many claims and
-puts are parked on the node, how many body bytes parked puts hold, how many requests each peer
-(ROUTER identity) has parked and since when, and the refusal of a request that would go past a
-limit (``StoreFull`` for a put, ``TooManyWaiting`` for a claim; the limits are ``ServerConfig``'s,
-the rules ``storage/wire.py``'s). The server's loop thread is the only caller: ``admit`` before
-parking a request, ``release`` whenever one leaves; ``parked()`` reads the counts from any thread.
+``ParkedRequests`` (a mixin of ``storage.server.Server``) keeps them; ``ParkedBook`` accounts for
+them per node and per peer and refuses what would pass a limit. Rules: docs/store-protocol.md.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ from storage.errors import StoreError, StoreFull, TooManyWaiting
 log = logging.getLogger("storage.server")
 
 # A message with req_id 0 sent by the node is a liveness probe (clients never use req_id 0 and
-# drop replies that match none of their requests), see storage/wire.py.
+# drop replies that match none of their requests), see docs/store-protocol.md.
 PROBE_FRAME = wire.pack_header({"ok": True, "req_id": 0, "error": None, "probe": True})
 
 

@@ -1,63 +1,7 @@
 """Persistence of one table on one node: an append-only log per shard plus atomic snapshots.
 
-Where. The persistence *root* is the node's own configuration (``ServerConfig.persist_dir``,
-``streamflow store serve --persist-dir``), never a client's: a client only names a table, and the
-table lives in ``<root>/<table>`` (the name is checked against ``[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}``,
-so it is one path component that cannot start with a dot; a symlinked table directory is
-refused). With a root, every table of the node is persisted; without one, none is.
-
-Ownership. The store creates ``<root>/<table>`` itself and first writes the marker file
-``.streamflow-table`` in it. A directory without the marker is never adopted (create_table is
-refused with BadRequest naming it) and never deleted. ``drop_table`` removes only the files the
-store writes (``table.json``, ``shard-<sid>.snap``, ``shard-<sid>.<gen>.log`` and their ``.tmp``
-siblings), then the marker, then the directory if it is empty; anything else found there is left
-in place (logged), and without the marker the directory is no longer the store's.
-
-Recovery at start. A node with a root opens every ``<root>/<table>`` holding the marker and a
-``table.json`` before it serves, and recovers it as below; it logs each table and its row count
-and counts them in its metrics (``streamflow_store_recovered_tables``). A later ``create_table``
-with the same spec is a no-op; one with a different spec gets TableExists.
-
-Incarnations. ``<root>/.node-<index>.epoch`` holds the node's last lease epoch; each start (and a
-lease-counter rollover) writes the next one (tmp + fsync + rename + directory fsync) before any
-lease is issued, so lease ids never repeat across restarts of a node on the same root. One root
-serves at most one running node per node index.
-
-Layout under ``<root>/``::
-
-    .node-<index>.epoch             lease epoch of node <index>'s latest incarnation (decimal)
-    <table>/.streamflow-table       the store's ownership marker
-    <table>/table.json              the spec: schema (Arrow IPC, base64), tasks, grouping, limits
-    <table>/shard-<sid>.snap        Arrow IPC file: every live row's cells + per-task state
-    <table>/shard-<sid>.<gen>.log   append-only records, generation ``gen`` (newest appended to)
-
-Log record: ``[u32 len][u32 crc32(payload)][payload]`` with payload ``[u32 hlen][msgpack header]
-[Arrow IPC stream bytes, for put/write]``, little-endian. Header ``op`` is one of
-``put {start, t}`` (rows start..start+n-1 in batch order), ``write {seqs, ow}``, ``claim``,
-``release`` (clean hand-back: delivery count - 1), ``ack``, ``dead {reason}`` (all with ``task``,
-``seqs``) and ``free {seqs}`` (clear of dead rows). ``seqs`` are little-endian int64 bytes.
-Leases are never logged: rows LEASED at a crash come back READY with their delivery counts.
-
-Snapshot (``snapshot()``, and automatically after a recovery that replayed anything): for each
-shard, its rows are written to ``.snap.tmp``, fsynced, renamed over ``.snap``, the directory is
-fsynced; the snapshot records the log generation it covers, a new log generation starts, older
-logs are deleted. A crash at any point leaves either the old snapshot + all logs or the new
-snapshot + logs it does not cover: recovery replays only generations above the covered one.
-
-Recovery: load the snapshot, replay the logs in order, then rebuild ready queues. A torn tail
-(short header or payload: the process died mid-append) is cut off and the file truncated there.
-A record whose crc does not match, or that cannot be applied, is dropped with a warning; replay
-goes on with the next record. Recovery never raises on bad log contents.
-
-What is durable when (the verb's reply is sent after the server calls ``StoreNode.sync()``):
-- every logged verb issues its ``write(2)`` before returning, so once a reply is sent, the
-  change survives a crash of the store *process* (SIGKILL included), whatever the fsync policy;
-- ``fsync="always"``: ``sync()`` fsyncs every dirty log, so a replied-to put/write/ack/dead also
-  survives an OS crash or power loss;
-- ``fsync="interval"``: ``sync()`` fsyncs a dirty log at most every ``fsync_interval_s``; an OS
-  crash loses at most that window;
-- ``fsync="never"``: the OS decides when the page cache reaches the disk.
-Claims and clean releases are logged (delivery counts) but nobody waits for them.
+Owns the log records, snapshots, replay at recovery and the fsync policy. Layout, ownership,
+recovery and what is durable when: docs/store-protocol.md ("Persistence").
 """
 
 from __future__ import annotations
@@ -189,10 +133,10 @@ def read_records(path: str) -> tuple[list[tuple[dict, bytes]], int]:
 
 
 class TableStore:
-    """Logs and snapshots of one table's shards on one node (see module docstring)."""
+    """Logs and snapshots of one table's shards on one node (docs/store-protocol.md)."""
 
     def __init__(self, spec: TableSpec, root: str, node_index: int) -> None:
-        """Open (creating it, with its marker) ``<root>/<spec.name>``; see the module docstring
+        """Open (creating it, with its marker) ``<root>/<spec.name>``; see docs/store-protocol.md
         for what the store owns there."""
         self.spec = spec
         self.path = table_dir(root, spec.name)

@@ -1,10 +1,6 @@
 """The node's persistence root: which directories and files the store owns under it.
 
-Owns: confining a table to ``<root>/<table>`` (name checked, no symlinks), the ownership marker
-(create, check), deleting only what the store wrote, finding the tables to recover at start, the
-full table spec kept in ``table.json``, and the persisted lease epoch of each node incarnation.
-The rules are stated in ``storage/persist.py``'s docstring; the logs and snapshots themselves
-are ``persist.TableStore``'s.
+Rules: docs/store-protocol.md ("Persistence"); logs and snapshots are ``persist.TableStore``'s.
 """
 
 from __future__ import annotations

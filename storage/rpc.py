@@ -1,21 +1,7 @@
 """One request/reply layer over ZeroMQ: the ROUTER service loop and the DEALER call with a deadline.
 
-Owns what the store node (``storage.server``), the coordinator (``storage.coordinator``) and the
-trainer's weight server (``workers.weights_net``) share:
-
-- ``bind_router``: a ROUTER socket with ROUTER_MANDATORY (a reply to a departed peer fails
-  instead of vanishing), a ``MAXMSGSIZE`` cap and ``tcp://HOST:0`` meaning "any free port".
-- ``RouterService``: lifecycle (``start``/``stop`` from any thread, ``run`` in the calling one),
-  the loop (poll with the service's timeout, drain up to ``max_batch`` messages, run its steps),
-  dispatch of a decoded request to ``_v_<verb>`` with typed error replies, an outbox of replies
-  sent without blocking, and deferred replies (``Parked``: a request answered later, by its
-  deadline at the latest). One thread owns the socket and every piece of state the handlers
-  touch, so handlers need no locks. A step or handler that raises something other than a
-  ``StoreError`` is logged and answered "internal"; the loop goes on.
-- ``Channel``: one DEALER socket to one peer and ``call``: send a request, wait for the reply whose
-  id matches until the deadline, and on a timeout close the socket and open a fresh one, so a
-  late reply lands on a socket nobody reads and can never be taken for another request's.
-- ``run_until_signalled``: a service in the foreground until SIGTERM/SIGINT, with a ready file.
+Shared by the store node, the coordinator and ``workers.weights_net``: ``bind_router``,
+``RouterService``, ``Channel`` and ``run_until_signalled``. Rules: docs/store-protocol.md ("RPC").
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """What a table is: its declared schema, its tasks, its limits, and the records the verbs return.
 
-The store knows nothing about RL. A *table* holds rows (samples) and columns (fields). Its user
-columns are declared once, as an Arrow schema, when the table is created; the store adds the
-metadata columns listed in ``META_COLUMNS`` (never writable by users).
-
-A *task* (e.g. ``"reward"``) declares the columns it needs. A row is *ready* for a task once every
-one of those columns is written, and stays ready until a consumer of that task claims it. Each task
-consumes every row exactly once per row lifecycle, independently of the other tasks.
-
-Per (row, task) lifecycle::
-
-    PENDING --(last needed column written)--> READY --claim--> LEASED --ack--> CONSUMED
-                                                ^                 |
-                                                +--expire/release-+--(deliveries > max)--> DEAD
-
-A row is freed (its memory released) once every task has CONSUMED it (DEAD rows are kept, for
-inspection, until ``clear``).
-
-Row ids are stable 64-bit integers: the top 16 bits name the shard (``shard_id``), the low 48 bits
-a sequence number within that shard, so any client can route a row id to its shard without a lookup.
+The row lifecycle per task and the row-id layout: docs/store-protocol.md ("Tables and tasks").
 """
 
 from __future__ import annotations
@@ -47,7 +29,7 @@ def shard_of(row_id: int) -> int:
 
 # Store-kept metadata. These names are reserved: a user schema may not declare them.
 META_COLUMNS: dict[str, pa.DataType] = {
-    ROW_ID: pa.uint64(),  # stable id, see module docstring
+    ROW_ID: pa.uint64(),  # stable id, see docs/store-protocol.md
     "created_at": pa.float64(),  # wall-clock seconds when the row was put
     # Per-task delivery count is returned as "deliveries" (uint16) in a claimed batch: how many
     # times this row was handed to the claiming task, this delivery included (1 = first time).
@@ -56,7 +38,7 @@ META_COLUMNS: dict[str, pa.DataType] = {
 
 
 class RowState(enum.IntEnum):
-    """The per-(row, task) state; see the lifecycle in the module docstring."""
+    """The per-(row, task) state; see the lifecycle in docs/store-protocol.md."""
 
     PENDING = 0
     READY = 1

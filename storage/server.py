@@ -1,27 +1,8 @@
 """A store node behind a ZeroMQ ROUTER socket: one loop thread that owns one ``StoreNode``.
 
-Owns: the node's configuration, its socket(s) (served by ``storage.rpc.RouterService``), the
-loop's timers (lease expiry, fsync before replies, metrics, peer probes), clean shutdown, and the
-node's command line (``python -m storage``). What each verb does is ``storage.server_verbs``;
-long-poll claims and capacity-waiting puts parked server-side are ``storage.parking``.
-
-The loop (one thread; the node is never touched by any other thread, so it needs no locks)::
-
-    poll(timeout = min(next lease deadline, next parked deadline, fsync/metrics timers, 100 ms))
-      -> drain up to max_batch (256) requests: validate, run the verb, queue the reply, or PARK it
-      -> node.expire()                       leases past their deadline: rows READY again / DEAD
-      -> retry parked claims/puts of tables that changed (FIFO; a put waits behind older puts)
-      -> answer parked requests whose wait ran out (claim: one last try with min_rows=1, then an
-         empty lease; put: StoreFull)
-      -> node.sync() if a queued reply acknowledges a mutation of an fsync="always" table
-      -> send the queued replies (group commit: one fsync covers the whole batch)
-
-Delivery guarantees are stated in ``storage/wire.py``, the loop's own rules (typed error replies,
-"internal" for a bug, replies sent without blocking) in ``storage/rpc.py``. What this module adds:
-- Nothing from the network reaches the node unvalidated. No request can block the loop: waits
-  are parked (bounded; a departed peer's are dropped: ``storage/parking.py``), never slept.
-- Shutdown (``stop()``, SIGTERM/SIGINT in ``serve``): every parked request is answered with
-  ``ShuttingDown``, replies are flushed, sockets closed (linger 1 s), the node closed.
+Owns the node's configuration, its socket(s), the loop's timers (lease expiry, fsync before
+replies, metrics, peer probes), clean shutdown and ``python -m storage``. Verbs are
+``storage.server_verbs``, parked requests ``storage.parking``. The loop: docs/store-protocol.md.
 """
 
 from __future__ import annotations
@@ -73,7 +54,7 @@ class ServerConfig:
     # Persistence root (the node's own: clients only name tables): every table of this node is
     # kept in <persist_dir>/<table> and recovered at start. None = memory only.
     persist_dir: str | None = None
-    # Bounds on requests parked server-side (see storage/wire.py "Parked requests").
+    # Bounds on requests parked server-side (docs/store-protocol.md).
     max_parked_bytes: int = 256 << 20  # body bytes of puts waiting for room, whole node
     max_parked_per_peer: int = 256  # claims + puts one peer (connection) may have parked
     max_parked_claims: int = 65536  # claims parked, whole node

@@ -1,28 +1,8 @@
 """One shard of one table: the per-row state machine, in numpy arrays, and its ready queues.
 
-Owns, for the rows of one (table, shard): their cells (``(source, offset)`` pointers into the Arrow
-chunks of ``storage._columns``), and per (row, task) the state, delivery count, holding lease and
-dead reason. Single-threaded and non-blocking: the caller (``StoreNode``) serializes every call.
-
-Layout. Rows live in *dense* arrays ordered by sequence number (``seqs`` ascending). A row id's
-sequence maps to its dense index with one vectorized ``searchsorted``. Freed rows are only marked
-dead (``alive = False``) and removed in bulk by ``_compact`` once they are at least half of the
-array, so arrays stay within ~2x the live rows whatever order rows are freed in, and compaction
-costs O(1) amortized per row. Dense indices therefore change at compaction: anything kept across
-calls (ready queues, leases) holds sequences, never indices.
-
-Ready queues (one per task, ``storage.queues.SeqQueue``) hold the sequences of READY rows in FIFO
-order, so ``claim`` costs O(rows claimed), never O(rows resident); rules in ``storage/queues.py``.
-
-Groups. A grouped put is reordered so each group's rows get consecutive sequences; ``gpos`` is a
-row's position in its group. For a whole-group task the queue holds group *leaders* (first row),
-pushed when ``gready`` (READY rows of the group, kept at the leader) reaches ``group_size``. While
-a group is queued none of its rows is consumed by that task, hence none is freed, hence the group
-is contiguous in the dense arrays: its rows are ``leader_index + arange(group_size)``.
-
-Invariants (checked by tests/storage/test_shard_properties.py): ``counts[t, s]`` equals the number
-of live rows in state ``s`` for task ``t``; a row is LEASED for a task iff ``lease[t, row]`` names a
-live lease of that task holding it; a row is freed once every task CONSUMED it.
+Owns, for the rows of one (table, shard), their cells (``(source, offset)`` pointers into
+``storage._columns``) and per (row, task) state, delivery count, holding lease and dead reason.
+Single-threaded. Layout, groups and invariants: docs/store-protocol.md ("Shards").
 """
 
 from __future__ import annotations
@@ -58,7 +38,7 @@ _ROW_ARRAYS: dict[str, tuple[str, type, int | float | bool]] = {
 
 
 class Shard:
-    """Rows of one table on one shard. See the module docstring for layout and invariants."""
+    """Rows of one table on one shard. Layout and invariants: docs/store-protocol.md."""
 
     def __init__(self, shard_id: int, spec: TableSpec) -> None:
         self.shard_id = shard_id
