@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -15,26 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from storage.schema import TableStats
 
 DEAD_REASONS = ("lease_expired", "consumer_error", "other")
-_DURATION_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+_DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                     0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # fmt: skip
+TTS = ("table", "task", "shard")
+TT = ("table", "task")
 
 
 def dead_reason_label(reason: str) -> str:
@@ -81,105 +65,68 @@ class StoreMetrics(HttpEndpoint):
     def __init__(self, node_index: int = 0, registry: CollectorRegistry | None = None) -> None:
         self.node_index = node_index
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        p = "streamflow_store_"
-        self.queue_depth = Gauge(
-            p + "queue_depth_rows",
-            "Rows READY for a task (queue depth).",
-            ["table", "task", "shard"],
-            registry=r,
+        m = _maker(self.registry, "streamflow_store_")
+        self.queue_depth = m(Gauge, "queue_depth_rows", "Rows READY for a task (queue depth).", TTS)
+        self.in_flight = m(Gauge, "in_flight_rows", "Rows LEASED to a consumer of a task.", TTS)
+        self.dead_rows = m(
+            Gauge, "dead_rows", "Rows quarantined (DEAD) for a task, held until clear.", TTS
         )
-        self.in_flight = Gauge(
-            p + "in_flight_rows",
-            "Rows LEASED to a consumer of a task.",
-            ["table", "task", "shard"],
-            registry=r,
+        self.memory = m(
+            Gauge, "memory_bytes", "Column bytes held by a table on this node.", ["table"]
         )
-        self.dead_rows = Gauge(
-            p + "dead_rows",
-            "Rows quarantined (DEAD) for a task, held until clear.",
-            ["table", "task", "shard"],
-            registry=r,
-        )
-        self.memory = Gauge(
-            p + "memory_bytes", "Column bytes held by a table on this node.", ["table"], registry=r
-        )
-        self.rows_held = Gauge(
-            p + "rows", "Live rows held by a table on this node.", ["table"], registry=r
-        )
-        self.rows_put = Counter(p + "rows_put_total", "Rows created by put.", ["table"], registry=r)
-        self.rows_acked = Counter(
-            p + "rows_acked_total",
-            "Rows consumed (acked) by a task.",
-            ["table", "task"],
-            registry=r,
-        )
-        self.rows_claimed = Counter(
-            p + "rows_claimed_total", "Rows handed out in leases.", ["table", "task"], registry=r
-        )
-        self.rows_redelivered = Counter(
-            p + "rows_redelivered_total",
+        self.rows_held = m(Gauge, "rows", "Live rows held by a table on this node.", ["table"])
+        self.rows_put = m(Counter, "rows_put_total", "Rows created by put.", ["table"])
+        self.rows_acked = m(Counter, "rows_acked_total", "Rows consumed (acked) by a task.", TT)
+        self.rows_claimed = m(Counter, "rows_claimed_total", "Rows handed out in leases.", TT)
+        self.rows_redelivered = m(
+            Counter,
+            "rows_redelivered_total",
             "Rows made claimable again after an expiry or failed release.",
-            ["table", "task"],
-            registry=r,
+            TT,
         )
-        self.rows_dead = Counter(
-            p + "rows_dead_total",
-            "Rows quarantined, by bounded reason.",
-            ["table", "task", "reason"],
-            registry=r,
+        self.rows_dead = m(Counter, "rows_dead_total", "Rows quarantined, by bounded reason.",
+                           [*TT, "reason"])  # fmt: skip
+        self.lease_expiries = m(
+            Counter, "lease_expiries_total", "Leases that passed their deadline.", TT
         )
-        self.lease_expiries = Counter(
-            p + "lease_expiries_total",
-            "Leases that passed their deadline.",
-            ["table", "task"],
-            registry=r,
+        self.bytes_received = m(Counter, "bytes_received_total", "Request bytes received.")
+        self.bytes_sent = m(Counter, "bytes_sent_total", "Reply bytes sent.")
+        self.bytes_written = m(
+            Counter, "bytes_written_total", "Column bytes added by put and write.", ["table"]
         )
-        self.bytes_received = Counter(
-            p + "bytes_received_total", "Request bytes received.", registry=r
-        )
-        self.bytes_sent = Counter(p + "bytes_sent_total", "Reply bytes sent.", registry=r)
-        self.bytes_written = Counter(
-            p + "bytes_written_total", "Column bytes added by put and write.", ["table"], registry=r
-        )
-        self.request_duration = Histogram(
-            p + "request_duration_seconds",
+        self.request_duration = m(
+            Histogram,
+            "request_duration_seconds",
             "Time from request received to reply sent, per verb "
             "(long-polled claims and parked puts include their wait).",
             ["verb"],
             buckets=_DURATION_BUCKETS,
-            registry=r,
         )
-        self.bad_requests = Counter(
-            p + "bad_requests_total", "Requests refused as malformed.", registry=r
-        )
-        self.tables_recovered = Gauge(
-            p + "recovered_tables",
+        self.bad_requests = m(Counter, "bad_requests_total", "Requests refused as malformed.")
+        self.tables_recovered = m(
+            Gauge,
+            "recovered_tables",
             "Tables recovered from the persistence root when this node started.",
-            registry=r,
         )
-        self.rows_recovered = Gauge(
-            p + "recovered_rows",
+        self.rows_recovered = m(
+            Gauge,
+            "recovered_rows",
             "Rows a table held when it was recovered at this node's start.",
             ["table"],
-            registry=r,
         )
-        self.parked = Gauge(
-            p + "parked_requests", "Requests waiting server-side, by verb.", ["verb"], registry=r
+        self.parked = m(
+            Gauge, "parked_requests", "Requests waiting server-side, by verb.", ["verb"]
         )
-        self.parked_bytes = Gauge(
-            p + "parked_put_bytes", "Body bytes held by puts waiting for room.", registry=r
-        )
-        self.parked_refused = Counter(
-            p + "parked_refused_total",
+        held = "Body bytes held by puts waiting for room."
+        self.parked_bytes = m(Gauge, "parked_put_bytes", held)
+        self.parked_refused = m(
+            Counter,
+            "parked_refused_total",
             "Requests refused instead of parked (a parked-request limit was reached).",
             ["verb"],
-            registry=r,
         )
-        self.parked_dropped = Counter(
-            p + "parked_dropped_total",
-            "Parked requests dropped because their peer was gone.",
-            registry=r,
+        self.parked_dropped = m(
+            Counter, "parked_dropped_total", "Parked requests dropped because their peer was gone."
         )
         # labels() costs a lock and a dict lookup per call; the hot callbacks (one per request)
         # keep the children they touched. Bounded like the label sets themselves.
@@ -269,30 +216,23 @@ class CoordinatorMetrics(HttpEndpoint):
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        p = "streamflow_coordinator_"
-        self.reassignments = Counter(
-            p + "reassignments_total",
+        m = _maker(self.registry, "streamflow_coordinator_")
+        self.reassignments = m(
+            Counter,
+            "reassignments_total",
             "Shard ownership changes (revocations and grants to an unowned shard), by reason.",
-            ["table", "task", "reason"],
-            registry=r,
+            [*TT, "reason"],
         )
-        self.owned_shards = Gauge(
-            p + "owned_shards",
-            "Shards a consumer owns now.",
-            ["table", "task", "consumer"],
-            registry=r,
-        )
-        self.imbalance = Gauge(
-            p + "depth_imbalance_ratio",
+        owned = [*TT, "consumer"]
+        self.owned_shards = m(Gauge, "owned_shards", "Shards a consumer owns now.", owned)
+        self.imbalance = m(
+            Gauge,
+            "depth_imbalance_ratio",
             "Max over mean of the consumers' expected drain time (owned ready rows + in flight, "
             "over recent throughput); 1 is even.",
-            ["table", "task"],
-            registry=r,
+            TT,
         )
-        self.consumers = Gauge(
-            p + "consumers_alive", "Consumers with a live session.", ["table", "task"], registry=r
-        )
+        self.consumers = m(Gauge, "consumers_alive", "Consumers with a live session.", TT)
         self._owned_keys: set[tuple[str, str, str]] = set()
         self._http: Any = None
 
@@ -341,6 +281,15 @@ class SessionMetrics:
             if found is None:
                 found = cls._by_registry[registry] = cls(registry)
             return found
+
+
+def _maker(registry: CollectorRegistry, prefix: str) -> Callable[..., Any]:
+    """A metric constructor: (kind, name without ``prefix``, help, labels, **options)."""
+
+    def make(kind: Any, name: str, doc: str, labels: Sequence[str] = (), **kw: Any) -> Any:
+        return kind(prefix + name, doc, list(labels), registry=registry, **kw)
+
+    return make
 
 
 def _remove(metric: Gauge, key: Iterable[str]) -> None:

@@ -8,17 +8,13 @@ replies, metrics, peer probes), clean shutdown and ``python -m storage``. Verbs 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import subprocess
 import sys
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -297,26 +293,6 @@ def serve(config: ServerConfig, *, ready_file: str | None = None) -> None:
         )
     finally:
         context.term()
-
-
-def spawn_node(
-    shards: int, ready_dir: str | os.PathLike, *, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen, list[str]]:
-    """Start ``python -m storage.server`` on a free 127.0.0.1 port as a child process (for
-    benchmarks and tests); returns (process, addresses) once it is bound, or kills it and raises
-    RuntimeError if it exits or is not ready within 60 s."""
-    ready = Path(ready_dir) / f"store-ready-{uuid.uuid4().hex[:8]}.json"
-    cmd = [sys.executable, "-m", "storage.server", "--bind", "tcp://127.0.0.1:0", "--shards",
-           str(shards), "--ready-file", str(ready), "--log-level", "WARNING"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait(15)
-            raise RuntimeError("the store node did not start")
-        time.sleep(0.02)
-    return proc, list(json.loads(ready.read_text())["addresses"])
 
 
 def inproc_address() -> str:
