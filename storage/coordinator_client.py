@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from storage import errors, rpc, wire
+from storage import rpc, wire
 from storage.errors import StoreError, Unavailable
 
 log = logging.getLogger("storage.coordinator")
@@ -23,11 +23,6 @@ DEFAULT_REQUEST_TIMEOUT_S = 10.0
 
 class LookupTimeout(StoreError):
     """``lookup(key, timeout)``: the key was not registered within the timeout."""
-
-    code = "lookup_timeout"
-
-
-errors._register(LookupTimeout)  # so every client rebuilds this typed error from its wire code
 
 
 class CoordinatorClient:

@@ -90,18 +90,13 @@ class NodeLeases:
         columns: Sequence[str],
         max_rows: int,
         *,
-        min_rows: int = 1,
-        whole_groups: bool = False,
-        lease_seconds: float | None = None,
         shards: Sequence[int] | None = None,
+        **options: Any,
     ) -> None:
         """Raise what ``claim`` would raise for its arguments alone (not for the rows it would
-        hand out); changes nothing. The server runs it before a claim's piggybacked ack, so that
-        a malformed claim leaves the ack unapplied."""
-        plan = self._claim_plan(
-            table, task, columns, max_rows, min_rows, whole_groups, lease_seconds
-        )
-        self._shards(plan[0], shards)
+        hand out); changes nothing. Run before a claim's piggybacked ack, so that a malformed
+        claim leaves the ack unapplied."""
+        self._shards(self._claim_plan(table, task, columns, max_rows, **options)[0], shards)
 
     def _claim_plan(
         self,
@@ -109,9 +104,9 @@ class NodeLeases:
         task: str,
         columns: Sequence[str],
         max_rows: int,
-        min_rows: int,
-        whole_groups: bool,
-        lease_seconds: float | None,
+        min_rows: int = 1,
+        whole_groups: bool = False,
+        lease_seconds: float | None = None,
     ) -> tuple[_Table, int, float, tuple[list[str], list[int], list[int]], int, int, int]:
         """Validated claim arguments: (table, task, lease seconds, columns, group size,
         max units, min units). Cached per table for the argument sets consumers repeat."""
@@ -124,23 +119,6 @@ class NodeLeases:
             key, hit = None, None
         if hit is not None:
             return tb, *hit
-        plan = self._claim_plan_uncached(
-            tb, task, columns, max_rows, min_rows, whole_groups, lease_seconds
-        )
-        if key is not None and len(tb.claim_plans) < 1024:
-            tb.claim_plans[key] = plan
-        return tb, *plan
-
-    def _claim_plan_uncached(
-        self,
-        tb: _Table,
-        task: str,
-        columns: Sequence[str],
-        max_rows: int,
-        min_rows: int,
-        whole_groups: bool,
-        lease_seconds: float | None,
-    ) -> tuple[int, float, tuple[list[str], list[int], list[int]], int, int, int]:
         t = self._task(tb, task)
         spec = tb.spec
         if not isinstance(max_rows, int) or max_rows < 1:
@@ -155,12 +133,15 @@ class NodeLeases:
         whole = spec.tasks[t].whole_groups
         if whole_groups and not whole:
             raise BadRequest(f"whole_groups: task {task!r} was not declared with whole_groups=True")
-        plan = self._claim_columns(tb, t, columns)
+        cols = self._claim_columns(tb, t, columns)
         g = (spec.group_size or 1) if whole else 1
         max_units, min_units = max_rows // g, -(-min_rows // g)
         if max_units < 1:
             raise BadRequest(f"max_rows: {max_rows} is smaller than one group ({g} rows)")
-        return t, seconds, plan, g, max_units, min_units
+        plan = (t, seconds, cols, g, max_units, min_units)
+        if key is not None and len(tb.claim_plans) < 1024:
+            tb.claim_plans[key] = plan
+        return tb, *plan
 
     def claim(
         self,

@@ -33,18 +33,9 @@ from storage.leases import NodeLeases
 from storage.persist import TableStore
 from storage.persist_root import MAX_EPOCH, discover, next_epoch
 from storage.queues import LeaseRec
-from storage.schema import (
-    META_COLUMNS,
-    ROW_ID,
-    TableSpec,
-    TableStats,
-    split_row_ids,
-)
+from storage.schema import META_COLUMNS, ROW_ID, TableSpec, TableStats, split_row_ids
 from storage.shard import Shard
 
-_EXPIRED_MEMORY = 65536  # expired lease ids remembered for LeaseExpired (vs UnknownLease)
-_MAX_LEASE_SECONDS = 7 * 24 * 3600.0
-_MAX_ERROR_LEN = 500
 LEASE_COUNTER_BITS = 32
 
 log = logging.getLogger(__name__)
@@ -78,10 +69,8 @@ class _Table:
     col_index: dict[str, int]
     task_index: dict[str, int]
     store: TableStore | None = None
-    claim_cols: dict[tuple[int, tuple[str, ...]], tuple[list[str], list[int], list[int]]] = field(
-        default_factory=dict
-    )
-    claim_plans: dict[tuple, tuple] = field(default_factory=dict)  # see StoreNode._claim_plan
+    claim_cols: dict[tuple, tuple] = field(default_factory=dict)  # see NodeLeases._claim_columns
+    claim_plans: dict[tuple, tuple] = field(default_factory=dict)  # see NodeLeases._claim_plan
 
     def rows(self) -> int:
         return sum(s.num_alive for s in self.shards.values())
@@ -122,13 +111,9 @@ class StoreNode(NodeLeases):
         if self.persist_root is not None:
             for spec in discover(self.persist_root):
                 self.create_table(spec)
-                self.recovered[spec.name] = self._tables[spec.name].rows()
-                log.info(
-                    "table %s recovered from %s: %d rows",
-                    spec.name,
-                    self._tables[spec.name].store.path,
-                    self.recovered[spec.name],
-                )
+                tb = self._tables[spec.name]
+                rows = self.recovered[spec.name] = tb.rows()
+                log.info("table %s recovered from %s: %d rows", spec.name, tb.store.path, rows)
 
     def _new_epoch(self) -> None:
         root = self.persist_root
@@ -383,8 +368,4 @@ class StoreNode(NodeLeases):
 
 
 def _same_ids(row_ids: np.ndarray, lease_ids: np.ndarray | None) -> bool:
-    return (
-        lease_ids is not None
-        and len(row_ids) == len(lease_ids)
-        and bool((row_ids == lease_ids).all())
-    )
+    return lease_ids is not None and np.array_equal(row_ids, lease_ids)

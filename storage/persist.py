@@ -29,6 +29,7 @@ from storage.persist_root import (
     write_atomic,
 )
 from storage.schema import RowState, TableSpec
+from storage.wire import read_batch, write_batch
 
 if TYPE_CHECKING:
     from storage.shard import Shard
@@ -39,21 +40,6 @@ _FRAME = struct.Struct("<II")
 _HLEN = struct.Struct("<I")
 _SNAP_ROWS = 65536  # rows per snapshot record batch (keeps list offsets far from int32 limits)
 _META_KEY = b"streamflow"
-
-
-def _ipc(batch: pa.RecordBatch) -> pa.Buffer:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    return sink.getvalue()
-
-
-def _read_ipc(buf: bytes | memoryview) -> pa.RecordBatch:
-    reader = pa.ipc.open_stream(pa.py_buffer(buf))
-    batches = list(reader)
-    if len(batches) != 1:
-        raise ValueError(f"expected one record batch, got {len(batches)}")
-    return batches[0]
 
 
 class ShardLog:
@@ -222,11 +208,11 @@ class TableStore:
 
     # ----------------------------------------------------------------------------- logging
     def log_put(self, sid: int, start: int, created_at: float, batch: pa.RecordBatch) -> None:
-        self.logs[sid].append({"op": "put", "start": start, "t": created_at}, _ipc(batch))
+        self.logs[sid].append({"op": "put", "start": start, "t": created_at}, write_batch(batch))
 
     def log_write(self, sid: int, seqs: np.ndarray, batch: pa.RecordBatch, overwrite: bool) -> None:
         header = {"op": "write", "seqs": seqs.astype("<i8").tobytes(), "ow": overwrite}
-        self.logs[sid].append(header, _ipc(batch))
+        self.logs[sid].append(header, write_batch(batch))
 
     def log_rows(
         self,
@@ -296,9 +282,7 @@ def apply_record(shard: Shard, header: dict, body: bytes) -> None:
     """Replay one log record onto a shard (rows already gone are skipped)."""
     op = header["op"]
     if op == "put":
-        batch = _read_ipc(body)
-        index = {n: i for i, n in enumerate(shard.columns)}
-        arrays = {index[f.name]: batch.column(i) for i, f in enumerate(batch.schema)}
+        batch, arrays = _columns(shard, body)
         start = int(header["start"])
         if start < shard.next_seq:
             raise ValueError(f"put at seq {start} below next seq {shard.next_seq}")
@@ -308,10 +292,8 @@ def apply_record(shard: Shard, header: dict, body: bytes) -> None:
     seqs = np.frombuffer(header["seqs"], dtype="<i8").astype(np.int64)
     idx, ok = shard._find(seqs)
     if op == "write":
-        batch = _read_ipc(body)
-        index = {n: i for i, n in enumerate(shard.columns)}
+        arrays = _columns(shard, body)[1]
         pos = np.flatnonzero(ok).astype(np.int32)
-        arrays = {index[f.name]: batch.column(i) for i, f in enumerate(batch.schema)}
         if len(pos):
             shard.write(idx[ok], arrays, pos)
         return
@@ -331,6 +313,12 @@ def apply_record(shard: Shard, header: dict, body: bytes) -> None:
         shard.mark_dead(t, idx, str(header["reason"]))
     else:
         raise ValueError(f"unknown op {op!r}")
+
+
+def _columns(shard: Shard, body: bytes) -> tuple[pa.RecordBatch, dict[int, pa.Array]]:
+    batch = read_batch(body, "log record")
+    index = {n: i for i, n in enumerate(shard.columns)}
+    return batch, {index[f.name]: batch.column(i) for i, f in enumerate(batch.schema)}
 
 
 def write_snapshot(shard: Shard, path: str, covered: int) -> None:

@@ -28,7 +28,7 @@ P = TypeVar("P", bound="Parked")
 MAX_POLL_S = 0.1  # upper bound on one poll, so stop() and timers are noticed promptly
 
 
-class InternalError(StoreError):
+class InternalError(StoreError, wire=False):
     """A handler failed with something that is not a ``StoreError`` (a bug, logged). Not
     registered by code: a client sees a plain ``StoreError`` with the message."""
 
