@@ -84,9 +84,6 @@ def gather_with_nulls(
     return values.take(pa.array(idx, mask=~written))
 
 
-def batch_nbytes(arrays: dict[int, pa.Array]) -> int:
-    return sum(a.nbytes for a in arrays.values())
-
 def claimed_batch(
     sources: dict[int, Source],
     src_all: np.ndarray,

@@ -21,14 +21,7 @@ from storage.coordinator_client import CoordinatorClient, LookupTimeout, StatsPo
 from storage.coordinator_session import ConsumerSession
 from storage.errors import BadRequest
 
-__all__ = [
-    "ConsumerSession",
-    "Coordinator",
-    "CoordinatorClient",
-    "LookupTimeout",
-    "main",
-    "serve",
-]
+__all__ = ["ConsumerSession", "Coordinator", "CoordinatorClient", "LookupTimeout", "main", "serve"]
 
 log = logging.getLogger("storage.coordinator")
 
@@ -70,11 +63,8 @@ class Coordinator(rpc.RouterService):
         self.bind = bind
         self.store_addresses = list(store_addresses)
         self.balancer_config: BalancerConfig = balancer or BalancerConfig()
-        self.round_interval_s = (
-            round_interval_s
-            if round_interval_s is not None
-            else self.balancer_config.heartbeat_interval_s
-        )
+        hb = self.balancer_config.heartbeat_interval_s
+        self.round_interval_s = hb if round_interval_s is None else round_interval_s
         self.metrics_port_requested = metrics_port
         self.metrics_addr = metrics_addr
         self.metrics_port: int | None = None
@@ -104,9 +94,8 @@ class Coordinator(rpc.RouterService):
         self._sock, bound = rpc.bind_router(self.context, [self.bind], max_message_bytes=1 << 20)
         self.address = bound[0]
         if self.metrics_port_requested is not None:
-            self.metrics_port = self.metrics.start_http(
-                self.metrics_addr, self.metrics_port_requested
-            )
+            port = self.metrics_port_requested
+            self.metrics_port = self.metrics.start_http(self.metrics_addr, port)
         if self.store_addresses:
             self._poller = StatsPoller(self.store_addresses, self.round_interval_s, self.context)
         log.info("coordinator serving %s", self.address)
@@ -197,15 +186,8 @@ class Coordinator(rpc.RouterService):
     def _publish(self, table: str, task: str, b: Any) -> None:
         for change in b.changes:
             self.metrics.reassignments.labels(table, task, change.reason).inc()
-            log.info(
-                "%s/%s: shard %d %s -> %s (%s)",
-                table,
-                task,
-                change.shard,
-                change.source,
-                change.target,
-                change.reason,
-            )
+            log.info("%s/%s: shard %d %s -> %s (%s)", table, task, change.shard, change.source,
+                     change.target, change.reason)  # fmt: skip
         b.changes.clear()
         self.metrics.set_owned(table, task, b.owned_counts())
         self.metrics.imbalance.labels(table, task).set(b.imbalance)
@@ -248,13 +230,8 @@ class Coordinator(rpc.RouterService):
     def _v_heartbeat(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         a = req.args
         b = self._group(a["table"], a["task"])
-        gen, shards = b.heartbeat(
-            a["consumer"],
-            time.monotonic(),
-            confirmed=a["generation"],
-            rate=a["rate"],
-            in_flight=a["in_flight"],
-        )
+        gen, shards = b.heartbeat(a["consumer"], time.monotonic(), confirmed=a["generation"],
+                                  rate=a["rate"], in_flight=a["in_flight"])  # fmt: skip
         return self._view(b, a["consumer"], gen, shards)
 
     def _v_leave(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
@@ -268,14 +245,8 @@ class Coordinator(rpc.RouterService):
         a = req.args
         b = self._groups.get((a["table"], a["task"]))
         if b is None:
-            return {
-                "generation": 0,
-                "owners": [],
-                "handoffs": [],
-                "members": {},
-                "imbalance": 1.0,
-                "depth": [],
-            }
+            return {"generation": 0, "owners": [], "handoffs": [], "members": {},
+                    "imbalance": 1.0, "depth": []}  # fmt: skip
         drain = b.drain_times()
         return {
             "generation": b.generation,
@@ -302,11 +273,9 @@ class Coordinator(rpc.RouterService):
 def serve(coordinator: Coordinator, *, ready_file: str | None = None) -> None:
     """Run ``coordinator`` until SIGTERM/SIGINT. With ``ready_file``, write {"address",
     "metrics_port", "pid"} there as JSON (atomically) once bound."""
-    rpc.run_until_signalled(
-        coordinator,
-        ready_file,
-        lambda: {"address": coordinator.address, "metrics_port": coordinator.metrics_port},
-    )
+    c = coordinator
+    rpc.run_until_signalled(c, ready_file, lambda: {"address": c.address,
+                                                    "metrics_port": c.metrics_port})  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -315,35 +284,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m storage.coordinator", description=main.__doc__)
     ap.add_argument("--bind", default="tcp://127.0.0.1:0", help="tcp://HOST:PORT (0: a free port)")
-    ap.add_argument(
-        "--store", action="append", default=[], help="a store node address (repeatable)"
-    )
+    ap.add_argument("--store", action="append", default=[],
+                    help="a store node address (repeatable)")  # fmt: skip
     ap.add_argument("--ready-file", help="write the bound address here (JSON) once serving")
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--metrics-addr", default="127.0.0.1")
     ap.add_argument("--session-timeout", type=float, default=BalancerConfig.session_timeout_s)
     ap.add_argument("--heartbeat-interval", type=float, default=BalancerConfig.heartbeat_interval_s)
-    ap.add_argument(
-        "--static", action="store_true", help="static round-robin assignment, no rebalancing"
-    )
+    ap.add_argument("--static", action="store_true",
+                    help="static round-robin assignment, no rebalancing")  # fmt: skip
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
+    logging.basicConfig(level=args.log_level, format=fmt)
     config = BalancerConfig(
         session_timeout_s=args.session_timeout,
         heartbeat_interval_s=args.heartbeat_interval,
         rebalance=not args.static,
     )
-    coordinator = Coordinator(
-        args.bind,
-        store_addresses=args.store,
-        balancer=config,
-        metrics_port=args.metrics_port,
-        metrics_addr=args.metrics_addr,
-        context=zmq.Context(),
-    )
+    coordinator = Coordinator(args.bind, store_addresses=args.store, balancer=config,
+                              metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+                              context=zmq.Context())  # fmt: skip
     serve(coordinator, ready_file=args.ready_file)
     return 0
 

@@ -63,13 +63,13 @@ class WireSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     schema: bytes
     tasks: Annotated[list[WireTask], Meta(max_length=MAX_LIST_LEN)]
     group_column: Name | None = None
-    group_size: Annotated[int, Meta(ge=1, le=1 << 20)] | None = None
+    group_size: Annotated[int, Meta(ge=1, le=65535)] | None = None
     capacity_rows: Annotated[int, Meta(ge=1, le=1 << 48)] = _SPEC_DEFAULTS["capacity_rows"]
     capacity_bytes: Annotated[int, Meta(ge=1, le=1 << 50)] = _SPEC_DEFAULTS["capacity_bytes"]
     lease_seconds: Seconds = _SPEC_DEFAULTS["lease_seconds"]
     max_deliveries: Annotated[int, Meta(ge=1, le=65535)] = _SPEC_DEFAULTS["max_deliveries"]
-    fsync: Name = _SPEC_DEFAULTS["fsync"]
-    fsync_interval_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = _SPEC_DEFAULTS[
+    fsync: Literal["always", "interval", "never"] = _SPEC_DEFAULTS["fsync"]
+    fsync_interval_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = _SPEC_DEFAULTS[
         "fsync_interval_s"
     ]
 
