@@ -34,54 +34,26 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "Client",
-    "ConsumerSession",
-    "Coordinator",
-    "CoordinatorClient",
-    "CurveClientKeys",
-    "EmbeddedStore",
-    "Lease",
-    "Server",
-    "ServerConfig",
-    "StoreError",
-    "TableSpec",
-    "TableStats",
-    "TaskSpec",
-    "connect",
-    "embedded",
-    "serve",
+    "Client", "ConsumerSession", "Coordinator", "CoordinatorClient", "CurveClientKeys",
+    "EmbeddedStore", "Lease", "Server", "ServerConfig", "StoreError", "TableSpec", "TableStats",
+    "TaskSpec", "connect", "embedded", "serve",
 ]
 
 
 class EmbeddedStore:
     """A store node served from a background thread of this process, plus clients for it.
-
-    Lifecycle: constructed started; ``close()`` (or leaving the ``with`` block) closes every
-    client it made, stops the server (parked waits get ShuttingDown) and ends its ZeroMQ context.
-    ``client()`` is thread-safe; each Client it returns belongs to the thread that uses it.
-    """
+    Constructed started; ``close()`` closes its clients, stops the server and ends its context."""
 
     def __init__(
-        self,
-        num_shards: int = 1,
-        *,
-        node_index: int = 0,
-        tcp: bool = False,
-        metrics_port: int | None = None,
-        persist_dir: str | None = None,
-        **client_kwargs: Any,
+        self, num_shards: int = 1, *, node_index: int = 0, tcp: bool = False,
+        metrics_port: int | None = None, persist_dir: str | None = None, **client_kwargs: Any,
     ) -> None:
         from storage.server import Server, ServerConfig, inproc_address
 
         self.context = zmq.Context()
         bind = "tcp://127.0.0.1:0" if tcp else inproc_address()
-        config = ServerConfig(
-            bind=(bind,),
-            num_shards=num_shards,
-            node_index=node_index,
-            metrics_port=metrics_port,
-            persist_dir=persist_dir,  # the node's persistence root (every table kept there)
-        )
+        config = ServerConfig(bind=(bind,), num_shards=num_shards, node_index=node_index,
+                              metrics_port=metrics_port, persist_dir=persist_dir)  # fmt: skip
         self.server: Server = Server(config, context=self.context).start()
         self.address = self.server.addresses[0]
         self._client_kwargs = client_kwargs

@@ -85,14 +85,8 @@ def gather_with_nulls(
 
 
 def claimed_batch(
-    sources: dict[int, Source],
-    src_all: np.ndarray,
-    off_all: np.ndarray,
-    created: np.ndarray,
-    idx: np.ndarray,
-    names: Sequence[str],
-    cols: Sequence[int],
-    row_ids: np.ndarray,
+    sources: dict[int, Source], src_all: np.ndarray, off_all: np.ndarray, created: np.ndarray,
+    idx: np.ndarray, names: Sequence[str], cols: Sequence[int], row_ids: np.ndarray,
     deliveries: np.ndarray,
 ) -> pa.RecordBatch:
     """A claimed batch of a shard's rows ``idx``: the columns ``cols`` (id -1: ``created_at``)
@@ -113,11 +107,7 @@ def claimed_batch(
         runs = (off[:, 1:] - off[:, :-1] == 1).all(axis=1) if k > 1 else one_src
         for j, (c, single, run, s0, o0) in enumerate(
             zip(
-                data_cols,
-                one_src.tolist(),
-                runs.tolist(),
-                src[:, 0].tolist(),
-                off[:, 0].tolist(),
+                data_cols, one_src.tolist(), runs.tolist(), src[:, 0].tolist(), off[:, 0].tolist(),
                 strict=True,
             )
         ):

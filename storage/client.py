@@ -37,8 +37,7 @@ class _Conn(rpc.Channel):
 
     def __init__(self, client: Client, address: str) -> None:
         options: list[tuple[int, Any]] = [
-            (zmq.RECONNECT_IVL, 100),
-            (zmq.RECONNECT_IVL_MAX, 5000),
+            (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 5000),
             (zmq.MAXMSGSIZE, client.max_message_bytes),
         ]
         if client.curve is not None:
@@ -56,10 +55,7 @@ class Client:
     """Talks to one or more store nodes. Use from one thread; ``close()`` when done."""
 
     def __init__(
-        self,
-        addresses: str | Sequence[str],
-        *,
-        context: zmq.Context | None = None,
+        self, addresses: str | Sequence[str], *, context: zmq.Context | None = None,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         curve: CurveClientKeys | None = None,
@@ -86,19 +82,10 @@ class Client:
         return req_id
 
     def _call(
-        self,
-        conn: _Conn,
-        verb: str,
-        args: dict[str, Any],
-        bodies: Sequence[Any] = (),
-        *,
+        self, conn: _Conn, verb: str, args: dict[str, Any], bodies: Sequence[Any] = (), *,
         wait: float = 0.0,
     ) -> wire.Reply:
-        req_id = self._send(conn, verb, args, bodies)
-        reply = conn.wait(rpc.reply_to(req_id), wait + self.request_timeout)
-        if reply.error is not None:
-            raise reply.error
-        return reply
+        return conn.request(next(self._req_ids), verb, args, bodies, wait + self.request_timeout)
 
     def _nodes(self) -> dict[int, _Conn]:
         """node index -> connection, learned once with "hello" (only needed with several nodes)."""
@@ -163,11 +150,7 @@ class Client:
 
     # -- data verbs ------------------------------------------------------------------------------
     def put(
-        self,
-        table: str,
-        data: pa.RecordBatch | pa.Table,
-        *,
-        timeout: float = 30.0,
+        self, table: str, data: pa.RecordBatch | pa.Table, *, timeout: float = 30.0,
         shard_id: int | None = None,
     ) -> np.ndarray:
         """Create rows; returns their uint64 row ids. Waits server-side up to ``timeout`` s for
@@ -178,11 +161,8 @@ class Client:
         else:
             conn = self._shallowest()
         reply = self._call(
-            conn,
-            "put",
-            {"table": table, "timeout": float(timeout), "shard_id": shard_id},
-            [wire.write_batch(batch)],
-            wait=timeout,
+            conn, "put", {"table": table, "timeout": float(timeout), "shard_id": shard_id},
+            [wire.write_batch(batch)], wait=timeout,
         )
         conn.depth = int(reply.result.get("depth", 0))
         return wire.row_ids_from_bytes(reply.result["row_ids"])
@@ -195,18 +175,9 @@ class Client:
         return min((self._conns[(self._rr + i) % n] for i in range(n)), key=lambda c: c.depth)
 
     def claim(
-        self,
-        table: str,
-        task: str,
-        columns: Sequence[str],
-        max_rows: int,
-        *,
-        min_rows: int = 1,
-        whole_groups: bool = False,
-        timeout: float = 0.0,
-        lease_seconds: float | None = None,
-        ack: Lease | None = None,
-        write: pa.RecordBatch | pa.Table | None = None,
+        self, table: str, task: str, columns: Sequence[str], max_rows: int, *, min_rows: int = 1,
+        whole_groups: bool = False, timeout: float = 0.0, lease_seconds: float | None = None,
+        ack: Lease | None = None, write: pa.RecordBatch | pa.Table | None = None,
         shards: Sequence[int] | None = None,
     ) -> Lease:
         """Lease up to ``max_rows`` rows ready for ``task``. Waits server-side up to ``timeout`` s
@@ -218,12 +189,8 @@ class Client:
         docs/store-protocol.md ("Client: claim").
         """
         args = {
-            "table": table,
-            "task": task,
-            "columns": list(columns),
-            "max_rows": int(max_rows),
-            "min_rows": int(min_rows),
-            "whole_groups": bool(whole_groups),
+            "table": table, "task": task, "columns": list(columns), "max_rows": int(max_rows),
+            "min_rows": int(min_rows), "whole_groups": bool(whole_groups),
             "lease_seconds": lease_seconds,
         }
         piggy: tuple[Lease, list[Any]] | None = None
@@ -279,19 +246,12 @@ class Client:
             raise StoreError("claim reply without a batch")
         r = reply.result
         return Lease(
-            int(r["lease_id"]),
-            args["table"],
-            args["task"],
-            int(r["shard_id"]),
-            float(r["deadline"]),
-            batch,
+            int(r["lease_id"]), args["table"], args["task"], int(r["shard_id"]),
+            float(r["deadline"]), batch,
         )
 
     def _claim_one(
-        self,
-        conn: _Conn,
-        args: dict[str, Any],
-        timeout: float,
+        self, conn: _Conn, args: dict[str, Any], timeout: float,
         piggy: tuple[Lease, list[Any]] | None = None,
     ) -> Lease:
         wire_args = {**args, "timeout": timeout}
@@ -303,10 +263,7 @@ class Client:
         return self._lease(args, reply)
 
     def _claim_many(
-        self,
-        args: dict[str, Any],
-        timeout: float,
-        piggy: tuple[Lease, list[Any]] | None = None,
+        self, args: dict[str, Any], timeout: float, piggy: tuple[Lease, list[Any]] | None = None,
         only: dict[_Conn, list[int]] | None = None,
     ) -> Lease:
         # 1) probe every node without waiting, fullest-first is unknown so round-robin the start;
@@ -381,13 +338,8 @@ class Client:
             self._send(conn, "cancel", {"target": req_id})  # its reply is dropped as stale
 
     def write(
-        self,
-        table: str,
-        lease_or_row_ids: Lease | Sequence[int] | np.ndarray,
-        columns: pa.RecordBatch | pa.Table,
-        *,
-        ack: bool = False,
-        overwrite: bool = False,
+        self, table: str, lease_or_row_ids: Lease | Sequence[int] | np.ndarray,
+        columns: pa.RecordBatch | pa.Table, *, ack: bool = False, overwrite: bool = False,
     ) -> None:
         """Add columns to existing rows. With a Lease the write is fenced (refused once the lease
         expired) and ``ack=True`` acks the lease atomically with the write. ``columns`` rows are in
@@ -412,8 +364,7 @@ class Client:
             part = batch if len(np.unique(nodes)) == 1 else batch.filter(pa.array(nodes == node))
             conn = self._conn_for_shard(int(node) << 8)
             self._call(
-                conn,
-                "write",
+                conn, "write",
                 {"table": table, "lease_id": None, "ack": False, "overwrite": overwrite},
                 [wire.write_batch(part)],
             )

@@ -47,14 +47,9 @@ class Coordinator(rpc.RouterService):
     """
 
     def __init__(
-        self,
-        bind: str = "tcp://127.0.0.1:0",
-        *,
-        store_addresses: Sequence[str] = (),
-        balancer: Any = None,
-        round_interval_s: float | None = None,
-        metrics_port: int | None = None,
-        metrics_addr: str = "127.0.0.1",
+        self, bind: str = "tcp://127.0.0.1:0", *, store_addresses: Sequence[str] = (),
+        balancer: Any = None, round_interval_s: float | None = None,
+        metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
         context: zmq.Context | None = None,
     ) -> None:
         from storage.balance import BalancerConfig
@@ -214,11 +209,8 @@ class Coordinator(rpc.RouterService):
         )
         cfg = self.balancer_config
         return {
-            "generation": generation,
-            "shards": shards,
-            "session_timeout_s": cfg.session_timeout_s,
-            "heartbeat_interval_s": cfg.heartbeat_interval_s,
-            "deepest": others[:4],
+            "generation": generation, "shards": shards, "session_timeout_s": cfg.session_timeout_s,
+            "heartbeat_interval_s": cfg.heartbeat_interval_s, "deepest": others[:4],
         }
 
     def _v_join(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
@@ -254,11 +246,8 @@ class Coordinator(rpc.RouterService):
             "handoffs": [[s, h.source, h.target] for s, h in sorted(b.handoffs.items())],
             "members": {
                 c: {
-                    "shards": b.assigned(c),
-                    "rate": m.rate,
-                    "in_flight": m.in_flight,
-                    "confirmed": m.confirmed,
-                    "drain_s": drain[c],
+                    "shards": b.assigned(c), "rate": m.rate, "in_flight": m.in_flight,
+                    "confirmed": m.confirmed, "drain_s": drain[c],
                 }
                 for c, m in b.members.items()
             },
@@ -298,8 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
     logging.basicConfig(level=args.log_level, format=fmt)
     config = BalancerConfig(
-        session_timeout_s=args.session_timeout,
-        heartbeat_interval_s=args.heartbeat_interval,
+        session_timeout_s=args.session_timeout, heartbeat_interval_s=args.heartbeat_interval,
         rebalance=not args.static,
     )
     coordinator = Coordinator(args.bind, store_addresses=args.store, balancer=config,

@@ -27,23 +27,12 @@ RATE_WINDOW_S = 5.0  # throughput is measured over the work recorded in this win
 
 
 class ConsumerSession:
-    """Membership of ``consumer_id`` in the (table, task) group of the coordinator at
-    ``coordinator_address``. Constructed started; ``close()`` leaves the group.
-
-    ``shards()`` and ``record()`` may be called from any thread; ``claim`` from the one thread that
-    claims for this consumer."""
+    """Membership of ``consumer_id`` in a (table, task) group, started; ``close()`` leaves it.
+    ``shards()`` and ``record()`` from any thread; ``claim`` from the consumer's one thread."""
 
     def __init__(
-        self,
-        coordinator_address: str,
-        table: str,
-        task: str,
-        consumer_id: str,
-        *,
-        steal: bool = True,
-        context: Any = None,
-        request_timeout: float = 2.0,
-        registry: Any = None,
+        self, coordinator_address: str, table: str, task: str, consumer_id: str, *,
+        steal: bool = True, context: Any = None, request_timeout: float = 2.0, registry: Any = None,
     ) -> None:
         self.address = coordinator_address
         self.table, self.task, self.consumer_id = table, task, consumer_id
@@ -69,9 +58,8 @@ class ConsumerSession:
         self._stolen_rows = self.metrics.rows_claimed.labels(table, task, "stolen")
         self._assigned = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"session-{consumer_id}", daemon=True
-        )
+        name = f"session-{consumer_id}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # -- the consumer's view ---------------------------------------------------------------------
@@ -94,9 +82,8 @@ class ConsumerSession:
         return self._assigned.wait(timeout)
 
     def record(self, rows: int, busy_s: float | None = None) -> None:
-        """Report ``rows`` processed in ``busy_s`` seconds of work (None: since the last call).
-        The heartbeat carries rows / busy seconds over the last ``RATE_WINDOW_S``; idle time is
-        left out, so the rate is what the consumer can do, not what it was given."""
+        """Report ``rows`` processed in ``busy_s`` seconds of work (None: since the last call);
+        the rate heartbeats carry is rows over busy seconds of the last ``RATE_WINDOW_S``."""
         now = time.monotonic()
         with self._lock:
             if busy_s is None:
@@ -115,15 +102,8 @@ class ConsumerSession:
 
     # -- claims ----------------------------------------------------------------------------------
     def claim(
-        self,
-        client: Any,
-        columns: Sequence[str],
-        max_rows: int,
-        *,
-        timeout: float,
-        ack: Lease | None = None,
-        write: pa.RecordBatch | pa.Table | None = None,
-        **kwargs: Any,
+        self, client: Any, columns: Sequence[str], max_rows: int, *, timeout: float,
+        ack: Lease | None = None, write: pa.RecordBatch | pa.Table | None = None, **kwargs: Any,
     ) -> Lease:
         """Claim by the policy in docs/store-protocol.md (``kwargs``: ``min_rows``,
         ``whole_groups``, ``lease_seconds`` as for ``Client.claim``)."""
@@ -133,14 +113,18 @@ class ConsumerSession:
             self._claim_gen = self._generation
             deepest = [s for s in self._deepest if s not in own]
         t, task = self.table, self.task
+
+        def probe(shards: list[int] | None, wait: float) -> Lease:
+            nonlocal ack, write  # the previous lease rides on the first request only
+            lease = client.claim(t, task, columns, max_rows, timeout=wait, ack=ack, write=write,
+                                 shards=shards, **kwargs)  # fmt: skip
+            ack = write = None
+            return lease
+
         try:
             lease: Lease | None = None
             if own:
-                lease = client.claim(
-                    t, task, columns, max_rows, timeout=0.0, ack=ack, write=write, shards=own,
-                    **kwargs,
-                )  # fmt: skip
-                ack = write = None
+                lease = probe(own, 0.0)
                 if lease.num_rows:
                     return self._took(lease, stolen=False)
             wait = min(float(timeout), self.claim_wait_s)
@@ -150,20 +134,11 @@ class ConsumerSession:
                     # consumer takes the next rows that become ready anywhere. A non-waiting
                     # probe here returned at once and the caller came straight back: a busy
                     # loop of empty claims that kept the store node's CPU saturated.
-                    last_wait = wait if target is None and not own else 0.0
-                    lease = client.claim(
-                        t, task, columns, max_rows, timeout=last_wait, ack=ack, write=write,
-                        shards=target, **kwargs,
-                    )  # fmt: skip
-                    ack = write = None
+                    lease = probe(target, wait if target is None and not own else 0.0)
                     if lease.num_rows:
                         return self._took(lease, stolen=True)
             if own:
-                lease = client.claim(
-                    t, task, columns, max_rows, timeout=wait, ack=ack, write=write, shards=own,
-                    **kwargs,
-                )  # fmt: skip
-                return self._took(lease, stolen=False)
+                return self._took(probe(own, wait), stolen=False)
             if ack is not None and ack.lease_id:  # nothing to claim from: hand the result in
                 if write is not None:
                     client.write(t, ack, write, ack=True)
@@ -213,9 +188,8 @@ class ConsumerSession:
         self._assigned.set()
 
     def _run(self) -> None:
-        cl = CoordinatorClient(
-            self.address, context=self._context, request_timeout=self._request_timeout
-        )
+        cl = CoordinatorClient(self.address, context=self._context,
+                               request_timeout=self._request_timeout)  # fmt: skip
         try:
             joined = False
             while not self._stop.is_set():
@@ -228,12 +202,8 @@ class ConsumerSession:
                         with self._lock:
                             in_flight = self._in_flight
                         reply = cl.heartbeat(
-                            self.table,
-                            self.task,
-                            self.consumer_id,
-                            generation=self._confirmable(),
-                            rate=self.rate(),
-                            in_flight=in_flight,
+                            self.table, self.task, self.consumer_id, generation=self._confirmable(),
+                            rate=self.rate(), in_flight=in_flight,
                         )
                     self._adopt(reply, sent_at)
                 except StoreError as exc:  # coordinator down or slow: retry; expiry voids shards

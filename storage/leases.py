@@ -84,14 +84,8 @@ class NodeLeases:
         return names, cols, check
 
     def check_claim(
-        self,
-        table: str,
-        task: str,
-        columns: Sequence[str],
-        max_rows: int,
-        *,
-        shards: Sequence[int] | None = None,
-        **options: Any,
+        self, table: str, task: str, columns: Sequence[str], max_rows: int, *,
+        shards: Sequence[int] | None = None, **options: Any,
     ) -> None:
         """Raise what ``claim`` would raise for its arguments alone (not for the rows it would
         hand out); changes nothing. Run before a claim's piggybacked ack, so that a malformed
@@ -99,14 +93,8 @@ class NodeLeases:
         self._shards(self._claim_plan(table, task, columns, max_rows, **options)[0], shards)
 
     def _claim_plan(
-        self,
-        table: str,
-        task: str,
-        columns: Sequence[str],
-        max_rows: int,
-        min_rows: int = 1,
-        whole_groups: bool = False,
-        lease_seconds: float | None = None,
+        self, table: str, task: str, columns: Sequence[str], max_rows: int, min_rows: int = 1,
+        whole_groups: bool = False, lease_seconds: float | None = None,
     ) -> tuple[_Table, int, float, tuple[list[str], list[int], list[int]], int, int, int]:
         """Validated claim arguments: (table, task, lease seconds, columns, group size,
         max units, min units). Cached per table for the argument sets consumers repeat."""
@@ -144,15 +132,8 @@ class NodeLeases:
         return tb, *plan
 
     def claim(
-        self,
-        table: str,
-        task: str,
-        columns: Sequence[str],
-        max_rows: int,
-        *,
-        min_rows: int = 1,
-        whole_groups: bool = False,
-        lease_seconds: float | None = None,
+        self, table: str, task: str, columns: Sequence[str], max_rows: int, *, min_rows: int = 1,
+        whole_groups: bool = False, lease_seconds: float | None = None,
         shards: Sequence[int] | None = None,
     ) -> Lease | None:
         self._expire_due()

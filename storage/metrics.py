@@ -79,10 +79,8 @@ class StoreMetrics(HttpEndpoint):
         self.rows_acked = m(Counter, "rows_acked_total", "Rows consumed (acked) by a task.", TT)
         self.rows_claimed = m(Counter, "rows_claimed_total", "Rows handed out in leases.", TT)
         self.rows_redelivered = m(
-            Counter,
-            "rows_redelivered_total",
-            "Rows made claimable again after an expiry or failed release.",
-            TT,
+            Counter, "rows_redelivered_total",
+            "Rows made claimable again after an expiry or failed release.", TT,
         )
         self.rows_dead = m(Counter, "rows_dead_total", "Rows quarantined, by bounded reason.",
                            [*TT, "reason"])  # fmt: skip
@@ -104,15 +102,12 @@ class StoreMetrics(HttpEndpoint):
         )
         self.bad_requests = m(Counter, "bad_requests_total", "Requests refused as malformed.")
         self.tables_recovered = m(
-            Gauge,
-            "recovered_tables",
+            Gauge, "recovered_tables",
             "Tables recovered from the persistence root when this node started.",
         )
         self.rows_recovered = m(
-            Gauge,
-            "recovered_rows",
-            "Rows a table held when it was recovered at this node's start.",
-            ["table"],
+            Gauge, "recovered_rows",
+            "Rows a table held when it was recovered at this node's start.", ["table"],
         )
         self.parked = m(
             Gauge, "parked_requests", "Requests waiting server-side, by verb.", ["verb"]
@@ -120,10 +115,8 @@ class StoreMetrics(HttpEndpoint):
         held = "Body bytes held by puts waiting for room."
         self.parked_bytes = m(Gauge, "parked_put_bytes", held)
         self.parked_refused = m(
-            Counter,
-            "parked_refused_total",
-            "Requests refused instead of parked (a parked-request limit was reached).",
-            ["verb"],
+            Counter, "parked_refused_total",
+            "Requests refused instead of parked (a parked-request limit was reached).", ["verb"],
         )
         self.parked_dropped = m(
             Counter, "parked_dropped_total", "Parked requests dropped because their peer was gone."
@@ -218,8 +211,7 @@ class CoordinatorMetrics(HttpEndpoint):
         self.registry = registry if registry is not None else CollectorRegistry()
         m = _maker(self.registry, "streamflow_coordinator_")
         self.reassignments = m(
-            Counter,
-            "reassignments_total",
+            Counter, "reassignments_total",
             "Shard ownership changes (revocations and grants to an unowned shard), by reason.",
             [*TT, "reason"],
         )

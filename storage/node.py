@@ -83,13 +83,8 @@ class StoreNode(NodeLeases):
     """One store node's tables, shards and leases. Not thread-safe: one caller thread."""
 
     def __init__(
-        self,
-        node_index: int = 0,
-        num_shards: int = 1,
-        *,
-        clock: Callable[[], float] = time.time,
-        events: NodeEvents | None = None,
-        persist_root: str | os.PathLike | None = None,
+        self, node_index: int = 0, num_shards: int = 1, *, clock: Callable[[], float] = time.time,
+        events: NodeEvents | None = None, persist_root: str | os.PathLike | None = None,
     ) -> None:
         if not 0 <= node_index < 256:
             raise BadRequest(f"node_index: {node_index} not in [0, 256)")
@@ -137,8 +132,7 @@ class StoreNode(NodeLeases):
                 return
             raise TableExists(f"table {spec.name!r} exists with a different spec")
         tb = _Table(
-            spec=spec,
-            shards={sid: Shard(sid, spec) for sid in self.shard_ids},
+            spec=spec, shards={sid: Shard(sid, spec) for sid in self.shard_ids},
             col_index={n: i for i, n in enumerate(spec.schema.names)},
             task_index={t.name: i for i, t in enumerate(spec.tasks)},
         )
@@ -226,11 +220,7 @@ class StoreNode(NodeLeases):
 
     # ---------------------------------------------------------- ready rows (claims: storage.leases)
     def ready_count(
-        self,
-        table: str,
-        task: str,
-        *,
-        whole_groups: bool = False,
+        self, table: str, task: str, *, whole_groups: bool = False,
         shards: Sequence[int] | None = None,
     ) -> int:
         tb = self._table(table)
@@ -240,12 +230,7 @@ class StoreNode(NodeLeases):
 
     # ----------------------------------------------------------------------------- write
     def write(
-        self,
-        table: str,
-        batch: pa.RecordBatch,
-        *,
-        lease_id: int | None = None,
-        ack: bool = False,
+        self, table: str, batch: pa.RecordBatch, *, lease_id: int | None = None, ack: bool = False,
         overwrite: bool = False,
     ) -> None:
         tb = self._table(table)
@@ -307,13 +292,8 @@ class StoreNode(NodeLeases):
             self._ack(*entry)
 
     def _apply_write(
-        self,
-        tb: _Table,
-        shard: Shard,
-        idx: np.ndarray,
-        arrays: dict[int, pa.Array],
-        batch: pa.RecordBatch,
-        overwrite: bool,
+        self, tb: _Table, shard: Shard, idx: np.ndarray, arrays: dict[int, pa.Array],
+        batch: pa.RecordBatch, overwrite: bool,
     ) -> None:
         """Point the cells (idx, columns of ``arrays``) at ``arrays`` (checked by the caller)."""
         if not arrays:

@@ -89,10 +89,7 @@ class ParkedBook:
         """Peers that have had requests parked since ``before`` (monotonic) or earlier."""
         return [ident for ident, since in self.since.items() if since <= before]
 
-    def clear(self) -> None:
-        self.claims = self.puts = self.put_bytes = 0
-        self.per_peer.clear()
-        self.since.clear()
+
 
 @dataclass
 class ParkedRequest(rpc.Parked):
@@ -101,8 +98,7 @@ class ParkedRequest(rpc.Parked):
 
 
 class ParkedRequests:
-    """Mixin of ``Server``: claims waiting for rows (``_claims``, per table, FIFO) and puts
-    waiting for room (``_puts``, per table, FIFO: a put waits behind older puts)."""
+    """Mixin of ``Server``: claims waiting for rows and puts waiting for room (per table, FIFO)."""
 
     node: Any
     config: Any
@@ -114,12 +110,9 @@ class ParkedRequests:
     _dirty: set[str]
 
     def parked(self) -> dict[str, int]:
-        """What is parked now: {"claims", "puts", "put_bytes", "peers"}. Safe to call from any
-        thread (plain counters, updated by the loop thread as requests park and leave)."""
+        """What is parked now: {"claims", "puts", "put_bytes", "peers"} (any thread)."""
         return {
-            "claims": self._book.claims,
-            "puts": self._book.puts,
-            "put_bytes": self._book.put_bytes,
+            "claims": self._book.claims, "puts": self._book.puts, "put_bytes": self._book.put_bytes,
             "peers": len(self._book.per_peer),
         }
 
@@ -137,11 +130,8 @@ class ParkedRequests:
         p.batch = None
 
     def _probe_peers(self) -> None:
-        """Drop the parked requests of every peer whose connection is gone: a send to it fails
-        with EHOSTUNREACH (ROUTER_MANDATORY) once ZeroMQ removed its route (closed socket,
-        closed TCP connection, or missed heartbeats). A live peer gets one small message with
-        req_id 0, which clients ignore; only peers that have had requests parked for a whole
-        interval are probed (a short long-poll never sees a probe)."""
+        """Drop the parked requests of every peer whose connection is gone (a probe to it fails
+        with EHOSTUNREACH; docs/store-protocol.md, "Departed peers")."""
         sock = self._sock
         gone = set()
         old = time.monotonic() - self.config.peer_probe_interval_s
@@ -164,9 +154,8 @@ class ParkedRequests:
     def _take(
         self, pred: Callable[[ParkedRequest], bool], tables: Iterable[str] | None = None
     ) -> list[ParkedRequest]:
-        """Remove the parked requests ``pred`` selects (of ``tables``; None: every table), claims
-        first, and count them as left; the others keep their FIFO order. The caller answers
-        them (or not: a departed peer)."""
+        """Remove (claims first) and count as left the parked requests ``pred`` selects, of
+        ``tables`` (None: all); the others keep their FIFO order. The caller answers them."""
         taken: list[ParkedRequest] = []
         for parked in (self._claims, self._puts):
             for table in list(parked) if tables is None else tables:
@@ -187,7 +176,7 @@ class ParkedRequests:
             self._fail(p, exc)
 
     def _fail(self, p: ParkedRequest, exc: Exception) -> None:
-        """Answer a parked request with ``exc`` (not a StoreError: a bug, logged, "internal")."""
+        """Answer a parked request with ``exc`` (not a StoreError: a bug, "internal")."""
         self._reply_error(p.ident, p.req, rpc.as_store_error(exc, "a parked request"), p.t_recv)
 
     def _retry_parked(self) -> None:
@@ -220,9 +209,8 @@ class ParkedRequests:
                 keep.append(p)
                 continue
             try:
-                ready = self.node.ready_count(
-                    table, a["task"], whole_groups=a["whole_groups"], shards=a["shards"]
-                )
+                ready = self.node.ready_count(table, a["task"], whole_groups=a["whole_groups"],
+                                              shards=a["shards"])  # fmt: skip
                 lease = self._try_claim(p.req, a["min_rows"]) if ready >= a["min_rows"] else None
             except Exception as exc:
                 self._unpark(p)
@@ -239,8 +227,7 @@ class ParkedRequests:
 
     def _time_out_parked(self) -> None:
         """Answer the parked requests whose wait ran out: a claim gets one last try with
-        ``min_rows=1`` (possibly an empty lease), a put ``StoreFull`` (a put behind the head
-        of its table's queue too: a shorter timeout does not wait for the head)."""
+        ``min_rows=1``, a put (even one behind the head of its queue) ``StoreFull``."""
         now = time.monotonic()
         for p in self._take(lambda p: p.deadline <= now):
             try:
@@ -248,9 +235,7 @@ class ParkedRequests:
                     self._reply_lease(p.ident, p.req, self._try_claim(p.req, 1), p.t_recv)
                     continue
                 a = p.req.args
-                raise StoreFull(
-                    f"table {a.table!r} stayed at capacity for the put's timeout "
-                    f"({a.timeout:.3g} s)"
-                )
+                raise StoreFull(f"table {a.table!r} stayed at capacity for the put's timeout "
+                                f"({a.timeout:.3g} s)")  # fmt: skip
             except Exception as exc:
                 self._fail(p, exc)

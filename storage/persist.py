@@ -215,12 +215,7 @@ class TableStore:
         self.logs[sid].append(header, write_batch(batch))
 
     def log_rows(
-        self,
-        op: str,
-        sid: int,
-        seqs: np.ndarray,
-        *,
-        task: str | None = None,
+        self, op: str, sid: int, seqs: np.ndarray, *, task: str | None = None,
         reason: str | None = None,
     ) -> None:
         header: dict = {"op": op, "seqs": np.asarray(seqs).astype("<i8").tobytes()}
@@ -324,23 +319,19 @@ def _columns(shard: Shard, body: bytes) -> tuple[pa.RecordBatch, dict[int, pa.Ar
 def write_snapshot(shard: Shard, path: str, covered: int) -> None:
     live = np.flatnonzero(shard.alive[: shard.n])
     meta = {
-        "covered": covered,
-        "next_seq": shard.next_seq,
-        "reasons": shard.reasons,
+        "covered": covered, "next_seq": shard.next_seq, "reasons": shard.reasons,
         "consumed_total": shard.consumed_total.tolist(),
         "redelivered_total": shard.redelivered_total.tolist(),
     }
     fields = [
-        pa.field("__seq", pa.int64()),
-        pa.field("__created", pa.float64()),
+        pa.field("__seq", pa.int64()), pa.field("__created", pa.float64()),
         pa.field("__gpos", pa.int64()),
     ]
     for f in shard.spec.schema:
         fields += [pa.field(f.name, f.type), pa.field(f"__w:{f.name}", pa.bool_())]
     for name in shard.task_names:
         fields += [
-            pa.field(f"__state:{name}", pa.uint8()),
-            pa.field(f"__deliv:{name}", pa.uint16()),
+            pa.field(f"__state:{name}", pa.uint8()), pa.field(f"__deliv:{name}", pa.uint16()),
             pa.field(f"__reason:{name}", pa.int32()),
         ]
     schema = pa.schema(fields, metadata={_META_KEY: json.dumps(meta).encode()})
@@ -348,9 +339,7 @@ def write_snapshot(shard: Shard, path: str, covered: int) -> None:
         for lo in range(0, max(len(live), 1), _SNAP_ROWS):
             idx = live[lo : lo + _SNAP_ROWS]
             arrays = [
-                pa.array(shard.seqs[idx]),
-                pa.array(shard.created[idx]),
-                pa.array(shard.gpos[idx]),
+                pa.array(shard.seqs[idx]), pa.array(shard.created[idx]), pa.array(shard.gpos[idx]),
             ]
             for c in range(len(shard.columns)):
                 arrays += [shard.cells(idx, c), pa.array(shard.src[c, idx] >= 0)]
@@ -358,9 +347,7 @@ def write_snapshot(shard: Shard, path: str, covered: int) -> None:
                 state = shard.state[t, idx].copy()
                 state[state == RowState.LEASED] = RowState.READY  # leases are not persisted
                 arrays += [
-                    pa.array(state),
-                    pa.array(shard.deliv[t, idx]),
-                    pa.array(shard.reason[t, idx]),
+                    pa.array(state), pa.array(shard.deliv[t, idx]), pa.array(shard.reason[t, idx]),
                 ]
             writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
     with open(path, "rb+") as f:
@@ -384,10 +371,7 @@ def load_snapshot(shard: Shard, path: str) -> int:
             arrays[c] = batch.column(name)
             written[c] = batch.column(f"__w:{name}").to_numpy(zero_copy_only=False)
         idx = shard.append(
-            seqs,
-            batch.column("__created").to_numpy(),
-            arrays,
-            written,
+            seqs, batch.column("__created").to_numpy(), arrays, written,
             batch.column("__gpos").to_numpy(),
         )
         for t, name in enumerate(shard.task_names):

@@ -28,11 +28,7 @@ _OWNED = re.compile(r"^(table\.json|shard-\d+\.snap|shard-\d+\.\d+\.log)(\.tmp)?
 # Spec fields of table.json that say what the stored data means (must match to reopen it).
 DATA_KEYS = ("schema", "tasks", "group_column", "group_size")
 _LIMIT_KEYS = (
-    "capacity_rows",
-    "capacity_bytes",
-    "lease_seconds",
-    "max_deliveries",
-    "fsync",
+    "capacity_rows", "capacity_bytes", "lease_seconds", "max_deliveries", "fsync",
     "fsync_interval_s",
 )
 
@@ -117,8 +113,7 @@ def spec_doc(spec: TableSpec) -> dict:
     doc = {
         "schema": base64.b64encode(spec.schema.serialize().to_pybytes()).decode(),
         "tasks": [[t.name, list(t.needs), t.whole_groups] for t in spec.tasks],
-        "group_column": spec.group_column,
-        "group_size": spec.group_size,
+        "group_column": spec.group_column, "group_size": spec.group_size,
     }
     doc.update({key: getattr(spec, key) for key in _LIMIT_KEYS})
     return doc
@@ -130,11 +125,7 @@ def spec_from_doc(name: str, doc: dict) -> TableSpec:
     tasks = tuple(TaskSpec(str(n), tuple(needs), bool(w)) for n, needs, w in doc["tasks"])
     limits = {key: doc[key] for key in _LIMIT_KEYS if key in doc}
     return TableSpec(
-        name,
-        schema,
-        tasks,
-        group_column=doc.get("group_column"),
-        group_size=doc.get("group_size"),
+        name, schema, tasks, group_column=doc.get("group_column"), group_size=doc.get("group_size"),
         **limits,
     )
 

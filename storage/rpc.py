@@ -29,8 +29,7 @@ MAX_POLL_S = 0.1  # upper bound on one poll, so stop() and timers are noticed pr
 
 
 class InternalError(StoreError, wire=False):
-    """A handler failed with something that is not a ``StoreError`` (a bug, logged). Not
-    registered by code: a client sees a plain ``StoreError`` with the message."""
+    """A handler failed with a non-``StoreError`` (a bug, logged); a client sees a StoreError."""
 
     code = "internal"
 
@@ -48,8 +47,7 @@ def as_store_error(exc: Exception, what: str) -> StoreError:
 
 
 def reply_to(req_id: int) -> Callable[[list], wire.Reply | None]:
-    """A ``Channel.wait`` matcher for the store's reply format: the reply to ``req_id``; any
-    other (a late reply to an earlier request, the node's probe) is not ours and dropped."""
+    """A ``Channel.wait`` matcher: the reply to ``req_id`` (any other is not ours: dropped)."""
 
     def match(frames: list) -> wire.Reply | None:
         reply = wire.decode_reply(frames)
@@ -59,16 +57,11 @@ def reply_to(req_id: int) -> Callable[[list], wire.Reply | None]:
 
 
 def bind_router(
-    context: zmq.Context,
-    addresses: Sequence[str],
-    *,
-    max_message_bytes: int,
-    linger_ms: int = 1000,
-    setup: Callable[[zmq.Socket], None] | None = None,
+    context: zmq.Context, addresses: Sequence[str], *, max_message_bytes: int,
+    linger_ms: int = 1000, setup: Callable[[zmq.Socket], None] | None = None,
 ) -> tuple[zmq.Socket, list[str]]:
-    """A bound ROUTER socket and the endpoints it got. ``setup`` sets further options before the
-    first bind. ``BindError`` if a bind fails (the socket is then closed). ``tcp://HOST:0`` binds
-    a free port."""
+    """A bound ROUTER socket and its endpoints (``setup``: options set before the first bind);
+    ``BindError`` if a bind fails. ``tcp://HOST:0`` binds a free port."""
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -94,8 +87,8 @@ def bind_router(
 
 @dataclass
 class Parked:
-    """A request whose reply is deferred: answered when its condition holds, by ``deadline``
-    (monotonic) at the latest. ``t_recv`` (perf_counter at receipt) times the whole request."""
+    """A request answered later, by ``deadline`` (monotonic) at the latest; ``t_recv``:
+    perf_counter at receipt."""
 
     ident: bytes
     req: wire.Request
@@ -109,8 +102,7 @@ def earliest(parked: Sequence[Parked], default: float) -> float:
 
 
 def take(parked: MutableSequence[P], pred: Callable[[P], bool]) -> list[P]:
-    """Remove from ``parked`` (a list or deque) and return, in order, the entries ``pred``
-    selects; the others keep their order."""
+    """Remove and return, in order, the entries ``pred`` selects; the others keep their order."""
     taken = [p for p in parked if pred(p)]
     if taken:
         keep = [p for p in parked if not pred(p)]
@@ -124,10 +116,9 @@ Outgoing = tuple[bytes, list, str, float, Callable[[], None] | None]
 
 
 class RouterService:
-    """A ROUTER socket served by one loop thread. Subclasses provide ``_open`` (bind and set
-    ``self._sock``), the ``_v_<verb>(ident, req, t_recv)`` handlers, ``_decode`` and the hooks
-    below. A handler either returns a result map (replied at once) or None (it queued its reply,
-    or parked the request to answer later)."""
+    """A ROUTER socket served by one loop thread. Subclasses provide ``_open``, ``_decode`` and
+    the ``_v_<verb>(ident, req, t_recv)`` handlers, which return a result map (replied at once)
+    or None (the reply was queued, or the request parked)."""
 
     thread_name = "rpc-service"
     max_batch = 256  # requests handled between two rounds of the steps
@@ -267,13 +258,8 @@ class RouterService:
 
     # -- replies ---------------------------------------------------------------------------------
     def _reply(
-        self,
-        ident: bytes,
-        req: wire.Request,
-        result: dict[str, Any],
-        t_recv: float,
-        bodies: Sequence[Any] = (),
-        undo: Callable[[], None] | None = None,
+        self, ident: bytes, req: wire.Request, result: dict[str, Any], t_recv: float,
+        bodies: Sequence[Any] = (), undo: Callable[[], None] | None = None,
     ) -> None:
         self._out.append(
             (ident, wire.encode_reply(req.req_id, result, bodies), req.verb, t_recv, undo)
@@ -287,8 +273,7 @@ class RouterService:
         """Hook: a reply left (metrics)."""
 
     def _flush(self) -> None:
-        """Send the queued replies without blocking. A reply that cannot go (the peer is gone:
-        ROUTER_MANDATORY, or its queue is full) is dropped and logged, and its undo runs."""
+        """Send the queued replies without blocking; one that cannot go is dropped, its undo run."""
         out, self._out = self._out, []
         sock = self._sock
         now = time.perf_counter()
@@ -311,8 +296,8 @@ class RouterService:
 def run_until_signalled(
     service: RouterService, ready_file: str | None, ready: Callable[[], dict[str, Any]]
 ) -> None:
-    """Start ``service``, run until SIGTERM/SIGINT (then stop it cleanly). With ``ready_file``,
-    write ``ready()`` plus {"pid"} there as JSON (atomically) once bound."""
+    """Run ``service`` until SIGTERM/SIGINT; ``ready_file``: ``ready()`` + {"pid"} as JSON there
+    (atomically) once bound."""
 
     def _on_signal(signum: int, frame: Any) -> None:
         service.stop(timeout=0)
@@ -337,11 +322,7 @@ class Channel:
     """One DEALER socket to one peer, replaced after a timeout. Used from ONE thread."""
 
     def __init__(
-        self,
-        context: zmq.Context,
-        address: str,
-        *,
-        name: str = "",
+        self, context: zmq.Context, address: str, *, name: str = "",
         timeout_error: Callable[[str], Exception] = TimeoutError,
         options: Sequence[tuple[int, Any]] = (),
     ) -> None:
@@ -362,8 +343,7 @@ class Channel:
         return sock
 
     def reset(self) -> None:
-        """Close the socket and open a fresh one: a late reply must land on a socket nobody
-        reads any more."""
+        """A fresh socket: a late reply must land on one nobody reads any more."""
         self.sock.close(linger=0)
         self.sock = self._open()
 
@@ -371,11 +351,20 @@ class Channel:
         self.sock.close(linger=0)
 
     def call(self, frames: Sequence[Any], match: Callable[[list], T | None], timeout: float) -> T:
-        """Send ``frames``; return ``match(reply frames)`` for the first reply it accepts (None:
-        not ours, e.g. a late reply to an earlier request; dropped). No accepted reply within
+        """Send ``frames``; return the first ``match(reply)`` that is not None. None within
         ``timeout`` s: reset the socket and raise ``timeout_error``."""
         self.sock.send_multipart(frames, copy=False)
         return self.wait(match, timeout)
+
+    def request(
+        self, req_id: int, verb: str, args: dict[str, Any], bodies: Sequence[Any], timeout: float
+    ) -> wire.Reply:
+        """One request in the store's format: its reply, or its typed error raised."""
+        frames = wire.encode_request(verb, req_id, args, bodies)
+        reply = self.call(frames, reply_to(req_id), timeout)
+        if reply.error is not None:
+            raise reply.error
+        return reply
 
     def wait(self, match: Callable[[list], T | None], timeout: float) -> T:
         deadline = time.monotonic() + timeout

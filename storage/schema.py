@@ -19,10 +19,6 @@ SEQ_BITS = 64 - SHARD_BITS
 SEQ_MASK = (1 << SEQ_BITS) - 1
 
 
-def make_row_id(shard_id: int, seq: int) -> int:
-    return (shard_id << SEQ_BITS) | seq
-
-
 def shard_of(row_id: int) -> int:
     return row_id >> SEQ_BITS
 
@@ -84,11 +80,8 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class Lease:
-    """What ``claim`` returns: the claimed rows and the right to write/ack them until ``deadline``.
-
-    ``batch`` holds the requested columns plus ``row_id`` and ``deliveries``. An empty lease
-    (``num_rows == 0``) means the wait timed out with nothing ready; it needs no ack.
-    """
+    """What ``claim`` returns: the rows (requested columns + ``row_id``, ``deliveries``) and the
+    right to write/ack them until ``deadline``. An empty lease (``num_rows == 0``) needs no ack."""
 
     lease_id: int  # unique per node (includes the node epoch); 0 for an empty lease
     table: str
@@ -137,12 +130,8 @@ class TableStats:
         total = TaskStats()
         for shard in self.shards:
             s = shard.tasks[task]
-            total.pending += s.pending
-            total.ready += s.ready
-            total.in_flight += s.in_flight
-            total.consumed += s.consumed
-            total.dead += s.dead
-            total.redelivered_total += s.redelivered_total
+            for f in ("pending", "ready", "in_flight", "consumed", "dead", "redelivered_total"):
+                setattr(total, f, getattr(total, f) + getattr(s, f))
             for reason, n in s.dead_reasons.items():
                 total.dead_reasons[reason] = total.dead_reasons.get(reason, 0) + n
         return total

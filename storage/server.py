@@ -96,9 +96,7 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
             from storage.node import StoreNode  # lazy: the wire layer is usable without it
 
             node = StoreNode(
-                config.node_index,
-                config.num_shards,
-                events=self.metrics,
+                config.node_index, config.num_shards, events=self.metrics,
                 persist_root=config.persist_dir,
             )
             self.metrics.set_recovered(node.recovered)
@@ -113,9 +111,7 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         self._empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer] = {}
         self._puts: dict[str, deque[ParkedRequest]] = {}
         self._book = ParkedBook(
-            config.node_index,
-            config.max_parked_bytes,
-            config.max_parked_per_peer,
+            config.node_index, config.max_parked_bytes, config.max_parked_per_peer,
             config.max_parked_claims,
         )
         self._last_probe = 0.0
@@ -237,14 +233,8 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         self.metrics.bad_requests.inc()
 
     def _queue(
-        self,
-        ident: bytes,
-        req: wire.Request,
-        result: dict[str, Any],
-        t_recv: float,
-        bodies: Sequence[Any] = (),
-        *,
-        mutated: str | None = None,
+        self, ident: bytes, req: wire.Request, result: dict[str, Any], t_recv: float,
+        bodies: Sequence[Any] = (), *, mutated: str | None = None,
         undo: Callable[[], None] | None = None,
     ) -> None:
         self._reply(ident, req, result, t_recv, bodies, undo)
@@ -287,8 +277,7 @@ def serve(config: ServerConfig, *, ready_file: str | None = None) -> None:
     try:
         server = Server(config, context=context)
         rpc.run_until_signalled(
-            server,
-            ready_file,
+            server, ready_file,
             lambda: {"addresses": server.addresses, "metrics_port": server.metrics_port},
         )
     finally:
@@ -326,14 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         config = ServerConfig(
-            bind=tuple(args.bind or ("tcp://127.0.0.1:5555",)),
-            num_shards=args.shards,
-            node_index=args.node_index,
-            metrics_port=args.metrics_port,
-            max_message_bytes=args.max_message_bytes,
-            persist_dir=args.persist_dir,
-            max_parked_bytes=args.max_parked_bytes,
-            max_parked_per_peer=args.max_parked_per_peer,
+            bind=tuple(args.bind or ("tcp://127.0.0.1:5555",)), num_shards=args.shards,
+            node_index=args.node_index, metrics_port=args.metrics_port,
+            max_message_bytes=args.max_message_bytes, persist_dir=args.persist_dir,
+            max_parked_bytes=args.max_parked_bytes, max_parked_per_peer=args.max_parked_per_peer,
         )
         serve(config, ready_file=args.ready_file)
     except (StartError, StoreError, ValueError, OSError) as exc:

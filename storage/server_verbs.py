@@ -115,9 +115,7 @@ class StoreVerbs:
     def _claim_options(a: Any, min_rows: int | None = None) -> dict[str, Any]:
         return {
             "min_rows": a.min_rows if min_rows is None else min_rows,
-            "whole_groups": a.whole_groups,
-            "lease_seconds": a.lease_seconds,
-            "shards": a.shards,
+            "whole_groups": a.whole_groups, "lease_seconds": a.lease_seconds, "shards": a.shards,
         }
 
     def _try_claim(self, req: wire.Request, min_rows: int) -> Any:

@@ -159,12 +159,8 @@ class Shard:
             del self.sources[sid]
 
     def append(
-        self,
-        seqs: np.ndarray,
-        created: np.ndarray | float,
-        arrays: dict[int, pa.Array],
-        written: dict[int, np.ndarray] | None = None,
-        gpos: np.ndarray | None = None,
+        self, seqs: np.ndarray, created: np.ndarray | float, arrays: dict[int, pa.Array],
+        written: dict[int, np.ndarray] | None = None, gpos: np.ndarray | None = None,
         nbytes: int | None = None,
     ) -> np.ndarray:
         """Append rows (ascending seqs above every existing one) as PENDING; returns indices.
@@ -199,10 +195,7 @@ class Shard:
         return idx
 
     def put(
-        self,
-        arrays: dict[int, pa.Array],
-        num_rows: int,
-        created_at: float,
+        self, arrays: dict[int, pa.Array], num_rows: int, created_at: float,
         nbytes: int | None = None,
     ) -> int:
         """Create rows (batch already validated, grouped rows consecutive). Returns first seq."""
@@ -226,10 +219,7 @@ class Shard:
                 )
 
     def write(
-        self,
-        idx: np.ndarray,
-        arrays: dict[int, pa.Array],
-        offsets: np.ndarray,
+        self, idx: np.ndarray, arrays: dict[int, pa.Array], offsets: np.ndarray,
         nbytes: int | None = None,
     ) -> None:
         """Point cells (idx, c) at ``arrays[c][offsets]``; caller ran ``check_write``."""
@@ -333,11 +323,7 @@ class Shard:
                 )
 
     def batch(
-        self,
-        idx: np.ndarray,
-        t: int,
-        names: Sequence[str],
-        cols: Sequence[int],
+        self, idx: np.ndarray, t: int, names: Sequence[str], cols: Sequence[int],
         row_ids: np.ndarray | None = None,
     ) -> pa.RecordBatch:
         """The claimed batch: requested columns (col id -1 = created_at), row_id, deliveries.

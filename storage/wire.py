@@ -29,14 +29,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 # The limits of the diagnostic decode (``unpack_header``): a header msgspec refused is decoded
 # once more, untyped and bounded, to report framing faults (not msgpack, ext, nesting) first.
 _UNPACK_LIMITS = dict(
-    raw=False,
-    strict_map_key=True,
-    use_list=True,
-    max_str_len=MAX_HEADER_BYTES,
-    max_bin_len=MAX_HEADER_BYTES,
-    max_array_len=1 << 16,
-    max_map_len=1 << 12,
-    max_ext_len=0,
+    raw=False, strict_map_key=True, use_list=True, max_str_len=MAX_HEADER_BYTES,
+    max_bin_len=MAX_HEADER_BYTES, max_array_len=1 << 16, max_map_len=1 << 12, max_ext_len=0,
 )
 
 
@@ -157,10 +151,8 @@ def peek_req_id(header: dict[str, Any]) -> int:
 
 
 def decode_request(
-    frames: Sequence[Any],
-    decoder: msgspec.msgpack.Decoder = _DECODER,
-    verbs: dict[str, Any] = VERBS,
-    body_counts: dict[str, tuple[int, int]] = BODY_COUNTS,
+    frames: Sequence[Any], decoder: msgspec.msgpack.Decoder = _DECODER,
+    verbs: dict[str, Any] = VERBS, body_counts: dict[str, tuple[int, int]] = BODY_COUNTS,
 ) -> Request:
     """Validate a request's frames (header Struct, body count, sizes): the store's by default,
     the coordinator's with its decoder and verbs. Bodies stay Arrow buffers; parse them with
