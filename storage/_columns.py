@@ -89,9 +89,8 @@ def claimed_batch(
     idx: np.ndarray, names: Sequence[str], cols: Sequence[int], row_ids: np.ndarray,
     deliveries: np.ndarray,
 ) -> pa.RecordBatch:
-    """A claimed batch of a shard's rows ``idx``: the columns ``cols`` (id -1: ``created_at``)
-    named ``names``, then ``row_id`` and ``deliveries``. ``src_all``/``off_all``: the shard's
-    (column, row) -> (source, offset) pointers; ``created``: its creation times per row."""
+    """A claimed batch of rows ``idx``: columns ``cols`` (-1: ``created_at``) named ``names``,
+    then ``row_id`` and ``deliveries``; ``src_all``/``off_all``: the shard's cell pointers."""
     arrays: list[pa.Array] = []
     k = len(idx)
     data_cols = [c for c in cols if c >= 0]

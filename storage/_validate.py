@@ -8,7 +8,6 @@ before it changes any state.
 from __future__ import annotations
 
 import math
-import re
 
 import msgspec
 import numpy as np
@@ -16,17 +15,16 @@ import pyarrow as pa
 
 from storage.errors import BadRequest, SchemaMismatch
 from storage.headers import WireSpec, field_error
+from storage.persist_root import TABLE_NAME
 from storage.schema import META_COLUMNS, ROW_ID, TableSpec
 from storage.wire import spec_to_wire, to_batch
-
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
 def validate_spec(spec: TableSpec) -> None:
     """BadRequest naming the first bad field of a table spec."""
     if not isinstance(spec, TableSpec):
         raise BadRequest("spec must be a TableSpec")
-    if not isinstance(spec.name, str) or not _NAME.match(spec.name):
+    if not isinstance(spec.name, str) or not TABLE_NAME.match(spec.name):
         raise BadRequest(f"name: {spec.name!r} is not 1-128 chars of [A-Za-z0-9_.-]")
     if not isinstance(spec.schema, pa.Schema):
         raise BadRequest("schema: must be a pyarrow.Schema")
@@ -43,7 +41,7 @@ def validate_spec(spec: TableSpec) -> None:
     if not spec.tasks:
         raise BadRequest("tasks: a table needs at least one task")
     task_names = [t.name for t in spec.tasks]
-    if len(set(task_names)) != len(task_names) or not all(_NAME.match(n) for n in task_names):
+    if len(set(task_names)) != len(task_names) or not all(TABLE_NAME.match(n) for n in task_names):
         raise BadRequest(f"tasks: names must be unique and match [A-Za-z0-9_.-]: {task_names}")
     for t in spec.tasks:
         for c in t.needs:

@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-# Reasons a shard changes owner (the reassignments metric's label): a member joined (count
-# rebalance), left cleanly, its session expired, the depth balancer moved it, or a handoff was
-# cancelled because the old owner never confirmed it.
+# Why a shard changes owner (the reassignments metric's label); handoff_timeout: the old owner
+# never confirmed the handoff.
 REASONS = ("join", "leave", "expired", "balance", "handoff_timeout")
 
 

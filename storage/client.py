@@ -180,14 +180,10 @@ class Client:
         ack: Lease | None = None, write: pa.RecordBatch | pa.Table | None = None,
         shards: Sequence[int] | None = None,
     ) -> Lease:
-        """Lease up to ``max_rows`` rows ready for ``task``. Waits server-side up to ``timeout`` s
-        for ``min_rows`` rows; at the timeout takes whatever is ready (possibly an empty lease,
-        ``num_rows == 0``, which needs no ack). Raises ShuttingDown if a node shuts down.
-
-        ``ack`` (the previous lease, with ``write``: columns written under it first) is acked in
-        the same round trip; ``shards`` limits the claim to those shard ids. Rules and usage:
-        docs/store-protocol.md ("Client: claim").
-        """
+        """Lease up to ``max_rows`` rows ready for ``task``, waiting server-side up to ``timeout``
+        s for ``min_rows`` (then whatever is ready: maybe an empty lease). ``ack`` (+ ``write``):
+        the previous lease, acked in the same round trip; ``shards``: only those shard ids.
+        Rules and usage: docs/store-protocol.md ("Client: claim")."""
         args = {
             "table": table, "task": task, "columns": list(columns), "max_rows": int(max_rows),
             "min_rows": int(min_rows), "whole_groups": bool(whole_groups),
@@ -341,9 +337,8 @@ class Client:
         self, table: str, lease_or_row_ids: Lease | Sequence[int] | np.ndarray,
         columns: pa.RecordBatch | pa.Table, *, ack: bool = False, overwrite: bool = False,
     ) -> None:
-        """Add columns to existing rows. With a Lease the write is fenced (refused once the lease
-        expired) and ``ack=True`` acks the lease atomically with the write. ``columns`` rows are in
-        the order of the lease's rows / the given row ids, unless it carries a ``row_id`` column."""
+        """Add columns to existing rows (in the order of the lease's rows / the row ids, unless
+        ``columns`` has ``row_id``). With a Lease: fenced, and ``ack=True`` acks it atomically."""
         batch = wire.to_batch(columns)
         if isinstance(lease_or_row_ids, Lease):
             lease = lease_or_row_ids

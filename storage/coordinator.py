@@ -39,12 +39,8 @@ class _Lookup(rpc.Parked):
 
 
 class Coordinator(rpc.RouterService):
-    """The coordinator service. ``start()`` runs its loop in a daemon thread; ``stop()`` ends it.
-
-    ``store_addresses``: the store nodes whose ``stats`` feed live depth to the balancer (empty:
-    a directory only; groups then have no shards to assign). ``balancer``: a
-    ``storage.balance.BalancerConfig`` applied to every group (None: defaults).
-    """
+    """The coordinator service (``start()``/``stop()``). ``store_addresses``: the nodes whose
+    stats feed depth to every group's balancer (``balancer``: a BalancerConfig; None: defaults)."""
 
     def __init__(
         self, bind: str = "tcp://127.0.0.1:0", *, store_addresses: Sequence[str] = (),

@@ -130,10 +130,8 @@ class ConsumerSession:
             wait = min(float(timeout), self.claim_wait_s)
             if self.steal:
                 for target in ([deepest[0]], None) if deepest else (None,):
-                    # Owning nothing, the last probe waits server-side on every shard: the
-                    # consumer takes the next rows that become ready anywhere. A non-waiting
-                    # probe here returned at once and the caller came straight back: a busy
-                    # loop of empty claims that kept the store node's CPU saturated.
+                    # Owning nothing, the last probe waits server-side on every shard (a
+                    # non-waiting one made a busy loop of empty claims).
                     lease = probe(target, wait if target is None and not own else 0.0)
                     if lease.num_rows:
                         return self._took(lease, stolen=True)

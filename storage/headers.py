@@ -224,9 +224,8 @@ _TOP = frozenset({"v", "req_id", "verb"})
 def field_error(
     exc: msgspec.ValidationError, scope: str, kind: str = "header", verbs: Any = ()
 ) -> BadRequest:
-    """One line naming the field msgspec refused: ``header field 'claim.max_rows': Expected `int`
-    >= 1``. ``scope`` prefixes a field path (the verb of a header, "" for a spec); ``verbs``:
-    the valid tags, listed when ``verb`` itself is bad."""
+    """One line naming the field msgspec refused (``scope``: the verb, or "" for a spec), e.g.
+    ``header field 'claim.max_rows': Expected `int` >= 1``; ``verbs``: listed for a bad verb."""
     m = _AT.match(str(exc))
     detail, path = m["detail"], (m["path"] or "").lstrip(".")  # type: ignore[index]
     named = _FIELD.match(detail)  # a missing or unknown field is named in the detail

@@ -38,10 +38,7 @@ class _StatsSource(Protocol):
 
 
 class HttpEndpoint:
-    """A process's ``/metrics`` HTTP endpoint, shared by every component's metrics class.
-
-    The class using it owns ``registry`` (its own ``CollectorRegistry``) and sets ``_http = None``.
-    """
+    """A process's ``/metrics`` HTTP endpoint; the user owns ``registry`` and sets ``_http``."""
 
     registry: CollectorRegistry
     _http: Any
@@ -202,10 +199,8 @@ class StoreMetrics(HttpEndpoint):
 
 
 class CoordinatorMetrics(HttpEndpoint):
-    """The coordinator's shard-map metrics (``storage/coordinator.py``), in a private registry.
-
-    Labels: table and task from the groups consumers join, consumer from their ids (one per
-    worker), reason from ``storage.balance.REASONS``: all bounded."""
+    """The coordinator's shard-map metrics, in a private registry (labels bounded: groups,
+    consumer ids, ``storage.balance.REASONS``)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -239,13 +234,8 @@ class CoordinatorMetrics(HttpEndpoint):
 
 
 class SessionMetrics:
-    """A consumer session's claim metrics (``storage/coordinator_session.py``): rows claimed from
-    the consumer's own shards and rows stolen from shards other consumers own.
-
-    Registered in the registry the session is given (a stage worker's, so they are served on its
-    ``/metrics``), else in a private one. One instance per registry (``for_registry``): several
-    sessions of one process share the counters, told apart by their ``table``/``task`` labels.
-    Labels: table, task (bounded as above), source in ``SOURCES``."""
+    """A consumer session's rows claimed from its own shards and stolen from others', in the
+    registry it is given (a worker's) or a private one; one instance per registry."""
 
     SOURCES = ("owned", "stolen")
     _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, SessionMetrics] = (

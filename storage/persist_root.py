@@ -63,9 +63,8 @@ def table_dir(root: str, name: str) -> str:
 
 
 def claim_dir(path: str, table: str) -> None:
-    """Create the table's directory with its marker, or check that an existing one is ours.
-    The directory appears with its marker already inside (made under a temporary name, then
-    renamed), so a node racing another on the same root never sees it half made."""
+    """Create the table's directory with its marker inside (made under a temporary name, then
+    renamed: never seen half made), or check that an existing one is ours."""
     if not os.path.lexists(path):
         root = os.path.dirname(path)
         tmp = os.path.join(root, f".tmp-{table}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -131,9 +130,8 @@ def spec_from_doc(name: str, doc: dict) -> TableSpec:
 
 
 def discover(root: str) -> list[TableSpec]:
-    """Specs of the tables to recover at start: directories with the marker and a table.json.
-    A table.json that cannot be read is an error naming it (a node must not come up silently
-    without one of its tables)."""
+    """Specs of the tables to recover: directories with the marker and a table.json (one that
+    cannot be read is an error: a node must not come up without one of its tables)."""
     specs = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)

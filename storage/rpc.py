@@ -199,9 +199,8 @@ class RouterService:
         steps = self._steps()
         while not self._stop.is_set():
             if poller.poll(self._poll_timeout_ms()):
-                # Drain what is queued (up to max_batch) before the steps, so parked requests
-                # are retried once per batch, not once per request. ZMQ_EVENTS says whether a
-                # message is waiting, which is cheaper than a recv raising Again.
+                # Drain up to max_batch before the steps (parked requests retried once per batch);
+                # ZMQ_EVENTS is cheaper than a recv raising Again.
                 for _ in range(self.max_batch):
                     if not sock.get(zmq.EVENTS) & zmq.POLLIN:
                         break

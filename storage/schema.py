@@ -71,9 +71,8 @@ class TableSpec:
     # Leases: default deadline, and the delivery count past which a row is quarantined (DEAD).
     lease_seconds: float = 60.0
     max_deliveries: int = 5
-    # Durability of the table on a node started with a persistence root (the node's
-    # configuration; a client never names a server path): "always" (durable when acknowledged),
-    # "interval", "never" (OS decides). Ignored by a node without a root (memory only).
+    # Durability on a node with a persistence root: "always" (durable when acknowledged),
+    # "interval", "never" (OS decides). Ignored by a node without a root.
     fsync: str = "always"
     fsync_interval_s: float = 0.05
 

@@ -105,9 +105,8 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         self.metrics_port: int | None = None
         self._auth: Any = None
         self._claims: dict[str, list[ParkedRequest]] = {}
-        # Encoded empty-lease bodies by (table, columns): an idle consumer's claim answers with
-        # one, and building it (schema lookup + empty batch + IPC stream) cost more than the
-        # rest of the request. Cleared whenever a table is created or dropped (its schema).
+        # Encoded empty-lease bodies by (table, columns), cheaper than rebuilding one per idle
+        # claim; cleared whenever a table is created or dropped.
         self._empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer] = {}
         self._puts: dict[str, deque[ParkedRequest]] = {}
         self._book = ParkedBook(
@@ -269,10 +268,8 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
 
 
 def serve(config: ServerConfig, *, ready_file: str | None = None) -> None:
-    """Run a store node in the foreground until SIGTERM/SIGINT (then shut down cleanly).
-
-    With ``ready_file``, write {"addresses", "metrics_port", "pid"} as JSON there (atomically)
-    once bound, so a parent process knows where to connect (``--bind tcp://127.0.0.1:0``)."""
+    """Run a store node until SIGTERM/SIGINT; ``ready_file``: {"addresses", "metrics_port",
+    "pid"} as JSON there once bound."""
     context = zmq.Context()
     try:
         server = Server(config, context=context)
@@ -328,8 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def start_error_line(exc: BaseException) -> str:
-    """One line for a node that could not start (a bad option, a busy port, a root it cannot
-    recover)."""
+    """One line for a node that could not start (bad option, busy port, unrecoverable root)."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if isinstance(exc, StoreError):
         return f"--persist-dir: {text}"

@@ -164,10 +164,7 @@ class Shard:
         nbytes: int | None = None,
     ) -> np.ndarray:
         """Append rows (ascending seqs above every existing one) as PENDING; returns indices.
-
-        ``written[c]`` masks the cells of ``arrays[c]`` that count as written (snapshot restore);
-        None = all of them (a put).
-        """
+        ``written[c]``: which cells of ``arrays[c]`` are written (a snapshot; None: all)."""
         k = len(seqs)
         if written is not None:  # a column with no written cell needs no source
             arrays = {c: a for c, a in arrays.items() if bool(written[c].any())}
@@ -326,9 +323,7 @@ class Shard:
         self, idx: np.ndarray, t: int, names: Sequence[str], cols: Sequence[int],
         row_ids: np.ndarray | None = None,
     ) -> pa.RecordBatch:
-        """The claimed batch: requested columns (col id -1 = created_at), row_id, deliveries.
-
-        ``row_ids``: the rows' ids when the caller has them already."""
+        """The claimed batch: requested columns (col id -1 = created_at), row_id, deliveries."""
         if row_ids is None:
             row_ids = self.row_ids(self.seqs[idx])
         return claimed_batch(
@@ -345,9 +340,7 @@ class Shard:
         self, rec: LeaseRec, *, failed: bool, error: str | None
     ) -> tuple[int, dict[str, np.ndarray]]:
         """Hand a lease's rows back: READY again, or DEAD past max_deliveries if ``failed``.
-
-        Returns (rows made ready again, {reason: seqs of rows made dead}).
-        """
+        Returns (rows made ready again, {reason: seqs of rows made dead})."""
         self.leases.pop(rec.lease_id, None)
         t = rec.task
         idx = self.lease_idx(rec)

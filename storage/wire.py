@@ -80,9 +80,8 @@ def unpack_header(data: bytes | memoryview) -> dict[str, Any]:
 
 
 def decode_header(frame: Any, decoder: msgspec.msgpack.Decoder, verbs: Any) -> Any:
-    """A header frame -> its typed Struct, decoded and validated in one pass. A refusal is a
-    BadRequest naming the fault, with ``.req_id`` set to the request's id when it is readable
-    (0 otherwise), so the error reply reaches the right caller."""
+    """A header frame -> its typed Struct, validated; else a BadRequest naming the fault, its
+    ``.req_id`` the request's when readable (0 otherwise)."""
     data = _bytes_view(frame)
     if len(data) > MAX_HEADER_BYTES:
         raise BadRequest(f"header frame is {len(data)} bytes, limit {MAX_HEADER_BYTES}")
@@ -154,9 +153,8 @@ def decode_request(
     frames: Sequence[Any], decoder: msgspec.msgpack.Decoder = _DECODER,
     verbs: dict[str, Any] = VERBS, body_counts: dict[str, tuple[int, int]] = BODY_COUNTS,
 ) -> Request:
-    """Validate a request's frames (header Struct, body count, sizes): the store's by default,
-    the coordinator's with its decoder and verbs. Bodies stay Arrow buffers; parse them with
-    ``read_batch``. Raises BadRequest with ``.req_id`` set when known."""
+    """Validate a request's frames (the store's by default, the coordinator's with its decoder
+    and verbs); bodies stay buffers (``read_batch``). BadRequest has ``.req_id`` when known."""
     if not frames:
         raise BadRequest("empty message")
     args = decode_header(frames[0], decoder, verbs)
@@ -231,12 +229,8 @@ _WRITE_OPTIONS = pa.ipc.IpcWriteOptions()  # built once: new_stream() rebuilds i
 
 
 def write_batch(batch: pa.RecordBatch) -> pa.Buffer:
-    """One record batch -> Arrow IPC stream bytes (uncompressed, so a reader can bound its memory
-    by the message size).
-
-    The stream is written straight into one buffer allocated at its final size (schema message +
-    batch message + end-of-stream marker): one copy of the data, no growing output stream (which
-    cost as much again as the copy for a 64-row W1 batch)."""
+    """One record batch -> uncompressed Arrow IPC stream bytes, written into one buffer of its
+    final size (one copy; a growing stream cost as much again)."""
     schema = batch.schema
     head = _schema_sizes.get(schema)
     if head is None:
@@ -306,9 +300,8 @@ def spec_to_wire(spec: TableSpec) -> dict[str, Any]:
 
 
 def spec_from_wire(data: dict[str, Any] | headers.WireSpec) -> TableSpec:
-    """Rebuild a TableSpec from its wire form (a ``create_table`` header's typed ``spec``, or a
-    plain map, checked here against the same Struct: BadRequest naming the field). Semantic
-    checks (columns exist, tasks unique, ...) are the node's."""
+    """A TableSpec from its wire form (a typed ``spec``, or a map checked against the Struct);
+    semantic checks are the node's."""
     if not isinstance(data, headers.WireSpec):
         try:
             data = msgspec.convert(data, headers.WireSpec)
