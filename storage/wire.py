@@ -62,16 +62,15 @@ def _depth(obj: Any) -> int:
 
 
 def unpack_header(data: bytes | memoryview) -> dict[str, Any]:
-    """Decode a header frame untyped, with strict limits; BadRequest for anything but a bounded
-    map. Only a header that failed typed decoding comes here (to name the fault)."""
+    """Decode a header that failed typed decoding untyped, with strict limits, to name the fault
+    (BadRequest for anything but a bounded map)."""
     try:
         obj = msgpack.unpackb(data, ext_hook=_no_ext, **_UNPACK_LIMITS)
     except BadRequest:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise BadRequest(
-            f"header frame is not valid msgpack: {type(exc).__name__}: {exc}"
-        ) from None
+        what = f"{type(exc).__name__}: {exc}"
+        raise BadRequest(f"header frame is not valid msgpack: {what}") from None
     if not isinstance(obj, dict):
         raise BadRequest(f"header frame must be a msgpack map, got {type(obj).__name__}")
     if _depth(obj) > MAX_DEPTH:
@@ -133,12 +132,9 @@ class Reply:
     bodies: list[pa.Buffer] = field(default_factory=list)
 
 
-def encode_request(
-    verb: str, req_id: int, args: dict[str, Any], bodies: Sequence[Any] = ()
-) -> list:
-    header = {"v": PROTOCOL_VERSION, "verb": verb, "req_id": req_id}
-    header.update(args)
-    return [pack_header(header), *bodies]
+def encode_request(verb: str, req_id: int, args: dict[str, Any], bodies: Sequence[Any] = ()
+                   ) -> list:  # fmt: skip
+    return [pack_header({"v": PROTOCOL_VERSION, "verb": verb, "req_id": req_id, **args}), *bodies]
 
 
 def peek_req_id(header: dict[str, Any]) -> int:
@@ -173,9 +169,7 @@ def decode_request(
 
 
 def encode_reply(req_id: int, result: dict[str, Any], bodies: Sequence[Any] = ()) -> list:
-    header = {"ok": True, "req_id": req_id, "error": None}
-    header.update(result)
-    return [pack_header(header), *bodies]
+    return [pack_header({"ok": True, "req_id": req_id, "error": None, **result}), *bodies]
 
 
 def encode_error(req_id: int, exc: StoreError, *, acked: bool = False) -> list:
@@ -188,8 +182,7 @@ def encode_error(req_id: int, exc: StoreError, *, acked: bool = False) -> list:
 
 
 def decode_reply(frames: Sequence[Any]) -> Reply:
-    """Decode a reply (client side). A malformed reply raises BadRequest (the server is buggy or
-    not a store)."""
+    """Decode a reply (client side); BadRequest if malformed (a buggy server, or not a store)."""
     if not frames:
         raise BadRequest("empty reply")
     data = _bytes_view(frames[0])
