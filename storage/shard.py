@@ -70,7 +70,6 @@ class Shard:
         self._reason_index: dict[str, int] = {}
         self.leases: dict[int, LeaseRec] = {}
         self.layout = 0  # bumped by _compact, the only step that moves rows' dense indices
-        self.log: object | None = None  # persist.ShardLog when the table persists
 
     # ----------------------------------------------------------------------------- row lookup
     def row_ids(self, seqs: np.ndarray) -> np.ndarray:
@@ -111,14 +110,11 @@ class Shard:
         if need <= len(self.seqs):
             return
         cap = max(need, 2 * len(self.seqs), 1024)
-
-        def grown(a: np.ndarray, fill: int | float | bool) -> np.ndarray:
+        for name, (_, _, fill) in _ROW_ARRAYS.items():
+            a = getattr(self, name)
             out = np.full((*a.shape[:-1], cap), fill, dtype=a.dtype)
             out[..., : self.n] = a[..., : self.n]
-            return out
-
-        for name, (_, _, fill) in _ROW_ARRAYS.items():
-            setattr(self, name, grown(getattr(self, name), fill))
+            setattr(self, name, out)
 
     def _compact(self) -> None:
         keep = np.flatnonzero(self.alive[: self.n])
@@ -390,14 +386,8 @@ class Shard:
         else:
             for t in range(len(self.needs)):
                 self.counts[t] -= np.bincount(self.state[t, idx], minlength=_NUM_STATES)
-        src = self.src[:, idx]
-        lo, hi = src.min(axis=1).tolist(), src.max(axis=1).tolist()
-        for c, (a, b) in enumerate(zip(lo, hi, strict=True)):
-            if a == b:  # the common case: the column's cells all from one chunk (or none)
-                if a >= 0:
-                    self._drop_refs(a, len(idx))
-            else:
-                self._unref(src[c])
+        for src in self.src[:, idx]:
+            self._unref(src)
         self.src[:, idx] = -1
         self.alive[idx] = False
         self.num_alive -= len(idx)
