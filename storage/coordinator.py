@@ -199,10 +199,8 @@ class Coordinator(rpc.RouterService):
 
     def _view(self, b: Any, consumer: str, generation: int, shards: list[int]) -> dict[str, Any]:
         """A member's reply: its assignment, the timing it must keep, and where to steal."""
-        others = sorted(
-            (s for s, d in b.depth.items() if d > 0 and b.owner.get(s) != consumer),
-            key=lambda s: -b.depth[s],
-        )
+        others = sorted((s for s, d in b.depth.items() if d > 0 and b.owner.get(s) != consumer),
+                        key=lambda s: -b.depth[s])  # fmt: skip
         cfg = self.balancer_config
         return {
             "generation": generation, "shards": shards, "session_timeout_s": cfg.session_timeout_s,

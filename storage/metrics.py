@@ -89,14 +89,12 @@ class StoreMetrics(HttpEndpoint):
         self.bytes_written = m(
             Counter, "bytes_written_total", "Column bytes added by put and write.", ["table"]
         )
-        self.request_duration = m(
-            Histogram,
-            "request_duration_seconds",
-            "Time from request received to reply sent, per verb "
-            "(long-polled claims and parked puts include their wait).",
-            ["verb"],
-            buckets=_DURATION_BUCKETS,
-        )
+        self.request_duration = m(Histogram,
+                                  "request_duration_seconds",
+                                  "Time from request received to reply sent, per verb "
+                                  "(long-polled claims and parked puts include their wait).",
+                                  ["verb"],
+                                  buckets=_DURATION_BUCKETS)  # fmt: skip
         self.bad_requests = m(Counter, "bad_requests_total", "Requests refused as malformed.")
         self.tables_recovered = m(
             Gauge, "recovered_tables",

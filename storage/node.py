@@ -131,11 +131,9 @@ class StoreNode(NodeLeases):
             if existing.spec == spec:
                 return
             raise TableExists(f"table {spec.name!r} exists with a different spec")
-        tb = _Table(
-            spec=spec, shards={sid: Shard(sid, spec) for sid in self.shard_ids},
-            col_index={n: i for i, n in enumerate(spec.schema.names)},
-            task_index={t.name: i for i, t in enumerate(spec.tasks)},
-        )
+        tb = _Table(spec=spec, shards={sid: Shard(sid, spec) for sid in self.shard_ids},
+                    col_index={n: i for i, n in enumerate(spec.schema.names)},
+                    task_index={t.name: i for i, t in enumerate(spec.tasks)})  # fmt: skip
         if self.persist_root is not None:
             tb.store = TableStore(spec, self.persist_root, self.node_index)
             tb.store.recover(tb.shards)
@@ -191,10 +189,8 @@ class StoreNode(NodeLeases):
         if n == 0:
             return np.empty(0, dtype=np.uint64)
         if n > spec.capacity_rows or nbytes > spec.capacity_bytes:
-            raise BadRequest(
-                f"put of {n} rows / {nbytes} bytes can never fit table {table!r} "
-                f"(capacity {spec.capacity_rows} rows / {spec.capacity_bytes} bytes)"
-            )
+            raise BadRequest(f"put of {n} rows / {nbytes} bytes can never fit table {table!r} "
+                             f"(capacity {spec.capacity_rows} rows / {spec.capacity_bytes} bytes)")
         order = group_order(tb.spec, batch) if spec.group_column else None
         if order is not None:
             batch = batch.take(pa.array(order))

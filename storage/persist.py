@@ -370,10 +370,8 @@ def load_snapshot(shard: Shard, path: str) -> int:
         for c, name in enumerate(shard.columns):
             arrays[c] = batch.column(name)
             written[c] = batch.column(f"__w:{name}").to_numpy(zero_copy_only=False)
-        idx = shard.append(
-            seqs, batch.column("__created").to_numpy(), arrays, written,
-            batch.column("__gpos").to_numpy(),
-        )
+        idx = shard.append(seqs, batch.column("__created").to_numpy(), arrays, written,
+                           batch.column("__gpos").to_numpy())  # fmt: skip
         for t, name in enumerate(shard.task_names):
             shard.state[t, idx] = batch.column(f"__state:{name}").to_numpy()
             shard.deliv[t, idx] = batch.column(f"__deliv:{name}").to_numpy()

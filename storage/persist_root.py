@@ -80,10 +80,8 @@ def claim_dir(path: str, table: str) -> None:
             fsync_dir(root)
             return
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, MARKER)):
-        raise BadRequest(
-            f"{path!r} exists but was not created by the store (no {MARKER} marker); "
-            f"remove it or use another table name than {table!r}"
-        )
+        raise BadRequest(f"{path!r} exists but was not created by the store (no {MARKER} marker); "
+                         f"remove it or use another table name than {table!r}")  # fmt: skip
 
 
 def remove_owned(path: str) -> None:

@@ -95,10 +95,8 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         if node is None:
             from storage.node import StoreNode  # lazy: the wire layer is usable without it
 
-            node = StoreNode(
-                config.node_index, config.num_shards, events=self.metrics,
-                persist_root=config.persist_dir,
-            )
+            node = StoreNode(config.node_index, config.num_shards, events=self.metrics,
+                             persist_root=config.persist_dir)  # fmt: skip
             self.metrics.set_recovered(node.recovered)
         self.node = node
         self.addresses: list[str] = []
@@ -290,12 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     [--persist-dir DIR]. Bad options or a failed start: one line on stderr, exit 2."""
     prog = "python -m storage"
     ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
-    ap.add_argument(
-        "--bind",
-        action="append",
-        help="address to bind (repeatable); "
-        "default tcp://127.0.0.1:5555; tcp://127.0.0.1:0 picks a free port",
-    )
+    ap.add_argument("--bind",
+                    action="append",
+                    help="address to bind (repeatable); "
+                    "default tcp://127.0.0.1:5555; tcp://127.0.0.1:0 picks a free port")
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--node-index", type=int, default=0)
     ap.add_argument("--metrics-port", type=int, default=None)
