@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # The server module is imported lazily so that `python -m storage.server` does not find it
-    # already imported by this package (runpy warns about that).
+    # Lazy: `python -m storage.server` must not find the module already imported (runpy warns).
     if name in ("Server", "ServerConfig", "serve"):
         from storage import server
 

@@ -13,8 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  # Array.take imports it lazily (~80 ms): pay that at start-up
 
-# Beyond this many runs of alternating sources, gathering per source and permuting once is cheaper
-# than one small ``take`` per run.
+# Beyond this many runs of sources, one take per source and a permutation beat a take per run.
 _MAX_RUNS = 32
 
 
@@ -96,8 +95,7 @@ def claimed_batch(
     data_cols = [c for c in cols if c >= 0]
     fast: dict[int, pa.Array] = {}
     if data_cols and k:
-        # One gather of every column's (source, offset) pointers; a column whose cells are
-        # a contiguous run of one source (the streaming case) is a zero-copy slice.
+        # A column whose cells are a contiguous run of one source is a zero-copy slice.
         src = np.take(src_all, idx, axis=1)  # (rows first: never copy whole columns)
         off = np.take(off_all, idx, axis=1)
         if len(data_cols) != len(src):

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-# Why a shard changes owner (the reassignments metric's label); handoff_timeout: the old owner
-# never confirmed the handoff.
+# Why a shard changes owner (the reassignments metric's label).
 REASONS = ("join", "leave", "expired", "balance", "handoff_timeout")
 
 
@@ -255,8 +254,7 @@ class Balancer:
                 target = min(ids, key=lambda c: (self._load(c), drain[c], c))
             self.owner[s] = target
             self._bump()
-        # Handoffs still without a target wait for their source; pick one for them now so the
-        # grant happens as soon as the source confirms.
+        # Handoffs without a target get one now: granted as soon as the source confirms.
         for h in self.handoffs.values():
             if h.target is None:
                 h.target = min(ids, key=lambda c: (self._load(c), c))

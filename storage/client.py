@@ -229,8 +229,7 @@ class Client:
         self, args: dict[str, Any], timeout: float, piggy: tuple[Lease, list[Any]] | None = None,
         only: dict[_Conn, list[int]] | None = None,
     ) -> Lease:
-        # 1) probe every node without waiting, fullest-first is unknown so round-robin the start;
-        # a piggybacked ack rides on the probe of the node holding its lease, which goes first.
+        # 1) probe every node without waiting (round-robin start; the ack's node goes first).
         self._rr += 1
         order = [self._conns[(self._rr + i) % len(self._conns)] for i in range(len(self._conns))]
         if only is not None:  # only the nodes serving the requested shards, each its own part

@@ -51,8 +51,7 @@ class ConsumerSession:
         self.session_timeout_s = 3.0
         self.rows_owned = 0  # rows claimed from owned shards / by stealing (for reports)
         self.rows_stolen = 0
-        # The same two numbers as Prometheus counters, in ``registry`` (a worker's: served on its
-        # /metrics) or a private one: streamflow_consumer_rows_claimed_total{source}.
+        # The same two numbers as Prometheus counters (in ``registry``, a worker's, or private).
         self.metrics = SessionMetrics.for_registry(registry)
         self._owned_rows = self.metrics.rows_claimed.labels(table, task, "owned")
         self._stolen_rows = self.metrics.rows_claimed.labels(table, task, "stolen")

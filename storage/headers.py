@@ -115,8 +115,7 @@ class Claim(_OfTable, tag="claim"):
     lease_seconds: Seconds | None = None
     # null = every shard of the node; an empty list is refused
     shards: Annotated[list[ShardId], Meta(min_length=1, max_length=MAX_LIST_LEN)] | None = None
-    # Piggybacked ack ("Combined ack + claim" in the protocol doc): a lease of the same table to
-    # ack (with the optional body written under it first) before the claim runs.
+    # Piggybacked ack: a lease of the table to ack (after writing the body) before the claim.
     ack_lease_id: U64 | None = None
 
 

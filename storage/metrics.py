@@ -116,8 +116,7 @@ class StoreMetrics(HttpEndpoint):
         self.parked_dropped = m(
             Counter, "parked_dropped_total", "Parked requests dropped because their peer was gone."
         )
-        # labels() costs a lock and a dict lookup per call; the hot callbacks (one per request)
-        # keep the children they touched. Bounded like the label sets themselves.
+        # labels() costs a lock per call: the hot callbacks keep their children (bounded).
         self._children: dict[tuple[Any, ...], Any] = {}
         self._gauge_keys: set[tuple[str, str, str]] = set()
         self._tables: set[str] = set()

@@ -247,8 +247,7 @@ class StoreNode(NodeLeases):
         row_ids = rid_col.to_numpy()
         entry = self._live_lease(tb, lease_id) if lease_id is not None else None
         if entry is not None and _same_ids(row_ids, entry[2].row_ids):
-            # The common case: exactly the lease's rows in the lease's order (distinct, all on
-            # the lease's shard, all held by it), so the general checks below are implied.
+            # The common case: exactly the lease's rows in its order (the checks below hold).
             _, lshard, rec = entry
             idx = lshard.lease_idx(rec)
             lshard.check_write(idx, list(arrays), overwrite)

@@ -22,8 +22,7 @@ from storage.errors import StoreError, StoreFull, TooManyWaiting
 
 log = logging.getLogger("storage.server")
 
-# A message with req_id 0 sent by the node is a liveness probe (clients never use req_id 0 and
-# drop replies that match none of their requests), see docs/store-protocol.md.
+# A liveness probe: req_id 0 (no request's), which clients drop; see docs/store-protocol.md.
 PROBE_FRAME = wire.pack_header({"ok": True, "req_id": 0, "error": None, "probe": True})
 
 
@@ -198,8 +197,7 @@ class ParkedRequests:
 
     def _retry_claims(self, table: str, claims: list[ParkedRequest]) -> None:
         keep: list[ParkedRequest] = []
-        # (task, whole_groups, shards) with nothing ready. The shards are part of the key: a
-        # claim limited to one shard finding it empty says nothing about the other shards.
+        # (task, whole_groups, shards) with nothing ready (one empty shard says nothing of others)
         dry: set[tuple[str, bool, tuple[int, ...] | None]] = set()
         for p in claims:
             a = p.req.args

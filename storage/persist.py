@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import struct
 import zlib
 from typing import TYPE_CHECKING
@@ -40,6 +41,7 @@ _FRAME = struct.Struct("<II")
 _HLEN = struct.Struct("<I")
 _SNAP_ROWS = 65536  # rows per snapshot record batch (keeps list offsets far from int32 limits)
 _META_KEY = b"streamflow"
+_LOG_NAME = re.compile(r"^shard-(\d+)\.(\d+)\.log$")
 
 
 class ShardLog:
@@ -122,8 +124,7 @@ class TableStore:
     """Logs and snapshots of one table's shards on one node (docs/store-protocol.md)."""
 
     def __init__(self, spec: TableSpec, root: str, node_index: int) -> None:
-        """Open (creating it, with its marker) ``<root>/<spec.name>``; see docs/store-protocol.md
-        for what the store owns there."""
+        """Open (creating it, with its marker) ``<root>/<spec.name>``."""
         self.spec = spec
         self.path = table_dir(root, spec.name)
         self.node_index = node_index
@@ -150,15 +151,10 @@ class TableStore:
         write_atomic(meta, json.dumps(doc))  # new, or the same data with other limits
 
     def _files(self, sid: int) -> tuple[str, list[tuple[int, str]]]:
-        snap = os.path.join(self.path, f"shard-{sid}.snap")
-        logs = []
-        prefix = f"shard-{sid}."
-        for name in os.listdir(self.path):
-            if name.startswith(prefix) and name.endswith(".log"):
-                gen = name[len(prefix) : -len(".log")]
-                if gen.isdigit():
-                    logs.append((int(gen), os.path.join(self.path, name)))
-        return snap, sorted(logs)
+        """The shard's snapshot path and its (generation, log path)s, oldest first."""
+        logs = [(int(m[2]), os.path.join(self.path, name)) for name in os.listdir(self.path)
+                if (m := _LOG_NAME.match(name)) and int(m[1]) == sid]  # fmt: skip
+        return os.path.join(self.path, f"shard-{sid}.snap"), sorted(logs)
 
     # ----------------------------------------------------------------------------- recovery
     def recover(self, shards: dict[int, Shard]) -> None:
@@ -179,9 +175,8 @@ class TableStore:
                         apply_record(shard, header, body)
                         replayed += 1
                     except Exception as e:  # noqa: BLE001 - a bad record never stops recovery
-                        log.warning(
-                            "%s: record %s not applied (%s); dropped", path, header.get("op"), e
-                        )
+                        op = header.get("op")
+                        log.warning("%s: record %s not applied (%s); dropped", path, op, e)
                         problems += 1
             shard.rebuild_queues()
             self.gens[sid] = max([covered, *(g for g, _ in logs)]) + 1
@@ -191,12 +186,8 @@ class TableStore:
 
     def _check_shard_files(self, shards: dict[int, Shard]) -> None:
         for name in os.listdir(self.path):
-            if not name.startswith("shard-"):
-                continue
-            sid_text = name[len("shard-") :].split(".", 1)[0]
-            if not sid_text.isdigit():
-                continue
-            sid = int(sid_text)
+            m = re.match(r"shard-(\d+)(?:\.|$)", name)
+            sid = int(m[1]) if m else -1
             if sid >> 8 == self.node_index and sid not in shards:
                 raise BadRequest(
                     f"persist_dir {self.path!r} holds shard {sid}, not served by this node "

@@ -9,8 +9,7 @@ import random
 import socket
 from pathlib import Path
 
-# Ports handed out by this process: two picks for one run (announce + master port) never
-# return the same port although neither is bound yet.
+# Ports handed out by this process: two picks never return the same (not yet bound) port.
 _handed_out: set[tuple[str, int]] = set()
 
 

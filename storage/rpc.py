@@ -199,8 +199,7 @@ class RouterService:
         steps = self._steps()
         while not self._stop.is_set():
             if poller.poll(self._poll_timeout_ms()):
-                # Drain up to max_batch before the steps (parked requests retried once per batch);
-                # ZMQ_EVENTS is cheaper than a recv raising Again.
+                # Drain up to max_batch before the steps (ZMQ_EVENTS: cheaper than a recv raising)
                 for _ in range(self.max_batch):
                     if not sock.get(zmq.EVENTS) & zmq.POLLIN:
                         break

@@ -27,8 +27,7 @@ def shard_of(row_id: int) -> int:
 META_COLUMNS: dict[str, pa.DataType] = {
     ROW_ID: pa.uint64(),  # stable id, see docs/store-protocol.md
     "created_at": pa.float64(),  # wall-clock seconds when the row was put
-    # Per-task delivery count is returned as "deliveries" (uint16) in a claimed batch: how many
-    # times this row was handed to the claiming task, this delivery included (1 = first time).
+    # Per-task delivery count in a claimed batch, this delivery included (1 = first time).
     "deliveries": pa.uint16(),
 }
 
@@ -49,8 +48,7 @@ class TaskSpec:
 
     name: str
     needs: tuple[str, ...]
-    # If True, claims hand out only complete groups (all ``TableSpec.group_size`` rows of a group
-    # ready), and never split a group across leases.
+    # If True, claims hand out only complete groups, never split across leases.
     whole_groups: bool = False
 
 
@@ -61,8 +59,7 @@ class TableSpec:
     name: str
     schema: pa.Schema  # user columns only (no META_COLUMNS)
     tasks: tuple[TaskSpec, ...]
-    # Optional grouping: rows sharing a value of this int64 column form a group of exactly
-    # ``group_size`` rows, which must arrive in one ``put`` (so a group never spans shards).
+    # Optional grouping: rows sharing this int64 column's value, ``group_size`` per put.
     group_column: str | None = None
     group_size: int | None = None
     # Back-pressure: ``put`` waits (up to its timeout) while the table holds this many rows/bytes.
@@ -71,8 +68,7 @@ class TableSpec:
     # Leases: default deadline, and the delivery count past which a row is quarantined (DEAD).
     lease_seconds: float = 60.0
     max_deliveries: int = 5
-    # Durability on a node with a persistence root: "always" (durable when acknowledged),
-    # "interval", "never" (OS decides). Ignored by a node without a root.
+    # Durability with a persistence root: "always" (when acknowledged), "interval", "never".
     fsync: str = "always"
     fsync_interval_s: float = 0.05
 

@@ -47,8 +47,7 @@ class ServerConfig:
     metrics_addr: str = "127.0.0.1"
     metrics_interval_s: float = 1.0
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
-    # Persistence root (the node's own: clients only name tables): every table of this node is
-    # kept in <persist_dir>/<table> and recovered at start. None = memory only.
+    # Persistence root: every table kept in <persist_dir>/<table>, recovered at start (None: off).
     persist_dir: str | None = None
     # Bounds on requests parked server-side (docs/store-protocol.md).
     max_parked_bytes: int = 256 << 20  # body bytes of puts waiting for room, whole node
@@ -103,8 +102,7 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         self.metrics_port: int | None = None
         self._auth: Any = None
         self._claims: dict[str, list[ParkedRequest]] = {}
-        # Encoded empty-lease bodies by (table, columns), cheaper than rebuilding one per idle
-        # claim; cleared whenever a table is created or dropped.
+        # Encoded empty-lease bodies by (table, columns); cleared when a table is created/dropped.
         self._empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer] = {}
         self._puts: dict[str, deque[ParkedRequest]] = {}
         self._book = ParkedBook(
@@ -125,8 +123,7 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         def setup(sock: zmq.Socket) -> None:
             sock.setsockopt(zmq.SNDHWM, 100_000)
             sock.setsockopt(zmq.RCVHWM, 100_000)
-            # ZMTP heartbeats: a peer whose host vanished (no FIN) loses its connection, and so
-            # its route, within ~10 s; the peer probe then drops its parked requests.
+            # ZMTP heartbeats: a vanished peer loses its route within ~10 s (then probes drop it).
             sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10_000)
             if cfg.curve_secret_key is not None:

@@ -139,8 +139,7 @@ class StoreVerbs:
         result = {"lease_id": lease.lease_id, "shard_id": lease.shard_id}
         result["deadline"] = lease.deadline
 
-        # A lease whose reply cannot be delivered (the consumer is gone) is handed back at once
-        # instead of stranding its rows until the deadline.
+        # An undeliverable lease is handed back at once instead of stranding its rows.
         def undo() -> None:
             self.node.release(a.table, lease.lease_id)
             self._dirty.add(a.table)

@@ -20,8 +20,7 @@ from storage.schema import SEQ_BITS, RowState, ShardStats, TableSpec, TaskStats
 PENDING, READY, LEASED, CONSUMED, DEAD = (int(s) for s in RowState)
 _NUM_STATES = len(RowState)
 _COMPACT_MIN = 4096
-# Every per-row array: name -> (leading axis: "" per row, "col" per column, "task" per task;
-# dtype; value of a new slot). Rows are the last axis of each.
+# Per-row arrays (rows the last axis): name -> (leading axis "", "col" or "task"; dtype; fill).
 _ROW_ARRAYS: dict[str, tuple[str, type, int | float | bool]] = {
     "seqs": ("", np.int64, 0),
     "alive": ("", np.bool_, False),

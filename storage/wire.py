@@ -26,8 +26,7 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_DEPTH = 8  # nesting of the header map (spec/stats are the deepest, at 5)
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
-# The limits of the diagnostic decode (``unpack_header``): a header msgspec refused is decoded
-# once more, untyped and bounded, to report framing faults (not msgpack, ext, nesting) first.
+# Limits of the diagnostic decode of a refused header (``unpack_header``).
 _UNPACK_LIMITS = dict(
     raw=False, strict_map_key=True, use_list=True, max_str_len=MAX_HEADER_BYTES,
     max_bin_len=MAX_HEADER_BYTES, max_array_len=1 << 16, max_map_len=1 << 12, max_ext_len=0,
@@ -41,8 +40,7 @@ def _no_ext(code: int, data: bytes) -> Any:
 # verb -> its header fields (the Structs of storage/headers.py are the schema).
 VERBS: dict[str, tuple[str, ...]] = headers.fields_by_verb(headers.STORE_HEADERS)
 _DECODER = headers.decoder(headers.STORE_HEADERS)
-# Verbs whose request carries Arrow bodies: verb -> (fewest, most). A claim carries one only with
-# ``ack_lease_id`` (the columns written under that lease before it is acked).
+# Verbs whose request carries Arrow bodies: verb -> (fewest, most); a claim's needs ack_lease_id.
 BODY_COUNTS: dict[str, tuple[int, int]] = {"put": (1, 1), "write": (1, 1), "claim": (0, 1)}
 # Verbs that change durable state: the server fsyncs (fsync="always") before replying to them.
 MUTATING_VERBS = frozenset({"put", "write", "ack", "release", "clear", "create_table"})
