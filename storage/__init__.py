@@ -1,8 +1,7 @@
 """storage: the sharded, Arrow-backed transfer queue over ZeroMQ (the project's data store).
 
 ``storage.connect(addresses)`` or ``storage.embedded(num_shards=2)`` (a real Server in a thread
-over inproc://); see docs/store-protocol.md. ``storage`` imports neither workers nor streamflow.
-"""
+over inproc://); see docs/store-protocol.md. ``storage`` imports neither workers nor streamflow."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Column data of a shard: Arrow chunks as they arrived, and the gather that builds a claimed batch.
 
 Every put/write becomes one *source* kept as received; each cell points at ``(source, offset)``
-and a source is freed once no live cell points at it. See docs/store-protocol.md ("Shards").
-"""
+and a source is freed once no live cell points at it. See docs/store-protocol.md ("Shards")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Validation of what callers hand the store: table specs and incoming Arrow batches.
 
-Every function raises a typed ``BadRequest`` (or ``SchemaMismatch``) whose message names the field
-or column that was wrong, and mutates nothing: ``StoreNode`` validates a whole request with these
-before it changes any state.
-"""
+Each raises a typed ``BadRequest``/``SchemaMismatch`` naming the field or column, and mutates
+nothing: ``StoreNode`` validates a whole request before it changes any state."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The shard map of one (table, task) consumer group and how it changes: a pure state machine.
 
-Owns which consumer owns which shard, the handoffs in flight, the members' sessions and the
-depth-based rebalancing decision; no sockets, threads or clocks. Invariants (one owner, bounded
-unowned time, consumer-side expiry, no churn): docs/store-protocol.md ("Shard map").
-"""
+Owners, handoffs in flight, sessions and depth rebalancing; no sockets, threads or clocks.
+Invariants: docs/store-protocol.md ("Shard map")."""
 
 from __future__ import annotations
 

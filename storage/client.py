@@ -1,8 +1,7 @@
 """The store client: explicit verbs over one ZeroMQ DEALER socket per store node.
 
 Owns routing by shard, placement of puts, multi-node claims, request timeouts and reconnection.
-Use a ``Client`` from ONE thread. Rules: docs/store-protocol.md ("Client").
-"""
+Use a ``Client`` from ONE thread. Rules: docs/store-protocol.md ("Client")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The coordinator: a small key-value directory and the shard map of every (table, task).
 
-One ZeroMQ ROUTER loop thread (``storage.rpc.RouterService``) serving the directory verbs
-(register, lookup, lookup_prefix) and the group verbs (join, heartbeat, leave, assignment) over
-``storage.balance.Balancer``. In memory only. Details: docs/store-protocol.md ("Coordinator").
-"""
+One ROUTER loop thread serving the directory and group verbs over ``storage.balance.Balancer``;
+in memory only. Details: docs/store-protocol.md ("Coordinator")."""
 
 from __future__ import annotations
 

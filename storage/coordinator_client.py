@@ -1,7 +1,6 @@
 """The client side of the coordinator: ``CoordinatorClient`` and ``StatsPoller``.
 
-Use a ``CoordinatorClient`` from ONE thread; see docs/store-protocol.md ("Coordinator").
-"""
+Use a ``CoordinatorClient`` from ONE thread; see docs/store-protocol.md ("Coordinator")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """A consumer's membership in a (table, task) group: heartbeats, its owned shards, balanced claims.
 
-Owns ``ConsumerSession``: a heartbeat thread with its own ``CoordinatorClient``, the adopted
-assignment, throughput measurement and the claim policy (owned shards, then steal, then a long
-poll). Policy and handoff safety: docs/store-protocol.md ("Consumer sessions").
-"""
+``ConsumerSession``: a heartbeat thread, the adopted assignment, throughput and the claim policy
+(docs/store-protocol.md, "Consumer sessions")."""
 
 from __future__ import annotations
 

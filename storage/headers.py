@@ -1,8 +1,7 @@
 """Message headers as typed msgspec Structs: the store's verbs, the coordinator's, a table spec.
 
 Owns the schema of every request header and the translation of msgspec's errors into one-line
-``BadRequest`` messages naming the field. Shared rules: docs/store-protocol.md ("Headers").
-"""
+``BadRequest`` messages naming the field. Shared rules: docs/store-protocol.md ("Headers")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Leases of a store node: handing rows out (``claim``) and ending leases (ack, release, expiry).
 
 A mixin of ``StoreNode``: claim planning, shard choice, lease records and their deadline heap,
-and fencing (rules: docs/store-protocol.md, "Leases and fencing").
-"""
+and fencing (rules: docs/store-protocol.md, "Leases and fencing")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Prometheus metrics of one store node, of the shard coordinator and of a consumer session.
 
-Each in a private ``CollectorRegistry``; threading and label bounds: docs/store-protocol.md.
-"""
+Each in a private ``CollectorRegistry``; threading and label bounds: docs/store-protocol.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """StoreNode: the in-process, single-threaded, non-blocking state machine of one store node.
 
-Owns the node's tables (each split into ``num_shards`` ``Shard``s) and every live lease. No
-sockets, threads or sleeping; every verb validates its whole input before mutating anything.
-Ids, persistence and the choices where the contract is silent: docs/store-protocol.md.
-"""
+Owns the node's tables (``num_shards`` ``Shard``s each) and live leases; every verb validates
+its whole input before mutating anything. Ids and contract choices: docs/store-protocol.md."""
 
 from __future__ import annotations
 

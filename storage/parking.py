@@ -1,8 +1,7 @@
 """Requests parked by a store server: the waiting claims and puts, their limits and deadlines.
 
 ``ParkedRequests`` (a mixin of ``storage.server.Server``) keeps them; ``ParkedBook`` accounts for
-them per node and per peer and refuses what would pass a limit. Rules: docs/store-protocol.md.
-"""
+them per node and per peer and refuses what would pass a limit. Rules: docs/store-protocol.md."""
 
 from __future__ import annotations
 

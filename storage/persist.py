@@ -1,8 +1,7 @@
 """Persistence of one table on one node: an append-only log per shard plus atomic snapshots.
 
 Owns the log records, snapshots, replay at recovery and the fsync policy. Layout, ownership,
-recovery and what is durable when: docs/store-protocol.md ("Persistence").
-"""
+recovery and what is durable when: docs/store-protocol.md ("Persistence")."""
 
 from __future__ import annotations
 
@@ -50,7 +49,6 @@ class ShardLog:
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = os.fstat(self.fd).st_size
         self.dirty = False
 
     def append(self, header: dict, body: pa.Buffer | None = None) -> None:
@@ -69,7 +67,6 @@ class ShardLog:
             rest = memoryview(b"".join(bytes(p) for p in pieces))[done:]
             while len(rest):
                 rest = rest[os.write(self.fd, rest) :]
-        self.size += total
         self.dirty = True
 
     def fsync(self) -> None:
@@ -209,12 +206,9 @@ class TableStore:
         self, op: str, sid: int, seqs: np.ndarray, *, task: str | None = None,
         reason: str | None = None,
     ) -> None:
-        header: dict = {"op": op, "seqs": np.asarray(seqs).astype("<i8").tobytes()}
-        if task is not None:
-            header["task"] = task
-        if reason is not None:
-            header["reason"] = reason
-        self.logs[sid].append(header)
+        header = {"op": op, "seqs": np.asarray(seqs).astype("<i8").tobytes(), "task": task,
+                  "reason": reason}  # fmt: skip
+        self.logs[sid].append({k: v for k, v in header.items() if v is not None})
 
     def sync(self, now: float) -> None:
         """fsync dirty logs per the table's policy (``now``: a monotonic clock)."""
@@ -240,8 +234,7 @@ class TableStore:
         write_snapshot(shard, snap + ".tmp", covered)
         os.replace(snap + ".tmp", snap)
         fsync_dir(self.path)
-        old = self.logs[sid]
-        old.close()
+        self.logs[sid].close()
         self.gens[sid] = covered + 1
         self.logs[sid] = ShardLog(self._log_path(sid, covered + 1))
         for gen, path in self._files(sid)[1]:

@@ -1,7 +1,6 @@
 """The node's persistence root: which directories and files the store owns under it.
 
-Rules: docs/store-protocol.md ("Persistence"); logs and snapshots are ``persist.TableStore``'s.
-"""
+Rules: docs/store-protocol.md ("Persistence"); logs and snapshots are ``persist.TableStore``'s."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Ports a parent picks for a child process to bind (``free_port``), below the ephemeral range.
 
-Why: docs/store-protocol.md ("Ports").
-"""
+Why: docs/store-protocol.md ("Ports")."""
 
 from __future__ import annotations
 

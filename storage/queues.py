@@ -1,7 +1,6 @@
 """What a shard hands out and who holds it: FIFO ready queues of row sequences, lease records.
 
-Rules: docs/store-protocol.md ("Shards").
-"""
+Rules: docs/store-protocol.md ("Shards")."""
 
 from __future__ import annotations
 

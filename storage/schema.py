@@ -1,7 +1,6 @@
 """What a table is: its declared schema, its tasks, its limits, and the records the verbs return.
 
-The row lifecycle per task and the row-id layout: docs/store-protocol.md ("Tables and tasks").
-"""
+The row lifecycle per task and the row-id layout: docs/store-protocol.md ("Tables and tasks")."""
 
 from __future__ import annotations
 

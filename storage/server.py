@@ -1,9 +1,7 @@
 """A store node behind a ZeroMQ ROUTER socket: one loop thread that owns one ``StoreNode``.
 
-Owns the node's configuration, its socket(s), the loop's timers (lease expiry, fsync before
-replies, metrics, peer probes), clean shutdown and ``python -m storage``. Verbs are
-``storage.server_verbs``, parked requests ``storage.parking``. The loop: docs/store-protocol.md.
-"""
+Owns the node's configuration, sockets, loop timers, clean shutdown and ``python -m storage``;
+verbs are ``storage.server_verbs``'s, parked requests ``storage.parking``'s (see the doc)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What each store verb does: the handlers of ``storage.server.Server`` (``_v_<verb>``).
 
-Runs only on the server's loop thread; rules: docs/store-protocol.md.
-"""
+Runs only on the server's loop thread; rules: docs/store-protocol.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """One shard of one table: the per-row state machine, in numpy arrays, and its ready queues.
 
-Owns, for the rows of one (table, shard), their cells (``(source, offset)`` pointers into
-``storage._columns``) and per (row, task) state, delivery count, holding lease and dead reason.
-Single-threaded. Layout, groups and invariants: docs/store-protocol.md ("Shards").
-"""
+Owns the rows' cells (pointers into ``storage._columns``) and per (row, task) state, deliveries,
+lease and dead reason. Layout, groups and invariants: docs/store-protocol.md ("Shards")."""
 
 from __future__ import annotations
 

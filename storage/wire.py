@@ -1,10 +1,7 @@
 """The store's wire format: frame layout, header validation, Arrow and record encodings.
 
-Owns how a request/reply is laid out in ZeroMQ frames, the decoding of headers into the verbs'
-Structs (``storage/headers.py``), the limits on anything read from a socket, and the msgpack
-encodings of ``TableSpec``/``TableStats``. Never pickle. Frame layout, limits and the delivery
-guarantees: docs/store-protocol.md.
-"""
+Owns the ZeroMQ frame layout, header decoding into the Structs of ``storage/headers.py``, the
+limits on anything read from a socket (never pickle); layout, limits, guarantees: the doc."""
 
 from __future__ import annotations
 
