@@ -170,24 +170,23 @@ class LookupPrefix(Header, tag="lookup_prefix"):
     prefix: Annotated[str, Meta(max_length=MAX_KEY_LEN)]
 
 
-class _Member(Header):
+class _Group(Header):
     table: Name
     task: Name
+
+
+class _Member(_Group):
     consumer: Name
 
 
 Join, Leave = _verb("join", _Member), _verb("leave", _Member)
+Assignment = _verb("assignment", _Group)
 
 
 class Heartbeat(_Member, tag="heartbeat"):
     generation: Annotated[int, Meta(ge=0, le=1 << 62)] = 0
     rate: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0
     in_flight: Annotated[int, Meta(ge=0, le=1 << 48)] = 0
-
-
-class Assignment(Header, tag="assignment"):
-    table: Name
-    task: Name
 
 
 COORD_HEADERS = (CoordHello, Register, Lookup, LookupPrefix, Join, Heartbeat, Leave, Assignment)

@@ -119,11 +119,10 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         cfg = self.config
 
         def setup(sock: zmq.Socket) -> None:
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
             # ZMTP heartbeats: a vanished peer loses its route within ~10 s (then probes drop it).
-            sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10_000)
+            for opt, value in ((zmq.SNDHWM, 100_000), (zmq.RCVHWM, 100_000),
+                               (zmq.HEARTBEAT_IVL, 2000), (zmq.HEARTBEAT_TIMEOUT, 10_000)):
+                sock.setsockopt(opt, value)  # fmt: skip
             if cfg.curve_secret_key is not None:
                 self._start_curve(sock)
 
@@ -137,10 +136,8 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
             try:
                 self.metrics_port = self.metrics.start_http(cfg.metrics_addr, cfg.metrics_port)
             except OSError as exc:
-                raise StartError(
-                    f"--metrics-port {cfg.metrics_addr}:{cfg.metrics_port}: cannot bind: "
-                    f"{exc.strerror or exc}"
-                ) from None
+                where = f"{cfg.metrics_addr}:{cfg.metrics_port}: cannot bind"
+                raise StartError(f"--metrics-port {where}: {exc.strerror or exc}") from None
         log.info("store node %d serving %s", cfg.node_index, self.addresses)
 
     def _start_curve(self, sock: zmq.Socket) -> None:
@@ -156,10 +153,10 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         self._auth = ThreadAuthenticator(self.context)
         self._auth.start()
         self._auth.configure_curve_callback(domain="streamflow", credentials_provider=_Keys())
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve_secret_key)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, cfg.curve_public_key)
-        sock.setsockopt(zmq.ZAP_DOMAIN, b"streamflow")
+        for opt, value in ((zmq.CURVE_SERVER, 1), (zmq.CURVE_SECRETKEY, cfg.curve_secret_key),
+                           (zmq.CURVE_PUBLICKEY, cfg.curve_public_key),
+                           (zmq.ZAP_DOMAIN, b"streamflow")):
+            sock.setsockopt(opt, value)  # fmt: skip
 
     def _close(self) -> None:
         super()._close()
@@ -204,9 +201,8 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
             # fsync="interval": the node syncs each table once its own interval has passed.
             self.node.sync()
             self._last_interval_sync = now
-        if self.config.metrics_port is not None and now - self._last_metrics >= (
-            self.config.metrics_interval_s
-        ):
+        interval = self.config.metrics_interval_s
+        if self.config.metrics_port is not None and now - self._last_metrics >= interval:
             self._last_metrics = now
             try:
                 self.metrics.refresh(self.node)
