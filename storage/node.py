@@ -170,10 +170,8 @@ class StoreNode(NodeLeases):
 
     def has_capacity(self, table: str, num_rows: int, num_bytes: int) -> bool:
         tb = self._table(table)
-        return (
-            tb.rows() + num_rows <= tb.spec.capacity_rows
-            and tb.nbytes() + num_bytes <= tb.spec.capacity_bytes
-        )
+        return (tb.rows() + num_rows <= tb.spec.capacity_rows
+                and tb.nbytes() + num_bytes <= tb.spec.capacity_bytes)  # fmt: skip
 
     def put(self, table: str, batch: pa.RecordBatch, *, shard_id: int | None = None) -> np.ndarray:
         tb = self._table(table)
@@ -238,9 +236,8 @@ class StoreNode(NodeLeases):
                 raise SchemaMismatch(f"column {name!r} is store metadata and cannot be written")
         rid_col = batch.column(ROW_ID)
         if rid_col.type != pa.uint64() or rid_col.null_count:
-            raise SchemaMismatch(
-                f"column 'row_id': expected type uint64 without nulls, got {rid_col.type}"
-            )
+            got = rid_col.type
+            raise SchemaMismatch(f"column 'row_id': expected type uint64 without nulls, got {got}")
         arrays = check_columns(tb.spec, batch)
         row_ids = rid_col.to_numpy()
         entry = self._live_lease(tb, lease_id) if lease_id is not None else None
@@ -268,9 +265,8 @@ class StoreNode(NodeLeases):
         if entry is not None:
             _, lshard, rec = entry
             for shard, _pos, idx in plan:
-                if shard is not lshard or not bool(
-                    (shard.lease[rec.task, idx] == rec.lease_id).all()
-                ):
+                held = shard is lshard and bool((shard.lease[rec.task, idx] == rec.lease_id).all())
+                if not held:
                     raise BadRequest(f"write: some rows are not part of lease {lease_id}")
         for shard, _pos, idx in plan:
             shard.check_write(idx, list(arrays), overwrite)
@@ -292,9 +288,8 @@ class StoreNode(NodeLeases):
         if not arrays:
             return
         if tb.store is not None:
-            tb.store.log_write(
-                shard.shard_id, shard.seqs[idx], batch.drop_columns([ROW_ID]), overwrite
-            )
+            cols = batch.drop_columns([ROW_ID])
+            tb.store.log_write(shard.shard_id, shard.seqs[idx], cols, overwrite)
         nbytes = sum(a.get_total_buffer_size() for a in arrays.values())
         shard.write(idx, arrays, np.arange(len(idx), dtype=np.int32), nbytes)
         self.events.on_write(tb.spec.name, shard.shard_id, nbytes)

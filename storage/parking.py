@@ -40,29 +40,22 @@ class ParkedBook:
     def admit(self, ident: bytes, verb: str, nbytes: int, table: str) -> None:
         """Count a request about to be parked, or raise the typed refusal naming the limit."""
         held = self.per_peer.get(ident, 0)
+        peer = f"this peer already has {held} requests waiting (max_parked_per_peer "
+        peer += f"{self.max_per_peer})"
+        full = f"table {table!r} is at capacity and "
         if verb == "claim":
             if held >= self.max_per_peer:
-                raise TooManyWaiting(
-                    f"this peer already has {held} requests waiting (max_parked_per_peer "
-                    f"{self.max_per_peer})"
-                )
+                raise TooManyWaiting(peer)
             if self.claims >= self.max_claims:
-                raise TooManyWaiting(
-                    f"node {self.node_index} already has {self.claims} claims waiting "
-                    f"(max_parked_claims {self.max_claims})"
-                )
+                raise TooManyWaiting(f"node {self.node_index} already has {self.claims} claims "
+                                     f"waiting (max_parked_claims {self.max_claims})")  # fmt: skip
             self.claims += 1
         else:
             if held >= self.max_per_peer:
-                raise StoreFull(
-                    f"table {table!r} is at capacity and this peer already has {held} requests "
-                    f"waiting (max_parked_per_peer {self.max_per_peer})"
-                )
+                raise StoreFull(full + peer)
             if self.put_bytes + nbytes > self.max_bytes:
-                raise StoreFull(
-                    f"table {table!r} is at capacity and node {self.node_index} already holds "
-                    f"{self.put_bytes} bytes of waiting puts (max_parked_bytes {self.max_bytes})"
-                )
+                raise StoreFull(f"{full}node {self.node_index} already holds {self.put_bytes} "
+                                f"bytes of waiting puts (max_parked_bytes {self.max_bytes})")
             self.puts += 1
             self.put_bytes += nbytes
         self.per_peer[ident] = held + 1
