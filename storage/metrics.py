@@ -18,6 +18,7 @@ _DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                      0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # fmt: skip
 TTS = ("table", "task", "shard")
 TT = ("table", "task")
+T, V = ("table",), ("verb",)
 
 
 def dead_reason_label(reason: str) -> str:
@@ -61,60 +62,39 @@ class StoreMetrics(HttpEndpoint):
     def __init__(self, node_index: int = 0, registry: CollectorRegistry | None = None) -> None:
         self.node_index = node_index
         self.registry = registry if registry is not None else CollectorRegistry()
-        m = _maker(self.registry, "streamflow_store_")
-        self.queue_depth = m(Gauge, "queue_depth_rows", "Rows READY for a task (queue depth).", TTS)
-        self.in_flight = m(Gauge, "in_flight_rows", "Rows LEASED to a consumer of a task.", TTS)
-        self.dead_rows = m(
-            Gauge, "dead_rows", "Rows quarantined (DEAD) for a task, held until clear.", TTS
-        )
-        self.memory = m(
-            Gauge, "memory_bytes", "Column bytes held by a table on this node.", ["table"]
-        )
-        self.rows_held = m(Gauge, "rows", "Live rows held by a table on this node.", ["table"])
-        self.rows_put = m(Counter, "rows_put_total", "Rows created by put.", ["table"])
-        self.rows_acked = m(Counter, "rows_acked_total", "Rows consumed (acked) by a task.", TT)
-        self.rows_claimed = m(Counter, "rows_claimed_total", "Rows handed out in leases.", TT)
-        self.rows_redelivered = m(
-            Counter, "rows_redelivered_total",
-            "Rows made claimable again after an expiry or failed release.", TT,
-        )
-        self.rows_dead = m(Counter, "rows_dead_total", "Rows quarantined, by bounded reason.",
-                           [*TT, "reason"])  # fmt: skip
-        self.lease_expiries = m(
-            Counter, "lease_expiries_total", "Leases that passed their deadline.", TT
-        )
-        self.bytes_received = m(Counter, "bytes_received_total", "Request bytes received.")
-        self.bytes_sent = m(Counter, "bytes_sent_total", "Reply bytes sent.")
-        self.bytes_written = m(
-            Counter, "bytes_written_total", "Column bytes added by put and write.", ["table"]
-        )
-        self.request_duration = m(Histogram,
-                                  "request_duration_seconds",
+        m, G, C = _maker(self.registry, "streamflow_store_"), Gauge, Counter
+        self.queue_depth = m(G, "queue_depth_rows", "Rows READY for a task (queue depth).", TTS)
+        self.in_flight = m(G, "in_flight_rows", "Rows LEASED to a consumer of a task.", TTS)
+        self.dead_rows = m(G, "dead_rows", "Rows quarantined (DEAD) for a task, held until clear.",
+                           TTS)
+        self.memory = m(G, "memory_bytes", "Column bytes held by a table on this node.", T)
+        self.rows_held = m(G, "rows", "Live rows held by a table on this node.", T)
+        self.rows_put = m(C, "rows_put_total", "Rows created by put.", T)
+        self.rows_acked = m(C, "rows_acked_total", "Rows consumed (acked) by a task.", TT)
+        self.rows_claimed = m(C, "rows_claimed_total", "Rows handed out in leases.", TT)
+        self.rows_redelivered = m(C, "rows_redelivered_total", "Rows made claimable again after "
+                                  "an expiry or failed release.", TT)
+        self.rows_dead = m(C, "rows_dead_total", "Rows quarantined, by bounded reason.",
+                           [*TT, "reason"])
+        self.lease_expiries = m(C, "lease_expiries_total", "Leases that passed their deadline.", TT)
+        self.bytes_received = m(C, "bytes_received_total", "Request bytes received.")
+        self.bytes_sent = m(C, "bytes_sent_total", "Reply bytes sent.")
+        self.bytes_written = m(C, "bytes_written_total", "Column bytes added by put and write.", T)
+        self.request_duration = m(Histogram, "request_duration_seconds",
                                   "Time from request received to reply sent, per verb "
-                                  "(long-polled claims and parked puts include their wait).",
-                                  ["verb"],
-                                  buckets=_DURATION_BUCKETS)  # fmt: skip
-        self.bad_requests = m(Counter, "bad_requests_total", "Requests refused as malformed.")
-        self.tables_recovered = m(
-            Gauge, "recovered_tables",
-            "Tables recovered from the persistence root when this node started.",
-        )
-        self.rows_recovered = m(
-            Gauge, "recovered_rows",
-            "Rows a table held when it was recovered at this node's start.", ["table"],
-        )
-        self.parked = m(
-            Gauge, "parked_requests", "Requests waiting server-side, by verb.", ["verb"]
-        )
-        held = "Body bytes held by puts waiting for room."
-        self.parked_bytes = m(Gauge, "parked_put_bytes", held)
-        self.parked_refused = m(
-            Counter, "parked_refused_total",
-            "Requests refused instead of parked (a parked-request limit was reached).", ["verb"],
-        )
-        self.parked_dropped = m(
-            Counter, "parked_dropped_total", "Parked requests dropped because their peer was gone."
-        )
+                                  "(long-polled claims and parked puts include their wait).", V,
+                                  buckets=_DURATION_BUCKETS)
+        self.bad_requests = m(C, "bad_requests_total", "Requests refused as malformed.")
+        self.tables_recovered = m(G, "recovered_tables", "Tables recovered from the persistence "
+                                  "root when this node started.")
+        self.rows_recovered = m(G, "recovered_rows",
+                                "Rows a table held when it was recovered at this node's start.", T)
+        self.parked = m(G, "parked_requests", "Requests waiting server-side, by verb.", V)
+        self.parked_bytes = m(G, "parked_put_bytes", "Body bytes held by puts waiting for room.")
+        self.parked_refused = m(C, "parked_refused_total", "Requests refused instead of parked "
+                                "(a parked-request limit was reached).", V)
+        self.parked_dropped = m(C, "parked_dropped_total",
+                                "Parked requests dropped because their peer was gone.")  # fmt: skip
         # labels() costs a lock per call: the hot callbacks keep their children (bounded).
         self._children: dict[tuple[Any, ...], Any] = {}
         self._gauge_keys: set[tuple[str, str, str]] = set()
@@ -201,20 +181,14 @@ class CoordinatorMetrics(HttpEndpoint):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         m = _maker(self.registry, "streamflow_coordinator_")
-        self.reassignments = m(
-            Counter, "reassignments_total",
-            "Shard ownership changes (revocations and grants to an unowned shard), by reason.",
-            [*TT, "reason"],
-        )
-        owned = [*TT, "consumer"]
-        self.owned_shards = m(Gauge, "owned_shards", "Shards a consumer owns now.", owned)
-        self.imbalance = m(
-            Gauge,
-            "depth_imbalance_ratio",
-            "Max over mean of the consumers' expected drain time (owned ready rows + in flight, "
-            "over recent throughput); 1 is even.",
-            TT,
-        )
+        self.reassignments = m(Counter, "reassignments_total", "Shard ownership changes "
+                               "(revocations and grants to an unowned shard), by reason.",
+                               [*TT, "reason"])
+        owners = [*TT, "consumer"]
+        self.owned_shards = m(Gauge, "owned_shards", "Shards a consumer owns now.", owners)
+        self.imbalance = m(Gauge, "depth_imbalance_ratio", "Max over mean of the consumers' "
+                           "expected drain time (owned ready rows + in flight, over recent "
+                           "throughput); 1 is even.", TT)  # fmt: skip
         self.consumers = m(Gauge, "consumers_alive", "Consumers with a live session.", TT)
         self._owned_keys: set[tuple[str, str, str]] = set()
         self._http: Any = None
@@ -234,20 +208,16 @@ class SessionMetrics:
     registry it is given (a worker's) or a private one; one instance per registry."""
 
     SOURCES = ("owned", "stolen")
-    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, SessionMetrics] = (
-        weakref.WeakKeyDictionary()
-    )
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, SessionMetrics]
+    _by_registry = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.rows_claimed = Counter(
-            "streamflow_consumer_rows_claimed_total",
-            "Rows a consumer session claimed, by source: owned (its own shards) or stolen (a "
-            "shard another consumer owns, taken while its own were empty).",
-            ["table", "task", "source"],
-            registry=self.registry,
-        )
+        self.rows_claimed = _maker(self.registry, "streamflow_consumer_")(
+            Counter, "rows_claimed_total", "Rows a consumer session claimed, by source: owned (its "
+            "own shards) or stolen (a shard another consumer owns, taken while its own were "
+            "empty).", [*TT, "source"])  # fmt: skip
 
     @classmethod
     def for_registry(cls, registry: CollectorRegistry | None) -> SessionMetrics:
