@@ -278,10 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
     logging.basicConfig(level=args.log_level, format=fmt)
-    config = BalancerConfig(
-        session_timeout_s=args.session_timeout, heartbeat_interval_s=args.heartbeat_interval,
-        rebalance=not args.static,
-    )
+    config = BalancerConfig(session_timeout_s=args.session_timeout,
+                            heartbeat_interval_s=args.heartbeat_interval, rebalance=not args.static)
     coordinator = Coordinator(args.bind, store_addresses=args.store, balancer=config,
                               metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
                               context=zmq.Context())  # fmt: skip

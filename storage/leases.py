@@ -114,9 +114,8 @@ class NodeLeases:
             raise BadRequest(f"min_rows: {min_rows!r} must be an int in [1, max_rows]")
         seconds = spec.lease_seconds if lease_seconds is None else lease_seconds
         if not positive(seconds) or seconds > _MAX_LEASE_SECONDS:
-            raise BadRequest(
-                f"lease_seconds: {lease_seconds!r} must be in (0, {_MAX_LEASE_SECONDS}]"
-            )
+            bound = f"(0, {_MAX_LEASE_SECONDS}]"
+            raise BadRequest(f"lease_seconds: {lease_seconds!r} must be in {bound}")
         whole = spec.tasks[t].whole_groups
         if whole_groups and not whole:
             raise BadRequest(f"whole_groups: task {task!r} was not declared with whole_groups=True")
@@ -185,9 +184,8 @@ class NodeLeases:
         entry = self._leases.get(lease_id) if isinstance(lease_id, int) else None
         if entry is None or entry[0] is not tb:
             if lease_id in self._expired:
-                raise LeaseExpired(
-                    f"lease {lease_id} expired; its rows may be held by another consumer"
-                )
+                why = "its rows may be held by another consumer"
+                raise LeaseExpired(f"lease {lease_id} expired; {why}")
             raise UnknownLease(f"lease {lease_id!r} is not live on table {tb.spec.name!r}")
         return entry
 

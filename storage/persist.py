@@ -139,10 +139,8 @@ class TableStore:
                 on_disk = json.load(f)
             for key in DATA_KEYS:
                 if on_disk.get(key) != doc[key]:
-                    raise BadRequest(
-                        f"{self.path!r} holds table {self.spec.name!r} with a different {key}; "
-                        "drop the table first"
-                    )
+                    what = f"{self.path!r} holds table {self.spec.name!r} with a different {key}"
+                    raise BadRequest(f"{what}; drop the table first")
             if on_disk == doc:
                 return
         write_atomic(meta, json.dumps(doc))  # new, or the same data with other limits
@@ -186,10 +184,8 @@ class TableStore:
             m = re.match(r"shard-(\d+)(?:\.|$)", name)
             sid = int(m[1]) if m else -1
             if sid >> 8 == self.node_index and sid not in shards:
-                raise BadRequest(
-                    f"persist_dir {self.path!r} holds shard {sid}, not served by this node "
-                    "(num_shards too small?)"
-                )
+                raise BadRequest(f"persist_dir {self.path!r} holds shard {sid}, not served by this "
+                                 "node (num_shards too small?)")  # fmt: skip
 
     def _log_path(self, sid: int, gen: int) -> str:
         return os.path.join(self.path, f"shard-{sid}.{gen}.log")

@@ -26,10 +26,8 @@ MAX_EPOCH = (1 << 31) - 1  # lease ids are (epoch << 32) | counter: positive int
 _OWNED = re.compile(r"^(table\.json|shard-\d+\.snap|shard-\d+\.\d+\.log)(\.tmp)?$")
 # Spec fields of table.json that say what the stored data means (must match to reopen it).
 DATA_KEYS = ("schema", "tasks", "group_column", "group_size")
-_LIMIT_KEYS = (
-    "capacity_rows", "capacity_bytes", "lease_seconds", "max_deliveries", "fsync",
-    "fsync_interval_s",
-)
+_LIMIT_KEYS = ("capacity_rows", "capacity_bytes", "lease_seconds", "max_deliveries", "fsync",
+               "fsync_interval_s")  # fmt: skip
 
 
 def fsync_dir(path: str) -> None:
@@ -120,10 +118,8 @@ def spec_from_doc(name: str, doc: dict) -> TableSpec:
     schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(doc["schema"])))
     tasks = tuple(TaskSpec(str(n), tuple(needs), bool(w)) for n, needs, w in doc["tasks"])
     limits = {key: doc[key] for key in _LIMIT_KEYS if key in doc}
-    return TableSpec(
-        name, schema, tasks, group_column=doc.get("group_column"), group_size=doc.get("group_size"),
-        **limits,
-    )
+    return TableSpec(name, schema, tasks, group_column=doc.get("group_column"),
+                     group_size=doc.get("group_size"), **limits)  # fmt: skip
 
 
 def discover(root: str) -> list[TableSpec]:

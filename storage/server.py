@@ -103,10 +103,8 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         # Encoded empty-lease bodies by (table, columns); cleared when a table is created/dropped.
         self._empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer] = {}
         self._puts: dict[str, deque[ParkedRequest]] = {}
-        self._book = ParkedBook(
-            config.node_index, config.max_parked_bytes, config.max_parked_per_peer,
-            config.max_parked_claims,
-        )
+        self._book = ParkedBook(config.node_index, config.max_parked_bytes,
+                                config.max_parked_per_peer, config.max_parked_claims)  # fmt: skip
         self._last_probe = 0.0
         self._dirty: set[str] = set()
         self._needs_sync = False  # a queued reply acks a mutation of an fsync="always" table
