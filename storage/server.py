@@ -277,9 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     [--persist-dir DIR]. Bad options or a failed start: one line on stderr, exit 2."""
     prog = "python -m storage"
     ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
-    ap.add_argument("--bind",
-                    action="append",
-                    help="address to bind (repeatable); "
+    ap.add_argument("--bind", action="append", help="address to bind (repeatable); "
                     "default tcp://127.0.0.1:5555; tcp://127.0.0.1:0 picks a free port")
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--node-index", type=int, default=0)
@@ -292,9 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--log-level", default="INFO", type=str.upper,
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = ap.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
+    logging.basicConfig(level=args.log_level, format=fmt)
     try:
         config = ServerConfig(
             bind=tuple(args.bind or ("tcp://127.0.0.1:5555",)), num_shards=args.shards,
