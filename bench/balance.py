@@ -33,11 +33,11 @@ from typing import Any
 import pyarrow as pa
 
 import storage
+from bench._store_node import spawn_store
 from storage.balance import BalancerConfig
 from storage.coordinator import Coordinator, CoordinatorClient
 from storage.coordinator_session import ConsumerSession
 from storage.schema import TableSpec, TaskSpec
-from storage.server import spawn_node
 
 SCHEMA = pa.schema([("x", pa.int64())])
 TASK = "work"
@@ -49,7 +49,7 @@ def start_store(shards: int, tmp: Path) -> tuple[subprocess.Popen, str]:
     """A store node process on a free 127.0.0.1 port; returns (process, address)."""
     repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
-    proc, addresses = spawn_node(shards, tmp, env=env)
+    proc, addresses = spawn_store(shards, tmp, env=env)
     return proc, addresses[0]
 
 

@@ -216,10 +216,10 @@ def measure_limit(min_bytes: int = 256 << 20) -> float:
 class _Node:
     def __init__(self, shards: int = 2) -> None:
         self.dir = tempfile.mkdtemp(prefix="sf-bench-")
-        from storage.server import spawn_node
+        from bench._store_node import spawn_store
 
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-        self.proc, addresses = spawn_node(shards, self.dir, env=env)
+        self.proc, addresses = spawn_store(shards, self.dir, env=env)
         self.address = addresses[0]
 
     def stop(self) -> None:

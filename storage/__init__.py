@@ -1,16 +1,7 @@
 """storage: the sharded, Arrow-backed transfer queue over ZeroMQ (the project's data store).
 
-Public API::
-
-    import storage
-    client = storage.connect("tcp://127.0.0.1:5555")          # or a list, one address per node
-    with storage.embedded(num_shards=2) as store:             # a real Server in a thread, inproc://
-        client = store.client()                               # one Client per thread
-
-The embedded form runs the same code path as the network (ROUTER server loop, wire validation,
-DEALER client), only over ``inproc://`` (or a 127.0.0.1 port with ``tcp=True``).
-Layering: ``storage`` imports neither ``workers`` nor ``streamflow``.
-"""
+``storage.connect(addresses)`` or ``storage.embedded(num_shards=2)`` (a real Server in a thread
+over inproc://); see docs/store-protocol.md. ``storage`` imports neither workers nor streamflow."""
 
 from __future__ import annotations
 
@@ -28,8 +19,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # The server module is imported lazily so that `python -m storage.server` does not find it
-    # already imported by this package (runpy warns about that).
+    # Lazy: `python -m storage.server` must not find the module already imported (runpy warns).
     if name in ("Server", "ServerConfig", "serve"):
         from storage import server
 
@@ -42,54 +32,26 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "Client",
-    "ConsumerSession",
-    "Coordinator",
-    "CoordinatorClient",
-    "CurveClientKeys",
-    "EmbeddedStore",
-    "Lease",
-    "Server",
-    "ServerConfig",
-    "StoreError",
-    "TableSpec",
-    "TableStats",
-    "TaskSpec",
-    "connect",
-    "embedded",
-    "serve",
+    "Client", "ConsumerSession", "Coordinator", "CoordinatorClient", "CurveClientKeys",
+    "EmbeddedStore", "Lease", "Server", "ServerConfig", "StoreError", "TableSpec", "TableStats",
+    "TaskSpec", "connect", "embedded", "serve",
 ]
 
 
 class EmbeddedStore:
     """A store node served from a background thread of this process, plus clients for it.
-
-    Lifecycle: constructed started; ``close()`` (or leaving the ``with`` block) closes every
-    client it made, stops the server (parked waits get ShuttingDown) and ends its ZeroMQ context.
-    ``client()`` is thread-safe; each Client it returns belongs to the thread that uses it.
-    """
+    Constructed started; ``close()`` closes its clients, stops the server and ends its context."""
 
     def __init__(
-        self,
-        num_shards: int = 1,
-        *,
-        node_index: int = 0,
-        tcp: bool = False,
-        metrics_port: int | None = None,
-        persist_dir: str | None = None,
-        **client_kwargs: Any,
+        self, num_shards: int = 1, *, node_index: int = 0, tcp: bool = False,
+        metrics_port: int | None = None, persist_dir: str | None = None, **client_kwargs: Any,
     ) -> None:
         from storage.server import Server, ServerConfig, inproc_address
 
         self.context = zmq.Context()
         bind = "tcp://127.0.0.1:0" if tcp else inproc_address()
-        config = ServerConfig(
-            bind=(bind,),
-            num_shards=num_shards,
-            node_index=node_index,
-            metrics_port=metrics_port,
-            persist_dir=persist_dir,  # the node's persistence root (every table kept there)
-        )
+        config = ServerConfig(bind=(bind,), num_shards=num_shards, node_index=node_index,
+                              metrics_port=metrics_port, persist_dir=persist_dir)  # fmt: skip
         self.server: Server = Server(config, context=self.context).start()
         self.address = self.server.addresses[0]
         self._client_kwargs = client_kwargs

@@ -1,15 +1,7 @@
 """Column data of a shard: Arrow chunks as they arrived, and the gather that builds a claimed batch.
 
-A shard never copies column data on arrival. Every ``put`` and every ``write`` becomes one
-*source*: the Arrow arrays of that request, kept as received (zero-copy slices of the request's
-frame when the server decoded it that way). Each (row, column) cell points at ``(source, offset)``.
-A source is freed once no live cell points at it any more (``refs`` counts live cells), which is
-how memory held goes down in whole chunks.
-
-``gather`` turns the (source, offset) pairs of the claimed rows into one contiguous Arrow array:
-a zero-copy slice when the rows are a contiguous run of one source (the common streaming case:
-rows claimed in the order they were put), otherwise ``take`` per run and one concat.
-"""
+Every put/write becomes one *source* kept as received; each cell points at ``(source, offset)``
+and a source is freed once no live cell points at it. See docs/store-protocol.md ("Shards")."""
 
 from __future__ import annotations
 
@@ -20,8 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  # Array.take imports it lazily (~80 ms): pay that at start-up
 
-# Beyond this many runs of alternating sources, gathering per source and permuting once is cheaper
-# than one small ``take`` per run.
+# Beyond this many runs of sources, one take per source and a permutation beat a take per run.
 _MAX_RUNS = 32
 
 
@@ -91,30 +82,19 @@ def gather_with_nulls(
     return values.take(pa.array(idx, mask=~written))
 
 
-def batch_nbytes(arrays: dict[int, pa.Array]) -> int:
-    return sum(a.nbytes for a in arrays.values())
-
 def claimed_batch(
-    sources: dict[int, Source],
-    src_all: np.ndarray,
-    off_all: np.ndarray,
-    created: np.ndarray,
-    idx: np.ndarray,
-    names: Sequence[str],
-    cols: Sequence[int],
-    row_ids: np.ndarray,
+    sources: dict[int, Source], src_all: np.ndarray, off_all: np.ndarray, created: np.ndarray,
+    idx: np.ndarray, names: Sequence[str], cols: Sequence[int], row_ids: np.ndarray,
     deliveries: np.ndarray,
 ) -> pa.RecordBatch:
-    """A claimed batch of a shard's rows ``idx``: the columns ``cols`` (id -1: ``created_at``)
-    named ``names``, then ``row_id`` and ``deliveries``. ``src_all``/``off_all``: the shard's
-    (column, row) -> (source, offset) pointers; ``created``: its creation times per row."""
+    """A claimed batch of rows ``idx``: columns ``cols`` (-1: ``created_at``) named ``names``,
+    then ``row_id`` and ``deliveries``; ``src_all``/``off_all``: the shard's cell pointers."""
     arrays: list[pa.Array] = []
     k = len(idx)
     data_cols = [c for c in cols if c >= 0]
     fast: dict[int, pa.Array] = {}
     if data_cols and k:
-        # One gather of every column's (source, offset) pointers; a column whose cells are
-        # a contiguous run of one source (the streaming case) is a zero-copy slice.
+        # A column whose cells are a contiguous run of one source is a zero-copy slice.
         src = np.take(src_all, idx, axis=1)  # (rows first: never copy whole columns)
         off = np.take(off_all, idx, axis=1)
         if len(data_cols) != len(src):
@@ -122,14 +102,8 @@ def claimed_batch(
         one_src = (src == src[:, :1]).all(axis=1)
         runs = (off[:, 1:] - off[:, :-1] == 1).all(axis=1) if k > 1 else one_src
         for j, (c, single, run, s0, o0) in enumerate(
-            zip(
-                data_cols,
-                one_src.tolist(),
-                runs.tolist(),
-                src[:, 0].tolist(),
-                off[:, 0].tolist(),
-                strict=True,
-            )
+            zip(data_cols, one_src.tolist(), runs.tolist(), src[:, 0].tolist(), off[:, 0].tolist(),
+                strict=True)  # fmt: skip
         ):
             if single and run and s0 >= 0:
                 fast[c] = sources[s0].arrays[c].slice(o0, k)

@@ -1,33 +1,35 @@
 """Validation of what callers hand the store: table specs and incoming Arrow batches.
 
-Every function raises a typed ``BadRequest`` (or ``SchemaMismatch``) whose message names the field
-or column that was wrong, and mutates nothing: ``StoreNode`` validates a whole request with these
-before it changes any state.
-"""
+Each raises a typed ``BadRequest``/``SchemaMismatch`` naming the field or column, and mutates
+nothing: ``StoreNode`` validates a whole request before it changes any state."""
 
 from __future__ import annotations
 
 import math
-import re
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 
 from storage.errors import BadRequest, SchemaMismatch
+from storage.headers import WireSpec, field_error
+from storage.persist_root import TABLE_NAME
 from storage.schema import META_COLUMNS, ROW_ID, TableSpec
-from storage.wire import to_batch
-
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+from storage.wire import spec_to_wire, to_batch
 
 
 def validate_spec(spec: TableSpec) -> None:
     """BadRequest naming the first bad field of a table spec."""
     if not isinstance(spec, TableSpec):
         raise BadRequest("spec must be a TableSpec")
-    if not isinstance(spec.name, str) or not _NAME.match(spec.name):
+    if not isinstance(spec.name, str) or not TABLE_NAME.match(spec.name):
         raise BadRequest(f"name: {spec.name!r} is not 1-128 chars of [A-Za-z0-9_.-]")
     if not isinstance(spec.schema, pa.Schema):
         raise BadRequest("schema: must be a pyarrow.Schema")
+    try:  # types and bounds of every field: the wire Struct's (storage/headers.py)
+        msgspec.convert(spec_to_wire(spec), WireSpec)
+    except msgspec.ValidationError as exc:
+        raise field_error(exc, "", kind="spec") from None
     names = spec.schema.names
     if len(set(names)) != len(names):
         raise BadRequest(f"schema: duplicate column names in {names}")
@@ -37,7 +39,7 @@ def validate_spec(spec: TableSpec) -> None:
     if not spec.tasks:
         raise BadRequest("tasks: a table needs at least one task")
     task_names = [t.name for t in spec.tasks]
-    if len(set(task_names)) != len(task_names) or not all(_NAME.match(n) for n in task_names):
+    if len(set(task_names)) != len(task_names) or not all(TABLE_NAME.match(n) for n in task_names):
         raise BadRequest(f"tasks: names must be unique and match [A-Za-z0-9_.-]: {task_names}")
     for t in spec.tasks:
         for c in t.needs:
@@ -52,20 +54,6 @@ def validate_spec(spec: TableSpec) -> None:
             raise BadRequest(f"group_column: unknown column {spec.group_column!r}")
         if spec.schema.field(spec.group_column).type != pa.int64():
             raise BadRequest(f"group_column: {spec.group_column!r} must be int64")
-        if not isinstance(spec.group_size, int) or not 1 <= spec.group_size <= 65535:
-            raise BadRequest(f"group_size: {spec.group_size!r} is not an int in [1, 65535]")
-    if not isinstance(spec.capacity_rows, int) or spec.capacity_rows < 1:
-        raise BadRequest(f"capacity_rows: {spec.capacity_rows!r} must be a positive int")
-    if not isinstance(spec.capacity_bytes, int) or spec.capacity_bytes < 1:
-        raise BadRequest(f"capacity_bytes: {spec.capacity_bytes!r} must be a positive int")
-    if not positive(spec.lease_seconds):
-        raise BadRequest(f"lease_seconds: {spec.lease_seconds!r} must be a positive number")
-    if not isinstance(spec.max_deliveries, int) or not 1 <= spec.max_deliveries <= 65535:
-        raise BadRequest(f"max_deliveries: {spec.max_deliveries!r} is not an int in [1, 65535]")
-    if spec.fsync not in ("always", "interval", "never"):
-        raise BadRequest(f"fsync: {spec.fsync!r} is not one of always, interval, never")
-    if not positive(spec.fsync_interval_s):
-        raise BadRequest(f"fsync_interval_s: {spec.fsync_interval_s!r} must be positive")
 
 
 def positive(x: object) -> bool:

@@ -1,46 +1,14 @@
 """The shard map of one (table, task) consumer group and how it changes: a pure state machine.
 
-Owns: which consumer owns which shard, the handoffs in flight, the members' sessions, and the
-depth-based rebalancing decision. No sockets, threads or clocks: the coordinator
-(``storage/coordinator.py``) feeds it ``now`` (monotonic seconds), heartbeats and the live depth
-(ready rows per shard for the task), so every rule below is tested directly
-(``tests/storage/test_balance*.py``).
-
-Invariants:
-- **One owner.** A shard is in at most one consumer's assignment at a time, *including what
-  consumers are still using*. A move is a handoff: the shard is revoked from its old owner first
-  (generation g is bumped; the old owner's assignment no longer lists it) and granted to the new
-  owner only once the old owner confirms a generation >= g (its heartbeat says it adopted g and no
-  claim of an older generation is still running), or its session expired, or it left.
-- **Bounded unowned time.** A shard is unowned only during a handoff or after its owner died. A
-  handoff not confirmed within ``session_timeout_s`` is cancelled (the shard goes back to the old
-  owner, which may still be using it); a dead owner is detected ``session_timeout_s`` after its
-  last heartbeat; the next round (<= ``heartbeat_interval_s`` later, the coordinator's round
-  interval) grants the shard. So no shard is without a live owner longer than
-  ``session_timeout_s + heartbeat_interval_s`` (while the group has a live member).
-- **Consumer-side expiry.** A consumer treats its assignment as void ``session_timeout_s -
-  claim_wait`` after *sending* its last acknowledged heartbeat (``storage.coordinator_session``),
-  i.e. before the coordinator (which counts from *receiving* it) can declare it dead and give its
-  shards away; so a consumer frozen past its session never overlaps its successor.
-- **No churn.** Depth moves need the imbalance (max over mean of the members' expected drain
-  times) above ``threshold`` with a gap over ``min_gap_s`` for ``patience`` consecutive rounds, a
-  move that lowers the two consumers' larger drain time by ``margin``, no handoff in flight, and
-  the shard not moved within ``cooldown_s``. A move and its reverse cannot both pass the margin on
-  the same numbers, so a steady state never flips back and forth.
-
-Ownership is for locality and balance, never for correctness: the store's leases decide who
-processes a row, and they are independent of ownership (a lease taken before a move stays valid
-until acked or expired), so a move never loses, moves or duplicates rows.
-"""
+Owners, handoffs in flight, sessions and depth rebalancing; no sockets, threads or clocks.
+Invariants: docs/store-protocol.md ("Shard map")."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-# Reasons a shard changes owner (the reassignments metric's label): a member joined (count
-# rebalance), left cleanly, its session expired, the depth balancer moved it, or a handoff was
-# cancelled because the old owner never confirmed it.
+# Why a shard changes owner (the reassignments metric's label).
 REASONS = ("join", "leave", "expired", "balance", "handoff_timeout")
 
 
@@ -62,10 +30,8 @@ class BalancerConfig:
         if not self.heartbeat_interval_s > 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if not self.session_timeout_s > 2 * self.heartbeat_interval_s:
-            raise ValueError(
-                f"session_timeout_s ({self.session_timeout_s}) must exceed twice "
-                f"heartbeat_interval_s ({self.heartbeat_interval_s})"
-            )
+            raise ValueError(f"session_timeout_s ({self.session_timeout_s}) must exceed twice "
+                             f"heartbeat_interval_s ({self.heartbeat_interval_s})")  # fmt: skip
         if not self.threshold >= 1.0:
             raise ValueError(f"threshold must be >= 1, got {self.threshold}")
         if self.patience < 1:
@@ -272,10 +238,8 @@ class Balancer:
                 quota = -(-len(shards) // len(ids))
                 for c in ids:
                     extra = self._load(c) - quota
-                    mine = sorted(
-                        (s for s in shards if self.owner[s] == c),
-                        key=lambda s: self.depth.get(s, 0),
-                    )
+                    mine = sorted((s for s in shards if self.owner[s] == c),
+                                  key=lambda s: self.depth.get(s, 0))  # fmt: skip
                     for s in mine[: max(extra, 0)]:
                         self._revoke(s, None, "join", now)
         for i, s in enumerate(shards):
@@ -288,8 +252,7 @@ class Balancer:
                 target = min(ids, key=lambda c: (self._load(c), drain[c], c))
             self.owner[s] = target
             self._bump()
-        # Handoffs still without a target wait for their source; pick one for them now so the
-        # grant happens as soon as the source confirms.
+        # Handoffs without a target get one now: granted as soon as the source confirms.
         for h in self.handoffs.values():
             if h.target is None:
                 h.target = min(ids, key=lambda c: (self._load(c), c))

@@ -1,19 +1,7 @@
 """The store client: explicit verbs over one ZeroMQ DEALER socket per store node.
 
-Owns: routing (row-id-keyed verbs go to the node owning the row's shard: ``shard_id >> 8`` is the
-node index), placement of puts (the node with the shallowest depth hint, piggybacked on put
-replies), multi-node claims (probe without waiting, then one server-side long poll per node; the
-first lease wins, the others are cancelled and any late lease is released cleanly), request
-timeouts and reconnection.
-
-Threading: a ``Client`` is used from ONE thread (ZeroMQ sockets are not thread-safe). Make one
-client per thread; they may share a ``zmq.Context`` (``EmbeddedStore.client()`` does).
-
-Replies are matched by ``req_id``. When a request times out the client raises ``Unavailable``,
-closes that node's socket and opens a fresh one (ZeroMQ then reconnects with exponential backoff,
-100 ms .. 5 s), so a late reply to a timed-out request can never be taken for another's. The
-outcome of a timed-out mutating request is unknown (see the guarantees in ``storage/wire.py``).
-"""
+Owns routing by shard, placement of puts, multi-node claims, request timeouts and reconnection.
+Use a ``Client`` from ONE thread. Rules: docs/store-protocol.md ("Client")."""
 
 from __future__ import annotations
 
@@ -44,22 +32,17 @@ class CurveClientKeys:
 
 
 class _Conn(rpc.Channel):
-    """One node: its channel (socket replaced after a timeout), node index and placement hint."""
+    """One node: its channel (socket replaced after a timeout) and placement hint."""
 
     def __init__(self, client: Client, address: str) -> None:
         options: list[tuple[int, Any]] = [
-            (zmq.RECONNECT_IVL, 100),
-            (zmq.RECONNECT_IVL_MAX, 5000),
+            (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 5000),
             (zmq.MAXMSGSIZE, client.max_message_bytes),
         ]
-        if client.curve is not None:
-            options += [
-                (zmq.CURVE_PUBLICKEY, client.curve.public_key),
-                (zmq.CURVE_SECRETKEY, client.curve.secret_key),
-                (zmq.CURVE_SERVERKEY, client.curve.server_public_key),
-            ]
+        if (k := client.curve) is not None:
+            options += [(zmq.CURVE_PUBLICKEY, k.public_key), (zmq.CURVE_SECRETKEY, k.secret_key),
+                        (zmq.CURVE_SERVERKEY, k.server_public_key)]  # fmt: skip
         super().__init__(client.context, address, timeout_error=Unavailable, options=options)
-        self.node_index: int | None = None
         self.depth = 0  # live rows of the last-put table, from the last put reply
 
 
@@ -67,10 +50,7 @@ class Client:
     """Talks to one or more store nodes. Use from one thread; ``close()`` when done."""
 
     def __init__(
-        self,
-        addresses: str | Sequence[str],
-        *,
-        context: zmq.Context | None = None,
+        self, addresses: str | Sequence[str], *, context: zmq.Context | None = None,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         curve: CurveClientKeys | None = None,
@@ -97,28 +77,16 @@ class Client:
         return req_id
 
     def _call(
-        self,
-        conn: _Conn,
-        verb: str,
-        args: dict[str, Any],
-        bodies: Sequence[Any] = (),
-        *,
+        self, conn: _Conn, verb: str, args: dict[str, Any], bodies: Sequence[Any] = (), *,
         wait: float = 0.0,
     ) -> wire.Reply:
-        req_id = self._send(conn, verb, args, bodies)
-        reply = conn.wait(rpc.reply_to(req_id), wait + self.request_timeout)
-        if reply.error is not None:
-            raise reply.error
-        return reply
+        return conn.request(next(self._req_ids), verb, args, bodies, wait + self.request_timeout)
 
     def _nodes(self) -> dict[int, _Conn]:
         """node index -> connection, learned once with "hello" (only needed with several nodes)."""
         if self._by_node is None:
-            by_node = {}
-            for conn in self._conns:
-                conn.node_index = int(self._call(conn, "hello", {}).result["node_index"])
-                by_node[conn.node_index] = conn
-            self._by_node = by_node
+            hello = {c: self._call(c, "hello", {}).result for c in self._conns}
+            self._by_node = {int(h["node_index"]): c for c, h in hello.items()}
         return self._by_node
 
     def _conn_for_shard(self, shard_id: int) -> _Conn:
@@ -131,69 +99,49 @@ class Client:
             raise StoreError(f"no connected node serves shard {shard_id} (node {node})") from None
 
     # -- admin verbs -----------------------------------------------------------------------------
+    def _each(self, verb: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """The verb on every node, in the order of the addresses: their results."""
+        return [self._call(c, verb, args).result for c in self._conns]
+
     def parked(self) -> list[dict[str, int]]:
         """What each node has parked now ({"claims", "puts", "put_bytes", "peers"}), in the
         order of the addresses: a test waits on it instead of sleeping."""
-        return [dict(self._call(c, "hello", {}).result["parked"]) for c in self._conns]
+        return [dict(r["parked"]) for r in self._each("hello", {})]
 
     def create_table(self, spec: TableSpec) -> None:
         """Create the table on every node (idempotent for an equal spec)."""
-        for conn in self._conns:
-            self._call(conn, "create_table", {"spec": wire.spec_to_wire(spec)})
+        self._each("create_table", {"spec": wire.spec_to_wire(spec)})
 
     def drop_table(self, table: str) -> None:
-        for conn in self._conns:
-            self._call(conn, "drop_table", {"table": table})
+        self._each("drop_table", {"table": table})
 
     def tables(self) -> list[str]:
-        names: set[str] = set()
-        for conn in self._conns:
-            names.update(self._call(conn, "tables", {}).result["tables"])
-        return sorted(names)
+        return sorted({name for r in self._each("tables", {}) for name in r["tables"]})
 
     def stats(self, table: str) -> TableStats:
         """Per-shard, per-task counts, merged over every node."""
-        parts = [
-            wire.stats_from_wire(self._call(c, "stats", {"table": table}).result["stats"])
-            for c in self._conns
-        ]
-        return wire.merge_stats(parts)
+        parts = self._each("stats", {"table": table})
+        return wire.merge_stats([wire.stats_from_wire(r["stats"]) for r in parts])
 
     def clear(self, table: str, *, dead: bool = False) -> int:
         """Free consumed rows (and DEAD ones with dead=True); returns rows freed."""
-        return sum(
-            int(self._call(c, "clear", {"table": table, "dead": dead}).result["freed"])
-            for c in self._conns
-        )
+        return sum(int(r["freed"]) for r in self._each("clear", {"table": table, "dead": dead}))
 
     def snapshot(self, table: str) -> list[str]:
         """Snapshot the table on every node; returns the snapshot paths."""
-        return [
-            str(self._call(c, "snapshot", {"table": table}).result["path"]) for c in self._conns
-        ]
+        return [str(r["path"]) for r in self._each("snapshot", {"table": table})]
 
     # -- data verbs ------------------------------------------------------------------------------
     def put(
-        self,
-        table: str,
-        data: pa.RecordBatch | pa.Table,
-        *,
-        timeout: float = 30.0,
+        self, table: str, data: pa.RecordBatch | pa.Table, *, timeout: float = 30.0,
         shard_id: int | None = None,
     ) -> np.ndarray:
-        """Create rows; returns their uint64 row ids. Waits server-side up to ``timeout`` s for
-        capacity, then raises StoreFull."""
+        """Create rows; returns their uint64 row ids (waits up to ``timeout`` s for room)."""
         batch = wire.to_batch(data)
-        if shard_id is not None:
-            conn = self._conn_for_shard(shard_id)
-        else:
-            conn = self._shallowest()
+        conn = self._shallowest() if shard_id is None else self._conn_for_shard(shard_id)
         reply = self._call(
-            conn,
-            "put",
-            {"table": table, "timeout": float(timeout), "shard_id": shard_id},
-            [wire.write_batch(batch)],
-            wait=timeout,
+            conn, "put", {"table": table, "timeout": float(timeout), "shard_id": shard_id},
+            [wire.write_batch(batch)], wait=timeout,
         )
         conn.depth = int(reply.result.get("depth", 0))
         return wire.row_ids_from_bytes(reply.result["row_ids"])
@@ -206,51 +154,18 @@ class Client:
         return min((self._conns[(self._rr + i) % n] for i in range(n)), key=lambda c: c.depth)
 
     def claim(
-        self,
-        table: str,
-        task: str,
-        columns: Sequence[str],
-        max_rows: int,
-        *,
-        min_rows: int = 1,
-        whole_groups: bool = False,
-        timeout: float = 0.0,
-        lease_seconds: float | None = None,
-        ack: Lease | None = None,
-        write: pa.RecordBatch | pa.Table | None = None,
+        self, table: str, task: str, columns: Sequence[str], max_rows: int, *, min_rows: int = 1,
+        whole_groups: bool = False, timeout: float = 0.0, lease_seconds: float | None = None,
+        ack: Lease | None = None, write: pa.RecordBatch | pa.Table | None = None,
         shards: Sequence[int] | None = None,
     ) -> Lease:
-        """Lease up to ``max_rows`` rows ready for ``task``. Waits server-side up to ``timeout`` s
-        for ``min_rows`` rows; at the timeout takes whatever is ready (possibly an empty lease,
-        ``num_rows == 0``, which needs no ack). Raises ShuttingDown if a node shuts down.
-
-        ``ack``: the consumer's previous lease (same table), acked before the claim in the same
-        round trip, the way a streaming consumer turns "ack; claim next" into one request. With
-        ``write``, those columns are first written under ``ack`` (as ``write(..., ack=True)``;
-        ``row_id`` is added from the lease when absent). Order and failure rules (wire.py):
-        if the write/ack is refused (``LeaseExpired``/``UnknownLease`` when fenced,
-        ``CellAlreadyWritten``, ``SchemaMismatch``, ``BadRequest``), or the claim's own arguments
-        are bad, that error is raised and nothing was applied: no cell written, nothing acked,
-        no row leased, exactly as if the plain write/ack had raised. If the ack went through and
-        the claim then fails (``ShuttingDown`` while waiting, table dropped), the error is raised
-        with ``exc.acked = True``. An empty ``ack`` lease (``lease_id == 0``) is ignored. Usage::
-
-            lease = client.claim(t, "reward", cols, 64, timeout=1.0)
-            while lease.num_rows:
-                out = score(lease)              # row_id + the reward column
-                lease = client.claim(t, "reward", cols, 64, timeout=1.0, ack=lease, write=out)
-
-        ``shards``: claim only from these shard ids (a consumer's owned shards, see
-        ``storage.coordinator_session``); only the nodes serving them are asked (``shard_id >> 8``
-        is the node index). None: any shard; each node serves its deepest one.
-        """
+        """Lease up to ``max_rows`` rows ready for ``task``, waiting server-side up to ``timeout``
+        s for ``min_rows`` (then whatever is ready: maybe an empty lease). ``ack`` (+ ``write``):
+        the previous lease, acked in the same round trip; ``shards``: only those shard ids.
+        Rules and usage: docs/store-protocol.md ("Client: claim")."""
         args = {
-            "table": table,
-            "task": task,
-            "columns": list(columns),
-            "max_rows": int(max_rows),
-            "min_rows": int(min_rows),
-            "whole_groups": bool(whole_groups),
+            "table": table, "task": task, "columns": list(columns), "max_rows": int(max_rows),
+            "min_rows": int(min_rows), "whole_groups": bool(whole_groups),
             "lease_seconds": lease_seconds,
         }
         piggy: tuple[Lease, list[Any]] | None = None
@@ -258,16 +173,9 @@ class Client:
             raise ValueError("claim(write=...) needs the lease to write under as ack=")
         if ack is not None and ack.lease_id:
             if ack.table != table:
-                raise ValueError(
-                    f"claim(ack=...): the lease is of table {ack.table!r}, not {table!r}"
-                )
-            bodies: list[Any] = []
-            if write is not None:
-                batch = wire.to_batch(write)
-                if ROW_ID not in batch.schema.names:
-                    batch = _with_row_ids(batch, ack.batch.column(ROW_ID))
-                bodies.append(wire.write_batch(batch))
-            piggy = (ack, bodies)
+                raise ValueError(f"claim(ack=...): the lease is of table {ack.table!r}, "
+                                 f"not {table!r}")  # fmt: skip
+            piggy = (ack, [] if write is None else [_lease_body(ack, write)])
         if shards is not None:
             only = self._shards_by_conn(shards)
             if len(self._conns) > 1:
@@ -282,9 +190,8 @@ class Client:
 
     def _shards_by_conn(self, shards: Sequence[int]) -> dict[_Conn, list[int]]:
         if isinstance(shards, str | bytes) or not len(shards):
-            raise ValueError(
-                f"claim(shards=...) needs a non-empty list of shard ids, got {shards!r}"
-            )
+            got = f"got {shards!r}"
+            raise ValueError(f"claim(shards=...) needs a non-empty list of shard ids, {got}")
         only: dict[_Conn, list[int]] = {}
         for sid in shards:
             ok = isinstance(sid, int | np.integer) and not isinstance(sid, bool)
@@ -301,43 +208,27 @@ class Client:
             self._on_lease(lease, "ack")
 
     def _lease(self, args: dict[str, Any], reply: wire.Reply) -> Lease:
-        batch = wire.read_batch(reply.bodies[0], "claim reply") if reply.bodies else None
-        if batch is None:
+        if not reply.bodies:
             raise StoreError("claim reply without a batch")
-        r = reply.result
-        return Lease(
-            int(r["lease_id"]),
-            args["table"],
-            args["task"],
-            int(r["shard_id"]),
-            float(r["deadline"]),
-            batch,
-        )
+        r, batch = reply.result, wire.read_batch(reply.bodies[0], "claim reply")
+        return Lease(int(r["lease_id"]), args["table"], args["task"], int(r["shard_id"]),
+                     float(r["deadline"]), batch)  # fmt: skip
 
     def _claim_one(
-        self,
-        conn: _Conn,
-        args: dict[str, Any],
-        timeout: float,
+        self, conn: _Conn, args: dict[str, Any], timeout: float,
         piggy: tuple[Lease, list[Any]] | None = None,
     ) -> Lease:
         wire_args = {**args, "timeout": timeout}
-        bodies: list[Any] = []
         if piggy is not None:
             wire_args["ack_lease_id"] = piggy[0].lease_id
-            bodies = piggy[1]
-        reply = self._call(conn, "claim", wire_args, bodies, wait=timeout)
-        return self._lease(args, reply)
+        bodies = piggy[1] if piggy is not None else []
+        return self._lease(args, self._call(conn, "claim", wire_args, bodies, wait=timeout))
 
     def _claim_many(
-        self,
-        args: dict[str, Any],
-        timeout: float,
-        piggy: tuple[Lease, list[Any]] | None = None,
+        self, args: dict[str, Any], timeout: float, piggy: tuple[Lease, list[Any]] | None = None,
         only: dict[_Conn, list[int]] | None = None,
     ) -> Lease:
-        # 1) probe every node without waiting, fullest-first is unknown so round-robin the start;
-        # a piggybacked ack rides on the probe of the node holding its lease, which goes first.
+        # 1) probe every node without waiting (round-robin start; the ack's node goes first).
         self._rr += 1
         order = [self._conns[(self._rr + i) % len(self._conns)] for i in range(len(self._conns))]
         if only is not None:  # only the nodes serving the requested shards, each its own part
@@ -408,24 +299,16 @@ class Client:
             self._send(conn, "cancel", {"target": req_id})  # its reply is dropped as stale
 
     def write(
-        self,
-        table: str,
-        lease_or_row_ids: Lease | Sequence[int] | np.ndarray,
-        columns: pa.RecordBatch | pa.Table,
-        *,
-        ack: bool = False,
-        overwrite: bool = False,
+        self, table: str, lease_or_row_ids: Lease | Sequence[int] | np.ndarray,
+        columns: pa.RecordBatch | pa.Table, *, ack: bool = False, overwrite: bool = False,
     ) -> None:
-        """Add columns to existing rows. With a Lease the write is fenced (refused once the lease
-        expired) and ``ack=True`` acks the lease atomically with the write. ``columns`` rows are in
-        the order of the lease's rows / the given row ids, unless it carries a ``row_id`` column."""
+        """Add columns to existing rows (in the order of the lease's rows / the row ids, unless
+        ``columns`` has ``row_id``). With a Lease: fenced, and ``ack=True`` acks it atomically."""
         batch = wire.to_batch(columns)
         if isinstance(lease_or_row_ids, Lease):
-            lease = lease_or_row_ids
-            if ROW_ID not in batch.schema.names:
-                batch = _with_row_ids(batch, lease.batch.column(ROW_ID))
-            body = [wire.write_batch(batch)]
-            self._on_lease(lease, "write", body, table=table, ack=ack, overwrite=overwrite)
+            body = [_lease_body(lease_or_row_ids, batch)]
+            self._on_lease(lease_or_row_ids, "write", body, table=table, ack=ack,
+                           overwrite=overwrite)  # fmt: skip
             return
         if ack:
             raise ValueError("write(ack=True) needs a Lease, not row ids")
@@ -435,15 +318,11 @@ class Client:
         else:
             row_ids = batch.column(ROW_ID).to_numpy()
         nodes = (row_ids >> np.uint64(SEQ_BITS + 8)).astype(np.int64)
+        args = {"table": table, "lease_id": None, "ack": False, "overwrite": overwrite}
         for node in np.unique(nodes):
             part = batch if len(np.unique(nodes)) == 1 else batch.filter(pa.array(nodes == node))
             conn = self._conn_for_shard(int(node) << 8)
-            self._call(
-                conn,
-                "write",
-                {"table": table, "lease_id": None, "ack": False, "overwrite": overwrite},
-                [wire.write_batch(part)],
-            )
+            self._call(conn, "write", args, [wire.write_batch(part)])
 
     def _on_lease(
         self, lease: Lease, verb: str, bodies: Sequence[Any] = (), **extra: Any
@@ -478,6 +357,14 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _lease_body(lease: Lease, data: pa.RecordBatch | pa.Table) -> pa.Buffer:
+    """``data`` as a write body for the lease's rows (``row_id`` added from the lease if absent)."""
+    batch = wire.to_batch(data)
+    if ROW_ID not in batch.schema.names:
+        batch = _with_row_ids(batch, lease.batch.column(ROW_ID))
+    return wire.write_batch(batch)
 
 
 def _with_row_ids(batch: pa.RecordBatch, row_ids: pa.Array) -> pa.RecordBatch:

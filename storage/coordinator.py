@@ -1,31 +1,7 @@
 """The coordinator: a small key-value directory and the shard map of every (table, task).
 
-Owns: one ZeroMQ ROUTER loop thread (``storage.rpc.RouterService``, like the store node) serving
-
-- a **directory**: ``register(key, value)``, ``lookup(key, timeout)`` (a server-side wait, parked
-  like the store's long-poll claim, ``LookupTimeout`` when it runs out) and
-  ``lookup_prefix(prefix)``. Hosts of a multi-host run publish their addresses here;
-- the **shard map** of each (table, task) consumer group: ``join``, ``heartbeat``, ``leave`` and
-  ``assignment`` (read-only view). The map itself is ``storage.balance.Balancer`` (pure, tested on
-  its own); this module feeds it time, heartbeats and the live queue depth, which a poller thread
-  reads from the store nodes (``storage.Client.stats``) every round.
-
-Wire: the store's frame layout and limits (``storage/wire.py``: msgpack header map
-``{v, verb, req_id, ...}``, replies ``{ok, req_id, error}``), with its own verbs
-(the ``COORD_HEADERS`` Structs of ``storage/headers.py``). Every request is decoded and validated
-in one pass; a bad one gets a typed ``BadRequest`` reply naming the field and the loop goes on.
-Nothing is unpickled.
-
-Threads: the loop thread owns the socket, the directory, the balancers and parked lookups (no
-locks). The stats poller thread owns its own ``storage.Client`` and hands depth snapshots over
-through a lock. ``CoordinatorClient`` and ``ConsumerSession`` (``storage/coordinator_client.py``)
-are the client side.
-
-Durability: none. The directory and the map live in memory; after a coordinator restart hosts
-register again and consumers rejoin (a heartbeat from an unknown consumer is a join). Ownership is
-for locality and balance only; correctness (no double delivery) comes from the store's leases,
-which are independent of ownership, so a coordinator outage never loses or duplicates rows.
-"""
+One ROUTER loop thread serving the directory and group verbs over ``storage.balance.Balancer``;
+in memory only. Details: docs/store-protocol.md ("Coordinator")."""
 
 from __future__ import annotations
 
@@ -43,14 +19,7 @@ from storage.coordinator_client import CoordinatorClient, LookupTimeout, StatsPo
 from storage.coordinator_session import ConsumerSession
 from storage.errors import BadRequest
 
-__all__ = [
-    "ConsumerSession",
-    "Coordinator",
-    "CoordinatorClient",
-    "LookupTimeout",
-    "main",
-    "serve",
-]
+__all__ = ["ConsumerSession", "Coordinator", "CoordinatorClient", "LookupTimeout", "main", "serve"]
 
 log = logging.getLogger("storage.coordinator")
 
@@ -68,22 +37,13 @@ class _Lookup(rpc.Parked):
 
 
 class Coordinator(rpc.RouterService):
-    """The coordinator service. ``start()`` runs its loop in a daemon thread; ``stop()`` ends it.
-
-    ``store_addresses``: the store nodes whose ``stats`` feed live depth to the balancer (empty:
-    a directory only; groups then have no shards to assign). ``balancer``: a
-    ``storage.balance.BalancerConfig`` applied to every group (None: defaults).
-    """
+    """The coordinator service (``start()``/``stop()``). ``store_addresses``: the nodes whose
+    stats feed depth to every group's balancer (``balancer``: a BalancerConfig; None: defaults)."""
 
     def __init__(
-        self,
-        bind: str = "tcp://127.0.0.1:0",
-        *,
-        store_addresses: Sequence[str] = (),
-        balancer: Any = None,
-        round_interval_s: float | None = None,
-        metrics_port: int | None = None,
-        metrics_addr: str = "127.0.0.1",
+        self, bind: str = "tcp://127.0.0.1:0", *, store_addresses: Sequence[str] = (),
+        balancer: Any = None, round_interval_s: float | None = None,
+        metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
         context: zmq.Context | None = None,
     ) -> None:
         from storage.balance import BalancerConfig
@@ -92,11 +52,8 @@ class Coordinator(rpc.RouterService):
         self.bind = bind
         self.store_addresses = list(store_addresses)
         self.balancer_config: BalancerConfig = balancer or BalancerConfig()
-        self.round_interval_s = (
-            round_interval_s
-            if round_interval_s is not None
-            else self.balancer_config.heartbeat_interval_s
-        )
+        hb = self.balancer_config.heartbeat_interval_s
+        self.round_interval_s = hb if round_interval_s is None else round_interval_s
         self.metrics_port_requested = metrics_port
         self.metrics_addr = metrics_addr
         self.metrics_port: int | None = None
@@ -126,9 +83,8 @@ class Coordinator(rpc.RouterService):
         self._sock, bound = rpc.bind_router(self.context, [self.bind], max_message_bytes=1 << 20)
         self.address = bound[0]
         if self.metrics_port_requested is not None:
-            self.metrics_port = self.metrics.start_http(
-                self.metrics_addr, self.metrics_port_requested
-            )
+            port = self.metrics_port_requested
+            self.metrics_port = self.metrics.start_http(self.metrics_addr, port)
         if self.store_addresses:
             self._poller = StatsPoller(self.store_addresses, self.round_interval_s, self.context)
         log.info("coordinator serving %s", self.address)
@@ -219,15 +175,8 @@ class Coordinator(rpc.RouterService):
     def _publish(self, table: str, task: str, b: Any) -> None:
         for change in b.changes:
             self.metrics.reassignments.labels(table, task, change.reason).inc()
-            log.info(
-                "%s/%s: shard %d %s -> %s (%s)",
-                table,
-                task,
-                change.shard,
-                change.source,
-                change.target,
-                change.reason,
-            )
+            log.info("%s/%s: shard %d %s -> %s (%s)", table, task, change.shard, change.source,
+                     change.target, change.reason)  # fmt: skip
         b.changes.clear()
         self.metrics.set_owned(table, task, b.owned_counts())
         self.metrics.imbalance.labels(table, task).set(b.imbalance)
@@ -248,17 +197,12 @@ class Coordinator(rpc.RouterService):
 
     def _view(self, b: Any, consumer: str, generation: int, shards: list[int]) -> dict[str, Any]:
         """A member's reply: its assignment, the timing it must keep, and where to steal."""
-        others = sorted(
-            (s for s, d in b.depth.items() if d > 0 and b.owner.get(s) != consumer),
-            key=lambda s: -b.depth[s],
-        )
+        others = sorted((s for s, d in b.depth.items() if d > 0 and b.owner.get(s) != consumer),
+                        key=lambda s: -b.depth[s])  # fmt: skip
         cfg = self.balancer_config
         return {
-            "generation": generation,
-            "shards": shards,
-            "session_timeout_s": cfg.session_timeout_s,
-            "heartbeat_interval_s": cfg.heartbeat_interval_s,
-            "deepest": others[:4],
+            "generation": generation, "shards": shards, "session_timeout_s": cfg.session_timeout_s,
+            "heartbeat_interval_s": cfg.heartbeat_interval_s, "deepest": others[:4],
         }
 
     def _v_join(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
@@ -270,13 +214,8 @@ class Coordinator(rpc.RouterService):
     def _v_heartbeat(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         a = req.args
         b = self._group(a["table"], a["task"])
-        gen, shards = b.heartbeat(
-            a["consumer"],
-            time.monotonic(),
-            confirmed=a["generation"],
-            rate=a["rate"],
-            in_flight=a["in_flight"],
-        )
+        gen, shards = b.heartbeat(a["consumer"], time.monotonic(), confirmed=a["generation"],
+                                  rate=a["rate"], in_flight=a["in_flight"])  # fmt: skip
         return self._view(b, a["consumer"], gen, shards)
 
     def _v_leave(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
@@ -290,14 +229,8 @@ class Coordinator(rpc.RouterService):
         a = req.args
         b = self._groups.get((a["table"], a["task"]))
         if b is None:
-            return {
-                "generation": 0,
-                "owners": [],
-                "handoffs": [],
-                "members": {},
-                "imbalance": 1.0,
-                "depth": [],
-            }
+            return {"generation": 0, "owners": [], "handoffs": [], "members": {},
+                    "imbalance": 1.0, "depth": []}  # fmt: skip
         drain = b.drain_times()
         return {
             "generation": b.generation,
@@ -305,11 +238,8 @@ class Coordinator(rpc.RouterService):
             "handoffs": [[s, h.source, h.target] for s, h in sorted(b.handoffs.items())],
             "members": {
                 c: {
-                    "shards": b.assigned(c),
-                    "rate": m.rate,
-                    "in_flight": m.in_flight,
-                    "confirmed": m.confirmed,
-                    "drain_s": drain[c],
+                    "shards": b.assigned(c), "rate": m.rate, "in_flight": m.in_flight,
+                    "confirmed": m.confirmed, "drain_s": drain[c],
                 }
                 for c, m in b.members.items()
             },
@@ -324,11 +254,9 @@ class Coordinator(rpc.RouterService):
 def serve(coordinator: Coordinator, *, ready_file: str | None = None) -> None:
     """Run ``coordinator`` until SIGTERM/SIGINT. With ``ready_file``, write {"address",
     "metrics_port", "pid"} there as JSON (atomically) once bound."""
-    rpc.run_until_signalled(
-        coordinator,
-        ready_file,
-        lambda: {"address": coordinator.address, "metrics_port": coordinator.metrics_port},
-    )
+    c = coordinator
+    rpc.run_until_signalled(c, ready_file, lambda: {"address": c.address,
+                                                    "metrics_port": c.metrics_port})  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -337,35 +265,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m storage.coordinator", description=main.__doc__)
     ap.add_argument("--bind", default="tcp://127.0.0.1:0", help="tcp://HOST:PORT (0: a free port)")
-    ap.add_argument(
-        "--store", action="append", default=[], help="a store node address (repeatable)"
-    )
+    ap.add_argument("--store", action="append", default=[],
+                    help="a store node address (repeatable)")  # fmt: skip
     ap.add_argument("--ready-file", help="write the bound address here (JSON) once serving")
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--metrics-addr", default="127.0.0.1")
     ap.add_argument("--session-timeout", type=float, default=BalancerConfig.session_timeout_s)
     ap.add_argument("--heartbeat-interval", type=float, default=BalancerConfig.heartbeat_interval_s)
-    ap.add_argument(
-        "--static", action="store_true", help="static round-robin assignment, no rebalancing"
-    )
+    ap.add_argument("--static", action="store_true",
+                    help="static round-robin assignment, no rebalancing")  # fmt: skip
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    config = BalancerConfig(
-        session_timeout_s=args.session_timeout,
-        heartbeat_interval_s=args.heartbeat_interval,
-        rebalance=not args.static,
-    )
-    coordinator = Coordinator(
-        args.bind,
-        store_addresses=args.store,
-        balancer=config,
-        metrics_port=args.metrics_port,
-        metrics_addr=args.metrics_addr,
-        context=zmq.Context(),
-    )
+    fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
+    logging.basicConfig(level=args.log_level, format=fmt)
+    config = BalancerConfig(session_timeout_s=args.session_timeout,
+                            heartbeat_interval_s=args.heartbeat_interval, rebalance=not args.static)
+    coordinator = Coordinator(args.bind, store_addresses=args.store, balancer=config,
+                              metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+                              context=zmq.Context())  # fmt: skip
     serve(coordinator, ready_file=args.ready_file)
     return 0
 

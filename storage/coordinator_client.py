@@ -1,14 +1,6 @@
-"""The client side of the coordinator (``storage/coordinator.py``).
+"""The client side of the coordinator: ``CoordinatorClient`` and ``StatsPoller``.
 
-Owns: ``CoordinatorClient`` (one DEALER socket, the directory verbs and the raw group verbs),
-and ``StatsPoller`` (the coordinator's thread that reads live depth from the store nodes). A
-consumer's membership, heartbeat thread and balanced claim are ``storage.coordinator_session``.
-
-Threading: a ``CoordinatorClient`` is used from ONE thread (ZeroMQ sockets are not thread-safe);
-make one per thread. A request that gets no reply within its timeout raises ``Unavailable`` and the
-socket is replaced, so a late reply can never be taken for another request's (as in
-``storage.Client``).
-"""
+Use a ``CoordinatorClient`` from ONE thread; see docs/store-protocol.md ("Coordinator")."""
 
 from __future__ import annotations
 
@@ -20,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from storage import errors, rpc, wire
+from storage import rpc
 from storage.errors import StoreError, Unavailable
 
 log = logging.getLogger("storage.coordinator")
@@ -31,20 +23,12 @@ DEFAULT_REQUEST_TIMEOUT_S = 10.0
 class LookupTimeout(StoreError):
     """``lookup(key, timeout)``: the key was not registered within the timeout."""
 
-    code = "lookup_timeout"
-
-
-errors._register(LookupTimeout)  # so every client rebuilds this typed error from its wire code
-
 
 class CoordinatorClient:
     """Talks to one coordinator. Use from one thread; ``close()`` when done."""
 
     def __init__(
-        self,
-        address: str,
-        *,
-        context: zmq.Context | None = None,
+        self, address: str, *, context: zmq.Context | None = None,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
     ) -> None:
         if not isinstance(address, str) or not address:
@@ -53,28 +37,19 @@ class CoordinatorClient:
         self.context = context or zmq.Context.instance()
         self.request_timeout = request_timeout
         self._req_ids = itertools.count(1)
+        options = [(zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 2000),
+                   (zmq.MAXMSGSIZE, 1 << 24)]  # fmt: skip
         self._channel: rpc.Channel | None = rpc.Channel(
-            self.context,
-            address,
-            name=f"coordinator {address}",
-            timeout_error=Unavailable,
-            options=[
-                (zmq.RECONNECT_IVL, 100),
-                (zmq.RECONNECT_IVL_MAX, 2000),
-                (zmq.MAXMSGSIZE, 1 << 24),
-            ],
+            self.context, address, name=f"coordinator {address}", timeout_error=Unavailable,
+            options=options,
         )
 
     def call(self, verb: str, args: dict[str, Any], *, wait: float = 0.0) -> dict[str, Any]:
         """One request; returns the reply's result fields or raises its typed error."""
         if self._channel is None:
             raise StoreError("CoordinatorClient is closed")
-        req_id = next(self._req_ids)
-        frames = wire.encode_request(verb, req_id, args)
-        reply = self._channel.call(frames, rpc.reply_to(req_id), wait + self.request_timeout)
-        if reply.error is not None:
-            raise reply.error
-        return reply.result
+        timeout = wait + self.request_timeout
+        return self._channel.request(next(self._req_ids), verb, args, (), timeout).result
 
     # -- directory -------------------------------------------------------------------------------
     def register(self, key: str, value: str) -> None:
@@ -82,31 +57,21 @@ class CoordinatorClient:
         self.call("register", {"key": key, "value": value})
 
     def lookup(self, key: str, timeout: float = 0.0) -> str:
-        """The value of ``key``, waiting server-side up to ``timeout`` s for it to be registered;
-        raises ``LookupTimeout`` when it is not."""
-        return str(
-            self.call("lookup", {"key": key, "timeout": float(timeout)}, wait=timeout)["value"]
-        )
+        """The value of ``key``, waiting server-side up to ``timeout`` s (else LookupTimeout)."""
+        reply = self.call("lookup", {"key": key, "timeout": float(timeout)}, wait=timeout)
+        return str(reply["value"])
 
     def lookup_prefix(self, prefix: str) -> dict[str, str]:
         """Every registered key starting with ``prefix`` (no wait)."""
-        return {
-            str(k): str(v)
-            for k, v in self.call("lookup_prefix", {"prefix": prefix})["entries"].items()
-        }
+        entries = self.call("lookup_prefix", {"prefix": prefix})["entries"]
+        return {str(k): str(v) for k, v in entries.items()}
 
     # -- shard map (ConsumerSession wraps these) -------------------------------------------------
     def join(self, table: str, task: str, consumer: str) -> dict[str, Any]:
         return self.call("join", {"table": table, "task": task, "consumer": consumer})
 
     def heartbeat(
-        self,
-        table: str,
-        task: str,
-        consumer: str,
-        *,
-        generation: int,
-        rate: float = 0.0,
+        self, table: str, task: str, consumer: str, *, generation: int, rate: float = 0.0,
         in_flight: int = 0,
     ) -> dict[str, Any]:
         member = {"table": table, "task": task, "consumer": consumer}
@@ -133,11 +98,8 @@ class CoordinatorClient:
 
 
 class StatsPoller:
-    """The coordinator's depth feed: a thread that reads ``stats(table)`` from the store nodes
-    every ``interval_s`` for the tables it is asked about, with its own ``storage.Client``.
-
-    ``want(tables)`` (any thread) sets the tables; ``latest()`` (any thread) returns the last
-    snapshot per table. A table the store does not know (yet) is simply absent."""
+    """The coordinator's depth feed: a thread reading ``stats`` of the tables set by ``want``
+    every ``interval_s``; ``latest()``: the last stats per table (both from any thread)."""
 
     def __init__(
         self, addresses: Sequence[str], interval_s: float, context: zmq.Context | None = None

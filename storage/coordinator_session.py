@@ -1,34 +1,7 @@
 """A consumer's membership in a (table, task) group: heartbeats, its owned shards, balanced claims.
 
-Owns: ``ConsumerSession``, a background heartbeat thread with its own ``CoordinatorClient`` (ZeroMQ
-sockets are not thread-safe), the consumer's adopted assignment (generation + shard ids), its
-throughput measurement, and the claim policy that uses them (``claim``).
-
-Claim policy (``claim``), one call = at most three store requests, usually one:
-1. a non-waiting claim on the owned shards (carrying the previous lease's write+ack);
-2. if empty and ``steal``: a non-waiting claim on the deepest shard another consumer owns (the
-   coordinator's hint), then one on any shard (each node then serves its deepest); a consumer
-   that owns no shard makes that last one a long poll (below) on every shard instead, so an
-   idle consumer waits server-side rather than probing in a loop;
-3. if still empty: a long poll on the owned shards for at most ``claim_wait_s`` (= the heartbeat
-   interval), so a claim never runs long on an assignment that has been revoked meanwhile.
-Why steal: ownership moves whole shards, so a single flooded shard cannot be split between two
-consumers by reassignment alone; a consumer whose own shards are empty takes rows from the
-deepest one instead of idling. That is safe because store leases, not ownership, prevent double
-delivery: a stolen row is leased like any other. An owner steals only by non-waiting probes, so it
-waits only on its own shards; stealing can be switched off (``steal=False``: the static baseline).
-Rows claimed each way are counted (``rows_owned``/``rows_stolen``, and the Prometheus counter
-``streamflow_consumer_rows_claimed_total{source="owned"|"stolen"}`` of ``storage.metrics``, in the
-registry passed as ``registry``: a worker's, to be served on its ``/metrics``).
-
-Handoff safety (``storage.balance``): the generation reported in a heartbeat is the oldest one
-still in use: a claim started under generation g keeps g "in use" until it returns, so the
-coordinator grants a revoked shard to its new owner only after the old owner's last claim on it
-ended. The assignment is void ``session_timeout_s - claim_wait_s`` after sending the last
-heartbeat that got a reply (the coordinator waits ``session_timeout_s`` after receiving it), so a
-consumer cut off from the coordinator stops claiming its shards before they are given away; it
-then only steals (or, with ``steal=False``, waits).
-"""
+``ConsumerSession``: a heartbeat thread, the adopted assignment, throughput and the claim policy
+(docs/store-protocol.md, "Consumer sessions")."""
 
 from __future__ import annotations
 
@@ -52,23 +25,12 @@ RATE_WINDOW_S = 5.0  # throughput is measured over the work recorded in this win
 
 
 class ConsumerSession:
-    """Membership of ``consumer_id`` in the (table, task) group of the coordinator at
-    ``coordinator_address``. Constructed started; ``close()`` leaves the group.
-
-    ``shards()`` and ``record()`` may be called from any thread; ``claim`` from the one thread that
-    claims for this consumer."""
+    """Membership of ``consumer_id`` in a (table, task) group, started; ``close()`` leaves it.
+    ``shards()`` and ``record()`` from any thread; ``claim`` from the consumer's one thread."""
 
     def __init__(
-        self,
-        coordinator_address: str,
-        table: str,
-        task: str,
-        consumer_id: str,
-        *,
-        steal: bool = True,
-        context: Any = None,
-        request_timeout: float = 2.0,
-        registry: Any = None,
+        self, coordinator_address: str, table: str, task: str, consumer_id: str, *,
+        steal: bool = True, context: Any = None, request_timeout: float = 2.0, registry: Any = None,
     ) -> None:
         self.address = coordinator_address
         self.table, self.task, self.consumer_id = table, task, consumer_id
@@ -87,16 +49,14 @@ class ConsumerSession:
         self.session_timeout_s = 3.0
         self.rows_owned = 0  # rows claimed from owned shards / by stealing (for reports)
         self.rows_stolen = 0
-        # The same two numbers as Prometheus counters, in ``registry`` (a worker's: served on its
-        # /metrics) or a private one: streamflow_consumer_rows_claimed_total{source}.
+        # The same two numbers as Prometheus counters (in ``registry``, a worker's, or private).
         self.metrics = SessionMetrics.for_registry(registry)
         self._owned_rows = self.metrics.rows_claimed.labels(table, task, "owned")
         self._stolen_rows = self.metrics.rows_claimed.labels(table, task, "stolen")
         self._assigned = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"session-{consumer_id}", daemon=True
-        )
+        name = f"session-{consumer_id}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # -- the consumer's view ---------------------------------------------------------------------
@@ -119,9 +79,8 @@ class ConsumerSession:
         return self._assigned.wait(timeout)
 
     def record(self, rows: int, busy_s: float | None = None) -> None:
-        """Report ``rows`` processed in ``busy_s`` seconds of work (None: since the last call).
-        The heartbeat carries rows / busy seconds over the last ``RATE_WINDOW_S``; idle time is
-        left out, so the rate is what the consumer can do, not what it was given."""
+        """Report ``rows`` processed in ``busy_s`` seconds of work (None: since the last call);
+        the rate heartbeats carry is rows over busy seconds of the last ``RATE_WINDOW_S``."""
         now = time.monotonic()
         with self._lock:
             if busy_s is None:
@@ -140,17 +99,10 @@ class ConsumerSession:
 
     # -- claims ----------------------------------------------------------------------------------
     def claim(
-        self,
-        client: Any,
-        columns: Sequence[str],
-        max_rows: int,
-        *,
-        timeout: float,
-        ack: Lease | None = None,
-        write: pa.RecordBatch | pa.Table | None = None,
-        **kwargs: Any,
+        self, client: Any, columns: Sequence[str], max_rows: int, *, timeout: float,
+        ack: Lease | None = None, write: pa.RecordBatch | pa.Table | None = None, **kwargs: Any,
     ) -> Lease:
-        """Claim by the policy in the module docstring (``kwargs``: ``min_rows``,
+        """Claim by the policy in docs/store-protocol.md (``kwargs``: ``min_rows``,
         ``whole_groups``, ``lease_seconds`` as for ``Client.claim``)."""
         with self._lock:
             valid = time.monotonic() < self._valid_until
@@ -158,37 +110,30 @@ class ConsumerSession:
             self._claim_gen = self._generation
             deepest = [s for s in self._deepest if s not in own]
         t, task = self.table, self.task
+
+        def probe(shards: list[int] | None, wait: float) -> Lease:
+            nonlocal ack, write  # the previous lease rides on the first request only
+            lease = client.claim(t, task, columns, max_rows, timeout=wait, ack=ack, write=write,
+                                 shards=shards, **kwargs)  # fmt: skip
+            ack = write = None
+            return lease
+
         try:
             lease: Lease | None = None
             if own:
-                lease = client.claim(
-                    t, task, columns, max_rows, timeout=0.0, ack=ack, write=write, shards=own,
-                    **kwargs,
-                )  # fmt: skip
-                ack = write = None
+                lease = probe(own, 0.0)
                 if lease.num_rows:
                     return self._took(lease, stolen=False)
             wait = min(float(timeout), self.claim_wait_s)
             if self.steal:
                 for target in ([deepest[0]], None) if deepest else (None,):
-                    # Owning nothing, the last probe waits server-side on every shard: the
-                    # consumer takes the next rows that become ready anywhere. A non-waiting
-                    # probe here returned at once and the caller came straight back: a busy
-                    # loop of empty claims that kept the store node's CPU saturated.
-                    last_wait = wait if target is None and not own else 0.0
-                    lease = client.claim(
-                        t, task, columns, max_rows, timeout=last_wait, ack=ack, write=write,
-                        shards=target, **kwargs,
-                    )  # fmt: skip
-                    ack = write = None
+                    # Owning nothing, the last probe waits server-side on every shard (a
+                    # non-waiting one made a busy loop of empty claims).
+                    lease = probe(target, wait if target is None and not own else 0.0)
                     if lease.num_rows:
                         return self._took(lease, stolen=True)
             if own:
-                lease = client.claim(
-                    t, task, columns, max_rows, timeout=wait, ack=ack, write=write, shards=own,
-                    **kwargs,
-                )  # fmt: skip
-                return self._took(lease, stolen=False)
+                return self._took(probe(own, wait), stolen=False)
             if ack is not None and ack.lease_id:  # nothing to claim from: hand the result in
                 if write is not None:
                     client.write(t, ack, write, ack=True)
@@ -238,9 +183,8 @@ class ConsumerSession:
         self._assigned.set()
 
     def _run(self) -> None:
-        cl = CoordinatorClient(
-            self.address, context=self._context, request_timeout=self._request_timeout
-        )
+        cl = CoordinatorClient(self.address, context=self._context,
+                               request_timeout=self._request_timeout)  # fmt: skip
         try:
             joined = False
             while not self._stop.is_set():
@@ -253,12 +197,8 @@ class ConsumerSession:
                         with self._lock:
                             in_flight = self._in_flight
                         reply = cl.heartbeat(
-                            self.table,
-                            self.task,
-                            self.consumer_id,
-                            generation=self._confirmable(),
-                            rate=self.rate(),
-                            in_flight=in_flight,
+                            self.table, self.task, self.consumer_id, generation=self._confirmable(),
+                            rate=self.rate(), in_flight=in_flight,
                         )
                     self._adopt(reply, sent_at)
                 except StoreError as exc:  # coordinator down or slow: retry; expiry voids shards

@@ -1,111 +1,85 @@
-"""Typed errors of the transfer queue.
-
-Every error the store can return has a stable wire ``code`` so that a client in another process
-re-raises the same type. Errors never carry tracebacks or objects across the wire: only the code
-and a human-readable message naming what was wrong.
-
-Lifecycle: a node raises one of these inside a verb; the server turns it into an error reply
-(``wire.ErrorReply``); the client turns the reply back into the same exception class.
-"""
+"""Typed errors of the store; each has a stable wire ``code`` (see docs/store-protocol.md)."""
 
 from __future__ import annotations
 
+import re
+
+_BY_CODE: dict[str, type[StoreError]] = {}
+
 
 class StoreError(Exception):
-    """Base class. ``code`` is the stable identifier used on the wire."""
+    """Base class. ``code``, the stable identifier used on the wire, is the class name in
+    snake_case unless set; every subclass is known by its code unless ``wire=False``."""
 
     code = "store_error"
+
+    def __init_subclass__(cls, wire: bool = True, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "code" not in cls.__dict__:
+            cls.code = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+        if wire:
+            _BY_CODE[cls.code] = cls
 
 
 class BadRequest(StoreError):
     """The request is malformed: wrong header fields or types, sizes, invalid Arrow data."""
 
-    code = "bad_request"
-
 
 class SchemaMismatch(BadRequest):
     """A batch's columns or types do not match the table's declared schema."""
 
-    code = "schema_mismatch"
-
 
 class UnknownTable(StoreError):
-    code = "unknown_table"
+    pass
 
 
 class TableExists(StoreError):
-    code = "table_exists"
+    pass
 
 
 class UnknownTask(StoreError):
-    code = "unknown_task"
+    pass
 
 
 class UnknownRows(StoreError):
     """A row id names no live row on this node (never put, or already released)."""
 
-    code = "unknown_rows"
-
 
 class CellAlreadyWritten(StoreError):
     """A (row, column) cell is written at most once; overwriting needs the admin verb."""
-
-    code = "cell_already_written"
 
 
 class LeaseExpired(StoreError):
     """Fencing: the lease passed its deadline (or was revoked); its rows may belong to another
     consumer now, so writes and acks carrying it are refused."""
 
-    code = "lease_expired"
-
 
 class UnknownLease(LeaseExpired):
     """The lease id was never issued by this node, or was already acked/released."""
 
-    code = "unknown_lease"
-
 
 class StoreFull(StoreError):
-    """``put`` would exceed the table's row or byte capacity and its timeout elapsed, or the
-    node already holds its limit of bytes (or of requests from this peer) in parked puts."""
-
-    code = "store_full"
+    """``put`` would exceed the table's capacity and its timeout elapsed, or the node already
+    holds its limit of bytes (or of requests from this peer) in parked puts."""
 
 
 class TooManyWaiting(StoreError):
-    """A waiting ``claim`` refused: its peer (or the node) already has the most parked claims
-    allowed (``ServerConfig.max_parked_per_peer`` / ``max_parked_claims``)."""
-
-    code = "too_many_waiting"
+    """A waiting ``claim`` refused: its peer (or the node) already has the most parked claims."""
 
 
 class ShuttingDown(StoreError):
     """The node is shutting down; long waits end early with this error."""
 
-    code = "shutting_down"
-
 
 class Unavailable(StoreError):
     """Client side: no reply from a node within the request timeout."""
 
-    code = "unavailable"
-
 
 class AuthError(StoreError):
-    code = "auth_error"
+    pass
 
 
-_BY_CODE: dict[str, type[StoreError]] = {}
-
-
-def _register(cls: type[StoreError]) -> None:
-    _BY_CODE[cls.code] = cls
-    for sub in cls.__subclasses__():
-        _register(sub)
-
-
-_register(StoreError)
+_BY_CODE[StoreError.code] = StoreError
 
 
 def error_from_code(code: str, message: str) -> StoreError:

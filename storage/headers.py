@@ -1,17 +1,7 @@
 """Message headers as typed msgspec Structs: the store's verbs, the coordinator's, a table spec.
 
-Owns: the schema of every request header (field names, types, inclusive bounds, defaults), the
-verb of each Struct (msgpack key ``verb`` is the Struct tag), and the translation of msgspec's
-validation errors into one-line ``BadRequest`` messages naming the field. A header is decoded and
-validated in one pass by ``msgspec.msgpack.Decoder`` (``storage.wire.decode_header``); anything
-it refuses never reaches a handler.
-
-Rules shared by every header: unknown fields are refused (a typo must not be silently ignored),
-ints are never bools, floats are finite (every float field has both bounds, which NaN and the
-infinities fail), ``v`` is the protocol version and ``req_id`` an int in ``[0, 2**64)``.
-Fields are read as attributes; ``header["field"]`` also works (handlers written against the
-older mapping form, e.g. the benchmark's null node).
-"""
+Owns the schema of every request header and the translation of msgspec's errors into one-line
+``BadRequest`` messages naming the field. Shared rules: docs/store-protocol.md ("Headers")."""
 
 from __future__ import annotations
 
@@ -72,13 +62,13 @@ class WireSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     schema: bytes
     tasks: Annotated[list[WireTask], Meta(max_length=MAX_LIST_LEN)]
     group_column: Name | None = None
-    group_size: Annotated[int, Meta(ge=1, le=1 << 20)] | None = None
+    group_size: Annotated[int, Meta(ge=1, le=65535)] | None = None
     capacity_rows: Annotated[int, Meta(ge=1, le=1 << 48)] = _SPEC_DEFAULTS["capacity_rows"]
     capacity_bytes: Annotated[int, Meta(ge=1, le=1 << 50)] = _SPEC_DEFAULTS["capacity_bytes"]
     lease_seconds: Seconds = _SPEC_DEFAULTS["lease_seconds"]
     max_deliveries: Annotated[int, Meta(ge=1, le=65535)] = _SPEC_DEFAULTS["max_deliveries"]
-    fsync: Name = _SPEC_DEFAULTS["fsync"]
-    fsync_interval_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = _SPEC_DEFAULTS[
+    fsync: Literal["always", "interval", "never"] = _SPEC_DEFAULTS["fsync"]
+    fsync_interval_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = _SPEC_DEFAULTS[
         "fsync_interval_s"
     ]
 
@@ -86,7 +76,7 @@ class WireSpec(Struct, forbid_unknown_fields=True, kw_only=True):
 SPEC_SCALARS = tuple(f for f in WireSpec.__struct_fields__ if f not in ("name", "schema", "tasks"))
 
 
-# -- the store's verbs (served by storage.server; guarantees in storage/wire.py) ------------------
+# -- the store's verbs (served by storage.server) -------------------------------------------------
 
 
 def _verb(tag: str, base: type[Header] = Header) -> Any:
@@ -124,8 +114,7 @@ class Claim(_OfTable, tag="claim"):
     lease_seconds: Seconds | None = None
     # null = every shard of the node; an empty list is refused
     shards: Annotated[list[ShardId], Meta(min_length=1, max_length=MAX_LIST_LEN)] | None = None
-    # Piggybacked ack ("Combined ack + claim" in storage/wire.py): a lease of the same table to
-    # ack (with the optional body written under it first) before the claim runs.
+    # Piggybacked ack: a lease of the table to ack (after writing the body) before the claim.
     ack_lease_id: U64 | None = None
 
 
@@ -181,24 +170,23 @@ class LookupPrefix(Header, tag="lookup_prefix"):
     prefix: Annotated[str, Meta(max_length=MAX_KEY_LEN)]
 
 
-class _Member(Header):
+class _Group(Header):
     table: Name
     task: Name
+
+
+class _Member(_Group):
     consumer: Name
 
 
 Join, Leave = _verb("join", _Member), _verb("leave", _Member)
+Assignment = _verb("assignment", _Group)
 
 
 class Heartbeat(_Member, tag="heartbeat"):
     generation: Annotated[int, Meta(ge=0, le=1 << 62)] = 0
     rate: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0
     in_flight: Annotated[int, Meta(ge=0, le=1 << 48)] = 0
-
-
-class Assignment(Header, tag="assignment"):
-    table: Name
-    task: Name
 
 
 COORD_HEADERS = (CoordHello, Register, Lookup, LookupPrefix, Join, Heartbeat, Leave, Assignment)
@@ -233,9 +221,8 @@ _TOP = frozenset({"v", "req_id", "verb"})
 def field_error(
     exc: msgspec.ValidationError, scope: str, kind: str = "header", verbs: Any = ()
 ) -> BadRequest:
-    """One line naming the field msgspec refused: ``header field 'claim.max_rows': Expected `int`
-    >= 1``. ``scope`` prefixes a field path (the verb of a header, "" for a spec); ``verbs``:
-    the valid tags, listed when ``verb`` itself is bad."""
+    """One line naming the field msgspec refused (``scope``: the verb, or "" for a spec), e.g.
+    ``header field 'claim.max_rows': Expected `int` >= 1``; ``verbs``: listed for a bad verb."""
     m = _AT.match(str(exc))
     detail, path = m["detail"], (m["path"] or "").lstrip(".")  # type: ignore[index]
     named = _FIELD.match(detail)  # a missing or unknown field is named in the detail

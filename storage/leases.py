@@ -1,16 +1,7 @@
 """Leases of a store node: handing rows out (``claim``) and ending leases (ack, release, expiry).
 
-Owns, for ``StoreNode`` (a mixin: same single caller thread, same all-or-nothing rule: every verb
-validates its whole input before mutating anything): claim planning (argument checks, cached per
-table for the argument sets consumers repeat), the choice of shard (the one with the most ready
-units), the lease records and their deadline heap, and the fencing of every verb that takes a
-lease. Lease ids are minted by the node (``StoreNode._next_lease_id``, see "Ids" there).
-
-Fencing. A lease whose deadline is <= clock() is expired, whether or not ``expire()`` has run
-yet: every verb that takes a lease first expires what is due, then checks the lease. Ids of
-leases that expired here are remembered (bounded) so that a zombie gets LeaseExpired rather than
-UnknownLease.
-"""
+A mixin of ``StoreNode``: claim planning, shard choice, lease records and their deadline heap,
+and fencing (rules: docs/store-protocol.md, "Leases and fencing")."""
 
 from __future__ import annotations
 
@@ -92,34 +83,17 @@ class NodeLeases:
         return names, cols, check
 
     def check_claim(
-        self,
-        table: str,
-        task: str,
-        columns: Sequence[str],
-        max_rows: int,
-        *,
-        min_rows: int = 1,
-        whole_groups: bool = False,
-        lease_seconds: float | None = None,
-        shards: Sequence[int] | None = None,
+        self, table: str, task: str, columns: Sequence[str], max_rows: int, *,
+        shards: Sequence[int] | None = None, **options: Any,
     ) -> None:
         """Raise what ``claim`` would raise for its arguments alone (not for the rows it would
-        hand out); changes nothing. The server runs it before a claim's piggybacked ack, so that
-        a malformed claim leaves the ack unapplied."""
-        plan = self._claim_plan(
-            table, task, columns, max_rows, min_rows, whole_groups, lease_seconds
-        )
-        self._shards(plan[0], shards)
+        hand out); changes nothing. Run before a claim's piggybacked ack, so that a malformed
+        claim leaves the ack unapplied."""
+        self._shards(self._claim_plan(table, task, columns, max_rows, **options)[0], shards)
 
     def _claim_plan(
-        self,
-        table: str,
-        task: str,
-        columns: Sequence[str],
-        max_rows: int,
-        min_rows: int,
-        whole_groups: bool,
-        lease_seconds: float | None,
+        self, table: str, task: str, columns: Sequence[str], max_rows: int, min_rows: int = 1,
+        whole_groups: bool = False, lease_seconds: float | None = None,
     ) -> tuple[_Table, int, float, tuple[list[str], list[int], list[int]], int, int, int]:
         """Validated claim arguments: (table, task, lease seconds, columns, group size,
         max units, min units). Cached per table for the argument sets consumers repeat."""
@@ -132,23 +106,6 @@ class NodeLeases:
             key, hit = None, None
         if hit is not None:
             return tb, *hit
-        plan = self._claim_plan_uncached(
-            tb, task, columns, max_rows, min_rows, whole_groups, lease_seconds
-        )
-        if key is not None and len(tb.claim_plans) < 1024:
-            tb.claim_plans[key] = plan
-        return tb, *plan
-
-    def _claim_plan_uncached(
-        self,
-        tb: _Table,
-        task: str,
-        columns: Sequence[str],
-        max_rows: int,
-        min_rows: int,
-        whole_groups: bool,
-        lease_seconds: float | None,
-    ) -> tuple[int, float, tuple[list[str], list[int], list[int]], int, int, int]:
         t = self._task(tb, task)
         spec = tb.spec
         if not isinstance(max_rows, int) or max_rows < 1:
@@ -157,29 +114,24 @@ class NodeLeases:
             raise BadRequest(f"min_rows: {min_rows!r} must be an int in [1, max_rows]")
         seconds = spec.lease_seconds if lease_seconds is None else lease_seconds
         if not positive(seconds) or seconds > _MAX_LEASE_SECONDS:
-            raise BadRequest(
-                f"lease_seconds: {lease_seconds!r} must be in (0, {_MAX_LEASE_SECONDS}]"
-            )
+            bound = f"(0, {_MAX_LEASE_SECONDS}]"
+            raise BadRequest(f"lease_seconds: {lease_seconds!r} must be in {bound}")
         whole = spec.tasks[t].whole_groups
         if whole_groups and not whole:
             raise BadRequest(f"whole_groups: task {task!r} was not declared with whole_groups=True")
-        plan = self._claim_columns(tb, t, columns)
+        cols = self._claim_columns(tb, t, columns)
         g = (spec.group_size or 1) if whole else 1
         max_units, min_units = max_rows // g, -(-min_rows // g)
         if max_units < 1:
             raise BadRequest(f"max_rows: {max_rows} is smaller than one group ({g} rows)")
-        return t, seconds, plan, g, max_units, min_units
+        plan = (t, seconds, cols, g, max_units, min_units)
+        if key is not None and len(tb.claim_plans) < 1024:
+            tb.claim_plans[key] = plan
+        return tb, *plan
 
     def claim(
-        self,
-        table: str,
-        task: str,
-        columns: Sequence[str],
-        max_rows: int,
-        *,
-        min_rows: int = 1,
-        whole_groups: bool = False,
-        lease_seconds: float | None = None,
+        self, table: str, task: str, columns: Sequence[str], max_rows: int, *, min_rows: int = 1,
+        whole_groups: bool = False, lease_seconds: float | None = None,
         shards: Sequence[int] | None = None,
     ) -> Lease | None:
         self._expire_due()
@@ -232,9 +184,8 @@ class NodeLeases:
         entry = self._leases.get(lease_id) if isinstance(lease_id, int) else None
         if entry is None or entry[0] is not tb:
             if lease_id in self._expired:
-                raise LeaseExpired(
-                    f"lease {lease_id} expired; its rows may be held by another consumer"
-                )
+                why = "its rows may be held by another consumer"
+                raise LeaseExpired(f"lease {lease_id} expired; {why}")
             raise UnknownLease(f"lease {lease_id!r} is not live on table {tb.spec.name!r}")
         return entry
 

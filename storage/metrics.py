@@ -1,23 +1,12 @@
 """Prometheus metrics of one store node, of the shard coordinator and of a consumer session.
 
-Owns: a private ``CollectorRegistry`` (so several nodes, e.g. embedded ones in tests, never clash
-in the process-global registry), the counters fed by the node's ``NodeEvents`` callbacks, the
-per-verb request-duration histogram and byte counters fed by the server, the gauges refreshed from
-``node.stats()`` by the server loop, and the optional ``/metrics`` HTTP endpoint (127.0.0.1 by
-default).
-
-Threading: every ``on_*``/``observe_*``/``refresh`` call comes from the server's loop thread; the
-HTTP thread only reads (prometheus-client's metric objects are thread-safe).
-
-Label cardinality is bounded: table, task and shard come from table specs (a handful each), verb
-from ``wire.VERBS``, and dead-letter reasons are mapped onto ``DEAD_REASONS``.
-"""
+Each in a private ``CollectorRegistry``; threading and label bounds: docs/store-protocol.md."""
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -25,26 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from storage.schema import TableStats
 
 DEAD_REASONS = ("lease_expired", "consumer_error", "other")
-_DURATION_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+_DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                     0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # fmt: skip
+TTS = ("table", "task", "shard")
+TT = ("table", "task")
+T, V = ("table",), ("verb",)
 
 
 def dead_reason_label(reason: str) -> str:
@@ -64,10 +38,7 @@ class _StatsSource(Protocol):
 
 
 class HttpEndpoint:
-    """A process's ``/metrics`` HTTP endpoint, shared by every component's metrics class.
-
-    The class using it owns ``registry`` (its own ``CollectorRegistry``) and sets ``_http = None``.
-    """
+    """A process's ``/metrics`` HTTP endpoint; the user owns ``registry`` and sets ``_http``."""
 
     registry: CollectorRegistry
     _http: Any
@@ -91,108 +62,40 @@ class StoreMetrics(HttpEndpoint):
     def __init__(self, node_index: int = 0, registry: CollectorRegistry | None = None) -> None:
         self.node_index = node_index
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        p = "streamflow_store_"
-        self.queue_depth = Gauge(
-            p + "queue_depth_rows",
-            "Rows READY for a task (queue depth).",
-            ["table", "task", "shard"],
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            p + "in_flight_rows",
-            "Rows LEASED to a consumer of a task.",
-            ["table", "task", "shard"],
-            registry=r,
-        )
-        self.dead_rows = Gauge(
-            p + "dead_rows",
-            "Rows quarantined (DEAD) for a task, held until clear.",
-            ["table", "task", "shard"],
-            registry=r,
-        )
-        self.memory = Gauge(
-            p + "memory_bytes", "Column bytes held by a table on this node.", ["table"], registry=r
-        )
-        self.rows_held = Gauge(
-            p + "rows", "Live rows held by a table on this node.", ["table"], registry=r
-        )
-        self.rows_put = Counter(p + "rows_put_total", "Rows created by put.", ["table"], registry=r)
-        self.rows_acked = Counter(
-            p + "rows_acked_total",
-            "Rows consumed (acked) by a task.",
-            ["table", "task"],
-            registry=r,
-        )
-        self.rows_claimed = Counter(
-            p + "rows_claimed_total", "Rows handed out in leases.", ["table", "task"], registry=r
-        )
-        self.rows_redelivered = Counter(
-            p + "rows_redelivered_total",
-            "Rows made claimable again after an expiry or failed release.",
-            ["table", "task"],
-            registry=r,
-        )
-        self.rows_dead = Counter(
-            p + "rows_dead_total",
-            "Rows quarantined, by bounded reason.",
-            ["table", "task", "reason"],
-            registry=r,
-        )
-        self.lease_expiries = Counter(
-            p + "lease_expiries_total",
-            "Leases that passed their deadline.",
-            ["table", "task"],
-            registry=r,
-        )
-        self.bytes_received = Counter(
-            p + "bytes_received_total", "Request bytes received.", registry=r
-        )
-        self.bytes_sent = Counter(p + "bytes_sent_total", "Reply bytes sent.", registry=r)
-        self.bytes_written = Counter(
-            p + "bytes_written_total", "Column bytes added by put and write.", ["table"], registry=r
-        )
-        self.request_duration = Histogram(
-            p + "request_duration_seconds",
-            "Time from request received to reply sent, per verb "
-            "(long-polled claims and parked puts include their wait).",
-            ["verb"],
-            buckets=_DURATION_BUCKETS,
-            registry=r,
-        )
-        self.bad_requests = Counter(
-            p + "bad_requests_total", "Requests refused as malformed.", registry=r
-        )
-        self.tables_recovered = Gauge(
-            p + "recovered_tables",
-            "Tables recovered from the persistence root when this node started.",
-            registry=r,
-        )
-        self.rows_recovered = Gauge(
-            p + "recovered_rows",
-            "Rows a table held when it was recovered at this node's start.",
-            ["table"],
-            registry=r,
-        )
-        self.parked = Gauge(
-            p + "parked_requests", "Requests waiting server-side, by verb.", ["verb"], registry=r
-        )
-        self.parked_bytes = Gauge(
-            p + "parked_put_bytes", "Body bytes held by puts waiting for room.", registry=r
-        )
-        self.parked_refused = Counter(
-            p + "parked_refused_total",
-            "Requests refused instead of parked (a parked-request limit was reached).",
-            ["verb"],
-            registry=r,
-        )
-        self.parked_dropped = Counter(
-            p + "parked_dropped_total",
-            "Parked requests dropped because their peer was gone.",
-            registry=r,
-        )
-        # labels() costs a lock and a dict lookup per call; the hot callbacks (one per request)
-        # keep the children they touched. Bounded like the label sets themselves.
+        m, G, C = _maker(self.registry, "streamflow_store_"), Gauge, Counter
+        self.queue_depth = m(G, "queue_depth_rows", "Rows READY for a task (queue depth).", TTS)
+        self.in_flight = m(G, "in_flight_rows", "Rows LEASED to a consumer of a task.", TTS)
+        self.dead_rows = m(G, "dead_rows", "Rows quarantined (DEAD) for a task, held until clear.",
+                           TTS)
+        self.memory = m(G, "memory_bytes", "Column bytes held by a table on this node.", T)
+        self.rows_held = m(G, "rows", "Live rows held by a table on this node.", T)
+        self.rows_put = m(C, "rows_put_total", "Rows created by put.", T)
+        self.rows_acked = m(C, "rows_acked_total", "Rows consumed (acked) by a task.", TT)
+        self.rows_claimed = m(C, "rows_claimed_total", "Rows handed out in leases.", TT)
+        self.rows_redelivered = m(C, "rows_redelivered_total", "Rows made claimable again after "
+                                  "an expiry or failed release.", TT)
+        self.rows_dead = m(C, "rows_dead_total", "Rows quarantined, by bounded reason.",
+                           [*TT, "reason"])
+        self.lease_expiries = m(C, "lease_expiries_total", "Leases that passed their deadline.", TT)
+        self.bytes_received = m(C, "bytes_received_total", "Request bytes received.")
+        self.bytes_sent = m(C, "bytes_sent_total", "Reply bytes sent.")
+        self.bytes_written = m(C, "bytes_written_total", "Column bytes added by put and write.", T)
+        self.request_duration = m(Histogram, "request_duration_seconds",
+                                  "Time from request received to reply sent, per verb "
+                                  "(long-polled claims and parked puts include their wait).", V,
+                                  buckets=_DURATION_BUCKETS)
+        self.bad_requests = m(C, "bad_requests_total", "Requests refused as malformed.")
+        self.tables_recovered = m(G, "recovered_tables", "Tables recovered from the persistence "
+                                  "root when this node started.")
+        self.rows_recovered = m(G, "recovered_rows",
+                                "Rows a table held when it was recovered at this node's start.", T)
+        self.parked = m(G, "parked_requests", "Requests waiting server-side, by verb.", V)
+        self.parked_bytes = m(G, "parked_put_bytes", "Body bytes held by puts waiting for room.")
+        self.parked_refused = m(C, "parked_refused_total", "Requests refused instead of parked "
+                                "(a parked-request limit was reached).", V)
+        self.parked_dropped = m(C, "parked_dropped_total",
+                                "Parked requests dropped because their peer was gone.")  # fmt: skip
+        # labels() costs a lock per call: the hot callbacks keep their children (bounded).
         self._children: dict[tuple[Any, ...], Any] = {}
         self._gauge_keys: set[tuple[str, str, str]] = set()
         self._tables: set[str] = set()
@@ -272,37 +175,21 @@ class StoreMetrics(HttpEndpoint):
 
 
 class CoordinatorMetrics(HttpEndpoint):
-    """The coordinator's shard-map metrics (``storage/coordinator.py``), in a private registry.
-
-    Labels: table and task from the groups consumers join, consumer from their ids (one per
-    worker), reason from ``storage.balance.REASONS``: all bounded."""
+    """The coordinator's shard-map metrics, in a private registry (labels bounded: groups,
+    consumer ids, ``storage.balance.REASONS``)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        p = "streamflow_coordinator_"
-        self.reassignments = Counter(
-            p + "reassignments_total",
-            "Shard ownership changes (revocations and grants to an unowned shard), by reason.",
-            ["table", "task", "reason"],
-            registry=r,
-        )
-        self.owned_shards = Gauge(
-            p + "owned_shards",
-            "Shards a consumer owns now.",
-            ["table", "task", "consumer"],
-            registry=r,
-        )
-        self.imbalance = Gauge(
-            p + "depth_imbalance_ratio",
-            "Max over mean of the consumers' expected drain time (owned ready rows + in flight, "
-            "over recent throughput); 1 is even.",
-            ["table", "task"],
-            registry=r,
-        )
-        self.consumers = Gauge(
-            p + "consumers_alive", "Consumers with a live session.", ["table", "task"], registry=r
-        )
+        m = _maker(self.registry, "streamflow_coordinator_")
+        self.reassignments = m(Counter, "reassignments_total", "Shard ownership changes "
+                               "(revocations and grants to an unowned shard), by reason.",
+                               [*TT, "reason"])
+        owners = [*TT, "consumer"]
+        self.owned_shards = m(Gauge, "owned_shards", "Shards a consumer owns now.", owners)
+        self.imbalance = m(Gauge, "depth_imbalance_ratio", "Max over mean of the consumers' "
+                           "expected drain time (owned ready rows + in flight, over recent "
+                           "throughput); 1 is even.", TT)  # fmt: skip
+        self.consumers = m(Gauge, "consumers_alive", "Consumers with a live session.", TT)
         self._owned_keys: set[tuple[str, str, str]] = set()
         self._http: Any = None
 
@@ -317,29 +204,20 @@ class CoordinatorMetrics(HttpEndpoint):
 
 
 class SessionMetrics:
-    """A consumer session's claim metrics (``storage/coordinator_session.py``): rows claimed from
-    the consumer's own shards and rows stolen from shards other consumers own.
-
-    Registered in the registry the session is given (a stage worker's, so they are served on its
-    ``/metrics``), else in a private one. One instance per registry (``for_registry``): several
-    sessions of one process share the counters, told apart by their ``table``/``task`` labels.
-    Labels: table, task (bounded as above), source in ``SOURCES``."""
+    """A consumer session's rows claimed from its own shards and stolen from others', in the
+    registry it is given (a worker's) or a private one; one instance per registry."""
 
     SOURCES = ("owned", "stolen")
-    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, SessionMetrics] = (
-        weakref.WeakKeyDictionary()
-    )
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, SessionMetrics]
+    _by_registry = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.rows_claimed = Counter(
-            "streamflow_consumer_rows_claimed_total",
-            "Rows a consumer session claimed, by source: owned (its own shards) or stolen (a "
-            "shard another consumer owns, taken while its own were empty).",
-            ["table", "task", "source"],
-            registry=self.registry,
-        )
+        self.rows_claimed = _maker(self.registry, "streamflow_consumer_")(
+            Counter, "rows_claimed_total", "Rows a consumer session claimed, by source: owned (its "
+            "own shards) or stolen (a shard another consumer owns, taken while its own were "
+            "empty).", [*TT, "source"])  # fmt: skip
 
     @classmethod
     def for_registry(cls, registry: CollectorRegistry | None) -> SessionMetrics:
@@ -351,6 +229,15 @@ class SessionMetrics:
             if found is None:
                 found = cls._by_registry[registry] = cls(registry)
             return found
+
+
+def _maker(registry: CollectorRegistry, prefix: str) -> Callable[..., Any]:
+    """A metric constructor: (kind, name without ``prefix``, help, labels, **options)."""
+
+    def make(kind: Any, name: str, doc: str, labels: Sequence[str] = (), **kw: Any) -> Any:
+        return kind(prefix + name, doc, list(labels), registry=registry, **kw)
+
+    return make
 
 
 def _remove(metric: Gauge, key: Iterable[str]) -> None:

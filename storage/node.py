@@ -1,41 +1,7 @@
 """StoreNode: the in-process, single-threaded, non-blocking state machine of one store node.
 
-Owns the node's tables, each split into ``num_shards`` ``Shard``s, and every live lease. No
-sockets, threads or sleeping: the server's loop thread calls the verbs one at a time, parks what
-must wait (``claim`` returning None, ``put`` raising StoreFull) and wakes it on state changes, and
-drives time with ``expire()`` at ``next_deadline()``. Every verb validates its whole input before
-mutating anything, so a failed verb changes nothing (all-or-nothing).
-
-Ids. Global shard ids are ``(node_index << 8) | local_index``. Lease ids are
-``(epoch << 32) | counter`` (counter from 1; epoch in [1, 2**31), so ids stay positive int64
-everywhere). The epoch names one incarnation of the node: with a persistence root it is the
-persisted epoch + 1 (``persist_root.next_epoch``), so lease ids never repeat across restarts on
-that root and a zombie's pre-crash lease id is UnknownLease after a restart, never someone else's
-lease; without a root the node keeps no tables across restarts and the epoch is random (31 bits:
-two incarnations share one with probability 2**-31). When the counter reaches 2**32 the node moves
-to a new epoch the same way.
-
-Persistence. ``persist_root`` (the node's configuration, never a client's) holds every table of
-the node in ``<root>/<table>``; the node recovers all of them at construction, before serving
-(``recovered``: table -> rows). Rules: ``storage/persist.py``.
-
-Leases. Claims, acks, releases, expiry and fencing are ``storage.leases`` (a mixin of StoreNode).
-
-Choices where the contract is silent:
-- a task with ``whole_groups=True`` is always served whole groups (the ``whole_groups`` argument
-  may be left False); asking ``whole_groups=True`` for a task without it is a BadRequest;
-- ``claim`` may ask for any column the task needs, ``created_at``, or any column written for
-  every row it would hand out (else BadRequest naming the column; nothing is leased);
-- ``TaskStats.consumed`` is cumulative (rows acked since the table was created), so it keeps
-  counting after rows are freed; ``dead`` counts rows currently held DEAD;
-- a put that could never fit (more rows/bytes than the capacity) is a BadRequest, not StoreFull;
-- groups are identified within one put; ``clear(dead=True)`` frees whole groups;
-- ``sync()`` may be called as often as the server likes: it fsyncs dirty logs of fsync="always"
-  tables every call and of "interval" tables at most every ``fsync_interval_s``;
-- ``snapshot()`` returns the table's directory (``<root>/<table>``, one snapshot per shard).
-
-Contract deviation: lease ids are (31-bit epoch << 32) | 32-bit counter, see "Ids" above.
-"""
+Owns the node's tables (``num_shards`` ``Shard``s each) and live leases; every verb validates
+its whole input before mutating anything. Ids and contract choices: docs/store-protocol.md."""
 
 from __future__ import annotations
 
@@ -65,18 +31,9 @@ from storage.leases import NodeLeases
 from storage.persist import TableStore
 from storage.persist_root import MAX_EPOCH, discover, next_epoch
 from storage.queues import LeaseRec
-from storage.schema import (
-    META_COLUMNS,
-    ROW_ID,
-    TableSpec,
-    TableStats,
-    split_row_ids,
-)
+from storage.schema import META_COLUMNS, ROW_ID, TableSpec, TableStats, split_row_ids
 from storage.shard import Shard
 
-_EXPIRED_MEMORY = 65536  # expired lease ids remembered for LeaseExpired (vs UnknownLease)
-_MAX_LEASE_SECONDS = 7 * 24 * 3600.0
-_MAX_ERROR_LEN = 500
 LEASE_COUNTER_BITS = 32
 
 log = logging.getLogger(__name__)
@@ -110,10 +67,8 @@ class _Table:
     col_index: dict[str, int]
     task_index: dict[str, int]
     store: TableStore | None = None
-    claim_cols: dict[tuple[int, tuple[str, ...]], tuple[list[str], list[int], list[int]]] = field(
-        default_factory=dict
-    )
-    claim_plans: dict[tuple, tuple] = field(default_factory=dict)  # see StoreNode._claim_plan
+    claim_cols: dict[tuple, tuple] = field(default_factory=dict)  # see NodeLeases._claim_columns
+    claim_plans: dict[tuple, tuple] = field(default_factory=dict)  # see NodeLeases._claim_plan
 
     def rows(self) -> int:
         return sum(s.num_alive for s in self.shards.values())
@@ -126,13 +81,8 @@ class StoreNode(NodeLeases):
     """One store node's tables, shards and leases. Not thread-safe: one caller thread."""
 
     def __init__(
-        self,
-        node_index: int = 0,
-        num_shards: int = 1,
-        *,
-        clock: Callable[[], float] = time.time,
-        events: NodeEvents | None = None,
-        persist_root: str | os.PathLike | None = None,
+        self, node_index: int = 0, num_shards: int = 1, *, clock: Callable[[], float] = time.time,
+        events: NodeEvents | None = None, persist_root: str | os.PathLike | None = None,
     ) -> None:
         if not 0 <= node_index < 256:
             raise BadRequest(f"node_index: {node_index} not in [0, 256)")
@@ -154,13 +104,9 @@ class StoreNode(NodeLeases):
         if self.persist_root is not None:
             for spec in discover(self.persist_root):
                 self.create_table(spec)
-                self.recovered[spec.name] = self._tables[spec.name].rows()
-                log.info(
-                    "table %s recovered from %s: %d rows",
-                    spec.name,
-                    self._tables[spec.name].store.path,
-                    self.recovered[spec.name],
-                )
+                tb = self._tables[spec.name]
+                rows = self.recovered[spec.name] = tb.rows()
+                log.info("table %s recovered from %s: %d rows", spec.name, tb.store.path, rows)
 
     def _new_epoch(self) -> None:
         root = self.persist_root
@@ -183,12 +129,9 @@ class StoreNode(NodeLeases):
             if existing.spec == spec:
                 return
             raise TableExists(f"table {spec.name!r} exists with a different spec")
-        tb = _Table(
-            spec=spec,
-            shards={sid: Shard(sid, spec) for sid in self.shard_ids},
-            col_index={n: i for i, n in enumerate(spec.schema.names)},
-            task_index={t.name: i for i, t in enumerate(spec.tasks)},
-        )
+        tb = _Table(spec=spec, shards={sid: Shard(sid, spec) for sid in self.shard_ids},
+                    col_index={n: i for i, n in enumerate(spec.schema.names)},
+                    task_index={t.name: i for i, t in enumerate(spec.tasks)})  # fmt: skip
         if self.persist_root is not None:
             tb.store = TableStore(spec, self.persist_root, self.node_index)
             tb.store.recover(tb.shards)
@@ -227,10 +170,8 @@ class StoreNode(NodeLeases):
 
     def has_capacity(self, table: str, num_rows: int, num_bytes: int) -> bool:
         tb = self._table(table)
-        return (
-            tb.rows() + num_rows <= tb.spec.capacity_rows
-            and tb.nbytes() + num_bytes <= tb.spec.capacity_bytes
-        )
+        return (tb.rows() + num_rows <= tb.spec.capacity_rows
+                and tb.nbytes() + num_bytes <= tb.spec.capacity_bytes)  # fmt: skip
 
     def put(self, table: str, batch: pa.RecordBatch, *, shard_id: int | None = None) -> np.ndarray:
         tb = self._table(table)
@@ -244,10 +185,8 @@ class StoreNode(NodeLeases):
         if n == 0:
             return np.empty(0, dtype=np.uint64)
         if n > spec.capacity_rows or nbytes > spec.capacity_bytes:
-            raise BadRequest(
-                f"put of {n} rows / {nbytes} bytes can never fit table {table!r} "
-                f"(capacity {spec.capacity_rows} rows / {spec.capacity_bytes} bytes)"
-            )
+            raise BadRequest(f"put of {n} rows / {nbytes} bytes can never fit table {table!r} "
+                             f"(capacity {spec.capacity_rows} rows / {spec.capacity_bytes} bytes)")
         order = group_order(tb.spec, batch) if spec.group_column else None
         if order is not None:
             batch = batch.take(pa.array(order))
@@ -273,11 +212,7 @@ class StoreNode(NodeLeases):
 
     # ---------------------------------------------------------- ready rows (claims: storage.leases)
     def ready_count(
-        self,
-        table: str,
-        task: str,
-        *,
-        whole_groups: bool = False,
+        self, table: str, task: str, *, whole_groups: bool = False,
         shards: Sequence[int] | None = None,
     ) -> int:
         tb = self._table(table)
@@ -287,12 +222,7 @@ class StoreNode(NodeLeases):
 
     # ----------------------------------------------------------------------------- write
     def write(
-        self,
-        table: str,
-        batch: pa.RecordBatch,
-        *,
-        lease_id: int | None = None,
-        ack: bool = False,
+        self, table: str, batch: pa.RecordBatch, *, lease_id: int | None = None, ack: bool = False,
         overwrite: bool = False,
     ) -> None:
         tb = self._table(table)
@@ -306,15 +236,13 @@ class StoreNode(NodeLeases):
                 raise SchemaMismatch(f"column {name!r} is store metadata and cannot be written")
         rid_col = batch.column(ROW_ID)
         if rid_col.type != pa.uint64() or rid_col.null_count:
-            raise SchemaMismatch(
-                f"column 'row_id': expected type uint64 without nulls, got {rid_col.type}"
-            )
+            got = rid_col.type
+            raise SchemaMismatch(f"column 'row_id': expected type uint64 without nulls, got {got}")
         arrays = check_columns(tb.spec, batch)
         row_ids = rid_col.to_numpy()
         entry = self._live_lease(tb, lease_id) if lease_id is not None else None
         if entry is not None and _same_ids(row_ids, entry[2].row_ids):
-            # The common case: exactly the lease's rows in the lease's order (distinct, all on
-            # the lease's shard, all held by it), so the general checks below are implied.
+            # The common case: exactly the lease's rows in its order (the checks below hold).
             _, lshard, rec = entry
             idx = lshard.lease_idx(rec)
             lshard.check_write(idx, list(arrays), overwrite)
@@ -337,9 +265,8 @@ class StoreNode(NodeLeases):
         if entry is not None:
             _, lshard, rec = entry
             for shard, _pos, idx in plan:
-                if shard is not lshard or not bool(
-                    (shard.lease[rec.task, idx] == rec.lease_id).all()
-                ):
+                held = shard is lshard and bool((shard.lease[rec.task, idx] == rec.lease_id).all())
+                if not held:
                     raise BadRequest(f"write: some rows are not part of lease {lease_id}")
         for shard, _pos, idx in plan:
             shard.check_write(idx, list(arrays), overwrite)
@@ -354,21 +281,15 @@ class StoreNode(NodeLeases):
             self._ack(*entry)
 
     def _apply_write(
-        self,
-        tb: _Table,
-        shard: Shard,
-        idx: np.ndarray,
-        arrays: dict[int, pa.Array],
-        batch: pa.RecordBatch,
-        overwrite: bool,
+        self, tb: _Table, shard: Shard, idx: np.ndarray, arrays: dict[int, pa.Array],
+        batch: pa.RecordBatch, overwrite: bool,
     ) -> None:
         """Point the cells (idx, columns of ``arrays``) at ``arrays`` (checked by the caller)."""
         if not arrays:
             return
         if tb.store is not None:
-            tb.store.log_write(
-                shard.shard_id, shard.seqs[idx], batch.drop_columns([ROW_ID]), overwrite
-            )
+            cols = batch.drop_columns([ROW_ID])
+            tb.store.log_write(shard.shard_id, shard.seqs[idx], cols, overwrite)
         nbytes = sum(a.get_total_buffer_size() for a in arrays.values())
         shard.write(idx, arrays, np.arange(len(idx), dtype=np.int32), nbytes)
         self.events.on_write(tb.spec.name, shard.shard_id, nbytes)
@@ -415,8 +336,4 @@ class StoreNode(NodeLeases):
 
 
 def _same_ids(row_ids: np.ndarray, lease_ids: np.ndarray | None) -> bool:
-    return (
-        lease_ids is not None
-        and len(row_ids) == len(lease_ids)
-        and bool((row_ids == lease_ids).all())
-    )
+    return lease_ids is not None and np.array_equal(row_ids, lease_ids)

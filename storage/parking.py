@@ -1,14 +1,7 @@
 """Requests parked by a store server: the waiting claims and puts, their limits and deadlines.
 
-Owns: the parked requests themselves (``ParkedRequests``, a mixin of ``storage.server.Server``:
-retried when their table changes, answered at their deadline, dropped when their peer is gone,
-answered ``ShuttingDown`` at shutdown) and their accounting (``ParkedBook``): how many claims and
-puts are parked on the node, how many body bytes parked puts hold, how many requests each peer
-(ROUTER identity) has parked and since when, and the refusal of a request that would go past a
-limit (``StoreFull`` for a put, ``TooManyWaiting`` for a claim; the limits are ``ServerConfig``'s,
-the rules ``storage/wire.py``'s). The server's loop thread is the only caller: ``admit`` before
-parking a request, ``release`` whenever one leaves; ``parked()`` reads the counts from any thread.
-"""
+``ParkedRequests`` (a mixin of ``storage.server.Server``) keeps them; ``ParkedBook`` accounts for
+them per node and per peer and refuses what would pass a limit. Rules: docs/store-protocol.md."""
 
 from __future__ import annotations
 
@@ -28,8 +21,7 @@ from storage.errors import StoreError, StoreFull, TooManyWaiting
 
 log = logging.getLogger("storage.server")
 
-# A message with req_id 0 sent by the node is a liveness probe (clients never use req_id 0 and
-# drop replies that match none of their requests), see storage/wire.py.
+# A liveness probe: req_id 0 (no request's), which clients drop; see docs/store-protocol.md.
 PROBE_FRAME = wire.pack_header({"ok": True, "req_id": 0, "error": None, "probe": True})
 
 
@@ -48,29 +40,22 @@ class ParkedBook:
     def admit(self, ident: bytes, verb: str, nbytes: int, table: str) -> None:
         """Count a request about to be parked, or raise the typed refusal naming the limit."""
         held = self.per_peer.get(ident, 0)
+        peer = f"this peer already has {held} requests waiting (max_parked_per_peer "
+        peer += f"{self.max_per_peer})"
+        full = f"table {table!r} is at capacity and "
         if verb == "claim":
             if held >= self.max_per_peer:
-                raise TooManyWaiting(
-                    f"this peer already has {held} requests waiting (max_parked_per_peer "
-                    f"{self.max_per_peer})"
-                )
+                raise TooManyWaiting(peer)
             if self.claims >= self.max_claims:
-                raise TooManyWaiting(
-                    f"node {self.node_index} already has {self.claims} claims waiting "
-                    f"(max_parked_claims {self.max_claims})"
-                )
+                raise TooManyWaiting(f"node {self.node_index} already has {self.claims} claims "
+                                     f"waiting (max_parked_claims {self.max_claims})")  # fmt: skip
             self.claims += 1
         else:
             if held >= self.max_per_peer:
-                raise StoreFull(
-                    f"table {table!r} is at capacity and this peer already has {held} requests "
-                    f"waiting (max_parked_per_peer {self.max_per_peer})"
-                )
+                raise StoreFull(full + peer)
             if self.put_bytes + nbytes > self.max_bytes:
-                raise StoreFull(
-                    f"table {table!r} is at capacity and node {self.node_index} already holds "
-                    f"{self.put_bytes} bytes of waiting puts (max_parked_bytes {self.max_bytes})"
-                )
+                raise StoreFull(f"{full}node {self.node_index} already holds {self.put_bytes} "
+                                f"bytes of waiting puts (max_parked_bytes {self.max_bytes})")
             self.puts += 1
             self.put_bytes += nbytes
         self.per_peer[ident] = held + 1
@@ -95,10 +80,7 @@ class ParkedBook:
         """Peers that have had requests parked since ``before`` (monotonic) or earlier."""
         return [ident for ident, since in self.since.items() if since <= before]
 
-    def clear(self) -> None:
-        self.claims = self.puts = self.put_bytes = 0
-        self.per_peer.clear()
-        self.since.clear()
+
 
 @dataclass
 class ParkedRequest(rpc.Parked):
@@ -107,8 +89,7 @@ class ParkedRequest(rpc.Parked):
 
 
 class ParkedRequests:
-    """Mixin of ``Server``: claims waiting for rows (``_claims``, per table, FIFO) and puts
-    waiting for room (``_puts``, per table, FIFO: a put waits behind older puts)."""
+    """Mixin of ``Server``: claims waiting for rows and puts waiting for room (per table, FIFO)."""
 
     node: Any
     config: Any
@@ -120,12 +101,9 @@ class ParkedRequests:
     _dirty: set[str]
 
     def parked(self) -> dict[str, int]:
-        """What is parked now: {"claims", "puts", "put_bytes", "peers"}. Safe to call from any
-        thread (plain counters, updated by the loop thread as requests park and leave)."""
+        """What is parked now: {"claims", "puts", "put_bytes", "peers"} (any thread)."""
         return {
-            "claims": self._book.claims,
-            "puts": self._book.puts,
-            "put_bytes": self._book.put_bytes,
+            "claims": self._book.claims, "puts": self._book.puts, "put_bytes": self._book.put_bytes,
             "peers": len(self._book.per_peer),
         }
 
@@ -143,11 +121,8 @@ class ParkedRequests:
         p.batch = None
 
     def _probe_peers(self) -> None:
-        """Drop the parked requests of every peer whose connection is gone: a send to it fails
-        with EHOSTUNREACH (ROUTER_MANDATORY) once ZeroMQ removed its route (closed socket,
-        closed TCP connection, or missed heartbeats). A live peer gets one small message with
-        req_id 0, which clients ignore; only peers that have had requests parked for a whole
-        interval are probed (a short long-poll never sees a probe)."""
+        """Drop the parked requests of every peer whose connection is gone (a probe to it fails
+        with EHOSTUNREACH; docs/store-protocol.md, "Departed peers")."""
         sock = self._sock
         gone = set()
         old = time.monotonic() - self.config.peer_probe_interval_s
@@ -170,9 +145,8 @@ class ParkedRequests:
     def _take(
         self, pred: Callable[[ParkedRequest], bool], tables: Iterable[str] | None = None
     ) -> list[ParkedRequest]:
-        """Remove the parked requests ``pred`` selects (of ``tables``; None: every table), claims
-        first, and count them as left; the others keep their FIFO order. The caller answers
-        them (or not: a departed peer)."""
+        """Remove (claims first) and count as left the parked requests ``pred`` selects, of
+        ``tables`` (None: all); the others keep their FIFO order. The caller answers them."""
         taken: list[ParkedRequest] = []
         for parked in (self._claims, self._puts):
             for table in list(parked) if tables is None else tables:
@@ -193,7 +167,7 @@ class ParkedRequests:
             self._fail(p, exc)
 
     def _fail(self, p: ParkedRequest, exc: Exception) -> None:
-        """Answer a parked request with ``exc`` (not a StoreError: a bug, logged, "internal")."""
+        """Answer a parked request with ``exc`` (not a StoreError: a bug, "internal")."""
         self._reply_error(p.ident, p.req, rpc.as_store_error(exc, "a parked request"), p.t_recv)
 
     def _retry_parked(self) -> None:
@@ -215,8 +189,7 @@ class ParkedRequests:
 
     def _retry_claims(self, table: str, claims: list[ParkedRequest]) -> None:
         keep: list[ParkedRequest] = []
-        # (task, whole_groups, shards) with nothing ready. The shards are part of the key: a
-        # claim limited to one shard finding it empty says nothing about the other shards.
+        # (task, whole_groups, shards) with nothing ready (one empty shard says nothing of others)
         dry: set[tuple[str, bool, tuple[int, ...] | None]] = set()
         for p in claims:
             a = p.req.args
@@ -226,9 +199,8 @@ class ParkedRequests:
                 keep.append(p)
                 continue
             try:
-                ready = self.node.ready_count(
-                    table, a["task"], whole_groups=a["whole_groups"], shards=a["shards"]
-                )
+                ready = self.node.ready_count(table, a["task"], whole_groups=a["whole_groups"],
+                                              shards=a["shards"])  # fmt: skip
                 lease = self._try_claim(p.req, a["min_rows"]) if ready >= a["min_rows"] else None
             except Exception as exc:
                 self._unpark(p)
@@ -245,8 +217,7 @@ class ParkedRequests:
 
     def _time_out_parked(self) -> None:
         """Answer the parked requests whose wait ran out: a claim gets one last try with
-        ``min_rows=1`` (possibly an empty lease), a put ``StoreFull`` (a put behind the head
-        of its table's queue too: a shorter timeout does not wait for the head)."""
+        ``min_rows=1``, a put (even one behind the head of its queue) ``StoreFull``."""
         now = time.monotonic()
         for p in self._take(lambda p: p.deadline <= now):
             try:
@@ -254,9 +225,7 @@ class ParkedRequests:
                     self._reply_lease(p.ident, p.req, self._try_claim(p.req, 1), p.t_recv)
                     continue
                 a = p.req.args
-                raise StoreFull(
-                    f"table {a.table!r} stayed at capacity for the put's timeout "
-                    f"({a.timeout:.3g} s)"
-                )
+                raise StoreFull(f"table {a.table!r} stayed at capacity for the put's timeout "
+                                f"({a.timeout:.3g} s)")  # fmt: skip
             except Exception as exc:
                 self._fail(p, exc)

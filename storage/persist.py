@@ -1,64 +1,7 @@
 """Persistence of one table on one node: an append-only log per shard plus atomic snapshots.
 
-Where. The persistence *root* is the node's own configuration (``ServerConfig.persist_dir``,
-``streamflow store serve --persist-dir``), never a client's: a client only names a table, and the
-table lives in ``<root>/<table>`` (the name is checked against ``[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}``,
-so it is one path component that cannot start with a dot; a symlinked table directory is
-refused). With a root, every table of the node is persisted; without one, none is.
-
-Ownership. The store creates ``<root>/<table>`` itself and first writes the marker file
-``.streamflow-table`` in it. A directory without the marker is never adopted (create_table is
-refused with BadRequest naming it) and never deleted. ``drop_table`` removes only the files the
-store writes (``table.json``, ``shard-<sid>.snap``, ``shard-<sid>.<gen>.log`` and their ``.tmp``
-siblings), then the marker, then the directory if it is empty; anything else found there is left
-in place (logged), and without the marker the directory is no longer the store's.
-
-Recovery at start. A node with a root opens every ``<root>/<table>`` holding the marker and a
-``table.json`` before it serves, and recovers it as below; it logs each table and its row count
-and counts them in its metrics (``streamflow_store_recovered_tables``). A later ``create_table``
-with the same spec is a no-op; one with a different spec gets TableExists.
-
-Incarnations. ``<root>/.node-<index>.epoch`` holds the node's last lease epoch; each start (and a
-lease-counter rollover) writes the next one (tmp + fsync + rename + directory fsync) before any
-lease is issued, so lease ids never repeat across restarts of a node on the same root. One root
-serves at most one running node per node index.
-
-Layout under ``<root>/``::
-
-    .node-<index>.epoch             lease epoch of node <index>'s latest incarnation (decimal)
-    <table>/.streamflow-table       the store's ownership marker
-    <table>/table.json              the spec: schema (Arrow IPC, base64), tasks, grouping, limits
-    <table>/shard-<sid>.snap        Arrow IPC file: every live row's cells + per-task state
-    <table>/shard-<sid>.<gen>.log   append-only records, generation ``gen`` (newest appended to)
-
-Log record: ``[u32 len][u32 crc32(payload)][payload]`` with payload ``[u32 hlen][msgpack header]
-[Arrow IPC stream bytes, for put/write]``, little-endian. Header ``op`` is one of
-``put {start, t}`` (rows start..start+n-1 in batch order), ``write {seqs, ow}``, ``claim``,
-``release`` (clean hand-back: delivery count - 1), ``ack``, ``dead {reason}`` (all with ``task``,
-``seqs``) and ``free {seqs}`` (clear of dead rows). ``seqs`` are little-endian int64 bytes.
-Leases are never logged: rows LEASED at a crash come back READY with their delivery counts.
-
-Snapshot (``snapshot()``, and automatically after a recovery that replayed anything): for each
-shard, its rows are written to ``.snap.tmp``, fsynced, renamed over ``.snap``, the directory is
-fsynced; the snapshot records the log generation it covers, a new log generation starts, older
-logs are deleted. A crash at any point leaves either the old snapshot + all logs or the new
-snapshot + logs it does not cover: recovery replays only generations above the covered one.
-
-Recovery: load the snapshot, replay the logs in order, then rebuild ready queues. A torn tail
-(short header or payload: the process died mid-append) is cut off and the file truncated there.
-A record whose crc does not match, or that cannot be applied, is dropped with a warning; replay
-goes on with the next record. Recovery never raises on bad log contents.
-
-What is durable when (the verb's reply is sent after the server calls ``StoreNode.sync()``):
-- every logged verb issues its ``write(2)`` before returning, so once a reply is sent, the
-  change survives a crash of the store *process* (SIGKILL included), whatever the fsync policy;
-- ``fsync="always"``: ``sync()`` fsyncs every dirty log, so a replied-to put/write/ack/dead also
-  survives an OS crash or power loss;
-- ``fsync="interval"``: ``sync()`` fsyncs a dirty log at most every ``fsync_interval_s``; an OS
-  crash loses at most that window;
-- ``fsync="never"``: the OS decides when the page cache reaches the disk.
-Claims and clean releases are logged (delivery counts) but nobody waits for them.
-"""
+Owns the log records, snapshots, replay at recovery and the fsync policy. Layout, ownership,
+recovery and what is durable when: docs/store-protocol.md ("Persistence")."""
 
 from __future__ import annotations
 
@@ -66,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import struct
 import zlib
 from typing import TYPE_CHECKING
@@ -85,6 +29,7 @@ from storage.persist_root import (
     write_atomic,
 )
 from storage.schema import RowState, TableSpec
+from storage.wire import read_batch, write_batch
 
 if TYPE_CHECKING:
     from storage.shard import Shard
@@ -95,21 +40,7 @@ _FRAME = struct.Struct("<II")
 _HLEN = struct.Struct("<I")
 _SNAP_ROWS = 65536  # rows per snapshot record batch (keeps list offsets far from int32 limits)
 _META_KEY = b"streamflow"
-
-
-def _ipc(batch: pa.RecordBatch) -> pa.Buffer:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    return sink.getvalue()
-
-
-def _read_ipc(buf: bytes | memoryview) -> pa.RecordBatch:
-    reader = pa.ipc.open_stream(pa.py_buffer(buf))
-    batches = list(reader)
-    if len(batches) != 1:
-        raise ValueError(f"expected one record batch, got {len(batches)}")
-    return batches[0]
+_LOG_NAME = re.compile(r"^shard-(\d+)\.(\d+)\.log$")
 
 
 class ShardLog:
@@ -118,7 +49,6 @@ class ShardLog:
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = os.fstat(self.fd).st_size
         self.dirty = False
 
     def append(self, header: dict, body: pa.Buffer | None = None) -> None:
@@ -137,7 +67,6 @@ class ShardLog:
             rest = memoryview(b"".join(bytes(p) for p in pieces))[done:]
             while len(rest):
                 rest = rest[os.write(self.fd, rest) :]
-        self.size += total
         self.dirty = True
 
     def fsync(self) -> None:
@@ -189,11 +118,10 @@ def read_records(path: str) -> tuple[list[tuple[dict, bytes]], int]:
 
 
 class TableStore:
-    """Logs and snapshots of one table's shards on one node (see module docstring)."""
+    """Logs and snapshots of one table's shards on one node (docs/store-protocol.md)."""
 
     def __init__(self, spec: TableSpec, root: str, node_index: int) -> None:
-        """Open (creating it, with its marker) ``<root>/<spec.name>``; see the module docstring
-        for what the store owns there."""
+        """Open (creating it, with its marker) ``<root>/<spec.name>``."""
         self.spec = spec
         self.path = table_dir(root, spec.name)
         self.node_index = node_index
@@ -211,24 +139,17 @@ class TableStore:
                 on_disk = json.load(f)
             for key in DATA_KEYS:
                 if on_disk.get(key) != doc[key]:
-                    raise BadRequest(
-                        f"{self.path!r} holds table {self.spec.name!r} with a different {key}; "
-                        "drop the table first"
-                    )
+                    what = f"{self.path!r} holds table {self.spec.name!r} with a different {key}"
+                    raise BadRequest(f"{what}; drop the table first")
             if on_disk == doc:
                 return
         write_atomic(meta, json.dumps(doc))  # new, or the same data with other limits
 
     def _files(self, sid: int) -> tuple[str, list[tuple[int, str]]]:
-        snap = os.path.join(self.path, f"shard-{sid}.snap")
-        logs = []
-        prefix = f"shard-{sid}."
-        for name in os.listdir(self.path):
-            if name.startswith(prefix) and name.endswith(".log"):
-                gen = name[len(prefix) : -len(".log")]
-                if gen.isdigit():
-                    logs.append((int(gen), os.path.join(self.path, name)))
-        return snap, sorted(logs)
+        """The shard's snapshot path and its (generation, log path)s, oldest first."""
+        logs = [(int(m[2]), os.path.join(self.path, name)) for name in os.listdir(self.path)
+                if (m := _LOG_NAME.match(name)) and int(m[1]) == sid]  # fmt: skip
+        return os.path.join(self.path, f"shard-{sid}.snap"), sorted(logs)
 
     # ----------------------------------------------------------------------------- recovery
     def recover(self, shards: dict[int, Shard]) -> None:
@@ -249,9 +170,8 @@ class TableStore:
                         apply_record(shard, header, body)
                         replayed += 1
                     except Exception as e:  # noqa: BLE001 - a bad record never stops recovery
-                        log.warning(
-                            "%s: record %s not applied (%s); dropped", path, header.get("op"), e
-                        )
+                        op = header.get("op")
+                        log.warning("%s: record %s not applied (%s); dropped", path, op, e)
                         problems += 1
             shard.rebuild_queues()
             self.gens[sid] = max([covered, *(g for g, _ in logs)]) + 1
@@ -261,44 +181,30 @@ class TableStore:
 
     def _check_shard_files(self, shards: dict[int, Shard]) -> None:
         for name in os.listdir(self.path):
-            if not name.startswith("shard-"):
-                continue
-            sid_text = name[len("shard-") :].split(".", 1)[0]
-            if not sid_text.isdigit():
-                continue
-            sid = int(sid_text)
+            m = re.match(r"shard-(\d+)(?:\.|$)", name)
+            sid = int(m[1]) if m else -1
             if sid >> 8 == self.node_index and sid not in shards:
-                raise BadRequest(
-                    f"persist_dir {self.path!r} holds shard {sid}, not served by this node "
-                    "(num_shards too small?)"
-                )
+                raise BadRequest(f"persist_dir {self.path!r} holds shard {sid}, not served by this "
+                                 "node (num_shards too small?)")  # fmt: skip
 
     def _log_path(self, sid: int, gen: int) -> str:
         return os.path.join(self.path, f"shard-{sid}.{gen}.log")
 
     # ----------------------------------------------------------------------------- logging
     def log_put(self, sid: int, start: int, created_at: float, batch: pa.RecordBatch) -> None:
-        self.logs[sid].append({"op": "put", "start": start, "t": created_at}, _ipc(batch))
+        self.logs[sid].append({"op": "put", "start": start, "t": created_at}, write_batch(batch))
 
     def log_write(self, sid: int, seqs: np.ndarray, batch: pa.RecordBatch, overwrite: bool) -> None:
         header = {"op": "write", "seqs": seqs.astype("<i8").tobytes(), "ow": overwrite}
-        self.logs[sid].append(header, _ipc(batch))
+        self.logs[sid].append(header, write_batch(batch))
 
     def log_rows(
-        self,
-        op: str,
-        sid: int,
-        seqs: np.ndarray,
-        *,
-        task: str | None = None,
+        self, op: str, sid: int, seqs: np.ndarray, *, task: str | None = None,
         reason: str | None = None,
     ) -> None:
-        header: dict = {"op": op, "seqs": np.asarray(seqs).astype("<i8").tobytes()}
-        if task is not None:
-            header["task"] = task
-        if reason is not None:
-            header["reason"] = reason
-        self.logs[sid].append(header)
+        header = {"op": op, "seqs": np.asarray(seqs).astype("<i8").tobytes(), "task": task,
+                  "reason": reason}  # fmt: skip
+        self.logs[sid].append({k: v for k, v in header.items() if v is not None})
 
     def sync(self, now: float) -> None:
         """fsync dirty logs per the table's policy (``now``: a monotonic clock)."""
@@ -324,8 +230,7 @@ class TableStore:
         write_snapshot(shard, snap + ".tmp", covered)
         os.replace(snap + ".tmp", snap)
         fsync_dir(self.path)
-        old = self.logs[sid]
-        old.close()
+        self.logs[sid].close()
         self.gens[sid] = covered + 1
         self.logs[sid] = ShardLog(self._log_path(sid, covered + 1))
         for gen, path in self._files(sid)[1]:
@@ -352,9 +257,7 @@ def apply_record(shard: Shard, header: dict, body: bytes) -> None:
     """Replay one log record onto a shard (rows already gone are skipped)."""
     op = header["op"]
     if op == "put":
-        batch = _read_ipc(body)
-        index = {n: i for i, n in enumerate(shard.columns)}
-        arrays = {index[f.name]: batch.column(i) for i, f in enumerate(batch.schema)}
+        batch, arrays = _columns(shard, body)
         start = int(header["start"])
         if start < shard.next_seq:
             raise ValueError(f"put at seq {start} below next seq {shard.next_seq}")
@@ -364,10 +267,8 @@ def apply_record(shard: Shard, header: dict, body: bytes) -> None:
     seqs = np.frombuffer(header["seqs"], dtype="<i8").astype(np.int64)
     idx, ok = shard._find(seqs)
     if op == "write":
-        batch = _read_ipc(body)
-        index = {n: i for i, n in enumerate(shard.columns)}
+        arrays = _columns(shard, body)[1]
         pos = np.flatnonzero(ok).astype(np.int32)
-        arrays = {index[f.name]: batch.column(i) for i, f in enumerate(batch.schema)}
         if len(pos):
             shard.write(idx[ok], arrays, pos)
         return
@@ -389,26 +290,28 @@ def apply_record(shard: Shard, header: dict, body: bytes) -> None:
         raise ValueError(f"unknown op {op!r}")
 
 
+def _columns(shard: Shard, body: bytes) -> tuple[pa.RecordBatch, dict[int, pa.Array]]:
+    batch = read_batch(body, "log record")
+    index = {n: i for i, n in enumerate(shard.columns)}
+    return batch, {index[f.name]: batch.column(i) for i, f in enumerate(batch.schema)}
+
+
 def write_snapshot(shard: Shard, path: str, covered: int) -> None:
     live = np.flatnonzero(shard.alive[: shard.n])
     meta = {
-        "covered": covered,
-        "next_seq": shard.next_seq,
-        "reasons": shard.reasons,
+        "covered": covered, "next_seq": shard.next_seq, "reasons": shard.reasons,
         "consumed_total": shard.consumed_total.tolist(),
         "redelivered_total": shard.redelivered_total.tolist(),
     }
     fields = [
-        pa.field("__seq", pa.int64()),
-        pa.field("__created", pa.float64()),
+        pa.field("__seq", pa.int64()), pa.field("__created", pa.float64()),
         pa.field("__gpos", pa.int64()),
     ]
     for f in shard.spec.schema:
         fields += [pa.field(f.name, f.type), pa.field(f"__w:{f.name}", pa.bool_())]
     for name in shard.task_names:
         fields += [
-            pa.field(f"__state:{name}", pa.uint8()),
-            pa.field(f"__deliv:{name}", pa.uint16()),
+            pa.field(f"__state:{name}", pa.uint8()), pa.field(f"__deliv:{name}", pa.uint16()),
             pa.field(f"__reason:{name}", pa.int32()),
         ]
     schema = pa.schema(fields, metadata={_META_KEY: json.dumps(meta).encode()})
@@ -416,9 +319,7 @@ def write_snapshot(shard: Shard, path: str, covered: int) -> None:
         for lo in range(0, max(len(live), 1), _SNAP_ROWS):
             idx = live[lo : lo + _SNAP_ROWS]
             arrays = [
-                pa.array(shard.seqs[idx]),
-                pa.array(shard.created[idx]),
-                pa.array(shard.gpos[idx]),
+                pa.array(shard.seqs[idx]), pa.array(shard.created[idx]), pa.array(shard.gpos[idx]),
             ]
             for c in range(len(shard.columns)):
                 arrays += [shard.cells(idx, c), pa.array(shard.src[c, idx] >= 0)]
@@ -426,9 +327,7 @@ def write_snapshot(shard: Shard, path: str, covered: int) -> None:
                 state = shard.state[t, idx].copy()
                 state[state == RowState.LEASED] = RowState.READY  # leases are not persisted
                 arrays += [
-                    pa.array(state),
-                    pa.array(shard.deliv[t, idx]),
-                    pa.array(shard.reason[t, idx]),
+                    pa.array(state), pa.array(shard.deliv[t, idx]), pa.array(shard.reason[t, idx]),
                 ]
             writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
     with open(path, "rb+") as f:
@@ -451,13 +350,8 @@ def load_snapshot(shard: Shard, path: str) -> int:
         for c, name in enumerate(shard.columns):
             arrays[c] = batch.column(name)
             written[c] = batch.column(f"__w:{name}").to_numpy(zero_copy_only=False)
-        idx = shard.append(
-            seqs,
-            batch.column("__created").to_numpy(),
-            arrays,
-            written,
-            batch.column("__gpos").to_numpy(),
-        )
+        idx = shard.append(seqs, batch.column("__created").to_numpy(), arrays, written,
+                           batch.column("__gpos").to_numpy())  # fmt: skip
         for t, name in enumerate(shard.task_names):
             shard.state[t, idx] = batch.column(f"__state:{name}").to_numpy()
             shard.deliv[t, idx] = batch.column(f"__deliv:{name}").to_numpy()

@@ -1,11 +1,6 @@
 """The node's persistence root: which directories and files the store owns under it.
 
-Owns: confining a table to ``<root>/<table>`` (name checked, no symlinks), the ownership marker
-(create, check), deleting only what the store wrote, finding the tables to recover at start, the
-full table spec kept in ``table.json``, and the persisted lease epoch of each node incarnation.
-The rules are stated in ``storage/persist.py``'s docstring; the logs and snapshots themselves
-are ``persist.TableStore``'s.
-"""
+Rules: docs/store-protocol.md ("Persistence"); logs and snapshots are ``persist.TableStore``'s."""
 
 from __future__ import annotations
 
@@ -31,14 +26,8 @@ MAX_EPOCH = (1 << 31) - 1  # lease ids are (epoch << 32) | counter: positive int
 _OWNED = re.compile(r"^(table\.json|shard-\d+\.snap|shard-\d+\.\d+\.log)(\.tmp)?$")
 # Spec fields of table.json that say what the stored data means (must match to reopen it).
 DATA_KEYS = ("schema", "tasks", "group_column", "group_size")
-_LIMIT_KEYS = (
-    "capacity_rows",
-    "capacity_bytes",
-    "lease_seconds",
-    "max_deliveries",
-    "fsync",
-    "fsync_interval_s",
-)
+_LIMIT_KEYS = ("capacity_rows", "capacity_bytes", "lease_seconds", "max_deliveries", "fsync",
+               "fsync_interval_s")  # fmt: skip
 
 
 def fsync_dir(path: str) -> None:
@@ -71,9 +60,8 @@ def table_dir(root: str, name: str) -> str:
 
 
 def claim_dir(path: str, table: str) -> None:
-    """Create the table's directory with its marker, or check that an existing one is ours.
-    The directory appears with its marker already inside (made under a temporary name, then
-    renamed), so a node racing another on the same root never sees it half made."""
+    """Create the table's directory with its marker inside (made under a temporary name, then
+    renamed: never seen half made), or check that an existing one is ours."""
     if not os.path.lexists(path):
         root = os.path.dirname(path)
         tmp = os.path.join(root, f".tmp-{table}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -89,10 +77,8 @@ def claim_dir(path: str, table: str) -> None:
             fsync_dir(root)
             return
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, MARKER)):
-        raise BadRequest(
-            f"{path!r} exists but was not created by the store (no {MARKER} marker); "
-            f"remove it or use another table name than {table!r}"
-        )
+        raise BadRequest(f"{path!r} exists but was not created by the store (no {MARKER} marker); "
+                         f"remove it or use another table name than {table!r}")  # fmt: skip
 
 
 def remove_owned(path: str) -> None:
@@ -121,8 +107,7 @@ def spec_doc(spec: TableSpec) -> dict:
     doc = {
         "schema": base64.b64encode(spec.schema.serialize().to_pybytes()).decode(),
         "tasks": [[t.name, list(t.needs), t.whole_groups] for t in spec.tasks],
-        "group_column": spec.group_column,
-        "group_size": spec.group_size,
+        "group_column": spec.group_column, "group_size": spec.group_size,
     }
     doc.update({key: getattr(spec, key) for key in _LIMIT_KEYS})
     return doc
@@ -133,20 +118,13 @@ def spec_from_doc(name: str, doc: dict) -> TableSpec:
     schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(doc["schema"])))
     tasks = tuple(TaskSpec(str(n), tuple(needs), bool(w)) for n, needs, w in doc["tasks"])
     limits = {key: doc[key] for key in _LIMIT_KEYS if key in doc}
-    return TableSpec(
-        name,
-        schema,
-        tasks,
-        group_column=doc.get("group_column"),
-        group_size=doc.get("group_size"),
-        **limits,
-    )
+    return TableSpec(name, schema, tasks, group_column=doc.get("group_column"),
+                     group_size=doc.get("group_size"), **limits)  # fmt: skip
 
 
 def discover(root: str) -> list[TableSpec]:
-    """Specs of the tables to recover at start: directories with the marker and a table.json.
-    A table.json that cannot be read is an error naming it (a node must not come up silently
-    without one of its tables)."""
+    """Specs of the tables to recover: directories with the marker and a table.json (one that
+    cannot be read is an error: a node must not come up without one of its tables)."""
     specs = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)

@@ -1,13 +1,6 @@
-"""Ports a parent picks for a child process to bind (``free_port``).
+"""Ports a parent picks for a child process to bind (``free_port``), below the ephemeral range.
 
-An address a child will bind (a store node, the trainer's weight announcements,
-torch.distributed's master port) is often chosen by the parent before the child starts, because
-other processes need it in their configs. It is taken below the kernel's ephemeral range: a port
-from ``bind(0)`` comes from that range, which every outgoing connection on the machine draws from
-too, so in the gap before the child binds, any ``connect()`` could take it (seen as "Address
-already in use" in a test suite where hundreds of ZeroMQ connections churn). Below the range only
-another explicit listener can collide. Tests take their ports here as well, for the same reason.
-"""
+Why: docs/store-protocol.md ("Ports")."""
 
 from __future__ import annotations
 
@@ -15,8 +8,7 @@ import random
 import socket
 from pathlib import Path
 
-# Ports handed out by this process: two picks for one run (announce + master port) never
-# return the same port although neither is bound yet.
+# Ports handed out by this process: two picks never return the same (not yet bound) port.
 _handed_out: set[tuple[str, int]] = set()
 
 
@@ -29,9 +21,8 @@ def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
 
 
 def free_port(host: str = "127.0.0.1", *, ephemeral_low: int | None = None) -> int:
-    """A TCP port on ``host`` that is free now, for a child process to bind (module docstring:
-    why below the ephemeral range). Falls back to ``bind(0)`` when that range starts too low to
-    leave room below it."""
+    """A TCP port on ``host`` that is free now, below the ephemeral range, for a child process to
+    bind. Falls back to ``bind(0)`` when that range starts too low to leave room below it."""
     low = _ephemeral_low() if ephemeral_low is None else ephemeral_low
     first = 10_000
     if low - first >= 1_000:

@@ -1,11 +1,6 @@
 """What a shard hands out and who holds it: FIFO ready queues of row sequences, lease records.
 
-Ready queues (one per task) hold the sequences of READY rows in FIFO order, so ``claim`` costs
-O(rows claimed), never O(rows resident). A READY row is in its task's queue exactly once: it is
-pushed when it becomes READY (last needed cell written, lease expired or released) and popped by
-the claim that leases it. The only stale entries are rows freed by ``clear_dead``; pops skip them.
-Both hold sequences, never dense indices (which change at a shard's compaction).
-"""
+Rules: docs/store-protocol.md ("Shards")."""
 
 from __future__ import annotations
 

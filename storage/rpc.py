@@ -1,21 +1,7 @@
 """One request/reply layer over ZeroMQ: the ROUTER service loop and the DEALER call with a deadline.
 
-Owns what the store node (``storage.server``), the coordinator (``storage.coordinator``) and the
-trainer's weight server (``workers.weights_net``) share:
-
-- ``bind_router``: a ROUTER socket with ROUTER_MANDATORY (a reply to a departed peer fails
-  instead of vanishing), a ``MAXMSGSIZE`` cap and ``tcp://HOST:0`` meaning "any free port".
-- ``RouterService``: lifecycle (``start``/``stop`` from any thread, ``run`` in the calling one),
-  the loop (poll with the service's timeout, drain up to ``max_batch`` messages, run its steps),
-  dispatch of a decoded request to ``_v_<verb>`` with typed error replies, an outbox of replies
-  sent without blocking, and deferred replies (``Parked``: a request answered later, by its
-  deadline at the latest). One thread owns the socket and every piece of state the handlers
-  touch, so handlers need no locks. A step or handler that raises something other than a
-  ``StoreError`` is logged and answered "internal"; the loop goes on.
-- ``Channel``: one DEALER socket to one peer and ``call``: send a request, wait for the reply whose
-  id matches until the deadline, and on a timeout close the socket and open a fresh one, so a
-  late reply lands on a socket nobody reads and can never be taken for another request's.
-- ``run_until_signalled``: a service in the foreground until SIGTERM/SIGINT, with a ready file.
+Shared by the store node, the coordinator and ``workers.weights_net``: ``bind_router``,
+``RouterService``, ``Channel`` and ``run_until_signalled``. Rules: docs/store-protocol.md ("RPC").
 """
 
 from __future__ import annotations
@@ -42,9 +28,8 @@ P = TypeVar("P", bound="Parked")
 MAX_POLL_S = 0.1  # upper bound on one poll, so stop() and timers are noticed promptly
 
 
-class InternalError(StoreError):
-    """A handler failed with something that is not a ``StoreError`` (a bug, logged). Not
-    registered by code: a client sees a plain ``StoreError`` with the message."""
+class InternalError(StoreError, wire=False):
+    """A handler failed with a non-``StoreError`` (a bug, logged); a client sees a StoreError."""
 
     code = "internal"
 
@@ -62,8 +47,7 @@ def as_store_error(exc: Exception, what: str) -> StoreError:
 
 
 def reply_to(req_id: int) -> Callable[[list], wire.Reply | None]:
-    """A ``Channel.wait`` matcher for the store's reply format: the reply to ``req_id``; any
-    other (a late reply to an earlier request, the node's probe) is not ours and dropped."""
+    """A ``Channel.wait`` matcher: the reply to ``req_id`` (any other is not ours: dropped)."""
 
     def match(frames: list) -> wire.Reply | None:
         reply = wire.decode_reply(frames)
@@ -73,16 +57,11 @@ def reply_to(req_id: int) -> Callable[[list], wire.Reply | None]:
 
 
 def bind_router(
-    context: zmq.Context,
-    addresses: Sequence[str],
-    *,
-    max_message_bytes: int,
-    linger_ms: int = 1000,
-    setup: Callable[[zmq.Socket], None] | None = None,
+    context: zmq.Context, addresses: Sequence[str], *, max_message_bytes: int,
+    linger_ms: int = 1000, setup: Callable[[zmq.Socket], None] | None = None,
 ) -> tuple[zmq.Socket, list[str]]:
-    """A bound ROUTER socket and the endpoints it got. ``setup`` sets further options before the
-    first bind. ``BindError`` if a bind fails (the socket is then closed). ``tcp://HOST:0`` binds
-    a free port."""
+    """A bound ROUTER socket and its endpoints (``setup``: options set before the first bind);
+    ``BindError`` if a bind fails. ``tcp://HOST:0`` binds a free port."""
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -108,8 +87,8 @@ def bind_router(
 
 @dataclass
 class Parked:
-    """A request whose reply is deferred: answered when its condition holds, by ``deadline``
-    (monotonic) at the latest. ``t_recv`` (perf_counter at receipt) times the whole request."""
+    """A request answered later, by ``deadline`` (monotonic) at the latest; ``t_recv``:
+    perf_counter at receipt."""
 
     ident: bytes
     req: wire.Request
@@ -123,8 +102,7 @@ def earliest(parked: Sequence[Parked], default: float) -> float:
 
 
 def take(parked: MutableSequence[P], pred: Callable[[P], bool]) -> list[P]:
-    """Remove from ``parked`` (a list or deque) and return, in order, the entries ``pred``
-    selects; the others keep their order."""
+    """Remove and return, in order, the entries ``pred`` selects; the others keep their order."""
     taken = [p for p in parked if pred(p)]
     if taken:
         keep = [p for p in parked if not pred(p)]
@@ -138,10 +116,9 @@ Outgoing = tuple[bytes, list, str, float, Callable[[], None] | None]
 
 
 class RouterService:
-    """A ROUTER socket served by one loop thread. Subclasses provide ``_open`` (bind and set
-    ``self._sock``), the ``_v_<verb>(ident, req, t_recv)`` handlers, ``_decode`` and the hooks
-    below. A handler either returns a result map (replied at once) or None (it queued its reply,
-    or parked the request to answer later)."""
+    """A ROUTER socket served by one loop thread. Subclasses provide ``_open``, ``_decode`` and
+    the ``_v_<verb>(ident, req, t_recv)`` handlers, which return a result map (replied at once)
+    or None (the reply was queued, or the request parked)."""
 
     thread_name = "rpc-service"
     max_batch = 256  # requests handled between two rounds of the steps
@@ -222,9 +199,7 @@ class RouterService:
         steps = self._steps()
         while not self._stop.is_set():
             if poller.poll(self._poll_timeout_ms()):
-                # Drain what is queued (up to max_batch) before the steps, so parked requests
-                # are retried once per batch, not once per request. ZMQ_EVENTS says whether a
-                # message is waiting, which is cheaper than a recv raising Again.
+                # Drain up to max_batch before the steps (ZMQ_EVENTS: cheaper than a recv raising)
                 for _ in range(self.max_batch):
                     if not sock.get(zmq.EVENTS) & zmq.POLLIN:
                         break
@@ -281,13 +256,8 @@ class RouterService:
 
     # -- replies ---------------------------------------------------------------------------------
     def _reply(
-        self,
-        ident: bytes,
-        req: wire.Request,
-        result: dict[str, Any],
-        t_recv: float,
-        bodies: Sequence[Any] = (),
-        undo: Callable[[], None] | None = None,
+        self, ident: bytes, req: wire.Request, result: dict[str, Any], t_recv: float,
+        bodies: Sequence[Any] = (), undo: Callable[[], None] | None = None,
     ) -> None:
         self._out.append(
             (ident, wire.encode_reply(req.req_id, result, bodies), req.verb, t_recv, undo)
@@ -301,8 +271,7 @@ class RouterService:
         """Hook: a reply left (metrics)."""
 
     def _flush(self) -> None:
-        """Send the queued replies without blocking. A reply that cannot go (the peer is gone:
-        ROUTER_MANDATORY, or its queue is full) is dropped and logged, and its undo runs."""
+        """Send the queued replies without blocking; one that cannot go is dropped, its undo run."""
         out, self._out = self._out, []
         sock = self._sock
         now = time.perf_counter()
@@ -325,8 +294,8 @@ class RouterService:
 def run_until_signalled(
     service: RouterService, ready_file: str | None, ready: Callable[[], dict[str, Any]]
 ) -> None:
-    """Start ``service``, run until SIGTERM/SIGINT (then stop it cleanly). With ``ready_file``,
-    write ``ready()`` plus {"pid"} there as JSON (atomically) once bound."""
+    """Run ``service`` until SIGTERM/SIGINT; ``ready_file``: ``ready()`` + {"pid"} as JSON there
+    (atomically) once bound."""
 
     def _on_signal(signum: int, frame: Any) -> None:
         service.stop(timeout=0)
@@ -351,11 +320,7 @@ class Channel:
     """One DEALER socket to one peer, replaced after a timeout. Used from ONE thread."""
 
     def __init__(
-        self,
-        context: zmq.Context,
-        address: str,
-        *,
-        name: str = "",
+        self, context: zmq.Context, address: str, *, name: str = "",
         timeout_error: Callable[[str], Exception] = TimeoutError,
         options: Sequence[tuple[int, Any]] = (),
     ) -> None:
@@ -376,8 +341,7 @@ class Channel:
         return sock
 
     def reset(self) -> None:
-        """Close the socket and open a fresh one: a late reply must land on a socket nobody
-        reads any more."""
+        """A fresh socket: a late reply must land on one nobody reads any more."""
         self.sock.close(linger=0)
         self.sock = self._open()
 
@@ -385,11 +349,20 @@ class Channel:
         self.sock.close(linger=0)
 
     def call(self, frames: Sequence[Any], match: Callable[[list], T | None], timeout: float) -> T:
-        """Send ``frames``; return ``match(reply frames)`` for the first reply it accepts (None:
-        not ours, e.g. a late reply to an earlier request; dropped). No accepted reply within
+        """Send ``frames``; return the first ``match(reply)`` that is not None. None within
         ``timeout`` s: reset the socket and raise ``timeout_error``."""
         self.sock.send_multipart(frames, copy=False)
         return self.wait(match, timeout)
+
+    def request(
+        self, req_id: int, verb: str, args: dict[str, Any], bodies: Sequence[Any], timeout: float
+    ) -> wire.Reply:
+        """One request in the store's format: its reply, or its typed error raised."""
+        frames = wire.encode_request(verb, req_id, args, bodies)
+        reply = self.call(frames, reply_to(req_id), timeout)
+        if reply.error is not None:
+            raise reply.error
+        return reply
 
     def wait(self, match: Callable[[list], T | None], timeout: float) -> T:
         deadline = time.monotonic() + timeout

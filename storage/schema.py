@@ -1,25 +1,6 @@
 """What a table is: its declared schema, its tasks, its limits, and the records the verbs return.
 
-The store knows nothing about RL. A *table* holds rows (samples) and columns (fields). Its user
-columns are declared once, as an Arrow schema, when the table is created; the store adds the
-metadata columns listed in ``META_COLUMNS`` (never writable by users).
-
-A *task* (e.g. ``"reward"``) declares the columns it needs. A row is *ready* for a task once every
-one of those columns is written, and stays ready until a consumer of that task claims it. Each task
-consumes every row exactly once per row lifecycle, independently of the other tasks.
-
-Per (row, task) lifecycle::
-
-    PENDING --(last needed column written)--> READY --claim--> LEASED --ack--> CONSUMED
-                                                ^                 |
-                                                +--expire/release-+--(deliveries > max)--> DEAD
-
-A row is freed (its memory released) once every task has CONSUMED it (DEAD rows are kept, for
-inspection, until ``clear``).
-
-Row ids are stable 64-bit integers: the top 16 bits name the shard (``shard_id``), the low 48 bits
-a sequence number within that shard, so any client can route a row id to its shard without a lookup.
-"""
+The row lifecycle per task and the row-id layout: docs/store-protocol.md ("Tables and tasks")."""
 
 from __future__ import annotations
 
@@ -37,26 +18,21 @@ SEQ_BITS = 64 - SHARD_BITS
 SEQ_MASK = (1 << SEQ_BITS) - 1
 
 
-def make_row_id(shard_id: int, seq: int) -> int:
-    return (shard_id << SEQ_BITS) | seq
-
-
 def shard_of(row_id: int) -> int:
     return row_id >> SEQ_BITS
 
 
 # Store-kept metadata. These names are reserved: a user schema may not declare them.
 META_COLUMNS: dict[str, pa.DataType] = {
-    ROW_ID: pa.uint64(),  # stable id, see module docstring
+    ROW_ID: pa.uint64(),  # stable id, see docs/store-protocol.md
     "created_at": pa.float64(),  # wall-clock seconds when the row was put
-    # Per-task delivery count is returned as "deliveries" (uint16) in a claimed batch: how many
-    # times this row was handed to the claiming task, this delivery included (1 = first time).
+    # Per-task delivery count in a claimed batch, this delivery included (1 = first time).
     "deliveries": pa.uint16(),
 }
 
 
 class RowState(enum.IntEnum):
-    """The per-(row, task) state; see the lifecycle in the module docstring."""
+    """The per-(row, task) state; see the lifecycle in docs/store-protocol.md."""
 
     PENDING = 0
     READY = 1
@@ -71,8 +47,7 @@ class TaskSpec:
 
     name: str
     needs: tuple[str, ...]
-    # If True, claims hand out only complete groups (all ``TableSpec.group_size`` rows of a group
-    # ready), and never split a group across leases.
+    # If True, claims hand out only complete groups, never split across leases.
     whole_groups: bool = False
 
 
@@ -83,8 +58,7 @@ class TableSpec:
     name: str
     schema: pa.Schema  # user columns only (no META_COLUMNS)
     tasks: tuple[TaskSpec, ...]
-    # Optional grouping: rows sharing a value of this int64 column form a group of exactly
-    # ``group_size`` rows, which must arrive in one ``put`` (so a group never spans shards).
+    # Optional grouping: rows sharing this int64 column's value, ``group_size`` per put.
     group_column: str | None = None
     group_size: int | None = None
     # Back-pressure: ``put`` waits (up to its timeout) while the table holds this many rows/bytes.
@@ -93,20 +67,15 @@ class TableSpec:
     # Leases: default deadline, and the delivery count past which a row is quarantined (DEAD).
     lease_seconds: float = 60.0
     max_deliveries: int = 5
-    # Durability of the table on a node started with a persistence root (the node's
-    # configuration; a client never names a server path): "always" (durable when acknowledged),
-    # "interval", "never" (OS decides). Ignored by a node without a root (memory only).
+    # Durability with a persistence root: "always" (when acknowledged), "interval", "never".
     fsync: str = "always"
     fsync_interval_s: float = 0.05
 
 
 @dataclass(frozen=True)
 class Lease:
-    """What ``claim`` returns: the claimed rows and the right to write/ack them until ``deadline``.
-
-    ``batch`` holds the requested columns plus ``row_id`` and ``deliveries``. An empty lease
-    (``num_rows == 0``) means the wait timed out with nothing ready; it needs no ack.
-    """
+    """What ``claim`` returns: the rows (requested columns + ``row_id``, ``deliveries``) and the
+    right to write/ack them until ``deadline``. An empty lease (``num_rows == 0``) needs no ack."""
 
     lease_id: int  # unique per node (includes the node epoch); 0 for an empty lease
     table: str
@@ -155,12 +124,8 @@ class TableStats:
         total = TaskStats()
         for shard in self.shards:
             s = shard.tasks[task]
-            total.pending += s.pending
-            total.ready += s.ready
-            total.in_flight += s.in_flight
-            total.consumed += s.consumed
-            total.dead += s.dead
-            total.redelivered_total += s.redelivered_total
+            for f in ("pending", "ready", "in_flight", "consumed", "dead", "redelivered_total"):
+                setattr(total, f, getattr(total, f) + getattr(s, f))
             for reason, n in s.dead_reasons.items():
                 total.dead_reasons[reason] = total.dead_reasons.get(reason, 0) + n
         return total

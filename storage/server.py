@@ -1,43 +1,18 @@
 """A store node behind a ZeroMQ ROUTER socket: one loop thread that owns one ``StoreNode``.
 
-Owns: the node's configuration, its socket(s) (served by ``storage.rpc.RouterService``), the
-loop's timers (lease expiry, fsync before replies, metrics, peer probes), clean shutdown, and the
-node's command line (``python -m storage``). What each verb does is ``storage.server_verbs``;
-long-poll claims and capacity-waiting puts parked server-side are ``storage.parking``.
-
-The loop (one thread; the node is never touched by any other thread, so it needs no locks)::
-
-    poll(timeout = min(next lease deadline, next parked deadline, fsync/metrics timers, 100 ms))
-      -> drain up to max_batch (256) requests: validate, run the verb, queue the reply, or PARK it
-      -> node.expire()                       leases past their deadline: rows READY again / DEAD
-      -> retry parked claims/puts of tables that changed (FIFO; a put waits behind older puts)
-      -> answer parked requests whose wait ran out (claim: one last try with min_rows=1, then an
-         empty lease; put: StoreFull)
-      -> node.sync() if a queued reply acknowledges a mutation of an fsync="always" table
-      -> send the queued replies (group commit: one fsync covers the whole batch)
-
-Delivery guarantees are stated in ``storage/wire.py``, the loop's own rules (typed error replies,
-"internal" for a bug, replies sent without blocking) in ``storage/rpc.py``. What this module adds:
-- Nothing from the network reaches the node unvalidated. No request can block the loop: waits
-  are parked (bounded; a departed peer's are dropped: ``storage/parking.py``), never slept.
-- Shutdown (``stop()``, SIGTERM/SIGINT in ``serve``): every parked request is answered with
-  ``ShuttingDown``, replies are flushed, sockets closed (linger 1 s), the node closed.
-"""
+Owns the node's configuration, sockets, loop timers, clean shutdown and ``python -m storage``;
+verbs are ``storage.server_verbs``'s, parked requests ``storage.parking``'s (see the doc)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import subprocess
 import sys
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -70,10 +45,9 @@ class ServerConfig:
     metrics_addr: str = "127.0.0.1"
     metrics_interval_s: float = 1.0
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
-    # Persistence root (the node's own: clients only name tables): every table of this node is
-    # kept in <persist_dir>/<table> and recovered at start. None = memory only.
+    # Persistence root: every table kept in <persist_dir>/<table>, recovered at start (None: off).
     persist_dir: str | None = None
-    # Bounds on requests parked server-side (see storage/wire.py "Parked requests").
+    # Bounds on requests parked server-side (docs/store-protocol.md).
     max_parked_bytes: int = 256 << 20  # body bytes of puts waiting for room, whole node
     max_parked_per_peer: int = 256  # claims + puts one peer (connection) may have parked
     max_parked_claims: int = 65536  # claims parked, whole node
@@ -118,29 +92,19 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         if node is None:
             from storage.node import StoreNode  # lazy: the wire layer is usable without it
 
-            node = StoreNode(
-                config.node_index,
-                config.num_shards,
-                events=self.metrics,
-                persist_root=config.persist_dir,
-            )
+            node = StoreNode(config.node_index, config.num_shards, events=self.metrics,
+                             persist_root=config.persist_dir)  # fmt: skip
             self.metrics.set_recovered(node.recovered)
         self.node = node
         self.addresses: list[str] = []
         self.metrics_port: int | None = None
         self._auth: Any = None
         self._claims: dict[str, list[ParkedRequest]] = {}
-        # Encoded empty-lease bodies by (table, columns): an idle consumer's claim answers with
-        # one, and building it (schema lookup + empty batch + IPC stream) cost more than the
-        # rest of the request. Cleared whenever a table is created or dropped (its schema).
+        # Encoded empty-lease bodies by (table, columns); cleared when a table is created/dropped.
         self._empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer] = {}
         self._puts: dict[str, deque[ParkedRequest]] = {}
-        self._book = ParkedBook(
-            config.node_index,
-            config.max_parked_bytes,
-            config.max_parked_per_peer,
-            config.max_parked_claims,
-        )
+        self._book = ParkedBook(config.node_index, config.max_parked_bytes,
+                                config.max_parked_per_peer, config.max_parked_claims)  # fmt: skip
         self._last_probe = 0.0
         self._dirty: set[str] = set()
         self._needs_sync = False  # a queued reply acks a mutation of an fsync="always" table
@@ -153,12 +117,10 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         cfg = self.config
 
         def setup(sock: zmq.Socket) -> None:
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
-            # ZMTP heartbeats: a peer whose host vanished (no FIN) loses its connection, and so
-            # its route, within ~10 s; the peer probe then drops its parked requests.
-            sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10_000)
+            # ZMTP heartbeats: a vanished peer loses its route within ~10 s (then probes drop it).
+            for opt, value in ((zmq.SNDHWM, 100_000), (zmq.RCVHWM, 100_000),
+                               (zmq.HEARTBEAT_IVL, 2000), (zmq.HEARTBEAT_TIMEOUT, 10_000)):
+                sock.setsockopt(opt, value)  # fmt: skip
             if cfg.curve_secret_key is not None:
                 self._start_curve(sock)
 
@@ -172,10 +134,8 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
             try:
                 self.metrics_port = self.metrics.start_http(cfg.metrics_addr, cfg.metrics_port)
             except OSError as exc:
-                raise StartError(
-                    f"--metrics-port {cfg.metrics_addr}:{cfg.metrics_port}: cannot bind: "
-                    f"{exc.strerror or exc}"
-                ) from None
+                where = f"{cfg.metrics_addr}:{cfg.metrics_port}: cannot bind"
+                raise StartError(f"--metrics-port {where}: {exc.strerror or exc}") from None
         log.info("store node %d serving %s", cfg.node_index, self.addresses)
 
     def _start_curve(self, sock: zmq.Socket) -> None:
@@ -191,10 +151,10 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         self._auth = ThreadAuthenticator(self.context)
         self._auth.start()
         self._auth.configure_curve_callback(domain="streamflow", credentials_provider=_Keys())
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve_secret_key)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, cfg.curve_public_key)
-        sock.setsockopt(zmq.ZAP_DOMAIN, b"streamflow")
+        for opt, value in ((zmq.CURVE_SERVER, 1), (zmq.CURVE_SECRETKEY, cfg.curve_secret_key),
+                           (zmq.CURVE_PUBLICKEY, cfg.curve_public_key),
+                           (zmq.ZAP_DOMAIN, b"streamflow")):
+            sock.setsockopt(opt, value)  # fmt: skip
 
     def _close(self) -> None:
         super()._close()
@@ -239,9 +199,8 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
             # fsync="interval": the node syncs each table once its own interval has passed.
             self.node.sync()
             self._last_interval_sync = now
-        if self.config.metrics_port is not None and now - self._last_metrics >= (
-            self.config.metrics_interval_s
-        ):
+        interval = self.config.metrics_interval_s
+        if self.config.metrics_port is not None and now - self._last_metrics >= interval:
             self._last_metrics = now
             try:
                 self.metrics.refresh(self.node)
@@ -260,14 +219,8 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         self.metrics.bad_requests.inc()
 
     def _queue(
-        self,
-        ident: bytes,
-        req: wire.Request,
-        result: dict[str, Any],
-        t_recv: float,
-        bodies: Sequence[Any] = (),
-        *,
-        mutated: str | None = None,
+        self, ident: bytes, req: wire.Request, result: dict[str, Any], t_recv: float,
+        bodies: Sequence[Any] = (), *, mutated: str | None = None,
         undo: Callable[[], None] | None = None,
     ) -> None:
         self._reply(ident, req, result, t_recv, bodies, undo)
@@ -302,40 +255,17 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
 
 
 def serve(config: ServerConfig, *, ready_file: str | None = None) -> None:
-    """Run a store node in the foreground until SIGTERM/SIGINT (then shut down cleanly).
-
-    With ``ready_file``, write {"addresses", "metrics_port", "pid"} as JSON there (atomically)
-    once bound, so a parent process knows where to connect (``--bind tcp://127.0.0.1:0``)."""
+    """Run a store node until SIGTERM/SIGINT; ``ready_file``: {"addresses", "metrics_port",
+    "pid"} as JSON there once bound."""
     context = zmq.Context()
     try:
         server = Server(config, context=context)
         rpc.run_until_signalled(
-            server,
-            ready_file,
+            server, ready_file,
             lambda: {"addresses": server.addresses, "metrics_port": server.metrics_port},
         )
     finally:
         context.term()
-
-
-def spawn_node(
-    shards: int, ready_dir: str | os.PathLike, *, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen, list[str]]:
-    """Start ``python -m storage.server`` on a free 127.0.0.1 port as a child process (for
-    benchmarks and tests); returns (process, addresses) once it is bound, or kills it and raises
-    RuntimeError if it exits or is not ready within 60 s."""
-    ready = Path(ready_dir) / f"store-ready-{uuid.uuid4().hex[:8]}.json"
-    cmd = [sys.executable, "-m", "storage.server", "--bind", "tcp://127.0.0.1:0", "--shards",
-           str(shards), "--ready-file", str(ready), "--log-level", "WARNING"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait(15)
-            raise RuntimeError("the store node did not start")
-        time.sleep(0.02)
-    return proc, list(json.loads(ready.read_text())["addresses"])
 
 
 def inproc_address() -> str:
@@ -347,12 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     [--persist-dir DIR]. Bad options or a failed start: one line on stderr, exit 2."""
     prog = "python -m storage"
     ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
-    ap.add_argument(
-        "--bind",
-        action="append",
-        help="address to bind (repeatable); "
-        "default tcp://127.0.0.1:5555; tcp://127.0.0.1:0 picks a free port",
-    )
+    ap.add_argument("--bind", action="append", help="address to bind (repeatable); "
+                    "default tcp://127.0.0.1:5555; tcp://127.0.0.1:0 picks a free port")
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--node-index", type=int, default=0)
     ap.add_argument("--metrics-port", type=int, default=None)
@@ -364,19 +290,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--log-level", default="INFO", type=str.upper,
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = ap.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
+    logging.basicConfig(level=args.log_level, format=fmt)
     try:
         config = ServerConfig(
-            bind=tuple(args.bind or ("tcp://127.0.0.1:5555",)),
-            num_shards=args.shards,
-            node_index=args.node_index,
-            metrics_port=args.metrics_port,
-            max_message_bytes=args.max_message_bytes,
-            persist_dir=args.persist_dir,
-            max_parked_bytes=args.max_parked_bytes,
-            max_parked_per_peer=args.max_parked_per_peer,
+            bind=tuple(args.bind or ("tcp://127.0.0.1:5555",)), num_shards=args.shards,
+            node_index=args.node_index, metrics_port=args.metrics_port,
+            max_message_bytes=args.max_message_bytes, persist_dir=args.persist_dir,
+            max_parked_bytes=args.max_parked_bytes, max_parked_per_peer=args.max_parked_per_peer,
         )
         serve(config, ready_file=args.ready_file)
     except (StartError, StoreError, ValueError, OSError) as exc:
@@ -386,8 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def start_error_line(exc: BaseException) -> str:
-    """One line for a node that could not start (a bad option, a busy port, a root it cannot
-    recover)."""
+    """One line for a node that could not start (bad option, busy port, unrecoverable root)."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if isinstance(exc, StoreError):
         return f"--persist-dir: {text}"

@@ -1,10 +1,6 @@
 """What each store verb does: the handlers of ``storage.server.Server`` (``_v_<verb>``).
 
-Owns: the translation of a validated request (``storage.headers``) into calls on the node
-(``storage.node.StoreNode``) and the reply it queues; which verbs wait (``put`` for room, ``claim``
-for rows: ``storage.parking`` keeps them); a claim's piggybacked ack (rules in
-``storage/wire.py``); the cached empty-lease bodies. Runs only on the server's loop thread.
-"""
+Runs only on the server's loop thread; rules: docs/store-protocol.md."""
 
 from __future__ import annotations
 
@@ -99,8 +95,8 @@ class StoreVerbs:
         self._reply_lease(ident, req, lease, t)
 
     def _piggybacked_ack(self, req: wire.Request) -> None:
-        """A claim's ack (and write) of the previous lease, before the claim (rules in wire.py):
-        the claim's own arguments are checked first, so any error up to the ack leaves nothing
+        """A claim's ack (and write) of the previous lease, before the claim (protocol doc): the
+        claim's own arguments are checked first, so any error up to the ack leaves nothing
         applied; ``req.acked`` then marks every later error reply of this request."""
         a = req.args
         self.node.check_claim(a.table, a.task, a.columns, a.max_rows, **self._claim_options(a))
@@ -118,9 +114,7 @@ class StoreVerbs:
     def _claim_options(a: Any, min_rows: int | None = None) -> dict[str, Any]:
         return {
             "min_rows": a.min_rows if min_rows is None else min_rows,
-            "whole_groups": a.whole_groups,
-            "lease_seconds": a.lease_seconds,
-            "shards": a.shards,
+            "whole_groups": a.whole_groups, "lease_seconds": a.lease_seconds, "shards": a.shards,
         }
 
     def _try_claim(self, req: wire.Request, min_rows: int) -> Any:
@@ -144,8 +138,7 @@ class StoreVerbs:
         result = {"lease_id": lease.lease_id, "shard_id": lease.shard_id}
         result["deadline"] = lease.deadline
 
-        # A lease whose reply cannot be delivered (the consumer is gone) is handed back at once
-        # instead of stranding its rows until the deadline.
+        # An undeliverable lease is handed back at once instead of stranding its rows.
         def undo() -> None:
             self.node.release(a.table, lease.lease_id)
             self._dirty.add(a.table)

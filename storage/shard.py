@@ -1,29 +1,7 @@
 """One shard of one table: the per-row state machine, in numpy arrays, and its ready queues.
 
-Owns, for the rows of one (table, shard): their cells (``(source, offset)`` pointers into the Arrow
-chunks of ``storage._columns``), and per (row, task) the state, delivery count, holding lease and
-dead reason. Single-threaded and non-blocking: the caller (``StoreNode``) serializes every call.
-
-Layout. Rows live in *dense* arrays ordered by sequence number (``seqs`` ascending). A row id's
-sequence maps to its dense index with one vectorized ``searchsorted``. Freed rows are only marked
-dead (``alive = False``) and removed in bulk by ``_compact`` once they are at least half of the
-array, so arrays stay within ~2x the live rows whatever order rows are freed in, and compaction
-costs O(1) amortized per row. Dense indices therefore change at compaction: anything kept across
-calls (ready queues, leases) holds sequences, never indices.
-
-Ready queues (one per task, ``storage.queues.SeqQueue``) hold the sequences of READY rows in FIFO
-order, so ``claim`` costs O(rows claimed), never O(rows resident); rules in ``storage/queues.py``.
-
-Groups. A grouped put is reordered so each group's rows get consecutive sequences; ``gpos`` is a
-row's position in its group. For a whole-group task the queue holds group *leaders* (first row),
-pushed when ``gready`` (READY rows of the group, kept at the leader) reaches ``group_size``. While
-a group is queued none of its rows is consumed by that task, hence none is freed, hence the group
-is contiguous in the dense arrays: its rows are ``leader_index + arange(group_size)``.
-
-Invariants (checked by tests/storage/test_shard_properties.py): ``counts[t, s]`` equals the number
-of live rows in state ``s`` for task ``t``; a row is LEASED for a task iff ``lease[t, row]`` names a
-live lease of that task holding it; a row is freed once every task CONSUMED it.
-"""
+Owns the rows' cells (pointers into ``storage._columns``) and per (row, task) state, deliveries,
+lease and dead reason. Layout, groups and invariants: docs/store-protocol.md ("Shards")."""
 
 from __future__ import annotations
 
@@ -40,8 +18,7 @@ from storage.schema import SEQ_BITS, RowState, ShardStats, TableSpec, TaskStats
 PENDING, READY, LEASED, CONSUMED, DEAD = (int(s) for s in RowState)
 _NUM_STATES = len(RowState)
 _COMPACT_MIN = 4096
-# Every per-row array: name -> (leading axis: "" per row, "col" per column, "task" per task;
-# dtype; value of a new slot). Rows are the last axis of each.
+# Per-row arrays (rows the last axis): name -> (leading axis "", "col" or "task"; dtype; fill).
 _ROW_ARRAYS: dict[str, tuple[str, type, int | float | bool]] = {
     "seqs": ("", np.int64, 0),
     "alive": ("", np.bool_, False),
@@ -58,7 +35,7 @@ _ROW_ARRAYS: dict[str, tuple[str, type, int | float | bool]] = {
 
 
 class Shard:
-    """Rows of one table on one shard. See the module docstring for layout and invariants."""
+    """Rows of one table on one shard. Layout and invariants: docs/store-protocol.md."""
 
     def __init__(self, shard_id: int, spec: TableSpec) -> None:
         self.shard_id = shard_id
@@ -90,7 +67,6 @@ class Shard:
         self._reason_index: dict[str, int] = {}
         self.leases: dict[int, LeaseRec] = {}
         self.layout = 0  # bumped by _compact, the only step that moves rows' dense indices
-        self.log: object | None = None  # persist.ShardLog when the table persists
 
     # ----------------------------------------------------------------------------- row lookup
     def row_ids(self, seqs: np.ndarray) -> np.ndarray:
@@ -131,14 +107,11 @@ class Shard:
         if need <= len(self.seqs):
             return
         cap = max(need, 2 * len(self.seqs), 1024)
-
-        def grown(a: np.ndarray, fill: int | float | bool) -> np.ndarray:
+        for name, (_, _, fill) in _ROW_ARRAYS.items():
+            a = getattr(self, name)
             out = np.full((*a.shape[:-1], cap), fill, dtype=a.dtype)
             out[..., : self.n] = a[..., : self.n]
-            return out
-
-        for name, (_, _, fill) in _ROW_ARRAYS.items():
-            setattr(self, name, grown(getattr(self, name), fill))
+            setattr(self, name, out)
 
     def _compact(self) -> None:
         keep = np.flatnonzero(self.alive[: self.n])
@@ -179,19 +152,12 @@ class Shard:
             del self.sources[sid]
 
     def append(
-        self,
-        seqs: np.ndarray,
-        created: np.ndarray | float,
-        arrays: dict[int, pa.Array],
-        written: dict[int, np.ndarray] | None = None,
-        gpos: np.ndarray | None = None,
+        self, seqs: np.ndarray, created: np.ndarray | float, arrays: dict[int, pa.Array],
+        written: dict[int, np.ndarray] | None = None, gpos: np.ndarray | None = None,
         nbytes: int | None = None,
     ) -> np.ndarray:
         """Append rows (ascending seqs above every existing one) as PENDING; returns indices.
-
-        ``written[c]`` masks the cells of ``arrays[c]`` that count as written (snapshot restore);
-        None = all of them (a put).
-        """
+        ``written[c]``: which cells of ``arrays[c]`` are written (a snapshot; None: all)."""
         k = len(seqs)
         if written is not None:  # a column with no written cell needs no source
             arrays = {c: a for c, a in arrays.items() if bool(written[c].any())}
@@ -219,10 +185,7 @@ class Shard:
         return idx
 
     def put(
-        self,
-        arrays: dict[int, pa.Array],
-        num_rows: int,
-        created_at: float,
+        self, arrays: dict[int, pa.Array], num_rows: int, created_at: float,
         nbytes: int | None = None,
     ) -> int:
         """Create rows (batch already validated, grouped rows consecutive). Returns first seq."""
@@ -246,10 +209,7 @@ class Shard:
                 )
 
     def write(
-        self,
-        idx: np.ndarray,
-        arrays: dict[int, pa.Array],
-        offsets: np.ndarray,
+        self, idx: np.ndarray, arrays: dict[int, pa.Array], offsets: np.ndarray,
         nbytes: int | None = None,
     ) -> None:
         """Point cells (idx, c) at ``arrays[c][offsets]``; caller ran ``check_write``."""
@@ -353,16 +313,10 @@ class Shard:
                 )
 
     def batch(
-        self,
-        idx: np.ndarray,
-        t: int,
-        names: Sequence[str],
-        cols: Sequence[int],
+        self, idx: np.ndarray, t: int, names: Sequence[str], cols: Sequence[int],
         row_ids: np.ndarray | None = None,
     ) -> pa.RecordBatch:
-        """The claimed batch: requested columns (col id -1 = created_at), row_id, deliveries.
-
-        ``row_ids``: the rows' ids when the caller has them already."""
+        """The claimed batch: requested columns (col id -1 = created_at), row_id, deliveries."""
         if row_ids is None:
             row_ids = self.row_ids(self.seqs[idx])
         return claimed_batch(
@@ -379,9 +333,7 @@ class Shard:
         self, rec: LeaseRec, *, failed: bool, error: str | None
     ) -> tuple[int, dict[str, np.ndarray]]:
         """Hand a lease's rows back: READY again, or DEAD past max_deliveries if ``failed``.
-
-        Returns (rows made ready again, {reason: seqs of rows made dead}).
-        """
+        Returns (rows made ready again, {reason: seqs of rows made dead})."""
         self.leases.pop(rec.lease_id, None)
         t = rec.task
         idx = self.lease_idx(rec)
@@ -431,14 +383,8 @@ class Shard:
         else:
             for t in range(len(self.needs)):
                 self.counts[t] -= np.bincount(self.state[t, idx], minlength=_NUM_STATES)
-        src = self.src[:, idx]
-        lo, hi = src.min(axis=1).tolist(), src.max(axis=1).tolist()
-        for c, (a, b) in enumerate(zip(lo, hi, strict=True)):
-            if a == b:  # the common case: the column's cells all from one chunk (or none)
-                if a >= 0:
-                    self._drop_refs(a, len(idx))
-            else:
-                self._unref(src[c])
+        for src in self.src[:, idx]:
+            self._unref(src)
         self.src[:, idx] = -1
         self.alive[idx] = False
         self.num_alive -= len(idx)

@@ -40,9 +40,9 @@ import pyarrow as pa
 import zmq
 
 import storage
+from bench._store_node import spawn_store
 from bench.sim.bound import Layout, bound_seconds, micro_batches
 from bench.sim.engine import PAYLOAD_TOKENS, SIM_COLUMN
-from storage.server import spawn_node
 from streamflow.admission import admissible, min_policy_version
 from workers.engines.sim_cost import Workload, preset
 from workers.schema import PUT_COLUMNS, SAMPLES_SCHEMA, samples_table_spec
@@ -146,7 +146,7 @@ def _put_iteration(client: Any, w: Workload, k: int, staleness: int) -> None:
 
 
 def _start_store(tmp: Path, shards: int) -> tuple[subprocess.Popen, list[str]]:
-    return spawn_node(shards, tmp)
+    return spawn_store(shards, tmp)
 
 
 def _host_specs(cfg: SimConfig, base: dict[str, Any]) -> list[dict[str, Any]]:

@@ -8,7 +8,11 @@ import pyarrow as pa
 from storage._columns import Source, gather, gather_with_nulls
 from storage.node import StoreNode
 from storage.queues import SeqQueue
-from storage.schema import TableSpec, TaskSpec, make_row_id, split_row_ids
+from storage.schema import SEQ_BITS, TableSpec, TaskSpec, split_row_ids
+
+
+def make_row_id(shard_id: int, seq: int) -> int:
+    return (shard_id << SEQ_BITS) | seq
 
 
 def test_seq_queue_fifo_across_pieces_and_push_front() -> None:

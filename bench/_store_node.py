@@ -1,0 +1,21 @@
+"""A store node process for a benchmark, started the way a run starts one (a supervised child)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from streamflow.cluster import start_store_node
+from streamflow.supervisor import Supervisor
+
+
+def spawn_store(
+    shards: int, log_dir: str | os.PathLike, *, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, list[str]]:
+    """``python -m storage.server`` on a free 127.0.0.1 port (its log under ``log_dir``); returns
+    (process, addresses) once it is bound. The caller stops the process."""
+    sup = Supervisor(Path(log_dir), env=env)
+    node = start_store_node(sup, "store-0", bind="tcp://127.0.0.1:0", shards=shards)
+    node.wait()
+    return node.child.popen, node.addresses
