@@ -51,7 +51,7 @@ class EmbeddedStore:
         self.context = zmq.Context()
         bind = "tcp://127.0.0.1:0" if tcp else inproc_address()
         config = ServerConfig(bind=(bind,), num_shards=num_shards, node_index=node_index,
-                              metrics_port=metrics_port, persist_dir=persist_dir)  # fmt: skip
+                              metrics_port=metrics_port, persist_dir=persist_dir)
         self.server: Server = Server(config, context=self.context).start()
         self.address = self.server.addresses[0]
         self._client_kwargs = client_kwargs

@@ -103,7 +103,7 @@ def claimed_batch(
         runs = (off[:, 1:] - off[:, :-1] == 1).all(axis=1) if k > 1 else one_src
         for j, (c, single, run, s0, o0) in enumerate(
             zip(data_cols, one_src.tolist(), runs.tolist(), src[:, 0].tolist(), off[:, 0].tolist(),
-                strict=True)  # fmt: skip
+                strict=True)
         ):
             if single and run and s0 >= 0:
                 fast[c] = sources[s0].arrays[c].slice(o0, k)

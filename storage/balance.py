@@ -31,7 +31,7 @@ class BalancerConfig:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if not self.session_timeout_s > 2 * self.heartbeat_interval_s:
             raise ValueError(f"session_timeout_s ({self.session_timeout_s}) must exceed twice "
-                             f"heartbeat_interval_s ({self.heartbeat_interval_s})")  # fmt: skip
+                             f"heartbeat_interval_s ({self.heartbeat_interval_s})")
         if not self.threshold >= 1.0:
             raise ValueError(f"threshold must be >= 1, got {self.threshold}")
         if self.patience < 1:
@@ -239,7 +239,7 @@ class Balancer:
                 for c in ids:
                     extra = self._load(c) - quota
                     mine = sorted((s for s in shards if self.owner[s] == c),
-                                  key=lambda s: self.depth.get(s, 0))  # fmt: skip
+                                  key=lambda s: self.depth.get(s, 0))
                     for s in mine[: max(extra, 0)]:
                         self._revoke(s, None, "join", now)
         for i, s in enumerate(shards):

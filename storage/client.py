@@ -41,7 +41,7 @@ class _Conn(rpc.Channel):
         ]
         if (k := client.curve) is not None:
             options += [(zmq.CURVE_PUBLICKEY, k.public_key), (zmq.CURVE_SECRETKEY, k.secret_key),
-                        (zmq.CURVE_SERVERKEY, k.server_public_key)]  # fmt: skip
+                        (zmq.CURVE_SERVERKEY, k.server_public_key)]
         super().__init__(client.context, address, timeout_error=Unavailable, options=options)
         self.depth = 0  # live rows of the last-put table, from the last put reply
 
@@ -174,7 +174,7 @@ class Client:
         if ack is not None and ack.lease_id:
             if ack.table != table:
                 raise ValueError(f"claim(ack=...): the lease is of table {ack.table!r}, "
-                                 f"not {table!r}")  # fmt: skip
+                                 f"not {table!r}")
             piggy = (ack, [] if write is None else [_lease_body(ack, write)])
         if shards is not None:
             only = self._shards_by_conn(shards)
@@ -212,7 +212,7 @@ class Client:
             raise StoreError("claim reply without a batch")
         r, batch = reply.result, wire.read_batch(reply.bodies[0], "claim reply")
         return Lease(int(r["lease_id"]), args["table"], args["task"], int(r["shard_id"]),
-                     float(r["deadline"]), batch)  # fmt: skip
+                     float(r["deadline"]), batch)
 
     def _claim_one(
         self, conn: _Conn, args: dict[str, Any], timeout: float,
@@ -308,7 +308,7 @@ class Client:
         if isinstance(lease_or_row_ids, Lease):
             body = [_lease_body(lease_or_row_ids, batch)]
             self._on_lease(lease_or_row_ids, "write", body, table=table, ack=ack,
-                           overwrite=overwrite)  # fmt: skip
+                           overwrite=overwrite)
             return
         if ack:
             raise ValueError("write(ack=True) needs a Lease, not row ids")

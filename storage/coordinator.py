@@ -176,7 +176,7 @@ class Coordinator(rpc.RouterService):
         for change in b.changes:
             self.metrics.reassignments.labels(table, task, change.reason).inc()
             log.info("%s/%s: shard %d %s -> %s (%s)", table, task, change.shard, change.source,
-                     change.target, change.reason)  # fmt: skip
+                     change.target, change.reason)
         b.changes.clear()
         self.metrics.set_owned(table, task, b.owned_counts())
         self.metrics.imbalance.labels(table, task).set(b.imbalance)
@@ -198,7 +198,7 @@ class Coordinator(rpc.RouterService):
     def _view(self, b: Any, consumer: str, generation: int, shards: list[int]) -> dict[str, Any]:
         """A member's reply: its assignment, the timing it must keep, and where to steal."""
         others = sorted((s for s, d in b.depth.items() if d > 0 and b.owner.get(s) != consumer),
-                        key=lambda s: -b.depth[s])  # fmt: skip
+                        key=lambda s: -b.depth[s])
         cfg = self.balancer_config
         return {
             "generation": generation, "shards": shards, "session_timeout_s": cfg.session_timeout_s,
@@ -215,7 +215,7 @@ class Coordinator(rpc.RouterService):
         a = req.args
         b = self._group(a["table"], a["task"])
         gen, shards = b.heartbeat(a["consumer"], time.monotonic(), confirmed=a["generation"],
-                                  rate=a["rate"], in_flight=a["in_flight"])  # fmt: skip
+                                  rate=a["rate"], in_flight=a["in_flight"])
         return self._view(b, a["consumer"], gen, shards)
 
     def _v_leave(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
@@ -230,7 +230,7 @@ class Coordinator(rpc.RouterService):
         b = self._groups.get((a["table"], a["task"]))
         if b is None:
             return {"generation": 0, "owners": [], "handoffs": [], "members": {},
-                    "imbalance": 1.0, "depth": []}  # fmt: skip
+                    "imbalance": 1.0, "depth": []}
         drain = b.drain_times()
         return {
             "generation": b.generation,
@@ -256,7 +256,7 @@ def serve(coordinator: Coordinator, *, ready_file: str | None = None) -> None:
     "metrics_port", "pid"} there as JSON (atomically) once bound."""
     c = coordinator
     rpc.run_until_signalled(c, ready_file, lambda: {"address": c.address,
-                                                    "metrics_port": c.metrics_port})  # fmt: skip
+                                                    "metrics_port": c.metrics_port})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -266,14 +266,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m storage.coordinator", description=main.__doc__)
     ap.add_argument("--bind", default="tcp://127.0.0.1:0", help="tcp://HOST:PORT (0: a free port)")
     ap.add_argument("--store", action="append", default=[],
-                    help="a store node address (repeatable)")  # fmt: skip
+                    help="a store node address (repeatable)")
     ap.add_argument("--ready-file", help="write the bound address here (JSON) once serving")
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--metrics-addr", default="127.0.0.1")
     ap.add_argument("--session-timeout", type=float, default=BalancerConfig.session_timeout_s)
     ap.add_argument("--heartbeat-interval", type=float, default=BalancerConfig.heartbeat_interval_s)
     ap.add_argument("--static", action="store_true",
-                    help="static round-robin assignment, no rebalancing")  # fmt: skip
+                    help="static round-robin assignment, no rebalancing")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -282,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             heartbeat_interval_s=args.heartbeat_interval, rebalance=not args.static)
     coordinator = Coordinator(args.bind, store_addresses=args.store, balancer=config,
                               metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                              context=zmq.Context())  # fmt: skip
+                              context=zmq.Context())
     serve(coordinator, ready_file=args.ready_file)
     return 0
 

@@ -38,7 +38,7 @@ class CoordinatorClient:
         self.request_timeout = request_timeout
         self._req_ids = itertools.count(1)
         options = [(zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 2000),
-                   (zmq.MAXMSGSIZE, 1 << 24)]  # fmt: skip
+                   (zmq.MAXMSGSIZE, 1 << 24)]
         self._channel: rpc.Channel | None = rpc.Channel(
             self.context, address, name=f"coordinator {address}", timeout_error=Unavailable,
             options=options,

@@ -114,7 +114,7 @@ class ConsumerSession:
         def probe(shards: list[int] | None, wait: float) -> Lease:
             nonlocal ack, write  # the previous lease rides on the first request only
             lease = client.claim(t, task, columns, max_rows, timeout=wait, ack=ack, write=write,
-                                 shards=shards, **kwargs)  # fmt: skip
+                                 shards=shards, **kwargs)
             ack = write = None
             return lease
 
@@ -184,7 +184,7 @@ class ConsumerSession:
 
     def _run(self) -> None:
         cl = CoordinatorClient(self.address, context=self._context,
-                               request_timeout=self._request_timeout)  # fmt: skip
+                               request_timeout=self._request_timeout)
         try:
             joined = False
             while not self._stop.is_set():

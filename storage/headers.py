@@ -145,7 +145,7 @@ class Cancel(Header, tag="cancel"):
 
 
 STORE_HEADERS = (Hello, Tables, CreateTable, DropTable, Put, Claim, Write, Ack, Extend, Release,
-                 Stats, Clear, Snapshot, Cancel)  # fmt: skip
+                 Stats, Clear, Snapshot, Cancel)
 
 
 # -- the coordinator's verbs (served by storage.coordinator) --------------------------------------

@@ -15,7 +15,7 @@ from storage.schema import TableStats
 
 DEAD_REASONS = ("lease_expired", "consumer_error", "other")
 _DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                     0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # fmt: skip
+                     0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TTS = ("table", "task", "shard")
 TT = ("table", "task")
 T, V = ("table",), ("verb",)
@@ -94,7 +94,7 @@ class StoreMetrics(HttpEndpoint):
         self.parked_refused = m(C, "parked_refused_total", "Requests refused instead of parked "
                                 "(a parked-request limit was reached).", V)
         self.parked_dropped = m(C, "parked_dropped_total",
-                                "Parked requests dropped because their peer was gone.")  # fmt: skip
+                                "Parked requests dropped because their peer was gone.")
         # labels() costs a lock per call: the hot callbacks keep their children (bounded).
         self._children: dict[tuple[Any, ...], Any] = {}
         self._gauge_keys: set[tuple[str, str, str]] = set()
@@ -188,7 +188,7 @@ class CoordinatorMetrics(HttpEndpoint):
         self.owned_shards = m(Gauge, "owned_shards", "Shards a consumer owns now.", owners)
         self.imbalance = m(Gauge, "depth_imbalance_ratio", "Max over mean of the consumers' "
                            "expected drain time (owned ready rows + in flight, over recent "
-                           "throughput); 1 is even.", TT)  # fmt: skip
+                           "throughput); 1 is even.", TT)
         self.consumers = m(Gauge, "consumers_alive", "Consumers with a live session.", TT)
         self._owned_keys: set[tuple[str, str, str]] = set()
         self._http: Any = None
@@ -217,7 +217,7 @@ class SessionMetrics:
         self.rows_claimed = _maker(self.registry, "streamflow_consumer_")(
             Counter, "rows_claimed_total", "Rows a consumer session claimed, by source: owned (its "
             "own shards) or stolen (a shard another consumer owns, taken while its own were "
-            "empty).", [*TT, "source"])  # fmt: skip
+            "empty).", [*TT, "source"])
 
     @classmethod
     def for_registry(cls, registry: CollectorRegistry | None) -> SessionMetrics:

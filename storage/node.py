@@ -131,7 +131,7 @@ class StoreNode(NodeLeases):
             raise TableExists(f"table {spec.name!r} exists with a different spec")
         tb = _Table(spec=spec, shards={sid: Shard(sid, spec) for sid in self.shard_ids},
                     col_index={n: i for i, n in enumerate(spec.schema.names)},
-                    task_index={t.name: i for i, t in enumerate(spec.tasks)})  # fmt: skip
+                    task_index={t.name: i for i, t in enumerate(spec.tasks)})
         if self.persist_root is not None:
             tb.store = TableStore(spec, self.persist_root, self.node_index)
             tb.store.recover(tb.shards)
@@ -171,7 +171,7 @@ class StoreNode(NodeLeases):
     def has_capacity(self, table: str, num_rows: int, num_bytes: int) -> bool:
         tb = self._table(table)
         return (tb.rows() + num_rows <= tb.spec.capacity_rows
-                and tb.nbytes() + num_bytes <= tb.spec.capacity_bytes)  # fmt: skip
+                and tb.nbytes() + num_bytes <= tb.spec.capacity_bytes)
 
     def put(self, table: str, batch: pa.RecordBatch, *, shard_id: int | None = None) -> np.ndarray:
         tb = self._table(table)

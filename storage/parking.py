@@ -48,7 +48,7 @@ class ParkedBook:
                 raise TooManyWaiting(peer)
             if self.claims >= self.max_claims:
                 raise TooManyWaiting(f"node {self.node_index} already has {self.claims} claims "
-                                     f"waiting (max_parked_claims {self.max_claims})")  # fmt: skip
+                                     f"waiting (max_parked_claims {self.max_claims})")
             self.claims += 1
         else:
             if held >= self.max_per_peer:
@@ -200,7 +200,7 @@ class ParkedRequests:
                 continue
             try:
                 ready = self.node.ready_count(table, a["task"], whole_groups=a["whole_groups"],
-                                              shards=a["shards"])  # fmt: skip
+                                              shards=a["shards"])
                 lease = self._try_claim(p.req, a["min_rows"]) if ready >= a["min_rows"] else None
             except Exception as exc:
                 self._unpark(p)
@@ -226,6 +226,6 @@ class ParkedRequests:
                     continue
                 a = p.req.args
                 raise StoreFull(f"table {a.table!r} stayed at capacity for the put's timeout "
-                                f"({a.timeout:.3g} s)")  # fmt: skip
+                                f"({a.timeout:.3g} s)")
             except Exception as exc:
                 self._fail(p, exc)

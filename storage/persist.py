@@ -148,7 +148,7 @@ class TableStore:
     def _files(self, sid: int) -> tuple[str, list[tuple[int, str]]]:
         """The shard's snapshot path and its (generation, log path)s, oldest first."""
         logs = [(int(m[2]), os.path.join(self.path, name)) for name in os.listdir(self.path)
-                if (m := _LOG_NAME.match(name)) and int(m[1]) == sid]  # fmt: skip
+                if (m := _LOG_NAME.match(name)) and int(m[1]) == sid]
         return os.path.join(self.path, f"shard-{sid}.snap"), sorted(logs)
 
     # ----------------------------------------------------------------------------- recovery
@@ -185,7 +185,7 @@ class TableStore:
             sid = int(m[1]) if m else -1
             if sid >> 8 == self.node_index and sid not in shards:
                 raise BadRequest(f"persist_dir {self.path!r} holds shard {sid}, not served by this "
-                                 "node (num_shards too small?)")  # fmt: skip
+                                 "node (num_shards too small?)")
 
     def _log_path(self, sid: int, gen: int) -> str:
         return os.path.join(self.path, f"shard-{sid}.{gen}.log")
@@ -203,7 +203,7 @@ class TableStore:
         reason: str | None = None,
     ) -> None:
         header = {"op": op, "seqs": np.asarray(seqs).astype("<i8").tobytes(), "task": task,
-                  "reason": reason}  # fmt: skip
+                  "reason": reason}
         self.logs[sid].append({k: v for k, v in header.items() if v is not None})
 
     def sync(self, now: float) -> None:
@@ -351,7 +351,7 @@ def load_snapshot(shard: Shard, path: str) -> int:
             arrays[c] = batch.column(name)
             written[c] = batch.column(f"__w:{name}").to_numpy(zero_copy_only=False)
         idx = shard.append(seqs, batch.column("__created").to_numpy(), arrays, written,
-                           batch.column("__gpos").to_numpy())  # fmt: skip
+                           batch.column("__gpos").to_numpy())
         for t, name in enumerate(shard.task_names):
             shard.state[t, idx] = batch.column(f"__state:{name}").to_numpy()
             shard.deliv[t, idx] = batch.column(f"__deliv:{name}").to_numpy()

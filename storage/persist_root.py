@@ -27,7 +27,7 @@ _OWNED = re.compile(r"^(table\.json|shard-\d+\.snap|shard-\d+\.\d+\.log)(\.tmp)?
 # Spec fields of table.json that say what the stored data means (must match to reopen it).
 DATA_KEYS = ("schema", "tasks", "group_column", "group_size")
 _LIMIT_KEYS = ("capacity_rows", "capacity_bytes", "lease_seconds", "max_deliveries", "fsync",
-               "fsync_interval_s")  # fmt: skip
+               "fsync_interval_s")
 
 
 def fsync_dir(path: str) -> None:
@@ -78,7 +78,7 @@ def claim_dir(path: str, table: str) -> None:
             return
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, MARKER)):
         raise BadRequest(f"{path!r} exists but was not created by the store (no {MARKER} marker); "
-                         f"remove it or use another table name than {table!r}")  # fmt: skip
+                         f"remove it or use another table name than {table!r}")
 
 
 def remove_owned(path: str) -> None:
@@ -119,7 +119,7 @@ def spec_from_doc(name: str, doc: dict) -> TableSpec:
     tasks = tuple(TaskSpec(str(n), tuple(needs), bool(w)) for n, needs, w in doc["tasks"])
     limits = {key: doc[key] for key in _LIMIT_KEYS if key in doc}
     return TableSpec(name, schema, tasks, group_column=doc.get("group_column"),
-                     group_size=doc.get("group_size"), **limits)  # fmt: skip
+                     group_size=doc.get("group_size"), **limits)
 
 
 def discover(root: str) -> list[TableSpec]:

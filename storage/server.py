@@ -93,7 +93,7 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
             from storage.node import StoreNode  # lazy: the wire layer is usable without it
 
             node = StoreNode(config.node_index, config.num_shards, events=self.metrics,
-                             persist_root=config.persist_dir)  # fmt: skip
+                             persist_root=config.persist_dir)
             self.metrics.set_recovered(node.recovered)
         self.node = node
         self.addresses: list[str] = []
@@ -104,7 +104,7 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         self._empty_bodies: dict[tuple[str, tuple[str, ...]], pa.Buffer] = {}
         self._puts: dict[str, deque[ParkedRequest]] = {}
         self._book = ParkedBook(config.node_index, config.max_parked_bytes,
-                                config.max_parked_per_peer, config.max_parked_claims)  # fmt: skip
+                                config.max_parked_per_peer, config.max_parked_claims)
         self._last_probe = 0.0
         self._dirty: set[str] = set()
         self._needs_sync = False  # a queued reply acks a mutation of an fsync="always" table
@@ -120,7 +120,7 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
             # ZMTP heartbeats: a vanished peer loses its route within ~10 s (then probes drop it).
             for opt, value in ((zmq.SNDHWM, 100_000), (zmq.RCVHWM, 100_000),
                                (zmq.HEARTBEAT_IVL, 2000), (zmq.HEARTBEAT_TIMEOUT, 10_000)):
-                sock.setsockopt(opt, value)  # fmt: skip
+                sock.setsockopt(opt, value)
             if cfg.curve_secret_key is not None:
                 self._start_curve(sock)
 
@@ -154,7 +154,7 @@ class Server(StoreVerbs, ParkedRequests, rpc.RouterService):
         for opt, value in ((zmq.CURVE_SERVER, 1), (zmq.CURVE_SECRETKEY, cfg.curve_secret_key),
                            (zmq.CURVE_PUBLICKEY, cfg.curve_public_key),
                            (zmq.ZAP_DOMAIN, b"streamflow")):
-            sock.setsockopt(opt, value)  # fmt: skip
+            sock.setsockopt(opt, value)
 
     def _close(self) -> None:
         super()._close()

@@ -35,7 +35,7 @@ class StoreVerbs:
         shard_ids, protocol = list(self.node.shard_ids), wire.PROTOCOL_VERSION
         # parked: what waits on this node now (Server.parked), for operators and tests
         return {"node_index": self.config.node_index, "shard_ids": shard_ids, "protocol": protocol,
-                "parked": self.parked()}  # fmt: skip
+                "parked": self.parked()}
 
     def _v_tables(self, ident: bytes, req: wire.Request, t: float) -> dict[str, Any]:
         return {"tables": list(self.node.table_names())}
@@ -120,7 +120,7 @@ class StoreVerbs:
     def _try_claim(self, req: wire.Request, min_rows: int) -> Any:
         a = req.args
         return self.node.claim(a.table, a.task, a.columns, a.max_rows,
-                               **self._claim_options(a, min_rows))  # fmt: skip
+                               **self._claim_options(a, min_rows))
 
     def _reply_lease(self, ident: bytes, req: wire.Request, lease: Any, t: float) -> None:
         a = req.args
@@ -190,7 +190,7 @@ class StoreVerbs:
         """End a parked claim of the same peer early (its reply: an empty lease)."""
         target = req.args.target
         for p in self._take(lambda p: p.ident == ident and p.req.req_id == target
-                            and p.req.verb == "claim"):  # fmt: skip
+                            and p.req.verb == "claim"):
             self._reply_lease(p.ident, p.req, None, p.t_recv)
             return {"cancelled": True}
         return {"cancelled": False}

@@ -322,7 +322,7 @@ class Shard:
         return claimed_batch(
             self.sources, self.src, self.off, self.created, idx, names, cols, row_ids,
             self.deliv[t, idx],
-        )  # fmt: skip
+        )
 
     def cells(self, idx: np.ndarray, c: int) -> pa.Array:
         """Column ``c`` of rows idx with nulls for unwritten cells (snapshots)."""

@@ -128,7 +128,7 @@ class Reply:
 
 
 def encode_request(verb: str, req_id: int, args: dict[str, Any], bodies: Sequence[Any] = ()
-                   ) -> list:  # fmt: skip
+                   ) -> list:
     return [pack_header({"v": PROTOCOL_VERSION, "verb": verb, "req_id": req_id, **args}), *bodies]
 
 
@@ -280,7 +280,7 @@ def row_ids_from_bytes(data: bytes) -> np.ndarray:
 
 def spec_to_wire(spec: TableSpec) -> dict[str, Any]:
     tasks = [headers.WireTask(name=t.name, needs=list(t.needs), whole_groups=t.whole_groups)
-             for t in spec.tasks]  # fmt: skip
+             for t in spec.tasks]
     scalars = {key: getattr(spec, key) for key in headers.SPEC_SCALARS}
     schema = spec.schema.serialize().to_pybytes()
     wire_spec = headers.WireSpec(name=spec.name, schema=schema, tasks=tasks, **scalars)
