@@ -1,12 +1,5 @@
-"""Typed configuration of one worker process, as the controller hands it over.
-
-The controller (``streamflow``) owns the run configuration; workers must not import it. It maps the
-run config onto one of these records per worker and passes it as a JSON file
-(``python -m workers.main --config FILE``). Every field is plain data or a dataclass of plain data
-so the record round-trips through JSON exactly (``to_json`` / ``from_json``), and unknown fields
-are an error. The knobs of the workers' math travel as the settings objects the run config embeds
-(``workers.settings``): the controller passes them through whole; their fields also read and build
-as the record's own (``cfg.lr`` is ``cfg.optim.lr``).
+"""Typed configuration of one worker process, as the controller hands it over (a JSON file that
+round-trips exactly; unknown fields are an error). See docs/engines.md, "Worker configuration".
 """
 
 from __future__ import annotations

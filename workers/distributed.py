@@ -1,33 +1,6 @@
-"""Rank coordination for a multi-rank trainer: one store consumer, N ranks computing.
-
-The ranks are started by torch's launcher (``python -m torch.distributed.run``, a.k.a. torchrun),
-which sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
-
-Who does what::
-
-    rank 0 (leader)                               ranks 1..N-1 (followers)
-    claim whole groups from the store
-    MICRO_BATCH(iteration, nbytes) ------------>  receive
-    rows as Arrow IPC bytes (uint8 tensor) ---->  receive, decode
-    keep groups i with i % N == 0                 keep groups i with i % N == rank
-    forward + engine.backward(loss sum)           forward + engine.backward(loss sum)
-    ...  (any number of micro-batches, any order the store delivers them)  ...
-    STEP --------------------------------------->  all-reduce LossSums (global token count)
-    engine.step(1 / total tokens)                  engine.step(1 / total tokens)
-    publish, ack, report                           (nothing: the store is rank 0's business)
-    STOP --------------------------------------->  return
-
-Invariants:
-- Only rank 0 talks to the store; followers never claim, so a lease is never split across processes
-  and a crash of any rank loses nothing (torchrun ends every rank, the leases expire).
-- Every collective is issued in the same order on every rank: each command is one broadcast of a
-  fixed-size int64 control tensor from rank 0, followed by exactly the collectives that command
-  implies. Payloads are Arrow IPC bytes in a uint8 tensor: nothing is ever pickled.
-- Every rank runs exactly one backward per micro-batch, even when its share of the micro-batch is
-  empty (it then backpropagates ``0 * loss`` of a group it does not own: same graph, zero gradient),
-  because ZeRO-2 reduces gradients inside each backward and all ranks must take part.
-- The groups of a micro-batch are dealt round-robin in order of first appearance; a group is never
-  split (its advantages need all of its rows).
+"""Rank coordination for a multi-rank trainer: rank 0 alone talks to the store and broadcasts
+commands (micro-batch rows as Arrow IPC bytes, step, stop); every rank computes its round-robin
+share of whole groups. Protocol and invariants: docs/engines.md, "Multi-rank trainer".
 """
 
 from __future__ import annotations

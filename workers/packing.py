@@ -1,49 +1,8 @@
 """Shared-prompt packing: a group's responses scored with ONE copy of its prompt.
 
-Owns the packed layout (``pack_groups`` -> ``PackedBatch``, built in ``workers/packing_layout.py``
-and re-exported here), the attention that makes it exact for
-Hugging Face causal LMs, and the switch between packed and unpacked forwards
-(``packed_response_logprobs(..., pack=True|False)``) so callers flip one flag.
-
-Layout of a packed row (``T`` columns, several chunks, padding at the end)::
-
-    | prompt A | A.r1 | A.r2 | prompt B | B.r1 | B.r2 | B.r3 | pad ... |
-      pos 0..P   P..     P..    0..P'      P'..   P'..   P'..   0
-
-Invariants:
-- A chunk is one prompt copy followed by some of its group's responses. Position ids restart at the
-  prompt length for every response; each response attends to its prompt and causally to itself,
-  never to a sibling or to another chunk. Token ``j`` of a response is scored from the logits of
-  the position before it; for ``j = 0`` that is the prompt's last position.
-- A group bigger than ``token_budget`` (or ``max_responses_per_row``) is split into several chunks,
-  each with its own prompt copy. Chunks never straddle rows; several chunks share a row while
-  their sum fits the budget. Padding is masked out (a pad position attends only to itself, so no
-  softmax row is empty and no NaN can reach a gradient).
-- Every result is indexed by the group's position in the input list, never by arrival order, and
-  ``PackedBatch.group_ids`` carries each group's identity.
-
-How the attention is done (exact, checked by tests against unpacked forwards):
-- ``attention="segments"`` (default): a transformers attention function, registered as
-  ``"streamflow_shared_prompt"`` and switched on only for the packed call, runs SDPA per chunk:
-  causal over the prompt, then each response's queries against [prompt keys; own keys] with a small
-  lower-right causal mask. A response of n tokens costs n * (P + n) scores (the unpacked causal
-  row costs (P + n)^2 / 2) and the prompt's P^2 / 2 is paid once per chunk instead of once per
-  response. A dense [T, T] mask instead costs T^2 per row: measured ~9x slower attention at
-  T = 4608, enough to defeat the saving for long packed rows.
-- ``attention="mask"``: the dense ``[R, 1, T, T]`` mask (``PackedBatch.attention_mask``), which
-  transformers 5 passes through untouched (bool for ``sdpa``, additive float for ``eager``).
-  Kept as a generic, independent implementation of the same pattern (tests check both).
-- In both, only the positions that score a response token go through ``lm_head``.
-Models outside ``PACKABLE_MODEL_TYPES`` or failing a one-time self-check on a tiny input fall back
-to unpacked rows with a ``PackingFallbackWarning`` naming the model.
-
-When packing pays (``should_pack``): packing saves tokens but its attention runs per chunk, so for
-short prompts (little saved) it is slower than plain rows. Callers decide per batch from the token
-saving ``1 - packed / unpacked`` real tokens (``token_saving``): pack only when it reaches
-``min_saving`` (``trainer.packing_min_saving``; default ``DEFAULT_MIN_SAVING``, measured with
-``streamflow bench packing`` so that the auto choice is never more than 3 % slower than unpacked
-rows; docs/engines.md has the table). Flex attention is not used:
-on CPU it needs ``torch.compile`` per shape, and the segment path is already exact and cheap.
+Owns the attention that makes the packed layout (``workers.packing_layout``, re-exported here)
+exact for HF causal LMs, and ``packed_response_logprobs(..., pack=True|False)``. Layout,
+invariants and when packing pays: docs/engines.md, "Shared-prompt packing".
 """
 
 from __future__ import annotations

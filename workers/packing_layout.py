@@ -1,9 +1,6 @@
-"""Shared-prompt packing, the layout half: which tokens go where (``pack_groups`` ->
-``PackedBatch``, ``unpacked_rows``) and when packing pays (``token_saving``, ``should_pack``).
-
-Pure tensor bookkeeping, no model: ``workers/packing.py`` owns the attention that makes the layout
-exact and the log-prob forwards over it; its module docstring draws the layout and states the
-invariants this module builds.
+"""Shared-prompt packing, the layout half: which tokens go where (``pack_groups`` -> ``PackedBatch``,
+``unpacked_rows``) and when packing pays (``token_saving``, ``should_pack``). No model here; see
+docs/engines.md, "Shared-prompt packing".
 """
 
 from __future__ import annotations

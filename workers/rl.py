@@ -1,24 +1,7 @@
 """GRPO math: token log-probs, group advantages, the clipped loss as token SUMS, optimizer helpers.
 
-Pure tensor math, no I/O; the trainer worker and the tests call these functions directly.
-
-Conventions:
-- Token-aligned tensors are [B, T]: position t holds the log-prob of ``input_ids[:, t]`` given
-  ``input_ids[:, :t]``; position 0 (no prefix) and every position outside ``response_mask`` are 0.
-- Log-probs use ``log_softmax(logits / temperature)`` in float32 over the full vocabulary, the same
-  convention as the rollout engines' behaviour log-probs (``workers.engines.base``), so identical
-  weights give a ratio of exactly 1 (to float rounding).
-- Advantages: ``(r - mean_g) / (std_g + eps)`` per group g, std unbiased (as torch/TRL/verl), a
-  group of one has std 0. Computed only from COMPLETE groups: every group id must have exactly
-  ``group_size`` rows, else ``IncompleteGroupError``.
-
-Why the loss is a sum: GRPO's token-mean loss divides by the number of response tokens in the
-WHOLE batch. Micro-batches stream in one by one (periodic/async modes), in any order, and the total
-is only known at the end. So each micro-batch backpropagates its loss SUM (``grpo_loss_sums``),
-gradients accumulate, and once the batch is complete the caller calls
-``scale_gradients(model, 1 / total_tokens)`` before ``optimizer_step``. The result equals the
-token-mean gradient of the full batch whatever the micro-batch boundaries or arrival order (up to
-float summation order), which is what makes ``periodic`` match ``sync``.
+Pure tensor math, no I/O. Conventions, and why the loss is a sum: docs/engines.md, "GRPO math
+conventions".
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""The embedded character-level tokenizer: built locally, saved and loaded as a normal HF tokenizer.
-
-Owns: ``build_char_tokenizer`` (a ``PreTrainedTokenizerFast`` whose vocabulary is three special
-tokens plus one token per character of an alphabet) and the helpers that turn a prompt/answer pair
-into token ids the same way everywhere (warm start, rollout, evaluation).
-
-Invariants:
-- Token ids are fixed by the alphabet order: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3,
-  then the alphabet characters in order. Same alphabet -> same ids, on every machine.
-- Encoding a prompt adds ``<bos>`` in front (a post-processor, so ``tokenizer(prompt)`` does it for
-  any caller); answers are encoded without special tokens and end with ``<eos>`` for training.
-- Decoding concatenates characters (no spaces inserted), so ``decode(encode(s)) == s`` for any
-  string over the alphabet.
-Nothing here downloads anything; the files written by ``save_pretrained`` load with
-``AutoTokenizer.from_pretrained(path, local_files_only=True)``.
+"""The embedded character-level tokenizer, saved and loaded as a normal HF tokenizer, and the helpers
+that encode prompts/answers the same way everywhere. Ids: docs/engines.md, "The embedded character
+tokenizer".
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
-"""The unified tri-model: policy and reference log-probs of a micro-batch in one pass; the old policy.
+"""The unified tri-model: policy and reference log-probs of a micro-batch in one packed pass.
 
-Owns the trainable policy plus the frozen reference copy, and the rule for the old policy.
-``forward`` packs the micro-batch ONCE (``workers.packing``) and runs every model on the same packed
-tensors, so neither a separate reference worker nor an old-policy recomputation pass is needed
-(``reference.placement = trainer``).
-
-Lifecycle and invariants:
-- ``reference`` is frozen at construction: a copy of the INITIAL policy (``reference="copy"``), a
-  model directory loaded with transformers, a given module, or None (no KL term). It never changes.
-- The old policy is never a held model. With one update per batch (on-policy, one optimizer step
-  per batch) it IS the policy until the step: its log-probs are the policy's, detached, so the PPO
-  ratio is exactly 1 and no old forward runs. With ``trainer.updates_per_batch > 1`` the trainer
-  keeps the first pass's detached policy log-probs (the policy at the START of the iteration: no
-  step is taken before the iteration's last row is in) and scores every later pass against them
-  (``workers.trainer``): no snapshot copy, so no memory cost, and never a one-step-stale copy.
-- The frozen reference may live in a lower precision (``frozen_dtype=torch.bfloat16``) and/or
-  another device (``frozen_device="cpu"``); its log-probs come back as float32 on the policy's
-  device. ``extra_bytes()`` is what it costs beyond the policy.
-- ``autocast_dtype`` (bfloat16 on a GPU): every forward runs under ``torch.autocast`` in that dtype
-  while the policy's master weights (and AdamW) stay float32; log-probs come back float32.
+The reference is frozen at construction; the old policy is never a held model (the trainer keeps
+the first pass's detached log-probs). See docs/engines.md, "The tri-model".
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
-"""Supervised warm start, greedy evaluation, and the reproducible embedded default checkpoint.
-
-Owns: ``warm_start`` (SFT on (prompt, answer + eos), loss on answer tokens only), ``evaluate``
-(greedy exact-match accuracy), and ``prepare_builtin`` (tokenizer + tiny model + warm start, saved
-as an HF directory with a ``streamflow_manifest.json`` that records how it was made).
-
-Invariants:
-- ``warm_start`` is deterministic: the problems come from ``task.iterate(seed)`` and the model's
-  own initialisation is fixed by its spec; no dropout is used by the embedded model. Same inputs and
-  thread count -> same weights.
-- ``prepare_builtin`` is a cache: when ``output_dir`` holds a manifest whose recipe (spec, task,
-  steps, hyper-parameters, format version) equals the requested one, the directory is reused as-is;
-  otherwise it is rebuilt and replaced atomically (``save_model``).
-- RL should start from a policy that is right sometimes: ``prepare_builtin`` trains on a fixed
-  thread count until greedy accuracy on training problems reaches the recipe's target, so the
-  starting point is the same band on every machine and thread count (``BuiltinRecipe``).
+"""Supervised warm start, greedy evaluation, and the reproducible embedded default checkpoint
+(``prepare_builtin``, cached by its manifest). See docs/engines.md, "Warm start".
 """
 
 from __future__ import annotations

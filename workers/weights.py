@@ -1,24 +1,9 @@
-"""Weight sync: the trainer publishes policy version v, rollout engines load it when the mode says.
+"""Weight sync by file: the trainer publishes policy version v, rollout engines load it.
 
-Path of the bytes: the trainer writes the HF-named tensors of version v to
-``<dir>/policy-v000007.safetensors`` (written to a temp name, then renamed, so a reader never sees
-a partial file) and announces ``(version, path, bytes)`` on a ZeroMQ PUB socket. A rollout worker
-waiting for version >= v looks at the directory first (so an announcement missed by a late joiner
-costs nothing), then waits on its SUB socket for the next announcement, re-checking the directory
-every ``recheck_s``: a bounded wait, never a busy loop, and a timeout (``WeightSyncTimeout``) rather
-than a hang.
-
-Retention: the newest ``keep`` versions stay on disk; older files are unlinked (a reader that already
-opened one keeps reading it safely on POSIX).
-
-Versions: version 0 is the initial policy; the trainer publishes version k+1 after its k-th step.
-
-Across hosts (``streamflow launch``) the directory is not shared: the publisher also serves its
-files over ZeroMQ (``serve=``) and a subscriber given ``fetch=`` copies each version it needs into
-its own local directory before loading it (``workers/weights_net.py``); the announcement is then
-only a wake-up, the server's ``newest`` the truth. The fetch time is reported with the sync cost.
-File names and directory listings (``weights_path``, ``published_versions``) live in
-``workers/weights_files.py``, shared with ``weights_net`` without an import circle.
+``WeightPublisher`` writes ``<dir>/policy-v000007.safetensors`` atomically, keeps the newest
+``keep`` and announces each on ZeroMQ PUB; ``WeightSubscriber`` finds or waits (bounded, never a
+busy loop) for a version, fetched from the trainer's host when ``fetch`` is set
+(``workers.weights_net``). Protocol: docs/engines.md, "Weight sync by file".
 """
 
 from __future__ import annotations

@@ -1,31 +1,8 @@
 """Collective weight sync: the trainer broadcasts each policy version to the rollout workers.
 
-Owns the weight-update group (a ``torch.distributed`` process group of its own — never the default
-group, which a DeepSpeed trainer already uses): rank 0 is the trainer, rank i+1 rollout worker i;
-NCCL when every member has a GPU of its own, else gloo (on the CPU, or for processes sharing
-one GPU: NCCL refuses two ranks on one device; gloo stages CUDA tensors through host memory). The rendezvous is a TCP store the controller
-hosts (``Rendezvous``); every process connects to it as a client, so a trainer or rollout restart
-never takes the rendezvous down.
-
-One version on the wire (``CollectivePublisher.broadcast`` / ``GroupMember.receive``):
-
-1. The trainer writes the announcement ``ann/<seq>`` in the store: msgpack ``{"version", "epoch",
-   "first", "tensors": [[name, dtype, shape], ...], "bucket_bytes"}`` (no pickle anywhere).
-2. Both sides cut the same tensor list into the same buckets (``bucket_layout``: tensors in order,
-   a bucket closes before it would exceed ``bucket_bytes``; a larger tensor travels alone).
-3. Per bucket: the trainer copies its tensors' bytes into one flat ``uint8`` buffer, broadcasts it;
-   the receiver slices the buffer and ``copy_``s each slice into the live parameter (dtype and
-   device converted by ``copy_``). Two buffers alternate so filling one overlaps the other's send.
-
-Failure is bounded, never a hang: joining and every bucket wait at most ``timeout_s`` and raise
-``CollectiveSyncError``. The trainer then opens a new *epoch* (the group is rebuilt under a fresh
-store prefix at its next version, announced ``first=True``) and the version still reaches everyone
-through its file, which the trainer always writes right after the broadcast.
-
-Membership: a process joins an epoch only at that epoch's first announcement. A rollout worker that
-restarts (fresh, holding version 0) therefore loads versions from their files until the trainer's
-next broadcast fails on the dead incarnation and a new epoch opens; it joins that one. Rank numbers
-are fixed per worker name, so the new incarnation takes the old one's place.
+Owns the weight-update group (``GroupMember``: its own process group, NCCL or gloo, bucketed
+broadcast or shared-memory buckets), its rendezvous (``Rendezvous``) and the store announcements.
+Protocol, epochs and membership: docs/engines.md, "Collective weight sync: the group and the wire".
 """
 
 from __future__ import annotations

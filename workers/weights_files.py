@@ -1,9 +1,5 @@
-"""Where published policy versions live on disk: the file name of version v and the versions a
-weights directory holds. Shared by the publisher and subscriber (``workers.weights``) and by the
-cross-host server and fetcher (``workers.weights_net``), so neither imports the other's module.
-
-Layout: ``<dir>/policy-v000007.safetensors``; six digits at least, more once versions pass
-999,999. No torch here: reading names needs none.
+"""Where published policy versions live on disk (``<dir>/policy-v000007.safetensors``): file names
+and directory listings, shared by ``workers.weights`` and ``workers.weights_net``. No torch.
 """
 
 from __future__ import annotations

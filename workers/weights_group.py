@@ -1,19 +1,7 @@
 """The two ends of collective weight sync: ``CollectivePublisher`` (trainer) and
-``CollectiveSubscriber`` (rollout worker), over the group of ``workers.weights_collective``.
-
-Trainer: ``publish(state, v)`` announces v, (re)forms the group when the epoch is new, broadcasts
-the tensors in buckets, waits for every member to have copied them into its live parameters (a
-barrier), then ALWAYS writes v's file as well (``WeightPublisher``): the file is the fallback of a
-failed broadcast, what a restarted rollout worker loads, and what the evaluator reads. The first
-publish (version 0, or the resumed version) is the file only: rollout workers load it from disk.
-
-Rollout: a thread follows the announcements and receives each version into the engine under the
-engine lock (``engine_lock``: the rollout stage holds it while it generates, so weights never
-change under a generate call and the rows' ``policy_version`` is the version that produced them).
-``wait_engine`` is the stage's wait: until the engine holds a version >= the required one, or a file
-of such a version appears (the broadcast failed, or this worker is not a member yet) — then the
-stage loads the file exactly as in file mode. The versioning rules are therefore the file path's:
-a version is loaded whole before the next generate, in order, never mixed.
+``CollectiveSubscriber`` (rollout worker), over ``workers.weights_collective``. A version's file is
+always written too: the fallback of a failed broadcast. See docs/engines.md, "Collective weight
+sync: the two ends".
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
-"""Weights across hosts: the trainer serves published policy versions, remote readers fetch them.
-
-Hosts do not share ``/dev/shm``: a rollout worker (or the controller's evaluator) on another host
-cannot read the trainer's weights directory. So the trainer's ``WeightPublisher`` also runs a
-``WeightServer`` — a ZeroMQ ROUTER on a thread of its own, answering two requests about the
-directory it publishes into — and a remote reader's ``WeightFetcher`` copies a version into its
-*local* weights directory (temp name, then rename: a reader never sees a partial file). From there
-everything is as on one host: the same file name, the same loader, vLLM's reload from a path.
-
-Wire (every frame after the ROUTER identity):
-
-    request   [msgpack {"op": "newest" | "fetch", "id": int, "version": int (fetch only)}]
-    reply     [msgpack {"id", "ok", "newest", "version", "bytes", "error"}, (safetensors bytes)]
-
-Only msgpack headers and raw safetensors bytes travel (nothing is unpickled; safetensors is a
-plain tensor container). Requests are small and size-capped (``MAXMSGSIZE``) and decoded into a
-typed Struct (``WeightRequest``); a malformed one gets ``ok: false`` with the reason and the server
-keeps serving. The serve loop and the call with a deadline are the store's (``storage.rpc``). A
-version the trainer has already pruned (it keeps the newest ``weights_keep``) is answered
-``ok: false``; the reader then asks for the newest one again.
-
-Failure: a request with no reply within its timeout raises ``WeightFetchError`` and the socket is
-replaced (a late reply can never be taken for another request's); callers retry within their own
-deadline, so a network cut delays a weight sync but never loads a partial or wrong version.
+"""Weights across hosts: ``WeightServer`` (a ZeroMQ ROUTER on its own thread) serves published
+versions; a remote reader's ``WeightFetcher`` copies one into its local weights directory.
+Wire format and failure rules: docs/engines.md, "Weights across hosts".
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""The rollout engine contract: sampling parameters, one generation, and the ``RolloutEngine`` protocol.
+"""The rollout engine contract: ``SamplingParams``, ``Generation`` and the ``RolloutEngine`` protocol.
 
-Owns the records every rollout engine speaks. Invariants an implementation must keep:
-- ``generate`` returns, for each prompt in order, exactly ``n`` ``Generation``s.
-- Behaviour log-probs: ``logprobs[i]`` is ``log_softmax(logits / temperature)[token_ids[i]]``
-  computed in float32 over the FULL vocabulary, i.e. BEFORE top-p truncation. The trainer
-  recomputes log-probs with the same temperature and no truncation, so with identical weights its
-  ratio to the behaviour log-probs is exactly 1 (to float rounding). With ``temperature == 0``
-  (greedy, argmax), log-probs are those of the untempered distribution (temperature 1).
-- A generation ends right after a stop token (``stop_token_ids`` plus the engine's own eos ids),
-  which IS included in ``token_ids`` with its log-prob (``finish_reason="stop"``), or after
-  ``max_new_tokens`` tokens (``finish_reason="length"``).
-- ``policy_version`` is the version passed to the last ``load_weights`` (the initial weights are
-  whatever version the engine was built with, usually 0).
-- Same ``seed``, prompts, parameters and weights -> same outputs.
-- ``prompt_seeds`` (one per prompt): prompt i's samples depend only on ``prompt_seeds[i]``, its
-  prompt, the parameters and the weights, never on the other prompts of the call (up to float
-  rounding of batched logits): a group samples the same responses alone or batched with others.
+The invariants an engine keeps (behaviour log-probs over the full vocabulary before top-p, stop
+tokens included, per-prompt seeds): docs/engines.md, "The rollout engine contract".
 """
 
 from __future__ import annotations

@@ -1,38 +1,8 @@
 """DeepSpeed ZeRO-1/2 behind the ``TrainerEngine`` protocol, one process per rank (torchrun).
 
-Owns: the typed DeepSpeed settings (``DeepSpeedSettings``; the DeepSpeed config dict is built from
-them in one place and handed only to ``deepspeed.initialize``), process-group start-up from the
-launcher's environment, and the exact-scaling recipe below. Which rows each rank trains is
-``workers.distributed``'s business; this module only sees loss sums and steps.
-
-Lifecycle per iteration (identical on every rank)::
-
-    backward(loss_sum) x micro-batches        engine.backward(..., scale_wrt_gas=False)
-    step(1 / total_tokens)                    loss scale := 1 / (grad_scale * world); engine.step()
-    state_dict()                              full weights (ZeRO-1/2 keep full params on every rank)
-
-Exact token-mean with ZeRO (checked against DeepSpeed 0.19.8's ``runtime/engine.py`` and
-``runtime/zero/stage_1_and_2.py``):
-- ``managed_gradient_accumulation: false``: DeepSpeed no longer counts micro-steps; ``step()`` is
-  the accumulation boundary whenever we call it, so an iteration may have any number of streamed
-  micro-batches. ``scale_wrt_gas=False`` (and gradient_accumulation_steps = 1) keeps each backward
-  a plain loss-SUM gradient.
-- The data-parallel reduction AVERAGES over ranks: after it, gradients hold sum_over_ranks / world.
-- ZeRO's ``unscale_and_clip_grads`` divides the fp32 gradient partition by the optimizer's loss
-  scale and clips on the unscaled norm (``clip = (norm / loss_scale + 1e-6) / max_norm``, the same
-  factor as ``torch.nn.utils.clip_grad_norm_``); ``_global_grad_norm = norm / loss_scale``. Setting
-  the loss scale with ``override_loss_scale(1 / (grad_scale * world))`` just before ``step()`` hence
-  yields gradients of exactly sum / total_tokens, clipped, then AdamW — the torch engine's update.
-  It is reset to 1.0 right after, so backward's ``scale_if_loss`` multiplies by exactly 1.
-- ZeRO-2 reduces inside every backward, so all ranks must run the same number of backwards (see
-  ``workers.distributed``). The engine's backward prologue normally hooks the outputs of
-  ``engine.forward``; the trainer calls the HF module directly (packing calls its decoder and head),
-  so ``backward`` attaches the same prologue to the loss with DeepSpeed's own helper.
-Proof: tests/workers/test_deepspeed_trainer.py (1 and 2 ranks vs ``TorchTrainerEngine``).
-
-Checkpoints: ``save_state(dir)`` is collective (every rank writes its optimizer partition into
-``dir/deepspeed/``; rank 0 also the module); the directory comes from rank 0. Resume needs the same
-number of ranks. HF-named full weights for publishing come from ``state_dict()``.
+Owns ``DeepSpeedSettings`` (the DeepSpeed config is built from them in one place), process-group
+start-up and the exact loss-scale recipe that makes ZeRO's update equal the torch engine's.
+Why it is exact, and checkpoints: docs/engines.md, "DeepSpeed ZeRO-1/2: exact token-mean scaling".
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
 """The cost model of simulated devices: how long a device is held for each piece of RL work.
 
-Owns ``CostModel`` (per-device hardware/model costs, with the calibrated preset ``7b-1acc``),
-``Workload`` (the shape of one RL iteration and its response-length distribution) and the pure
-functions that turn rows into device seconds. Everything is in *simulated* seconds; the engine
-(``bench.sim.engine``) sleeps ``seconds / time_scale`` of real time.
-
-Cost of each kind of work (N = parameters, P = prompt tokens, L_i = response lengths)::
-
-    generate a batch    prefill_s_per_token * P * B                       (compute-bound prefill)
-                        + decode_base_s * max_i L_i                       (one decode step per token
-                        + decode_per_seq_s * sum_i L_i                     of the LONGEST response;
-                                                                           each step costs more the
-                                                                           more sequences are live)
-    reward              reward_s_per_sample * B                           (CPU verifier)
-    reference forward   ref_s_per_token * sum_i (P + L_i)
-    train micro-batch   train_s_per_token * sum_i (P + L_i)              (forward + backward)
-    optimizer step      allreduce(n) + optimizer_s / n                   (end of each iteration)
-    weight sync         weight_bytes / sync_bandwidth + sync_latency_s   (per version, per engine)
-
-A batch's generation time is dominated by its longest response (``decode_base_s * max L``): the
-batch-size effect and the long tail in one formula. Response lengths are lognormal with median
-``median_response_tokens`` and shape ``skew`` (sigma of the underlying normal), capped at
-``max_response_tokens``; they are a pure function of (seed, group id, sample index), so the engine
-and the bound (``bench.sim.bound``) see the same lengths.
-
-Invariants: every cost is finite and >= 0; lengths are integers in [1, max_response_tokens].
+Owns ``CostModel`` (with the calibrated preset ``7b-1acc``), ``Workload`` and the pure functions
+that turn rows into simulated seconds (all finite and >= 0). Formulas: docs/engines.md, "The cost
+model of simulated devices".
 """
 
 from __future__ import annotations

@@ -1,34 +1,8 @@
-"""The ``simulated`` engine inside a real run (``streamflow run`` with ``rollout.engine: simulated``
-and ``trainer.engine: simulated``): the roles' compute replaced by device holds from the cost model.
+"""The ``simulated`` engine inside a real run: each role's compute replaced by cost-model device holds.
 
-Everything else is the real run: the controller and its modes, the worker processes, the store and
-its leases, the balancer, the weight publication (files + announcements), the reports. What is
-simulated, per role:
-
-- rollout: ``SimulatedRolloutEngine`` behind the real ``RolloutStage`` (``RolloutEngine`` and
-  ``LoadsWeightsFile`` protocols). Response lengths are lognormal (median, skew) capped at
-  ``max_new_tokens``, drawn from the per-group sampling seed the stage passes (deterministic);
-  the tokens are random ids of the real vocabulary (the store moves real-size responses); the
-  device is held for ``cost.generate_s`` of the claim, and ``cost.sync_s`` per weight load.
-- reward: the real ``RewardStage`` (the verifier runs on the decoded tokens) plus a hold of
-  ``cost.reward_s``.
-- reference: ``SimulatedReferenceStage``: ``ref_logprobs`` of the right length (placeholders),
-  held for ``cost.reference_s``.
-- trainer: the real ``workers.trainer.Trainer`` (claim whole groups, park later iterations,
-  dedup, dead groups, one step per iteration, publish, report, ack after the step) over a
-  simulated training engine: ``SimulatedTriModel`` holds ``cost.train_s`` per micro-batch instead
-  of forward/backward and returns zero log-probs, ``SimulatedTrainingEngine`` holds
-  ``cost.step_s`` per optimizer step and publishes a one-tensor "weights" file per version (the
-  version number): rollout engines pay the cost model's sync time, not the copy of a real model.
-  ``SimulatedTrainer`` (``workers.engines.simulated_trainer``) puts them together.
-
-Time: ``seconds`` of simulated work sleep ``seconds / time_scale`` real seconds. A run's wall
-times (summary, timeline) are real seconds: multiply by ``time_scale`` for simulated ones.
-What the simulated trainer leaves out (use the torch engine to test them): restarts from a
-checkpoint (it writes none), several ranks. Its loss figures are those of the placeholders.
-
-Imports: no torch at import time (``sim_cost`` and the rollout/reward/reference roles need none);
-the training engine imports it when it first builds tensors.
+Everything else (controller, workers, store, weight publication, reports) is the real run; a hold
+of ``s`` simulated seconds sleeps ``s / time_scale``. No torch at import time. Per-role details:
+docs/engines.md, "The simulated engine inside a real run".
 """
 
 from __future__ import annotations

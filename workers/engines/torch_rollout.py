@@ -1,43 +1,8 @@
 """The in-process torch rollout engine: batched sampling with a KV cache over any HF causal LM.
 
-Owns ``TorchRolloutEngine``, which implements ``RolloutEngine`` (see ``base`` for the log-prob,
-stop-token and seeding contract). How one ``generate`` call runs:
-
-1. The ``len(prompts) * n`` rows (prompt i repeated n times, in order) run as ONE batch, or in
-   chunks of at most ``max_batch_size`` rows when that is set (``rollout.rows_per_generate``).
-   Measured on a 4.2 M-parameter Qwen2 (docs/engines.md, ``streamflow bench generate``): 128 rows
-   in one batch cost about half of two 64-row chunks, so the default is the whole call.
-2. Each chunk is LEFT-padded; ``attention_mask`` marks real tokens and ``position_ids`` count real
-   tokens only (``cumsum(mask) - 1``), so a padded row sees exactly what it would see alone.
-3. One prefill forward fills a ``DynamicCache``; then one forward per new token ([B, 1] input, a
-   view of a preallocated mask one column wider, positions advanced by one). Sampling
-   (temperature, top-p, stop tokens) is vectorised over the chunk: no per-row Python work inside
-   the loop.
-4. Rows that have finished keep being fed a pad token (their outputs are ignored) until every row of
-   the chunk has finished or ``max_new_tokens`` is reached; the cost is a few wasted rows, which is
-   cheaper than re-packing the cache for the short responses this engine is used for.
-
-Sampling is inverse-CDF sampling with one uniform per row and step: the token is where
-``u * mass`` falls in the cumulative sum of ``exp(log_softmax(logits / T))`` (top-p: over the
-kept prefix of the sorted distribution), an exact draw from the tempered (truncated) distribution
-that reuses the log-softmax the behaviour log-prob needs anyway. Greedy: ``temperature <=
-GREEDY_TEMPERATURE`` means argmax (temperature -> 0); its log-probs are those of the untempered
-distribution.
-
-Reproducibility, per row: row j of prompt i draws its ``max_new_tokens`` uniforms from its own
-``torch.Generator`` seeded ``prompt_seed(i) + j``, where ``prompt_seed(i)`` is
-``params.prompt_seeds[i]`` when given, else ``params.seed + i * n`` (vLLM's convention: request
-seed s, child j seeded s + j). So a row's samples depend only on its seed, its prompt, the weights
-and the parameters: not on the other prompts of the call, the chunking or the order (up to float
-rounding of the batched logits). With no seed the global torch RNG is used.
-
-Per-token costs removed from the decode loop (measured with cProfile, docs/engines.md): the KV
-cache is preallocated for the whole generation (``_PreallocatedLayer``: no ``torch.cat`` of the
-cache per token), and with sdpa a one-token step attends each KV head with its group of query
-heads (``decode_sdpa_attention``: no copy of the cache per layer to repeat grouped KV heads).
-
-HF ``generate`` is not used: we need the exact full-vocabulary log-prob of every sampled token
-before top-p truncation (the behaviour log-prob contract), which is one gather here.
+Owns ``TorchRolloutEngine`` (left-padded chunks, a preallocated KV cache, inverse-CDF sampling with
+one seeded uniform per row and step). How a call runs and why: docs/engines.md, "The torch rollout
+engine: how one generate call runs".
 """
 
 from __future__ import annotations

