@@ -54,21 +54,26 @@ class WorkerCommon:
 
 @dataclass
 class WeightGroupConfig:
-    """Collective weight sync (``workers.weights_collective``): where the group meets and who we
-    are in it. None on a worker config: weights go by file only."""
+    """Collective weight sync (``workers.weights_collective``, whose ``GroupSpec`` this is): where
+    the group meets and who we are in it. None on a worker config: weights go by file only."""
 
     address: str  # host:port of the controller's TCP store (the rendezvous)
     rank: int  # 0 = trainer, i + 1 = rollout worker i
     world_size: int  # 1 + rollout workers
-    bucket_bytes: int = 32 << 20
-    timeout_s: float = 300.0
     # nccl when every member has a GPU of its own; gloo otherwise (CPU, or processes sharing a GPU:
     # NCCL refuses two ranks on one device, gloo stages CUDA tensors through host memory)
     backend: str = "gloo"
+    bucket_bytes: int = 32 << 20
+    timeout_s: float = 300.0
     # gloo: "shm" = the bytes go through shared-memory buckets in shm_dir (one host), gloo only
     # signals; "broadcast" = the bytes travel in the collective (always with nccl)
     transport: str = "broadcast"
     shm_dir: str = ""
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.address.rpartition(":")
+        return host, int(port)
 
 
 @flat

@@ -119,19 +119,12 @@ class CollectiveSubscriber:
         self.received = 0
         self.failures = 0
 
-    # the WeightSubscriber interface the rollout stage uses for its file loads
-    @property
-    def directory(self):  # noqa: ANN201
-        return self.files.directory
-
-    def newest(self) -> int | None:
-        return self.files.newest()
-
-    def wait_for(self, min_version: int, timeout_s: float) -> int:
-        return self.files.wait_for(min_version, timeout_s)
-
-    def load(self, version: int) -> tuple[dict[str, torch.Tensor], int]:
-        return self.files.load(version)
+    def __getattr__(self, name: str) -> Any:
+        """The WeightSubscriber interface the rollout stage uses for file loads (``directory``,
+        ``newest``, ``wait_for``, ``load``): the file subscriber's."""
+        if name == "files":
+            raise AttributeError(name)
+        return getattr(self.files, name)
 
     def start(self, engine: Any) -> None:
         store = connect_store(self.spec)

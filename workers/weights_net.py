@@ -53,9 +53,8 @@ class WeightServer(rpc.RouterService):
         self.start()
 
     def _open(self) -> None:
-        self._sock, bound = rpc.bind_router(
-            zmq.Context.instance(), [self._bind], max_message_bytes=MAX_REQUEST_BYTES, linger_ms=0
-        )
+        self._sock, bound = rpc.bind_router(zmq.Context.instance(), [self._bind],
+                                            max_message_bytes=MAX_REQUEST_BYTES, linger_ms=0)
         self.endpoint = bound[0]
 
     def _handle(self, frames: list) -> None:
@@ -65,14 +64,8 @@ class WeightServer(rpc.RouterService):
         self._out.append((frames[0].bytes, [msgpack.packb(header), *data], "weights", 0.0, None))
 
     def _answer(self, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
-        header: dict[str, Any] = {
-            "id": None,
-            "ok": False,
-            "newest": None,
-            "version": None,
-            "bytes": 0,
-            "error": "",
-        }
+        header: dict[str, Any] = dict(id=None, ok=False, newest=None, version=None, bytes=0,
+                                      error="")
         try:
             if len(frames) != 1:
                 raise ValueError(f"expected 1 frame, got {len(frames)}")
@@ -94,9 +87,8 @@ class WeightServer(rpc.RouterService):
             try:
                 data = weights_path(self.directory, req.version).read_bytes()
             except FileNotFoundError:
-                raise ValueError(
-                    f"version {req.version} is not available (published: {versions})"
-                ) from None
+                raise ValueError(f"version {req.version} is not available (published: {versions})"
+                                 ) from None
             header.update(ok=True, version=req.version, bytes=len(data))
             self.served_bytes += len(data)
             self.served_versions += 1
@@ -117,11 +109,8 @@ class WeightFetcher:
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
         self._channel: rpc.Channel | None = rpc.Channel(
-            zmq.Context.instance(),
-            address,
-            name=f"weight server {address}",
-            timeout_error=WeightFetchError,
-        )
+            zmq.Context.instance(), address, name=f"weight server {address}",
+            timeout_error=WeightFetchError)
 
     def _call(self, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], list]:
         assert self._channel is not None
@@ -133,9 +122,8 @@ class WeightFetcher:
                 return None  # a late reply to an earlier request
             return header, frames[1:]
 
-        header, frames = self._channel.call(
-            [msgpack.packb({**request, "id": req_id})], ours, timeout_s
-        )
+        header, frames = self._channel.call([msgpack.packb({**request, "id": req_id})], ours,
+                                            timeout_s)
         if not header.get("ok"):
             raise WeightFetchError(f"weight server {self.address}: {header.get('error')}")
         return header, frames
@@ -147,16 +135,11 @@ class WeightFetcher:
 
     def fetch(self, version: int, directory: str | os.PathLike) -> int:
         """Copy ``version`` into ``directory`` (atomically); returns the bytes received."""
-
         header, frames = self._call({"op": "fetch", "version": int(version)}, self.timeout_s)
-        if (
-            len(frames) != 1
-            or len(frames[0]) != header.get("bytes")
-            or header.get("version") != version
-        ):
+        if (len(frames) != 1 or len(frames[0]) != header.get("bytes")
+                or header.get("version") != version):
             raise WeightFetchError(
-                f"weight server {self.address}: malformed reply for version {version}"
-            )
+                f"weight server {self.address}: malformed reply for version {version}")
         path = weights_path(directory, version)
         tmp = path.with_suffix(".part")
         with open(tmp, "wb") as fh:
