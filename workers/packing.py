@@ -162,7 +162,7 @@ AttentionInterface.register(ATTENTION_NAME, shared_prompt_attention)
 
 
 @contextlib.contextmanager
-def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
     """Switch the model's attention function for one call (the config is read at every forward)."""
     config = model.config
     before = config._attn_implementation
@@ -226,7 +226,7 @@ def batch_logprobs(
         logits = _scored_logits(model, score_mask, input_ids=ids, attention_mask=mask2d)
     elif attention == "segments":
         layout = SharedPromptLayout.of(batch)
-        with _attention_implementation(model, ATTENTION_NAME):
+        with attention_implementation(model, ATTENTION_NAME):
             logits = _scored_logits(
                 model,
                 score_mask,

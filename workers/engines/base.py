@@ -1,4 +1,4 @@
-"""The rollout engine contract: ``SamplingParams``, ``Generation`` and the ``RolloutEngine`` protocol.
+"""The rollout engine contract: ``SamplingParams``, ``Generation``, the ``RolloutEngine`` protocol.
 
 The invariants an engine keeps (behaviour log-probs over the full vocabulary before top-p, stop
 tokens included, per-prompt seeds): docs/engines.md, "The rollout engine contract".
@@ -36,18 +36,14 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(
-                f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}"
-            )
+                f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "prompt_seeds", tuple(int(s) for s in self.prompt_seeds))
 
 
 def prompt_seeds_of(params: SamplingParams, num_prompts: int, n: int) -> list[int] | None:
-    """The seed of each prompt's samples (sample j uses seed + j); None when unseeded.
-
-    ``params.prompt_seeds`` when given (one per prompt), else ``params.seed + i * n`` for prompt i
-    (so no two samples of one call share a seed).
-    """
+    """Each prompt's seed (sample j uses seed + j): ``params.prompt_seeds``, else ``params.seed +
+    i * n`` for prompt i (no two samples of a call share a seed); None when unseeded."""
     if params.prompt_seeds:
         if len(params.prompt_seeds) != num_prompts:
             raise ValueError(
@@ -58,6 +54,15 @@ def prompt_seeds_of(params: SamplingParams, num_prompts: int, n: int) -> list[in
     if params.seed is None:
         return None
     return [int(params.seed) + i * n for i in range(num_prompts)]
+
+
+def check_generate(prompts: Sequence[Sequence[int]], n: int) -> None:
+    """The argument checks every engine's ``generate`` makes."""
+    if n < 1:
+        raise ValueError(f"generate: n must be >= 1, got {n}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty (needs at least one token)")
 
 
 @dataclass
@@ -88,13 +93,8 @@ class RolloutEngine(Protocol):
 
 @runtime_checkable
 class LoadsWeightsFile(Protocol):
-    """Optional capability: load a published policy version straight from its safetensors file.
-
-    The trainer publishes every version as one file (``workers.weights``). An engine that can read
-    that file itself (vLLM: inside its own worker process) skips the round trip of reading the
-    tensors into the rollout process only to hand them over again; ``RolloutStage`` prefers this
-    method when the engine has it. Same effect as ``load_weights`` with the file's tensors.
-    """
+    """Optional capability: load a published version straight from its safetensors file (vLLM:
+    inside its worker process); ``RolloutStage`` prefers it to ``load_weights`` when present."""
 
     def load_weights_file(self, path: str | os.PathLike[str], version: int) -> None:
         """Load the HF-named tensors of ``path`` and set ``policy_version = version``."""

@@ -7,9 +7,8 @@ engine: how one generate call runs".
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,19 +23,18 @@ from workers.engines.base import (
     FINISH_STOP,
     Generation,
     SamplingParams,
+    check_generate,
     prompt_seeds_of,
 )
+from workers.packing import attention_implementation
 
 GREEDY_TEMPERATURE = 1e-5
 DECODE_ATTENTION = "streamflow_decode_sdpa"
 
 
 class _PreallocatedLayer(DynamicLayer):
-    """A full-attention KV-cache layer whose buffer holds the whole generation from the start.
-
-    ``DynamicLayer`` grows by ``torch.cat`` at every step (the whole cache copied per token per
-    layer); this one writes the new step in place and hands attention a view of the filled part.
-    """
+    """A full-attention KV-cache layer preallocated for the whole generation: each step is written
+    in place (``DynamicLayer`` copies the whole cache with ``torch.cat`` per token per layer)."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
@@ -66,10 +64,8 @@ class _PreallocatedLayer(DynamicLayer):
 def _cache_for(model: PreTrainedModel, capacity: int) -> DynamicCache:
     """A ``DynamicCache`` whose plain full-attention layers are preallocated to ``capacity``."""
     cache = DynamicCache(config=model.config)
-    cache.layers = [
-        _PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
-        for layer in cache.layers
-    ]
+    cache.layers = [_PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
     return cache
 
 
@@ -83,19 +79,13 @@ def decode_sdpa_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA that skips copying grouped KV heads when decoding one token.
-
-    Plain SDPA with grouped-query attention repeats every KV head for its query heads (a copy of
-    the whole cache per layer per token, measured as large as all the linear layers of a 4-layer
-    model). With one new token the H query heads are instead viewed as ``H / Hkv`` queries of each
-    KV head: the same dot products, over the cache as it is. Prefill (q > 1) is plain SDPA.
-    """
+    """SDPA that, for one new token, views the H query heads as ``H / Hkv`` queries of each KV head
+    instead of copying the grouped KV heads (docs/engines.md); prefill (q > 1) is plain SDPA."""
     groups = getattr(module, "num_key_value_groups", 1)
     b, h, q, d = query.shape
     if q != 1 or groups == 1 or dropout or kwargs.get("output_attentions"):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     mask = attention_mask
     if mask is not None:
         mask = mask[:, :, :, : key.shape[-2]]  # [B, 1, 1, T]: the same for every query head
@@ -109,37 +99,20 @@ AttentionInterface.register(DECODE_ATTENTION, decode_sdpa_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
 
 
-@contextlib.contextmanager
-def _decode_attention(model: PreTrainedModel) -> Iterator[None]:
-    """Use ``decode_sdpa_attention`` for one generate call when the model is set to sdpa."""
-    config = model.config
-    before = config._attn_implementation
-    if before != "sdpa":
-        yield
-        return
-    config._attn_implementation = DECODE_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
-
-
 def row_seeds(params: SamplingParams, num_prompts: int, n: int) -> list[int] | None:
     """The seed of each of the ``num_prompts * n`` rows (None: unseeded, global RNG)."""
     bases = prompt_seeds_of(params, num_prompts, n)
     return None if bases is None else [b + j for b in bases for j in range(n)]
 
 
-class _Uniforms:
+def _uniforms(seeds: list[int] | None, batch: int, max_new: int, dev: torch.device) -> torch.Tensor:
     """One uniform in [0, 1) per row and step, each row from its own generator."""
-
-    def __init__(self, seeds: list[int] | None, batch: int, max_new: int, device: torch.device):
-        if seeds is None:
-            self.u = torch.rand((batch, max_new), device=device)
-        else:
-            self.u = torch.empty((batch, max_new), device=device)
-            for row, seed in zip(self.u, seeds, strict=True):
-                row.uniform_(generator=torch.Generator(device=device).manual_seed(seed))
+    if seeds is None:
+        return torch.rand((batch, max_new), device=dev)
+    u = torch.empty((batch, max_new), device=dev)
+    for row, seed in zip(u, seeds, strict=True):
+        row.uniform_(generator=torch.Generator(device=dev).manual_seed(seed))
+    return u
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -209,24 +182,18 @@ class TorchRolloutEngine:
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy HF-named tensors into the model in place; unknown names or shapes are errors.
-
-        Names absent from ``weights`` keep their current values (a partial update is allowed);
-        tied weights (e.g. ``lm_head.weight``) may be sent or not.
-        """
+        Names absent from ``weights`` (e.g. a tied ``lm_head.weight``) keep their values."""
         targets = self.model.state_dict()
         unknown = sorted(k for k in weights if k not in targets)
         if unknown:
             raise KeyError(
-                f"load_weights: unknown parameter names {unknown[:5]} (of {len(unknown)})"
-            )
+                f"load_weights: unknown parameter names {unknown[:5]} (of {len(unknown)})")
         with torch.no_grad():
             for name, value in weights.items():
                 target = targets[name]
                 if tuple(value.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"load_weights: {name} has shape {tuple(value.shape)}, "
-                        f"expected {tuple(target.shape)}"
-                    )
+                    raise ValueError(f"load_weights: {name} has shape {tuple(value.shape)}, "
+                                     f"expected {tuple(target.shape)}")
                 target.copy_(value.to(device=target.device, dtype=target.dtype))
         self.policy_version = int(version)
 
@@ -239,22 +206,16 @@ class TorchRolloutEngine:
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Generation]]:
         """``n`` samples per prompt, in prompt order (see module docstring)."""
-        if n < 1:
-            raise ValueError(f"generate: n must be >= 1, got {n}")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty (needs at least one token)")
+        check_generate(prompts, n)
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         seeds = row_seeds(params, len(prompts), n)
-        stop_ids = torch.tensor(
-            sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
-            dtype=torch.long,
-            device=self.device,
-        )
+        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
+                                dtype=torch.long, device=self.device)
         t0 = time.perf_counter()
         flat: list[Generation] = []
         step = self.max_batch_size or max(len(rows), 1)
-        with _decode_attention(self.model):
+        impl = self.model.config._attn_implementation  # sdpa: one-token steps skip the KV copy
+        with attention_implementation(self.model, DECODE_ATTENTION if impl == "sdpa" else impl):
             for start in range(0, len(rows), step):
                 chunk = rows[start : start + step]
                 chunk_seeds = None if seeds is None else seeds[start : start + step]
@@ -264,13 +225,8 @@ class TorchRolloutEngine:
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.inference_mode()
-    def _generate_chunk(
-        self,
-        rows: list[list[int]],
-        params: SamplingParams,
-        stop_ids: torch.Tensor,
-        seeds: list[int] | None,
-    ) -> list[Generation]:
+    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, stop_ids: torch.Tensor,
+                        seeds: list[int] | None) -> list[Generation]:
         dev = self.device
         batch = len(rows)
         width = max(len(r) for r in rows)
@@ -287,17 +243,12 @@ class TorchRolloutEngine:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
         cache = _cache_for(self.model, width + max_new)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
         logits = out.logits[:, -1, :].float()
         next_pos = position_ids[:, -1:] + 1  # [B, 1]
-        uniforms = _Uniforms(seeds, batch, max_new, dev).u
+        uniforms = _uniforms(seeds, batch, max_new, dev)
 
         tokens = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=dev)
         logps = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)
@@ -313,23 +264,12 @@ class TorchRolloutEngine:
             finished |= stopped
             if step == max_new - 1 or bool(finished.all()):
                 break
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=full_mask[:, : width + step + 1],
-                position_ids=next_pos,
-                past_key_values=cache,
-                use_cache=True,
-            )
+            out = self.model(input_ids=token[:, None], position_ids=next_pos, use_cache=True,
+                             attention_mask=full_mask[:, : width + step + 1], past_key_values=cache)
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
 
         tokens_l, logps_l = tokens.tolist(), logps.tolist()
         lengths_l, finished_l = lengths.tolist(), finished.tolist()
-        return [
-            Generation(
-                token_ids=tokens_l[i][: lengths_l[i]],
-                logprobs=logps_l[i][: lengths_l[i]],
-                finish_reason=FINISH_STOP if finished_l[i] else FINISH_LENGTH,
-            )
-            for i in range(batch)
-        ]
+        return [Generation(tokens_l[i][: lengths_l[i]], logps_l[i][: lengths_l[i]],
+                           FINISH_STOP if finished_l[i] else FINISH_LENGTH) for i in range(batch)]

