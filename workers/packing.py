@@ -99,9 +99,8 @@ def shared_prompt_attention(
     """transformers attention function for the packed layout; plain SDPA when no layout is given."""
     layout: SharedPromptLayout | None = kwargs.pop(LAYOUT_KWARG, None)
     if layout is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     if sliding_window is not None:
         raise PackingUnsupportedError("shared-prompt attention does not support sliding windows")
     key = repeat_kv(key, query.shape[1] // key.shape[1])
@@ -121,15 +120,10 @@ def shared_prompt_attention(
     return torch.stack(out_rows).transpose(1, 2).contiguous(), None
 
 
-def _chunk_attention(
-    q: torch.Tensor,  # [H, T, d], one row
-    k: torch.Tensor,
-    v: torch.Tensor,
-    c: PackChunk,
-    layout: SharedPromptLayout,
-    sdpa_args: dict[str, Any],
-) -> list[torch.Tensor]:
-    """Attention outputs of one chunk, in row order: [H, P, d], then [H, L_i, d] per response."""
+def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: PackChunk,
+                     layout: SharedPromptLayout, sdpa_args: dict[str, Any]) -> list[torch.Tensor]:
+    """Attention outputs of one chunk of a row (q, k, v: [H, T, d]), in row order: [H, P, d],
+    then [H, L_i, d] per response."""
     ps, pe = c.prompt_start, c.prompt_start + c.prompt_len
     kp, vp = k[None, :, ps:pe], v[None, :, ps:pe]  # [1, H, P, d]
     prompt = F.scaled_dot_product_attention(q[None, :, ps:pe], kp, vp, is_causal=True, **sdpa_args)
@@ -184,14 +178,9 @@ def _is_packable_type(model: torch.nn.Module) -> bool:
 
 
 def _scored_logits(model: torch.nn.Module, score_mask: torch.Tensor, **inputs: Any) -> torch.Tensor:
-    """[K, V] logits at the True positions of ``score_mask`` (row-major order).
-
-    For the whitelisted architectures the decoder runs alone and ``lm_head`` only sees the scored
-    positions (the vocabulary projection is the largest matmul per token, and prompts need none);
-    these have no logit scaling or soft-capping, so this equals ``model(...).logits``. Done by
-    hand rather than with ``logits_to_keep``, whose boolean-mask form only exists in recent
-    transformers.
-    """
+    """[K, V] logits at the True positions of ``score_mask`` (row-major order). Whitelisted
+    architectures (no logit scaling) run the decoder alone and ``lm_head`` on those positions only:
+    the vocabulary projection is the largest matmul per token, and prompts need none."""
     decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
     if _is_packable_type(model) and decoder is not None and head is not None:
         hidden = decoder(**inputs, use_cache=False).last_hidden_state
@@ -206,12 +195,8 @@ def batch_logprobs(
     temperature: float = 1.0,
     attention: AttentionKind = "segments",
 ) -> list[list[torch.Tensor]]:
-    """Token log-probs ``log_softmax(logits / temperature)`` of every response in ``batch``.
-
-    Returns, per group and per response, a float32 tensor ``[L_i]`` (differentiable when grad is
-    enabled). Raises ``PackingUnsupportedError`` for a packed batch on a model outside
-    ``PACKABLE_MODEL_TYPES``; use ``packed_response_logprobs`` for the automatic fallback.
-    """
+    """Per group and response, float32 ``log_softmax(logits / temperature)`` token log-probs
+    ``[L_i]``; ``PackingUnsupportedError`` for a packed batch on a model outside the whitelist."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     if batch.packed and not _is_packable_type(model):
@@ -227,21 +212,13 @@ def batch_logprobs(
     elif attention == "segments":
         layout = SharedPromptLayout.of(batch)
         with attention_implementation(model, ATTENTION_NAME):
-            logits = _scored_logits(
-                model,
-                score_mask,
-                input_ids=ids,
-                position_ids=batch.position_ids.to(device),
-                **{LAYOUT_KWARG: layout},
-            )
+            logits = _scored_logits(model, score_mask, input_ids=ids,
+                                    position_ids=batch.position_ids.to(device),
+                                    **{LAYOUT_KWARG: layout})
     elif attention == "mask":
-        logits = _scored_logits(
-            model,
-            score_mask,
-            input_ids=ids,
-            position_ids=batch.position_ids.to(device),
-            attention_mask=_dense_mask_for(model, batch),
-        )
+        logits = _scored_logits(model, score_mask, input_ids=ids,
+                                position_ids=batch.position_ids.to(device),
+                                attention_mask=_dense_mask_for(model, batch))
     else:
         raise ValueError(f"attention must be 'segments' or 'mask', got {attention!r}")
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [K, V]
@@ -269,10 +246,8 @@ _SUPPORT: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakK
 
 
 def packing_unsupported_reason(model: torch.nn.Module) -> str | None:
-    """None if ``model`` can run packed batches exactly; else why not (checked once per model).
-
-    The check is a model-type whitelist, then packed vs unpacked log-probs on a tiny input.
-    """
+    """None if ``model`` runs packed batches exactly (whitelist, then a tiny self-check; once per
+    model); else why not, with a ``PackingFallbackWarning``."""
     if model in _SUPPORT:
         return _SUPPORT[model]
     config = getattr(model, "config", None)
@@ -285,12 +260,8 @@ def packing_unsupported_reason(model: torch.nn.Module) -> str | None:
         reason = _self_check(model)
     _SUPPORT[model] = reason
     if reason is not None:
-        warnings.warn(
-            f"shared-prompt packing is off for {_model_name(model)}: {reason}; "
-            "falling back to unpacked rows",
-            PackingFallbackWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"shared-prompt packing is off for {_model_name(model)}: {reason}; "
+                      "falling back to unpacked rows", PackingFallbackWarning, stacklevel=3)
     return reason
 
 
@@ -332,20 +303,12 @@ def packed_response_logprobs(
     pad_id: int = 0,
     min_saving: float = 0.0,
 ) -> list[list[torch.Tensor]]:
-    """Per group, per response: token log-probs ``[L_i]``; packed or as unpacked rows.
-
-    ``pack=True`` uses shared-prompt packing when the model supports it (else warns once and uses
-    unpacked rows) and the batch's token saving reaches ``min_saving`` (``should_pack``; 0 packs
-    every batch); ``pack=False`` always uses unpacked right-padded ``prompt + response`` rows.
-    """
+    """Per group, per response: token log-probs ``[L_i]``; packed when ``pack``, the model
+    supports it and the token saving reaches ``min_saving`` (0: always), else unpacked rows."""
     pack = pack and should_pack(groups, min_saving)
     if pack and packing_unsupported_reason(model) is None:
-        batch = pack_groups(
-            groups,
-            token_budget=token_budget,
-            max_responses_per_row=max_responses_per_row,
-            pad_id=pad_id,
-        )
+        batch = pack_groups(groups, token_budget=token_budget, pad_id=pad_id,
+                            max_responses_per_row=max_responses_per_row)
     else:
         batch = unpacked_rows(groups, pad_id=pad_id)
     return batch_logprobs(model, batch, temperature=temperature)

@@ -90,8 +90,7 @@ class TriModel:
             model = AutoModelForCausalLM.from_pretrained(os.fspath(source))
             return _freeze(model, self.frozen_dtype, self.frozen_device)
         raise TypeError(
-            f"reference must be 'copy', a module, a model directory or None, got {source!r}"
-        )
+            f"reference must be 'copy', a module, a model directory or None, got {source!r}")
 
     def extra_bytes(self) -> int:
         """Bytes held by the frozen reference copy beyond the policy itself."""
@@ -109,12 +108,9 @@ class TriModel:
         """Pack ``groups`` once, then score them with the policy and the frozen reference."""
         frozen = [self.reference] if self.reference is not None else []
         pack = pack and all(packing_unsupported_reason(m) is None for m in [self.policy, *frozen])
-        if pack:
-            batch = pack_groups(
-                groups, token_budget=token_budget, max_responses_per_row=max_responses_per_row
-            )
-        else:
-            batch = unpacked_rows(groups)
+        batch = (pack_groups(groups, token_budget=token_budget,
+                             max_responses_per_row=max_responses_per_row)
+                 if pack else unpacked_rows(groups))
         device = next(self.policy.parameters()).device
         autocast = (torch.autocast(device.type, dtype=self.autocast_dtype)
                     if self.autocast_dtype is not None else contextlib.nullcontext())

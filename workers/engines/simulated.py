@@ -1,4 +1,4 @@
-"""The ``simulated`` engine inside a real run: each role's compute replaced by cost-model device holds.
+"""The ``simulated`` engine in a real run: each role's compute replaced by cost-model device holds.
 
 Everything else (controller, workers, store, weight publication, reports) is the real run; a hold
 of ``s`` simulated seconds sleeps ``s / time_scale``. No torch at import time. Per-role details:
@@ -49,8 +49,7 @@ class Device:
         self.finish()
 
     def begin(self, seconds: float) -> None:
-        """Start a hold of ``seconds`` that ``finish`` completes: real work done in between (the
-        trainer's loss math on the placeholders) runs inside the hold instead of adding to it."""
+        """Start a hold that ``finish`` completes (real work in between runs inside the hold)."""
         self.busy_s += seconds
         self._until = time.monotonic() + max(seconds, 0.0) / self.spec.time_scale
 
@@ -167,23 +166,15 @@ class SimulatedLogprobs:
 
 
 class SimulatedTriModel:
-    """``TriModel.forward`` without a model: the device is held for the cost model's training
-    time of the groups (forward and backward of a micro-batch, priced together as ``train_s``),
+    """``TriModel.forward`` without a model: the hold of ``train_s`` (forward and backward) begins,
     and the log-probs are zeros of each response's length (ratio 1, no KL)."""
 
     def __init__(self, device: Device, *, reference: bool) -> None:
         self.device = device
         self.reference = reference  # the trainer's own reference log-probs (no reference worker)
 
-    def forward(
-        self,
-        groups: Sequence[PackGroup],
-        *,
-        temperature: float = 1.0,
-        token_budget: int = 4096,
-        pack: bool = True,
-        max_responses_per_row: int | None = None,
-    ) -> SimulatedLogprobs:
+    def forward(self, groups: Sequence[PackGroup], **_: Any) -> SimulatedLogprobs:
+        """``TriModel.forward``'s call; its packing keywords price nothing here."""
         import torch
 
         lengths = [len(r) for g in groups for r in g.responses]
@@ -198,9 +189,8 @@ class SimulatedTriModel:
 
 
 class SimulatedTrainingEngine:
-    """A ``TrainerEngine`` without parameters: ``backward`` ends the hold the forward began
-    (``train_s`` covers both), each optimizer ``step`` holds ``cost.step_s(1)``, and the "weights" are one tensor,
-    the policy version (rollout engines pay the cost model's sync time, not a real copy)."""
+    """A ``TrainerEngine`` without parameters: ``backward`` ends the forward's hold, ``step`` holds
+    ``cost.step_s(1)``, and the "weights" are one tensor, the policy version."""
 
     def __init__(self, device: Device, *, updates_per_batch: int = 1) -> None:
         self.device = device
