@@ -138,7 +138,8 @@ def test_layout_of_a_packed_row():
     # the first token of every response is scored from the prompt's last position (2)
     assert b.target_pos.tolist() == [2, 3, 2, 2, 6, 7]
     assert b.target_token.tolist() == [21, 22, 31, 41, 42, 43]
-    assert b.target_index(0, 2).tolist() == [[0, 2], [0, 6], [0, 7]]
+    targets = list(zip(b.target_row.tolist(), b.target_pos.tolist(), strict=True))
+    assert targets[3:] == [(0, 2), (0, 6), (0, 7)]  # (row, position) scoring response 2
     mask = b.attention_mask[0, 0]
     assert mask[5, :3].all() and not mask[5, 3:5].any()  # r2 sees the prompt, not r1
     assert mask[7, 6] and not mask[6, 7]  # causal inside r3
@@ -163,7 +164,7 @@ def test_max_responses_per_row_sets_the_chunks():
         b = pack_groups([g], token_budget=64, max_responses_per_row=m)
         assert len(b.chunks) == chunks
         assert b.num_rows == 1  # the chunks still share one row
-        assert b.num_tokens == 4 + 2 * chunks
+        assert int(b.token_mask.sum()) == 4 + 2 * chunks
 
 
 def test_results_follow_input_order_not_layout(model):
@@ -267,7 +268,7 @@ def test_unpacked_rows_one_response_per_row():
     groups = make_groups([3, 5], [[2, 4], [1]])
     b = unpacked_rows(groups)
     assert not b.packed and b.num_rows == 3 and b.seq_len == 7
-    assert b.num_tokens == (3 + 2) + (3 + 4) + (5 + 1)
+    assert int(b.token_mask.sum()) == (3 + 2) + (3 + 4) + (5 + 1)
     assert b.token_mask[0].tolist() == [True] * 5 + [False] * 2
 
 
