@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from workers.distributed import RankGroup, rank_env
+from workers.engines.torch_trainer import publishable
 from workers.rl import make_optimizer
 from workers.settings import OptimizerSettings, embed, flat
 
@@ -44,8 +45,7 @@ class DeepSpeedSettings:
         if self.zero_stage not in SUPPORTED_STAGES:
             raise ValueError(
                 f"DeepSpeedSettings.zero_stage must be one of {SUPPORTED_STAGES}, got "
-                f"{self.zero_stage!r} (stage 3 shards parameters: not supported by this engine)"
-            )
+                f"{self.zero_stage!r} (stage 3 shards parameters: not supported by this engine)")
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DeepSpeedSettings.{name} must be >= 1, got {getattr(self, name)}")
@@ -77,18 +77,15 @@ class DeepSpeedSettings:
 def require_deepspeed() -> Any:
     """Import deepspeed, or explain which extra installs it."""
     if importlib.util.find_spec("deepspeed") is None:
-        raise MissingExtraError(
-            "trainer engine 'deepspeed' needs the deepspeed package: "
-            "pip install 'streamflow[deepspeed]'"
-        )
+        raise MissingExtraError("trainer engine 'deepspeed' needs the deepspeed package: "
+                                "pip install 'streamflow[deepspeed]'")
     import deepspeed
 
     engine_cls = deepspeed.runtime.engine.DeepSpeedEngine
     if not hasattr(engine_cls, "managed_gradient_accumulation"):
         raise MissingExtraError(
             f"deepspeed {deepspeed.__version__} lacks managed_gradient_accumulation=false, which "
-            "streamed micro-batches need: pip install -U 'streamflow[deepspeed]'"
-        )
+            "streamed micro-batches need: pip install -U 'streamflow[deepspeed]'")
     return deepspeed
 
 
@@ -99,16 +96,13 @@ def start_ranks(backend: str | None = None) -> RankGroup:
         raise RuntimeError(
             "trainer engine 'deepspeed' runs one process per rank started by torch's launcher: "
             "python -m torch.distributed.run --nproc-per-node N --master-addr 127.0.0.1 "
-            "--master-port P -m workers.main --role trainer --config F"
-        )
+            "--master-port P -m workers.main --role trainer --config F")
     deepspeed = require_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     deepspeed.init_distributed(
         dist_backend=backend or get_accelerator().communication_backend_name(),
-        auto_mpi_discovery=False,
-        verbose=False,
-    )
+        auto_mpi_discovery=False, verbose=False)
     return RankGroup(env.rank, env.world_size)
 
 
@@ -128,8 +122,7 @@ class DeepSpeedTrainerEngine:
         o = settings.optim
         optimizer = make_optimizer(model, o.lr, o.weight_decay, o.betas)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=settings.ds_config(ranks.world_size)
-        )
+            model=model, optimizer=optimizer, config=settings.ds_config(ranks.world_size))
         self.model: torch.nn.Module = self.ds.module
         self.ds.optimizer.override_loss_scale(1.0)  # see module doc: exactly 1 during backward
         self.last_digests: list[int] = []
@@ -161,15 +154,8 @@ class DeepSpeedTrainerEngine:
         return grad_norm
 
     def state_dict(self) -> Mapping[str, torch.Tensor]:
-        # ZeRO-1/2 partition optimizer state and gradients, never parameters: after step() every
-        # rank holds the full updated weights, so no gather is needed (stage 3 would need one).
-        seen: set[int] = set()
-        out: dict[str, torch.Tensor] = {}
-        for name, tensor in self.model.state_dict().items():
-            ptr = tensor.data_ptr()
-            out[name] = tensor.detach().clone() if ptr in seen else tensor.detach()
-            seen.add(ptr)
-        return out
+        # ZeRO-1/2 never partition parameters: every rank holds the full weights after step()
+        return publishable(self.model.state_dict())
 
     def save_state(self, directory: str) -> None:
         """Collective: every rank must call it; rank 0's ``directory`` is used by all."""
@@ -178,10 +164,9 @@ class DeepSpeedTrainerEngine:
 
     def load_state(self, directory: str) -> None:
         """Collective. DeepSpeed's own files, written by ``save_state`` on this number of ranks."""
-        loaded, _ = self.ds.load_checkpoint(
-            directory, tag=CHECKPOINT_TAG, load_optimizer_states=True,
-            load_lr_scheduler_states=False,
-        )
+        loaded, _ = self.ds.load_checkpoint(directory, tag=CHECKPOINT_TAG,
+                                            load_optimizer_states=True,
+                                            load_lr_scheduler_states=False)
         if loaded is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{CHECKPOINT_TAG}' in {directory}")
         self.ds.optimizer.override_loss_scale(1.0)
