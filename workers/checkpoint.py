@@ -26,7 +26,7 @@ class TrainerState:
     format: int = FORMAT
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -37,12 +37,8 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_tree(path: Path) -> None:
     for root, _dirs, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(path)
+            _fsync(os.path.join(root, name))
+    _fsync(path)
 
 
 def save_checkpoint(
@@ -70,7 +66,7 @@ def save_checkpoint(
             old = root / f".old-step-{step:06d}-{os.getpid()}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(root)  # the renames themselves must reach the disk
+        _fsync(root)  # the renames themselves must reach the disk
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -94,21 +90,17 @@ def _settle_replaced(root: Path) -> None:
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints, oldest first (a directory counts once its trainer state exists).
-    Read-only: a step whose replacement was cut between its two renames is found under its
-    ``.old-step-N-*`` name."""
+    """Complete checkpoints (trainer state written), oldest first; read-only: a step whose
+    replacement was cut between its two renames is found under its ``.old-step-N-*`` name."""
     root = Path(root)
     if not root.is_dir():
         return []
     found: dict[int, Path] = {}
-    for entry in root.iterdir():
-        m = _STEP_DIR.match(entry.name)
-        if m and (entry / "trainer_state.json").is_file():
-            found[int(m.group(1))] = entry
-    for entry in root.iterdir():
-        m = _OLD_DIR.match(entry.name)
-        if m and int(m.group(1)) not in found and (entry / "trainer_state.json").is_file():
-            found[int(m.group(1))] = entry
+    for pattern in (_STEP_DIR, _OLD_DIR):  # a step-N wins over an .old-step-N-*
+        for entry in root.iterdir():
+            m = pattern.match(entry.name)
+            if m and int(m.group(1)) not in found and (entry / "trainer_state.json").is_file():
+                found[int(m.group(1))] = entry
     return [found[k] for k in sorted(found)]
 
 
