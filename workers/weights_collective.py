@@ -45,8 +45,8 @@ class Rendezvous:
                                    timeout=datetime.timedelta(seconds=30))
         self.address = f"{host}:{self.store.port}"
 
-    def close(self) -> None:
-        self.store = None  # type: ignore[assignment]  # the server stops with its last reference
+    def close(self) -> None:  # the server stops with its last reference
+        self.store = None  # type: ignore[assignment]
 
 
 def connect_store(spec: GroupSpec) -> dist.TCPStore:
@@ -263,8 +263,8 @@ def announce(store: dist.Store, payload: dict[str, Any]) -> int:
 
 
 def read_announcement(store: dist.Store, seq: int, wait_s: float) -> dict[str, Any] | None:
-    """Announcement ``seq`` if it appears within ``wait_s`` (None otherwise). Polls with
-    ``check`` (a store ``wait`` that times out logs a warning from c10d on every call)."""
+    """Announcement ``seq`` if it appears within ``wait_s``, else None (polled: a timed-out store
+    ``wait`` logs a c10d warning every call)."""
     key = f"sf/ann/{seq}"
     deadline = time.monotonic() + wait_s
     while not store.check([key]):
@@ -286,8 +286,7 @@ def current_seq(store: dist.Store) -> int:
 def copy_into(targets: Mapping[str, torch.Tensor], meta: Sequence[Sequence[Any]]) -> Callable:
     """``place`` for ``GroupMember.receive`` that copies tensor i into ``targets[name]`` (names
     and shapes checked against the announcement before anything is received)."""
-    unknown = [m[0] for m in meta if m[0] not in targets]
-    if unknown:
+    if unknown := [m[0] for m in meta if m[0] not in targets]:
         raise KeyError(f"weight announcement names {len(unknown)} unknown parameter(s): "
                        f"{unknown[:5]}")
     for name, _, shape in meta:

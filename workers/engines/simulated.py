@@ -86,24 +86,17 @@ class SimulatedRolloutEngine:
         lengths = self.lengths(len(prompts) * n, params)
         rng = np.random.default_rng((params.seed or 0) + 1)
         stops = params.stop_token_ids + self.eos_ids
-        out: list[list[Generation]] = []
-        for i in range(len(prompts)):
-            group = []
-            for j in range(n):
-                length = int(lengths[i * n + j])
-                tokens = rng.integers(0, self.vocab_size, size=length).tolist()
-                stopped = length < params.max_new_tokens
-                if stopped and stops:  # a response that ended early ends with a stop token
-                    tokens[-1] = stops[0]
-                group.append(Generation(
-                    token_ids=tokens, logprobs=[-math.log(self.vocab_size)] * length,
-                    finish_reason=FINISH_STOP if stopped else FINISH_LENGTH,
-                ))
-            out.append(group)
-        cost = self.device.cost
-        self.device.hold(cost.generate_s(_prompt_tokens([len(p) for p in prompts]),
-                                         lengths.tolist()))
-        return out
+        flat: list[Generation] = []
+        for length in lengths.tolist():  # prompt i's samples are rows i * n .. i * n + n - 1
+            tokens = rng.integers(0, self.vocab_size, size=length).tolist()
+            stopped = length < params.max_new_tokens
+            if stopped and stops:  # a response that ended early ends with a stop token
+                tokens[-1] = stops[0]
+            flat.append(Generation(tokens, [-math.log(self.vocab_size)] * length,
+                                   FINISH_STOP if stopped else FINISH_LENGTH))
+        self.device.hold(self.device.cost.generate_s(_prompt_tokens([len(p) for p in prompts]),
+                                                     lengths.tolist()))
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         self.device.hold(self.device.cost.sync_s())
