@@ -149,14 +149,9 @@ class TorchRolloutEngine:
     """``RolloutEngine`` over an HF causal LM held in this process (see module docstring)."""
 
     def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer_or_eos_ids: PreTrainedTokenizerBase | Sequence[int],
-        *,
-        device: str | torch.device = "cpu",
-        max_batch_size: int | None = None,
-        pad_token_id: int | None = None,
-        policy_version: int = 0,
+        self, model: PreTrainedModel, tokenizer_or_eos_ids: PreTrainedTokenizerBase | Sequence[int],
+        *, device: str | torch.device = "cpu", max_batch_size: int | None = None,
+        pad_token_id: int | None = None, policy_version: int = 0,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be None or >= 1, got {max_batch_size}")
@@ -170,8 +165,7 @@ class TorchRolloutEngine:
             eos = tuple(int(t) for t in tokenizer_or_eos_ids)
             pad = None
         self.eos_token_ids: tuple[int, ...] = eos
-        if pad_token_id is not None:
-            pad = pad_token_id
+        pad = pad_token_id if pad_token_id is not None else pad
         self.pad_token_id = int(pad if pad is not None else (eos[0] if eos else 0))
         self.max_batch_size = max_batch_size  # rows per forward batch; None = the whole call
         self.policy_version = int(policy_version)

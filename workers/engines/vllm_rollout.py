@@ -113,19 +113,10 @@ class VllmRolloutEngine:
     """``RolloutEngine`` on vLLM (see module docstring for log-probs and the weight-sync path)."""
 
     def __init__(
-        self,
-        model_path: str | os.PathLike[str],
-        *,
-        seed: int = 0,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        kv_cache_gib: float | None = 1.0,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = True,
-        max_num_seqs: int = 256,
-        in_process: bool = True,
-        chunked_prefill: bool | None = None,
-        policy_version: int = 0,
+        self, model_path: str | os.PathLike[str], *, seed: int = 0, dtype: str = "auto",
+        max_model_len: int | None = None, kv_cache_gib: float | None = 1.0,
+        gpu_memory_utilization: float = 0.9, enforce_eager: bool = True, max_num_seqs: int = 256,
+        in_process: bool = True, chunked_prefill: bool | None = None, policy_version: int = 0,
         extra_args: Mapping[str, Any] | None = None,
     ) -> None:
         """Start vLLM (arguments: docs/engines.md, "The vLLM adapter"); ``extra_args`` go to
