@@ -58,7 +58,7 @@ def _module_bytes(model: torch.nn.Module) -> int:
 
 
 class TriModel:
-    """Holds the policy and its frozen reference; see the module docstring for the old policy."""
+    """Holds the policy and its frozen reference; the old policy: docs/engines.md."""
 
     def __init__(
         self,

@@ -94,7 +94,7 @@ class CollectivePublisher:
 
 
 class CollectiveSubscriber:
-    """Rollout side (rank > 0): follows announcements on a thread; see the module docstring."""
+    """Rollout side (rank > 0): follows announcements on a thread; see docs/engines.md."""
 
     def __init__(
         self, files: WeightSubscriber, spec: GroupSpec, device: str | torch.device,

@@ -27,7 +27,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
-    prompt_seeds: tuple[int, ...] = ()  # per-prompt seeds (override ``seed``; see module doc)
+    prompt_seeds: tuple[int, ...] = ()  # per-prompt seeds (override ``seed``; docs/engines.md)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -70,7 +70,7 @@ class Generation:
     """One sampled response."""
 
     token_ids: list[int] = field(default_factory=list)  # [L] response tokens (stop token included)
-    logprobs: list[float] = field(default_factory=list)  # [L] behaviour log-probs, see module doc
+    logprobs: list[float] = field(default_factory=list)  # [L] behaviour log-probs (docs/engines.md)
     finish_reason: str = FINISH_LENGTH  # "stop" | "length"
 
 

@@ -56,7 +56,7 @@ class DeepSpeedSettings:
             "train_micro_batch_size_per_gpu": 1,  # nominal: our micro-batches are streamed groups
             "gradient_accumulation_steps": 1,
             "train_batch_size": world_size,
-            "managed_gradient_accumulation": False,  # step() is the boundary (see module doc)
+            "managed_gradient_accumulation": False,  # step() is the boundary (docs/engines.md)
             "gradient_clipping": float(self.optim.max_grad_norm or 0.0),
             "zero_optimization": {
                 "stage": self.zero_stage,
@@ -124,7 +124,7 @@ class DeepSpeedTrainerEngine:
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=settings.ds_config(ranks.world_size))
         self.model: torch.nn.Module = self.ds.module
-        self.ds.optimizer.override_loss_scale(1.0)  # see module doc: exactly 1 during backward
+        self.ds.optimizer.override_loss_scale(1.0)  # exactly 1 during backward (docs/engines.md)
         self.last_digests: list[int] = []
         self.steps = 0  # optimizer steps taken by this engine object
 

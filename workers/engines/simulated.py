@@ -66,7 +66,7 @@ def _prompt_tokens(lengths: Sequence[int]) -> int:
 
 
 class SimulatedRolloutEngine:
-    """A ``RolloutEngine`` that draws responses instead of generating them (module docstring)."""
+    """A ``RolloutEngine`` that draws responses instead of generating them (docs/engines.md)."""
 
     def __init__(self, spec: SimulatedDevice, vocab_size: int, eos_ids: Sequence[int] = ()) -> None:
         self.device = Device(spec)

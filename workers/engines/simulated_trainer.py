@@ -17,7 +17,7 @@ from workers.weights import WeightPublisher
 
 
 class SimulatedTrainer(Trainer):
-    """``Trainer`` whose device is simulated (see the module docstring); one rank, no checkpoints."""
+    """``Trainer`` whose device is simulated (docs/engines.md); one rank, no checkpoints."""
 
     def __init__(
         self,

@@ -146,7 +146,7 @@ def _sample(
 
 
 class TorchRolloutEngine:
-    """``RolloutEngine`` over an HF causal LM held in this process (see module docstring)."""
+    """``RolloutEngine`` over an HF causal LM held in this process (docs/engines.md)."""
 
     def __init__(
         self, model: PreTrainedModel, tokenizer_or_eos_ids: PreTrainedTokenizerBase | Sequence[int],
@@ -199,7 +199,7 @@ class TorchRolloutEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Generation]]:
-        """``n`` samples per prompt, in prompt order (see module docstring)."""
+        """``n`` samples per prompt, in prompt order (docs/engines.md)."""
         check_generate(prompts, n)
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         seeds = row_seeds(params, len(prompts), n)

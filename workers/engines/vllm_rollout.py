@@ -110,7 +110,7 @@ def _unshare(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class VllmRolloutEngine:
-    """``RolloutEngine`` on vLLM (see module docstring for log-probs and the weight-sync path)."""
+    """``RolloutEngine`` on vLLM (log-probs and weight sync: docs/engines.md)."""
 
     def __init__(
         self, model_path: str | os.PathLike[str], *, seed: int = 0, dtype: str = "auto",
@@ -182,7 +182,7 @@ class VllmRolloutEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Generation]]:
-        """``n`` samples per prompt, in prompt order (see module docstring)."""
+        """``n`` samples per prompt, in prompt order (docs/engines.md)."""
         check_generate(prompts, n)
         if not prompts:
             return []
