@@ -61,12 +61,8 @@ class TriModel:
     """Holds the policy and its frozen reference; the old policy: docs/engines.md."""
 
     def __init__(
-        self,
-        policy: torch.nn.Module,
-        *,
-        reference: ReferenceSource = "copy",
-        frozen_dtype: torch.dtype | None = None,
-        frozen_device: str | torch.device | None = None,
+        self, policy: torch.nn.Module, *, reference: ReferenceSource = "copy",
+        frozen_dtype: torch.dtype | None = None, frozen_device: str | torch.device | None = None,
         autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.policy = policy
@@ -97,13 +93,8 @@ class TriModel:
         return _module_bytes(self.reference) if self.reference is not None else 0
 
     def forward(
-        self,
-        groups: Sequence[PackGroup],
-        *,
-        temperature: float = 1.0,
-        token_budget: int = 4096,
-        pack: bool = True,
-        max_responses_per_row: int | None = None,
+        self, groups: Sequence[PackGroup], *, temperature: float = 1.0, token_budget: int = 4096,
+        pack: bool = True, max_responses_per_row: int | None = None,
     ) -> TriLogprobs:
         """Pack ``groups`` once, then score them with the policy and the frozen reference."""
         frozen = [self.reference] if self.reference is not None else []
@@ -119,16 +110,9 @@ class TriModel:
 
     def _forward(self, batch: PackedBatch, temperature: float, device: torch.device) -> TriLogprobs:
         policy = batch_logprobs(self.policy, batch, temperature=temperature)
-        policy = [[t.float() for t in g] for g in policy]
         ref = None
         if self.reference is not None:
-            ref = self._frozen_logprobs(self.reference, batch, temperature, device)
-        return TriLogprobs(policy=policy, ref=ref, batch=batch)
-
-    @staticmethod
-    def _frozen_logprobs(
-        model: torch.nn.Module, batch: PackedBatch, temperature: float, device: torch.device
-    ) -> list[list[torch.Tensor]]:
-        with torch.no_grad():
-            out = batch_logprobs(model, batch, temperature=temperature)
-        return [[t.to(device=device, dtype=torch.float32) for t in g] for g in out]
+            with torch.no_grad():
+                out = batch_logprobs(self.reference, batch, temperature=temperature)
+            ref = [[t.to(device=device, dtype=torch.float32) for t in g] for g in out]
+        return TriLogprobs(policy=[[t.float() for t in g] for g in policy], ref=ref, batch=batch)
