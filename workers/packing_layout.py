@@ -77,6 +77,11 @@ class PackedBatch:
         return int(self.input_ids.shape[1])
 
     @property
+    def num_tokens(self) -> int:
+        """Real tokens that go through the model (what the linear layers pay for)."""
+        return int(self.token_mask.sum())
+
+    @property
     def attention_mask(self) -> torch.Tensor:
         """The dense ``[R, 1, T, T]`` bool mask of the layout (True = may attend); built on demand."""
         if self._dense_mask is None:
