@@ -1,30 +1,6 @@
-"""Trainer checkpoints: written atomically, the previous one kept, the latest found for resume.
-
-Layout under the checkpoint directory::
-
-    step-000010/            one complete checkpoint (an HF model directory plus trainer state)
-        config.json, model.safetensors, tokenizer files     the policy, loadable by transformers/vLLM
-        optimizer.pt                                        the engine's optimizer state
-        trainer_state.json                                  step (= policy version), RNG states, format
-    .tmp-step-000012-<pid>/  a checkpoint being written: never read, removed on the next save
-    .old-step-000010-<pid>/  a complete step-10 being replaced by a new step-10 (see below)
-
-Lifecycle of a save: everything is written into a temporary sibling directory, flushed to disk,
-then the directory is renamed to ``step-N`` in one ``rename`` — a reader sees either the whole
-checkpoint or none of it, and a failed or killed save leaves the previous checkpoints untouched.
-Only after the rename are checkpoints older than the newest ``keep`` removed.
-
-Replacing an existing ``step-N`` (a new run writing into an old run's directory) is two renames:
-``step-N`` -> ``.old-step-N-<pid>``, then the new one -> ``step-N``; only then is the old one
-deleted. A save killed between the two renames leaves no ``step-N`` but a complete
-``.old-step-N-*``, which readers take as step N (so the newest checkpoint never goes missing) and
-the next save renames back before writing.
-
-What is not in a checkpoint, and why that is exact: the data position is the iteration index
-(prompts of iteration k are a pure function of k), rollout sampling is seeded per (group, policy
-version), and rows of unfinished iterations are regenerated identically after a restart. So the
-store's contents need not be saved: a resumed run re-puts iteration ``step`` onwards and produces
-the same samples, hence the same parameters.
+"""Trainer checkpoints: written atomically (temp dir, then one rename), the newest ``keep`` kept,
+the latest found for resume. Layout, replacement and why the store need not be saved:
+docs/engines.md, "Trainer checkpoints".
 """
 
 from __future__ import annotations
@@ -50,7 +26,7 @@ class TrainerState:
     format: int = FORMAT
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -61,12 +37,8 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_tree(path: Path) -> None:
     for root, _dirs, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(path)
+            _fsync(os.path.join(root, name))
+    _fsync(path)
 
 
 def save_checkpoint(
@@ -94,7 +66,7 @@ def save_checkpoint(
             old = root / f".old-step-{step:06d}-{os.getpid()}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(root)  # the renames themselves must reach the disk
+        _fsync(root)  # the renames themselves must reach the disk
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -118,21 +90,17 @@ def _settle_replaced(root: Path) -> None:
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints, oldest first (a directory counts once its trainer state exists).
-    Read-only: a step whose replacement was cut between its two renames is found under its
-    ``.old-step-N-*`` name."""
+    """Complete checkpoints (trainer state written), oldest first; read-only: a step whose
+    replacement was cut between its two renames is found under its ``.old-step-N-*`` name."""
     root = Path(root)
     if not root.is_dir():
         return []
     found: dict[int, Path] = {}
-    for entry in root.iterdir():
-        m = _STEP_DIR.match(entry.name)
-        if m and (entry / "trainer_state.json").is_file():
-            found[int(m.group(1))] = entry
-    for entry in root.iterdir():
-        m = _OLD_DIR.match(entry.name)
-        if m and int(m.group(1)) not in found and (entry / "trainer_state.json").is_file():
-            found[int(m.group(1))] = entry
+    for pattern in (_STEP_DIR, _OLD_DIR):  # a step-N wins over an .old-step-N-*
+        for entry in root.iterdir():
+            m = pattern.match(entry.name)
+            if m and int(m.group(1)) not in found and (entry / "trainer_state.json").is_file():
+                found[int(m.group(1))] = entry
     return [found[k] for k in sorted(found)]
 
 

@@ -1,12 +1,5 @@
-"""Typed configuration of one worker process, as the controller hands it over.
-
-The controller (``streamflow``) owns the run configuration; workers must not import it. It maps the
-run config onto one of these records per worker and passes it as a JSON file
-(``python -m workers.main --config FILE``). Every field is plain data or a dataclass of plain data
-so the record round-trips through JSON exactly (``to_json`` / ``from_json``), and unknown fields
-are an error. The knobs of the workers' math travel as the settings objects the run config embeds
-(``workers.settings``): the controller passes them through whole; their fields also read and build
-as the record's own (``cfg.lr`` is ``cfg.optim.lr``).
+"""Typed configuration of one worker process, as the controller hands it over (a JSON file that
+round-trips exactly; unknown fields are an error). See docs/engines.md, "Worker configuration".
 """
 
 from __future__ import annotations
@@ -61,21 +54,26 @@ class WorkerCommon:
 
 @dataclass
 class WeightGroupConfig:
-    """Collective weight sync (``workers.weights_collective``): where the group meets and who we
-    are in it. None on a worker config: weights go by file only."""
+    """Collective weight sync (``workers.weights_collective``, whose ``GroupSpec`` this is): where
+    the group meets and who we are in it. None on a worker config: weights go by file only."""
 
     address: str  # host:port of the controller's TCP store (the rendezvous)
     rank: int  # 0 = trainer, i + 1 = rollout worker i
     world_size: int  # 1 + rollout workers
-    bucket_bytes: int = 32 << 20
-    timeout_s: float = 300.0
     # nccl when every member has a GPU of its own; gloo otherwise (CPU, or processes sharing a GPU:
     # NCCL refuses two ranks on one device, gloo stages CUDA tensors through host memory)
     backend: str = "gloo"
+    bucket_bytes: int = 32 << 20
+    timeout_s: float = 300.0
     # gloo: "shm" = the bytes go through shared-memory buckets in shm_dir (one host), gloo only
     # signals; "broadcast" = the bytes travel in the collective (always with nccl)
     transport: str = "broadcast"
     shm_dir: str = ""
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.address.rpartition(":")
+        return host, int(port)
 
 
 @flat

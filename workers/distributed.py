@@ -1,33 +1,6 @@
-"""Rank coordination for a multi-rank trainer: one store consumer, N ranks computing.
-
-The ranks are started by torch's launcher (``python -m torch.distributed.run``, a.k.a. torchrun),
-which sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
-
-Who does what::
-
-    rank 0 (leader)                               ranks 1..N-1 (followers)
-    claim whole groups from the store
-    MICRO_BATCH(iteration, nbytes) ------------>  receive
-    rows as Arrow IPC bytes (uint8 tensor) ---->  receive, decode
-    keep groups i with i % N == 0                 keep groups i with i % N == rank
-    forward + engine.backward(loss sum)           forward + engine.backward(loss sum)
-    ...  (any number of micro-batches, any order the store delivers them)  ...
-    STEP --------------------------------------->  all-reduce LossSums (global token count)
-    engine.step(1 / total tokens)                  engine.step(1 / total tokens)
-    publish, ack, report                           (nothing: the store is rank 0's business)
-    STOP --------------------------------------->  return
-
-Invariants:
-- Only rank 0 talks to the store; followers never claim, so a lease is never split across processes
-  and a crash of any rank loses nothing (torchrun ends every rank, the leases expire).
-- Every collective is issued in the same order on every rank: each command is one broadcast of a
-  fixed-size int64 control tensor from rank 0, followed by exactly the collectives that command
-  implies. Payloads are Arrow IPC bytes in a uint8 tensor: nothing is ever pickled.
-- Every rank runs exactly one backward per micro-batch, even when its share of the micro-batch is
-  empty (it then backpropagates ``0 * loss`` of a group it does not own: same graph, zero gradient),
-  because ZeRO-2 reduces gradients inside each backward and all ranks must take part.
-- The groups of a micro-batch are dealt round-robin in order of first appearance; a group is never
-  split (its advantages need all of its rows).
+"""Rank coordination for a multi-rank trainer: rank 0 alone talks to the store and broadcasts
+commands (micro-batch rows as Arrow IPC bytes, step, stop); every rank computes its round-robin
+share of whole groups. Protocol and invariants: docs/engines.md, "Multi-rank trainer".
 """
 
 from __future__ import annotations
@@ -36,7 +9,7 @@ import hashlib
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 
 import pyarrow as pa
@@ -75,10 +48,8 @@ class RankEnv:
 
 
 def rank_env(environ: dict[str, str] | None = None) -> RankEnv | None:
-    """The launcher's rank variables, or None when this process was not started by a launcher.
-
-    Raises ``ValueError`` naming the variable when the set is partial or malformed.
-    """
+    """The launcher's rank variables, or None when this process was not started by a launcher;
+    ``ValueError`` naming the variable when the set is partial or malformed."""
     env = os.environ if environ is None else environ
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     present = [n for n in names if n in env]
@@ -95,17 +66,13 @@ def rank_env(environ: dict[str, str] | None = None) -> RankEnv | None:
             raise ValueError(f"{n} must be an integer, got {env[n]!r}") from None
     if not 0 <= values["RANK"] < values["WORLD_SIZE"]:
         raise ValueError(f"RANK={values['RANK']} outside WORLD_SIZE={values['WORLD_SIZE']}")
-    return RankEnv(
-        values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], env["MASTER_ADDR"],
-        values["MASTER_PORT"],
-    )
+    return RankEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], env["MASTER_ADDR"],
+                   values["MASTER_PORT"])
 
 
 def describe_rank(env: RankEnv, environ: dict[str, str] | None = None) -> str:
-    """One log line saying where this rank runs and how it found the others: its rank, the
-    launcher's rendezvous (``MASTER_ADDR``/``MASTER_PORT``; ``launcher=torchrun`` when torch's
-    elastic agent started it), its network namespace and its own address toward the master (a
-    route lookup: a UDP ``connect`` sends nothing). What a multi-host test checks."""
+    """One log line (checked by multi-host tests): rank, launcher and rendezvous, network namespace
+    and this rank's own address toward the master (a UDP ``connect`` route lookup sends nothing)."""
     e = os.environ if environ is None else environ
     launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in e else "other"
     try:
@@ -170,11 +137,8 @@ class Command:
 
 
 class RankGroup:
-    """This process's view of the trainer ranks over an initialised ``torch.distributed`` group.
-
-    The leader calls ``send_*``; followers call ``receive``. Both sides call the collective helpers
-    (``all_reduce_sums``, ``broadcast_text``, ``check_in_sync``) at the same point of the protocol.
-    """
+    """This process's view of the trainer ranks over an initialised ``torch.distributed`` group:
+    the leader calls ``send_*``, followers ``receive``; all call each collective at one point."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         if not dist.is_initialized():
@@ -234,32 +198,24 @@ class RankGroup:
     def all_reduce_sums(self, sums: LossSums) -> LossSums:
         """Sum the per-rank loss sums (max for ``ratio_max``, min for ``ratio_min``): every rank
         gets the global ones."""
-        total = torch.tensor(
-            [sums.loss_sum, sums.policy_loss_sum, sums.kl_sum, sums.num_tokens,
-             sums.clipped_tokens, sums.ratio_sum, sums.is_weight_sum, sums.is_capped_tokens],
-            dtype=torch.float64,
-        )
+        summed = [f for f in fields(LossSums) if f.name not in ("ratio_max", "ratio_min")]
+        total = torch.tensor([getattr(sums, f.name) for f in summed], dtype=torch.float64)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         peak = torch.tensor([sums.ratio_max], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         low = torch.tensor([sums.ratio_min], dtype=torch.float64)  # inf on a rank without tokens
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        t = total.tolist()
-        return LossSums(
-            loss_sum=t[0], policy_loss_sum=t[1], kl_sum=t[2], num_tokens=round(t[3]),
-            clipped_tokens=round(t[4]), ratio_sum=t[5], ratio_max=float(peak[0]),
-            ratio_min=float(low[0]),
-            is_weight_sum=t[6], is_capped_tokens=round(t[7]),
-        )
+        out = {f.name: round(v) if f.type == "int" else v
+               for f, v in zip(summed, total.tolist(), strict=True)}
+        return LossSums(**out, ratio_max=float(peak[0]), ratio_min=float(low[0]))
 
     def broadcast_text(self, text: str) -> str:
         """Rank 0's ``text`` on every rank (e.g. the checkpoint directory every rank writes to)."""
         data = text.encode() if self.is_leader else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
         dist.broadcast(size, src=0)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_leader else (
-            torch.empty(int(size[0]), dtype=torch.uint8)
-        )
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_leader
+               else torch.empty(int(size[0]), dtype=torch.uint8))
         if int(size[0]):
             dist.broadcast(buf, src=0)
         return bytes(buf.numpy()).decode()

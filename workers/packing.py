@@ -1,49 +1,8 @@
 """Shared-prompt packing: a group's responses scored with ONE copy of its prompt.
 
-Owns the packed layout (``pack_groups`` -> ``PackedBatch``, built in ``workers/packing_layout.py``
-and re-exported here), the attention that makes it exact for
-Hugging Face causal LMs, and the switch between packed and unpacked forwards
-(``packed_response_logprobs(..., pack=True|False)``) so callers flip one flag.
-
-Layout of a packed row (``T`` columns, several chunks, padding at the end)::
-
-    | prompt A | A.r1 | A.r2 | prompt B | B.r1 | B.r2 | B.r3 | pad ... |
-      pos 0..P   P..     P..    0..P'      P'..   P'..   P'..   0
-
-Invariants:
-- A chunk is one prompt copy followed by some of its group's responses. Position ids restart at the
-  prompt length for every response; each response attends to its prompt and causally to itself,
-  never to a sibling or to another chunk. Token ``j`` of a response is scored from the logits of
-  the position before it; for ``j = 0`` that is the prompt's last position.
-- A group bigger than ``token_budget`` (or ``max_responses_per_row``) is split into several chunks,
-  each with its own prompt copy. Chunks never straddle rows; several chunks share a row while
-  their sum fits the budget. Padding is masked out (a pad position attends only to itself, so no
-  softmax row is empty and no NaN can reach a gradient).
-- Every result is indexed by the group's position in the input list, never by arrival order, and
-  ``PackedBatch.group_ids`` carries each group's identity.
-
-How the attention is done (exact, checked by tests against unpacked forwards):
-- ``attention="segments"`` (default): a transformers attention function, registered as
-  ``"streamflow_shared_prompt"`` and switched on only for the packed call, runs SDPA per chunk:
-  causal over the prompt, then each response's queries against [prompt keys; own keys] with a small
-  lower-right causal mask. A response of n tokens costs n * (P + n) scores (the unpacked causal
-  row costs (P + n)^2 / 2) and the prompt's P^2 / 2 is paid once per chunk instead of once per
-  response. A dense [T, T] mask instead costs T^2 per row: measured ~9x slower attention at
-  T = 4608, enough to defeat the saving for long packed rows.
-- ``attention="mask"``: the dense ``[R, 1, T, T]`` mask (``PackedBatch.attention_mask``), which
-  transformers 5 passes through untouched (bool for ``sdpa``, additive float for ``eager``).
-  Kept as a generic, independent implementation of the same pattern (tests check both).
-- In both, only the positions that score a response token go through ``lm_head``.
-Models outside ``PACKABLE_MODEL_TYPES`` or failing a one-time self-check on a tiny input fall back
-to unpacked rows with a ``PackingFallbackWarning`` naming the model.
-
-When packing pays (``should_pack``): packing saves tokens but its attention runs per chunk, so for
-short prompts (little saved) it is slower than plain rows. Callers decide per batch from the token
-saving ``1 - packed / unpacked`` real tokens (``token_saving``): pack only when it reaches
-``min_saving`` (``trainer.packing_min_saving``; default ``DEFAULT_MIN_SAVING``, measured with
-``streamflow bench packing`` so that the auto choice is never more than 3 % slower than unpacked
-rows; docs/engines.md has the table). Flex attention is not used:
-on CPU it needs ``torch.compile`` per shape, and the segment path is already exact and cheap.
+Owns the attention that makes the packed layout (``workers.packing_layout``, re-exported here)
+exact for HF causal LMs, and ``packed_response_logprobs(..., pack=True|False)``. Layout,
+invariants and when packing pays: docs/engines.md, "Shared-prompt packing".
 """
 
 from __future__ import annotations
@@ -140,9 +99,8 @@ def shared_prompt_attention(
     """transformers attention function for the packed layout; plain SDPA when no layout is given."""
     layout: SharedPromptLayout | None = kwargs.pop(LAYOUT_KWARG, None)
     if layout is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     if sliding_window is not None:
         raise PackingUnsupportedError("shared-prompt attention does not support sliding windows")
     key = repeat_kv(key, query.shape[1] // key.shape[1])
@@ -162,15 +120,10 @@ def shared_prompt_attention(
     return torch.stack(out_rows).transpose(1, 2).contiguous(), None
 
 
-def _chunk_attention(
-    q: torch.Tensor,  # [H, T, d], one row
-    k: torch.Tensor,
-    v: torch.Tensor,
-    c: PackChunk,
-    layout: SharedPromptLayout,
-    sdpa_args: dict[str, Any],
-) -> list[torch.Tensor]:
-    """Attention outputs of one chunk, in row order: [H, P, d], then [H, L_i, d] per response."""
+def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: PackChunk,
+                     layout: SharedPromptLayout, sdpa_args: dict[str, Any]) -> list[torch.Tensor]:
+    """Attention outputs of one chunk of a row (q, k, v: [H, T, d]), in row order: [H, P, d],
+    then [H, L_i, d] per response."""
     ps, pe = c.prompt_start, c.prompt_start + c.prompt_len
     kp, vp = k[None, :, ps:pe], v[None, :, ps:pe]  # [1, H, P, d]
     prompt = F.scaled_dot_product_attention(q[None, :, ps:pe], kp, vp, is_causal=True, **sdpa_args)
@@ -203,7 +156,7 @@ AttentionInterface.register(ATTENTION_NAME, shared_prompt_attention)
 
 
 @contextlib.contextmanager
-def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
     """Switch the model's attention function for one call (the config is read at every forward)."""
     config = model.config
     before = config._attn_implementation
@@ -225,14 +178,9 @@ def _is_packable_type(model: torch.nn.Module) -> bool:
 
 
 def _scored_logits(model: torch.nn.Module, score_mask: torch.Tensor, **inputs: Any) -> torch.Tensor:
-    """[K, V] logits at the True positions of ``score_mask`` (row-major order).
-
-    For the whitelisted architectures the decoder runs alone and ``lm_head`` only sees the scored
-    positions (the vocabulary projection is the largest matmul per token, and prompts need none);
-    these have no logit scaling or soft-capping, so this equals ``model(...).logits``. Done by
-    hand rather than with ``logits_to_keep``, whose boolean-mask form only exists in recent
-    transformers.
-    """
+    """[K, V] logits at the True positions of ``score_mask`` (row-major order). Whitelisted
+    architectures (no logit scaling) run the decoder alone and ``lm_head`` on those positions only:
+    the vocabulary projection is the largest matmul per token, and prompts need none."""
     decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
     if _is_packable_type(model) and decoder is not None and head is not None:
         hidden = decoder(**inputs, use_cache=False).last_hidden_state
@@ -247,12 +195,8 @@ def batch_logprobs(
     temperature: float = 1.0,
     attention: AttentionKind = "segments",
 ) -> list[list[torch.Tensor]]:
-    """Token log-probs ``log_softmax(logits / temperature)`` of every response in ``batch``.
-
-    Returns, per group and per response, a float32 tensor ``[L_i]`` (differentiable when grad is
-    enabled). Raises ``PackingUnsupportedError`` for a packed batch on a model outside
-    ``PACKABLE_MODEL_TYPES``; use ``packed_response_logprobs`` for the automatic fallback.
-    """
+    """Per group and response, float32 ``log_softmax(logits / temperature)`` token log-probs
+    ``[L_i]``; ``PackingUnsupportedError`` for a packed batch on a model outside the whitelist."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     if batch.packed and not _is_packable_type(model):
@@ -267,22 +211,14 @@ def batch_logprobs(
         logits = _scored_logits(model, score_mask, input_ids=ids, attention_mask=mask2d)
     elif attention == "segments":
         layout = SharedPromptLayout.of(batch)
-        with _attention_implementation(model, ATTENTION_NAME):
-            logits = _scored_logits(
-                model,
-                score_mask,
-                input_ids=ids,
-                position_ids=batch.position_ids.to(device),
-                **{LAYOUT_KWARG: layout},
-            )
+        with attention_implementation(model, ATTENTION_NAME):
+            logits = _scored_logits(model, score_mask, input_ids=ids,
+                                    position_ids=batch.position_ids.to(device),
+                                    **{LAYOUT_KWARG: layout})
     elif attention == "mask":
-        logits = _scored_logits(
-            model,
-            score_mask,
-            input_ids=ids,
-            position_ids=batch.position_ids.to(device),
-            attention_mask=_dense_mask_for(model, batch),
-        )
+        logits = _scored_logits(model, score_mask, input_ids=ids,
+                                position_ids=batch.position_ids.to(device),
+                                attention_mask=_dense_mask_for(model, batch))
     else:
         raise ValueError(f"attention must be 'segments' or 'mask', got {attention!r}")
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [K, V]
@@ -310,10 +246,8 @@ _SUPPORT: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakK
 
 
 def packing_unsupported_reason(model: torch.nn.Module) -> str | None:
-    """None if ``model`` can run packed batches exactly; else why not (checked once per model).
-
-    The check is a model-type whitelist, then packed vs unpacked log-probs on a tiny input.
-    """
+    """None if ``model`` runs packed batches exactly (whitelist, then a tiny self-check; once per
+    model); else why not, with a ``PackingFallbackWarning``."""
     if model in _SUPPORT:
         return _SUPPORT[model]
     config = getattr(model, "config", None)
@@ -326,12 +260,8 @@ def packing_unsupported_reason(model: torch.nn.Module) -> str | None:
         reason = _self_check(model)
     _SUPPORT[model] = reason
     if reason is not None:
-        warnings.warn(
-            f"shared-prompt packing is off for {_model_name(model)}: {reason}; "
-            "falling back to unpacked rows",
-            PackingFallbackWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"shared-prompt packing is off for {_model_name(model)}: {reason}; "
+                      "falling back to unpacked rows", PackingFallbackWarning, stacklevel=3)
     return reason
 
 
@@ -373,20 +303,12 @@ def packed_response_logprobs(
     pad_id: int = 0,
     min_saving: float = 0.0,
 ) -> list[list[torch.Tensor]]:
-    """Per group, per response: token log-probs ``[L_i]``; packed or as unpacked rows.
-
-    ``pack=True`` uses shared-prompt packing when the model supports it (else warns once and uses
-    unpacked rows) and the batch's token saving reaches ``min_saving`` (``should_pack``; 0 packs
-    every batch); ``pack=False`` always uses unpacked right-padded ``prompt + response`` rows.
-    """
+    """Per group, per response: token log-probs ``[L_i]``; packed when ``pack``, the model
+    supports it and the token saving reaches ``min_saving`` (0: always), else unpacked rows."""
     pack = pack and should_pack(groups, min_saving)
     if pack and packing_unsupported_reason(model) is None:
-        batch = pack_groups(
-            groups,
-            token_budget=token_budget,
-            max_responses_per_row=max_responses_per_row,
-            pad_id=pad_id,
-        )
+        batch = pack_groups(groups, token_budget=token_budget, pad_id=pad_id,
+                            max_responses_per_row=max_responses_per_row)
     else:
         batch = unpacked_rows(groups, pad_id=pad_id)
     return batch_logprobs(model, batch, temperature=temperature)

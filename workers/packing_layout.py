@@ -1,9 +1,6 @@
 """Shared-prompt packing, the layout half: which tokens go where (``pack_groups`` ->
 ``PackedBatch``, ``unpacked_rows``) and when packing pays (``token_saving``, ``should_pack``).
-
-Pure tensor bookkeeping, no model: ``workers/packing.py`` owns the attention that makes the layout
-exact and the log-prob forwards over it; its module docstring draws the layout and states the
-invariants this module builds.
+No model here; see docs/engines.md, "Shared-prompt packing".
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Token saving at or above which a batch is packed (workers/packing.py's docstring; docs/engines.md).
+# Token saving at or above which a batch is packed (docs/engines.md, "Shared-prompt packing").
 DEFAULT_MIN_SAVING = 0.25
 
 
@@ -53,11 +50,9 @@ class PackChunk:
 
 @dataclass
 class PackedBatch:
-    """Model inputs for a list of groups plus the map from logits back to response tokens.
-
-    ``target_*`` are flat over (group, response, token) in input order; ``response_lengths`` splits
-    them back. Logits of ``(target_row[n], target_pos[n])`` score token ``target_token[n]``.
-    """
+    """Model inputs for a list of groups plus the map from logits back to response tokens:
+    ``target_*`` are flat over (group, response, token) in input order (``response_lengths`` splits
+    them back); the logits at ``(target_row[n], target_pos[n])`` score ``target_token[n]``."""
 
     input_ids: torch.Tensor  # [R, T] long
     position_ids: torch.Tensor  # [R, T] long
@@ -86,14 +81,6 @@ class PackedBatch:
         """Real tokens that go through the model (what the linear layers pay for)."""
         return int(self.token_mask.sum())
 
-    def target_index(self, group: int, response: int) -> torch.Tensor:
-        """[L, 2] (row, position) of the logits that score each token of one response."""
-        lens = self.response_lengths
-        offset = sum(sum(g) for g in lens[:group]) + sum(lens[group][:response])
-        n = lens[group][response]
-        rows = self.target_row[offset : offset + n]
-        return torch.stack([rows, self.target_pos[offset : offset + n]], dim=1)
-
     @property
     def attention_mask(self) -> torch.Tensor:
         """The dense ``[R, 1, T, T]`` bool mask of the layout (True = may attend); built on demand."""
@@ -113,12 +100,8 @@ class PackedBatch:
 
 
 def token_saving(groups: Sequence[PackGroup]) -> float:
-    """``1 - packed / unpacked`` real tokens of ``groups`` (one prompt copy per group packed).
-
-    Unpacked, every non-empty response carries its own prompt copy; packed, a group pays for its
-    prompt once (a group split over several rows pays a copy per chunk: ignored here, it only
-    happens for groups larger than the token budget).
-    """
+    """``1 - packed / unpacked`` real tokens: unpacked, every non-empty response carries its own
+    prompt copy; packed, a group pays for it once (extra copies of a split group are ignored)."""
     unpacked = packed = 0
     for g in groups:
         responses = [len(r) for r in g.responses if len(r) > 0]
@@ -141,8 +124,7 @@ def _validate(groups: Sequence[PackGroup], token_budget: int, max_per_row: int |
         raise PackingError(f"token_budget must be an int >= 2, got {token_budget!r}")
     if max_per_row is not None and (not isinstance(max_per_row, int) or max_per_row < 1):
         raise PackingError(
-            f"max_responses_per_row must be None or an int >= 1, got {max_per_row!r}"
-        )
+            f"max_responses_per_row must be None or an int >= 1, got {max_per_row!r}")
     seen: set[int] = set()
     for g in groups:
         if g.group_id in seen:
@@ -154,16 +136,14 @@ def _validate(groups: Sequence[PackGroup], token_budget: int, max_per_row: int |
             if len(g.prompt_ids) + len(r) > token_budget:
                 raise PackingError(
                     f"group {g.group_id} response {i}: prompt ({len(g.prompt_ids)}) + response "
-                    f"({len(r)}) tokens exceed token_budget={token_budget}"
-                )
+                    f"({len(r)}) tokens exceed token_budget={token_budget}")
         for ids in [g.prompt_ids, *g.responses]:
             if any(int(t) < 0 for t in ids):
                 raise PackingError(f"group {g.group_id}: negative token id")
 
 
-def _plan_chunks(
-    groups: Sequence[PackGroup], token_budget: int, max_per_row: int | None
-) -> list[tuple[int, list[int]]]:
+def _plan_chunks(groups: Sequence[PackGroup], token_budget: int,
+                 max_per_row: int | None) -> list[tuple[int, list[int]]]:
     """Split each group into (group index, response indices) chunks that fit one row."""
     plan: list[tuple[int, list[int]]] = []
     for gi, g in enumerate(groups):
@@ -183,13 +163,8 @@ def _plan_chunks(
     return plan
 
 
-def pack_groups(
-    groups: Sequence[PackGroup],
-    *,
-    token_budget: int,
-    max_responses_per_row: int | None = None,
-    pad_id: int = 0,
-) -> PackedBatch:
+def pack_groups(groups: Sequence[PackGroup], *, token_budget: int,
+                max_responses_per_row: int | None = None, pad_id: int = 0) -> PackedBatch:
     """Pack groups as ``prompt + r1 + r2 + ...`` chunks into rows of at most ``token_budget``."""
     _validate(groups, token_budget, max_responses_per_row)
     rows_used: list[int] = []
@@ -219,16 +194,9 @@ def unpacked_rows(groups: Sequence[PackGroup], *, pad_id: int = 0) -> PackedBatc
     return _assemble(groups, placed, budget, pad_id, packed=False)
 
 
-def _assemble(
-    groups: Sequence[PackGroup],
-    placed: list[tuple[int, list[int], int, int]],
-    width: int,
-    pad_id: int,
-    *,
-    packed: bool,
-) -> PackedBatch:
-    num_rows = max((row for _, _, row, _ in placed), default=-1) + 1
-    num_rows = max(num_rows, 1)
+def _assemble(groups: Sequence[PackGroup], placed: list[tuple[int, list[int], int, int]],
+              width: int, pad_id: int, *, packed: bool) -> PackedBatch:
+    num_rows = max(max((row for _, _, row, _ in placed), default=-1) + 1, 1)
     input_ids = torch.full((num_rows, width), int(pad_id), dtype=torch.long)
     position_ids = torch.zeros((num_rows, width), dtype=torch.long)
     token_mask = torch.zeros((num_rows, width), dtype=torch.bool)
@@ -269,16 +237,8 @@ def _assemble(
     score_mask[target_row, target_pos] = True
     keep_rank = torch.cumsum(score_mask.flatten().long(), 0) - 1
     return PackedBatch(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        token_mask=token_mask,
-        score_mask=score_mask,
-        target_row=target_row,
-        target_pos=target_pos,
+        input_ids, position_ids, token_mask, score_mask, target_row, target_pos,
         target_token=torch.tensor(t_tok, dtype=torch.long),
         target_keep_index=keep_rank[target_row * width + target_pos],
         response_lengths=[[len(r) for r in g.responses] for g in groups],
-        group_ids=[g.group_id for g in groups],
-        chunks=chunks,
-        packed=packed,
-    )
+        group_ids=[g.group_id for g in groups], chunks=chunks, packed=packed)

@@ -1,31 +1,14 @@
 """GRPO math: token log-probs, group advantages, the clipped loss as token SUMS, optimizer helpers.
 
-Pure tensor math, no I/O; the trainer worker and the tests call these functions directly.
-
-Conventions:
-- Token-aligned tensors are [B, T]: position t holds the log-prob of ``input_ids[:, t]`` given
-  ``input_ids[:, :t]``; position 0 (no prefix) and every position outside ``response_mask`` are 0.
-- Log-probs use ``log_softmax(logits / temperature)`` in float32 over the full vocabulary, the same
-  convention as the rollout engines' behaviour log-probs (``workers.engines.base``), so identical
-  weights give a ratio of exactly 1 (to float rounding).
-- Advantages: ``(r - mean_g) / (std_g + eps)`` per group g, std unbiased (as torch/TRL/verl), a
-  group of one has std 0. Computed only from COMPLETE groups: every group id must have exactly
-  ``group_size`` rows, else ``IncompleteGroupError``.
-
-Why the loss is a sum: GRPO's token-mean loss divides by the number of response tokens in the
-WHOLE batch. Micro-batches stream in one by one (periodic/async modes), in any order, and the total
-is only known at the end. So each micro-batch backpropagates its loss SUM (``grpo_loss_sums``),
-gradients accumulate, and once the batch is complete the caller calls
-``scale_gradients(model, 1 / total_tokens)`` before ``optimizer_step``. The result equals the
-token-mean gradient of the full batch whatever the micro-batch boundaries or arrival order (up to
-float summation order), which is what makes ``periodic`` match ``sync``.
+Pure tensor math, no I/O. Conventions, and why the loss is a sum: docs/engines.md, "GRPO math
+conventions".
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from transformers import PreTrainedModel
@@ -66,14 +49,9 @@ def build_token_batch(
     return TokenBatch(input_ids, attention_mask, response_mask)
 
 
-def response_logprobs(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-) -> torch.Tensor:
+def response_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
+                      temperature: float = 1.0) -> torch.Tensor:
     """Token log-probs [B, T] of right-padded rows (0 outside ``response_mask``); keeps the graph."""
     if temperature <= 0:
         raise ValueError(f"response_logprobs: temperature must be > 0, got {temperature}")
@@ -92,37 +70,26 @@ def to_token_tensor(values: Sequence[Sequence[float]], response_mask: torch.Tens
         idx = response_mask[i].nonzero().squeeze(-1)
         if len(idx) != len(row):
             raise ValueError(
-                f"to_token_tensor: row {i} has {len(row)} values for {len(idx)} tokens"
-            )
+                f"to_token_tensor: row {i} has {len(row)} values for {len(idx)} tokens")
         out[i, idx] = torch.as_tensor(row, dtype=torch.float32)
     return out
 
 
 # --------------------------------------------------------------------------- advantages
-def group_advantages(
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    *,
-    group_size: int,
-    std_normalize: bool = True,
-    eps: float = 1e-6,
-) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, group_size: int,
+                     std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Per-row advantage [N] = (r - mean of its group) [/ (std of its group + eps)]."""
     if rewards.ndim != 1 or group_ids.shape != rewards.shape:
-        raise ValueError(
-            f"group_advantages: rewards and group_ids must be 1-D of equal length, got "
-            f"{tuple(rewards.shape)} and {tuple(group_ids.shape)}"
-        )
+        raise ValueError(f"group_advantages: rewards and group_ids must be 1-D of equal length, "
+                         f"got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
     if group_size < 1:
         raise ValueError(f"group_advantages: group_size must be >= 1, got {group_size}")
     uniq, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     bad = counts != group_size
     if bool(bad.any()):
         gid, cnt = int(uniq[bad][0]), int(counts[bad][0])
-        raise IncompleteGroupError(
-            f"group {gid} has {cnt} rows, expected group_size={group_size}; advantages are "
-            "computed only from complete groups"
-        )
+        raise IncompleteGroupError(f"group {gid} has {cnt} rows, expected group_size={group_size}; "
+                                   "advantages are computed only from complete groups")
     r = rewards.double()
     sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, r)
     mean = sums / group_size
@@ -152,18 +119,9 @@ class LossSums:
     is_capped_tokens: int = 0  # tokens whose IS weight hit is_cap
 
     def __add__(self, other: LossSums) -> LossSums:
-        return LossSums(
-            loss_sum=self.loss_sum + other.loss_sum,
-            policy_loss_sum=self.policy_loss_sum + other.policy_loss_sum,
-            kl_sum=self.kl_sum + other.kl_sum,
-            num_tokens=self.num_tokens + other.num_tokens,
-            clipped_tokens=self.clipped_tokens + other.clipped_tokens,
-            ratio_sum=self.ratio_sum + other.ratio_sum,
-            ratio_max=max(self.ratio_max, other.ratio_max),
-            ratio_min=min(self.ratio_min, other.ratio_min),
-            is_weight_sum=self.is_weight_sum + other.is_weight_sum,
-            is_capped_tokens=self.is_capped_tokens + other.is_capped_tokens,
-        )
+        added = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        return LossSums(**{**added, "ratio_max": max(self.ratio_max, other.ratio_max),
+                           "ratio_min": min(self.ratio_min, other.ratio_min)})
 
     def means(self) -> dict[str, float]:
         """Token means of the sums (what metrics report); the ratio stats are 1.0 without tokens."""
@@ -196,22 +154,17 @@ def grpo_loss_sums(
 ) -> tuple[torch.Tensor, LossSums]:
     """Summed GRPO loss over masked tokens (scalar, differentiable) and its detached sums.
 
-    Per token: ``-w * min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + kl_coef * k3`` with
-    ``ratio = exp(logp - old_logp)``, ``k3 = exp(ref - logp) - (ref - logp) - 1`` and, when
-    ``is_correction``, the truncated importance weight ``w = min(exp(old_logp - behaviour_logp),
-    is_cap)`` (detached) correcting for samples generated by a stale policy; else ``w = 1``.
-    Shapes: logp/old_logp/ref_logp/behaviour_logp/mask [B, T], advantages [B].
-    """
+    Per token: ``-w * min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + kl_coef * k3``,
+    ``ratio = exp(logp - old_logp)``, ``k3 = exp(ref - logp) - (ref - logp) - 1``, ``w =
+    min(exp(old_logp - behaviour_logp), is_cap)`` (detached) when ``is_correction``, else 1.
+    Shapes: [B, T], advantages [B]."""
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
-        raise ValueError(
-            f"grpo_loss_sums: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and "
-            f"mask {tuple(mask.shape)} must have the same shape"
-        )
+        raise ValueError(f"grpo_loss_sums: logp {tuple(logp.shape)}, old_logp "
+                         f"{tuple(old_logp.shape)} and mask {tuple(mask.shape)} must have the "
+                         "same shape")
     if advantages.shape != logp.shape[:1]:
-        raise ValueError(
-            f"grpo_loss_sums: advantages must be [B]={tuple(logp.shape[:1])}, "
-            f"got {tuple(advantages.shape)}"
-        )
+        raise ValueError(f"grpo_loss_sums: advantages must be [B]={tuple(logp.shape[:1])}, "
+                         f"got {tuple(advantages.shape)}")
     if kl_coef and ref_logp is None:
         raise ValueError("grpo_loss_sums: kl_coef > 0 needs ref_logp")
     if is_correction and behaviour_logp is None:
@@ -265,21 +218,11 @@ def scale_gradients(model: torch.nn.Module, factor: float) -> None:
                 p.grad.mul_(factor)
 
 
-def make_optimizer(
-    model: torch.nn.Module,
-    lr: float,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.999),
-    *,
-    warmup_steps: int = 0,
-) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters (foreach off: same update whatever the param order).
-
-    ``warmup_steps`` > 0 ramps the lr linearly over the first steps (applied by
-    ``optimizer_step``). Why: a fresh Adam moves EVERY parameter by ~lr on its first steps, signal
-    or noise (m / sqrt(v) is +-1 at step 1); with one noisy RL batch per step that random walk is
-    what destabilises a small policy, and a short ramp lets the moment estimates settle first.
-    """
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
+                   betas: tuple[float, float] = (0.9, 0.999), *,
+                   warmup_steps: int = 0) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters (foreach off: same update whatever the param order);
+    ``warmup_steps`` > 0 ramps the lr linearly (applied by ``optimizer_step``; docs/engines.md)."""
     if lr <= 0:
         raise ValueError(f"make_optimizer: lr must be > 0, got {lr}")
     if warmup_steps < 0:
@@ -300,10 +243,10 @@ def optimizer_step(
     params = [p for p in model.parameters() if p.grad is not None]
     if max_grad_norm is not None and max_grad_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    elif params:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     else:
-        norm = (
-            torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
-        )
+        norm = torch.zeros(())
     for group in optimizer.param_groups:
         # The warm-up schedule lives in the param group (set by make_optimizer), so it is saved
         # and restored with the optimizer's state dict.

@@ -1,18 +1,6 @@
-"""The embedded character-level tokenizer: built locally, saved and loaded as a normal HF tokenizer.
-
-Owns: ``build_char_tokenizer`` (a ``PreTrainedTokenizerFast`` whose vocabulary is three special
-tokens plus one token per character of an alphabet) and the helpers that turn a prompt/answer pair
-into token ids the same way everywhere (warm start, rollout, evaluation).
-
-Invariants:
-- Token ids are fixed by the alphabet order: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3,
-  then the alphabet characters in order. Same alphabet -> same ids, on every machine.
-- Encoding a prompt adds ``<bos>`` in front (a post-processor, so ``tokenizer(prompt)`` does it for
-  any caller); answers are encoded without special tokens and end with ``<eos>`` for training.
-- Decoding concatenates characters (no spaces inserted), so ``decode(encode(s)) == s`` for any
-  string over the alphabet.
-Nothing here downloads anything; the files written by ``save_pretrained`` load with
-``AutoTokenizer.from_pretrained(path, local_files_only=True)``.
+"""The embedded character-level tokenizer, saved and loaded as a normal HF tokenizer, and the
+helpers that encode prompts/answers the same way everywhere. Ids: docs/engines.md, "The embedded
+character tokenizer".
 """
 
 from __future__ import annotations
@@ -43,17 +31,9 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
-    )
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        padding_side="left",
-    )
-    return tok
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS,
+                                   eos_token=EOS, unk_token=UNK, padding_side="left")
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
@@ -72,9 +52,3 @@ def encode_answer(tokenizer: PreTrainedTokenizerBase, answer: str) -> list[int]:
 def decode_response(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
     """Completion text with special tokens (eos, pad) dropped."""
     return tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The ids that end a generation for this tokenizer (eos; empty if it has none)."""
-    eos = tokenizer.eos_token_id
-    return () if eos is None else (int(eos),)

@@ -1,24 +1,7 @@
-"""The unified tri-model: policy and reference log-probs of a micro-batch in one pass; the old policy.
+"""The unified tri-model: policy and reference log-probs of a micro-batch in one packed pass.
 
-Owns the trainable policy plus the frozen reference copy, and the rule for the old policy.
-``forward`` packs the micro-batch ONCE (``workers.packing``) and runs every model on the same packed
-tensors, so neither a separate reference worker nor an old-policy recomputation pass is needed
-(``reference.placement = trainer``).
-
-Lifecycle and invariants:
-- ``reference`` is frozen at construction: a copy of the INITIAL policy (``reference="copy"``), a
-  model directory loaded with transformers, a given module, or None (no KL term). It never changes.
-- The old policy is never a held model. With one update per batch (on-policy, one optimizer step
-  per batch) it IS the policy until the step: its log-probs are the policy's, detached, so the PPO
-  ratio is exactly 1 and no old forward runs. With ``trainer.updates_per_batch > 1`` the trainer
-  keeps the first pass's detached policy log-probs (the policy at the START of the iteration: no
-  step is taken before the iteration's last row is in) and scores every later pass against them
-  (``workers.trainer``): no snapshot copy, so no memory cost, and never a one-step-stale copy.
-- The frozen reference may live in a lower precision (``frozen_dtype=torch.bfloat16``) and/or
-  another device (``frozen_device="cpu"``); its log-probs come back as float32 on the policy's
-  device. ``extra_bytes()`` is what it costs beyond the policy.
-- ``autocast_dtype`` (bfloat16 on a GPU): every forward runs under ``torch.autocast`` in that dtype
-  while the policy's master weights (and AdamW) stay float32; log-probs come back float32.
+The reference is frozen at construction; the old policy is never a held model (the trainer keeps
+the first pass's detached log-probs). See docs/engines.md, "The tri-model".
 """
 
 from __future__ import annotations
@@ -75,15 +58,11 @@ def _module_bytes(model: torch.nn.Module) -> int:
 
 
 class TriModel:
-    """Holds the policy and its frozen reference; see the module docstring for the old policy."""
+    """Holds the policy and its frozen reference; the old policy: docs/engines.md."""
 
     def __init__(
-        self,
-        policy: torch.nn.Module,
-        *,
-        reference: ReferenceSource = "copy",
-        frozen_dtype: torch.dtype | None = None,
-        frozen_device: str | torch.device | None = None,
+        self, policy: torch.nn.Module, *, reference: ReferenceSource = "copy",
+        frozen_dtype: torch.dtype | None = None, frozen_device: str | torch.device | None = None,
         autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.policy = policy
@@ -107,31 +86,22 @@ class TriModel:
             model = AutoModelForCausalLM.from_pretrained(os.fspath(source))
             return _freeze(model, self.frozen_dtype, self.frozen_device)
         raise TypeError(
-            f"reference must be 'copy', a module, a model directory or None, got {source!r}"
-        )
+            f"reference must be 'copy', a module, a model directory or None, got {source!r}")
 
     def extra_bytes(self) -> int:
         """Bytes held by the frozen reference copy beyond the policy itself."""
         return _module_bytes(self.reference) if self.reference is not None else 0
 
     def forward(
-        self,
-        groups: Sequence[PackGroup],
-        *,
-        temperature: float = 1.0,
-        token_budget: int = 4096,
-        pack: bool = True,
-        max_responses_per_row: int | None = None,
+        self, groups: Sequence[PackGroup], *, temperature: float = 1.0, token_budget: int = 4096,
+        pack: bool = True, max_responses_per_row: int | None = None,
     ) -> TriLogprobs:
         """Pack ``groups`` once, then score them with the policy and the frozen reference."""
         frozen = [self.reference] if self.reference is not None else []
         pack = pack and all(packing_unsupported_reason(m) is None for m in [self.policy, *frozen])
-        if pack:
-            batch = pack_groups(
-                groups, token_budget=token_budget, max_responses_per_row=max_responses_per_row
-            )
-        else:
-            batch = unpacked_rows(groups)
+        batch = (pack_groups(groups, token_budget=token_budget,
+                             max_responses_per_row=max_responses_per_row)
+                 if pack else unpacked_rows(groups))
         device = next(self.policy.parameters()).device
         autocast = (torch.autocast(device.type, dtype=self.autocast_dtype)
                     if self.autocast_dtype is not None else contextlib.nullcontext())
@@ -140,16 +110,9 @@ class TriModel:
 
     def _forward(self, batch: PackedBatch, temperature: float, device: torch.device) -> TriLogprobs:
         policy = batch_logprobs(self.policy, batch, temperature=temperature)
-        policy = [[t.float() for t in g] for g in policy]
         ref = None
         if self.reference is not None:
-            ref = self._frozen_logprobs(self.reference, batch, temperature, device)
-        return TriLogprobs(policy=policy, ref=ref, batch=batch)
-
-    @staticmethod
-    def _frozen_logprobs(
-        model: torch.nn.Module, batch: PackedBatch, temperature: float, device: torch.device
-    ) -> list[list[torch.Tensor]]:
-        with torch.no_grad():
-            out = batch_logprobs(model, batch, temperature=temperature)
-        return [[t.to(device=device, dtype=torch.float32) for t in g] for g in out]
+            with torch.no_grad():
+                out = batch_logprobs(self.reference, batch, temperature=temperature)
+            ref = [[t.to(device=device, dtype=torch.float32) for t in g] for g in out]
+        return TriLogprobs(policy=[[t.float() for t in g] for g in policy], ref=ref, batch=batch)

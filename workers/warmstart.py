@@ -1,19 +1,5 @@
-"""Supervised warm start, greedy evaluation, and the reproducible embedded default checkpoint.
-
-Owns: ``warm_start`` (SFT on (prompt, answer + eos), loss on answer tokens only), ``evaluate``
-(greedy exact-match accuracy), and ``prepare_builtin`` (tokenizer + tiny model + warm start, saved
-as an HF directory with a ``streamflow_manifest.json`` that records how it was made).
-
-Invariants:
-- ``warm_start`` is deterministic: the problems come from ``task.iterate(seed)`` and the model's
-  own initialisation is fixed by its spec; no dropout is used by the embedded model. Same inputs and
-  thread count -> same weights.
-- ``prepare_builtin`` is a cache: when ``output_dir`` holds a manifest whose recipe (spec, task,
-  steps, hyper-parameters, format version) equals the requested one, the directory is reused as-is;
-  otherwise it is rebuilt and replaced atomically (``save_model``).
-- RL should start from a policy that is right sometimes: ``prepare_builtin`` trains on a fixed
-  thread count until greedy accuracy on training problems reaches the recipe's target, so the
-  starting point is the same band on every machine and thread count (``BuiltinRecipe``).
+"""Supervised warm start, greedy evaluation, and the reproducible embedded default checkpoint
+(``prepare_builtin``, cached by its manifest). See docs/engines.md, "Warm start".
 """
 
 from __future__ import annotations
@@ -35,12 +21,7 @@ from workers.models import TinyModelSpec, build_tiny_model, save_model
 from workers.rewards import exact_match
 from workers.rl import build_token_batch, response_logprobs
 from workers.tasks import ArithmeticTask, Problem
-from workers.tokenizer import (
-    build_char_tokenizer,
-    decode_response,
-    encode_answer,
-    encode_prompt,
-)
+from workers.tokenizer import build_char_tokenizer, decode_response, encode_answer, encode_prompt
 
 MANIFEST = "streamflow_manifest.json"
 MANIFEST_FORMAT = 2
@@ -76,31 +57,23 @@ def warm_start(
     check_every: int = 10,
     progress: Callable[[int, int], None] | None = None,
 ) -> WarmStartResult:
-    """Supervised fine-tuning for at most ``steps`` AdamW steps.
-
-    ``stop(step)`` (when given) is asked every ``check_every`` steps, with the model in eval mode,
-    and ends the warm start when it answers True: the target-accuracy rule of ``prepare_builtin``.
-    ``progress(step, steps)`` is called after every step (for a progress bar).
-    """
+    """Supervised fine-tuning for at most ``steps`` AdamW steps; ``stop(step)`` is asked every
+    ``check_every`` steps (model in eval mode) and ends it on True; ``progress(step, steps)``
+    after every step."""
     if steps < 0 or batch_size < 1 or check_every < 1:
-        raise ValueError(
-            f"warm_start: need steps >= 0, batch_size >= 1 and check_every >= 1, "
-            f"got {steps}, {batch_size}, {check_every}"
-        )
+        raise ValueError(f"warm_start: need steps >= 0, batch_size >= 1 and check_every >= 1, "
+                         f"got {steps}, {batch_size}, {check_every}")
     stream = task.iterate(seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98), foreach=False
-    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
+                                  betas=(0.9, 0.98), foreach=False)
     losses: list[float] = []
     done = 0
     for step in range(steps):
         model.train()
         problems = [next(stream) for _ in range(batch_size)]
-        pairs = [
-            (encode_prompt(tokenizer, p.prompt), encode_answer(tokenizer, p.answer))
-            for p in problems
-        ]
+        pairs = [(encode_prompt(tokenizer, p.prompt), encode_answer(tokenizer, p.answer))
+                 for p in problems]
         batch = build_token_batch(pairs, pad_token_id=pad)
         logp = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask)
         loss = -logp.sum() / batch.response_mask.sum()
@@ -139,30 +112,18 @@ def evaluate(
     else:
         engine = engine_or_model
     prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
-    gens = engine.generate(
-        prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    )
-    correct = sum(
-        exact_match(decode_response(tokenizer, g[0].token_ids), p.answer)
-        for g, p in zip(gens, problems, strict=True)
-    )
+    gens = engine.generate(prompts, 1, SamplingParams(temperature=0.0,
+                                                      max_new_tokens=max_new_tokens))
+    correct = sum(exact_match(decode_response(tokenizer, g[0].token_ids), p.answer)
+                  for g, p in zip(gens, problems, strict=True))
     return correct / len(problems)
 
 
 @dataclass
 class BuiltinRecipe:
-    """How the embedded default checkpoint is made (everything that goes into the manifest).
-
-    The warm start runs on ``threads`` torch threads whatever the run's thread count (so the
-    weights do not depend on it) and stops at the first check where greedy accuracy on
-    ``probe_size`` *training* problems reaches ``target_accuracy`` (held-out problems are never
-    looked at before the manifest's final evaluation), capped at ``warmstart_steps``. A fixed step
-    count was a knife-edge: with a cosine schedule over the total, 300 / 400 / 450 / 500 steps gave
-    0.09 / 0.42 / 0.18 / 0.81, and 400 steps gave 0.155 or 0.115 depending on the machine's thread
-    count. Probe and held-out accuracy track each other within a few points on this task (the
-    model learns the algorithm, it does not memorise), measured in docs/learning.md.
-    ``target_accuracy = 0`` runs all ``warmstart_steps`` steps.
-    """
+    """How the embedded default checkpoint is made (everything that goes into the manifest): on
+    ``threads`` threads, until probe accuracy reaches ``target_accuracy`` (0: all steps), at most
+    ``warmstart_steps`` steps; why: docs/engines.md, "Warm start"."""
 
     spec: TinyModelSpec = field(default_factory=TinyModelSpec)
     digits: int = 2
@@ -179,9 +140,8 @@ class BuiltinRecipe:
     threads: int = 1
 
     def task(self) -> ArithmeticTask:
-        return ArithmeticTask(
-            digits=self.digits, operations=tuple(self.operations), seed=self.task_seed
-        )
+        return ArithmeticTask(digits=self.digits, operations=tuple(self.operations),
+                              seed=self.task_seed)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -209,12 +169,9 @@ def prepare_builtin(
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Build (or reuse) the warm-started embedded model directory; returns its path.
-
-    ``recipe`` gives every knob (defaults: ``BuiltinRecipe()``; it may also be passed as the second
-    positional argument); ``spec``, ``task`` and ``warmstart_steps``, when given, override the
-    recipe's model size, task and step count.
-    """
+    """Build (or reuse) the warm-started embedded model directory; returns its path. ``recipe``
+    (or a second positional argument) gives every knob; ``spec``, ``task`` and ``warmstart_steps``
+    override its model size, task and step count."""
     if isinstance(spec, BuiltinRecipe):
         recipe, spec = spec, None
     recipe = replace(recipe) if recipe is not None else BuiltinRecipe()
@@ -247,17 +204,9 @@ def prepare_builtin(
         model = build_tiny_model(recipe.spec, tokenizer)
         t0 = time.perf_counter()
         result = warm_start(
-            model,
-            tokenizer,
-            task,
-            steps=recipe.warmstart_steps,
-            batch_size=recipe.batch_size,
-            lr=recipe.lr,
-            seed=recipe.seed,
-            stop=reached_target if recipe.target_accuracy > 0 else None,
-            check_every=recipe.check_every,
-            progress=progress,
-        )
+            model, tokenizer, task, steps=recipe.warmstart_steps, batch_size=recipe.batch_size,
+            lr=recipe.lr, seed=recipe.seed, check_every=recipe.check_every, progress=progress,
+            stop=reached_target if recipe.target_accuracy > 0 else None)
         seconds = time.perf_counter() - t0
         accuracy = evaluate(model, tokenizer, held_out, max_new_tokens=max_new)
     finally:

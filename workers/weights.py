@@ -1,24 +1,9 @@
-"""Weight sync: the trainer publishes policy version v, rollout engines load it when the mode says.
+"""Weight sync by file: the trainer publishes policy version v, rollout engines load it.
 
-Path of the bytes: the trainer writes the HF-named tensors of version v to
-``<dir>/policy-v000007.safetensors`` (written to a temp name, then renamed, so a reader never sees
-a partial file) and announces ``(version, path, bytes)`` on a ZeroMQ PUB socket. A rollout worker
-waiting for version >= v looks at the directory first (so an announcement missed by a late joiner
-costs nothing), then waits on its SUB socket for the next announcement, re-checking the directory
-every ``recheck_s``: a bounded wait, never a busy loop, and a timeout (``WeightSyncTimeout``) rather
-than a hang.
-
-Retention: the newest ``keep`` versions stay on disk; older files are unlinked (a reader that already
-opened one keeps reading it safely on POSIX).
-
-Versions: version 0 is the initial policy; the trainer publishes version k+1 after its k-th step.
-
-Across hosts (``streamflow launch``) the directory is not shared: the publisher also serves its
-files over ZeroMQ (``serve=``) and a subscriber given ``fetch=`` copies each version it needs into
-its own local directory before loading it (``workers/weights_net.py``); the announcement is then
-only a wake-up, the server's ``newest`` the truth. The fetch time is reported with the sync cost.
-File names and directory listings (``weights_path``, ``published_versions``) live in
-``workers/weights_files.py``, shared with ``weights_net`` without an import circle.
+``WeightPublisher`` writes ``<dir>/policy-v000007.safetensors`` atomically, keeps the newest
+``keep`` and announces each on ZeroMQ PUB; ``WeightSubscriber`` finds or waits (bounded, never a
+busy loop) for a version, fetched from the trainer's host when ``fetch`` is set
+(``workers.weights_net``). Protocol: docs/engines.md, "Weight sync by file".
 """
 
 from __future__ import annotations
@@ -35,7 +20,7 @@ import torch
 import zmq
 from safetensors.torch import load_file, save_file
 
-from workers.weights_files import latest_version, published_versions, version_of, weights_path
+from workers.weights_files import latest_version, prune, published_versions, weights_path
 from workers.weights_net import WeightFetcher, WeightFetchError, WeightServer
 
 __all__ = [  # the file helpers are re-exported: callers import them from here
@@ -58,6 +43,17 @@ class PublishedWeights:
     seconds: float  # time to serialise and write
 
 
+def _socket(kind: int, address: str, bind: bool) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(address)
+    return sock
+
+
 class WeightPublisher:
     """Trainer side. ``bind`` is a ZeroMQ address for announcements (None: files only);
     ``serve`` one where readers on other hosts fetch the files (None: same host only)."""
@@ -71,35 +67,20 @@ class WeightPublisher:
         self.keep = keep
         self._server = WeightServer(self.directory, serve) if serve else None
         self.serve_endpoint = self._server.endpoint if self._server else None
-        self._socket: zmq.Socket | None = None
-        self.endpoint: str | None = None
-        if bind:
-            self._socket = zmq.Context.instance().socket(zmq.PUB)
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.bind(bind)
-            self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._socket = _socket(zmq.PUB, bind, True) if bind else None
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT) if bind else None
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> PublishedWeights:
         start = time.perf_counter()
         path = weights_path(self.directory, version)
         tmp = path.with_suffix(".tmp")
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-        save_file(tensors, str(tmp))
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp))
         os.replace(tmp, path)
         nbytes = path.stat().st_size
-        self._prune(version)
+        prune(self.directory, version, self.keep)
         if self._socket is not None:
             self._socket.send(msgpack.packb({"version": version, "path": str(path), "bytes": nbytes}))
         return PublishedWeights(version, str(path), nbytes, time.perf_counter() - start)
-
-    def _prune(self, newest: int) -> None:
-        for name in os.listdir(self.directory):
-            version = version_of(name)
-            if version is not None and version <= newest - self.keep:
-                try:
-                    os.unlink(self.directory / name)
-                except FileNotFoundError:
-                    pass
 
     def close(self) -> None:
         if self._server is not None:
@@ -126,18 +107,12 @@ class WeightSubscriber:
         self._announced = -1  # newest version announced on SUB (a hint; the server is the truth)
         self.fetch_seconds: dict[int, float] = {}  # version -> network copy time, until reported
         self.fetched_bytes = 0
-        self._socket: zmq.Socket | None = None
-        if connect:
-            self._socket = zmq.Context.instance().socket(zmq.SUB)
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-            self._socket.connect(connect)
+        self._socket = _socket(zmq.SUB, connect, False) if connect else None
 
     def newest(self) -> int | None:
         local = latest_version(self.directory)
         if self._fetcher is not None and self._socket is not None:
-            while self._socket.poll(0):  # announcements since the last look (never blocks)
-                self._note(self._socket.recv())
+            self._drain()
             if self._announced > (-1 if local is None else local):
                 try:
                     local = self._pull(self._announced, 5.0) or local
@@ -145,13 +120,17 @@ class WeightSubscriber:
                     log.warning("weight fetch failed: %s", exc)
         return local
 
-    def _note(self, message: bytes) -> None:
-        try:
-            version = msgpack.unpackb(message, raw=False, max_str_len=4096).get("version")
-        except Exception:  # a wake-up only: a malformed one is ignored
-            return
-        if isinstance(version, int):
-            self._announced = max(self._announced, version)
+    def _drain(self) -> None:
+        """Take the announcements since the last look (never blocks); each is a wake-up only."""
+        assert self._socket is not None
+        while self._socket.poll(0):
+            try:
+                version = msgpack.unpackb(self._socket.recv(), raw=False, max_str_len=4096).get(
+                    "version")
+            except Exception:  # a malformed one is ignored
+                continue
+            if isinstance(version, int):
+                self._announced = max(self._announced, version)
 
     def _pull(self, min_version: int, timeout_s: float) -> int | None:
         """Copy the server's newest version into our directory if it is >= ``min_version``."""
@@ -166,9 +145,7 @@ class WeightSubscriber:
         self.fetch_seconds[remote] = time.perf_counter() - start
         log.info("fetched policy version %d from %s (%d bytes, %.3f s)", remote,
                  self._fetcher.address, nbytes, self.fetch_seconds[remote])
-        for old in published_versions(self.directory):
-            if old <= remote - self.keep:
-                weights_path(self.directory, old).unlink(missing_ok=True)
+        prune(self.directory, remote, self.keep)
         return remote
 
     def wait_for(self, min_version: int, timeout_s: float) -> int:
@@ -194,12 +171,10 @@ class WeightSubscriber:
                     f"(newest on disk: {newest}) in {self.directory}"
                 )
             wait = min(remaining, self.recheck_s)
-            if self._socket is not None:
-                if self._socket.poll(int(wait * 1000)):
-                    while self._socket.poll(0):  # the directory/server is the truth: a wake-up
-                        self._note(self._socket.recv())
-            else:
+            if self._socket is None:
                 time.sleep(wait)
+            elif self._socket.poll(int(wait * 1000)):  # a wake-up: the directory is the truth
+                self._drain()
 
     def load(self, version: int) -> tuple[dict[str, torch.Tensor], int]:
         """The tensors of ``version`` and the bytes read."""

@@ -1,46 +1,26 @@
 """Collective weight sync: the trainer broadcasts each policy version to the rollout workers.
 
-Owns the weight-update group (a ``torch.distributed`` process group of its own — never the default
-group, which a DeepSpeed trainer already uses): rank 0 is the trainer, rank i+1 rollout worker i;
-NCCL when every member has a GPU of its own, else gloo (on the CPU, or for processes sharing
-one GPU: NCCL refuses two ranks on one device; gloo stages CUDA tensors through host memory). The rendezvous is a TCP store the controller
-hosts (``Rendezvous``); every process connects to it as a client, so a trainer or rollout restart
-never takes the rendezvous down.
-
-One version on the wire (``CollectivePublisher.broadcast`` / ``GroupMember.receive``):
-
-1. The trainer writes the announcement ``ann/<seq>`` in the store: msgpack ``{"version", "epoch",
-   "first", "tensors": [[name, dtype, shape], ...], "bucket_bytes"}`` (no pickle anywhere).
-2. Both sides cut the same tensor list into the same buckets (``bucket_layout``: tensors in order,
-   a bucket closes before it would exceed ``bucket_bytes``; a larger tensor travels alone).
-3. Per bucket: the trainer copies its tensors' bytes into one flat ``uint8`` buffer, broadcasts it;
-   the receiver slices the buffer and ``copy_``s each slice into the live parameter (dtype and
-   device converted by ``copy_``). Two buffers alternate so filling one overlaps the other's send.
-
-Failure is bounded, never a hang: joining and every bucket wait at most ``timeout_s`` and raise
-``CollectiveSyncError``. The trainer then opens a new *epoch* (the group is rebuilt under a fresh
-store prefix at its next version, announced ``first=True``) and the version still reaches everyone
-through its file, which the trainer always writes right after the broadcast.
-
-Membership: a process joins an epoch only at that epoch's first announcement. A rollout worker that
-restarts (fresh, holding version 0) therefore loads versions from their files until the trainer's
-next broadcast fails on the dead incarnation and a new epoch opens; it joins that one. Rank numbers
-are fixed per worker name, so the new incarnation takes the old one's place.
+Owns the weight-update group (``GroupMember``: its own process group, NCCL or gloo, bucketed
+broadcast or shared-memory buckets), its rendezvous (``Rendezvous``) and the store announcements.
+Protocol, epochs and membership: docs/engines.md, "Collective weight sync: the group and the wire".
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import torch
 import torch.distributed as dist
+
+from workers.config import WeightGroupConfig
 
 log = logging.getLogger("workers.weights")
 
@@ -54,26 +34,7 @@ class CollectiveSyncError(RuntimeError):
     """Joining the weight group or a broadcast failed or timed out."""
 
 
-@dataclass(frozen=True)
-class GroupSpec:
-    """Where and how to join (plain data, from the worker config)."""
-
-    address: str  # host:port of the controller's TCP store
-    rank: int  # 0 = trainer, i + 1 = rollout worker i
-    world_size: int  # 1 + rollout workers
-    backend: str  # "nccl" | "gloo"
-    bucket_bytes: int
-    timeout_s: float
-    # "shm": gloo carries only the per-bucket signals and the bytes go through two shared-memory
-    # bucket buffers in ``shm_dir`` (every member is on this host: collective sync is one-host);
-    # "broadcast": the bytes travel in the collective itself (NCCL; gloo over TCP otherwise)
-    transport: str = "broadcast"
-    shm_dir: str = ""
-
-    @property
-    def host_port(self) -> tuple[str, int]:
-        host, _, port = self.address.rpartition(":")
-        return host, int(port)
+GroupSpec = WeightGroupConfig  # where and how to join: the worker config's record
 
 
 class Rendezvous:
@@ -84,8 +45,8 @@ class Rendezvous:
                                    timeout=datetime.timedelta(seconds=30))
         self.address = f"{host}:{self.store.port}"
 
-    def close(self) -> None:
-        self.store = None  # type: ignore[assignment]  # the server stops with its last reference
+    def close(self) -> None:  # the server stops with its last reference
+        self.store = None  # type: ignore[assignment]
 
 
 def connect_store(spec: GroupSpec) -> dist.TCPStore:
@@ -102,11 +63,7 @@ def tensor_meta(state: Mapping[str, torch.Tensor]) -> list[list[Any]]:
 
 
 def _nbytes(meta: Sequence[Any]) -> int:
-    _, dtype, shape = meta
-    n = _DTYPES[dtype].itemsize
-    for d in shape:
-        n *= int(d)
-    return n
+    return _DTYPES[meta[1]].itemsize * math.prod(int(d) for d in meta[2])
 
 
 def bucket_layout(meta: Sequence[Sequence[Any]], bucket_bytes: int) -> list[list[int]]:
@@ -121,6 +78,30 @@ def bucket_layout(meta: Sequence[Sequence[Any]], bucket_bytes: int) -> list[list
         buckets[-1].append(i)
         size += n
     return [b for b in buckets if b]
+
+
+def _layout(meta: Sequence[Sequence[Any]], bucket_bytes: int) -> tuple[list[list[int]], list[int]]:
+    layout = bucket_layout(meta, bucket_bytes)
+    return layout, [sum(_nbytes(meta[i]) for i in idx) for idx in layout]
+
+
+def _pack(dst: torch.Tensor, tensors: Sequence[torch.Tensor], idx: list[int], **kw: Any) -> None:
+    """Copy the bytes of ``tensors[idx]`` one after another into the flat uint8 ``dst``."""
+    off = 0
+    for i in idx:
+        flat = tensors[i].detach().contiguous().reshape(-1).view(torch.uint8)
+        dst[off : off + flat.numel()].copy_(flat, **kw)
+        off += flat.numel()
+
+
+def _unpack(buf: torch.Tensor, meta: Sequence[Sequence[Any]], idx: list[int],
+            place: Callable[[int, torch.Tensor], None]) -> None:
+    """``place(i, view)`` for each tensor i of ``idx``, viewed in the flat uint8 ``buf``."""
+    off = 0
+    for i in idx:
+        n = _nbytes(meta[i])
+        place(i, buf[off : off + n].view(_DTYPES[meta[i][1]]).view(meta[i][2]))
+        off += n
 
 
 def _wait(work: Any, timeout_s: float, what: str) -> None:
@@ -154,8 +135,7 @@ class GroupMember:
 
     def _broadcast(self, buf: torch.Tensor) -> Any:
         opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
+        opts.rootRank, opts.rootTensor = 0, 0
         return self.pg.broadcast([buf], opts)
 
     def send(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> int:
@@ -165,26 +145,20 @@ class GroupMember:
             return self._send_shm(tensors, meta, bucket_bytes)
         buffers: list[torch.Tensor | None] = [None, None]
         pending: list[Any] = [None, None]
-        total = 0
-        for b, idx in enumerate(bucket_layout(meta, bucket_bytes)):
-            slot = b % 2
+        layout, sizes = _layout(meta, bucket_bytes)
+        for b, idx in enumerate(layout):
+            slot, size = b % 2, sizes[b]
             if pending[slot] is not None:
                 _wait(pending[slot], self.spec.timeout_s, "weight broadcast")
-            size = sum(_nbytes(meta[i]) for i in idx)
             buf = buffers[slot]
             if buf is None or buf.numel() < size:
                 buf = buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
-            view, off = buf[:size], 0
-            for i in idx:
-                flat = tensors[i].detach().contiguous().reshape(-1).view(torch.uint8)
-                view[off : off + flat.numel()].copy_(flat, non_blocking=True)
-                off += flat.numel()
-            pending[slot] = self._broadcast(view)
-            total += size
+            _pack(buf[:size], tensors, idx, non_blocking=True)
+            pending[slot] = self._broadcast(buf[:size])
         for work in pending:
             if work is not None:
                 _wait(work, self.spec.timeout_s, "weight broadcast")
-        return total
+        return sum(sizes)
 
     def receive(
         self, meta: Sequence[Sequence[Any]], bucket_bytes: int,
@@ -194,8 +168,7 @@ class GroupMember:
         of the bucket buffer, valid during the call only). Bytes received."""
         if self.spec.transport == "shm":
             return self._receive_shm(meta, bucket_bytes, place)
-        layout = bucket_layout(meta, bucket_bytes)
-        sizes = [sum(_nbytes(meta[i]) for i in idx) for idx in layout]
+        layout, sizes = _layout(meta, bucket_bytes)
         buffers = [torch.empty(max(sizes[0::2], default=0), dtype=torch.uint8, device=self.device),
                    torch.empty(max(sizes[1::2], default=0), dtype=torch.uint8, device=self.device)]
         works = [None, None]
@@ -206,20 +179,13 @@ class GroupMember:
             _wait(works[slot], self.spec.timeout_s, "weight broadcast (receive)")
             if b + 1 < len(layout):  # the next bucket arrives while this one is unpacked
                 works[1 - slot] = self._broadcast(buffers[1 - slot][: sizes[b + 1]])
-            off = 0
-            for i in idx:
-                _, dtype, shape = meta[i]
-                n = _nbytes(meta[i])
-                place(i, buffers[slot][off : off + n].view(_DTYPES[dtype]).view(shape))
-                off += n
+            _unpack(buffers[slot], meta, idx, place)
         return sum(sizes)
 
     # -- shared-memory buckets (gloo on one host) ---------------------------------------------
-    # Per bucket b in slot b % 2: the sender fills the slot, then broadcasts a 1-element "ready";
-    # each receiver copies the slot out, then joins an all-reduce "done". Every rank issues
-    # ready(0), ready(1), done(0), ready(2), done(1), ... (the same order: gloo matches by order),
-    # and the sender refills a slot only after its previous bucket's "done": the receivers' copy
-    # of bucket b overlaps the sender's fill of bucket b + 1.
+    # Bucket b goes through slot b % 2: the sender fills it, then broadcasts "ready"; receivers
+    # copy it out, then join an all-reduce "done". Every rank issues ready/done in the same order
+    # (gloo matches by order); a slot is refilled only after its previous bucket's "done".
     def _slots(self, need: int, create: bool) -> list[torch.Tensor]:
         if getattr(self, "_shm_need", -1) == need:
             return self._shm
@@ -238,70 +204,51 @@ class GroupMember:
 
     def close_shm(self) -> None:
         for path in getattr(self, "_shm_paths", []):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
         self._shm_paths, self._shm, self._shm_need = [], [], -1
 
     def _signal(self, b: int) -> tuple[Any, torch.Tensor]:
         flag = torch.full((1,), b, dtype=torch.int64)
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        return self.pg.broadcast([flag], opts), flag
+        return self._broadcast(flag), flag
 
     def _done(self) -> Any:
         return self.pg.allreduce([torch.zeros(1)])
 
     def _send_shm(self, tensors: Sequence[torch.Tensor], meta: list, bucket_bytes: int) -> int:
-        layout = bucket_layout(meta, bucket_bytes)
-        sizes = [sum(_nbytes(meta[i]) for i in idx) for idx in layout]
+        layout, sizes = _layout(meta, bucket_bytes)
         slots = self._slots(max(sizes, default=1), create=True)
         done: list[Any] = []
         keep: list[Any] = []
-        timeout = self.spec.timeout_s
         for b, idx in enumerate(layout):
             if b >= 2:
-                _wait(done[b - 2], timeout, "weight sync (slot reuse)")
-            slot, off = slots[b % 2], 0
-            for i in idx:
-                flat = tensors[i].detach().contiguous().reshape(-1).view(torch.uint8)
-                slot[off : off + flat.numel()].copy_(flat)
-                off += flat.numel()
+                _wait(done[b - 2], self.spec.timeout_s, "weight sync (slot reuse)")
+            _pack(slots[b % 2], tensors, idx)
             keep.append(self._signal(b))
             if b >= 1:
                 done.append(self._done())
         if layout:
             done.append(self._done())
-        for work in done:
-            _wait(work, timeout, "weight sync")
-        for work, _ in keep:
-            _wait(work, timeout, "weight sync")
+        for work in [*done, *(w for w, _ in keep)]:
+            _wait(work, self.spec.timeout_s, "weight sync")
         return sum(sizes)
 
     def _receive_shm(self, meta: Sequence[Sequence[Any]], bucket_bytes: int,
                      place: Callable[[int, torch.Tensor], None]) -> int:
-        layout = bucket_layout(meta, bucket_bytes)
-        sizes = [sum(_nbytes(meta[i]) for i in idx) for idx in layout]
-        timeout = self.spec.timeout_s
+        layout, sizes = _layout(meta, bucket_bytes)
         ready = [self._signal(0)] if layout else []
         done = []
         slots: list[torch.Tensor] = []
         for b, idx in enumerate(layout):
             if b + 1 < len(layout):
                 ready.append(self._signal(b + 1))
-            _wait(ready[b][0], timeout, "weight sync (receive)")
+            _wait(ready[b][0], self.spec.timeout_s, "weight sync (receive)")
             if not slots:  # the sender created the files before its first "ready"
                 slots = self._slots(max(sizes), create=False)
-            slot, off = slots[b % 2], 0
-            for i in idx:
-                _, dtype, shape = meta[i]
-                n = _nbytes(meta[i])
-                place(i, slot[off : off + n].view(_DTYPES[dtype]).view(shape))
-                off += n
+            _unpack(slots[b % 2], meta, idx, place)
             done.append(self._done())
         for work in done:
-            _wait(work, timeout, "weight sync")
+            _wait(work, self.spec.timeout_s, "weight sync")
         return sum(sizes)
 
     def barrier(self) -> None:
@@ -316,8 +263,8 @@ def announce(store: dist.Store, payload: dict[str, Any]) -> int:
 
 
 def read_announcement(store: dist.Store, seq: int, wait_s: float) -> dict[str, Any] | None:
-    """Announcement ``seq`` if it appears within ``wait_s`` (None otherwise). Polls with
-    ``check`` (a store ``wait`` that times out logs a warning from c10d on every call)."""
+    """Announcement ``seq`` if it appears within ``wait_s``, else None (polled: a timed-out store
+    ``wait`` logs a c10d warning every call)."""
     key = f"sf/ann/{seq}"
     deadline = time.monotonic() + wait_s
     while not store.check([key]):
@@ -339,8 +286,7 @@ def current_seq(store: dist.Store) -> int:
 def copy_into(targets: Mapping[str, torch.Tensor], meta: Sequence[Sequence[Any]]) -> Callable:
     """``place`` for ``GroupMember.receive`` that copies tensor i into ``targets[name]`` (names
     and shapes checked against the announcement before anything is received)."""
-    unknown = [m[0] for m in meta if m[0] not in targets]
-    if unknown:
+    if unknown := [m[0] for m in meta if m[0] not in targets]:
         raise KeyError(f"weight announcement names {len(unknown)} unknown parameter(s): "
                        f"{unknown[:5]}")
     for name, _, shape in meta:

@@ -1,9 +1,5 @@
-"""Where published policy versions live on disk: the file name of version v and the versions a
-weights directory holds. Shared by the publisher and subscriber (``workers.weights``) and by the
-cross-host server and fetcher (``workers.weights_net``), so neither imports the other's module.
-
-Layout: ``<dir>/policy-v000007.safetensors``; six digits at least, more once versions pass
-999,999. No torch here: reading names needs none.
+"""Where published policy versions live on disk (``<dir>/policy-v000007.safetensors``): file names
+and directory listings, shared by ``workers.weights`` and ``workers.weights_net``. No torch.
 """
 
 from __future__ import annotations
@@ -19,20 +15,21 @@ def weights_path(directory: str | os.PathLike, version: int) -> Path:
     return Path(directory) / f"policy-v{version:06d}.safetensors"
 
 
-def version_of(name: str) -> int | None:
-    """The version a file name in a weights directory stands for (None: not a weights file)."""
-    m = _NAME.match(name)
-    return int(m.group(1)) if m else None
-
-
 def published_versions(directory: str | os.PathLike) -> list[int]:
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    return sorted(v for n in names if (v := version_of(n)) is not None)
+    return sorted(int(m.group(1)) for n in names if (m := _NAME.match(n)))
 
 
 def latest_version(directory: str | os.PathLike) -> int | None:
     versions = published_versions(directory)
     return versions[-1] if versions else None
+
+
+def prune(directory: str | os.PathLike, newest: int, keep: int) -> None:
+    """Unlink versions older than the newest ``keep`` (a reader that opened one keeps reading)."""
+    for old in published_versions(directory):
+        if old <= newest - keep:
+            weights_path(directory, old).unlink(missing_ok=True)

@@ -1,19 +1,7 @@
 """The two ends of collective weight sync: ``CollectivePublisher`` (trainer) and
-``CollectiveSubscriber`` (rollout worker), over the group of ``workers.weights_collective``.
-
-Trainer: ``publish(state, v)`` announces v, (re)forms the group when the epoch is new, broadcasts
-the tensors in buckets, waits for every member to have copied them into its live parameters (a
-barrier), then ALWAYS writes v's file as well (``WeightPublisher``): the file is the fallback of a
-failed broadcast, what a restarted rollout worker loads, and what the evaluator reads. The first
-publish (version 0, or the resumed version) is the file only: rollout workers load it from disk.
-
-Rollout: a thread follows the announcements and receives each version into the engine under the
-engine lock (``engine_lock``: the rollout stage holds it while it generates, so weights never
-change under a generate call and the rows' ``policy_version`` is the version that produced them).
-``wait_engine`` is the stage's wait: until the engine holds a version >= the required one, or a file
-of such a version appears (the broadcast failed, or this worker is not a member yet) — then the
-stage loads the file exactly as in file mode. The versioning rules are therefore the file path's:
-a version is loaded whole before the next generate, in order, never mixed.
+``CollectiveSubscriber`` (rollout worker), over ``workers.weights_collective``. A version's file is
+always written too: the fallback of a failed broadcast. See docs/engines.md, "Collective weight
+sync: the two ends".
 """
 
 from __future__ import annotations
@@ -106,7 +94,7 @@ class CollectivePublisher:
 
 
 class CollectiveSubscriber:
-    """Rollout side (rank > 0): follows announcements on a thread; see the module docstring."""
+    """Rollout side (rank > 0): follows announcements on a thread; see docs/engines.md."""
 
     def __init__(
         self, files: WeightSubscriber, spec: GroupSpec, device: str | torch.device,
@@ -131,19 +119,12 @@ class CollectiveSubscriber:
         self.received = 0
         self.failures = 0
 
-    # the WeightSubscriber interface the rollout stage uses for its file loads
-    @property
-    def directory(self):  # noqa: ANN201
-        return self.files.directory
-
-    def newest(self) -> int | None:
-        return self.files.newest()
-
-    def wait_for(self, min_version: int, timeout_s: float) -> int:
-        return self.files.wait_for(min_version, timeout_s)
-
-    def load(self, version: int) -> tuple[dict[str, torch.Tensor], int]:
-        return self.files.load(version)
+    def __getattr__(self, name: str) -> Any:
+        """The WeightSubscriber interface the rollout stage uses for file loads (``directory``,
+        ``newest``, ``wait_for``, ``load``): the file subscriber's."""
+        if name == "files":
+            raise AttributeError(name)
+        return getattr(self.files, name)
 
     def start(self, engine: Any) -> None:
         store = connect_store(self.spec)

@@ -1,27 +1,6 @@
-"""Weights across hosts: the trainer serves published policy versions, remote readers fetch them.
-
-Hosts do not share ``/dev/shm``: a rollout worker (or the controller's evaluator) on another host
-cannot read the trainer's weights directory. So the trainer's ``WeightPublisher`` also runs a
-``WeightServer`` — a ZeroMQ ROUTER on a thread of its own, answering two requests about the
-directory it publishes into — and a remote reader's ``WeightFetcher`` copies a version into its
-*local* weights directory (temp name, then rename: a reader never sees a partial file). From there
-everything is as on one host: the same file name, the same loader, vLLM's reload from a path.
-
-Wire (every frame after the ROUTER identity):
-
-    request   [msgpack {"op": "newest" | "fetch", "id": int, "version": int (fetch only)}]
-    reply     [msgpack {"id", "ok", "newest", "version", "bytes", "error"}, (safetensors bytes)]
-
-Only msgpack headers and raw safetensors bytes travel (nothing is unpickled; safetensors is a
-plain tensor container). Requests are small and size-capped (``MAXMSGSIZE``) and decoded into a
-typed Struct (``WeightRequest``); a malformed one gets ``ok: false`` with the reason and the server
-keeps serving. The serve loop and the call with a deadline are the store's (``storage.rpc``). A
-version the trainer has already pruned (it keeps the newest ``weights_keep``) is answered
-``ok: false``; the reader then asks for the newest one again.
-
-Failure: a request with no reply within its timeout raises ``WeightFetchError`` and the socket is
-replaced (a late reply can never be taken for another request's); callers retry within their own
-deadline, so a network cut delays a weight sync but never loads a partial or wrong version.
+"""Weights across hosts: ``WeightServer`` (a ZeroMQ ROUTER on its own thread) serves published
+versions; a remote reader's ``WeightFetcher`` copies one into its local weights directory.
+Wire format and failure rules: docs/engines.md, "Weights across hosts".
 """
 
 from __future__ import annotations
@@ -74,9 +53,8 @@ class WeightServer(rpc.RouterService):
         self.start()
 
     def _open(self) -> None:
-        self._sock, bound = rpc.bind_router(
-            zmq.Context.instance(), [self._bind], max_message_bytes=MAX_REQUEST_BYTES, linger_ms=0
-        )
+        self._sock, bound = rpc.bind_router(zmq.Context.instance(), [self._bind],
+                                            max_message_bytes=MAX_REQUEST_BYTES, linger_ms=0)
         self.endpoint = bound[0]
 
     def _handle(self, frames: list) -> None:
@@ -86,14 +64,8 @@ class WeightServer(rpc.RouterService):
         self._out.append((frames[0].bytes, [msgpack.packb(header), *data], "weights", 0.0, None))
 
     def _answer(self, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
-        header: dict[str, Any] = {
-            "id": None,
-            "ok": False,
-            "newest": None,
-            "version": None,
-            "bytes": 0,
-            "error": "",
-        }
+        header: dict[str, Any] = dict(id=None, ok=False, newest=None, version=None, bytes=0,
+                                      error="")
         try:
             if len(frames) != 1:
                 raise ValueError(f"expected 1 frame, got {len(frames)}")
@@ -115,9 +87,8 @@ class WeightServer(rpc.RouterService):
             try:
                 data = weights_path(self.directory, req.version).read_bytes()
             except FileNotFoundError:
-                raise ValueError(
-                    f"version {req.version} is not available (published: {versions})"
-                ) from None
+                raise ValueError(f"version {req.version} is not available (published: {versions})"
+                                 ) from None
             header.update(ok=True, version=req.version, bytes=len(data))
             self.served_bytes += len(data)
             self.served_versions += 1
@@ -138,11 +109,8 @@ class WeightFetcher:
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
         self._channel: rpc.Channel | None = rpc.Channel(
-            zmq.Context.instance(),
-            address,
-            name=f"weight server {address}",
-            timeout_error=WeightFetchError,
-        )
+            zmq.Context.instance(), address, name=f"weight server {address}",
+            timeout_error=WeightFetchError)
 
     def _call(self, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], list]:
         assert self._channel is not None
@@ -154,9 +122,8 @@ class WeightFetcher:
                 return None  # a late reply to an earlier request
             return header, frames[1:]
 
-        header, frames = self._channel.call(
-            [msgpack.packb({**request, "id": req_id})], ours, timeout_s
-        )
+        header, frames = self._channel.call([msgpack.packb({**request, "id": req_id})], ours,
+                                            timeout_s)
         if not header.get("ok"):
             raise WeightFetchError(f"weight server {self.address}: {header.get('error')}")
         return header, frames
@@ -168,16 +135,11 @@ class WeightFetcher:
 
     def fetch(self, version: int, directory: str | os.PathLike) -> int:
         """Copy ``version`` into ``directory`` (atomically); returns the bytes received."""
-
         header, frames = self._call({"op": "fetch", "version": int(version)}, self.timeout_s)
-        if (
-            len(frames) != 1
-            or len(frames[0]) != header.get("bytes")
-            or header.get("version") != version
-        ):
+        if (len(frames) != 1 or len(frames[0]) != header.get("bytes")
+                or header.get("version") != version):
             raise WeightFetchError(
-                f"weight server {self.address}: malformed reply for version {version}"
-            )
+                f"weight server {self.address}: malformed reply for version {version}")
         path = weights_path(directory, version)
         tmp = path.with_suffix(".part")
         with open(tmp, "wb") as fh:

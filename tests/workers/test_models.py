@@ -13,7 +13,6 @@ from workers.models import (
     load_model,
     load_tokenizer,
     save_model,
-    state_dict_bytes,
 )
 from workers.tokenizer import build_char_tokenizer, decode_response, encode_answer, encode_prompt
 
@@ -83,6 +82,12 @@ def test_save_load_round_trip_is_an_hf_directory(tmp_path):
 def test_load_model_missing_dir_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(tmp_path / "nope")
+
+
+def state_dict_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the unique tensors in the state dict (tied weights counted once)."""
+    unique = {t.untyped_storage().data_ptr(): t for t in model.state_dict().values()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def test_state_dict_bytes_counts_tied_weights_once():

@@ -138,7 +138,8 @@ def test_layout_of_a_packed_row():
     # the first token of every response is scored from the prompt's last position (2)
     assert b.target_pos.tolist() == [2, 3, 2, 2, 6, 7]
     assert b.target_token.tolist() == [21, 22, 31, 41, 42, 43]
-    assert b.target_index(0, 2).tolist() == [[0, 2], [0, 6], [0, 7]]
+    targets = list(zip(b.target_row.tolist(), b.target_pos.tolist(), strict=True))
+    assert targets[3:] == [(0, 2), (0, 6), (0, 7)]  # (row, position) scoring response 2
     mask = b.attention_mask[0, 0]
     assert mask[5, :3].all() and not mask[5, 3:5].any()  # r2 sees the prompt, not r1
     assert mask[7, 6] and not mask[6, 7]  # causal inside r3

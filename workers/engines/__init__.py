@@ -1,13 +1,6 @@
-"""Engine adapters: rollout engines behind the ``RolloutEngine`` protocol (``base``), training
-engines, and the ``simulated`` engine (``simulated``, priced by the cost model ``sim_cost``).
-
-``base`` holds the engine-neutral records (``SamplingParams``, ``Generation``) and the protocol;
-``torch_rollout`` is the in-process torch engine (KV cache, batched sampling). Adapters for other
-engines (e.g. vLLM) implement the same protocol; nothing above this package depends on which.
-
-Importing this package imports no torch: ``sim_cost`` is read by the config checks and by
-simulated hosts that run 100+ device threads in one process. The re-exports below load ``base``
-(and torch) on first use.
+"""Engine adapters: rollout engines behind ``base.RolloutEngine``, training engines, and the
+``simulated`` engine (priced by ``sim_cost``). Importing this package imports no torch: the
+re-exports below load ``base`` on first use. See docs/engines.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""The rollout engine contract: sampling parameters, one generation, and the ``RolloutEngine`` protocol.
+"""The rollout engine contract: ``SamplingParams``, ``Generation``, the ``RolloutEngine`` protocol.
 
-Owns the records every rollout engine speaks. Invariants an implementation must keep:
-- ``generate`` returns, for each prompt in order, exactly ``n`` ``Generation``s.
-- Behaviour log-probs: ``logprobs[i]`` is ``log_softmax(logits / temperature)[token_ids[i]]``
-  computed in float32 over the FULL vocabulary, i.e. BEFORE top-p truncation. The trainer
-  recomputes log-probs with the same temperature and no truncation, so with identical weights its
-  ratio to the behaviour log-probs is exactly 1 (to float rounding). With ``temperature == 0``
-  (greedy, argmax), log-probs are those of the untempered distribution (temperature 1).
-- A generation ends right after a stop token (``stop_token_ids`` plus the engine's own eos ids),
-  which IS included in ``token_ids`` with its log-prob (``finish_reason="stop"``), or after
-  ``max_new_tokens`` tokens (``finish_reason="length"``).
-- ``policy_version`` is the version passed to the last ``load_weights`` (the initial weights are
-  whatever version the engine was built with, usually 0).
-- Same ``seed``, prompts, parameters and weights -> same outputs.
-- ``prompt_seeds`` (one per prompt): prompt i's samples depend only on ``prompt_seeds[i]``, its
-  prompt, the parameters and the weights, never on the other prompts of the call (up to float
-  rounding of batched logits): a group samples the same responses alone or batched with others.
+The invariants an engine keeps (behaviour log-probs over the full vocabulary before top-p, stop
+tokens included, per-prompt seeds): docs/engines.md, "The rollout engine contract".
 """
 
 from __future__ import annotations
@@ -41,7 +27,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
-    prompt_seeds: tuple[int, ...] = ()  # per-prompt seeds (override ``seed``; see module doc)
+    prompt_seeds: tuple[int, ...] = ()  # per-prompt seeds (override ``seed``; docs/engines.md)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -50,18 +36,14 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(
-                f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}"
-            )
+                f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "prompt_seeds", tuple(int(s) for s in self.prompt_seeds))
 
 
 def prompt_seeds_of(params: SamplingParams, num_prompts: int, n: int) -> list[int] | None:
-    """The seed of each prompt's samples (sample j uses seed + j); None when unseeded.
-
-    ``params.prompt_seeds`` when given (one per prompt), else ``params.seed + i * n`` for prompt i
-    (so no two samples of one call share a seed).
-    """
+    """Each prompt's seed (sample j uses seed + j): ``params.prompt_seeds``, else ``params.seed +
+    i * n`` for prompt i (no two samples of a call share a seed); None when unseeded."""
     if params.prompt_seeds:
         if len(params.prompt_seeds) != num_prompts:
             raise ValueError(
@@ -74,12 +56,21 @@ def prompt_seeds_of(params: SamplingParams, num_prompts: int, n: int) -> list[in
     return [int(params.seed) + i * n for i in range(num_prompts)]
 
 
+def check_generate(prompts: Sequence[Sequence[int]], n: int) -> None:
+    """The argument checks every engine's ``generate`` makes."""
+    if n < 1:
+        raise ValueError(f"generate: n must be >= 1, got {n}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty (needs at least one token)")
+
+
 @dataclass
 class Generation:
     """One sampled response."""
 
     token_ids: list[int] = field(default_factory=list)  # [L] response tokens (stop token included)
-    logprobs: list[float] = field(default_factory=list)  # [L] behaviour log-probs, see module doc
+    logprobs: list[float] = field(default_factory=list)  # [L] behaviour log-probs (docs/engines.md)
     finish_reason: str = FINISH_LENGTH  # "stop" | "length"
 
 
@@ -102,13 +93,8 @@ class RolloutEngine(Protocol):
 
 @runtime_checkable
 class LoadsWeightsFile(Protocol):
-    """Optional capability: load a published policy version straight from its safetensors file.
-
-    The trainer publishes every version as one file (``workers.weights``). An engine that can read
-    that file itself (vLLM: inside its own worker process) skips the round trip of reading the
-    tensors into the rollout process only to hand them over again; ``RolloutStage`` prefers this
-    method when the engine has it. Same effect as ``load_weights`` with the file's tensors.
-    """
+    """Optional capability: load a published version straight from its safetensors file (vLLM:
+    inside its worker process); ``RolloutStage`` prefers it to ``load_weights`` when present."""
 
     def load_weights_file(self, path: str | os.PathLike[str], version: int) -> None:
         """Load the HF-named tensors of ``path`` and set ``policy_version = version``."""

@@ -1,38 +1,8 @@
 """DeepSpeed ZeRO-1/2 behind the ``TrainerEngine`` protocol, one process per rank (torchrun).
 
-Owns: the typed DeepSpeed settings (``DeepSpeedSettings``; the DeepSpeed config dict is built from
-them in one place and handed only to ``deepspeed.initialize``), process-group start-up from the
-launcher's environment, and the exact-scaling recipe below. Which rows each rank trains is
-``workers.distributed``'s business; this module only sees loss sums and steps.
-
-Lifecycle per iteration (identical on every rank)::
-
-    backward(loss_sum) x micro-batches        engine.backward(..., scale_wrt_gas=False)
-    step(1 / total_tokens)                    loss scale := 1 / (grad_scale * world); engine.step()
-    state_dict()                              full weights (ZeRO-1/2 keep full params on every rank)
-
-Exact token-mean with ZeRO (checked against DeepSpeed 0.19.8's ``runtime/engine.py`` and
-``runtime/zero/stage_1_and_2.py``):
-- ``managed_gradient_accumulation: false``: DeepSpeed no longer counts micro-steps; ``step()`` is
-  the accumulation boundary whenever we call it, so an iteration may have any number of streamed
-  micro-batches. ``scale_wrt_gas=False`` (and gradient_accumulation_steps = 1) keeps each backward
-  a plain loss-SUM gradient.
-- The data-parallel reduction AVERAGES over ranks: after it, gradients hold sum_over_ranks / world.
-- ZeRO's ``unscale_and_clip_grads`` divides the fp32 gradient partition by the optimizer's loss
-  scale and clips on the unscaled norm (``clip = (norm / loss_scale + 1e-6) / max_norm``, the same
-  factor as ``torch.nn.utils.clip_grad_norm_``); ``_global_grad_norm = norm / loss_scale``. Setting
-  the loss scale with ``override_loss_scale(1 / (grad_scale * world))`` just before ``step()`` hence
-  yields gradients of exactly sum / total_tokens, clipped, then AdamW — the torch engine's update.
-  It is reset to 1.0 right after, so backward's ``scale_if_loss`` multiplies by exactly 1.
-- ZeRO-2 reduces inside every backward, so all ranks must run the same number of backwards (see
-  ``workers.distributed``). The engine's backward prologue normally hooks the outputs of
-  ``engine.forward``; the trainer calls the HF module directly (packing calls its decoder and head),
-  so ``backward`` attaches the same prologue to the loss with DeepSpeed's own helper.
-Proof: tests/workers/test_deepspeed_trainer.py (1 and 2 ranks vs ``TorchTrainerEngine``).
-
-Checkpoints: ``save_state(dir)`` is collective (every rank writes its optimizer partition into
-``dir/deepspeed/``; rank 0 also the module); the directory comes from rank 0. Resume needs the same
-number of ranks. HF-named full weights for publishing come from ``state_dict()``.
+Owns ``DeepSpeedSettings`` (the DeepSpeed config is built from them in one place), process-group
+start-up and the exact loss-scale recipe that makes ZeRO's update equal the torch engine's.
+Why it is exact, and checkpoints: docs/engines.md, "DeepSpeed ZeRO-1/2: exact token-mean scaling".
 """
 
 from __future__ import annotations
@@ -46,6 +16,7 @@ from typing import Any
 import torch
 
 from workers.distributed import RankGroup, rank_env
+from workers.engines.torch_trainer import publishable
 from workers.rl import make_optimizer
 from workers.settings import OptimizerSettings, embed, flat
 
@@ -74,8 +45,7 @@ class DeepSpeedSettings:
         if self.zero_stage not in SUPPORTED_STAGES:
             raise ValueError(
                 f"DeepSpeedSettings.zero_stage must be one of {SUPPORTED_STAGES}, got "
-                f"{self.zero_stage!r} (stage 3 shards parameters: not supported by this engine)"
-            )
+                f"{self.zero_stage!r} (stage 3 shards parameters: not supported by this engine)")
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DeepSpeedSettings.{name} must be >= 1, got {getattr(self, name)}")
@@ -86,7 +56,7 @@ class DeepSpeedSettings:
             "train_micro_batch_size_per_gpu": 1,  # nominal: our micro-batches are streamed groups
             "gradient_accumulation_steps": 1,
             "train_batch_size": world_size,
-            "managed_gradient_accumulation": False,  # step() is the boundary (see module doc)
+            "managed_gradient_accumulation": False,  # step() is the boundary (docs/engines.md)
             "gradient_clipping": float(self.optim.max_grad_norm or 0.0),
             "zero_optimization": {
                 "stage": self.zero_stage,
@@ -107,18 +77,15 @@ class DeepSpeedSettings:
 def require_deepspeed() -> Any:
     """Import deepspeed, or explain which extra installs it."""
     if importlib.util.find_spec("deepspeed") is None:
-        raise MissingExtraError(
-            "trainer engine 'deepspeed' needs the deepspeed package: "
-            "pip install 'streamflow[deepspeed]'"
-        )
+        raise MissingExtraError("trainer engine 'deepspeed' needs the deepspeed package: "
+                                "pip install 'streamflow[deepspeed]'")
     import deepspeed
 
     engine_cls = deepspeed.runtime.engine.DeepSpeedEngine
     if not hasattr(engine_cls, "managed_gradient_accumulation"):
         raise MissingExtraError(
             f"deepspeed {deepspeed.__version__} lacks managed_gradient_accumulation=false, which "
-            "streamed micro-batches need: pip install -U 'streamflow[deepspeed]'"
-        )
+            "streamed micro-batches need: pip install -U 'streamflow[deepspeed]'")
     return deepspeed
 
 
@@ -129,16 +96,13 @@ def start_ranks(backend: str | None = None) -> RankGroup:
         raise RuntimeError(
             "trainer engine 'deepspeed' runs one process per rank started by torch's launcher: "
             "python -m torch.distributed.run --nproc-per-node N --master-addr 127.0.0.1 "
-            "--master-port P -m workers.main --role trainer --config F"
-        )
+            "--master-port P -m workers.main --role trainer --config F")
     deepspeed = require_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     deepspeed.init_distributed(
         dist_backend=backend or get_accelerator().communication_backend_name(),
-        auto_mpi_discovery=False,
-        verbose=False,
-    )
+        auto_mpi_discovery=False, verbose=False)
     return RankGroup(env.rank, env.world_size)
 
 
@@ -158,10 +122,9 @@ class DeepSpeedTrainerEngine:
         o = settings.optim
         optimizer = make_optimizer(model, o.lr, o.weight_decay, o.betas)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=settings.ds_config(ranks.world_size)
-        )
+            model=model, optimizer=optimizer, config=settings.ds_config(ranks.world_size))
         self.model: torch.nn.Module = self.ds.module
-        self.ds.optimizer.override_loss_scale(1.0)  # see module doc: exactly 1 during backward
+        self.ds.optimizer.override_loss_scale(1.0)  # exactly 1 during backward (docs/engines.md)
         self.last_digests: list[int] = []
         self.steps = 0  # optimizer steps taken by this engine object
 
@@ -191,15 +154,8 @@ class DeepSpeedTrainerEngine:
         return grad_norm
 
     def state_dict(self) -> Mapping[str, torch.Tensor]:
-        # ZeRO-1/2 partition optimizer state and gradients, never parameters: after step() every
-        # rank holds the full updated weights, so no gather is needed (stage 3 would need one).
-        seen: set[int] = set()
-        out: dict[str, torch.Tensor] = {}
-        for name, tensor in self.model.state_dict().items():
-            ptr = tensor.data_ptr()
-            out[name] = tensor.detach().clone() if ptr in seen else tensor.detach()
-            seen.add(ptr)
-        return out
+        # ZeRO-1/2 never partition parameters: every rank holds the full weights after step()
+        return publishable(self.model.state_dict())
 
     def save_state(self, directory: str) -> None:
         """Collective: every rank must call it; rank 0's ``directory`` is used by all."""
@@ -208,10 +164,9 @@ class DeepSpeedTrainerEngine:
 
     def load_state(self, directory: str) -> None:
         """Collective. DeepSpeed's own files, written by ``save_state`` on this number of ranks."""
-        loaded, _ = self.ds.load_checkpoint(
-            directory, tag=CHECKPOINT_TAG, load_optimizer_states=True,
-            load_lr_scheduler_states=False,
-        )
+        loaded, _ = self.ds.load_checkpoint(directory, tag=CHECKPOINT_TAG,
+                                            load_optimizer_states=True,
+                                            load_lr_scheduler_states=False)
         if loaded is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{CHECKPOINT_TAG}' in {directory}")
         self.ds.optimizer.override_loss_scale(1.0)

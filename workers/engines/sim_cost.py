@@ -1,30 +1,8 @@
 """The cost model of simulated devices: how long a device is held for each piece of RL work.
 
-Owns ``CostModel`` (per-device hardware/model costs, with the calibrated preset ``7b-1acc``),
-``Workload`` (the shape of one RL iteration and its response-length distribution) and the pure
-functions that turn rows into device seconds. Everything is in *simulated* seconds; the engine
-(``bench.sim.engine``) sleeps ``seconds / time_scale`` of real time.
-
-Cost of each kind of work (N = parameters, P = prompt tokens, L_i = response lengths)::
-
-    generate a batch    prefill_s_per_token * P * B                       (compute-bound prefill)
-                        + decode_base_s * max_i L_i                       (one decode step per token
-                        + decode_per_seq_s * sum_i L_i                     of the LONGEST response;
-                                                                           each step costs more the
-                                                                           more sequences are live)
-    reward              reward_s_per_sample * B                           (CPU verifier)
-    reference forward   ref_s_per_token * sum_i (P + L_i)
-    train micro-batch   train_s_per_token * sum_i (P + L_i)              (forward + backward)
-    optimizer step      allreduce(n) + optimizer_s / n                   (end of each iteration)
-    weight sync         weight_bytes / sync_bandwidth + sync_latency_s   (per version, per engine)
-
-A batch's generation time is dominated by its longest response (``decode_base_s * max L``): the
-batch-size effect and the long tail in one formula. Response lengths are lognormal with median
-``median_response_tokens`` and shape ``skew`` (sigma of the underlying normal), capped at
-``max_response_tokens``; they are a pure function of (seed, group id, sample index), so the engine
-and the bound (``bench.sim.bound``) see the same lengths.
-
-Invariants: every cost is finite and >= 0; lengths are integers in [1, max_response_tokens].
+Owns ``CostModel`` (with the calibrated preset ``7b-1acc``), ``Workload`` and the pure functions
+that turn rows into simulated seconds (all finite and >= 0). Formulas: docs/engines.md, "The cost
+model of simulated devices".
 """
 
 from __future__ import annotations
@@ -42,7 +20,7 @@ H100_HBM_BYTES_PER_S = 3.35e12
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-device costs. All times in simulated seconds; see the module docstring for the use."""
+    """Per-device costs, in simulated seconds (formulas: docs/engines.md)."""
 
     name: str
     params: float  # model parameters N
@@ -77,11 +55,8 @@ class CostModel:
     def generate_s(self, prompt_tokens: int, lengths: Sequence[int]) -> float:
         if not lengths:
             return 0.0
-        return (
-            self.prefill_s_per_token * prompt_tokens * len(lengths)
-            + self.decode_base_s * max(lengths)
-            + self.decode_per_seq_s * sum(lengths)
-        )
+        return (self.prefill_s_per_token * prompt_tokens * len(lengths)
+                + self.decode_base_s * max(lengths) + self.decode_per_seq_s * sum(lengths))
 
     def reward_s(self, rows: int) -> float:
         return self.reward_s_per_sample * rows
@@ -158,27 +133,14 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in (
-            "prompts_per_iteration",
-            "group_size",
-            "prompt_tokens",
-            "median_response_tokens",
-            "max_response_tokens",
-            "groups_per_rollout_batch",
-            "rows_per_reward_batch",
-            "rows_per_reference_batch",
-            "rows_per_trainer_batch",
-            "iterations",
-        ):
+        for name in [f.name for f in dataclasses.fields(self) if f.name not in ("skew", "seed")]:
             if getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.skew <= 4.0:
             raise ValueError(f"Workload.skew must be in [0, 4], got {self.skew}")
         if self.rows_per_trainer_batch % self.group_size:
-            raise ValueError(
-                "Workload.rows_per_trainer_batch must be a multiple of group_size "
-                f"({self.rows_per_trainer_batch} % {self.group_size} != 0)"
-            )
+            raise ValueError("Workload.rows_per_trainer_batch must be a multiple of group_size "
+                             f"({self.rows_per_trainer_batch} % {self.group_size} != 0)")
 
     @property
     def rows_per_iteration(self) -> int:
@@ -192,10 +154,8 @@ def group_lengths(w: Workload, group_id: int) -> list[int]:
     """The response lengths of the ``group_size`` samples of group ``group_id`` (deterministic)."""
     rng = random.Random(w.seed * 1_000_003 + group_id * 7_919 + 17)
     mu = math.log(w.median_response_tokens)
-    return [
-        max(1, min(w.max_response_tokens, int(round(rng.lognormvariate(mu, w.skew)))))
-        for _ in range(w.group_size)
-    ]
+    return [max(1, min(w.max_response_tokens, int(round(rng.lognormvariate(mu, w.skew)))))
+            for _ in range(w.group_size)]
 
 
 def iteration_lengths(w: Workload, k: int) -> list[int]:

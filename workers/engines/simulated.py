@@ -1,34 +1,8 @@
-"""The ``simulated`` engine inside a real run (``streamflow run`` with ``rollout.engine: simulated``
-and ``trainer.engine: simulated``): the roles' compute replaced by device holds from the cost model.
+"""The ``simulated`` engine in a real run: each role's compute replaced by cost-model device holds.
 
-Everything else is the real run: the controller and its modes, the worker processes, the store and
-its leases, the balancer, the weight publication (files + announcements), the reports. What is
-simulated, per role:
-
-- rollout: ``SimulatedRolloutEngine`` behind the real ``RolloutStage`` (``RolloutEngine`` and
-  ``LoadsWeightsFile`` protocols). Response lengths are lognormal (median, skew) capped at
-  ``max_new_tokens``, drawn from the per-group sampling seed the stage passes (deterministic);
-  the tokens are random ids of the real vocabulary (the store moves real-size responses); the
-  device is held for ``cost.generate_s`` of the claim, and ``cost.sync_s`` per weight load.
-- reward: the real ``RewardStage`` (the verifier runs on the decoded tokens) plus a hold of
-  ``cost.reward_s``.
-- reference: ``SimulatedReferenceStage``: ``ref_logprobs`` of the right length (placeholders),
-  held for ``cost.reference_s``.
-- trainer: the real ``workers.trainer.Trainer`` (claim whole groups, park later iterations,
-  dedup, dead groups, one step per iteration, publish, report, ack after the step) over a
-  simulated training engine: ``SimulatedTriModel`` holds ``cost.train_s`` per micro-batch instead
-  of forward/backward and returns zero log-probs, ``SimulatedTrainingEngine`` holds
-  ``cost.step_s`` per optimizer step and publishes a one-tensor "weights" file per version (the
-  version number): rollout engines pay the cost model's sync time, not the copy of a real model.
-  ``SimulatedTrainer`` (``workers.engines.simulated_trainer``) puts them together.
-
-Time: ``seconds`` of simulated work sleep ``seconds / time_scale`` real seconds. A run's wall
-times (summary, timeline) are real seconds: multiply by ``time_scale`` for simulated ones.
-What the simulated trainer leaves out (use the torch engine to test them): restarts from a
-checkpoint (it writes none), several ranks. Its loss figures are those of the placeholders.
-
-Imports: no torch at import time (``sim_cost`` and the rollout/reward/reference roles need none);
-the training engine imports it when it first builds tensors.
+Everything else (controller, workers, store, weight publication, reports) is the real run; a hold
+of ``s`` simulated seconds sleeps ``s / time_scale``. No torch at import time. Per-role details:
+docs/engines.md, "The simulated engine inside a real run".
 """
 
 from __future__ import annotations
@@ -75,8 +49,7 @@ class Device:
         self.finish()
 
     def begin(self, seconds: float) -> None:
-        """Start a hold of ``seconds`` that ``finish`` completes: real work done in between (the
-        trainer's loss math on the placeholders) runs inside the hold instead of adding to it."""
+        """Start a hold that ``finish`` completes (real work in between runs inside the hold)."""
         self.busy_s += seconds
         self._until = time.monotonic() + max(seconds, 0.0) / self.spec.time_scale
 
@@ -93,7 +66,7 @@ def _prompt_tokens(lengths: Sequence[int]) -> int:
 
 
 class SimulatedRolloutEngine:
-    """A ``RolloutEngine`` that draws responses instead of generating them (module docstring)."""
+    """A ``RolloutEngine`` that draws responses instead of generating them (docs/engines.md)."""
 
     def __init__(self, spec: SimulatedDevice, vocab_size: int, eos_ids: Sequence[int] = ()) -> None:
         self.device = Device(spec)
@@ -113,24 +86,17 @@ class SimulatedRolloutEngine:
         lengths = self.lengths(len(prompts) * n, params)
         rng = np.random.default_rng((params.seed or 0) + 1)
         stops = params.stop_token_ids + self.eos_ids
-        out: list[list[Generation]] = []
-        for i in range(len(prompts)):
-            group = []
-            for j in range(n):
-                length = int(lengths[i * n + j])
-                tokens = rng.integers(0, self.vocab_size, size=length).tolist()
-                stopped = length < params.max_new_tokens
-                if stopped and stops:  # a response that ended early ends with a stop token
-                    tokens[-1] = stops[0]
-                group.append(Generation(
-                    token_ids=tokens, logprobs=[-math.log(self.vocab_size)] * length,
-                    finish_reason=FINISH_STOP if stopped else FINISH_LENGTH,
-                ))
-            out.append(group)
-        cost = self.device.cost
-        self.device.hold(cost.generate_s(_prompt_tokens([len(p) for p in prompts]),
-                                         lengths.tolist()))
-        return out
+        flat: list[Generation] = []
+        for length in lengths.tolist():  # prompt i's samples are rows i * n .. i * n + n - 1
+            tokens = rng.integers(0, self.vocab_size, size=length).tolist()
+            stopped = length < params.max_new_tokens
+            if stopped and stops:  # a response that ended early ends with a stop token
+                tokens[-1] = stops[0]
+            flat.append(Generation(tokens, [-math.log(self.vocab_size)] * length,
+                                   FINISH_STOP if stopped else FINISH_LENGTH))
+        self.device.hold(self.device.cost.generate_s(_prompt_tokens([len(p) for p in prompts]),
+                                                     lengths.tolist()))
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         self.device.hold(self.device.cost.sync_s())
@@ -193,23 +159,15 @@ class SimulatedLogprobs:
 
 
 class SimulatedTriModel:
-    """``TriModel.forward`` without a model: the device is held for the cost model's training
-    time of the groups (forward and backward of a micro-batch, priced together as ``train_s``),
+    """``TriModel.forward`` without a model: the hold of ``train_s`` (forward and backward) begins,
     and the log-probs are zeros of each response's length (ratio 1, no KL)."""
 
     def __init__(self, device: Device, *, reference: bool) -> None:
         self.device = device
         self.reference = reference  # the trainer's own reference log-probs (no reference worker)
 
-    def forward(
-        self,
-        groups: Sequence[PackGroup],
-        *,
-        temperature: float = 1.0,
-        token_budget: int = 4096,
-        pack: bool = True,
-        max_responses_per_row: int | None = None,
-    ) -> SimulatedLogprobs:
+    def forward(self, groups: Sequence[PackGroup], **_: Any) -> SimulatedLogprobs:
+        """``TriModel.forward``'s call; its packing keywords price nothing here."""
         import torch
 
         lengths = [len(r) for g in groups for r in g.responses]
@@ -224,9 +182,8 @@ class SimulatedTriModel:
 
 
 class SimulatedTrainingEngine:
-    """A ``TrainerEngine`` without parameters: ``backward`` ends the hold the forward began
-    (``train_s`` covers both), each optimizer ``step`` holds ``cost.step_s(1)``, and the "weights" are one tensor,
-    the policy version (rollout engines pay the cost model's sync time, not a real copy)."""
+    """A ``TrainerEngine`` without parameters: ``backward`` ends the forward's hold, ``step`` holds
+    ``cost.step_s(1)``, and the "weights" are one tensor, the policy version."""
 
     def __init__(self, device: Device, *, updates_per_batch: int = 1) -> None:
         self.device = device

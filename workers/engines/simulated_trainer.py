@@ -1,12 +1,6 @@
-"""The ``simulated`` trainer: the real ``Trainer`` lifecycle over a simulated training engine.
-
-Owns only the wiring. Everything a trainer does with its rows (claim whole groups, park later
-iterations, never train a row twice, drop dead groups, step once every row of the iteration is in,
-publish, report, ack after the step) is ``workers.trainer.Trainer``'s own code; the compute is
-``SimulatedTriModel`` (a device hold of ``cost.train_s`` per micro-batch, zero log-probs) and
-``SimulatedTrainingEngine`` (``cost.step_s`` per optimizer step, a one-tensor "weights" file per
-version), both in ``workers.engines.simulated``. Kept apart from that module because the trainer
-imports torch, which the simulated rollout, reward and reference roles do not need.
+"""The ``simulated`` trainer: the real ``Trainer`` lifecycle over the simulated training engine of
+``workers.engines.simulated`` (kept apart: the trainer imports torch, the other simulated roles do
+not). See docs/engines.md, "The simulated trainer".
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ from workers.weights import WeightPublisher
 
 
 class SimulatedTrainer(Trainer):
-    """``Trainer`` whose device is simulated (see the module docstring); one rank, no checkpoints."""
+    """``Trainer`` whose device is simulated (docs/engines.md); one rank, no checkpoints."""
 
     def __init__(
         self,

@@ -1,50 +1,14 @@
 """The in-process torch rollout engine: batched sampling with a KV cache over any HF causal LM.
 
-Owns ``TorchRolloutEngine``, which implements ``RolloutEngine`` (see ``base`` for the log-prob,
-stop-token and seeding contract). How one ``generate`` call runs:
-
-1. The ``len(prompts) * n`` rows (prompt i repeated n times, in order) run as ONE batch, or in
-   chunks of at most ``max_batch_size`` rows when that is set (``rollout.rows_per_generate``).
-   Measured on a 4.2 M-parameter Qwen2 (docs/engines.md, ``streamflow bench generate``): 128 rows
-   in one batch cost about half of two 64-row chunks, so the default is the whole call.
-2. Each chunk is LEFT-padded; ``attention_mask`` marks real tokens and ``position_ids`` count real
-   tokens only (``cumsum(mask) - 1``), so a padded row sees exactly what it would see alone.
-3. One prefill forward fills a ``DynamicCache``; then one forward per new token ([B, 1] input, a
-   view of a preallocated mask one column wider, positions advanced by one). Sampling
-   (temperature, top-p, stop tokens) is vectorised over the chunk: no per-row Python work inside
-   the loop.
-4. Rows that have finished keep being fed a pad token (their outputs are ignored) until every row of
-   the chunk has finished or ``max_new_tokens`` is reached; the cost is a few wasted rows, which is
-   cheaper than re-packing the cache for the short responses this engine is used for.
-
-Sampling is inverse-CDF sampling with one uniform per row and step: the token is where
-``u * mass`` falls in the cumulative sum of ``exp(log_softmax(logits / T))`` (top-p: over the
-kept prefix of the sorted distribution), an exact draw from the tempered (truncated) distribution
-that reuses the log-softmax the behaviour log-prob needs anyway. Greedy: ``temperature <=
-GREEDY_TEMPERATURE`` means argmax (temperature -> 0); its log-probs are those of the untempered
-distribution.
-
-Reproducibility, per row: row j of prompt i draws its ``max_new_tokens`` uniforms from its own
-``torch.Generator`` seeded ``prompt_seed(i) + j``, where ``prompt_seed(i)`` is
-``params.prompt_seeds[i]`` when given, else ``params.seed + i * n`` (vLLM's convention: request
-seed s, child j seeded s + j). So a row's samples depend only on its seed, its prompt, the weights
-and the parameters: not on the other prompts of the call, the chunking or the order (up to float
-rounding of the batched logits). With no seed the global torch RNG is used.
-
-Per-token costs removed from the decode loop (measured with cProfile, docs/engines.md): the KV
-cache is preallocated for the whole generation (``_PreallocatedLayer``: no ``torch.cat`` of the
-cache per token), and with sdpa a one-token step attends each KV head with its group of query
-heads (``decode_sdpa_attention``: no copy of the cache per layer to repeat grouped KV heads).
-
-HF ``generate`` is not used: we need the exact full-vocabulary log-prob of every sampled token
-before top-p truncation (the behaviour log-prob contract), which is one gather here.
+Owns ``TorchRolloutEngine`` (left-padded chunks, a preallocated KV cache, inverse-CDF sampling with
+one seeded uniform per row and step). How a call runs and why: docs/engines.md, "The torch rollout
+engine: how one generate call runs".
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,19 +23,18 @@ from workers.engines.base import (
     FINISH_STOP,
     Generation,
     SamplingParams,
+    check_generate,
     prompt_seeds_of,
 )
+from workers.packing import attention_implementation
 
 GREEDY_TEMPERATURE = 1e-5
 DECODE_ATTENTION = "streamflow_decode_sdpa"
 
 
 class _PreallocatedLayer(DynamicLayer):
-    """A full-attention KV-cache layer whose buffer holds the whole generation from the start.
-
-    ``DynamicLayer`` grows by ``torch.cat`` at every step (the whole cache copied per token per
-    layer); this one writes the new step in place and hands attention a view of the filled part.
-    """
+    """A full-attention KV-cache layer preallocated for the whole generation: each step is written
+    in place (``DynamicLayer`` copies the whole cache with ``torch.cat`` per token per layer)."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
@@ -101,10 +64,8 @@ class _PreallocatedLayer(DynamicLayer):
 def _cache_for(model: PreTrainedModel, capacity: int) -> DynamicCache:
     """A ``DynamicCache`` whose plain full-attention layers are preallocated to ``capacity``."""
     cache = DynamicCache(config=model.config)
-    cache.layers = [
-        _PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
-        for layer in cache.layers
-    ]
+    cache.layers = [_PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
     return cache
 
 
@@ -118,19 +79,13 @@ def decode_sdpa_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA that skips copying grouped KV heads when decoding one token.
-
-    Plain SDPA with grouped-query attention repeats every KV head for its query heads (a copy of
-    the whole cache per layer per token, measured as large as all the linear layers of a 4-layer
-    model). With one new token the H query heads are instead viewed as ``H / Hkv`` queries of each
-    KV head: the same dot products, over the cache as it is. Prefill (q > 1) is plain SDPA.
-    """
+    """SDPA that, for one new token, views the H query heads as ``H / Hkv`` queries of each KV head
+    instead of copying the grouped KV heads (docs/engines.md); prefill (q > 1) is plain SDPA."""
     groups = getattr(module, "num_key_value_groups", 1)
     b, h, q, d = query.shape
     if q != 1 or groups == 1 or dropout or kwargs.get("output_attentions"):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     mask = attention_mask
     if mask is not None:
         mask = mask[:, :, :, : key.shape[-2]]  # [B, 1, 1, T]: the same for every query head
@@ -144,37 +99,20 @@ AttentionInterface.register(DECODE_ATTENTION, decode_sdpa_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
 
 
-@contextlib.contextmanager
-def _decode_attention(model: PreTrainedModel) -> Iterator[None]:
-    """Use ``decode_sdpa_attention`` for one generate call when the model is set to sdpa."""
-    config = model.config
-    before = config._attn_implementation
-    if before != "sdpa":
-        yield
-        return
-    config._attn_implementation = DECODE_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
-
-
 def row_seeds(params: SamplingParams, num_prompts: int, n: int) -> list[int] | None:
     """The seed of each of the ``num_prompts * n`` rows (None: unseeded, global RNG)."""
     bases = prompt_seeds_of(params, num_prompts, n)
     return None if bases is None else [b + j for b in bases for j in range(n)]
 
 
-class _Uniforms:
+def _uniforms(seeds: list[int] | None, batch: int, max_new: int, dev: torch.device) -> torch.Tensor:
     """One uniform in [0, 1) per row and step, each row from its own generator."""
-
-    def __init__(self, seeds: list[int] | None, batch: int, max_new: int, device: torch.device):
-        if seeds is None:
-            self.u = torch.rand((batch, max_new), device=device)
-        else:
-            self.u = torch.empty((batch, max_new), device=device)
-            for row, seed in zip(self.u, seeds, strict=True):
-                row.uniform_(generator=torch.Generator(device=device).manual_seed(seed))
+    if seeds is None:
+        return torch.rand((batch, max_new), device=dev)
+    u = torch.empty((batch, max_new), device=dev)
+    for row, seed in zip(u, seeds, strict=True):
+        row.uniform_(generator=torch.Generator(device=dev).manual_seed(seed))
+    return u
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -208,17 +146,12 @@ def _sample(
 
 
 class TorchRolloutEngine:
-    """``RolloutEngine`` over an HF causal LM held in this process (see module docstring)."""
+    """``RolloutEngine`` over an HF causal LM held in this process (docs/engines.md)."""
 
     def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer_or_eos_ids: PreTrainedTokenizerBase | Sequence[int],
-        *,
-        device: str | torch.device = "cpu",
-        max_batch_size: int | None = None,
-        pad_token_id: int | None = None,
-        policy_version: int = 0,
+        self, model: PreTrainedModel, tokenizer_or_eos_ids: PreTrainedTokenizerBase | Sequence[int],
+        *, device: str | torch.device = "cpu", max_batch_size: int | None = None,
+        pad_token_id: int | None = None, policy_version: int = 0,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be None or >= 1, got {max_batch_size}")
@@ -232,8 +165,7 @@ class TorchRolloutEngine:
             eos = tuple(int(t) for t in tokenizer_or_eos_ids)
             pad = None
         self.eos_token_ids: tuple[int, ...] = eos
-        if pad_token_id is not None:
-            pad = pad_token_id
+        pad = pad_token_id if pad_token_id is not None else pad
         self.pad_token_id = int(pad if pad is not None else (eos[0] if eos else 0))
         self.max_batch_size = max_batch_size  # rows per forward batch; None = the whole call
         self.policy_version = int(policy_version)
@@ -244,24 +176,18 @@ class TorchRolloutEngine:
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy HF-named tensors into the model in place; unknown names or shapes are errors.
-
-        Names absent from ``weights`` keep their current values (a partial update is allowed);
-        tied weights (e.g. ``lm_head.weight``) may be sent or not.
-        """
+        Names absent from ``weights`` (e.g. a tied ``lm_head.weight``) keep their values."""
         targets = self.model.state_dict()
         unknown = sorted(k for k in weights if k not in targets)
         if unknown:
             raise KeyError(
-                f"load_weights: unknown parameter names {unknown[:5]} (of {len(unknown)})"
-            )
+                f"load_weights: unknown parameter names {unknown[:5]} (of {len(unknown)})")
         with torch.no_grad():
             for name, value in weights.items():
                 target = targets[name]
                 if tuple(value.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"load_weights: {name} has shape {tuple(value.shape)}, "
-                        f"expected {tuple(target.shape)}"
-                    )
+                    raise ValueError(f"load_weights: {name} has shape {tuple(value.shape)}, "
+                                     f"expected {tuple(target.shape)}")
                 target.copy_(value.to(device=target.device, dtype=target.dtype))
         self.policy_version = int(version)
 
@@ -273,23 +199,17 @@ class TorchRolloutEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Generation]]:
-        """``n`` samples per prompt, in prompt order (see module docstring)."""
-        if n < 1:
-            raise ValueError(f"generate: n must be >= 1, got {n}")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty (needs at least one token)")
+        """``n`` samples per prompt, in prompt order (docs/engines.md)."""
+        check_generate(prompts, n)
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         seeds = row_seeds(params, len(prompts), n)
-        stop_ids = torch.tensor(
-            sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
-            dtype=torch.long,
-            device=self.device,
-        )
+        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
+                                dtype=torch.long, device=self.device)
         t0 = time.perf_counter()
         flat: list[Generation] = []
         step = self.max_batch_size or max(len(rows), 1)
-        with _decode_attention(self.model):
+        impl = self.model.config._attn_implementation  # sdpa: one-token steps skip the KV copy
+        with attention_implementation(self.model, DECODE_ATTENTION if impl == "sdpa" else impl):
             for start in range(0, len(rows), step):
                 chunk = rows[start : start + step]
                 chunk_seeds = None if seeds is None else seeds[start : start + step]
@@ -299,13 +219,8 @@ class TorchRolloutEngine:
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.inference_mode()
-    def _generate_chunk(
-        self,
-        rows: list[list[int]],
-        params: SamplingParams,
-        stop_ids: torch.Tensor,
-        seeds: list[int] | None,
-    ) -> list[Generation]:
+    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, stop_ids: torch.Tensor,
+                        seeds: list[int] | None) -> list[Generation]:
         dev = self.device
         batch = len(rows)
         width = max(len(r) for r in rows)
@@ -322,17 +237,12 @@ class TorchRolloutEngine:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
         cache = _cache_for(self.model, width + max_new)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
         logits = out.logits[:, -1, :].float()
         next_pos = position_ids[:, -1:] + 1  # [B, 1]
-        uniforms = _Uniforms(seeds, batch, max_new, dev).u
+        uniforms = _uniforms(seeds, batch, max_new, dev)
 
         tokens = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=dev)
         logps = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)
@@ -348,23 +258,12 @@ class TorchRolloutEngine:
             finished |= stopped
             if step == max_new - 1 or bool(finished.all()):
                 break
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=full_mask[:, : width + step + 1],
-                position_ids=next_pos,
-                past_key_values=cache,
-                use_cache=True,
-            )
+            out = self.model(input_ids=token[:, None], position_ids=next_pos, use_cache=True,
+                             attention_mask=full_mask[:, : width + step + 1], past_key_values=cache)
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
 
         tokens_l, logps_l = tokens.tolist(), logps.tolist()
         lengths_l, finished_l = lengths.tolist(), finished.tolist()
-        return [
-            Generation(
-                token_ids=tokens_l[i][: lengths_l[i]],
-                logprobs=logps_l[i][: lengths_l[i]],
-                finish_reason=FINISH_STOP if finished_l[i] else FINISH_LENGTH,
-            )
-            for i in range(batch)
-        ]
+        return [Generation(tokens_l[i][: lengths_l[i]], logps_l[i][: lengths_l[i]],
+                           FINISH_STOP if finished_l[i] else FINISH_LENGTH) for i in range(batch)]

