@@ -1,15 +1,8 @@
 """The ``streamflow`` command line: run, store serve, bench, report, model convert-smollm2.
 
-Owns: argument parsing and the wiring of each subcommand to the module that does the work.
-Each subcommand imports its module lazily, so ``streamflow run --dry-run`` or ``streamflow
-report`` never import torch, and a broken optional engine cannot break unrelated commands.
-
-Exit codes: 0 success; 1 the run (or bench, or server) failed; 2 usage or configuration error
-(a busy port, a missing file, a run directory that already holds a run included); 128 + the
-signal when a run was stopped by Ctrl-C (130) or SIGTERM (143): the run stopped cleanly, its
-summary says ``interrupted``, and ``run.resume=auto`` continues it (streamflow/interrupt.py).
-Errors are one line on stderr (``error: <key>: <what was wrong>``); tracebacks only for
-unexpected errors at ``run.log_level=DEBUG``.
+Argument parsing and the lazy wiring of each subcommand to its module (no torch for ``--dry-run``
+or ``report``). Exit codes: 0 ok, 1 failed, 2 usage/config error, 128 + signal when stopped
+(docs/controller.md "CLI exit codes").
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """The processes of a streaming run: what the RL loop needs from them, and the one-host cluster.
 
-The controller (``streamflow.controller``) never starts a process itself: it asks a ``Cluster``.
-``LocalCluster`` runs every process on this host under one ``Supervisor``; the multi-host cluster
-(``streamflow.launch.MultiHostCluster``) extends it with the processes of the other hosts.
-
-Lifecycle, in the order the controller calls it::
-
-    start_store()        store nodes up (ready files read)       -> their addresses
-    start_coordinator()  the shard coordinator thread (balancer)  -> its address or None
-    start_workers()      one process per worker (configs written under <run>/workers/)
-    mark_ready(name)     a worker reported ready (restarts are allowed from then on)
-    check()              every loop turn: restarts what may be restarted; a terminal cause or None
-    stop(between, ...)   workers first, then ``between`` (the store's final counts), then stores
-    kill()               a second Ctrl-C: everything SIGKILLed at once (signal-safe)
-
-Restart rules (docs/faults.md) are the supervisor's ``before_restart`` hooks set here. One
-``start_store_node`` and one ``start_worker`` serve both clusters and the other hosts' launchers.
+The controller never starts a process itself: it asks a ``Cluster``. ``LocalCluster`` runs every
+process on this host under one ``Supervisor``; the restart rules (docs/faults.md) are the
+supervisor's ``before_restart`` hooks set here. Lifecycle and rules: docs/controller.md.
 """
 
 from __future__ import annotations
@@ -53,7 +40,7 @@ class WorkerFailed(RuntimeError):
 
 
 class Cluster(Protocol):
-    """What the RL loop needs from the processes of a streaming run (see the module docstring)."""
+    """What the RL loop needs from the processes of a streaming run (docs/controller.md)."""
 
     host: str  # where this host's services bind (the shard coordinator)
     events_bind: str  # where the controller's report socket binds
@@ -107,10 +94,8 @@ class StoreNode:
         return [(f"127.0.0.1:{port}", "store", self.child.name)] if port else []
 
     def restart_in_place(self, on_back: Callable[[], None]) -> None:
-        """The store restart rule (with store.persist): the node comes back on the same address
-        with the same --persist-dir and recovers its tables before it serves; leases do not
-        survive (rows leased at the crash are READY again, delivery counts kept), so workers see
-        their leases fenced and go on. ``on_back`` runs once it serves again."""
+        """The store restart rule (store.persist; docs/controller.md): back on the same address
+        and --persist-dir; ``on_back`` runs once it serves again."""
 
         def before(child: Child) -> None:
             self.ready_file = Path(tempfile.mkdtemp(prefix="sf-store-")) / "ready.json"
@@ -168,12 +153,10 @@ def start_worker(sup: Supervisor, name: str, role: str, wcfg: Any, path: Path, t
     ], threads=threads)
 
 
-def trainer_restart(cfg: RunConfig, run_dir: Path, wcfg: Any, path: Path) -> Callable[[Child], None]:
+def trainer_restart(cfg: RunConfig, run_dir: Path, wcfg: Any,
+                    path: Path) -> Callable[[Child], None]:
     """The trainer restart rule: resume from the newest checkpoint, which must hold every acked
-    row — true only with a checkpoint after every step (the trainer checkpoints before it acks).
-    Rows of the unfinished iteration were never acked: their leases expire and they are trained
-    again; rows the dead trainer had trained before its checkpoint come back (if unacked) and
-    are acked without training."""
+    row, so only with ``run.checkpoint_every=1`` (docs/controller.md "Resume rules")."""
 
     def before_restart(child: Child) -> None:
         from workers.checkpoint import latest_checkpoint, read_state
@@ -243,10 +226,7 @@ class LocalCluster:
                     self.plan.table)
 
     def start_coordinator(self, client: Any, addresses: list[str]) -> str | None:
-        """The shard coordinator (a thread of this process) when ``store.balancer`` is on and the
-        store has at least two shards; None otherwise (workers then claim from any shard). With
-        ``metrics.enabled`` it serves its own /metrics (``streamflow_coordinator_*``) on
-        ``metrics.host`` and a free port, listed as role and worker ``coordinator``."""
+        """The shard coordinator thread (``store.balancer`` and >= 2 shards), else None."""
         if not self.cfg.store.balancer or len(client.stats(self.plan.table).shards) < 2:
             return None
         from storage.coordinator import Coordinator

@@ -1,29 +1,8 @@
 """Which device and dtype each process of a run gets, and whether this host has the GPUs for it.
 
-Owns ``visible_gpus`` (a probe that never imports torch, so ``streamflow run --dry-run`` stays
-light) and ``resolve_devices`` (pure: config + GPU count -> one ``RoleDevices`` per run), whose
-errors are ``ConfigValueError``s naming the key at fault, in one line:
-
-- ``rollout.device: 'cuda' asked for but no CUDA device is visible ...``
-- ``trainer.device: cuda:3 does not exist (2 GPUs visible: cuda:0..cuda:1)``
-- ``devices.placement: 'separate' needs 4 GPUs (trainer 1 + reference 1 + rollout 2), 2 visible``
-
-Placement on one host (roles whose device is ``auto`` or ``cuda``; an explicit ``cuda:N`` or
-``cpu`` is kept as given):
-
-- no GPU: every ``auto`` role on the CPU;
-- colocated: every role on ``cuda:0`` (trainer rank r of DeepSpeed on ``cuda:r``: NCCL needs one
-  GPU per rank), weight sync between processes on the same GPU;
-- separate (streaming modes): trainer ranks on ``cuda:0..T-1``, the reference worker on the next
-  GPU, each rollout worker on a GPU of its own — the layout of verl/TRL's "separate" placement;
-- auto: separate when the GPUs suffice, else colocated.
-
-Dtypes: a role's own ``dtype``, else ``model.dtype``, else (both ``auto``) bfloat16 on a GPU and
-float32 on the CPU.
-
-The probe: ``CUDA_VISIBLE_DEVICES`` (empty or -1: none) bounded by the driver's device count from
-``/proc/driver/nvidia/gpus`` (or ``nvidia-smi -L`` where /proc has none). The worker processes check
-again with torch when they place their model (``workers/devices.py``), which is authoritative.
+``visible_gpus`` probes without torch; ``resolve_devices`` is pure (config + GPU count ->
+``RoleDevices``) and raises one-line ``ConfigValueError``s naming the key. Placement and dtype
+rules: docs/controller.md "Devices".
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Ctrl-C and SIGTERM for ``streamflow run``: the first asks for a clean stop, the second forces it.
 
-Owns: ``StopSignals``, the process's handlers for SIGINT and SIGTERM while a run is on.
-
-Contract (the CLI's exit codes follow it, README "Stopping"):
-
-- first SIGINT or SIGTERM: ``KeyboardInterrupt`` is raised in the main thread (wherever it is:
-  warm start, start-up, the RL loop) and the signal is remembered (``signal_name``). The controller
-  then stops its workers in order — each finishes its turn and releases its leases, the store node
-  last — and writes ``summary.json`` with status ``interrupted``; the CLI exits 128 + the signal
-  number (130 for Ctrl-C, 143 for SIGTERM), as a process killed by that signal would, and as
-  torchrun and a Python program (TRL's trainers) stopped by Ctrl-C do: non-zero, so a shell
-  script or scheduler never mistakes a stopped run for a finished one.
-- any further signal: the stop is forced. Every callback registered with ``on_force`` runs (the
-  supervisor SIGKILLs its children, skipping the grace period) and nothing is raised, so the
-  controller still writes the summary.
-
-Children never see the terminal's SIGINT (streamflow/supervisor.py starts each in its own
-session), so the order of the stop is the controller's alone.
+``StopSignals``: the first signal raises ``KeyboardInterrupt`` in the main thread and is
+remembered (the CLI exits 128 + it); any further one runs the ``on_force`` callbacks and raises
+nothing (docs/controller.md "Stopping").
 """
 
 from __future__ import annotations

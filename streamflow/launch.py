@@ -1,73 +1,27 @@
 """One run over several hosts: ``streamflow launch CONFIG --node-rank N --nodes M --coordinator H:P``.
 
-Every host runs the same command with the same config and its own ``--node-rank``; the config's
-``placement.nodes[N]`` says what runs there (store nodes, rollout/reward/reference workers, trainer
-ranks) and which address its services bind. Node 0 also runs the coordinator (at ``--coordinator``)
-and the controller. Nothing else is configured per host: every address is exchanged through the
-coordinator's key-value directory (``storage.coordinator``), the rendezvous of the run:
-
-    key                      written by                 value
-    store/<i>                the node hosting store i   its ZeroMQ address (global node index i)
-    run/events               controller                 its report (PULL) address
-    worker/<name>            controller                 {"role", "threads", "config"}: the worker's
-                                                        typed config (workers.config JSON)
-    run/weights              the trainer's node         {"announce": PUB, "serve": fetch ROUTER}
-    run/trainer-master       the first trainer node     host:port of torch's rendezvous
-    node/<r>/beat            launcher r, every 0.5 s    a counter (liveness, no clocks compared)
-    node/<r>/failed          launcher r                 the cause (a child failed, a lost peer)
-    exit/<name>              launcher                   exit status of a worker that ended (trainer)
-    run/stop                 controller                 "stop your workers" (the run is over)
-    node/<r>/stopped         launcher r                 its workers exited (leases released)
-    run/end                  controller                 "ok" or "failed: <cause>": stop and exit
-    node/<r>/exited          launcher r                 its store nodes stopped; it exits now
-
-Lifecycle. The controller (node 0) starts its own store nodes, waits until every ``store/<i>`` is
-registered, creates the table, hands each remote worker its config through ``worker/<name>``,
-starts its local workers and waits for every worker's "ready" report (reports travel to
-``run/events`` from any host). A launcher N > 0 (``streamflow/launch_node.py``) starts its store
-nodes, registers them, looks up its workers' configs, finishes them for its host (bind address, its
-own weights directory, the trainer's weights endpoints) and starts them; then it heartbeats and
-watches its children until ``run/stop``. The end is two-phase so the controller reads the store's
-final counts after every worker everywhere has released its leases: ``run/stop`` -> workers stop ->
-``node/<r>/stopped`` -> final counts -> ``run/end`` -> store nodes stop -> ``node/<r>/exited``.
-
-Failure is bounded: a child failing on any node is registered under ``node/<r>/failed`` and
-fails the run (the controller checks twice a second); a launcher whose beat has not changed for
-``placement.node_timeout_s`` fails it too; a launcher that cannot reach the coordinator for that
-long, or learns ``run/end = failed``, stops its children and exits 1 with the cause. A network cut
-shorter than ``node_timeout_s`` is ridden out: leases of the cut-off workers expire, their rows go
-to workers elsewhere, and their late writes are fenced by the store.
-
-Weights: hosts share no ``/dev/shm``. Each node has its own weights directory; the trainer serves
-its published versions over ZeroMQ (``workers/weights_net.py``) and a rollout worker on another
-node copies each version into its own directory before loading it.
-
-Trainer ranks (``trainer.engine=deepspeed``) spread over several nodes are started by torch's own
-launcher on each of them (``python -m torch.distributed.run --nnodes K --node-rank j
---master-addr/--master-port`` of the first trainer node: torch's static rendezvous, whose TCP store
-the first trainer node's torchrun hosts); rank 0 talks to the store. The ranks' gloo traffic is
-pinned to the interface carrying this node's ``host`` (``GLOO_SOCKET_IFNAME``, unless already set):
-left alone, gloo takes the address the machine's hostname resolves to, often a loopback address
-the other nodes cannot reach.
-
-Where it lives: node 0's side is ``MultiHostCluster`` below (the controller's ``Cluster``, see
-``streamflow/cluster.py``); a node N > 0 is ``streamflow/launch_node.py``; what both start on
-their host, the placement and the keys are ``streamflow/node.py``.
+Node 0 runs the coordinator and the controller over a ``MultiHostCluster``; a node N > 0 runs a
+``RemoteNode`` (its store nodes, workers and heartbeat). What both start on their host, the
+placement and the directory's keys are ``streamflow/node.py``; the protocol (keys, two-phase end,
+failure rules, weights across hosts, trainer ranks): docs/controller.md "Several hosts".
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import shutil
 import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from storage.coordinator import Coordinator, CoordinatorClient, LookupTimeout
 from storage.errors import StoreError
-from streamflow.cluster import LocalCluster, WorkerSpec
+from streamflow.cluster import LocalCluster, WorkerFailed, WorkerSpec
 from streamflow.config import RunConfig
 from streamflow.metrics import with_metrics
 from streamflow.node import (
@@ -82,11 +36,14 @@ from streamflow.node import (
     LaunchError,
     NodeRuntime,
     check_launch,
+    local_weights_dir,
     node_key,
+    store_slots,
     trainer_nodes,
     worker_nodes,
 )
-from workers.config import to_json
+from streamflow.supervisor import Supervisor
+from workers.config import from_json, to_json
 
 if TYPE_CHECKING:
     from streamflow.stages import RunPlan
@@ -259,6 +216,149 @@ def launch(cfg: RunConfig, *, node_rank: int, nodes: int, coordinator: str) -> i
             print(f"error: run failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             return 1
         return 0 if summary.status in ("ok", "interrupted") else 1
-    from streamflow.launch_node import RemoteNode
-
     return RemoteNode(cfg, node_rank, coordinator).run()
+
+
+class RemoteNode:
+    """A launcher N > 0: its children, its heartbeat, and the run's end as node 0 signals it."""
+
+    def __init__(self, cfg: RunConfig, rank: int, coordinator: str) -> None:
+        self.cfg, self.rank = cfg, rank
+        self.coord = CoordinatorClient(f"tcp://{coordinator}", request_timeout=5.0)
+        out = Path(cfg.run.output_dir)
+        self.sup = Supervisor(out / "logs" / f"node-{rank}")
+        self.weights_dir = local_weights_dir(rank)
+        self.runtime = NodeRuntime(cfg, rank, self.coord, self.sup,
+                                   out / "workers" / f"node-{rank}", self.weights_dir)
+        self._beat = itertools.count()
+        self._last_beat = 0.0
+        self._reached = time.monotonic()  # last time the coordinator answered
+        self._exits: set[str] = set()
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """A coordinator call; a lost coordinator is tolerated up to ``node_timeout_s``."""
+        try:
+            value = fn(*args)
+        except LookupTimeout:
+            self._reached = time.monotonic()
+            raise
+        except StoreError as exc:
+            silent = time.monotonic() - self._reached
+            if silent > self.cfg.placement.node_timeout_s:
+                raise LaunchError(f"lost the coordinator for {silent:.0f}s "
+                                  f"(placement.node_timeout_s): {exc}") from None
+            time.sleep(0.2)
+            return None
+        self._reached = time.monotonic()
+        return value
+
+    def tick(self, watch: bool = True) -> None:
+        """Heartbeat, and (``watch``) fail fast when a child of this node failed."""
+        if time.monotonic() - self._last_beat >= BEAT_S:
+            self._last_beat = time.monotonic()
+            self._call(self.coord.register, node_key(self.rank, "beat"), str(next(self._beat)))
+        for child in self.sup.children.values() if watch else ():
+            code = child.exit_code()
+            if code is None:
+                continue
+            if code != 0:
+                raise LaunchError(f"{child.name} exited with status {code}:\n{child.log_tail()}")
+            if child.name not in self._exits and child.role != "store":
+                self._exits.add(child.name)
+                self._call(self.coord.register, f"{EXIT}{child.name}", "0")
+
+    def wait_key(self, key: str, timeout_s: float, *, watch: bool = True) -> str | None:
+        """Wait for ``key`` while heartbeating; None on ``run/end`` first or the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.tick(watch)
+            for k, wait in ((key, BEAT_S), (END, 0.0)):
+                try:
+                    value = self._call(self.coord.lookup, k, wait)
+                except LookupTimeout:
+                    continue
+                if value is not None:
+                    if k == END and key != END:
+                        return None
+                    return value
+        return None
+
+    def run(self) -> int:
+        cfg, rank = self.cfg, self.rank
+        deadline = time.monotonic() + cfg.run.startup_timeout_s
+        try:
+            while True:  # node 0 may start later than this one
+                try:
+                    self.coord.register(node_key(rank, "beat"), "start")
+                    break
+                except StoreError as exc:
+                    if time.monotonic() > deadline:
+                        raise LaunchError(f"no coordinator at {self.coord.address} within "
+                                          f"run.startup_timeout_s: {exc}") from None
+                    time.sleep(0.2)
+            self._reached = time.monotonic()
+            self.tick()
+            self.runtime.start_stores(deadline)
+            mine = [n for n, r in worker_nodes(cfg).items() if r == rank]
+            if rank in trainer_nodes(cfg) and "trainer-0" not in mine:
+                mine.append("trainer-0")  # this host runs some of the trainer's ranks
+            for name in sorted(mine, key=lambda n: not n.startswith("trainer")):
+                spec = self.wait_key(f"{WORKER}{name}", deadline - time.monotonic())
+                if spec is None:
+                    return self._ended_before_start(name)
+                spec = json.loads(spec)
+                wcfg = from_json(spec["role"], spec["config"])
+                self.runtime.start_worker(name, spec["role"], wcfg, int(spec["threads"]))
+            log.info("node %d: %d store node(s) and %s running", rank,
+                     len(store_slots(cfg, rank)), mine or "no workers")
+            while self.wait_key(STOP, 3600.0) is None:
+                if self._end() is not None:
+                    break
+            return self._finish()
+        except (LaunchError, WorkerFailed, StoreError, OSError, ValueError) as exc:
+            cause = str(exc)
+            print(f"error: node {rank}: {cause}", file=sys.stderr, flush=True)
+            try:
+                self.coord.register(node_key(rank, "failed"), cause[-4000:])
+            except StoreError:
+                pass
+            return 1  # its children are stopped below
+        finally:
+            self.sup.stop_all(grace_s=5.0)
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
+            self.coord.close()
+
+    def _end(self) -> str | None:
+        try:
+            return self._call(self.coord.lookup, END, 0.0)
+        except LookupTimeout:
+            return None
+
+    def _ended_before_start(self, name: str) -> int:
+        end = self._end()
+        raise LaunchError(f"the run ended before {name} got its config ({end})" if end
+                          else f"no config for {name} within run.startup_timeout_s")
+
+    def _finish(self) -> int:
+        """Two-phase stop: workers (they release their leases), then the store nodes."""
+        end: dict[str, str | None] = {"value": None}
+
+        def between() -> None:  # workers are gone (whatever their status): wait for the verdict
+            try:
+                self._call(self.coord.register, node_key(self.rank, "stopped"), "1")
+                end["value"] = self.wait_key(END, 60.0, watch=False)
+            except Exception as exc:  # stop_all would swallow it: keep the cause
+                end["value"] = f"ended while waiting for the verdict: {exc}"
+
+        self.sup.stop_all(grace_s=10.0, between=between)
+        try:
+            self.coord.register(node_key(self.rank, "exited"), "1")
+        except StoreError:
+            pass
+        value = end["value"]
+        if value == "ok":
+            print(f"node {self.rank}: run finished", file=sys.stderr, flush=True)
+            return 0
+        print(f"error: node {self.rank}: run {value or 'ended without a verdict'}",
+              file=sys.stderr, flush=True)
+        return 1

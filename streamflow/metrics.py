@@ -1,22 +1,8 @@
 """Prometheus metrics of the controller, and the run's service-discovery file.
 
-Owns:
-
-- ``ControllerMetrics``: the run-level series (iterations, reward, held-out accuracy, staleness,
-  queue depth per task, workers alive per role) in a private registry, served on
-  ``metrics.host:metrics.port`` (port 0 = a free port). Fed from what the controller already
-  computes: one ``IterationRecord`` per step, the queue depths it polls every second, and its
-  supervisor's children.
-- ``write_targets``: ``<run_dir>/prometheus/targets.json``, a Prometheus file-based
-  service-discovery list (``file_sd_configs``) of every endpoint of the run — controller, store
-  node(s), the shard coordinator (role ``coordinator``, when ``store.balancer`` starts one), each
-  worker — with the target labels ``role`` and ``worker``. Prometheus re-reads the
-  file when it changes, so a run is scraped without editing any Prometheus config. Written
-  atomically (tmp + rename), as Prometheus requires.
-- ``with_metrics``: a worker's config with the metrics endpoint switched on (or left off).
-
-With ``metrics.enabled=false`` nothing here is created: no port is bound, no file written.
-Label values are bounded: ``task`` comes from the table spec, ``role`` from the four roles.
+``ControllerMetrics`` (run-level series), ``write_targets`` (``prometheus/targets.json``) and
+``with_metrics`` (a worker config with its endpoint on or off). Nothing is created with
+``metrics.enabled=false`` (docs/controller.md "Metrics").
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """One host of a multi-host run: placement, the directory's keys, and what a node starts there.
 
-Shared by node 0 (``streamflow.launch.MultiHostCluster``) and the other nodes' launchers
-(``streamflow.launch_node``); their protocol and the directory's keys: ``streamflow/launch.py``.
-Every host reads ``placement.nodes`` the same way (names and indices count up in list order), so
-each knows what it runs without asking anyone.
+Shared by node 0 (``MultiHostCluster``) and the other nodes (``RemoteNode``), both in
+``streamflow/launch.py``; the protocol: docs/controller.md "Several hosts".
 """
 
 from __future__ import annotations
@@ -28,8 +26,6 @@ STORE, EVENTS, WORKER, WEIGHTS = "store/", "run/events", "worker/", "run/weights
 TRAINER_MASTER, STOP, END, EXIT = "run/trainer-master", "run/stop", "run/end", "exit/"
 BEAT_S = 0.5
 
-# Placed stores and trainers are not restarted: a store's address is registered in the
-# directory; a trainer must resume from its checkpoint (the other workers rejoin as they are).
 NOT_RESTARTED = "{name} is not restarted in a multi-host run; continue the run with run.resume=auto"
 
 
@@ -143,9 +139,8 @@ class NodeRuntime:
             child.before_restart = refuse_restart(NOT_RESTARTED)
 
     def gloo_env(self, trainer_hosts: int) -> tuple[str, ...]:
-        """``GLOO_SOCKET_IFNAME=<interface of host>`` to prefix torchrun with when the ranks span
-        hosts (gloo would otherwise bind what the hostname resolves to, e.g. 127.0.1.1, and tell
-        the other ranks to connect there). A value already in the environment wins."""
+        """``GLOO_SOCKET_IFNAME=<interface of host>`` for torchrun when the ranks span hosts
+        (docs/controller.md); a value already in the environment wins."""
         if trainer_hosts == 1 or self.sup.env.get("GLOO_SOCKET_IFNAME"):
             return ()
         iface = interface_of(self.host)

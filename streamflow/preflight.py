@@ -1,26 +1,8 @@
 """Checks of a run config against this machine, before anything is built or started.
 
-Owns: ``check(cfg)``, what ``streamflow run`` (and its ``--dry-run``) verifies in well under a
-second, without torch and before the model is built or warm-started, so that a wrong path, a
-typo in ``reward.fn`` or a busy port is one line naming the key within a second or two instead of
-a worker traceback after the warm start. Also owns the run directory's refusal to overwrite
-(``check_output_dir``) and the deletion of an old run's files on ``run.overwrite``
-(``clear_output_dir``).
-
-Every failure is a ``ConfigError`` (one line, ``<key>: <what>``; the CLI exits 2). What is
-checked:
-
-- ``run.output_dir``: refused when it already holds a run, unless ``run.resume`` continues it or
-  ``run.overwrite`` (``--overwrite``) replaces it;
-- ``run.resume``: a checkpoint path must hold ``trainer_state.json``;
-- ``model.path``: a Hugging Face directory (``config.json``, tokenizer files, weights);
-- ``data.file`` (``data.task=file``): readable, with both columns and at least one row;
-- ``reward.fn``: a registered name, or an importable ``module:function`` that is callable;
-- ``rollout.engine=vllm`` / ``trainer.engine=deepspeed``: the package is installed;
-- ``store.port`` and ``metrics.port`` (when not 0): free on their host now. The bind itself is
-  checked again where it happens (a port can be taken in between) and reported the same way.
-
-Light on purpose: imports only ``workers.rewards`` and ``workers.tasks`` (no torch).
+``check(cfg)`` (``streamflow run`` and ``--dry-run``): no torch, well under a second; every
+failure is a one-line ``ConfigError``. Also the output directory's refusal to overwrite and its
+clearing on ``run.overwrite``. What is checked: docs/controller.md "Checks before a run".
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Live progress of a run: a rich panel on a terminal, one log line per iteration elsewhere.
 
-Owns: ``describe_run`` (the short summary a run prints first; the whole resolved config is the
-run directory's ``config.yaml``), ``StepProgress`` (a bar with elapsed time and ETA for a counted
-phase such as the warm start: ``with StepProgress(...) as p: work(progress=p)``, ``p(step,
-total)``) and ``ProgressDisplay``, which the controller feeds with the start-up phase
-(``set_phase``), the start of the RL loop (``start_loop``), each finished ``IterationRecord``
-(``update``) and, between iterations, fresh queue depths (``set_queue_depths``). The panel shows
-elapsed time and an ETA (mean iteration time so far × iterations left), the reward as the mean
-of the first and last windows of iterations (single iterations are noisy) and the held-out
-accuracy before RL next to the latest one.
-
-Lifecycle: create → ``with display:`` (starts the live panel when enabled and stderr is a TTY)
-→ ``update``/``set_queue_depths`` any number of times → exit (the panel stops and leaves its
-last frame on screen). When the display is disabled (``run.progress=false``, or stderr is not a
-terminal: CI, pipes, log files) nothing is drawn and each ``update`` logs exactly one INFO line on
-the ``streamflow.progress`` logger; ``set_queue_depths`` is then silent (no log spam).
-
-It only displays: it never blocks the run, and an exception while drawing is logged, not raised.
+Owns ``describe_run``, ``StepProgress`` (a bar for a counted phase) and ``ProgressDisplay`` (the
+controller's panel). It only displays: an exception while drawing is logged, never raised.
+Lifecycle and what is shown: docs/controller.md "Live progress".
 """
 
 from __future__ import annotations

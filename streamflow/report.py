@@ -1,14 +1,7 @@
 """The run's own report: ``streamflow report RUN_DIR [RUN_DIR_B]`` and the end-of-run summary.
 
-Owns: reading a run directory back (``load_run``), stage utilisation and idle time computed from
-the timeline spans (``stage_usage``), and rendering the human-readable table of one run
-(``render_report``) or of two runs side by side (``render_comparison``).
-
-Invariants: the report only reads the run directory (plus regenerating ``plots/*.png`` when they
-are missing); it works on finished, failed and still-running runs (``summary.json`` missing →
-the summary is recomputed from ``metrics.jsonl``). Utilisation of a stage is the union of its
-workers' busy intervals divided by (workers × timeline window), so overlapping stages each count
-fully: the sum over stages can exceed 100 % — that overlap is the point of streaming.
+Reads a run directory back (finished, failed or still running), computes stage utilisation from
+the timeline spans and renders one run or two side by side (docs/controller.md "The report").
 """
 
 from __future__ import annotations

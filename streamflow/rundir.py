@@ -1,17 +1,7 @@
 """The run directory: what a run leaves behind, and the records written into it.
 
-Layout (``run.output_dir``)::
-
-    config.yaml      the resolved config (reload it with streamflow.config.load_config)
-    metrics.jsonl    one IterationRecord per line, appended and flushed after every iteration
-    timeline.jsonl   StageSpan lines (who ran which stage when), appended as they arrive
-    summary.json     the RunSummary, written atomically (tmp file + rename) at the end
-    checkpoints/     the trainer's checkpoints
-    plots/           rewards.png (reward and accuracy per iteration), timeline.png (Gantt)
-
-Invariants: a reader never sees a half-written ``summary.json`` (atomic rename); every line of
-the ``.jsonl`` files is one complete JSON object once its write returned (lines are flushed);
-readers ignore keys they do not know, so older run directories stay readable as records grow.
+Layout and invariants (atomic ``summary.json``, flushed complete ``.jsonl`` lines, unknown keys
+ignored on read): docs/controller.md "The run directory".
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """What the controller learns while a run goes on: ``RunState``, made once per run.
 
-It holds the iteration records, spans and weight syncs the workers reported, the clocks, the
-/metrics endpoints to scrape and the store's final counts; it turns a trainer's step report into
-the iteration's ``IterationRecord`` (appended to metrics.jsonl and timeline.jsonl at once) and the
-end of the run into its ``RunSummary`` (summary.json and the plots).
-
-Clocks: ``created`` (unix) starts start-up; ``loop_started`` the RL loop (every worker ready);
-``loop_ended`` is the end of the last optimizer step; ``last_progress`` and ``last_depths`` are
-monotonic. Start-up is reported apart from the loop's wall time.
+Records, spans, weight syncs, clocks, /metrics endpoints and the store's final counts; turns a
+step report into an ``IterationRecord`` and the run's end into its ``RunSummary``
+(docs/controller.md "Clocks and the run state").
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """From a run config to what runs: the model on disk, the prompts, and one typed config per worker.
 
-``build_plan`` resolves everything the controller needs before any process starts:
-
-- the policy model directory (a local HF directory, or the built-in tiny model warm-started once
-  and cached under ``runs/.cache/`` keyed by its recipe, so repeated runs reuse it);
-- the prompt source (procedural arithmetic or a user's JSONL/Parquet file) and held-out problems
-  (a file's held-out rows are split off by ``held_out_split``: never trained on);
-- the weights directory for policy versions (``/dev/shm`` when available: weight sync never
-  touches a disk there);
-- the samples table spec and one ``workers.config`` record per worker, each with its device and
-  dtype (``streamflow/devices.py``) and, with collective weight sync, its rank in the weight group
-  whose rendezvous (a TCP store) this process hosts for the whole run.
-
-The workers get their own records (``workers.config``), carrying the settings objects the config
-sections embed (``workers.settings``) as they are, never this module's types: the layers point
-downwards only.
+``build_plan`` resolves everything the controller needs before any process starts; the workers
+get their own records (``workers.config``), never this module's types. Details, the held-out
+split, evaluation and the resume rules: docs/controller.md "The plan" and "Resume rules".
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Typed configuration of a run: every knob of a run declared, defaulted and checked once.
 
-Owns ``RunConfig`` (one field per YAML section), the rules that span sections (packing budget,
-simulated engines, multi-host placement, collective weight sync), the warnings for settings that
-have no effect, and ``load_config`` / ``dump_yaml``. It is also the one import point of its
-modules: ``sections`` (each section's frozen dataclass, defaults and range checks; ``rollout``,
-``reward`` and ``trainer`` embed the workers' settings objects, ``workers.settings``, whose fields
-are flat keys of the section: ``trainer.lr``) and ``convert`` (the one generic converter, the
-safe YAML loader, ``key.sub=value`` overrides and the errors).
-
-Invariants:
-- YAML only *fills values*: files are read with a safe loader (no tags, no eval, no
-  interpolation, duplicate keys rejected). The only substitution is ``{name}`` in
-  ``run.output_dir``, replaced by ``run.name``.
-- A ``RunConfig`` that exists is valid, however it was built: each section (and settings object)
-  checks its ranges on construction, ``RunConfig`` the cross-field rules.
-- Every bad input raises a ``ConfigError`` subclass whose one-line message names the full key
-  (``trainer.lr``), what was expected and what was given; unknown keys list the allowed keys
-  and a "did you mean" suggestion.
+Owns ``RunConfig`` (one field per YAML section), the cross-section rules, the no-effect warnings
+and ``load_config`` / ``dump_yaml``; the one import point of ``sections`` and ``convert``. A
+``RunConfig`` that exists is valid; every bad input is a one-line ``ConfigError`` naming the full
+key. Invariants: docs/controller.md "Configuration".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Dataclass <-> plain data for the run configuration: the one generic converter, the YAML reader.
 
-Owns: the configuration errors a user sees, the type check of every value against its dataclass
-annotation (nested dataclasses, Optional, Literal, tuple, int/float with int accepted for float,
-strict bool), building a section from a mapping and back, the safe YAML loader and
-``key.sub=value`` overrides. Written once, used for every section.
-
-A field made with ``workers.settings.embed`` holds a settings object of the workers whose fields
-are keys of the section itself: ``trainer.lr`` is ``TrainerSection.optim.lr``. Here that means
-the keys of a section (``section_keys``) expand such fields in place, and ``to_dict`` writes them
-flat, so the YAML a user writes and ``config.yaml`` stay one flat mapping per section.
+Owns the configuration errors, the type check of every value against its annotation, section
+<-> mapping (embedded settings objects as flat keys), the safe YAML loader and ``key.sub=value``
+overrides (docs/controller.md "Configuration").
 """
 
 from __future__ import annotations

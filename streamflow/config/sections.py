@@ -1,14 +1,8 @@
 """The sections of a run's configuration: every knob of the controller, declared and checked once.
 
-Owns: the frozen dataclass of each YAML section (``run``, ``model``, ``data``, ``rollout``, ...)
-with its defaults, one comment per field, its ranges and its own rules (``check``). The
-knobs of the workers' math are not declared here: ``rollout``, ``reward``, ``trainer`` and
-``simulated`` embed the workers' settings objects (``workers.settings``), whose fields are keys of
-the section (``workers.settings.flat``). Cross-section rules live in ``streamflow.config``.
-
-To add a knob: a field with a default and a comment in its section (a range with
-``bounded(default, ge=/gt=/le=)``; other rules in ``check``), or, for a knob the workers
-compute with, a field of the settings object in ``workers.settings``.
+One frozen dataclass per YAML section with defaults, a comment per field, ranges and its own
+``check``; the workers' knobs are embedded ``workers.settings`` objects. Cross-section rules live
+in ``streamflow.config``; how to add a knob: docs/controller.md "Configuration".
 """
 
 from __future__ import annotations
