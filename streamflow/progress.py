@@ -34,7 +34,7 @@ from streamflow.rundir import IterationRecord, reward_window
 log = logging.getLogger("streamflow.progress")
 
 
-def _fmt(value: float | None, spec: str = ".3f") -> str:
+def fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
@@ -153,9 +153,9 @@ def format_line(
         f"iter {record.iteration + 1}/{total_iterations} v{record.policy_version} "
         f"elapsed={clock(elapsed)} eta={clock(eta)} "
         f"reward={record.reward_mean:.3f}±{record.reward_std:.3f} "
-        f"acc={_fmt(record.accuracy)} samples/s={samples_per_second:.1f} "
+        f"acc={fmt(record.accuracy)} samples/s={samples_per_second:.1f} "
         f"staleness={record.staleness_mean:.2f}/{record.staleness_max} "
-        f"loss={_fmt(record.loss, '.4f')} kl={_fmt(record.kl, '.4f')} "
+        f"loss={fmt(record.loss, '.4f')} kl={fmt(record.kl, '.4f')} "
         f"sync={record.weight_sync_seconds:.2f}s queues[{format_depths(record.queue_depths)}]"
     )
 
@@ -301,7 +301,7 @@ class ProgressDisplay:
                 f"{last.generated_tokens / last.wall_seconds if last.wall_seconds else 0:.0f} tok/s (last iteration)",
             )
             table.add_row("staleness", f"mean {last.staleness_mean:.2f}  max {last.staleness_max}")
-            table.add_row("loss / kl", f"{_fmt(last.loss, '.4f')} / {_fmt(last.kl, '.4f')}")
+            table.add_row("loss / kl", f"{fmt(last.loss, '.4f')} / {fmt(last.kl, '.4f')}")
             table.add_row("weight sync", f"{last.weight_sync_seconds:.3f} s (last)")
         else:
             table.add_row("held-out accuracy", f"before RL {before}")

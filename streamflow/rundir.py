@@ -363,8 +363,9 @@ def plot_rewards(records: Sequence[IterationRecord], path: str | Path, *,
     return path
 
 
-def _lane_key(worker: str, stage: str) -> tuple[int, str]:
-    return (STAGES.index(stage) if stage in STAGES else len(STAGES), worker)
+def stage_order(stage: str) -> int:
+    """Stages in STAGES order; any other after them."""
+    return STAGES.index(stage) if stage in STAGES else len(STAGES)
 
 
 def plot_timeline(spans: Sequence[StageSpan], iteration: int | None, path: str | Path) -> Path:
@@ -385,7 +386,7 @@ def plot_timeline(spans: Sequence[StageSpan], iteration: int | None, path: str |
     shown = [s for s in spans if s.end > t0 and s.start < t1]
     lanes: dict[str, tuple[int, str]] = {}
     for s in shown:
-        key = _lane_key(s.worker, s.stage)
+        key = (stage_order(s.stage), s.worker)
         lanes[s.worker] = min(lanes.get(s.worker, key), key)
     order = sorted(lanes, key=lambda w: lanes[w])
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(order)))
