@@ -11,7 +11,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import IO, Any
 
 from rich.console import Console, Group
@@ -53,16 +53,6 @@ def eta_seconds(done: int, total: int, elapsed: float) -> float | None:
     return elapsed / done * max(total - done, 0)
 
 
-def window_means(records: Sequence[IterationRecord]) -> tuple[int, float | None, float | None]:
-    """(window, mean reward of the first window, of the last window): the figures to compare
-    (rundir.reward_window; one iteration when there are fewer than two)."""
-    w = max(reward_window(len(records)), 1 if records else 0)
-    if not w:
-        return 0, None, None
-    return (w, statistics.fmean(r.reward_mean for r in records[:w]),
-            statistics.fmean(r.reward_mean for r in records[-w:]))
-
-
 def describe_run(cfg: RunConfig) -> str:
     """What the run is about to do, in two lines (the terminal's first output)."""
     d, r = cfg.data, cfg.run
@@ -87,9 +77,8 @@ def _parent(path: str) -> str:
 
 
 class StepProgress:
-    """A bar with elapsed time and ETA for one counted phase, drawn on stderr when it is a
-    terminal; elsewhere one INFO line per 10 %. Shown only once it is called (a cached model
-    calls it never). Usable as the ``progress`` callback: ``p(step, total)``."""
+    """A bar with elapsed time and ETA for one counted phase (``p(step, total)``), on stderr when
+    it is a terminal; elsewhere one INFO line per 10 %. Shown only once it is called."""
 
     def __init__(self, label: str, *, enabled: bool = True, stream: IO[str] | None = None) -> None:
         self.label = label
@@ -141,13 +130,8 @@ def format_depths(depths: Mapping[str, int]) -> str:
     return " ".join(f"{task}={n}" for task, n in depths.items()) or "-"
 
 
-def format_line(
-    record: IterationRecord,
-    total_iterations: int,
-    samples_per_second: float,
-    elapsed: float | None = None,
-    eta: float | None = None,
-) -> str:
+def format_line(record: IterationRecord, total_iterations: int, samples_per_second: float,
+                elapsed: float | None = None, eta: float | None = None) -> str:
     """The one-line form of an iteration (used for logs off a terminal)."""
     return (
         f"iter {record.iteration + 1}/{total_iterations} v{record.policy_version} "
@@ -163,14 +147,8 @@ def format_line(
 class ProgressDisplay:
     """Shows iteration, reward, accuracy, samples/s, queue depths per task and staleness."""
 
-    def __init__(
-        self,
-        total_iterations: int,
-        mode: str,
-        *,
-        enabled: bool = True,
-        stream: IO[str] | None = None,
-    ) -> None:
+    def __init__(self, total_iterations: int, mode: str, *, enabled: bool = True,
+                 stream: IO[str] | None = None) -> None:
         self.total_iterations = total_iterations
         self.mode = mode
         self.console = Console(file=stream, stderr=stream is None)
@@ -206,8 +184,7 @@ class ProgressDisplay:
         self._swapped = []
 
     def _route_logging_through_console(self) -> None:
-        """Log lines written straight to the terminal would tear the live panel: while it is
-        shown, root handlers that write to stdout/stderr print through the panel's console."""
+        """While the panel is shown, root handlers writing to stdout/stderr print through it."""
         root = logging.getLogger()
         for handler in list(root.handlers):
             stream = getattr(handler, "stream", None)
@@ -227,14 +204,12 @@ class ProgressDisplay:
     def set_phase(self, phase: str) -> None:
         if phase != self.phase:
             self.phase = phase
-            if self._live is not None:
-                self._refresh()
+            self._refresh()
 
     def start_loop(self, started: float) -> None:
         self.loop_started = started
         self.phase = "RL loop"
-        if self._live is not None:
-            self._refresh()
+        self._refresh()
 
     def elapsed_and_eta(self, now: float | None = None) -> tuple[float | None, float | None]:
         """Seconds of RL loop so far, and the estimate of those left."""
@@ -260,13 +235,12 @@ class ProgressDisplay:
 
     def set_queue_depths(self, depths: Mapping[str, int]) -> None:
         self.queue_depths = dict(depths)
-        if self._live is not None:
-            self._refresh()
+        self._refresh()
 
     def _refresh(self) -> None:
         try:
-            assert self._live is not None
-            self._live.refresh()
+            if self._live is not None:
+                self._live.refresh()
         except Exception:  # a display glitch must never stop training
             log.exception("progress display failed to redraw")
 
@@ -287,19 +261,16 @@ class ProgressDisplay:
             last = self.records[-1]
             accs = [r.accuracy for r in self.records if r.accuracy is not None]
             table.add_row("policy version", str(last.policy_version))
-            w, first_w, last_w = window_means(self.records)
-            table.add_row(
-                "reward",
-                f"{last.reward_mean:.3f} ± {last.reward_std:.3f} (this iteration); mean of "
-                f"{w}: first {first_w:.3f}, last {last_w:.3f}",
-            )
+            w = max(reward_window(len(self.records)), 1)  # one iteration with fewer than two
+            first_w = statistics.fmean(r.reward_mean for r in self.records[:w])
+            last_w = statistics.fmean(r.reward_mean for r in self.records[-w:])
+            table.add_row("reward", f"{last.reward_mean:.3f} ± {last.reward_std:.3f} (this "
+                          f"iteration); mean of {w}: first {first_w:.3f}, last {last_w:.3f}")
             latest = f"{accs[-1]:.3f}" if accs else "-"
             table.add_row("held-out accuracy", f"{latest}  (before RL {before})")
-            table.add_row(
-                "throughput",
-                f"{self.samples_per_second:.1f} samples/s  "
-                f"{last.generated_tokens / last.wall_seconds if last.wall_seconds else 0:.0f} tok/s (last iteration)",
-            )
+            tok_s = last.generated_tokens / last.wall_seconds if last.wall_seconds else 0
+            table.add_row("throughput", f"{self.samples_per_second:.1f} samples/s  "
+                          f"{tok_s:.0f} tok/s (last iteration)")
             table.add_row("staleness", f"mean {last.staleness_mean:.2f}  max {last.staleness_max}")
             table.add_row("loss / kl", f"{fmt(last.loss, '.4f')} / {fmt(last.kl, '.4f')}")
             table.add_row("weight sync", f"{last.weight_sync_seconds:.3f} s (last)")
