@@ -254,13 +254,10 @@ def _cmd_store_serve(args: argparse.Namespace) -> int:
         if getattr(args, key) is not None
     }
     try:
-        server_config = ServerConfig(
-            bind=tuple(args.bind or bind),
-            num_shards=args.shards if args.shards is not None else shards,
-            node_index=args.node_index,
-            metrics_port=args.metrics_port,
-            **optional,
-        )
+        server_config = ServerConfig(bind=tuple(args.bind or bind),
+                                     num_shards=args.shards if args.shards is not None else shards,
+                                     node_index=args.node_index, metrics_port=args.metrics_port,
+                                     **optional)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.dry_run:
@@ -293,19 +290,15 @@ def available_benches() -> list[str]:
         if err.name != BENCH_PACKAGE:
             raise
         return []
-    return sorted(
-        m.name for m in pkgutil.iter_modules(bench_pkg.__path__)
-        if not m.name.startswith("_") and not m.ispkg
-    )
+    return sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__)
+                  if not m.name.startswith("_") and not m.ispkg)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     names = available_benches()
     if not names:
-        raise UsageError(
-            f"no benchmarks available: the {BENCH_PACKAGE!r} package is not installed "
-            "(install the project from its source tree: pip install -e .)"
-        )
+        raise UsageError(f"no benchmarks available: the {BENCH_PACKAGE!r} package is not installed "
+                         "(install the project from its source tree: pip install -e .)")
     if args.name not in names:
         raise UsageError(f"unknown bench {args.name!r}; available: {', '.join(names)}")
     module: Any = importlib.import_module(f"{BENCH_PACKAGE}.{args.name}")
@@ -352,10 +345,8 @@ def _cmd_model_convert_smollm2(args: argparse.Namespace) -> int:
         report = convert_smollm2(args.out_dir)
     except ConversionError as err:
         raise UsageError(str(err)) from None
-    print(
-        f"wrote {report.out_dir} ({report.num_parameters / 1e6:.1f} M parameters, "
-        f"{report.bytes_on_disk / 1e6:.0f} MB) in {report.seconds:.1f}s"
-    )
+    print(f"wrote {report.out_dir} ({report.num_parameters / 1e6:.1f} M parameters, "
+          f"{report.bytes_on_disk / 1e6:.0f} MB) in {report.seconds:.1f}s")
     return EXIT_OK
 
 

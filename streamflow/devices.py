@@ -123,12 +123,10 @@ def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
     if r.engine == "simulated":  # simulated roles hold no model: nothing to place
         rollout = tuple("cpu" for _ in rollout)
         trainer = reference = "cpu"
-    return RoleDevices(
-        gpus=gpus, rollout=rollout, reference=reference, trainer=trainer,
-        rollout_dtype=_dtype(r.dtype, cfg.model.dtype, rollout[0]),
-        reference_dtype=_dtype(ref.dtype, cfg.model.dtype, reference),
-        trainer_dtype=_dtype(t.dtype, cfg.model.dtype, trainer),
-    )
+    return RoleDevices(gpus=gpus, rollout=rollout, reference=reference, trainer=trainer,
+                       rollout_dtype=_dtype(r.dtype, cfg.model.dtype, rollout[0]),
+                       reference_dtype=_dtype(ref.dtype, cfg.model.dtype, reference),
+                       trainer_dtype=_dtype(t.dtype, cfg.model.dtype, trainer))
 
 
 def weight_sync_path(cfg: RunConfig, devices: RoleDevices) -> str:

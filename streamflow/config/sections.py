@@ -80,11 +80,8 @@ class RunSection(Checked):
     def check(self) -> None:
         require(bool(self.name.strip()), "name", "must be a non-empty string")
         require(bool(self.output_dir.strip()), "output_dir", "must be a non-empty path")
-        require(
-            self.eval_every == 0 or self.eval_prompts > 0,
-            "eval_prompts",
-            "must be > 0 when eval_every > 0 (set eval_every=0 to disable evaluation)",
-        )
+        require(self.eval_every == 0 or self.eval_prompts > 0, "eval_prompts",
+                "must be > 0 when eval_every > 0 (set eval_every=0 to disable evaluation)")
         require(not (self.overwrite and self.resume), "overwrite",
                 "cannot be combined with run.resume (continue the run or replace it, not both)")
         # The only substitution YAML values get: the run directory may be named after the run.
@@ -101,16 +98,10 @@ class TinyModelConfig(Checked):
     seed: int = 0  # seed of the random initialisation (before the warm start)
 
     def check(self) -> None:
-        require(
-            self.hidden_size % self.num_heads == 0,
-            "num_heads",
-            f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}",
-        )
-        require(
-            self.num_heads % self.num_kv_heads == 0,
-            "num_kv_heads",
-            f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}",
-        )
+        require(self.hidden_size % self.num_heads == 0, "num_heads",
+                f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}")
+        require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
 
 
 @dataclass(frozen=True)
@@ -226,11 +217,8 @@ class TrainerSection(Checked):
 
     def check(self) -> None:
         _check_device(self.device)
-        require(
-            self.num_ranks == 1 or self.engine == "deepspeed",
-            "num_ranks",
-            f"{self.num_ranks} ranks need engine 'deepspeed' (the torch engine is one process)",
-        )
+        require(self.num_ranks == 1 or self.engine == "deepspeed", "num_ranks",
+                f"{self.num_ranks} ranks need engine 'deepspeed' (the torch engine is one process)")
 
 
 @flat
@@ -288,11 +276,8 @@ class PlacementNode(Checked):
     trainer: int = bounded(0, ge=0)  # trainer ranks here (torch engine: 1 in all; deepspeed: num_ranks)
 
     def check(self) -> None:
-        require(
-            self.host.strip() not in _WILDCARDS,
-            "host",
-            f"must be an address the other hosts can reach (not a wildcard), got {self.host!r}",
-        )
+        require(self.host.strip() not in _WILDCARDS, "host",
+                f"must be an address the other hosts can reach (not a wildcard), got {self.host!r}")
 
 
 @dataclass(frozen=True)
