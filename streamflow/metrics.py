@@ -14,13 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    ProcessCollector,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from storage.metrics import HttpEndpoint
 from streamflow import preflight
@@ -33,51 +27,47 @@ _ITERATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
                       1800.0, 3600.0)
 
 
+# attribute, type, name (after streamflow_run_), help, labels: the run-level series
+_SERIES: tuple[tuple[str, Any, str, str, tuple[str, ...]], ...] = (
+    ("info", Gauge, "info", "Constant 1; the run's mode as a label.", ("mode",)),
+    ("target", Gauge, "target_iterations", "Iterations the run is configured for.", ()),
+    ("iterations", Counter, "iterations_total",
+     "Iterations completed (trainer steps reported to the controller).", ()),
+    ("policy_version", Gauge, "policy_version", "Newest published policy version.", ()),
+    ("samples", Counter, "samples_total", "Samples trained on.", ()),
+    ("generated_tokens", Counter, "generated_tokens_total",
+     "Response tokens generated, summed over iterations.", ()),
+    ("reward_mean", Gauge, "reward_mean", "Mean reward of the last iteration.", ()),
+    ("reward_std", Gauge, "reward_std", "Reward standard deviation of the last iteration.", ()),
+    ("accuracy", Gauge, "accuracy_ratio",
+     "Held-out greedy accuracy of the last evaluated policy version (0..1).", ()),
+    ("staleness_mean", Gauge, "staleness_mean_versions",
+     "Mean staleness of the last iteration's samples.", ()),
+    ("staleness_max", Gauge, "staleness_max_versions",
+     "Largest staleness of the last iteration's samples.", ()),
+    ("weight_sync", Gauge, "weight_sync_seconds",
+     "Weight-sync cost of the last iteration (trainer publish + rollout loads).", ()),
+    ("queue_depth", Gauge, "queue_depth_rows",
+     "Rows ready for a task, all store nodes together (polled each second).", ("task",)),
+    ("workers_alive", Gauge, "workers_alive", "Processes of a role still running.", ("role",)),
+    ("last_iteration", Gauge, "last_iteration_timestamp_seconds",
+     "Unix time of the last iteration report.", ()),
+)
+
+
 class ControllerMetrics(HttpEndpoint):
-    def __init__(self, mode: str, iterations: int, registry: CollectorRegistry | None = None):
-        own = registry is None
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        if own:  # CPU and memory of this process (once per registry)
-            ProcessCollector(registry=r)
-        p = "streamflow_run_"
-        self.info = Gauge(p + "info", "Constant 1; the run's mode as a label.", ["mode"], registry=r)
-        self.info.labels(mode).set(1)
-        self.target = Gauge(p + "target_iterations", "Iterations the run is configured for.",
-                            registry=r)
-        self.target.set(iterations)
-        self.iterations = Counter(p + "iterations_total", "Iterations completed (trainer steps "
-                                  "reported to the controller).", registry=r)
-        self.policy_version = Gauge(p + "policy_version", "Newest published policy version.",
-                                    registry=r)
+    def __init__(self, mode: str, iterations: int) -> None:
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # CPU and memory of this process
+        for attr, kind, name, doc, labels in _SERIES:
+            setattr(self, attr, kind(f"streamflow_run_{name}", doc, labels, registry=r))
         self.iteration_duration = Histogram(
-            p + "iteration_duration_seconds", "Wall time between consecutive iteration reports.",
-            buckets=_ITERATION_BUCKETS, registry=r,
-        )
-        self.samples = Counter(p + "samples_total", "Samples trained on.", registry=r)
-        self.generated_tokens = Counter(p + "generated_tokens_total",
-                                        "Response tokens generated, summed over iterations.",
-                                        registry=r)
-        self.reward_mean = Gauge(p + "reward_mean", "Mean reward of the last iteration.",
-                                 registry=r)
-        self.reward_std = Gauge(p + "reward_std", "Reward standard deviation of the last "
-                                "iteration.", registry=r)
-        self.accuracy = Gauge(p + "accuracy_ratio", "Held-out greedy accuracy of the last "
-                              "evaluated policy version (0..1).", registry=r)
-        self.staleness_mean = Gauge(p + "staleness_mean_versions", "Mean staleness of the last "
-                                    "iteration's samples.", registry=r)
-        self.staleness_max = Gauge(p + "staleness_max_versions", "Largest staleness of the last "
-                                   "iteration's samples.", registry=r)
-        self.weight_sync = Gauge(p + "weight_sync_seconds", "Weight-sync cost of the last "
-                                 "iteration (trainer publish + rollout loads).", registry=r)
-        self.queue_depth = Gauge(p + "queue_depth_rows", "Rows ready for a task, all store nodes "
-                                 "together (polled each second).", ["task"], registry=r)
-        self.workers_alive = Gauge(p + "workers_alive", "Processes of a role still running.",
-                                   ["role"], registry=r)
-        self.last_iteration = Gauge(p + "last_iteration_timestamp_seconds",
-                                    "Unix time of the last iteration report.", registry=r)
+            "streamflow_run_iteration_duration_seconds",
+            "Wall time between consecutive iteration reports.", buckets=_ITERATION_BUCKETS,
+            registry=r)
+        self.info.labels(mode).set(1)
+        self.target.set(iterations)
         self._http: Any = None
-        self._last_timestamp: float | None = None
 
     def serve(self, host: str, port: int) -> str:
         """Start /metrics on ``host:port`` (0: a free port); returns where Prometheus scrapes it.
@@ -137,11 +127,8 @@ def targets_path(run_dir: str | os.PathLike) -> Path:
 def write_targets(run_dir: str | os.PathLike, endpoints: list[Endpoint],
                   run_name: str = "") -> Path:
     """Write the file_sd list: one entry per (address "host:port", role, worker)."""
-    groups = [
-        {"targets": [address], "labels": {"role": role, "worker": worker, "run": run_name}}
-        for address, role, worker in endpoints
-        if address
-    ]
+    groups = [{"targets": [address], "labels": {"role": role, "worker": worker, "run": run_name}}
+              for address, role, worker in endpoints if address]
     path = targets_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
