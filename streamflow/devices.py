@@ -55,10 +55,6 @@ class RoleDevices:
     reference_dtype: str
     trainer_dtype: str  # compute (autocast) dtype; master weights stay float32
 
-    @property
-    def trainer_on_gpu(self) -> bool:
-        return self.trainer.startswith("cuda")
-
 
 def _dtype(choice: str, model: str, device: str) -> str:
     """A role's dtype: its own, else model.dtype, else by device (bfloat16 on a GPU)."""
@@ -81,7 +77,7 @@ def _check_index(key: str, device: str, gpus: int) -> None:
 
 
 def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
-    """Every process's device for ``gpus`` visible GPUs (see the module docstring)."""
+    """Every process's device for ``gpus`` visible GPUs (docs/controller.md "Devices")."""
     r, t, ref = cfg.rollout, cfg.trainer, cfg.reference
     for key, device in (("rollout.device", r.device), ("trainer.device", t.device),
                         ("reference.device", ref.device)):
@@ -100,11 +96,9 @@ def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
     separate = gpus >= need and (placement == "separate" or (placement == "auto" and streaming))
 
     def pick(device: str, slot: int) -> str:
-        if device in ("cpu",) or device.startswith("cuda:"):
+        if device == "cpu" or device.startswith("cuda:"):
             return device
-        if gpus == 0:
-            return "cpu"
-        return f"cuda:{slot if separate else 0}"
+        return f"cuda:{slot if separate else 0}" if gpus else "cpu"
 
     trainer = pick(t.device, 0)
     if trainer.startswith("cuda") and t.engine == "deepspeed":
@@ -116,10 +110,9 @@ def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
                 f"{gpus} visible")
     reference = pick(ref.device, t.num_ranks)
     rollout = tuple(pick(r.device, t.num_ranks + refs + i) for i in range(r.num_workers))
-    _check_index("trainer.device", trainer, gpus)
-    _check_index("reference.device", reference, gpus)
-    for device in rollout:
-        _check_index("rollout.device", device, gpus)
+    for key, device in (("trainer.device", trainer), ("reference.device", reference),
+                        *(("rollout.device", d) for d in rollout)):
+        _check_index(key, device, gpus)
     if r.engine == "simulated":  # simulated roles hold no model: nothing to place
         rollout = tuple("cpu" for _ in rollout)
         trainer = reference = "cpu"
@@ -136,9 +129,9 @@ def weight_sync_path(cfg: RunConfig, devices: RoleDevices) -> str:
         return cfg.weights.sync
     one_host = not cfg.placement.nodes and cfg.run.mode != "sync"
     real = cfg.rollout.engine != "simulated"
-    return "collective" if one_host and real and devices.trainer_on_gpu else "file"
+    return "collective" if one_host and real and devices.trainer.startswith("cuda") else "file"
 
 
-def check_devices(cfg: RunConfig, gpus: int | None = None) -> RoleDevices:
+def check_devices(cfg: RunConfig) -> RoleDevices:
     """``resolve_devices`` against this host's GPUs (the --dry-run check)."""
-    return resolve_devices(cfg, visible_gpus() if gpus is None else gpus)
+    return resolve_devices(cfg, visible_gpus())
