@@ -21,20 +21,12 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "timeline.jsonl", "summary.json")
 RUN_DIRS = ("checkpoints", "plots", "logs", "workers", "prometheus", "store", "weights")
 
 
-def check(cfg: RunConfig) -> None:
-    """Everything below, in the order a user would fix it."""
-    check_output_dir(cfg)
-    check_inputs(cfg)
-    check_ports(cfg)
-
-
 # -- the run directory ---------------------------------------------------------------------------
 
 
 def existing_run(path: str | Path) -> list[str]:
-    """What in ``path`` shows a run that trained (empty: nothing to protect). A directory whose
-    run stopped or failed before its first iteration (config.yaml, logs, a summary of 0
-    iterations) holds nothing worth keeping: running into it again is how one retries."""
+    """What in ``path`` shows a run that trained (empty: nothing to protect; a run that never
+    finished an iteration holds nothing worth keeping: running into it again is a retry)."""
     p = Path(path)
     metrics = p / "metrics.jsonl"
     found = ["metrics.jsonl"] if metrics.is_file() and metrics.stat().st_size else []
@@ -49,12 +41,10 @@ def check_output_dir(cfg: RunConfig) -> None:
         return
     found = existing_run(cfg.run.output_dir)
     if found:
-        raise ConfigError(
-            "run.output_dir",
-            f"{cfg.run.output_dir} already holds a run ({', '.join(found)}); continue it with "
-            "run.resume=auto, replace it with run.overwrite=true (--overwrite), or choose "
-            "another run.output_dir or run.name",
-        )
+        raise ConfigError("run.output_dir", f"{cfg.run.output_dir} already holds a run "
+                          f"({', '.join(found)}); continue it with run.resume=auto, replace it "
+                          "with run.overwrite=true (--overwrite), or choose another "
+                          "run.output_dir or run.name")
 
 
 def clear_output_dir(path: str | Path) -> None:
@@ -100,8 +90,7 @@ def _check_model_dir(path: Path) -> None:
         raise ConfigError(key, f"{config} is not readable JSON: {err}") from None
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ConfigError(key, f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json)")
-    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
-    if not weights:
+    if not [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]:
         raise ConfigError(key, f"{path} has no weights (*.safetensors or pytorch_model*.bin)")
 
 
@@ -125,9 +114,8 @@ def _check_reward(fn: str) -> None:
     except RewardError as err:
         raise ConfigError("reward.fn", str(err).replace("\n", " ")) from None
     except Exception as err:  # the user's module raised while being imported
-        raise ConfigError(
-            "reward.fn", f"importing {fn!r} raised {type(err).__name__}: {err}".replace("\n", " ")
-        ) from None
+        why = f"importing {fn!r} raised {type(err).__name__}: {err}".replace("\n", " ")
+        raise ConfigError("reward.fn", why) from None
 
 
 # -- ports ----------------------------------------------------------------------------------------
