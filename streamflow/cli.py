@@ -203,7 +203,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
     cfg = load_config(args.config, args.overrides)
-    from streamflow.node import LaunchError, check_launch
+    from streamflow.launch import LaunchError, check_launch
 
     try:
         check_launch(cfg, args.node_rank, args.nodes)

@@ -1,47 +1,43 @@
-"""One run over several hosts: ``streamflow launch CONFIG --node-rank N --nodes M --coordinator H:P``.
+"""One run over several hosts: ``streamflow launch CONFIG --node-rank N --nodes M --coordinator``.
 
-Node 0 runs the coordinator and the controller over a ``MultiHostCluster``; a node N > 0 runs a
-``RemoteNode`` (its store nodes, workers and heartbeat). What both start on their host, the
-placement and the directory's keys are ``streamflow/node.py``; the protocol (keys, two-phase end,
-failure rules, weights across hosts, trainer ranks): docs/controller.md "Several hosts".
+Every host reads ``placement.nodes`` the same way, so each knows what it runs. Node 0 runs the
+coordinator and the controller over a ``MultiHostCluster``; a node N > 0 runs a ``RemoteNode``.
+Both start their host's store nodes and workers through ``NodeRuntime``. The protocol (directory
+keys, two-phase end, failure rules, weights across hosts, trainer ranks): docs/controller.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
+import os
 import shutil
+import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from storage.coordinator import Coordinator, CoordinatorClient, LookupTimeout
 from storage.errors import StoreError
-from streamflow.cluster import LocalCluster, WorkerFailed, WorkerSpec
-from streamflow.config import RunConfig
-from streamflow.metrics import with_metrics
-from streamflow.node import (
-    BEAT_S,
-    END,
-    EVENTS,
-    EXIT,
-    STOP,
-    STORE,
-    WEIGHTS,
-    WORKER,
-    LaunchError,
-    NodeRuntime,
-    check_launch,
-    local_weights_dir,
-    node_key,
-    store_slots,
-    trainer_nodes,
-    worker_nodes,
+from storage.ports import free_port
+from streamflow.cluster import (
+    LocalCluster,
+    TorchRun,
+    WorkerFailed,
+    WorkerSpec,
+    refuse_restart,
+    start_store_node,
+    start_worker,
 )
+from streamflow.config import RunConfig
+from streamflow.metrics import Endpoint, with_metrics
 from streamflow.supervisor import Supervisor
 from workers.config import from_json, to_json
 
@@ -49,6 +45,137 @@ if TYPE_CHECKING:
     from streamflow.stages import RunPlan
 
 log = logging.getLogger("streamflow.launch")
+
+STORE, EVENTS, WORKER, WEIGHTS = "store/", "run/events", "worker/", "run/weights"
+TRAINER_MASTER, STOP, END, EXIT = "run/trainer-master", "run/stop", "run/end", "exit/"
+BEAT_S = 0.5
+
+NOT_RESTARTED = "{name} is not restarted in a multi-host run; continue the run with run.resume=auto"
+
+
+def node_key(rank: int, what: str) -> str:
+    return f"node/{rank}/{what}"
+
+
+class LaunchError(RuntimeError):
+    """This node cannot take part in the run (the message names why)."""
+
+
+def worker_nodes(cfg: RunConfig) -> dict[str, int]:
+    """Worker name -> node rank, in ``placement.nodes`` order (rollout-0 on the first node that
+    places a rollout worker, ...). ``trainer-0`` is on the first node with trainer ranks."""
+    out: dict[str, int] = {}
+    counters = dict.fromkeys(("rollout", "reward", "reference"), 0)
+    for rank, node in enumerate(cfg.placement.nodes):
+        for role in counters:
+            for _ in range(getattr(node, role)):
+                out[f"{role}-{counters[role]}"] = rank
+                counters[role] += 1
+    out["trainer-0"] = trainer_nodes(cfg)[0]
+    return out
+
+
+def trainer_nodes(cfg: RunConfig) -> list[int]:
+    return [r for r, n in enumerate(cfg.placement.nodes) if n.trainer]
+
+
+def store_slots(cfg: RunConfig, rank: int) -> list[int]:
+    """Global store node indices placed on ``rank`` (indices count up over the nodes)."""
+    first = sum(n.store_nodes for n in cfg.placement.nodes[:rank])
+    return list(range(first, first + cfg.placement.nodes[rank].store_nodes))
+
+
+def check_launch(cfg: RunConfig, rank: int, nodes: int) -> None:
+    n = len(cfg.placement.nodes)
+    if n == 0:
+        raise LaunchError("the config has no placement.nodes: use `streamflow run` on one host, "
+                          "or list the hosts under placement.nodes")
+    if nodes != n:
+        raise LaunchError(f"--nodes {nodes} but placement.nodes lists {n} nodes")
+    if not 0 <= rank < n:
+        raise LaunchError(f"--node-rank {rank} is not in [0, {n})")
+
+
+class NodeRuntime:
+    """What one node starts: its store nodes and workers, finished for this host."""
+
+    def __init__(self, cfg: RunConfig, rank: int, coord: CoordinatorClient, sup: Supervisor,
+                 config_dir: Path, weights_dir: Path) -> None:
+        self.cfg, self.rank, self.coord, self.sup = cfg, rank, coord, sup
+        self.node = cfg.placement.nodes[rank]
+        self.host = self.node.host
+        self.config_dir, self.weights_dir = config_dir, weights_dir
+        self.endpoints: list[Endpoint] = []  # its store nodes' /metrics
+
+    def start_stores(self, deadline: float) -> None:
+        """Start this node's store nodes on its host and register their addresses."""
+        s = self.cfg.store
+        started = {
+            index: start_store_node(
+                self.sup, f"store-{index}", bind=f"tcp://{self.host}:{s.port + k if s.port else 0}",
+                shards=s.num_shards, node_index=index, metrics=self.cfg.metrics.enabled,
+                # store.persist: this host's persistence root (the node's own config)
+                persist_dir=str(Path(self.cfg.run.output_dir) / "store") if s.persist else None)
+            for k, index in enumerate(store_slots(self.cfg, self.rank))
+        }
+        for index, node in started.items():
+            address = node.wait(max(deadline - time.monotonic(), 0.0))[0]
+            node.child.before_restart = refuse_restart(NOT_RESTARTED)
+            self.endpoints += node.endpoint()
+            self.coord.register(f"{STORE}{index}", address)
+
+    def start_worker(self, name: str, role: str, wcfg: Any, threads: int) -> None:
+        """Finish ``wcfg`` for this host, write it, start it (torchrun for DeepSpeed ranks)."""
+        wcfg = self.finish(role, wcfg)
+        path = self.config_dir / f"{name}.json"
+        child_name, ranks = name, None
+        if role == "trainer" and wcfg.engine == "deepspeed":
+            hosts = trainer_nodes(self.cfg)
+            j = hosts.index(self.rank)
+            if j == 0:
+                master = f"{self.host}:{free_port(self.host)}"
+                self.coord.register(TRAINER_MASTER, master)
+            else:
+                master = self.coord.lookup(TRAINER_MASTER, self.cfg.run.startup_timeout_s)
+            ranks = TorchRun(self.node.trainer, master, len(hosts), j, self.gloo_env(len(hosts)))
+            child_name = name if j == 0 else f"{name}.{j}"
+        child = start_worker(self.sup, child_name, role, wcfg, path, threads, ranks)
+        if role == "trainer":
+            child.before_restart = refuse_restart(NOT_RESTARTED)
+
+    def gloo_env(self, trainer_hosts: int) -> tuple[str, ...]:
+        """``GLOO_SOCKET_IFNAME=<interface of host>`` for torchrun when the ranks span hosts
+        (docs/controller.md); a value already in the environment wins."""
+        if trainer_hosts == 1 or self.sup.env.get("GLOO_SOCKET_IFNAME"):
+            return ()
+        import psutil
+
+        iface = next((name for name, addrs in psutil.net_if_addrs().items() if any(
+            a.family in (socket.AF_INET, socket.AF_INET6) and a.address == self.host
+            for a in addrs)), None)
+        if iface is None:
+            raise LaunchError(
+                f"placement host {self.host} of node {self.rank} is no address of this host's "
+                "interfaces: trainer ranks need it (or GLOO_SOCKET_IFNAME) to reach the others")
+        return (f"GLOO_SOCKET_IFNAME={iface}",)
+
+    def finish(self, role: str, wcfg: Any) -> Any:
+        common = wcfg.common
+        if common.metrics_host in ("127.0.0.1", "localhost"):  # reachable from node 0's scraper
+            common = replace(common, metrics_host=self.host)
+        wcfg = replace(wcfg, common=common)
+        if role == "trainer":
+            announce = f"tcp://{self.host}:{free_port(self.host)}"
+            serve = f"tcp://{self.host}:{free_port(self.host)}"
+            wcfg = replace(wcfg, weights_dir=str(self.weights_dir), weights_bind=announce,
+                           weights_serve=serve)
+            if trainer_nodes(self.cfg)[0] == self.rank:  # rank 0 publishes, no other rank does
+                self.coord.register(WEIGHTS, json.dumps({"announce": announce, "serve": serve}))
+        elif role == "rollout":
+            where = json.loads(self.coord.lookup(WEIGHTS, self.cfg.run.startup_timeout_s))
+            wcfg = replace(wcfg, weights_dir=str(self.weights_dir),
+                           weights_announce=where["announce"], weights_fetch=where["serve"])
+        return wcfg
 
 
 class MultiHostCluster(LocalCluster):
@@ -67,9 +194,6 @@ class MultiHostCluster(LocalCluster):
         self._entries: dict[str, str] = {}
         self._checked = 0.0
         self._beats: dict[int, tuple[str | None, float]] = {}
-
-    def is_local(self, name: str) -> bool:
-        return self.where.get(name, 0) == 0
 
     def start_store(self) -> list[str]:
         """Node 0's store nodes, then every node's (registered by their launchers), by index."""
@@ -99,15 +223,16 @@ class MultiHostCluster(LocalCluster):
         registers the weights endpoints a rollout worker looks up)."""
         self.coord.register(EVENTS, events_address)
         spread = len(trainer_nodes(self.cfg)) > 1
-        local = []
+        mine = []
         for name, role, wcfg, threads in workers:
             wcfg = with_metrics(wcfg, self.cfg.metrics)
-            if not self.is_local(name) or (role == "trainer" and spread):
+            here = self.where.get(name, 0) == 0
+            if not here or (role == "trainer" and spread):
                 spec = {"role": role, "threads": threads, "config": to_json(wcfg)}
                 self.coord.register(f"{WORKER}{name}", json.dumps(spec))
-            if self.is_local(name):
-                local.append((name, role, wcfg, threads))
-        for name, role, wcfg, threads in sorted(local, key=lambda w: w[1] != "trainer"):
+            if here:
+                mine.append((name, role, wcfg, threads))
+        for name, role, wcfg, threads in sorted(mine, key=lambda w: w[1] != "trainer"):
             self.runtime.start_worker(name, role, wcfg, threads)
 
     def check(self) -> str | None:
@@ -227,7 +352,10 @@ class RemoteNode:
         self.coord = CoordinatorClient(f"tcp://{coordinator}", request_timeout=5.0)
         out = Path(cfg.run.output_dir)
         self.sup = Supervisor(out / "logs" / f"node-{rank}")
-        self.weights_dir = local_weights_dir(rank)
+        shm = Path("/dev/shm")  # this host's own weights directory (in memory when it can)
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+        prefix = f"streamflow-weights-node{rank}-"
+        self.weights_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
         self.runtime = NodeRuntime(cfg, rank, self.coord, self.sup,
                                    out / "workers" / f"node-{rank}", self.weights_dir)
         self._beat = itertools.count()
@@ -278,9 +406,7 @@ class RemoteNode:
                 except LookupTimeout:
                     continue
                 if value is not None:
-                    if k == END and key != END:
-                        return None
-                    return value
+                    return None if k == END and key != END else value
         return None
 
     def run(self) -> int:
@@ -305,7 +431,9 @@ class RemoteNode:
             for name in sorted(mine, key=lambda n: not n.startswith("trainer")):
                 spec = self.wait_key(f"{WORKER}{name}", deadline - time.monotonic())
                 if spec is None:
-                    return self._ended_before_start(name)
+                    end = self._end()
+                    raise LaunchError(f"the run ended before {name} got its config ({end})" if end
+                                      else f"no config for {name} within run.startup_timeout_s")
                 spec = json.loads(spec)
                 wcfg = from_json(spec["role"], spec["config"])
                 self.runtime.start_worker(name, spec["role"], wcfg, int(spec["threads"]))
@@ -318,10 +446,8 @@ class RemoteNode:
         except (LaunchError, WorkerFailed, StoreError, OSError, ValueError) as exc:
             cause = str(exc)
             print(f"error: node {rank}: {cause}", file=sys.stderr, flush=True)
-            try:
+            with contextlib.suppress(StoreError):
                 self.coord.register(node_key(rank, "failed"), cause[-4000:])
-            except StoreError:
-                pass
             return 1  # its children are stopped below
         finally:
             self.sup.stop_all(grace_s=5.0)
@@ -333,11 +459,6 @@ class RemoteNode:
             return self._call(self.coord.lookup, END, 0.0)
         except LookupTimeout:
             return None
-
-    def _ended_before_start(self, name: str) -> int:
-        end = self._end()
-        raise LaunchError(f"the run ended before {name} got its config ({end})" if end
-                          else f"no config for {name} within run.startup_timeout_s")
 
     def _finish(self) -> int:
         """Two-phase stop: workers (they release their leases), then the store nodes."""
@@ -351,10 +472,8 @@ class RemoteNode:
                 end["value"] = f"ended while waiting for the verdict: {exc}"
 
         self.sup.stop_all(grace_s=10.0, between=between)
-        try:
+        with contextlib.suppress(StoreError):
             self.coord.register(node_key(self.rank, "exited"), "1")
-        except StoreError:
-            pass
         value = end["value"]
         if value == "ok":
             print(f"node {self.rank}: run finished", file=sys.stderr, flush=True)
