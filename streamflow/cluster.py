@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import storage
 from storage.ports import free_port
@@ -37,27 +37,6 @@ WorkerSpec = tuple[str, str, Any, int]  # (name, role, typed worker config, thre
 
 class WorkerFailed(RuntimeError):
     """A worker process failed; the message carries its error."""
-
-
-class Cluster(Protocol):
-    """What the RL loop needs from the processes of a streaming run (docs/controller.md)."""
-
-    host: str  # where this host's services bind (the shard coordinator)
-    events_bind: str  # where the controller's report socket binds
-    endpoints: list[Endpoint]  # /metrics of the store nodes and the coordinator it started
-    children: dict[str, Child]  # this host's processes (workers alive, for the metrics)
-
-    def start_store(self) -> list[str]: ...
-    def start_coordinator(self, client: Any, addresses: list[str]) -> str | None: ...
-    def start_workers(self, workers: list[WorkerSpec], events_address: str) -> None: ...
-    def mark_ready(self, name: str) -> None: ...
-    def check(self) -> str | None: ...
-    def stores_up(self) -> bool: ...
-    def trainer_exit_code(self) -> int | None: ...
-    def restarts(self) -> dict[str, int]: ...
-    def fetch_weights(self, version: int) -> None: ...
-    def stop(self, between: Callable[[], None] | None, cause: str | None) -> None: ...
-    def kill(self) -> None: ...
 
 
 # ------------------------------------------------------------------------------ starting processes
@@ -192,16 +171,17 @@ def refuse_restart(why: str) -> Callable[[Child], None]:
 
 
 class LocalCluster:
-    """Every process of the run on this host: one store node, the workers, the coordinator."""
+    """Every process of the run on this host: one store node, the workers, the coordinator. The
+    controller's view of a streaming run's processes (``MultiHostCluster`` extends it)."""
 
     def __init__(self, cfg: RunConfig, plan: RunPlan) -> None:
         self.cfg, self.plan = cfg, plan
         self.sup = Supervisor(plan.run_dir / "logs",
                               policy=RestartPolicy(max_restarts=cfg.run.max_restarts))
         self.children = self.sup.children
-        self.host = cfg.store.host
-        self.events_bind = "tcp://127.0.0.1:*"
-        self.endpoints: list[Endpoint] = []
+        self.host = cfg.store.host  # where this host's services bind (the shard coordinator)
+        self.events_bind = "tcp://127.0.0.1:*"  # where the controller's report socket binds
+        self.endpoints: list[Endpoint] = []  # /metrics of the store nodes and the coordinator
         self._coordinator: Any = None  # storage.coordinator.Coordinator (a thread of ours)
 
     def start_store(self) -> list[str]:
