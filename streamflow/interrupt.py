@@ -7,10 +7,11 @@ nothing (docs/controller.md "Stopping").
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -54,30 +55,20 @@ class StopSignals:
         self._previous = {}
 
 
-_current: StopSignals | None = None
+_current: StopSignals | None = None  # the handlers of the run in progress in this process
 
 
-def current() -> StopSignals | None:
-    """The handlers of the run in progress in this process (None outside ``installed``)."""
-    return _current
-
-
-class installed:  # noqa: N801 - used as a context manager, like a function
+@contextlib.contextmanager
+def installed() -> Iterator[StopSignals]:
     """``with installed() as stop:``: install ``StopSignals`` unless a caller already did (the
     CLI installs them before anything heavy starts; the controller again for in-process runs)."""
-
-    def __init__(self) -> None:
-        self._own: StopSignals | None = None
-
-    def __enter__(self) -> StopSignals:
-        global _current
-        if _current is not None:
-            return _current
-        self._own = _current = StopSignals().__enter__()
-        return self._own
-
-    def __exit__(self, *exc: object) -> None:
-        global _current
-        if self._own is not None:
-            self._own.__exit__(*exc)
+    global _current
+    if _current is not None:
+        yield _current
+        return
+    with StopSignals() as stop:
+        _current = stop
+        try:
+            yield stop
+        finally:
             _current = None
