@@ -130,9 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-# -- run ------------------------------------------------------------------------------------------
-
-
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -195,9 +192,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# -- launch ---------------------------------------------------------------------------------------
-
-
 def _cmd_launch(args: argparse.Namespace) -> int:
     host, sep, port = args.coordinator.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -217,9 +211,6 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a scheduler's stop: as Ctrl-C
     return launch(cfg, node_rank=args.node_rank, nodes=args.nodes, coordinator=args.coordinator)
-
-
-# -- store serve ----------------------------------------------------------------------------------
 
 
 def _cmd_store_serve(args: argparse.Namespace) -> int:
@@ -253,9 +244,6 @@ def _cmd_store_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# -- bench ----------------------------------------------------------------------------------------
-
-
 BENCH_PACKAGE = "bench"  # top-level package of benchmarks; installed with the project
 
 
@@ -284,9 +272,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK if rc is None else int(rc)
 
 
-# -- report ---------------------------------------------------------------------------------------
-
-
 def _cmd_worker(args: argparse.Namespace) -> int:
     from workers.config import from_json
     from workers.main import main as worker_main  # heavy (torch): only when really running
@@ -309,9 +294,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     sys.stdout.write(text)
     return EXIT_OK
-
-
-# -- model ----------------------------------------------------------------------------------------
 
 
 def _cmd_model_convert_smollm2(args: argparse.Namespace) -> int:

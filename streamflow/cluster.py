@@ -39,9 +39,6 @@ class WorkerFailed(RuntimeError):
     """A worker process failed; the message carries its error."""
 
 
-# ------------------------------------------------------------------------------ starting processes
-
-
 @dataclass
 class StoreNode:
     """A store node process this run started; ``wait`` reads its ready file."""
@@ -165,9 +162,6 @@ def refuse_restart(why: str) -> Callable[[Child], None]:
         raise RuntimeError(why.format(name=child.name))
 
     return before_restart
-
-
-# ------------------------------------------------------------------------------ one host
 
 
 class LocalCluster:

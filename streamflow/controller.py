@@ -84,7 +84,6 @@ class Controller:
                         if cfg.metrics.enabled else None)
         self.display = ProgressDisplay(cfg.run.iterations, cfg.run.mode, enabled=cfg.run.progress)
 
-    # ------------------------------------------------------------------ the run
     def run(self) -> RunSummary:
         cfg, st = self.cfg, self.state
         status, error = "ok", None
@@ -117,7 +116,6 @@ class Controller:
                     self.metrics.stop_http()
         return summary
 
-    # ------------------------------------------------------------------ sync: stages take turns
     def _run_colocated(self) -> None:
         plan = self.plan
         # Colocated: this one process holds every model and gets the largest thread budget.
@@ -159,7 +157,6 @@ class Controller:
             reward.close()
             client.close()
 
-    # ------------------------------------------------------------------ periodic / async: streaming
     def _run_streaming(self, stop: interrupt.StopSignals) -> None:
         cfg, plan, st = self.cfg, self.plan, self.state
         cluster = self.make_cluster(cfg, plan)
@@ -257,7 +254,6 @@ class Controller:
             raise WorkerFailed(context + cause)
         return ready
 
-    # ------------------------------------------------------------------ admission and reports
     def _admit(self, client: storage.Client, version: int) -> None:
         """Put every iteration the staleness bound allows: k is admitted once version ≥ k - s."""
         st = self.state

@@ -21,9 +21,6 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "timeline.jsonl", "summary.json")
 RUN_DIRS = ("checkpoints", "plots", "logs", "workers", "prometheus", "store", "weights")
 
 
-# -- the run directory ---------------------------------------------------------------------------
-
-
 def existing_run(path: str | Path) -> list[str]:
     """What in ``path`` shows a run that trained (empty: nothing to protect; a run that never
     finished an iteration holds nothing worth keeping: running into it again is a retry)."""
@@ -55,9 +52,6 @@ def clear_output_dir(path: str | Path) -> None:
         (p / name).unlink(missing_ok=True)
     for name in RUN_DIRS:
         shutil.rmtree(p / name, ignore_errors=True)
-
-
-# -- inputs ---------------------------------------------------------------------------------------
 
 
 def check_inputs(cfg: RunConfig) -> None:
@@ -116,9 +110,6 @@ def _check_reward(fn: str) -> None:
     except Exception as err:  # the user's module raised while being imported
         why = f"importing {fn!r} raised {type(err).__name__}: {err}".replace("\n", " ")
         raise ConfigError("reward.fn", why) from None
-
-
-# -- ports ----------------------------------------------------------------------------------------
 
 
 def port_in_use(key: str, address: str) -> ConfigError:

@@ -206,7 +206,6 @@ class RunDir:
         self.checkpoints.mkdir(exist_ok=True)
         self._files: dict[Path, IO[str]] = {}  # the .jsonl files appended to
 
-    # Writers ----------------------------------------------------------------------------
     def write_config(self, cfg: RunConfig) -> Path:
         _atomic_write(self.config_path, dump_yaml(cfg))
         return self.config_path
@@ -253,7 +252,6 @@ class RunDir:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # Readers ----------------------------------------------------------------------------
     def read_metrics(self) -> list[IterationRecord]:
         return [record_from_dict(IterationRecord, d) for d in read_jsonl(self.metrics_path)]
 
@@ -301,11 +299,7 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-# ------------------------------------------------------------------------------------------------
-# Plots (matplotlib, Agg backend; imported lazily because it costs ~0.5 s)
-
-
-def _pyplot() -> Any:
+def _pyplot() -> Any:  # matplotlib's Agg backend, imported lazily (it costs ~0.5 s)
     import matplotlib
 
     matplotlib.use("Agg")

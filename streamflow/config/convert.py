@@ -169,10 +169,6 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-# --------------------------------------------------------------------------------------------
-# YAML loading and overrides
-
-
 class _Loader(yaml.SafeLoader):
     """Safe loader with YAML 1.2 floats (PyYAML reads '1e-4' as a string) and no duplicate keys."""
 
