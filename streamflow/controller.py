@@ -78,7 +78,7 @@ class Controller:
             self.plan: RunPlan = build_plan(cfg, self.rundir.path, progress=warm)
         self.state = RunState.begin(created, self.rundir, self.plan.start_iteration,
                                     previous and previous.accuracy_before)
-        self.staleness = cfg.max_staleness if cfg.run.mode == "async" else 0
+        self.staleness = cfg.max_staleness  # 0 unless async
         self.evaluator = Evaluator(self.plan)
         self.metrics = (ControllerMetrics(cfg.run.mode, cfg.run.iterations)  # Prometheus
                         if cfg.metrics.enabled else None)
@@ -287,7 +287,7 @@ class Controller:
         every = self.cfg.run.eval_every
         evaluate = every and (rep.policy_version % every == 0 or rep.iteration == iterations - 1)
         accuracy = self.evaluator.accuracy(rep.policy_version) if evaluate else None
-        record = st.record(rep, accuracy, self.plan.kl_active, iterations)
+        record = st.record(rep, accuracy, self.cfg.kl_active, iterations)
         if self.metrics is not None:
             self.metrics.on_record(record)
         self.display.update(record)

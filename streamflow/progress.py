@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import IO, Any
 
 from rich.console import Console, Group
@@ -62,18 +63,13 @@ def describe_run(cfg: RunConfig) -> str:
         b = cfg.model.builtin
         model = (f"built-in model ({b.num_layers} layers × {b.hidden_size}, warm start "
                  f"{cfg.model.warmstart_steps} steps, cached under "
-                 f"{_parent(r.output_dir)}/.cache)")
+                 f"{Path(r.output_dir).parent}/.cache)")
     task = "arithmetic" if d.task == "arithmetic" else f"prompts from {d.file}"
     mode = r.mode + (f" (max_staleness {r.max_staleness})" if r.mode == "async" else "")
     return (f"streamflow: run '{r.name}' -> {r.output_dir} (resolved config: "
             f"{r.output_dir}/config.yaml)\n"
             f"  {mode}, {r.iterations} iterations × {d.prompts_per_iteration} prompts × "
             f"{d.group_size} samples, {task}, reward {cfg.reward.fn}, {model}")
-
-
-def _parent(path: str) -> str:
-    parent = path.rsplit("/", 1)[0] if "/" in path.rstrip("/") else "."
-    return parent or "/"
 
 
 class StepProgress:

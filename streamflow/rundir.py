@@ -22,14 +22,8 @@ from streamflow.config import RunConfig, dump_yaml
 
 # Stage names follow the worker roles; spans with other names are drawn grey.
 STAGES = ("rollout", "reward", "reference", "trainer", "weight_sync", "eval")
-STAGE_COLORS = {
-    "rollout": "#4C72B0",
-    "reward": "#55A868",
-    "reference": "#8172B2",
-    "trainer": "#C44E52",
-    "weight_sync": "#DD8452",
-    "eval": "#937860",
-}
+STAGE_COLORS = dict(zip(STAGES, ("#4C72B0", "#55A868", "#8172B2", "#C44E52", "#DD8452", "#937860"),
+                        strict=True))
 
 
 @dataclass

@@ -102,10 +102,6 @@ class RunPlan:
         return self.cfg.store
 
     @property
-    def kl_active(self) -> bool:
-        return self.cfg.kl_active
-
-    @property
     def store_persist_dir(self) -> str | None:
         """The store node's persistence root with store.persist (tables in <root>/<table>)."""
         return str(self.run_dir / "store") if self.cfg.store.persist else None
@@ -280,11 +276,11 @@ def _worker_records(plan: RunPlan, blank: WorkerCommon, announce: str | None,
         dtype=devices.reference_dtype, device=devices.reference) if cfg.reference_worker else None
     plan.trainer = TrainerWorkerConfig(
         common=_named(blank, "trainer"), model_path=model,
-        reference_path=model if plan.kl_active and not cfg.reference_worker else None,
+        reference_path=model if cfg.kl_active and not cfg.reference_worker else None,
         weights_dir=str(plan.weights_dir), weights_bind=announce,
         rows_per_iteration=d.prompts_per_iteration * d.group_size, iterations=cfg.run.iterations,
         group_size=d.group_size, reference_worker=cfg.reference_worker,
-        optim=t.optim, loss=t.loss if plan.kl_active else replace(t.loss, kl_coef=0.0),
+        optim=t.optim, loss=t.loss if cfg.kl_active else replace(t.loss, kl_coef=0.0),
         sampling=r.sampling, pack=t.pack, rows_per_claim=t.rows_per_claim,
         reference_dtype=devices.reference_dtype, checkpoint_dir=str(plan.run_dir / "checkpoints"),
         checkpoint_every=cfg.run.checkpoint_every, engine=t.engine, num_ranks=t.num_ranks,
