@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -141,38 +142,29 @@ class RunPlan:
         """(name, role, config, threads) for every worker process of a streaming run."""
         c = self.cfg
         out = []
-
-        def common(role: str, i: int, threads: int) -> WorkerCommon:
-            # (seed and the simulated device as build_plan set them on every record)
-            return replace(self.rollout.common, name=f"{role}-{i}", role=role, table=self.table,
-                           store_addresses=store_addresses, events_address=events_address,
-                           threads=threads, coordinator_address=coordinator_address)
-
         slots = iter(range(1, MAX_SLOTS))  # slot 0: the controller's evaluation
 
-        def compute(role: str, i: int, threads: int) -> WorkerCommon:
-            # rollout, reference and trainer share the host's budget when there is one
-            base = common(role, i, threads)
-            if self.cores_path is None:
-                return base
-            cap = threads if role == "rollout" else 0  # see CoreShareConfig.max_threads
-            share = CoreShareConfig(str(self.cores_path), next(slots), c.run.host_threads, cap)
-            return replace(base, threads=cap or c.run.host_threads, cores=share)
+        def add(role: str, record: Any, i: int, threads: int, **extra: Any) -> None:
+            # (seed and the simulated device as build_plan set them on every record)
+            common = replace(self.rollout.common, name=f"{role}-{i}", role=role, table=self.table,
+                             store_addresses=store_addresses, events_address=events_address,
+                             threads=threads, coordinator_address=coordinator_address)
+            if role != "reward" and self.cores_path is not None:  # the host's shared budget
+                cap = threads if role == "rollout" else 0  # see CoreShareConfig.max_threads
+                share = CoreShareConfig(str(self.cores_path), next(slots), c.run.host_threads, cap)
+                common = replace(common, threads=cap or c.run.host_threads, cores=share)
+            out.append((common.name, role, replace(record, common=common, **extra), common.threads))
 
+        group = self.rollout.weights_group
         for i in range(c.rollout.num_workers):
-            w = replace(self.rollout, common=compute("rollout", i, c.rollout.threads))
-            group = w.weights_group and replace(w.weights_group, rank=i + 1)
-            w = replace(w, device=self.devices.rollout[i] if self.devices else w.device,
-                        weights_group=group)
-            out.append((w.common.name, "rollout", w, w.common.threads))
+            add("rollout", self.rollout, i, c.rollout.threads,
+                device=self.devices.rollout[i] if self.devices else self.rollout.device,
+                weights_group=group and replace(group, rank=i + 1))
         for i in range(c.reward.num_workers):
-            w = replace(self.reward, common=common("reward", i, 1))
-            out.append((w.common.name, "reward", w, 1))
+            add("reward", self.reward, i, 1)
         if self.reference is not None:
-            w = replace(self.reference, common=compute("reference", 0, c.reference.threads))
-            out.append((w.common.name, "reference", w, w.common.threads))
-        w = replace(self.trainer, common=compute("trainer", 0, c.trainer.threads))
-        out.append((w.common.name, "trainer", w, w.common.threads))
+            add("reference", self.reference, 0, c.reference.threads)
+        add("trainer", self.trainer, 0, c.trainer.threads)
         return out
 
     def cleanup(self) -> None:
