@@ -145,10 +145,8 @@ def trainer_restart(cfg: RunConfig, run_dir: Path, wcfg: Any,
                 f"newest checkpoint would be lost (checkpoint_every={cfg.run.checkpoint_every}); "
                 "resume the run with run.resume=auto")
         latest = latest_checkpoint(run_dir / "checkpoints")
-        resumed = wcfg
-        if latest is not None:
-            resumed = dataclasses.replace(wcfg, resume_from=str(latest),
-                                          start_iteration=read_state(latest).step)
+        resumed = wcfg if latest is None else dataclasses.replace(
+            wcfg, resume_from=str(latest), start_iteration=read_state(latest).step)
         path.write_text(to_json(resumed))
         log.warning("restarting the trainer from %s", latest or "the initial model")
 
@@ -188,8 +186,8 @@ class LocalCluster:
         if s.persist:
             node.restart_in_place(lambda: self._create_table(addresses))
         else:
-            node.child.before_restart = refuse_restart(
-                "store.persist is false: the rows it held are lost")
+            node.child.before_restart = refuse_restart("store.persist is false: the rows it held "
+                                                       "are lost")
         return addresses
 
     def _create_table(self, addresses: list[str]) -> None:
@@ -206,10 +204,9 @@ class LocalCluster:
         from storage.coordinator import Coordinator
 
         metrics = self.cfg.metrics
-        self._coordinator = Coordinator(
-            f"tcp://{self.host}:0", store_addresses=addresses,
-            metrics_port=0 if metrics.enabled else None, metrics_addr=metrics.host,
-        ).start()
+        self._coordinator = Coordinator(f"tcp://{self.host}:0", store_addresses=addresses,
+                                        metrics_port=0 if metrics.enabled else None,
+                                        metrics_addr=metrics.host).start()
         if self._coordinator.metrics_port:
             self.endpoints.append((scrape_address(metrics.host, self._coordinator.metrics_port),
                                    "coordinator", "coordinator"))
@@ -228,11 +225,10 @@ class LocalCluster:
 
     def mark_ready(self, name: str) -> None:
         child = self.children.get(name)  # None: it runs on another host
-        if child is None:
-            return
-        child.mark_ready()
-        if child.restarts:
-            log.warning("%s is ready again (restart %d)", name, child.restarts)
+        if child is not None:
+            child.mark_ready()
+            if child.restarts:
+                log.warning("%s is ready again (restart %d)", name, child.restarts)
 
     def check(self) -> str | None:
         failed = self.sup.check()  # restarts what may be restarted (docs/faults.md)

@@ -316,25 +316,20 @@ class MultiHostCluster(LocalCluster):
             time.sleep(0.1)
 
 
-def launch_node0(cfg: RunConfig, nodes: int, coordinator: str) -> Any:
-    """Node 0: the coordinator (a thread of this process), then the controller over a
-    ``MultiHostCluster``."""
-    coord = Coordinator(bind=f"tcp://{coordinator}").start()  # first: the others wait on it
-    try:
-        from streamflow import controller  # heavy (torch): after the coordinator is up
-
-        cluster = partial(MultiHostCluster, nodes=nodes, coordinator=coord.address)
-        return controller.run(cfg, cluster=cluster)
-    finally:
-        coord.stop()
-
-
 def launch(cfg: RunConfig, *, node_rank: int, nodes: int, coordinator: str) -> int:
-    """The CLI's ``streamflow launch``; returns the exit status of this node."""
+    """The CLI's ``streamflow launch``; returns the exit status of this node. Node 0 runs the
+    coordinator (a thread of this process), then the controller over a ``MultiHostCluster``."""
     check_launch(cfg, node_rank, nodes)
     if node_rank == 0:
         try:
-            summary = launch_node0(cfg, nodes, coordinator)
+            coord = Coordinator(bind=f"tcp://{coordinator}").start()  # first: the others wait
+            try:
+                from streamflow import controller  # heavy (torch): after the coordinator is up
+
+                cluster = partial(MultiHostCluster, nodes=nodes, coordinator=coord.address)
+                summary = controller.run(cfg, cluster=cluster)
+            finally:
+                coord.stop()
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # the run failed: one line naming the cause, exit 1

@@ -122,8 +122,7 @@ class RunPlan:
         n = self.cfg.data.prompts_per_iteration
         if self.task is not None:
             return self.task.train_problems(n, epoch_or_offset=iteration)
-        assert self.train_problems is not None
-        items = self.train_problems
+        items = self.train_problems or []
         return [items[(iteration * n + i) % len(items)] for i in range(n)]
 
     def encode(self, prompt: str) -> list[int]:

@@ -126,9 +126,14 @@ class Supervisor:
             if child.restart_at is None:
                 child.ready = False
                 child.exit_codes.append(code)
-                why_not = self._why_not_restart(child, code)
-                if why_not is not None:
-                    child.failure = why_not
+                if not child.ever_ready:
+                    child.failure = (f"{child.name} exited with status {code} before it was ready "
+                                     "(not restarted)")
+                    return child
+                if child.restarts >= self.policy.max_restarts:
+                    child.failure = (f"{child.name} exited with status {code} after "
+                                     f"{child.restarts} restart(s) "
+                                     f"(run.max_restarts={self.policy.max_restarts})")
                     return child
                 delay = min(self.policy.backoff_s * 2**child.restarts, self.policy.backoff_max_s)
                 child.restart_at = now + delay
@@ -138,14 +143,6 @@ class Supervisor:
                 self._restart(child)
                 if child.failure is not None:
                     return child
-        return None
-
-    def _why_not_restart(self, child: Child, code: int) -> str | None:
-        if not child.ever_ready:
-            return f"{child.name} exited with status {code} before it was ready (not restarted)"
-        if child.restarts >= self.policy.max_restarts:
-            return (f"{child.name} exited with status {code} after {child.restarts} restart(s) "
-                    f"(run.max_restarts={self.policy.max_restarts})")
         return None
 
     def _restart(self, child: Child) -> None:
