@@ -91,8 +91,8 @@ def start_store_node(sup: Supervisor, name: str, *, bind: str, shards: int, node
                      metrics: bool = False, persist_dir: str | None = None) -> StoreNode:
     """Start ``python -m storage.server`` as the supervised child ``name`` (not yet waited for)."""
     ready = Path(tempfile.mkdtemp(prefix="sf-store-")) / "ready.json"
-    child = sup.start_python(name, "store", "storage.server", [
-        "--bind", bind, "--shards", str(shards), "--node-index", str(node_index),
+    child = sup.start(name, "store", [
+        sys.executable, "-m", "storage.server", "--bind", bind, "--shards", str(shards), "--node-index", str(node_index),
         "--ready-file", str(ready),
         *(["--metrics-port", "0"] if metrics else []),
         *(["--persist-dir", persist_dir] if persist_dir else []),  # recovered at its start
@@ -119,7 +119,7 @@ def start_worker(sup: Supervisor, name: str, role: str, wcfg: Any, path: Path, t
     path.write_text(to_json(wcfg))
     args = ["--role", role, "--config", str(path)]
     if torchrun is None:
-        return sup.start_python(name, role, "workers.main", args, threads=threads)
+        return sup.start(name, role, [sys.executable, "-m", "workers.main", *args], threads=threads)
     addr, port = torchrun.master.rsplit(":", 1)
     return sup.start(name, role, [
         *(["env", *torchrun.env] if torchrun.env else []),

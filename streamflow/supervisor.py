@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,10 +105,6 @@ class Supervisor:
                 start_new_session=True)  # the terminal's Ctrl-C is the parent's to handle
         self._spawned.append(popen)
         return popen
-
-    def start_python(self, name: str, role: str, module: str, args: list[str], *,
-                     threads: int = 1) -> Child:
-        return self.start(name, role, [sys.executable, "-m", module, *args], threads=threads)
 
     def check(self) -> Child | None:
         """Apply the restart policy (scheduled restarts happen here: call it often); the first

@@ -167,10 +167,6 @@ class RunConfig:
         """Policy versions a trained sample may lag: 0 in sync/periodic (on-policy), else the cap."""
         return self.run.max_staleness if self.run.mode == "async" else 0
 
-    @property
-    def output_dir(self) -> Path:
-        return Path(self.run.output_dir)
-
 
 def config_warnings(cfg: RunConfig) -> list[str]:
     """Settings that are valid but have no effect in this configuration (printed by the CLI)."""
