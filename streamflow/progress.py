@@ -156,7 +156,6 @@ class ProgressDisplay:
         self.loop_started: float | None = None  # unix time the RL loop began
         self.done_before = 0  # iterations of a resumed run done before this process
         self.accuracy_before: float | None = None  # the starting policy's held-out accuracy
-        self._samples = 0
         self._live: Live | None = None
         self._swapped: list[tuple[logging.Handler, logging.Handler]] = []
 
@@ -166,7 +165,16 @@ class ProgressDisplay:
             self._live = Live(console=self.console, refresh_per_second=2,
                               get_renderable=self._render)
             self._live.start()
-            self._route_logging_through_console()
+            # while the panel is shown, root handlers writing to stdout/stderr print through it
+            root = logging.getLogger()
+            for handler in list(root.handlers):
+                stream = getattr(handler, "stream", None)
+                if type(handler) is logging.StreamHandler and stream in (sys.stderr, sys.stdout):
+                    replacement = RichHandler(console=self.console, show_path=False)
+                    replacement.setLevel(handler.level)
+                    root.removeHandler(handler)
+                    root.addHandler(replacement)
+                    self._swapped.append((replacement, handler))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -179,23 +187,11 @@ class ProgressDisplay:
             root.addHandler(original)
         self._swapped = []
 
-    def _route_logging_through_console(self) -> None:
-        """While the panel is shown, root handlers writing to stdout/stderr print through it."""
-        root = logging.getLogger()
-        for handler in list(root.handlers):
-            stream = getattr(handler, "stream", None)
-            if type(handler) is logging.StreamHandler and stream in (sys.stderr, sys.stdout):
-                replacement = RichHandler(console=self.console, show_path=False)
-                replacement.setLevel(handler.level)
-                root.removeHandler(handler)
-                root.addHandler(replacement)
-                self._swapped.append((replacement, handler))
-
     @property
     def samples_per_second(self) -> float:
         """Trained samples per second of RL iteration time so far (worker start-up excluded)."""
         wall = sum(r.wall_seconds for r in self.records)
-        return self._samples / wall if wall > 0 else 0.0
+        return sum(r.samples for r in self.records) / wall if wall > 0 else 0.0
 
     def set_phase(self, phase: str) -> None:
         if phase != self.phase:
@@ -219,7 +215,6 @@ class ProgressDisplay:
         if not self.records and self.loop_started is not None:
             self.done_before = record.iteration  # a resumed run starts past 0
         self.records.append(record)
-        self._samples += record.samples
         if record.queue_depths:
             self.queue_depths = dict(record.queue_depths)
         if self._live is None:

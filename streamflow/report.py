@@ -119,16 +119,6 @@ def _arrow(a: float | None, b: float | None) -> str:
 Row = tuple[str, str, float | None, str]
 
 
-def _reward_row(s: RunSummary) -> Row:
-    """Rewards compared over windows of iterations (single iterations are noisy); a run too short
-    for a window (one iteration) shows its only value."""
-    if s.reward_window and s.reward_mean_first_window is not None:
-        label = f"reward, mean of first {s.reward_window} → last {s.reward_window} iterations"
-        return ("learning", label, None,
-                _arrow(s.reward_mean_first_window, s.reward_mean_last_window))
-    return ("learning", "reward (single iteration)", None, fmt(s.reward_mean_last))
-
-
 def _rows(run: RunData) -> list[Row]:
     s = run.summary
     sync_share = s.weight_sync_seconds_total / s.wall_seconds if s.wall_seconds else 0.0
@@ -149,8 +139,12 @@ def _rows(run: RunData) -> list[Row]:
              f"{s.startup_seconds:.2f}"),
             ("time", "total s (start to summary)", s.total_seconds, f"{s.total_seconds:.2f}"),
         ]
+    w = s.reward_window  # rewards over windows (one iteration is noisy), else the only value
     rows += [
-        _reward_row(s),
+        ("learning", f"reward, mean of first {w} → last {w} iterations", None,
+         _arrow(s.reward_mean_first_window, s.reward_mean_last_window))
+        if w and s.reward_mean_first_window is not None
+        else ("learning", "reward (single iteration)", None, fmt(s.reward_mean_last)),
         ("learning", "held-out accuracy before RL → last", None,
          _arrow(s.accuracy_before, s.accuracy_last)),
         ("learning", "reward failures", s.reward_failures, str(s.reward_failures)),
