@@ -7,6 +7,7 @@ rules: docs/controller.md "Devices".
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -16,11 +17,8 @@ from streamflow.config import ConfigValueError, RunConfig
 
 
 def _driver_gpus() -> int:
-    proc = "/proc/driver/nvidia/gpus"
-    try:
-        return len(os.listdir(proc))
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return 0

@@ -272,10 +272,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
+    for line in filter(None, map(str.strip, path.read_text().splitlines())):
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
