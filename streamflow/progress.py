@@ -95,31 +95,25 @@ class StepProgress:
 
     def __call__(self, step: int, total: int) -> None:
         try:
-            self._show(step, total)
+            self._started = self._started or time.monotonic()
+            if self.live_enabled:
+                if self._progress is None:
+                    self._progress = Progress(
+                        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"),
+                        TimeRemainingColumn(), console=self.console, transient=False)
+                    self._progress.start()
+                    self._task = self._progress.add_task(self.label, total=total)
+                self._progress.update(self._task, completed=step, total=total)
+                return
+            tenth = step * 10 // max(total, 1)
+            if tenth > self._logged_tenth or step == 1:
+                self._logged_tenth = max(tenth, self._logged_tenth)
+                elapsed = time.monotonic() - self._started
+                log.info("%s %d/%d steps, elapsed %s, ETA %s", self.label, step, total,
+                         clock(elapsed), clock(eta_seconds(step, total, elapsed)))
         except Exception:  # a display glitch must never stop the work
             log.exception("progress display failed")
-
-    def _show(self, step: int, total: int) -> None:
-        now = time.monotonic()
-        if self._started is None:
-            self._started = now
-        if self.live_enabled:
-            if self._progress is None:
-                self._progress = Progress(
-                    TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"),
-                    TimeRemainingColumn(), console=self.console, transient=False,
-                )
-                self._progress.start()
-                self._task = self._progress.add_task(self.label, total=total)
-            self._progress.update(self._task, completed=step, total=total)
-            return
-        tenth = step * 10 // max(total, 1)
-        if tenth > self._logged_tenth or step == 1:
-            self._logged_tenth = max(tenth, self._logged_tenth)
-            elapsed = now - self._started
-            log.info("%s %d/%d steps, elapsed %s, ETA %s", self.label, step, total,
-                     clock(elapsed), clock(eta_seconds(step, total, elapsed)))
 
 
 def format_depths(depths: Mapping[str, int]) -> str:

@@ -321,25 +321,20 @@ def reward_accuracy(
 
 
 def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
-    """The checkpoint to continue from (``run.resume``: auto or a path; docs/controller.md)."""
+    """The checkpoint to continue from (``run.resume``: auto or a path). With auto: the newest
+    whose iterations are all in ``metrics.jsonl``, else the newest one (docs/controller.md)."""
     if not cfg.run.resume:
         return None
     if cfg.run.resume == "auto":
-        return _newest_recorded_checkpoint(run_dir)
+        checkpoints = list_checkpoints(run_dir / "checkpoints")
+        recorded = {line["iteration"] for line in read_jsonl(run_dir / "metrics.jsonl")}
+        complete = [c for c in checkpoints if recorded.issuperset(range(read_state(c).step))]
+        return (complete or checkpoints or [None])[-1]
     path = Path(cfg.run.resume)
     if not (path / "trainer_state.json").is_file():
         raise FileNotFoundError(f"run.resume={cfg.run.resume!r} is not a complete checkpoint "
                                 "(no trainer_state.json)")
     return path
-
-
-def _newest_recorded_checkpoint(run_dir: Path) -> Path | None:
-    """The newest checkpoint whose iterations are all in ``metrics.jsonl``, else the newest one
-    (a checkpoint can be written before its iteration's line: docs/controller.md)."""
-    checkpoints = list_checkpoints(run_dir / "checkpoints")
-    recorded = {line["iteration"] for line in read_jsonl(run_dir / "metrics.jsonl")}
-    complete = [c for c in checkpoints if recorded.issuperset(range(read_state(c).step))]
-    return (complete or checkpoints or [None])[-1]
 
 
 def _named(common: WorkerCommon, role: str) -> WorkerCommon:

@@ -7,6 +7,7 @@ every process ever started. Restart policy and its reasons: docs/controller.md "
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -177,10 +178,8 @@ class Supervisor:
         self.stopping = self.forced = True
         for popen in self._spawned:
             if popen.poll() is None:
-                try:
+                with contextlib.suppress(OSError):  # exited meanwhile
                     popen.kill()
-                except OSError:  # exited meanwhile
-                    pass
 
     def _stop_groups(self, grace_s: float, between: Callable[[], None] | None) -> None:
         for group_last in (False, True):

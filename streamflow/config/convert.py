@@ -131,8 +131,7 @@ def _unknown_key(cls: type, key: str, section: str) -> UnknownKeyError:
 def from_dict(cls: type[Any], data: Any, section: str = "") -> Any:
     """Build dataclass ``cls`` from a plain mapping, checking keys and types; ``section`` is the
     dotted prefix used in error messages. Missing keys take their defaults."""
-    if data is None:
-        data = {}
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigTypeError(section, f"expected a mapping of keys, got {data!r}")
     hints = section_keys(cls)
