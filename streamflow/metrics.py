@@ -101,12 +101,9 @@ class ControllerMetrics(HttpEndpoint):
 
     def set_workers_alive(self, children: Any) -> None:
         """``children``: the supervisor's ``{name: Child}``; counts running ones per role."""
-        counts = dict.fromkeys(ROLES, 0)
-        for child in children.values():
-            if child.exit_code() is None and child.role in counts:
-                counts[child.role] += 1
-        for role, n in counts.items():
-            self.workers_alive.labels(role).set(n)
+        for role in ROLES:
+            alive = [c for c in children.values() if c.role == role and c.exit_code() is None]
+            self.workers_alive.labels(role).set(len(alive))
 
 
 def scrape_address(host: str, port: int) -> str:

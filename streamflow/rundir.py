@@ -263,9 +263,8 @@ class RunDir:
         return BUILTIN_REWARD_RANGES.get(fn or "exact_match")
 
     def read_summary(self) -> RunSummary | None:
-        if not self.summary_path.exists():
-            return None
-        return record_from_dict(RunSummary, json.loads(self.summary_path.read_text()))
+        path = self.summary_path
+        return record_from_dict(RunSummary, json.loads(path.read_text())) if path.exists() else None
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
