@@ -1,11 +1,7 @@
-"""The one admission rule behind the three modes (used by ``streamflow.controller`` and by the
-simulated cluster ``bench.sim.cluster``).
+"""The one admission rule behind the three modes (controller and ``bench.sim.cluster``).
 
-Iteration k's prompt rows carry ``min_policy_version = max(k - s, 0)`` and are put once the
-newest published policy version is >= k - s, where s is the staleness bound: 0 for ``sync`` and
-``periodic`` (on-policy: k is generated with exactly version k), ``max_staleness`` for ``async``
-(rollout runs up to s versions ahead of training). The rows themselves are built by
-``workers.schema.prompt_rows`` (through ``RunPlan.prompt_rows``).
+Iteration k's rows carry ``min_policy_version = max(k - s, 0)`` and are put once version k - s is
+published; s is 0 for sync/periodic, ``max_staleness`` for async (docs/controller.md "Modes").
 """
 
 from __future__ import annotations

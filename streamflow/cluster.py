@@ -1,21 +1,8 @@
 """The processes of a streaming run: what the RL loop needs from them, and the one-host cluster.
 
-The controller (``streamflow.controller``) never starts a process itself: it asks a ``Cluster``.
-``LocalCluster`` runs every process on this host under one ``Supervisor``; the multi-host cluster
-(``streamflow.launch.MultiHostCluster``) extends it with the processes of the other hosts.
-
-Lifecycle, in the order the controller calls it::
-
-    start_store()        store nodes up (ready files read)       -> their addresses
-    start_coordinator()  the shard coordinator thread (balancer)  -> its address or None
-    start_workers()      one process per worker (configs written under <run>/workers/)
-    mark_ready(name)     a worker reported ready (restarts are allowed from then on)
-    check()              every loop turn: restarts what may be restarted; a terminal cause or None
-    stop(between, ...)   workers first, then ``between`` (the store's final counts), then stores
-    kill()               a second Ctrl-C: everything SIGKILLed at once (signal-safe)
-
-Restart rules (docs/faults.md) are the supervisor's ``before_restart`` hooks set here. One
-``start_store_node`` and one ``start_worker`` serve both clusters and the other hosts' launchers.
+The controller never starts a process itself: it asks a ``Cluster``. ``LocalCluster`` runs every
+process on this host under one ``Supervisor``; the restart rules (docs/faults.md) are the
+supervisor's ``before_restart`` hooks set here. Lifecycle and rules: docs/controller.md.
 """
 
 from __future__ import annotations
@@ -30,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import storage
 from storage.ports import free_port
@@ -50,30 +37,6 @@ WorkerSpec = tuple[str, str, Any, int]  # (name, role, typed worker config, thre
 
 class WorkerFailed(RuntimeError):
     """A worker process failed; the message carries its error."""
-
-
-class Cluster(Protocol):
-    """What the RL loop needs from the processes of a streaming run (see the module docstring)."""
-
-    host: str  # where this host's services bind (the shard coordinator)
-    events_bind: str  # where the controller's report socket binds
-    endpoints: list[Endpoint]  # /metrics of the store nodes and the coordinator it started
-    children: dict[str, Child]  # this host's processes (workers alive, for the metrics)
-
-    def start_store(self) -> list[str]: ...
-    def start_coordinator(self, client: Any, addresses: list[str]) -> str | None: ...
-    def start_workers(self, workers: list[WorkerSpec], events_address: str) -> None: ...
-    def mark_ready(self, name: str) -> None: ...
-    def check(self) -> str | None: ...
-    def stores_up(self) -> bool: ...
-    def trainer_exit_code(self) -> int | None: ...
-    def restarts(self) -> dict[str, int]: ...
-    def fetch_weights(self, version: int) -> None: ...
-    def stop(self, between: Callable[[], None] | None, cause: str | None) -> None: ...
-    def kill(self) -> None: ...
-
-
-# ------------------------------------------------------------------------------ starting processes
 
 
 @dataclass
@@ -107,10 +70,8 @@ class StoreNode:
         return [(f"127.0.0.1:{port}", "store", self.child.name)] if port else []
 
     def restart_in_place(self, on_back: Callable[[], None]) -> None:
-        """The store restart rule (with store.persist): the node comes back on the same address
-        with the same --persist-dir and recovers its tables before it serves; leases do not
-        survive (rows leased at the crash are READY again, delivery counts kept), so workers see
-        their leases fenced and go on. ``on_back`` runs once it serves again."""
+        """The store restart rule (store.persist; docs/controller.md): back on the same address
+        and --persist-dir; ``on_back`` runs once it serves again."""
 
         def before(child: Child) -> None:
             self.ready_file = Path(tempfile.mkdtemp(prefix="sf-store-")) / "ready.json"
@@ -130,8 +91,8 @@ def start_store_node(sup: Supervisor, name: str, *, bind: str, shards: int, node
                      metrics: bool = False, persist_dir: str | None = None) -> StoreNode:
     """Start ``python -m storage.server`` as the supervised child ``name`` (not yet waited for)."""
     ready = Path(tempfile.mkdtemp(prefix="sf-store-")) / "ready.json"
-    child = sup.start_python(name, "store", "storage.server", [
-        "--bind", bind, "--shards", str(shards), "--node-index", str(node_index),
+    child = sup.start(name, "store", [
+        sys.executable, "-m", "storage.server", "--bind", bind, "--shards", str(shards), "--node-index", str(node_index),
         "--ready-file", str(ready),
         *(["--metrics-port", "0"] if metrics else []),
         *(["--persist-dir", persist_dir] if persist_dir else []),  # recovered at its start
@@ -158,7 +119,7 @@ def start_worker(sup: Supervisor, name: str, role: str, wcfg: Any, path: Path, t
     path.write_text(to_json(wcfg))
     args = ["--role", role, "--config", str(path)]
     if torchrun is None:
-        return sup.start_python(name, role, "workers.main", args, threads=threads)
+        return sup.start(name, role, [sys.executable, "-m", "workers.main", *args], threads=threads)
     addr, port = torchrun.master.rsplit(":", 1)
     return sup.start(name, role, [
         *(["env", *torchrun.env] if torchrun.env else []),
@@ -168,12 +129,10 @@ def start_worker(sup: Supervisor, name: str, role: str, wcfg: Any, path: Path, t
     ], threads=threads)
 
 
-def trainer_restart(cfg: RunConfig, run_dir: Path, wcfg: Any, path: Path) -> Callable[[Child], None]:
+def trainer_restart(cfg: RunConfig, run_dir: Path, wcfg: Any,
+                    path: Path) -> Callable[[Child], None]:
     """The trainer restart rule: resume from the newest checkpoint, which must hold every acked
-    row — true only with a checkpoint after every step (the trainer checkpoints before it acks).
-    Rows of the unfinished iteration were never acked: their leases expire and they are trained
-    again; rows the dead trainer had trained before its checkpoint come back (if unacked) and
-    are acked without training."""
+    row, so only with ``run.checkpoint_every=1`` (docs/controller.md "Resume rules")."""
 
     def before_restart(child: Child) -> None:
         from workers.checkpoint import latest_checkpoint, read_state
@@ -186,10 +145,8 @@ def trainer_restart(cfg: RunConfig, run_dir: Path, wcfg: Any, path: Path) -> Cal
                 f"newest checkpoint would be lost (checkpoint_every={cfg.run.checkpoint_every}); "
                 "resume the run with run.resume=auto")
         latest = latest_checkpoint(run_dir / "checkpoints")
-        resumed = wcfg
-        if latest is not None:
-            resumed = dataclasses.replace(wcfg, resume_from=str(latest),
-                                          start_iteration=read_state(latest).step)
+        resumed = wcfg if latest is None else dataclasses.replace(
+            wcfg, resume_from=str(latest), start_iteration=read_state(latest).step)
         path.write_text(to_json(resumed))
         log.warning("restarting the trainer from %s", latest or "the initial model")
 
@@ -205,20 +162,18 @@ def refuse_restart(why: str) -> Callable[[Child], None]:
     return before_restart
 
 
-# ------------------------------------------------------------------------------ one host
-
-
 class LocalCluster:
-    """Every process of the run on this host: one store node, the workers, the coordinator."""
+    """Every process of the run on this host: one store node, the workers, the coordinator. The
+    controller's view of a streaming run's processes (``MultiHostCluster`` extends it)."""
 
     def __init__(self, cfg: RunConfig, plan: RunPlan) -> None:
         self.cfg, self.plan = cfg, plan
         self.sup = Supervisor(plan.run_dir / "logs",
                               policy=RestartPolicy(max_restarts=cfg.run.max_restarts))
         self.children = self.sup.children
-        self.host = cfg.store.host
-        self.events_bind = "tcp://127.0.0.1:*"
-        self.endpoints: list[Endpoint] = []
+        self.host = cfg.store.host  # where this host's services bind (the shard coordinator)
+        self.events_bind = "tcp://127.0.0.1:*"  # where the controller's report socket binds
+        self.endpoints: list[Endpoint] = []  # /metrics of the store nodes and the coordinator
         self._coordinator: Any = None  # storage.coordinator.Coordinator (a thread of ours)
 
     def start_store(self) -> list[str]:
@@ -231,8 +186,8 @@ class LocalCluster:
         if s.persist:
             node.restart_in_place(lambda: self._create_table(addresses))
         else:
-            node.child.before_restart = refuse_restart(
-                "store.persist is false: the rows it held are lost")
+            node.child.before_restart = refuse_restart("store.persist is false: the rows it held "
+                                                       "are lost")
         return addresses
 
     def _create_table(self, addresses: list[str]) -> None:
@@ -243,19 +198,15 @@ class LocalCluster:
                     self.plan.table)
 
     def start_coordinator(self, client: Any, addresses: list[str]) -> str | None:
-        """The shard coordinator (a thread of this process) when ``store.balancer`` is on and the
-        store has at least two shards; None otherwise (workers then claim from any shard). With
-        ``metrics.enabled`` it serves its own /metrics (``streamflow_coordinator_*``) on
-        ``metrics.host`` and a free port, listed as role and worker ``coordinator``."""
+        """The shard coordinator thread (``store.balancer`` and >= 2 shards), else None."""
         if not self.cfg.store.balancer or len(client.stats(self.plan.table).shards) < 2:
             return None
         from storage.coordinator import Coordinator
 
         metrics = self.cfg.metrics
-        self._coordinator = Coordinator(
-            f"tcp://{self.host}:0", store_addresses=addresses,
-            metrics_port=0 if metrics.enabled else None, metrics_addr=metrics.host,
-        ).start()
+        self._coordinator = Coordinator(f"tcp://{self.host}:0", store_addresses=addresses,
+                                        metrics_port=0 if metrics.enabled else None,
+                                        metrics_addr=metrics.host).start()
         if self._coordinator.metrics_port:
             self.endpoints.append((scrape_address(metrics.host, self._coordinator.metrics_port),
                                    "coordinator", "coordinator"))
@@ -274,11 +225,10 @@ class LocalCluster:
 
     def mark_ready(self, name: str) -> None:
         child = self.children.get(name)  # None: it runs on another host
-        if child is None:
-            return
-        child.mark_ready()
-        if child.restarts:
-            log.warning("%s is ready again (restart %d)", name, child.restarts)
+        if child is not None:
+            child.mark_ready()
+            if child.restarts:
+                log.warning("%s is ready again (restart %d)", name, child.restarts)
 
     def check(self) -> str | None:
         failed = self.sup.check()  # restarts what may be restarted (docs/faults.md)

@@ -1,33 +1,13 @@
 """Which device and dtype each process of a run gets, and whether this host has the GPUs for it.
 
-Owns ``visible_gpus`` (a probe that never imports torch, so ``streamflow run --dry-run`` stays
-light) and ``resolve_devices`` (pure: config + GPU count -> one ``RoleDevices`` per run), whose
-errors are ``ConfigValueError``s naming the key at fault, in one line:
-
-- ``rollout.device: 'cuda' asked for but no CUDA device is visible ...``
-- ``trainer.device: cuda:3 does not exist (2 GPUs visible: cuda:0..cuda:1)``
-- ``devices.placement: 'separate' needs 4 GPUs (trainer 1 + reference 1 + rollout 2), 2 visible``
-
-Placement on one host (roles whose device is ``auto`` or ``cuda``; an explicit ``cuda:N`` or
-``cpu`` is kept as given):
-
-- no GPU: every ``auto`` role on the CPU;
-- colocated: every role on ``cuda:0`` (trainer rank r of DeepSpeed on ``cuda:r``: NCCL needs one
-  GPU per rank), weight sync between processes on the same GPU;
-- separate (streaming modes): trainer ranks on ``cuda:0..T-1``, the reference worker on the next
-  GPU, each rollout worker on a GPU of its own — the layout of verl/TRL's "separate" placement;
-- auto: separate when the GPUs suffice, else colocated.
-
-Dtypes: a role's own ``dtype``, else ``model.dtype``, else (both ``auto``) bfloat16 on a GPU and
-float32 on the CPU.
-
-The probe: ``CUDA_VISIBLE_DEVICES`` (empty or -1: none) bounded by the driver's device count from
-``/proc/driver/nvidia/gpus`` (or ``nvidia-smi -L`` where /proc has none). The worker processes check
-again with torch when they place their model (``workers/devices.py``), which is authoritative.
+``visible_gpus`` probes without torch; ``resolve_devices`` is pure (config + GPU count ->
+``RoleDevices``) and raises one-line ``ConfigValueError``s naming the key. Placement and dtype
+rules: docs/controller.md "Devices".
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -37,11 +17,8 @@ from streamflow.config import ConfigValueError, RunConfig
 
 
 def _driver_gpus() -> int:
-    proc = "/proc/driver/nvidia/gpus"
-    try:
-        return len(os.listdir(proc))
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return 0
@@ -76,10 +53,6 @@ class RoleDevices:
     reference_dtype: str
     trainer_dtype: str  # compute (autocast) dtype; master weights stay float32
 
-    @property
-    def trainer_on_gpu(self) -> bool:
-        return self.trainer.startswith("cuda")
-
 
 def _dtype(choice: str, model: str, device: str) -> str:
     """A role's dtype: its own, else model.dtype, else by device (bfloat16 on a GPU)."""
@@ -102,7 +75,7 @@ def _check_index(key: str, device: str, gpus: int) -> None:
 
 
 def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
-    """Every process's device for ``gpus`` visible GPUs (see the module docstring)."""
+    """Every process's device for ``gpus`` visible GPUs (docs/controller.md "Devices")."""
     r, t, ref = cfg.rollout, cfg.trainer, cfg.reference
     for key, device in (("rollout.device", r.device), ("trainer.device", t.device),
                         ("reference.device", ref.device)):
@@ -121,11 +94,9 @@ def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
     separate = gpus >= need and (placement == "separate" or (placement == "auto" and streaming))
 
     def pick(device: str, slot: int) -> str:
-        if device in ("cpu",) or device.startswith("cuda:"):
+        if device == "cpu" or device.startswith("cuda:"):
             return device
-        if gpus == 0:
-            return "cpu"
-        return f"cuda:{slot if separate else 0}"
+        return f"cuda:{slot if separate else 0}" if gpus else "cpu"
 
     trainer = pick(t.device, 0)
     if trainer.startswith("cuda") and t.engine == "deepspeed":
@@ -137,19 +108,16 @@ def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
                 f"{gpus} visible")
     reference = pick(ref.device, t.num_ranks)
     rollout = tuple(pick(r.device, t.num_ranks + refs + i) for i in range(r.num_workers))
-    _check_index("trainer.device", trainer, gpus)
-    _check_index("reference.device", reference, gpus)
-    for device in rollout:
-        _check_index("rollout.device", device, gpus)
+    for key, device in (("trainer.device", trainer), ("reference.device", reference),
+                        *(("rollout.device", d) for d in rollout)):
+        _check_index(key, device, gpus)
     if r.engine == "simulated":  # simulated roles hold no model: nothing to place
         rollout = tuple("cpu" for _ in rollout)
         trainer = reference = "cpu"
-    return RoleDevices(
-        gpus=gpus, rollout=rollout, reference=reference, trainer=trainer,
-        rollout_dtype=_dtype(r.dtype, cfg.model.dtype, rollout[0]),
-        reference_dtype=_dtype(ref.dtype, cfg.model.dtype, reference),
-        trainer_dtype=_dtype(t.dtype, cfg.model.dtype, trainer),
-    )
+    return RoleDevices(gpus=gpus, rollout=rollout, reference=reference, trainer=trainer,
+                       rollout_dtype=_dtype(r.dtype, cfg.model.dtype, rollout[0]),
+                       reference_dtype=_dtype(ref.dtype, cfg.model.dtype, reference),
+                       trainer_dtype=_dtype(t.dtype, cfg.model.dtype, trainer))
 
 
 def weight_sync_path(cfg: RunConfig, devices: RoleDevices) -> str:
@@ -159,9 +127,9 @@ def weight_sync_path(cfg: RunConfig, devices: RoleDevices) -> str:
         return cfg.weights.sync
     one_host = not cfg.placement.nodes and cfg.run.mode != "sync"
     real = cfg.rollout.engine != "simulated"
-    return "collective" if one_host and real and devices.trainer_on_gpu else "file"
+    return "collective" if one_host and real and devices.trainer.startswith("cuda") else "file"
 
 
-def check_devices(cfg: RunConfig, gpus: int | None = None) -> RoleDevices:
+def check_devices(cfg: RunConfig) -> RoleDevices:
     """``resolve_devices`` against this host's GPUs (the --dry-run check)."""
-    return resolve_devices(cfg, visible_gpus() if gpus is None else gpus)
+    return resolve_devices(cfg, visible_gpus())

@@ -1,30 +1,17 @@
 """Ctrl-C and SIGTERM for ``streamflow run``: the first asks for a clean stop, the second forces it.
 
-Owns: ``StopSignals``, the process's handlers for SIGINT and SIGTERM while a run is on.
-
-Contract (the CLI's exit codes follow it, README "Stopping"):
-
-- first SIGINT or SIGTERM: ``KeyboardInterrupt`` is raised in the main thread (wherever it is:
-  warm start, start-up, the RL loop) and the signal is remembered (``signal_name``). The controller
-  then stops its workers in order — each finishes its turn and releases its leases, the store node
-  last — and writes ``summary.json`` with status ``interrupted``; the CLI exits 128 + the signal
-  number (130 for Ctrl-C, 143 for SIGTERM), as a process killed by that signal would, and as
-  torchrun and a Python program (TRL's trainers) stopped by Ctrl-C do: non-zero, so a shell
-  script or scheduler never mistakes a stopped run for a finished one.
-- any further signal: the stop is forced. Every callback registered with ``on_force`` runs (the
-  supervisor SIGKILLs its children, skipping the grace period) and nothing is raised, so the
-  controller still writes the summary.
-
-Children never see the terminal's SIGINT (streamflow/supervisor.py starts each in its own
-session), so the order of the stop is the controller's alone.
+``StopSignals``: the first signal raises ``KeyboardInterrupt`` in the main thread and is
+remembered (the CLI exits 128 + it); any further one runs the ``on_force`` callbacks and raises
+nothing (docs/controller.md "Stopping").
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -68,30 +55,20 @@ class StopSignals:
         self._previous = {}
 
 
-_current: StopSignals | None = None
+_current: StopSignals | None = None  # the handlers of the run in progress in this process
 
 
-def current() -> StopSignals | None:
-    """The handlers of the run in progress in this process (None outside ``installed``)."""
-    return _current
-
-
-class installed:  # noqa: N801 - used as a context manager, like a function
+@contextlib.contextmanager
+def installed() -> Iterator[StopSignals]:
     """``with installed() as stop:``: install ``StopSignals`` unless a caller already did (the
     CLI installs them before anything heavy starts; the controller again for in-process runs)."""
-
-    def __init__(self) -> None:
-        self._own: StopSignals | None = None
-
-    def __enter__(self) -> StopSignals:
-        global _current
-        if _current is not None:
-            return _current
-        self._own = _current = StopSignals().__enter__()
-        return self._own
-
-    def __exit__(self, *exc: object) -> None:
-        global _current
-        if self._own is not None:
-            self._own.__exit__(*exc)
+    global _current
+    if _current is not None:
+        yield _current
+        return
+    with StopSignals() as stop:
+        _current = stop
+        try:
+            yield stop
+        finally:
             _current = None

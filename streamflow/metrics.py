@@ -1,22 +1,8 @@
 """Prometheus metrics of the controller, and the run's service-discovery file.
 
-Owns:
-
-- ``ControllerMetrics``: the run-level series (iterations, reward, held-out accuracy, staleness,
-  queue depth per task, workers alive per role) in a private registry, served on
-  ``metrics.host:metrics.port`` (port 0 = a free port). Fed from what the controller already
-  computes: one ``IterationRecord`` per step, the queue depths it polls every second, and its
-  supervisor's children.
-- ``write_targets``: ``<run_dir>/prometheus/targets.json``, a Prometheus file-based
-  service-discovery list (``file_sd_configs``) of every endpoint of the run — controller, store
-  node(s), the shard coordinator (role ``coordinator``, when ``store.balancer`` starts one), each
-  worker — with the target labels ``role`` and ``worker``. Prometheus re-reads the
-  file when it changes, so a run is scraped without editing any Prometheus config. Written
-  atomically (tmp + rename), as Prometheus requires.
-- ``with_metrics``: a worker's config with the metrics endpoint switched on (or left off).
-
-With ``metrics.enabled=false`` nothing here is created: no port is bound, no file written.
-Label values are bounded: ``task`` comes from the table spec, ``role`` from the four roles.
+``ControllerMetrics`` (run-level series), ``write_targets`` (``prometheus/targets.json``) and
+``with_metrics`` (a worker config with its endpoint on or off). Nothing is created with
+``metrics.enabled=false`` (docs/controller.md "Metrics").
 """
 
 from __future__ import annotations
@@ -28,13 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    ProcessCollector,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from storage.metrics import HttpEndpoint
 from streamflow import preflight
@@ -47,51 +27,47 @@ _ITERATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
                       1800.0, 3600.0)
 
 
+# attribute, type, name (after streamflow_run_), help, labels: the run-level series
+_SERIES: tuple[tuple[str, Any, str, str, tuple[str, ...]], ...] = (
+    ("info", Gauge, "info", "Constant 1; the run's mode as a label.", ("mode",)),
+    ("target", Gauge, "target_iterations", "Iterations the run is configured for.", ()),
+    ("iterations", Counter, "iterations_total",
+     "Iterations completed (trainer steps reported to the controller).", ()),
+    ("policy_version", Gauge, "policy_version", "Newest published policy version.", ()),
+    ("samples", Counter, "samples_total", "Samples trained on.", ()),
+    ("generated_tokens", Counter, "generated_tokens_total",
+     "Response tokens generated, summed over iterations.", ()),
+    ("reward_mean", Gauge, "reward_mean", "Mean reward of the last iteration.", ()),
+    ("reward_std", Gauge, "reward_std", "Reward standard deviation of the last iteration.", ()),
+    ("accuracy", Gauge, "accuracy_ratio",
+     "Held-out greedy accuracy of the last evaluated policy version (0..1).", ()),
+    ("staleness_mean", Gauge, "staleness_mean_versions",
+     "Mean staleness of the last iteration's samples.", ()),
+    ("staleness_max", Gauge, "staleness_max_versions",
+     "Largest staleness of the last iteration's samples.", ()),
+    ("weight_sync", Gauge, "weight_sync_seconds",
+     "Weight-sync cost of the last iteration (trainer publish + rollout loads).", ()),
+    ("queue_depth", Gauge, "queue_depth_rows",
+     "Rows ready for a task, all store nodes together (polled each second).", ("task",)),
+    ("workers_alive", Gauge, "workers_alive", "Processes of a role still running.", ("role",)),
+    ("last_iteration", Gauge, "last_iteration_timestamp_seconds",
+     "Unix time of the last iteration report.", ()),
+)
+
+
 class ControllerMetrics(HttpEndpoint):
-    def __init__(self, mode: str, iterations: int, registry: CollectorRegistry | None = None):
-        own = registry is None
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        if own:  # CPU and memory of this process (once per registry)
-            ProcessCollector(registry=r)
-        p = "streamflow_run_"
-        self.info = Gauge(p + "info", "Constant 1; the run's mode as a label.", ["mode"], registry=r)
-        self.info.labels(mode).set(1)
-        self.target = Gauge(p + "target_iterations", "Iterations the run is configured for.",
-                            registry=r)
-        self.target.set(iterations)
-        self.iterations = Counter(p + "iterations_total", "Iterations completed (trainer steps "
-                                  "reported to the controller).", registry=r)
-        self.policy_version = Gauge(p + "policy_version", "Newest published policy version.",
-                                    registry=r)
+    def __init__(self, mode: str, iterations: int) -> None:
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # CPU and memory of this process
+        for attr, kind, name, doc, labels in _SERIES:
+            setattr(self, attr, kind(f"streamflow_run_{name}", doc, labels, registry=r))
         self.iteration_duration = Histogram(
-            p + "iteration_duration_seconds", "Wall time between consecutive iteration reports.",
-            buckets=_ITERATION_BUCKETS, registry=r,
-        )
-        self.samples = Counter(p + "samples_total", "Samples trained on.", registry=r)
-        self.generated_tokens = Counter(p + "generated_tokens_total",
-                                        "Response tokens generated, summed over iterations.",
-                                        registry=r)
-        self.reward_mean = Gauge(p + "reward_mean", "Mean reward of the last iteration.",
-                                 registry=r)
-        self.reward_std = Gauge(p + "reward_std", "Reward standard deviation of the last "
-                                "iteration.", registry=r)
-        self.accuracy = Gauge(p + "accuracy_ratio", "Held-out greedy accuracy of the last "
-                              "evaluated policy version (0..1).", registry=r)
-        self.staleness_mean = Gauge(p + "staleness_mean_versions", "Mean staleness of the last "
-                                    "iteration's samples.", registry=r)
-        self.staleness_max = Gauge(p + "staleness_max_versions", "Largest staleness of the last "
-                                   "iteration's samples.", registry=r)
-        self.weight_sync = Gauge(p + "weight_sync_seconds", "Weight-sync cost of the last "
-                                 "iteration (trainer publish + rollout loads).", registry=r)
-        self.queue_depth = Gauge(p + "queue_depth_rows", "Rows ready for a task, all store nodes "
-                                 "together (polled each second).", ["task"], registry=r)
-        self.workers_alive = Gauge(p + "workers_alive", "Processes of a role still running.",
-                                   ["role"], registry=r)
-        self.last_iteration = Gauge(p + "last_iteration_timestamp_seconds",
-                                    "Unix time of the last iteration report.", registry=r)
+            "streamflow_run_iteration_duration_seconds",
+            "Wall time between consecutive iteration reports.", buckets=_ITERATION_BUCKETS,
+            registry=r)
+        self.info.labels(mode).set(1)
+        self.target.set(iterations)
         self._http: Any = None
-        self._last_timestamp: float | None = None
 
     def serve(self, host: str, port: int) -> str:
         """Start /metrics on ``host:port`` (0: a free port); returns where Prometheus scrapes it.
@@ -125,12 +101,9 @@ class ControllerMetrics(HttpEndpoint):
 
     def set_workers_alive(self, children: Any) -> None:
         """``children``: the supervisor's ``{name: Child}``; counts running ones per role."""
-        counts = dict.fromkeys(ROLES, 0)
-        for child in children.values():
-            if child.exit_code() is None and child.role in counts:
-                counts[child.role] += 1
-        for role, n in counts.items():
-            self.workers_alive.labels(role).set(n)
+        for role in ROLES:
+            alive = [c for c in children.values() if c.role == role and c.exit_code() is None]
+            self.workers_alive.labels(role).set(len(alive))
 
 
 def scrape_address(host: str, port: int) -> str:
@@ -151,11 +124,8 @@ def targets_path(run_dir: str | os.PathLike) -> Path:
 def write_targets(run_dir: str | os.PathLike, endpoints: list[Endpoint],
                   run_name: str = "") -> Path:
     """Write the file_sd list: one entry per (address "host:port", role, worker)."""
-    groups = [
-        {"targets": [address], "labels": {"role": role, "worker": worker, "run": run_name}}
-        for address, role, worker in endpoints
-        if address
-    ]
+    groups = [{"targets": [address], "labels": {"role": role, "worker": worker, "run": run_name}}
+              for address, role, worker in endpoints if address]
     path = targets_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")

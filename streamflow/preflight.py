@@ -1,26 +1,8 @@
 """Checks of a run config against this machine, before anything is built or started.
 
-Owns: ``check(cfg)``, what ``streamflow run`` (and its ``--dry-run``) verifies in well under a
-second, without torch and before the model is built or warm-started, so that a wrong path, a
-typo in ``reward.fn`` or a busy port is one line naming the key within a second or two instead of
-a worker traceback after the warm start. Also owns the run directory's refusal to overwrite
-(``check_output_dir``) and the deletion of an old run's files on ``run.overwrite``
-(``clear_output_dir``).
-
-Every failure is a ``ConfigError`` (one line, ``<key>: <what>``; the CLI exits 2). What is
-checked:
-
-- ``run.output_dir``: refused when it already holds a run, unless ``run.resume`` continues it or
-  ``run.overwrite`` (``--overwrite``) replaces it;
-- ``run.resume``: a checkpoint path must hold ``trainer_state.json``;
-- ``model.path``: a Hugging Face directory (``config.json``, tokenizer files, weights);
-- ``data.file`` (``data.task=file``): readable, with both columns and at least one row;
-- ``reward.fn``: a registered name, or an importable ``module:function`` that is callable;
-- ``rollout.engine=vllm`` / ``trainer.engine=deepspeed``: the package is installed;
-- ``store.port`` and ``metrics.port`` (when not 0): free on their host now. The bind itself is
-  checked again where it happens (a port can be taken in between) and reported the same way.
-
-Light on purpose: imports only ``workers.rewards`` and ``workers.tasks`` (no torch).
+``check(cfg)`` (``streamflow run`` and ``--dry-run``): no torch, well under a second; every
+failure is a one-line ``ConfigError``. Also the output directory's refusal to overwrite and its
+clearing on ``run.overwrite``. What is checked: docs/controller.md "Checks before a run".
 """
 
 from __future__ import annotations
@@ -39,20 +21,9 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "timeline.jsonl", "summary.json")
 RUN_DIRS = ("checkpoints", "plots", "logs", "workers", "prometheus", "store", "weights")
 
 
-def check(cfg: RunConfig) -> None:
-    """Everything below, in the order a user would fix it."""
-    check_output_dir(cfg)
-    check_inputs(cfg)
-    check_ports(cfg)
-
-
-# -- the run directory ---------------------------------------------------------------------------
-
-
 def existing_run(path: str | Path) -> list[str]:
-    """What in ``path`` shows a run that trained (empty: nothing to protect). A directory whose
-    run stopped or failed before its first iteration (config.yaml, logs, a summary of 0
-    iterations) holds nothing worth keeping: running into it again is how one retries."""
+    """What in ``path`` shows a run that trained (empty: nothing to protect; a run that never
+    finished an iteration holds nothing worth keeping: running into it again is a retry)."""
     p = Path(path)
     metrics = p / "metrics.jsonl"
     found = ["metrics.jsonl"] if metrics.is_file() and metrics.stat().st_size else []
@@ -67,12 +38,10 @@ def check_output_dir(cfg: RunConfig) -> None:
         return
     found = existing_run(cfg.run.output_dir)
     if found:
-        raise ConfigError(
-            "run.output_dir",
-            f"{cfg.run.output_dir} already holds a run ({', '.join(found)}); continue it with "
-            "run.resume=auto, replace it with run.overwrite=true (--overwrite), or choose "
-            "another run.output_dir or run.name",
-        )
+        raise ConfigError("run.output_dir", f"{cfg.run.output_dir} already holds a run "
+                          f"({', '.join(found)}); continue it with run.resume=auto, replace it "
+                          "with run.overwrite=true (--overwrite), or choose another "
+                          "run.output_dir or run.name")
 
 
 def clear_output_dir(path: str | Path) -> None:
@@ -83,9 +52,6 @@ def clear_output_dir(path: str | Path) -> None:
         (p / name).unlink(missing_ok=True)
     for name in RUN_DIRS:
         shutil.rmtree(p / name, ignore_errors=True)
-
-
-# -- inputs ---------------------------------------------------------------------------------------
 
 
 def check_inputs(cfg: RunConfig) -> None:
@@ -118,8 +84,7 @@ def _check_model_dir(path: Path) -> None:
         raise ConfigError(key, f"{config} is not readable JSON: {err}") from None
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ConfigError(key, f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json)")
-    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
-    if not weights:
+    if not [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]:
         raise ConfigError(key, f"{path} has no weights (*.safetensors or pytorch_model*.bin)")
 
 
@@ -143,12 +108,8 @@ def _check_reward(fn: str) -> None:
     except RewardError as err:
         raise ConfigError("reward.fn", str(err).replace("\n", " ")) from None
     except Exception as err:  # the user's module raised while being imported
-        raise ConfigError(
-            "reward.fn", f"importing {fn!r} raised {type(err).__name__}: {err}".replace("\n", " ")
-        ) from None
-
-
-# -- ports ----------------------------------------------------------------------------------------
+        why = f"importing {fn!r} raised {type(err).__name__}: {err}".replace("\n", " ")
+        raise ConfigError("reward.fn", why) from None
 
 
 def port_in_use(key: str, address: str) -> ConfigError:

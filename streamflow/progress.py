@@ -1,22 +1,8 @@
 """Live progress of a run: a rich panel on a terminal, one log line per iteration elsewhere.
 
-Owns: ``describe_run`` (the short summary a run prints first; the whole resolved config is the
-run directory's ``config.yaml``), ``StepProgress`` (a bar with elapsed time and ETA for a counted
-phase such as the warm start: ``with StepProgress(...) as p: work(progress=p)``, ``p(step,
-total)``) and ``ProgressDisplay``, which the controller feeds with the start-up phase
-(``set_phase``), the start of the RL loop (``start_loop``), each finished ``IterationRecord``
-(``update``) and, between iterations, fresh queue depths (``set_queue_depths``). The panel shows
-elapsed time and an ETA (mean iteration time so far × iterations left), the reward as the mean
-of the first and last windows of iterations (single iterations are noisy) and the held-out
-accuracy before RL next to the latest one.
-
-Lifecycle: create → ``with display:`` (starts the live panel when enabled and stderr is a TTY)
-→ ``update``/``set_queue_depths`` any number of times → exit (the panel stops and leaves its
-last frame on screen). When the display is disabled (``run.progress=false``, or stderr is not a
-terminal: CI, pipes, log files) nothing is drawn and each ``update`` logs exactly one INFO line on
-the ``streamflow.progress`` logger; ``set_queue_depths`` is then silent (no log spam).
-
-It only displays: it never blocks the run, and an exception while drawing is logged, not raised.
+Owns ``describe_run``, ``StepProgress`` (a bar for a counted phase) and ``ProgressDisplay`` (the
+controller's panel). It only displays: an exception while drawing is logged, never raised.
+Lifecycle and what is shown: docs/controller.md "Live progress".
 """
 
 from __future__ import annotations
@@ -25,7 +11,8 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from pathlib import Path
 from typing import IO, Any
 
 from rich.console import Console, Group
@@ -48,7 +35,7 @@ from streamflow.rundir import IterationRecord, reward_window
 log = logging.getLogger("streamflow.progress")
 
 
-def _fmt(value: float | None, spec: str = ".3f") -> str:
+def fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
@@ -67,16 +54,6 @@ def eta_seconds(done: int, total: int, elapsed: float) -> float | None:
     return elapsed / done * max(total - done, 0)
 
 
-def window_means(records: Sequence[IterationRecord]) -> tuple[int, float | None, float | None]:
-    """(window, mean reward of the first window, of the last window): the figures to compare
-    (rundir.reward_window; one iteration when there are fewer than two)."""
-    w = max(reward_window(len(records)), 1 if records else 0)
-    if not w:
-        return 0, None, None
-    return (w, statistics.fmean(r.reward_mean for r in records[:w]),
-            statistics.fmean(r.reward_mean for r in records[-w:]))
-
-
 def describe_run(cfg: RunConfig) -> str:
     """What the run is about to do, in two lines (the terminal's first output)."""
     d, r = cfg.data, cfg.run
@@ -86,7 +63,7 @@ def describe_run(cfg: RunConfig) -> str:
         b = cfg.model.builtin
         model = (f"built-in model ({b.num_layers} layers × {b.hidden_size}, warm start "
                  f"{cfg.model.warmstart_steps} steps, cached under "
-                 f"{_parent(r.output_dir)}/.cache)")
+                 f"{Path(r.output_dir).parent}/.cache)")
     task = "arithmetic" if d.task == "arithmetic" else f"prompts from {d.file}"
     mode = r.mode + (f" (max_staleness {r.max_staleness})" if r.mode == "async" else "")
     return (f"streamflow: run '{r.name}' -> {r.output_dir} (resolved config: "
@@ -95,15 +72,9 @@ def describe_run(cfg: RunConfig) -> str:
             f"{d.group_size} samples, {task}, reward {cfg.reward.fn}, {model}")
 
 
-def _parent(path: str) -> str:
-    parent = path.rsplit("/", 1)[0] if "/" in path.rstrip("/") else "."
-    return parent or "/"
-
-
 class StepProgress:
-    """A bar with elapsed time and ETA for one counted phase, drawn on stderr when it is a
-    terminal; elsewhere one INFO line per 10 %. Shown only once it is called (a cached model
-    calls it never). Usable as the ``progress`` callback: ``p(step, total)``."""
+    """A bar with elapsed time and ETA for one counted phase (``p(step, total)``), on stderr when
+    it is a terminal; elsewhere one INFO line per 10 %. Shown only once it is called."""
 
     def __init__(self, label: str, *, enabled: bool = True, stream: IO[str] | None = None) -> None:
         self.label = label
@@ -124,52 +95,41 @@ class StepProgress:
 
     def __call__(self, step: int, total: int) -> None:
         try:
-            self._show(step, total)
+            self._started = self._started or time.monotonic()
+            if self.live_enabled:
+                if self._progress is None:
+                    self._progress = Progress(
+                        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"),
+                        TimeRemainingColumn(), console=self.console, transient=False)
+                    self._progress.start()
+                    self._task = self._progress.add_task(self.label, total=total)
+                self._progress.update(self._task, completed=step, total=total)
+                return
+            tenth = step * 10 // max(total, 1)
+            if tenth > self._logged_tenth or step == 1:
+                self._logged_tenth = max(tenth, self._logged_tenth)
+                elapsed = time.monotonic() - self._started
+                log.info("%s %d/%d steps, elapsed %s, ETA %s", self.label, step, total,
+                         clock(elapsed), clock(eta_seconds(step, total, elapsed)))
         except Exception:  # a display glitch must never stop the work
             log.exception("progress display failed")
-
-    def _show(self, step: int, total: int) -> None:
-        now = time.monotonic()
-        if self._started is None:
-            self._started = now
-        if self.live_enabled:
-            if self._progress is None:
-                self._progress = Progress(
-                    TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"),
-                    TimeRemainingColumn(), console=self.console, transient=False,
-                )
-                self._progress.start()
-                self._task = self._progress.add_task(self.label, total=total)
-            self._progress.update(self._task, completed=step, total=total)
-            return
-        tenth = step * 10 // max(total, 1)
-        if tenth > self._logged_tenth or step == 1:
-            self._logged_tenth = max(tenth, self._logged_tenth)
-            elapsed = now - self._started
-            log.info("%s %d/%d steps, elapsed %s, ETA %s", self.label, step, total,
-                     clock(elapsed), clock(eta_seconds(step, total, elapsed)))
 
 
 def format_depths(depths: Mapping[str, int]) -> str:
     return " ".join(f"{task}={n}" for task, n in depths.items()) or "-"
 
 
-def format_line(
-    record: IterationRecord,
-    total_iterations: int,
-    samples_per_second: float,
-    elapsed: float | None = None,
-    eta: float | None = None,
-) -> str:
+def format_line(record: IterationRecord, total_iterations: int, samples_per_second: float,
+                elapsed: float | None = None, eta: float | None = None) -> str:
     """The one-line form of an iteration (used for logs off a terminal)."""
     return (
         f"iter {record.iteration + 1}/{total_iterations} v{record.policy_version} "
         f"elapsed={clock(elapsed)} eta={clock(eta)} "
         f"reward={record.reward_mean:.3f}±{record.reward_std:.3f} "
-        f"acc={_fmt(record.accuracy)} samples/s={samples_per_second:.1f} "
+        f"acc={fmt(record.accuracy)} samples/s={samples_per_second:.1f} "
         f"staleness={record.staleness_mean:.2f}/{record.staleness_max} "
-        f"loss={_fmt(record.loss, '.4f')} kl={_fmt(record.kl, '.4f')} "
+        f"loss={fmt(record.loss, '.4f')} kl={fmt(record.kl, '.4f')} "
         f"sync={record.weight_sync_seconds:.2f}s queues[{format_depths(record.queue_depths)}]"
     )
 
@@ -177,14 +137,8 @@ def format_line(
 class ProgressDisplay:
     """Shows iteration, reward, accuracy, samples/s, queue depths per task and staleness."""
 
-    def __init__(
-        self,
-        total_iterations: int,
-        mode: str,
-        *,
-        enabled: bool = True,
-        stream: IO[str] | None = None,
-    ) -> None:
+    def __init__(self, total_iterations: int, mode: str, *, enabled: bool = True,
+                 stream: IO[str] | None = None) -> None:
         self.total_iterations = total_iterations
         self.mode = mode
         self.console = Console(file=stream, stderr=stream is None)
@@ -196,7 +150,6 @@ class ProgressDisplay:
         self.loop_started: float | None = None  # unix time the RL loop began
         self.done_before = 0  # iterations of a resumed run done before this process
         self.accuracy_before: float | None = None  # the starting policy's held-out accuracy
-        self._samples = 0
         self._live: Live | None = None
         self._swapped: list[tuple[logging.Handler, logging.Handler]] = []
 
@@ -206,7 +159,16 @@ class ProgressDisplay:
             self._live = Live(console=self.console, refresh_per_second=2,
                               get_renderable=self._render)
             self._live.start()
-            self._route_logging_through_console()
+            # while the panel is shown, root handlers writing to stdout/stderr print through it
+            root = logging.getLogger()
+            for handler in list(root.handlers):
+                stream = getattr(handler, "stream", None)
+                if type(handler) is logging.StreamHandler and stream in (sys.stderr, sys.stdout):
+                    replacement = RichHandler(console=self.console, show_path=False)
+                    replacement.setLevel(handler.level)
+                    root.removeHandler(handler)
+                    root.addHandler(replacement)
+                    self._swapped.append((replacement, handler))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -219,36 +181,21 @@ class ProgressDisplay:
             root.addHandler(original)
         self._swapped = []
 
-    def _route_logging_through_console(self) -> None:
-        """Log lines written straight to the terminal would tear the live panel: while it is
-        shown, root handlers that write to stdout/stderr print through the panel's console."""
-        root = logging.getLogger()
-        for handler in list(root.handlers):
-            stream = getattr(handler, "stream", None)
-            if type(handler) is logging.StreamHandler and stream in (sys.stderr, sys.stdout):
-                replacement = RichHandler(console=self.console, show_path=False)
-                replacement.setLevel(handler.level)
-                root.removeHandler(handler)
-                root.addHandler(replacement)
-                self._swapped.append((replacement, handler))
-
     @property
     def samples_per_second(self) -> float:
         """Trained samples per second of RL iteration time so far (worker start-up excluded)."""
         wall = sum(r.wall_seconds for r in self.records)
-        return self._samples / wall if wall > 0 else 0.0
+        return sum(r.samples for r in self.records) / wall if wall > 0 else 0.0
 
     def set_phase(self, phase: str) -> None:
         if phase != self.phase:
             self.phase = phase
-            if self._live is not None:
-                self._refresh()
+            self._refresh()
 
     def start_loop(self, started: float) -> None:
         self.loop_started = started
         self.phase = "RL loop"
-        if self._live is not None:
-            self._refresh()
+        self._refresh()
 
     def elapsed_and_eta(self, now: float | None = None) -> tuple[float | None, float | None]:
         """Seconds of RL loop so far, and the estimate of those left."""
@@ -262,7 +209,6 @@ class ProgressDisplay:
         if not self.records and self.loop_started is not None:
             self.done_before = record.iteration  # a resumed run starts past 0
         self.records.append(record)
-        self._samples += record.samples
         if record.queue_depths:
             self.queue_depths = dict(record.queue_depths)
         if self._live is None:
@@ -274,13 +220,12 @@ class ProgressDisplay:
 
     def set_queue_depths(self, depths: Mapping[str, int]) -> None:
         self.queue_depths = dict(depths)
-        if self._live is not None:
-            self._refresh()
+        self._refresh()
 
     def _refresh(self) -> None:
         try:
-            assert self._live is not None
-            self._live.refresh()
+            if self._live is not None:
+                self._live.refresh()
         except Exception:  # a display glitch must never stop training
             log.exception("progress display failed to redraw")
 
@@ -301,21 +246,18 @@ class ProgressDisplay:
             last = self.records[-1]
             accs = [r.accuracy for r in self.records if r.accuracy is not None]
             table.add_row("policy version", str(last.policy_version))
-            w, first_w, last_w = window_means(self.records)
-            table.add_row(
-                "reward",
-                f"{last.reward_mean:.3f} ± {last.reward_std:.3f} (this iteration); mean of "
-                f"{w}: first {first_w:.3f}, last {last_w:.3f}",
-            )
+            w = max(reward_window(len(self.records)), 1)  # one iteration with fewer than two
+            first_w = statistics.fmean(r.reward_mean for r in self.records[:w])
+            last_w = statistics.fmean(r.reward_mean for r in self.records[-w:])
+            table.add_row("reward", f"{last.reward_mean:.3f} ± {last.reward_std:.3f} (this "
+                          f"iteration); mean of {w}: first {first_w:.3f}, last {last_w:.3f}")
             latest = f"{accs[-1]:.3f}" if accs else "-"
             table.add_row("held-out accuracy", f"{latest}  (before RL {before})")
-            table.add_row(
-                "throughput",
-                f"{self.samples_per_second:.1f} samples/s  "
-                f"{last.generated_tokens / last.wall_seconds if last.wall_seconds else 0:.0f} tok/s (last iteration)",
-            )
+            tok_s = last.generated_tokens / last.wall_seconds if last.wall_seconds else 0
+            table.add_row("throughput", f"{self.samples_per_second:.1f} samples/s  "
+                          f"{tok_s:.0f} tok/s (last iteration)")
             table.add_row("staleness", f"mean {last.staleness_mean:.2f}  max {last.staleness_max}")
-            table.add_row("loss / kl", f"{_fmt(last.loss, '.4f')} / {_fmt(last.kl, '.4f')}")
+            table.add_row("loss / kl", f"{fmt(last.loss, '.4f')} / {fmt(last.kl, '.4f')}")
             table.add_row("weight sync", f"{last.weight_sync_seconds:.3f} s (last)")
         else:
             table.add_row("held-out accuracy", f"before RL {before}")

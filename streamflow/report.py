@@ -1,19 +1,13 @@
 """The run's own report: ``streamflow report RUN_DIR [RUN_DIR_B]`` and the end-of-run summary.
 
-Owns: reading a run directory back (``load_run``), stage utilisation and idle time computed from
-the timeline spans (``stage_usage``), and rendering the human-readable table of one run
-(``render_report``) or of two runs side by side (``render_comparison``).
-
-Invariants: the report only reads the run directory (plus regenerating ``plots/*.png`` when they
-are missing); it works on finished, failed and still-running runs (``summary.json`` missing →
-the summary is recomputed from ``metrics.jsonl``). Utilisation of a stage is the union of its
-workers' busy intervals divided by (workers × timeline window), so overlapping stages each count
-fully: the sum over stages can exceed 100 % — that overlap is the point of streaming.
+Reads a run directory back (finished, failed or still running), computes stage utilisation from
+the timeline spans and renders one run or two side by side (docs/controller.md "The report").
 """
 
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +17,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from streamflow.rundir import STAGES, IterationRecord, RunDir, RunSummary, StageSpan
+from streamflow.progress import fmt
+from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan, stage_order
 
 
 class ReportError(ValueError):
@@ -51,16 +46,10 @@ class RunData:
 
 
 def _union_length(intervals: Sequence[tuple[float, float]]) -> float:
-    total, cur_start, cur_end = 0.0, None, None
+    total, covered = 0.0, -math.inf  # sorted by start: add what lies past the covered end
     for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start  # type: ignore[operator]
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start  # type: ignore[operator]
+        total += max(end - max(start, covered), 0.0)
+        covered = max(covered, end)
     return total
 
 
@@ -71,22 +60,15 @@ def stage_usage(spans: Sequence[StageSpan]) -> tuple[dict[str, StageUsage], floa
         return {}, 0.0, 0.0
     window = max(s.end for s in spans) - min(s.start for s in spans)
     usage: dict[str, StageUsage] = {}
-    for stage in sorted(
-        {s.stage for s in spans},
-        key=lambda st: (st not in STAGES, STAGES.index(st) if st in STAGES else 0, st),
-    ):
+    for stage in sorted({s.stage for s in spans}, key=lambda st: (stage_order(st), st)):
         by_worker: dict[str, list[tuple[float, float]]] = {}
         for s in spans:
             if s.stage == stage:
                 by_worker.setdefault(s.worker, []).append((s.start, s.end))
         busy = sum(_union_length(iv) for iv in by_worker.values())
         capacity = len(by_worker) * window
-        usage[stage] = StageUsage(
-            workers=len(by_worker),
-            busy_seconds=busy,
-            idle_seconds=max(capacity - busy, 0.0),
-            utilisation=busy / capacity if capacity > 0 else 0.0,
-        )
+        usage[stage] = StageUsage(len(by_worker), busy, max(capacity - busy, 0.0),
+                                  busy / capacity if capacity > 0 else 0.0)
     # Sweep: +1/-1 per stage at span edges; overlap is where >= 2 stages have open spans.
     events = sorted([(s.start, 1, s.stage) for s in spans] + [(s.end, -1, s.stage) for s in spans])
     open_count: dict[str, int] = {}
@@ -104,8 +86,7 @@ def load_run(path: str | Path, *, make_plots: bool = True) -> RunData:
     path = Path(path)
     if not path.is_dir():
         raise ReportError(f"not a run directory: {path} does not exist")
-    has_any = any((path / f).exists() for f in ("summary.json", "metrics.jsonl"))
-    if not has_any:
+    if not any((path / f).exists() for f in ("summary.json", "metrics.jsonl")):
         raise ReportError(f"not a run directory: {path} has neither summary.json nor metrics.jsonl")
     run_dir = RunDir(path)
     records, spans = run_dir.read_metrics(), run_dir.read_spans()
@@ -114,8 +95,7 @@ def load_run(path: str | Path, *, make_plots: bool = True) -> RunData:
         config = yaml.safe_load(run_dir.config_path.read_text()) or {}
     run_section = config.get("run", {}) if isinstance(config, dict) else {}
     summary = run_dir.read_summary() or RunSummary.from_records(
-        run_section.get("mode", "?"), records, status="incomplete"
-    )
+        run_section.get("mode", "?"), records, status="incomplete")
     name = summary.name or run_section.get("name") or path.name
     plots = [run_dir.plots / "rewards.png", run_dir.plots / "timeline.png"]
     if make_plots and not all(p.exists() for p in plots[: 1 + bool(spans)]):
@@ -131,26 +111,12 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _num(v: float | None, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def _arrow(a: float | None, b: float | None) -> str:
-    return f"{_num(a)} → {_num(b)}"
+    return f"{fmt(a)} → {fmt(b)}"
 
 
 # (section, label, value getter for the ratio column or None, text)
 Row = tuple[str, str, float | None, str]
-
-
-def _reward_row(s: RunSummary) -> Row:
-    """Rewards compared over windows of iterations (single iterations are noisy); a run too short
-    for a window (one iteration) shows its only value."""
-    if s.reward_window and s.reward_mean_first_window is not None:
-        label = f"reward, mean of first {s.reward_window} → last {s.reward_window} iterations"
-        return ("learning", label, None,
-                _arrow(s.reward_mean_first_window, s.reward_mean_last_window))
-    return ("learning", "reward (single iteration)", None, _num(s.reward_mean_last))
 
 
 def _rows(run: RunData) -> list[Row]:
@@ -173,56 +139,32 @@ def _rows(run: RunData) -> list[Row]:
              f"{s.startup_seconds:.2f}"),
             ("time", "total s (start to summary)", s.total_seconds, f"{s.total_seconds:.2f}"),
         ]
+    w = s.reward_window  # rewards over windows (one iteration is noisy), else the only value
     rows += [
-        _reward_row(s),
-        (
-            "learning",
-            "held-out accuracy before RL → last",
-            None,
-            _arrow(s.accuracy_before, s.accuracy_last),
-        ),
+        ("learning", f"reward, mean of first {w} → last {w} iterations", None,
+         _arrow(s.reward_mean_first_window, s.reward_mean_last_window))
+        if w and s.reward_mean_first_window is not None
+        else ("learning", "reward (single iteration)", None, fmt(s.reward_mean_last)),
+        ("learning", "held-out accuracy before RL → last", None,
+         _arrow(s.accuracy_before, s.accuracy_last)),
         ("learning", "reward failures", s.reward_failures, str(s.reward_failures)),
-        (
-            "staleness",
-            "mean / max observed",
-            s.max_staleness_observed,
-            f"{s.staleness_mean:.2f} / {s.max_staleness_observed}",
-        ),
+        ("staleness", "mean / max observed", s.max_staleness_observed,
+         f"{s.staleness_mean:.2f} / {s.max_staleness_observed}"),
         ("weight sync", "count", s.weight_sync_count, str(s.weight_sync_count)),
-        (
-            "weight sync",
-            "total seconds (share of wall)",
-            s.weight_sync_seconds_total,
-            f"{s.weight_sync_seconds_total:.3f} ({sync_share:.1%})",
-        ),
+        ("weight sync", "total seconds (share of wall)", s.weight_sync_seconds_total,
+         f"{s.weight_sync_seconds_total:.3f} ({sync_share:.1%})"),
         ("weight sync", "seconds per sync", per_sync or None, f"{per_sync:.3f}"),
-        (
-            "weight sync",
-            "bytes total",
-            s.weight_sync_bytes_total,
-            _bytes(s.weight_sync_bytes_total),
-        ),
+        ("weight sync", "bytes total", s.weight_sync_bytes_total,
+         _bytes(s.weight_sync_bytes_total)),
     ]
     usage, window, overlap = stage_usage(run.spans)
     if usage:  # utilisation is measured over the recorded timeline, not process start-up
         rows.append(("stages", "timeline window s", window, f"{window:.2f}"))
     for stage, u in usage.items():
-        rows.append(
-            (
-                "stages",
-                f"{stage} utilisation ({u.workers} worker{'s' * (u.workers > 1)})",
-                u.utilisation,
-                f"{u.utilisation:.1%}",
-            )
-        )
-        rows.append(
-            (
-                "stages",
-                f"{stage} busy / idle s",
-                u.busy_seconds,
-                f"{u.busy_seconds:.2f} / {u.idle_seconds:.2f}",
-            )
-        )
+        rows += [("stages", f"{stage} utilisation ({u.workers} worker{'s' * (u.workers > 1)})",
+                  u.utilisation, f"{u.utilisation:.1%}"),
+                 ("stages", f"{stage} busy / idle s", u.busy_seconds,
+                  f"{u.busy_seconds:.2f} / {u.idle_seconds:.2f}")]
     if usage:
         share = overlap / window if window else 0.0
         rows.append(("stages", "≥2 stages busy at once", overlap, f"{overlap:.2f} s ({share:.1%})"))
@@ -276,13 +218,8 @@ def render_comparison(run_a: str | Path, run_b: str | Path) -> str:
         console.print(f"A = {a.name}: {a.path}", soft_wrap=True)
         console.print(f"B = {b.name}: {b.path}", soft_wrap=True)
         table = Table()
-        for col, just in (
-            ("section", "left"),
-            ("metric", "left"),
-            ("A", "right"),
-            ("B", "right"),
-            ("B/A", "right"),
-        ):
+        for col, just in (("section", "left"), ("metric", "left"), ("A", "right"),
+                          ("B", "right"), ("B/A", "right")):
             table.add_column(col, justify=just)  # type: ignore[arg-type]
         section = None
         for sec, label in keys:

@@ -1,17 +1,7 @@
 """The run directory: what a run leaves behind, and the records written into it.
 
-Layout (``run.output_dir``)::
-
-    config.yaml      the resolved config (reload it with streamflow.config.load_config)
-    metrics.jsonl    one IterationRecord per line, appended and flushed after every iteration
-    timeline.jsonl   StageSpan lines (who ran which stage when), appended as they arrive
-    summary.json     the RunSummary, written atomically (tmp file + rename) at the end
-    checkpoints/     the trainer's checkpoints
-    plots/           rewards.png (reward and accuracy per iteration), timeline.png (Gantt)
-
-Invariants: a reader never sees a half-written ``summary.json`` (atomic rename); every line of
-the ``.jsonl`` files is one complete JSON object once its write returned (lines are flushed);
-readers ignore keys they do not know, so older run directories stay readable as records grow.
+Layout and invariants (atomic ``summary.json``, flushed complete ``.jsonl`` lines, unknown keys
+ignored on read): docs/controller.md "The run directory".
 """
 
 from __future__ import annotations
@@ -32,14 +22,8 @@ from streamflow.config import RunConfig, dump_yaml
 
 # Stage names follow the worker roles; spans with other names are drawn grey.
 STAGES = ("rollout", "reward", "reference", "trainer", "weight_sync", "eval")
-STAGE_COLORS = {
-    "rollout": "#4C72B0",
-    "reward": "#55A868",
-    "reference": "#8172B2",
-    "trainer": "#C44E52",
-    "weight_sync": "#DD8452",
-    "eval": "#937860",
-}
+STAGE_COLORS = dict(zip(STAGES, ("#4C72B0", "#55A868", "#8172B2", "#C44E52", "#DD8452", "#937860"),
+                        strict=True))
 
 
 @dataclass
@@ -71,9 +55,7 @@ class IterationRecord:
     reward_failures: int = 0  # samples whose verifier raised or timed out (scored as failed)
     wall_seconds: float = 0.0  # wall time of the iteration
     stage_busy_seconds: dict[str, float] = field(default_factory=dict)  # stage -> busy seconds
-    queue_depths: dict[str, int] = field(
-        default_factory=dict
-    )  # task -> rows waiting at iteration end
+    queue_depths: dict[str, int] = field(default_factory=dict)  # task -> rows waiting at the end
     timestamp: float = 0.0  # unix time at the end of the iteration
 
 
@@ -106,15 +88,11 @@ class RunSummary:
     accuracy_first: float | None  # first held-out accuracy measured during RL (after a step)
     accuracy_last: float | None  # last held-out accuracy measured
     max_staleness_observed: int  # max policy-version lag of any trained sample
-    # Per-iteration reward is noisy: the same over the first / last `reward_window` iterations
-    # (window = min(10, iterations // 2)) is the figure to compare.
-    # What the store saw (streaming modes; read after every worker stopped): rows handed out again
-    # after a lease expired or a failed release, rows quarantined, rows still leased at the end.
+    # The store's counts (streaming modes): redelivered, quarantined, still leased at the end.
     redelivered_rows: int = 0
     redelivered_by_task: dict[str, int] = field(default_factory=dict)  # task -> rows, if any
     dead_rows: int = 0
     in_flight_rows: int = 0
-    # "task: reason" -> rows quarantined for it (reasons name the rows' iteration and group)
     dead_reasons: dict[str, int] = field(default_factory=dict)
     worker_restarts: dict[str, int] = field(default_factory=dict)  # worker -> times restarted
     reward_window: int = 0
@@ -130,24 +108,15 @@ class RunSummary:
     name: str = ""  # run.name
     status: str = "ok"  # ok | failed | interrupted
     error: str | None = None  # the failure, when status != ok
-    # "Accuracy before RL", the one definition used everywhere (report, live panel, plot): the
-    # starting policy (the warm-started model) evaluated on the held-out problems before
-    # iteration 0. None: not evaluated (run.eval_every=0).
+    # "task: reason" -> rows; the reward windows and the fields below: docs/controller.md
     accuracy_before: float | None = None
-    # wall_seconds is the RL loop only; start-up (model build and warm start, worker start and
-    # model loads) and the whole run, from the controller's start to the summary, apart
     startup_seconds: float = 0.0
     total_seconds: float = 0.0
     stopped_by: str | None = None  # status interrupted: the signal ("SIGINT" = Ctrl-C, "SIGTERM")
 
     @classmethod
-    def from_records(
-        cls,
-        mode: str,
-        records: Sequence[IterationRecord],
-        wall_seconds: float | None = None,
-        **extra: Any,
-    ) -> RunSummary:
+    def from_records(cls, mode: str, records: Sequence[IterationRecord],
+                     wall_seconds: float | None = None, **extra: Any) -> RunSummary:
         """Aggregate iteration records; ``wall_seconds`` defaults to the sum over iterations.
         ``extra`` sets the remaining fields (name, status, error, ...)."""
         wall = sum(r.wall_seconds for r in records) if wall_seconds is None else wall_seconds
@@ -162,19 +131,17 @@ class RunSummary:
         window = reward_window(len(records))
         first_w = [r.reward_mean for r in records[:window]]
         last_w = [r.reward_mean for r in records[len(records) - window:]] if window else []
+        first, last = (records[0], records[-1]) if records else (None, None)
         values: dict[str, Any] = dict(
             reward_window=window,
             reward_mean_first_window=statistics.fmean(first_w) if first_w else None,
             reward_mean_last_window=statistics.fmean(last_w) if last_w else None,
-            mode=mode,
-            iterations=len(records),
-            samples=samples,
-            generated_tokens=tokens,
+            mode=mode, iterations=len(records), samples=samples, generated_tokens=tokens,
             wall_seconds=wall,
             samples_per_second=samples / wall if wall > 0 else 0.0,
             tokens_per_second=tokens / wall if wall > 0 else 0.0,
-            reward_mean_first=records[0].reward_mean if records else None,
-            reward_mean_last=records[-1].reward_mean if records else None,
+            reward_mean_first=first and first.reward_mean,
+            reward_mean_last=last and last.reward_mean,
             accuracy_first=accuracies[0] if accuracies else None,
             accuracy_last=accuracies[-1] if accuracies else None,
             max_staleness_observed=max((r.staleness_max for r in records), default=0),
@@ -183,11 +150,8 @@ class RunSummary:
             weight_sync_seconds_total=sum(r.weight_sync_seconds for r in records),
             weight_sync_bytes_total=sum(r.weight_sync_bytes for r in records),
             reward_failures=sum(r.reward_failures for r in records),
-            stage_busy_seconds=busy,
-            final_policy_version=records[-1].policy_version if records else 0,
-        )
-        values.update(extra)
-        return cls(**values)
+            stage_busy_seconds=busy, final_policy_version=last.policy_version if last else 0)
+        return cls(**{**values, **extra})
 
 
 def reward_window(iterations: int) -> int:
@@ -225,59 +189,32 @@ def _json_line(obj: Any) -> str:
 
 
 class RunDir:
-    """A run directory on disk. Creating one makes the directory and its ``plots/`` and
-    ``checkpoints/`` folders; the writers append or replace the files described above."""
+    """A run directory on disk (made with its ``plots/`` and ``checkpoints/`` folders)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.plots.mkdir(exist_ok=True)
+        self.path = p = Path(path)
+        self.config_path, self.summary_path = p / "config.yaml", p / "summary.json"
+        self.metrics_path, self.timeline_path = p / "metrics.jsonl", p / "timeline.jsonl"
+        self.plots, self.checkpoints = p / "plots", p / "checkpoints"
+        self.plots.mkdir(parents=True, exist_ok=True)
         self.checkpoints.mkdir(exist_ok=True)
-        self._metrics_file: IO[str] | None = None
-        self._timeline_file: IO[str] | None = None
+        self._files: dict[Path, IO[str]] = {}  # the .jsonl files appended to
 
-    # Paths ------------------------------------------------------------------------------
-    @property
-    def config_path(self) -> Path:
-        return self.path / "config.yaml"
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.path / "metrics.jsonl"
-
-    @property
-    def timeline_path(self) -> Path:
-        return self.path / "timeline.jsonl"
-
-    @property
-    def summary_path(self) -> Path:
-        return self.path / "summary.json"
-
-    @property
-    def plots(self) -> Path:
-        return self.path / "plots"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
-
-    # Writers ----------------------------------------------------------------------------
     def write_config(self, cfg: RunConfig) -> Path:
         _atomic_write(self.config_path, dump_yaml(cfg))
         return self.config_path
 
     def append_metrics(self, record: IterationRecord) -> None:
-        if self._metrics_file is None:
-            self._metrics_file = self.metrics_path.open("a")
-        self._metrics_file.write(_json_line(record) + "\n")
-        self._metrics_file.flush()
+        self._append(self.metrics_path, [record])
 
     def append_spans(self, spans: Iterable[StageSpan]) -> None:
-        if self._timeline_file is None:
-            self._timeline_file = self.timeline_path.open("a")
-        for span in spans:
-            self._timeline_file.write(_json_line(span) + "\n")
-        self._timeline_file.flush()
+        self._append(self.timeline_path, spans)
+
+    def _append(self, path: Path, records: Iterable[Any]) -> None:
+        if path not in self._files:
+            self._files[path] = path.open("a")
+        self._files[path].writelines(_json_line(r) + "\n" for r in records)
+        self._files[path].flush()
 
     def write_summary(self, summary: RunSummary) -> Path:
         data = json.loads(_json_line(summary))
@@ -299,10 +236,9 @@ class RunDir:
         return out
 
     def close(self) -> None:
-        for f in (self._metrics_file, self._timeline_file):
-            if f is not None:
-                f.close()
-        self._metrics_file = self._timeline_file = None
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
     def __enter__(self) -> RunDir:
         return self
@@ -310,7 +246,6 @@ class RunDir:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # Readers ----------------------------------------------------------------------------
     def read_metrics(self) -> list[IterationRecord]:
         return [record_from_dict(IterationRecord, d) for d in read_jsonl(self.metrics_path)]
 
@@ -328,19 +263,15 @@ class RunDir:
         return BUILTIN_REWARD_RANGES.get(fn or "exact_match")
 
     def read_summary(self) -> RunSummary | None:
-        if not self.summary_path.exists():
-            return None
-        return record_from_dict(RunSummary, json.loads(self.summary_path.read_text()))
+        path = self.summary_path
+        return record_from_dict(RunSummary, json.loads(path.read_text())) if path.exists() else None
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
+    for line in filter(None, map(str.strip, path.read_text().splitlines())):
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
@@ -358,11 +289,7 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-# ------------------------------------------------------------------------------------------------
-# Plots (matplotlib, Agg backend; imported lazily because it costs ~0.5 s)
-
-
-def _pyplot() -> Any:
+def _pyplot() -> Any:  # matplotlib's Agg backend, imported lazily (it costs ~0.5 s)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -371,23 +298,17 @@ def _pyplot() -> Any:
     return plt
 
 
-def reward_band(
-    records: Sequence[IterationRecord], reward_range: tuple[float, float] | None
-) -> tuple[list[float], list[float]]:
-    """mean -/+ std per iteration, clipped to the reward's range when known: a 0/1 reward's band
-    never shows values below 0 or above 1 that no sample can have."""
+def reward_band(records: Sequence[IterationRecord],
+                reward_range: tuple[float, float] | None) -> tuple[list[float], list[float]]:
+    """mean -/+ std per iteration, clipped to the reward's range when known."""
     low, high = reward_range or (-math.inf, math.inf)
     return ([max(r.reward_mean - r.reward_std, low) for r in records],
             [min(r.reward_mean + r.reward_std, high) for r in records])
 
 
-def plot_rewards(
-    records: Sequence[IterationRecord],
-    path: str | Path,
-    *,
-    reward_range: tuple[float, float] | None = None,
-    accuracy_before: float | None = None,
-) -> Path:
+def plot_rewards(records: Sequence[IterationRecord], path: str | Path, *,
+                 reward_range: tuple[float, float] | None = None,
+                 accuracy_before: float | None = None) -> Path:
     """Reward mean (+/- std band, clipped to ``reward_range``) and held-out accuracy per
     iteration (``accuracy_before`` drawn at iteration 0: the policy before RL), as PNG."""
     plt = _pyplot()
@@ -404,8 +325,7 @@ def plot_rewards(
         ax_r.set_ylim(reward_range[0] - pad, reward_range[1] + pad)
     ax_r.set(title="Reward (trained samples)", xlabel="iteration", ylabel="reward")
     ax_r.legend(loc="lower right", fontsize=8)
-    # An evaluation after iteration k's step is the policy at version k + 1: drawn at k + 1, so
-    # that the policy before RL sits at 0.
+    # An evaluation after iteration k's step is version k + 1: drawn there, before RL at 0.
     evals = [(r.iteration + 1, r.accuracy) for r in records if r.accuracy is not None]
     if accuracy_before is not None and (not records or records[0].iteration == 0):
         evals.insert(0, (0, accuracy_before))
@@ -427,14 +347,14 @@ def plot_rewards(
     return path
 
 
-def _lane_key(worker: str, stage: str) -> tuple[int, str]:
-    return (STAGES.index(stage) if stage in STAGES else len(STAGES), worker)
+def stage_order(stage: str) -> int:
+    """Stages in STAGES order; any other after them."""
+    return STAGES.index(stage) if stage in STAGES else len(STAGES)
 
 
 def plot_timeline(spans: Sequence[StageSpan], iteration: int | None, path: str | Path) -> Path:
-    """Gantt chart of one iteration: one lane per worker, bars coloured by stage. Work of other
-    iterations that overlaps the window (async pipelining) is drawn faded and hatched.
-    ``iteration=None`` picks the middle iteration (steady state rather than warm-up)."""
+    """Gantt chart of one iteration (None: the middle one), one lane per worker; overlapping work
+    of other iterations is drawn faded and hatched."""
     if not spans:
         raise ValueError("plot_timeline needs at least one span")
     plt = _pyplot()
@@ -450,7 +370,7 @@ def plot_timeline(spans: Sequence[StageSpan], iteration: int | None, path: str |
     shown = [s for s in spans if s.end > t0 and s.start < t1]
     lanes: dict[str, tuple[int, str]] = {}
     for s in shown:
-        key = _lane_key(s.worker, s.stage)
+        key = (stage_order(s.stage), s.worker)
         lanes[s.worker] = min(lanes.get(s.worker, key), key)
     order = sorted(lanes, key=lambda w: lanes[w])
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(order)))
@@ -458,32 +378,18 @@ def plot_timeline(spans: Sequence[StageSpan], iteration: int | None, path: str |
         y = order.index(s.worker)
         start, end = max(s.start, t0) - t0, min(s.end, t1) - t0
         mine = s.iteration == k
-        ax.broken_barh(
-            [(start, max(end - start, 1e-6))],
-            (y - 0.4, 0.8),
-            facecolors=STAGE_COLORS.get(s.stage, "#999999"),
-            alpha=1.0 if mine else 0.35,
-            hatch=None if mine else "//",
-            edgecolor="white",
-            linewidth=0.3,
-        )
+        ax.broken_barh([(start, max(end - start, 1e-6))], (y - 0.4, 0.8),
+                       facecolors=STAGE_COLORS.get(s.stage, "#999999"), alpha=1.0 if mine else 0.35,
+                       hatch=None if mine else "//", edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(order)), order)
     ax.invert_yaxis()
     ax.set_xlim(0, max(t1 - t0, 1e-3))
-    ax.set(
-        xlabel=f"seconds since the start of iteration {k}", title=f"Stage timeline, iteration {k}"
-    )
+    ax.set(xlabel=f"seconds since the start of iteration {k}",
+           title=f"Stage timeline, iteration {k}")
     stages = [st for st in STAGES if any(s.stage == st for s in shown)]
     handles = [plt.Rectangle((0, 0), 1, 1, color=STAGE_COLORS[st]) for st in stages]
-    ax.legend(
-        handles,
-        stages,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.25 - 0.05 * (len(order) < 4)),
-        ncol=len(stages) or 1,
-        fontsize=8,
-        frameon=False,
-    )
+    ax.legend(handles, stages, loc="upper center", ncol=len(stages) or 1, fontsize=8,
+              frameon=False, bbox_to_anchor=(0.5, -0.25 - 0.05 * (len(order) < 4)))
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -1,13 +1,8 @@
 """What the controller learns while a run goes on: ``RunState``, made once per run.
 
-It holds the iteration records, spans and weight syncs the workers reported, the clocks, the
-/metrics endpoints to scrape and the store's final counts; it turns a trainer's step report into
-the iteration's ``IterationRecord`` (appended to metrics.jsonl and timeline.jsonl at once) and the
-end of the run into its ``RunSummary`` (summary.json and the plots).
-
-Clocks: ``created`` (unix) starts start-up; ``loop_started`` the RL loop (every worker ready);
-``loop_ended`` is the end of the last optimizer step; ``last_progress`` and ``last_depths`` are
-monotonic. Start-up is reported apart from the loop's wall time.
+Records, spans, weight syncs, clocks, /metrics endpoints and the store's final counts; turns a
+step report into an ``IterationRecord`` and the run's end into its ``RunSummary``
+(docs/controller.md "Clocks and the run state").
 """
 
 from __future__ import annotations
@@ -95,13 +90,11 @@ class RunState:
             weight_sync_bytes=sum(s.bytes for s in syncs),
             wall_seconds=now - self.iteration_started, stage_busy_seconds=busy,
             queue_depths=dict(self.depths), timestamp=now,
-            **{name: getattr(rep, name) for name in _STEP_FIELDS},
-        )
+            **{name: getattr(rep, name) for name in _STEP_FIELDS})
         self.iteration_started = now
         if rep.policy_version >= last_version:
-            # The loop ends with the last optimizer step (its span's end), not when the trainer
-            # process exits: the final checkpoint write and interpreter teardown that follow are
-            # not RL time (they cost ~1.5 s of a 4 s benchmark run before this rule).
+            # The loop ends with the last optimizer step: the final checkpoint and teardown that
+            # follow are not RL time.
             ends = [s.end for s in mine if s.stage == "trainer"]
             self.loop_ended = max(ends) if ends else now
         self.records.append(record)
@@ -111,9 +104,8 @@ class RunState:
 
     def read_store_totals(self, addresses: list[str], table_spec: Any,
                           restarts: dict[str, int]) -> None:
-        """After every worker stopped (and released what it held): what the store saw. A fresh
-        client with a short timeout: the loop's client may have been interrupted mid-request,
-        and a forced stop must not wait out a long timeout."""
+        """After every worker stopped: what the store saw (a fresh client with a short timeout:
+        the loop's may have been interrupted mid-request)."""
         with storage.connect(addresses, request_timeout=3.0) as client:
             stats = client.stats(table_spec.name)
         totals = {t.name: stats.task_total(t.name) for t in table_spec.tasks}
@@ -138,8 +130,7 @@ class RunState:
             mode, self.records, wall_seconds=wall, name=name, status=status, error=error,
             accuracy_before=self.accuracy_before, startup_seconds=self.startup_seconds,
             total_seconds=time.time() - self.created,
-            stopped_by=stopped_by if status == "interrupted" else None, **self.store_totals,
-        )
+            stopped_by=stopped_by if status == "interrupted" else None, **self.store_totals)
         summary.weight_sync_count = len(self.syncs)  # version loads by rollout engines
         self.rundir.write_summary(summary)
         try:

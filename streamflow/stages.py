@@ -1,20 +1,8 @@
 """From a run config to what runs: the model on disk, the prompts, and one typed config per worker.
 
-``build_plan`` resolves everything the controller needs before any process starts:
-
-- the policy model directory (a local HF directory, or the built-in tiny model warm-started once
-  and cached under ``runs/.cache/`` keyed by its recipe, so repeated runs reuse it);
-- the prompt source (procedural arithmetic or a user's JSONL/Parquet file) and held-out problems
-  (a file's held-out rows are split off by ``held_out_split``: never trained on);
-- the weights directory for policy versions (``/dev/shm`` when available: weight sync never
-  touches a disk there);
-- the samples table spec and one ``workers.config`` record per worker, each with its device and
-  dtype (``streamflow/devices.py``) and, with collective weight sync, its rank in the weight group
-  whose rendezvous (a TCP store) this process hosts for the whole run.
-
-The workers get their own records (``workers.config``), carrying the settings objects the config
-sections embed (``workers.settings``) as they are, never this module's types: the layers point
-downwards only.
+``build_plan`` resolves everything the controller needs before any process starts; the workers
+get their own records (``workers.config``), never this module's types. Details, the held-out
+split, evaluation and the resume rules: docs/controller.md "The plan" and "Resume rules".
 """
 
 from __future__ import annotations
@@ -28,6 +16,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,40 +51,26 @@ TABLE = "samples"
 
 
 def builtin_recipe(cfg: RunConfig) -> BuiltinRecipe:
-    b = cfg.model.builtin
-    spec = TinyModelSpec(
-        hidden_size=b.hidden_size,
-        num_layers=b.num_layers,
-        num_heads=b.num_heads,
-        num_kv_heads=b.num_kv_heads,
-        intermediate_size=b.intermediate_size,
-        seed=b.seed,
-    )
+    b, m = cfg.model.builtin, cfg.model
+    spec = TinyModelSpec(hidden_size=b.hidden_size, num_layers=b.num_layers,
+                         num_heads=b.num_heads, num_kv_heads=b.num_kv_heads,
+                         intermediate_size=b.intermediate_size, seed=b.seed)
     return BuiltinRecipe(
-        spec=spec,
-        digits=cfg.data.digits,
-        operations=tuple(cfg.data.operations),
-        task_seed=cfg.data.seed,
-        warmstart_steps=cfg.model.warmstart_steps,
-        target_accuracy=cfg.model.warmstart_target_accuracy,
-        batch_size=cfg.model.warmstart_batch_size,
-        lr=cfg.model.warmstart_lr,
-        seed=cfg.run.seed,
-        eval_size=max(min(cfg.run.eval_prompts, 200), 1),
-    )
+        spec=spec, digits=cfg.data.digits, operations=tuple(cfg.data.operations),
+        task_seed=cfg.data.seed, warmstart_steps=m.warmstart_steps,
+        target_accuracy=m.warmstart_target_accuracy, batch_size=m.warmstart_batch_size,
+        lr=m.warmstart_lr, seed=cfg.run.seed, eval_size=max(min(cfg.run.eval_prompts, 200), 1))
 
 
-def resolve_model(
-    cfg: RunConfig, cache_root: Path, progress: Callable[[int, int], None] | None = None
-) -> Path:
+def resolve_model(cfg: RunConfig, cache_root: Path,
+                  progress: Callable[[int, int], None] | None = None) -> Path:
     """The policy's HF directory: the configured path, or the cached built-in checkpoint
     (``progress(step, total)`` follows its warm start when it has to be built)."""
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model.path {str(path)!r} is not a Hugging Face model directory"
-            )
+            raise FileNotFoundError(f"model.path {str(path)!r} is not a Hugging Face model "
+                                    "directory")
         return path
     recipe = builtin_recipe(cfg)
     key = hashlib.sha256(json.dumps(recipe.to_json(), sort_keys=True).encode()).hexdigest()[:12]
@@ -121,7 +96,6 @@ class RunPlan:
     reference: ReferenceWorkerConfig | None = field(init=False)
     trainer: TrainerWorkerConfig = field(init=False)
     devices: RoleDevices | None = None
-    weight_sync: str = "file"  # file | collective (weights.sync resolved)
     rendezvous: object | None = None  # workers.weights_collective.Rendezvous (collective only)
 
     @property
@@ -129,17 +103,8 @@ class RunPlan:
         return self.cfg.store
 
     @property
-    def kl_active(self) -> bool:
-        return self.cfg.kl_active
-
-    @property
-    def reference_worker(self) -> bool:
-        return self.cfg.reference_worker
-
-    @property
     def store_persist_dir(self) -> str | None:
-        """The store node's persistence root with store.persist (the node's configuration: the
-        controller passes it when it starts the node; tables live in <root>/<table>)."""
+        """The store node's persistence root with store.persist (tables in <root>/<table>)."""
         return str(self.run_dir / "store") if self.cfg.store.persist else None
 
     @property
@@ -148,21 +113,16 @@ class RunPlan:
 
         s = self.cfg.store
         return samples_table_spec(
-            self.table,
-            group_size=self.cfg.data.group_size,
-            reference_worker=self.reference_worker,
-            capacity_rows=s.capacity_rows,
-            lease_seconds=s.lease_seconds,
-            max_deliveries=s.max_deliveries,
-            fsync="always" if s.fsync else "never",
-        )
+            self.table, group_size=self.cfg.data.group_size,
+            reference_worker=self.cfg.reference_worker, capacity_rows=s.capacity_rows,
+            lease_seconds=s.lease_seconds, max_deliveries=s.max_deliveries,
+            fsync="always" if s.fsync else "never")
 
     def problems(self, iteration: int) -> list[Problem]:
         n = self.cfg.data.prompts_per_iteration
         if self.task is not None:
             return self.task.train_problems(n, epoch_or_offset=iteration)
-        assert self.train_problems is not None
-        items = self.train_problems
+        items = self.train_problems or []
         return [items[(iteration * n + i) % len(items)] for i in range(n)]
 
     def encode(self, prompt: str) -> list[int]:
@@ -176,53 +136,35 @@ class RunPlan:
                            [p.answer for p in problems], group_size=self.cfg.data.group_size,
                            min_policy_version=min_policy_version(iteration, staleness))
 
-    def workers(  # noqa: ANN201
-        self,
-        store_addresses: list[str],
-        events_address: str | None,
-        coordinator_address: str | None = None,
-    ):
+    def workers(self, store_addresses: list[str], events_address: str | None,  # noqa: ANN201
+                coordinator_address: str | None = None):
         """(name, role, config, threads) for every worker process of a streaming run."""
         c = self.cfg
         out = []
-
-        def common(role: str, i: int, threads: int) -> WorkerCommon:
-            # (seed and the simulated device as build_plan set them on every record)
-            return replace(self.rollout.common, name=f"{role}-{i}", role=role, table=self.table,
-                           store_addresses=store_addresses, events_address=events_address,
-                           threads=threads, coordinator_address=coordinator_address)
-
         slots = iter(range(1, MAX_SLOTS))  # slot 0: the controller's evaluation
 
-        def compute(role: str, i: int, threads: int) -> WorkerCommon:
-            # rollout, reference and trainer share the host's budget when there is one
-            base = common(role, i, threads)
-            if self.cores_path is None:
-                return base
-            cap = threads if role == "rollout" else 0  # see CoreShareConfig.max_threads
-            share = CoreShareConfig(str(self.cores_path), next(slots), c.run.host_threads, cap)
-            return replace(base, threads=cap or c.run.host_threads, cores=share)
+        def add(role: str, record: Any, i: int, threads: int, **extra: Any) -> None:
+            # (seed and the simulated device as build_plan set them on every record)
+            common = replace(self.rollout.common, name=f"{role}-{i}", role=role, table=self.table,
+                             store_addresses=store_addresses, events_address=events_address,
+                             threads=threads, coordinator_address=coordinator_address)
+            if role != "reward" and self.cores_path is not None:  # the host's shared budget
+                cap = threads if role == "rollout" else 0  # see CoreShareConfig.max_threads
+                share = CoreShareConfig(str(self.cores_path), next(slots), c.run.host_threads, cap)
+                common = replace(common, threads=cap or c.run.host_threads, cores=share)
+            out.append((common.name, role, replace(record, common=common, **extra), common.threads))
 
+        group = self.rollout.weights_group
         for i in range(c.rollout.num_workers):
-            w = replace(self.rollout, common=compute("rollout", i, c.rollout.threads))
-            group = w.weights_group and replace(w.weights_group, rank=i + 1)
-            w = replace(w, device=self.devices.rollout[i] if self.devices else w.device,
-                        weights_group=group)
-            out.append((w.common.name, "rollout", w, w.common.threads))
+            add("rollout", self.rollout, i, c.rollout.threads,
+                device=self.devices.rollout[i] if self.devices else self.rollout.device,
+                weights_group=group and replace(group, rank=i + 1))
         for i in range(c.reward.num_workers):
-            w = replace(self.reward, common=common("reward", i, 1))
-            out.append((w.common.name, "reward", w, 1))
+            add("reward", self.reward, i, 1)
         if self.reference is not None:
-            w = replace(self.reference, common=compute("reference", 0, c.reference.threads))
-            out.append((w.common.name, "reference", w, w.common.threads))
-        w = replace(self.trainer, common=compute("trainer", 0, c.trainer.threads))
-        out.append((w.common.name, "trainer", w, w.common.threads))
+            add("reference", self.reference, 0, c.reference.threads)
+        add("trainer", self.trainer, 0, c.trainer.threads)
         return out
-
-    @property
-    def shares_cores(self) -> bool:
-        """Whether the streaming workers share ``run.host_threads`` by phase (workers.cores)."""
-        return self.cfg.run.host_threads > 0 and not self.cfg.trainer.deterministic
 
     def cleanup(self) -> None:
         if self.rendezvous is not None:
@@ -244,26 +186,24 @@ def _weights_dir(run_dir: Path) -> Path:
     return path
 
 
-def build_plan(
-    cfg: RunConfig, run_dir: Path, progress: Callable[[int, int], None] | None = None
-) -> RunPlan:
-    """Resolve everything a run needs before any process starts (module docstring)."""
+def build_plan(cfg: RunConfig, run_dir: Path,
+               progress: Callable[[int, int], None] | None = None) -> RunPlan:
+    """Resolve everything a run needs before any process starts (docs/controller.md)."""
     model_path = resolve_model(cfg, Path(cfg.run.output_dir).parent / ".cache", progress)
     train, task, evals = _problems(cfg)
     plan = RunPlan(cfg, run_dir, model_path, _weights_dir(run_dir), load_tokenizer(model_path),
                    train, task, evals)
-    if plan.shares_cores and cfg.run.mode != "sync":
-        plan.cores_path = create_core_table(plan.weights_dir.with_name(plan.weights_dir.name + ".cores"))
+    # streaming workers share run.host_threads by phase (workers.cores)
+    if cfg.run.host_threads > 0 and not cfg.trainer.deterministic and cfg.run.mode != "sync":
+        cores_path = plan.weights_dir.with_name(f"{plan.weights_dir.name}.cores")
+        plan.cores_path = create_core_table(cores_path)
     resume_from = find_resume(cfg, run_dir)
     if resume_from is not None:
         plan.start_iteration = read_state(resume_from).step
     # Devices: torch's count is authoritative here (the --dry-run check used the driver's).
     plan.devices = resolve_devices(cfg, torch.cuda.device_count())
-    plan.weight_sync = weight_sync_path(cfg, plan.devices)
-    group = _weight_group(plan) if plan.weight_sync == "collective" else None
-    # The trainer announces each published version on this PUB address; rollout workers SUBscribe
-    # and wake at once instead of waiting for their next directory check. (In-process sync runs
-    # need no announcement.) Across hosts, bind the trainer's address and share weights_dir.
+    group = _weight_group(plan) if weight_sync_path(cfg, plan.devices) == "collective" else None
+    # the trainer's PUB address for each published version (sync runs need none)
     announce = None if cfg.run.mode == "sync" else f"tcp://127.0.0.1:{free_port()}"
     # every role on a simulated device with simulated engines (the config checks both)
     simulated = cfg.simulated.device if cfg.rollout.engine == "simulated" else None
@@ -288,8 +228,8 @@ def _problems(cfg: RunConfig) -> tuple[list[Problem] | None, ArithmeticTask | No
 
 
 def _weight_group(plan: RunPlan) -> WeightGroupConfig:
-    """Collective weight sync: start the group's rendezvous here (for the whole run) and describe
-    the group (trainer rank 0, rollout worker i rank i + 1)."""
+    """Collective weight sync: start the group's rendezvous here (for the whole run); trainer rank
+    0, rollout worker i rank i + 1."""
     from workers.weights_collective import Rendezvous
 
     cfg, devices = plan.cfg, plan.devices
@@ -306,12 +246,9 @@ def _weight_group(plan: RunPlan) -> WeightGroupConfig:
                              shm_dir=str(plan.weights_dir))
 
 
-def _worker_records(
-    plan: RunPlan, blank: WorkerCommon, announce: str | None, group: WeightGroupConfig | None,
-    resume_from: Path | None,
-) -> None:
-    """One ``workers.config`` record per role. The knobs of the workers' math go over as the
-    settings objects the config sections embed, whole; only resolved values are set here."""
+def _worker_records(plan: RunPlan, blank: WorkerCommon, announce: str | None,
+                    group: WeightGroupConfig | None, resume_from: Path | None) -> None:
+    """One ``workers.config`` record per role (the sections' settings objects go over whole)."""
     cfg, devices, model = plan.cfg, plan.devices, str(plan.model_path)
     assert devices is not None
     r, t, d = cfg.rollout, cfg.trainer, cfg.data
@@ -319,26 +256,22 @@ def _worker_records(
         common=_named(blank, "rollout"), model_path=model, weights_dir=str(plan.weights_dir),
         weights_announce=announce, group_size=d.group_size, groups_per_claim=r.groups_per_claim,
         sampling=r.sampling, engine=r.engine, generate=r.generate, vllm=r.vllm,
-        device=devices.rollout[0],
-        dtype=devices.rollout_dtype, weights_group=group and replace(group, rank=1),
-    )
+        device=devices.rollout[0], dtype=devices.rollout_dtype,
+        weights_group=group and replace(group, rank=1))
     plan.reward = RewardWorkerConfig(common=_named(blank, "reward"), model_path=model,
                                      verifier=cfg.reward.verifier,
                                      rows_per_claim=cfg.reward.rows_per_claim)
-    plan.reference = None
-    if plan.reference_worker:
-        plan.reference = ReferenceWorkerConfig(
-            common=_named(blank, "reference"), model_path=model, sampling=r.sampling,
-            rows_per_claim=cfg.reference.rows_per_claim, pack=t.pack,
-            dtype=devices.reference_dtype, device=devices.reference,
-        )
+    plan.reference = ReferenceWorkerConfig(
+        common=_named(blank, "reference"), model_path=model, sampling=r.sampling,
+        rows_per_claim=cfg.reference.rows_per_claim, pack=t.pack,
+        dtype=devices.reference_dtype, device=devices.reference) if cfg.reference_worker else None
     plan.trainer = TrainerWorkerConfig(
         common=_named(blank, "trainer"), model_path=model,
-        reference_path=model if plan.kl_active and not plan.reference_worker else None,
+        reference_path=model if cfg.kl_active and not cfg.reference_worker else None,
         weights_dir=str(plan.weights_dir), weights_bind=announce,
         rows_per_iteration=d.prompts_per_iteration * d.group_size, iterations=cfg.run.iterations,
-        group_size=d.group_size, reference_worker=plan.reference_worker,
-        optim=t.optim, loss=t.loss if plan.kl_active else replace(t.loss, kl_coef=0.0),
+        group_size=d.group_size, reference_worker=cfg.reference_worker,
+        optim=t.optim, loss=t.loss if cfg.kl_active else replace(t.loss, kl_coef=0.0),
         sampling=r.sampling, pack=t.pack, rows_per_claim=t.rows_per_claim,
         reference_dtype=devices.reference_dtype, checkpoint_dir=str(plan.run_dir / "checkpoints"),
         checkpoint_every=cfg.run.checkpoint_every, engine=t.engine, num_ranks=t.num_ranks,
@@ -346,25 +279,20 @@ def _worker_records(
         weights_keep=(cfg.run.max_staleness or 0) + 4,
         resume_from=str(resume_from) if resume_from is not None else None,
         start_iteration=plan.start_iteration, device=devices.trainer, dtype=devices.trainer_dtype,
-        weights_group=group,
-    )
+        weights_group=group)
 
 
-def held_out_split(
-    rows: list[Problem], n_eval: int, *, seed: int, source: str = "data.file"
-) -> tuple[list[Problem], list[Problem]]:
-    """(train, eval) of a prompt file: ``n_eval`` distinct prompts drawn with ``seed`` are held
-    out, every row carrying one of them leaves the training set (so a duplicated prompt cannot
-    leak; its first row is the eval problem), and the training rows keep the file's order. The same file and seed give the same split
-    in every process and on resume; ``n_eval == 0`` trains on every row."""
+def held_out_split(rows: list[Problem], n_eval: int, *, seed: int,
+                   source: str = "data.file") -> tuple[list[Problem], list[Problem]]:
+    """(train, eval) of a prompt file: ``n_eval`` distinct prompts drawn with ``seed`` held out,
+    with every row carrying one (docs/controller.md); ``n_eval == 0`` trains on every row."""
     if n_eval == 0:
         return rows, []
     prompts = list(dict.fromkeys(p.prompt for p in rows))  # distinct, in file order
     if n_eval >= len(prompts):
-        raise ValueError(
-            f"run.eval_prompts={n_eval} holds out every prompt of {source} ({len(prompts)} "
-            "distinct): lower run.eval_prompts or set run.eval_every=0"
-        )
+        raise ValueError(f"run.eval_prompts={n_eval} holds out every prompt of {source} "
+                         f"({len(prompts)} distinct): lower run.eval_prompts or set "
+                         "run.eval_every=0")
     held = set(random.Random(seed).sample(prompts, n_eval))
     first: dict[str, Problem] = {}
     for p in rows:
@@ -378,16 +306,14 @@ def reward_accuracy(
     model: torch.nn.Module, tokenizer: object, problems: list[Problem], *, reward_fn: str,
     success_threshold: float, timeout_s: float, max_new_tokens: int,
 ) -> float:
-    """Fraction of ``problems`` whose GREEDY response scores ``>= success_threshold`` under the
-    run's reward function (``reward.fn``, run like the reward workers run it: built-ins in
-    process, anything else in a child process with the per-sample timeout; a failed score counts
-    as unsolved). With a 0/1 reward and the default threshold 1.0 this is exact accuracy."""
+    """Fraction of ``problems`` whose greedy response scores ``>= success_threshold`` under
+    ``reward_fn`` run as the reward workers run it (a failed score counts as unsolved)."""
     if not problems:
         raise ValueError("reward_accuracy: no problems")
     engine = TorchRolloutEngine(model, tokenizer, max_batch_size=256)
     prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
-    gens = engine.generate(prompts, 1, SamplingParams(temperature=0.0,
-                                                      max_new_tokens=max_new_tokens))
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    gens = engine.generate(prompts, 1, params)
     completions = [decode_response(tokenizer, g[0].token_ids) for g in gens]
     with RewardRunner(reward_fn, timeout_s=timeout_s) as runner:
         results = runner.score(completions, [p.answer for p in problems])
@@ -395,12 +321,15 @@ def reward_accuracy(
 
 
 def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
-    """The checkpoint to continue from: ``resume=auto`` takes the latest complete one in the run
-    directory (none: a fresh start), a path names one explicitly (it must exist)."""
+    """The checkpoint to continue from (``run.resume``: auto or a path). With auto: the newest
+    whose iterations are all in ``metrics.jsonl``, else the newest one (docs/controller.md)."""
     if not cfg.run.resume:
         return None
     if cfg.run.resume == "auto":
-        return _newest_recorded_checkpoint(run_dir)
+        checkpoints = list_checkpoints(run_dir / "checkpoints")
+        recorded = {line["iteration"] for line in read_jsonl(run_dir / "metrics.jsonl")}
+        complete = [c for c in checkpoints if recorded.issuperset(range(read_state(c).step))]
+        return (complete or checkpoints or [None])[-1]
     path = Path(cfg.run.resume)
     if not (path / "trainer_state.json").is_file():
         raise FileNotFoundError(f"run.resume={cfg.run.resume!r} is not a complete checkpoint "
@@ -408,27 +337,12 @@ def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
     return path
 
 
-def _newest_recorded_checkpoint(run_dir: Path) -> Path | None:
-    """The newest checkpoint whose iterations are all in the run's ``metrics.jsonl``. The trainer
-    writes checkpoint k just after it reports iteration k-1, so a run killed between the report and
-    the controller's line can leave checkpoint k without its record: resuming from it would finish
-    the run with that line missing for good. The older checkpoint (two are kept) retrains the
-    iteration instead — runs are deterministic, so to the same weights. Without a metrics file (or
-    no checkpoint that old) the newest checkpoint is taken as it is."""
-    checkpoints = list_checkpoints(run_dir / "checkpoints")
-    recorded = {line["iteration"] for line in read_jsonl(run_dir / "metrics.jsonl")}
-    complete = [c for c in checkpoints if recorded.issuperset(range(read_state(c).step))]
-    return (complete or checkpoints or [None])[-1]
-
-
 def _named(common: WorkerCommon, role: str) -> WorkerCommon:
     return replace(common, name=f"{role}-0", role=role)
 
 
 class Evaluator:
-    """Held-out accuracy of a published policy version (in the controller's process): greedy
-    responses to ``plan.eval_problems`` scored by ``reward.fn`` against ``reward.success_threshold``
-    (``reward_accuracy``)."""
+    """Held-out accuracy of a published policy version, in the controller's process."""
 
     def __init__(self, plan: RunPlan) -> None:
         self.plan = plan
@@ -448,15 +362,12 @@ class Evaluator:
         if path.exists():
             from safetensors.torch import load_file
 
-            # Strict: a published version holds every tensor of the model under its HF name
-            # (tied embeddings under both names, see TorchTrainerEngine.state_dict), so a missing
-            # or unknown key means the file belongs to another model.
+            # strict: a missing or unknown key means the file belongs to another model
             missing, unexpected = self._model.load_state_dict(load_file(str(path)), strict=False)
             if missing or unexpected:
-                raise ValueError(
-                    f"weights {path} do not match the model at {plan.model_path}: missing keys "
-                    f"{sorted(missing)[:5]}, unexpected keys {sorted(unexpected)[:5]}"
-                )
+                raise ValueError(f"weights {path} do not match the model at {plan.model_path}: "
+                                 f"missing keys {sorted(missing)[:5]}, unexpected keys "
+                                 f"{sorted(unexpected)[:5]}")
         elif version != 0:
             return None  # pruned already (async runs far ahead): skip rather than guess
         r = plan.cfg.reward
@@ -464,5 +375,4 @@ class Evaluator:
             return reward_accuracy(
                 self._model, plan.tokenizer, plan.eval_problems, reward_fn=r.fn,
                 success_threshold=r.success_threshold, timeout_s=r.timeout_s,
-                max_new_tokens=plan.cfg.rollout.max_new_tokens,
-            )
+                max_new_tokens=plan.cfg.rollout.max_new_tokens)

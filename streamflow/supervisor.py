@@ -1,51 +1,18 @@
 """Child processes of a run on one host: start them, watch them, restart them, stop them.
 
-Orphans: every child asks the kernel (``PR_SET_PDEATHSIG``) to receive SIGTERM when the
-supervising process dies, even by SIGKILL — a killed controller never leaves workers running.
-
-Terminal signals: every child starts in its own session (``start_new_session``), so a Ctrl-C, which
-the terminal sends to the whole foreground process group, reaches the supervising process only.
-The stop is then the supervisor's to order (``stop_all``: workers first, the store last); before
-this, Ctrl-C stopped the store node together with the workers, whose final lease releases then
-timed out against a store that was gone.
-
-Lifecycle of a child: started (stdout+stderr appended to ``<log_dir>/<name>.log``) -> running ->
-exited. Exit 0 is a normal end. A non-zero exit is handled by ``check()``, the restart policy:
-
-    exited non-zero ──never ready, no restart left, or before_restart refused──► terminal failure
-          │                                                                    (the run fails with
-          └─ otherwise: restart after backoff_s × 2^restarts (≤ backoff_max_s)   the log tail)
-                        same argv (``before_restart`` may rewrite it), ``on_restarted`` runs after
-
-Why "ready" gates restarts: a child that dies before it ever reported ready (bad config, missing
-module, a model that cannot load) fails the same way every time — restarting it would only delay
-the error, so the run fails at once. A child that was serving and then died (SIGKILL, OOM, a
-crash) is restarted up to ``RestartPolicy.max_restarts`` times; its store leases expire and the
-rows are redelivered, so the successor simply picks up work. Every restart is bounded, so a
-systematic failure ends the run within (start-up + backoff) × (max_restarts + 1).
-
-``stop_all`` sends SIGTERM, waits up to a grace period, then SIGKILLs whatever is left, so a run
-never leaves processes behind. Once it began, ``check`` restarts nothing (a worker that exits
-non-zero while being stopped is not a fault to repair), and ``kill_all`` (a second Ctrl-C) cuts the
-grace period short: every child is SIGKILLed at once and the waits return. Whether the run
-succeeded, failed or was interrupted, every process the supervisor ever started (a restarted
-child's earlier ones included) is waited for before it returns, even when the graceful path is
-cut short (an exception raised in ``between`` or in a wait): no child is left running or as an unreaped zombie of the caller's
-process — which matters when the run is in-process (tests, notebooks).
-
-Ports for children: ``free_port`` (``storage/ports.py``) picks them below the
-kernel's ephemeral range, before the child starts, because the other children need them in their
-configs.
+Children die with the supervising process (``PR_SET_PDEATHSIG``) and run in their own session (a
+terminal Ctrl-C reaches the supervisor only); ``stop_all`` stops workers before stores and reaps
+every process ever started. Restart policy and its reasons: docs/controller.md "The supervisor".
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,8 +20,6 @@ from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 log = logging.getLogger("streamflow.supervisor")
-
-
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -107,22 +72,15 @@ class Child:
 
     def describe_failure(self) -> str:
         """The cause of a terminal failure and the log tail: what a failed run reports."""
-        return (
-            f"{self.failure or f'{self.name} exited with status {self.exit_code()}'}:\n"
-            f"{self.log_tail()}"
-        )
+        cause = self.failure or f"{self.name} exited with status {self.exit_code()}"
+        return f"{cause}:\n{self.log_tail()}"
 
 
 class Supervisor:
-    def __init__(
-        self,
-        log_dir: str | os.PathLike,
-        env: dict[str, str] | None = None,
-        policy: RestartPolicy | None = None,
-    ) -> None:
+    def __init__(self, log_dir: str | os.PathLike, policy: RestartPolicy | None = None) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, **(env or {})}
+        self.env = dict(os.environ)
         self.policy = policy or RestartPolicy()
         self.children: dict[str, Child] = {}
         self._spawned: list[subprocess.Popen] = []  # every process started, for stop_all to reap
@@ -133,44 +91,25 @@ class Supervisor:
         if name in self.children:
             raise ValueError(f"a child named {name!r} already runs")
         log_path = self.log_dir / f"{name}.log"
-        child = Child(
-            name, role, self._spawn(argv, threads, log_path), log_path, list(argv), threads
-        )
+        child = Child(name, role, self._spawn(argv, threads, log_path), log_path, list(argv), threads)
         self.children[name] = child
         return child
 
     def _spawn(self, argv: list[str], threads: int, log_path: Path) -> subprocess.Popen:
-        env = {
-            **self.env,
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": str(threads),
-            "MKL_NUM_THREADS": str(threads),
-            "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1",
-        }
+        env = {**self.env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
+               "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+               "HF_HUB_OFFLINE": "1"}
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
-                argv,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
+                argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 preexec_fn=_die_with_parent,
-                start_new_session=True,  # the terminal's Ctrl-C is the parent's to handle
-            )
+                start_new_session=True)  # the terminal's Ctrl-C is the parent's to handle
         self._spawned.append(popen)
         return popen
 
-    def start_python(
-        self, name: str, role: str, module: str, args: list[str], *, threads: int = 1
-    ) -> Child:
-        return self.start(name, role, [sys.executable, "-m", module, *args], threads=threads)
-
     def check(self) -> Child | None:
-        """Apply the restart policy; returns the first child that failed terminally, if any.
-
-        Call it often (the controller does, every loop turn): scheduled restarts happen here.
-        After ``stop_all`` began it does nothing: children exiting then are being stopped."""
+        """Apply the restart policy (scheduled restarts happen here: call it often); the first
+        child that failed terminally, if any. Does nothing once ``stop_all`` began."""
         if self.stopping:
             return None
         now = time.monotonic()
@@ -183,34 +122,23 @@ class Supervisor:
             if child.restart_at is None:
                 child.ready = False
                 child.exit_codes.append(code)
-                why_not = self._why_not_restart(child, code)
-                if why_not is not None:
-                    child.failure = why_not
+                if not child.ever_ready:
+                    child.failure = (f"{child.name} exited with status {code} before it was ready "
+                                     "(not restarted)")
+                    return child
+                if child.restarts >= self.policy.max_restarts:
+                    child.failure = (f"{child.name} exited with status {code} after "
+                                     f"{child.restarts} restart(s) "
+                                     f"(run.max_restarts={self.policy.max_restarts})")
                     return child
                 delay = min(self.policy.backoff_s * 2**child.restarts, self.policy.backoff_max_s)
                 child.restart_at = now + delay
-                log.warning(
-                    "%s exited with status %s; restart %d/%d in %.1fs",
-                    child.name,
-                    code,
-                    child.restarts + 1,
-                    self.policy.max_restarts,
-                    delay,
-                )
+                log.warning("%s exited with status %s; restart %d/%d in %.1fs", child.name, code,
+                            child.restarts + 1, self.policy.max_restarts, delay)
             elif now >= child.restart_at:
                 self._restart(child)
                 if child.failure is not None:
                     return child
-        return None
-
-    def _why_not_restart(self, child: Child, code: int) -> str | None:
-        if not child.ever_ready:
-            return f"{child.name} exited with status {code} before it was ready (not restarted)"
-        if child.restarts >= self.policy.max_restarts:
-            return (
-                f"{child.name} exited with status {code} after {child.restarts} restart(s) "
-                f"(run.max_restarts={self.policy.max_restarts})"
-            )
         return None
 
     def _restart(self, child: Child) -> None:
@@ -235,33 +163,12 @@ class Supervisor:
             except Exception as exc:
                 child.failure = f"{child.name} restarted but could not rejoin: {exc}"
 
-    def stop(self, name: str, grace_s: float = 10.0) -> int | None:
-        child = self.children[name]
-        if child.exit_code() is None:
-            child.popen.send_signal(signal.SIGTERM)
-            try:
-                child.popen.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                child.popen.kill()
-                child.popen.wait()
-        return child.exit_code()
-
-    def stop_all(
-        self,
-        grace_s: float = 10.0,
-        *,
-        roles_last: tuple[str, ...] = ("store",),
-        between: Callable[[], None] | None = None,
-    ) -> None:
-        """SIGTERM every child (workers first, then ``roles_last``), wait, SIGKILL the rest.
-
-        ``between`` runs once the first group has exited and before the last one is stopped (the
-        controller reads the store's final counts there, after every worker released its leases).
-        Whatever happens meanwhile, every process this supervisor started is reaped on return.
-        """
+    def stop_all(self, grace_s: float = 10.0, *, between: Callable[[], None] | None = None) -> None:
+        """SIGTERM every child (workers first, then the stores), wait, SIGKILL the rest;
+        ``between`` runs between the two groups. Every process started is reaped on return."""
         self.stopping = True
         try:
-            self._stop_groups(grace_s, roles_last, between)
+            self._stop_groups(grace_s, between)
         finally:
             self._reap_all()
 
@@ -271,21 +178,17 @@ class Supervisor:
         self.stopping = self.forced = True
         for popen in self._spawned:
             if popen.poll() is None:
-                try:
+                with contextlib.suppress(OSError):  # exited meanwhile
                     popen.kill()
-                except OSError:  # exited meanwhile
-                    pass
 
-    def _stop_groups(
-        self, grace_s: float, roles_last: tuple[str, ...], between: Callable[[], None] | None
-    ) -> None:
+    def _stop_groups(self, grace_s: float, between: Callable[[], None] | None) -> None:
         for group_last in (False, True):
             if group_last and between is not None and not self.forced:
                 try:
                     between()
                 except Exception:  # bookkeeping only: never block the shutdown
                     pass
-            group = [c for c in self.children.values() if (c.role in roles_last) == group_last]
+            group = [c for c in self.children.values() if (c.role == "store") == group_last]
             for child in group:
                 if child.exit_code() is None and not self.forced:
                     child.popen.send_signal(signal.SIGCONT)  # a frozen child must see SIGTERM

@@ -1,22 +1,9 @@
 """Typed configuration of a run: every knob of a run declared, defaulted and checked once.
 
-Owns ``RunConfig`` (one field per YAML section), the rules that span sections (packing budget,
-simulated engines, multi-host placement, collective weight sync), the warnings for settings that
-have no effect, and ``load_config`` / ``dump_yaml``. It is also the one import point of its
-modules: ``sections`` (each section's frozen dataclass, defaults and range checks; ``rollout``,
-``reward`` and ``trainer`` embed the workers' settings objects, ``workers.settings``, whose fields
-are flat keys of the section: ``trainer.lr``) and ``convert`` (the one generic converter, the
-safe YAML loader, ``key.sub=value`` overrides and the errors).
-
-Invariants:
-- YAML only *fills values*: files are read with a safe loader (no tags, no eval, no
-  interpolation, duplicate keys rejected). The only substitution is ``{name}`` in
-  ``run.output_dir``, replaced by ``run.name``.
-- A ``RunConfig`` that exists is valid, however it was built: each section (and settings object)
-  checks its ranges on construction, ``RunConfig`` the cross-field rules.
-- Every bad input raises a ``ConfigError`` subclass whose one-line message names the full key
-  (``trainer.lr``), what was expected and what was given; unknown keys list the allowed keys
-  and a "did you mean" suggestion.
+Owns ``RunConfig`` (one field per YAML section), the cross-section rules, the no-effect warnings
+and ``load_config`` / ``dump_yaml``; the one import point of ``sections`` and ``convert``. A
+``RunConfig`` that exists is valid; every bad input is a one-line ``ConfigError`` naming the full
+key. Invariants: docs/controller.md "Configuration".
 """
 
 from __future__ import annotations
@@ -86,11 +73,8 @@ def _check_placement(cfg: RunConfig) -> None:
     nodes = cfg.placement.nodes
     if not nodes:
         return
-    require(
-        cfg.run.mode != "sync",
-        "placement.nodes",
-        "run.mode 'sync' keeps every role in one process: use periodic or async across hosts",
-    )
+    require(cfg.run.mode != "sync", "placement.nodes",
+            "run.mode 'sync' keeps every role in one process: use periodic or async across hosts")
     wanted = {
         "rollout": (cfg.rollout.num_workers, "rollout.num_workers"),
         "reward": (cfg.reward.num_workers, "reward.num_workers"),
@@ -100,11 +84,8 @@ def _check_placement(cfg: RunConfig) -> None:
     }
     for role, (want, source) in wanted.items():
         placed = sum(getattr(n, role) for n in nodes)
-        require(
-            placed == want,
-            "placement.nodes",
-            f"places {placed} {role} process(es) but the run has {want} ({source})",
-        )
+        require(placed == want, "placement.nodes",
+                f"places {placed} {role} process(es) but the run has {want} ({source})")
     stores = sum(n.store_nodes for n in nodes)
     if cfg.store.addresses:
         require(stores == 0, "placement.nodes",
@@ -112,13 +93,9 @@ def _check_placement(cfg: RunConfig) -> None:
     else:
         require(1 <= stores <= 256, "placement.nodes",
                 f"must place between 1 and 256 store nodes (store_nodes), got {stores}")
-    ranks = {n.trainer for n in nodes if n.trainer}
-    require(
-        len(ranks) <= 1,
-        "placement.nodes",
-        f"trainer ranks must be spread evenly (torch's launcher starts the same number per host), "
-        f"got {sorted(n.trainer for n in nodes if n.trainer)}",
-    )
+    ranks = [n.trainer for n in nodes if n.trainer]
+    require(len(set(ranks)) <= 1, "placement.nodes", "trainer ranks must be spread evenly "
+            f"(torch's launcher starts the same number per host), got {sorted(ranks)}")
 
 
 def _check_simulated(cfg: RunConfig) -> None:
@@ -161,24 +138,17 @@ class RunConfig:
     def __post_init__(self) -> None:
         # With no KL term the reference log-probs are never used: don't pay for computing them.
         if self.trainer.kl_coef == 0 and self.reference.enabled:
-            object.__setattr__(
-                self, "reference", dataclasses.replace(self.reference, enabled=False)
-            )
+            reference = dataclasses.replace(self.reference, enabled=False)
+            object.__setattr__(self, "reference", reference)
         if self.trainer.packing and self.trainer.engine != "simulated":  # (no packing to do)
             longest = self.rollout.max_new_tokens * self.data.group_size
-            require(
-                self.trainer.token_budget >= longest,
-                "trainer.token_budget",
-                f"must hold one packed group (>= rollout.max_new_tokens x data.group_size "
-                f"= {longest} tokens plus the prompt), got {self.trainer.token_budget}",
-            )
+            require(self.trainer.token_budget >= longest, "trainer.token_budget",
+                    f"must hold one packed group (>= rollout.max_new_tokens x data.group_size "
+                    f"= {longest} tokens plus the prompt), got {self.trainer.token_budget}")
         _check_simulated(self)
-        require(
-            self.trainer.engine in ("torch", "simulated") or self.run.mode != "sync",
-            "trainer.engine",
-            f"'{self.trainer.engine}' trains in its own ranks: use run.mode periodic or async "
-            "(sync keeps the trainer inside the controller process)",
-        )
+        require(self.trainer.engine in ("torch", "simulated") or self.run.mode != "sync",
+                "trainer.engine", f"'{self.trainer.engine}' trains in its own ranks: use run.mode "
+                "periodic or async (sync keeps the trainer inside the controller process)")
         _check_placement(self)
         _check_weights(self)
 
@@ -197,28 +167,19 @@ class RunConfig:
         """Policy versions a trained sample may lag: 0 in sync/periodic (on-policy), else the cap."""
         return self.run.max_staleness if self.run.mode == "async" else 0
 
-    @property
-    def output_dir(self) -> Path:
-        return Path(self.run.output_dir)
-
 
 def config_warnings(cfg: RunConfig) -> list[str]:
     """Settings that are valid but have no effect in this configuration (printed by the CLI)."""
     notes = []
     if cfg.run.mode != "async" and cfg.run.max_staleness != RunSection.max_staleness:
-        notes.append(
-            f"run.max_staleness={cfg.run.max_staleness} is ignored in mode '{cfg.run.mode}' "
-            "(on-policy: staleness is always 0)"
-        )
+        notes.append(f"run.max_staleness={cfg.run.max_staleness} is ignored in mode "
+                     f"'{cfg.run.mode}' (on-policy: staleness is always 0)")
     if cfg.run.mode != "async" and cfg.trainer.importance_correction:
-        notes.append(
-            f"trainer.importance_correction has no effect in mode '{cfg.run.mode}' "
-            "(behaviour and trained policy are the same version)"
-        )
+        notes.append(f"trainer.importance_correction has no effect in mode '{cfg.run.mode}' "
+                     "(behaviour and trained policy are the same version)")
     if cfg.model.path is not None and cfg.model.warmstart_steps > 0:
-        notes.append(
-            "model.warmstart_steps applies to the built-in model only; ignored with model.path"
-        )
+        notes.append("model.warmstart_steps applies to the built-in model only; ignored with "
+                     "model.path")
     if cfg.data.task != "arithmetic" and cfg.data.digits != DataSection.digits:
         notes.append("data.digits applies to task 'arithmetic' only")
     return notes
@@ -236,8 +197,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         except OSError as err:
             raise ConfigError("", f"cannot read config file {p}: {err.strerror}") from None
         tree = parse_yaml(text, str(p))
-        if tree is None:
-            tree = {}
+        tree = {} if tree is None else tree
         if not isinstance(tree, dict):
             raise ConfigTypeError("", f"{p}: the top level must be a mapping of sections")
     for override in overrides:

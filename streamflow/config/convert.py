@@ -1,14 +1,8 @@
 """Dataclass <-> plain data for the run configuration: the one generic converter, the YAML reader.
 
-Owns: the configuration errors a user sees, the type check of every value against its dataclass
-annotation (nested dataclasses, Optional, Literal, tuple, int/float with int accepted for float,
-strict bool), building a section from a mapping and back, the safe YAML loader and
-``key.sub=value`` overrides. Written once, used for every section.
-
-A field made with ``workers.settings.embed`` holds a settings object of the workers whose fields
-are keys of the section itself: ``trainer.lr`` is ``TrainerSection.optim.lr``. Here that means
-the keys of a section (``section_keys``) expand such fields in place, and ``to_dict`` writes them
-flat, so the YAML a user writes and ``config.yaml`` stay one flat mapping per section.
+Owns the configuration errors, the type check of every value against its annotation, section
+<-> mapping (embedded settings objects as flat keys), the safe YAML loader and ``key.sub=value``
+overrides (docs/controller.md "Configuration").
 """
 
 from __future__ import annotations
@@ -78,9 +72,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         # Strict: True must not pass for a Literal[1], nor 1 for Literal["1"].
         if any(value == c and type(value) is type(c) for c in choices):
             return value
-        raise ConfigValueError(
-            key, f"must be one of {', '.join(repr(c) for c in choices)}; got {value!r}"
-        )
+        raise ConfigValueError(key, f"must be one of {', '.join(repr(c) for c in choices)}; "
+                                    f"got {value!r}")
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise ConfigTypeError(key, f"expected {_type_name(tp)}, got {value!r}")
@@ -88,12 +81,10 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
-            raise ConfigTypeError(
-                key, f"expected {_type_name(tp)}, got {len(value)} items: {value!r}"
-            )
-        return tuple(
-            _convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
-        )
+            raise ConfigTypeError(key, f"expected {_type_name(tp)}, got {len(value)} items: "
+                                  f"{value!r}")
+        pairs = enumerate(zip(args, value, strict=True))
+        return tuple(_convert(a, v, f"{key}[{i}]") for i, (a, v) in pairs)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -115,8 +106,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
 
 def section_keys(cls: type) -> dict[str, Any]:
     """Key -> resolved annotation of dataclass ``cls``, in declaration order; an embedded
-    settings object's fields are keys of ``cls`` itself (annotations are strings under
-    `from __future__`, hence get_type_hints)."""
+    settings object's fields are keys of ``cls`` itself."""
     hints = typing.get_type_hints(cls)
     inner = embedded(cls)
     keys: dict[str, Any] = {}
@@ -141,8 +131,7 @@ def _unknown_key(cls: type, key: str, section: str) -> UnknownKeyError:
 def from_dict(cls: type[Any], data: Any, section: str = "") -> Any:
     """Build dataclass ``cls`` from a plain mapping, checking keys and types; ``section`` is the
     dotted prefix used in error messages. Missing keys take their defaults."""
-    if data is None:
-        data = {}
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigTypeError(section, f"expected a mapping of keys, got {data!r}")
     hints = section_keys(cls)
@@ -177,10 +166,6 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
-
-
-# --------------------------------------------------------------------------------------------
-# YAML loading and overrides
 
 
 class _Loader(yaml.SafeLoader):
@@ -225,10 +210,8 @@ def _field_type(root: type, path: list[str], override: str) -> Any:
     tp: Any = root
     for i, name in enumerate(path):
         if not dataclasses.is_dataclass(tp):
-            raise UnknownKeyError(
-                ".".join(path),
-                f"'{'.'.join(path[:i])}' is a value, not a section (in {override!r})",
-            )
+            raise UnknownKeyError(".".join(path), f"'{'.'.join(path[:i])}' is a value, not a "
+                                  f"section (in {override!r})")
         hints = section_keys(tp)
         if name not in hints:
             raise _unknown_key(tp, name, ".".join(path[:i]))
@@ -237,11 +220,8 @@ def _field_type(root: type, path: list[str], override: str) -> Any:
 
 
 def _accepts_str(tp: Any) -> bool:
-    if tp is str:
-        return True
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return str in typing.get_args(tp)
-    return False
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    return tp is str or (union and str in typing.get_args(tp))
 
 
 def apply_override(tree: dict[str, Any], override: str, root: type) -> None:
@@ -251,10 +231,8 @@ def apply_override(tree: dict[str, Any], override: str, root: type) -> None:
     key, sep, text = override.partition("=")
     key = key.strip()
     if not sep or not _KEY.match(key):
-        raise OverrideSyntaxError(
-            key if sep else "",
-            f"bad override {override!r}: expected key.sub=value, e.g. trainer.lr=1e-4",
-        )
+        raise OverrideSyntaxError(key if sep else "", f"bad override {override!r}: expected "
+                                  "key.sub=value, e.g. trainer.lr=1e-4")
     path = key.split(".")
     tp = _field_type(root, path, override)
     value = parse_yaml(text, f"override {override!r}")

@@ -1,14 +1,8 @@
 """The sections of a run's configuration: every knob of the controller, declared and checked once.
 
-Owns: the frozen dataclass of each YAML section (``run``, ``model``, ``data``, ``rollout``, ...)
-with its defaults, one comment per field, its ranges and its own rules (``check``). The
-knobs of the workers' math are not declared here: ``rollout``, ``reward``, ``trainer`` and
-``simulated`` embed the workers' settings objects (``workers.settings``), whose fields are keys of
-the section (``workers.settings.flat``). Cross-section rules live in ``streamflow.config``.
-
-To add a knob: a field with a default and a comment in its section (a range with
-``bounded(default, ge=/gt=/le=)``; other rules in ``check``), or, for a knob the workers
-compute with, a field of the settings object in ``workers.settings``.
+One frozen dataclass per YAML section with defaults, a comment per field, ranges and its own
+``check``; the workers' knobs are embedded ``workers.settings`` objects. Cross-section rules live
+in ``streamflow.config``; how to add a knob: docs/controller.md "Configuration".
 """
 
 from __future__ import annotations
@@ -86,11 +80,8 @@ class RunSection(Checked):
     def check(self) -> None:
         require(bool(self.name.strip()), "name", "must be a non-empty string")
         require(bool(self.output_dir.strip()), "output_dir", "must be a non-empty path")
-        require(
-            self.eval_every == 0 or self.eval_prompts > 0,
-            "eval_prompts",
-            "must be > 0 when eval_every > 0 (set eval_every=0 to disable evaluation)",
-        )
+        require(self.eval_every == 0 or self.eval_prompts > 0, "eval_prompts",
+                "must be > 0 when eval_every > 0 (set eval_every=0 to disable evaluation)")
         require(not (self.overwrite and self.resume), "overwrite",
                 "cannot be combined with run.resume (continue the run or replace it, not both)")
         # The only substitution YAML values get: the run directory may be named after the run.
@@ -107,16 +98,10 @@ class TinyModelConfig(Checked):
     seed: int = 0  # seed of the random initialisation (before the warm start)
 
     def check(self) -> None:
-        require(
-            self.hidden_size % self.num_heads == 0,
-            "num_heads",
-            f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}",
-        )
-        require(
-            self.num_heads % self.num_kv_heads == 0,
-            "num_kv_heads",
-            f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}",
-        )
+        require(self.hidden_size % self.num_heads == 0, "num_heads",
+                f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}")
+        require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
 
 
 @dataclass(frozen=True)
@@ -232,11 +217,8 @@ class TrainerSection(Checked):
 
     def check(self) -> None:
         _check_device(self.device)
-        require(
-            self.num_ranks == 1 or self.engine == "deepspeed",
-            "num_ranks",
-            f"{self.num_ranks} ranks need engine 'deepspeed' (the torch engine is one process)",
-        )
+        require(self.num_ranks == 1 or self.engine == "deepspeed", "num_ranks",
+                f"{self.num_ranks} ranks need engine 'deepspeed' (the torch engine is one process)")
 
 
 @flat
@@ -294,11 +276,8 @@ class PlacementNode(Checked):
     trainer: int = bounded(0, ge=0)  # trainer ranks here (torch engine: 1 in all; deepspeed: num_ranks)
 
     def check(self) -> None:
-        require(
-            self.host.strip() not in _WILDCARDS,
-            "host",
-            f"must be an address the other hosts can reach (not a wildcard), got {self.host!r}",
-        )
+        require(self.host.strip() not in _WILDCARDS, "host",
+                f"must be an address the other hosts can reach (not a wildcard), got {self.host!r}")
 
 
 @dataclass(frozen=True)

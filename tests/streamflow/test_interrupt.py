@@ -38,9 +38,9 @@ def test_first_signal_interrupts_second_forces(sig: int) -> None:
 def test_installed_is_shared_by_nested_users() -> None:
     with interrupt.installed() as outer:
         with interrupt.installed() as inner:
-            assert inner is outer and interrupt.current() is outer
-        assert interrupt.current() is outer
-    assert interrupt.current() is None
+            assert inner is outer and interrupt._current is outer
+        assert interrupt._current is outer
+    assert interrupt._current is None
 
 
 def test_removed_force_callback_is_not_called() -> None:

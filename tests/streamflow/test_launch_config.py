@@ -8,7 +8,7 @@ import pytest
 
 from streamflow.cli import EXIT_OK, EXIT_USAGE, main
 from streamflow.config import ConfigError, load_config
-from streamflow.node import store_slots, worker_nodes
+from streamflow.launch import store_slots, worker_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")

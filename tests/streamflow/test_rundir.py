@@ -81,7 +81,7 @@ def _spans() -> list[StageSpan]:
 
 def test_rundir_writes_config_metrics_summary(tmp_path):
     cfg = load_config(None, ["run.name=x", f"run.output_dir={tmp_path / 'run'}"])
-    run_dir = RunDir(cfg.output_dir)
+    run_dir = RunDir(cfg.run.output_dir)
     assert run_dir.plots.is_dir() and run_dir.checkpoints.is_dir()
     assert load_config(run_dir.write_config(cfg)) == cfg
 
