@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import storage
 from storage.ports import free_port
@@ -33,6 +33,28 @@ if TYPE_CHECKING:  # the plan's module loads the model stack; a launcher's dry r
 log = logging.getLogger("streamflow.cluster")
 
 WorkerSpec = tuple[str, str, Any, int]  # (name, role, typed worker config, threads): plan.workers
+
+
+class Cluster(Protocol):
+    """What the RL loop needs from the processes of a streaming run: ``LocalCluster`` (this
+    host), ``streamflow.launch.MultiHostCluster`` (several hosts)."""
+
+    host: str  # where this host's services bind (the shard coordinator)
+    events_bind: str  # where the controller's report socket binds
+    endpoints: list[Endpoint]  # /metrics of the store nodes and the coordinator it started
+    children: dict[str, Child]  # this host's processes (workers alive, for the metrics)
+
+    def start_store(self) -> list[str]: ...
+    def start_coordinator(self, client: Any, addresses: list[str]) -> str | None: ...
+    def start_workers(self, workers: list[WorkerSpec], events_address: str) -> None: ...
+    def mark_ready(self, name: str) -> None: ...
+    def check(self) -> str | None: ...
+    def stores_up(self) -> bool: ...
+    def trainer_exit_code(self) -> int | None: ...
+    def restarts(self) -> dict[str, int]: ...
+    def fetch_weights(self, version: int) -> None: ...
+    def stop(self, between: Callable[[], None] | None, cause: str | None) -> None: ...
+    def kill(self) -> None: ...
 
 
 class WorkerFailed(RuntimeError):
@@ -92,7 +114,8 @@ def start_store_node(sup: Supervisor, name: str, *, bind: str, shards: int, node
     """Start ``python -m storage.server`` as the supervised child ``name`` (not yet waited for)."""
     ready = Path(tempfile.mkdtemp(prefix="sf-store-")) / "ready.json"
     child = sup.start(name, "store", [
-        sys.executable, "-m", "storage.server", "--bind", bind, "--shards", str(shards), "--node-index", str(node_index),
+        sys.executable, "-m", "storage.server", "--bind", bind, "--shards", str(shards),
+        "--node-index", str(node_index),
         "--ready-file", str(ready),
         *(["--metrics-port", "0"] if metrics else []),
         *(["--persist-dir", persist_dir] if persist_dir else []),  # recovered at its start
@@ -163,8 +186,8 @@ def refuse_restart(why: str) -> Callable[[Child], None]:
 
 
 class LocalCluster:
-    """Every process of the run on this host: one store node, the workers, the coordinator. The
-    controller's view of a streaming run's processes (``MultiHostCluster`` extends it)."""
+    """The ``Cluster`` of one host: one store node, the workers, the coordinator, under one
+    ``Supervisor`` (``MultiHostCluster`` extends it with the other hosts)."""
 
     def __init__(self, cfg: RunConfig, plan: RunPlan) -> None:
         self.cfg, self.plan = cfg, plan

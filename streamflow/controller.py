@@ -26,7 +26,8 @@ What each loop consumes, produces, waits on, and what unblocks it:
 
 Modes: ``sync`` runs every role in this process, stages taking turns (``_run_colocated``);
 ``periodic`` (s = 0) and ``async`` (s = ``max_staleness``) stream between one process per worker
-(``_run_streaming``), started and restarted by a ``LocalCluster`` (or ``MultiHostCluster``).
+(``_run_streaming``), started and restarted by a ``Cluster`` (``LocalCluster`` or
+``MultiHostCluster``).
 Modes, lifecycle, stopping and failure rules: docs/controller.md.
 """
 
@@ -46,7 +47,7 @@ import storage
 from storage.errors import Unavailable, UnknownTable
 from streamflow import interrupt, preflight
 from streamflow.admission import admissible
-from streamflow.cluster import LocalCluster, WorkerFailed
+from streamflow.cluster import Cluster, LocalCluster, WorkerFailed
 from streamflow.config import RunConfig, config_to_dict
 from streamflow.metrics import ControllerMetrics, write_targets
 from streamflow.progress import ProgressDisplay, StepProgress, describe_run
@@ -61,7 +62,7 @@ from workers.main import build_reference, build_reward, build_rollout, build_tra
 from workers.metrics import MeteredEvents, WorkerMetrics
 
 log = logging.getLogger("streamflow.controller")
-ClusterFactory = Callable[[RunConfig, RunPlan], LocalCluster]
+ClusterFactory = Callable[[RunConfig, RunPlan], Cluster]
 
 
 class Controller:
@@ -197,7 +198,7 @@ class Controller:
                 client.close()
             receiver.close()
 
-    def _wait_ready(self, cluster: LocalCluster, receiver: EventReceiver, names: set[str]) -> None:
+    def _wait_ready(self, cluster: Cluster, receiver: EventReceiver, names: set[str]) -> None:
         """Start-up (imports, model loads) is not RL time: the loop clock starts once all are up."""
         deadline = time.monotonic() + self.cfg.run.startup_timeout_s
         total = len(names)
@@ -213,7 +214,7 @@ class Controller:
             write_targets(self.rundir.path, self.state.endpoints, self.cfg.run.name)
             self.metrics.set_workers_alive(cluster.children)
 
-    def _stream(self, cluster: LocalCluster, receiver: EventReceiver,
+    def _stream(self, cluster: Cluster, receiver: EventReceiver,
                 client: storage.Client) -> None:
         """Admit, read reports, let the cluster restart what died, until the trainer is done."""
         st, iterations = self.state, self.cfg.run.iterations
@@ -239,7 +240,7 @@ class Controller:
                 if self.metrics is not None:
                     self.metrics.set_workers_alive(cluster.children)
 
-    def _receive(self, cluster: LocalCluster, receiver: EventReceiver,
+    def _receive(self, cluster: Cluster, receiver: EventReceiver,
                  context: str = "") -> list[WorkerStatus]:
         """Reports of the next 0.2 s, then the cluster's check (restarts); the "ready" ones."""
         ready = []

@@ -58,7 +58,8 @@ def check_inputs(cfg: RunConfig) -> None:
     resume = cfg.run.resume
     if resume and resume != "auto" and not (Path(resume) / "trainer_state.json").is_file():
         raise ConfigError("run.resume", f"{resume} is not a complete checkpoint "
-                          "(no trainer_state.json); use run.resume=auto or a checkpoints/step-* path")
+                          "(no trainer_state.json); use run.resume=auto or a "
+                          "checkpoints/step-* path")
     if cfg.model.path is not None:
         _check_model_dir(Path(cfg.model.path))
     if cfg.data.task == "file" and cfg.data.file:
@@ -93,7 +94,8 @@ def _check_problem_file(cfg: RunConfig) -> None:
 
     d = cfg.data
     try:
-        problems = load_problem_file(d.file, d.prompt_column, d.answer_column)  # type: ignore[arg-type]
+        problems = load_problem_file(  # type: ignore[arg-type]
+            d.file, d.prompt_column, d.answer_column)
     except ProblemFileError as err:
         raise ConfigError("data.file", str(err).replace("\n", " ")) from None
     if not problems:

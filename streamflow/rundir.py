@@ -319,7 +319,8 @@ def plot_rewards(records: Sequence[IterationRecord], path: str | Path, *,
     ax_r.plot(its, mean, marker="o", ms=3, color=STAGE_COLORS["reward"], label="reward mean")
     low, high = reward_band(records, reward_range)
     ax_r.fill_between(its, low, high, color=STAGE_COLORS["reward"], alpha=0.2,
-                      label="+/- std" + (" (clipped to the reward's range)" if reward_range else ""))
+                      label="+/- std" + (" (clipped to the reward's range)"
+                                         if reward_range else ""))
     if reward_range:
         pad = 0.02 * (reward_range[1] - reward_range[0])
         ax_r.set_ylim(reward_range[0] - pad, reward_range[1] + pad)

@@ -91,7 +91,8 @@ class Supervisor:
         if name in self.children:
             raise ValueError(f"a child named {name!r} already runs")
         log_path = self.log_dir / f"{name}.log"
-        child = Child(name, role, self._spawn(argv, threads, log_path), log_path, list(argv), threads)
+        proc = self._spawn(argv, threads, log_path)
+        child = Child(name, role, proc, log_path, list(argv), threads)
         self.children[name] = child
         return child
 

@@ -152,7 +152,8 @@ class TrainerWorkerConfig:
     weights_group: WeightGroupConfig | None = None  # collective weight sync (None: files)
 
 
-WorkerConfig = RolloutWorkerConfig | RewardWorkerConfig | ReferenceWorkerConfig | TrainerWorkerConfig
+WorkerConfig = (RolloutWorkerConfig | RewardWorkerConfig | ReferenceWorkerConfig
+                | TrainerWorkerConfig)
 ROLE_CONFIGS: dict[str, type] = {
     "rollout": RolloutWorkerConfig,
     "reward": RewardWorkerConfig,
@@ -174,7 +175,8 @@ def _build(cls: type[T], data: dict[str, Any]) -> T:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
     kwargs = {}
     for key, value in data.items():  # a mapping where a (maybe optional) dataclass goes: build it
-        inner = [a for a in (hints[key], *typing.get_args(hints[key])) if dataclasses.is_dataclass(a)]
+        options = (hints[key], *typing.get_args(hints[key]))
+        inner = [a for a in options if dataclasses.is_dataclass(a)]
         kwargs[key] = _build(inner[0], value) if inner and isinstance(value, dict) else value
     return cls(**kwargs)
 

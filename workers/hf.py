@@ -93,7 +93,7 @@ def convert_smollm2(out_dir: str | os.PathLike[str]) -> ConversionReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m workers.hf OUT_DIR``: the same as ``streamflow model convert-smollm2 OUT_DIR``."""
+    """``python -m workers.hf OUT_DIR``: as ``streamflow model convert-smollm2 OUT_DIR``."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m workers.hf",

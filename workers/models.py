@@ -1,5 +1,5 @@
-"""Models: build the embedded tiny Qwen2, save (atomically) and load any local HF causal-LM directory
-(local files only, never a download). See docs/engines.md, "Models".
+"""Models: build the embedded tiny Qwen2, save (atomically) and load any local HF causal-LM
+directory (local files only, never a download). See docs/engines.md, "Models".
 """
 
 from __future__ import annotations

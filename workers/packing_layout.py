@@ -83,7 +83,7 @@ class PackedBatch:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        """The dense ``[R, 1, T, T]`` bool mask of the layout (True = may attend); built on demand."""
+        """The dense ``[R, 1, T, T]`` bool mask (True = may attend); built on demand."""
         if self._dense_mask is None:
             rows, width = self.num_rows, self.seq_len
             mask = torch.zeros(rows, 1, width, width, dtype=torch.bool)

@@ -52,7 +52,7 @@ def build_token_batch(
 def response_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
                       temperature: float = 1.0) -> torch.Tensor:
-    """Token log-probs [B, T] of right-padded rows (0 outside ``response_mask``); keeps the graph."""
+    """Token log-probs [B, T] of right-padded rows (0 outside ``response_mask``), with graph."""
     if temperature <= 0:
         raise ValueError(f"response_logprobs: temperature must be > 0, got {temperature}")
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
@@ -105,7 +105,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, group_si
 # --------------------------------------------------------------------------- loss
 @dataclass
 class LossSums:
-    """Detached sums over the response tokens of one micro-batch; add them up across micro-batches."""
+    """Detached sums over the response tokens of one micro-batch; they add across batches."""
 
     loss_sum: float = 0.0  # total loss (policy + kl_coef * kl) summed over tokens
     policy_loss_sum: float = 0.0  # clipped surrogate loss (IS-weighted), summed over tokens

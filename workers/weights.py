@@ -79,7 +79,8 @@ class WeightPublisher:
         nbytes = path.stat().st_size
         prune(self.directory, version, self.keep)
         if self._socket is not None:
-            self._socket.send(msgpack.packb({"version": version, "path": str(path), "bytes": nbytes}))
+            note = {"version": version, "path": str(path), "bytes": nbytes}
+            self._socket.send(msgpack.packb(note))
         return PublishedWeights(version, str(path), nbytes, time.perf_counter() - start)
 
     def close(self) -> None:
@@ -158,7 +159,8 @@ class WeightSubscriber:
                 return newest
             if self._fetcher is not None:
                 try:
-                    pulled = self._pull(min_version, max(min(deadline - time.monotonic(), 5.0), 0.1))
+                    wait_s = max(min(deadline - time.monotonic(), 5.0), 0.1)
+                    pulled = self._pull(min_version, wait_s)
                 except WeightFetchError as exc:  # e.g. a network cut: retry until the deadline
                     log.warning("weight fetch failed: %s", exc)
                     pulled = None

@@ -55,7 +55,8 @@ def connect_store(spec: GroupSpec) -> dist.TCPStore:
         return dist.TCPStore(host, port, is_master=False,
                              timeout=datetime.timedelta(seconds=spec.timeout_s))
     except Exception as exc:  # noqa: BLE001 - torch raises several types for a refused connect
-        raise CollectiveSyncError(f"weight group rendezvous {spec.address} unreachable: {exc}") from None
+        raise CollectiveSyncError(
+            f"weight group rendezvous {spec.address} unreachable: {exc}") from None
 
 
 def tensor_meta(state: Mapping[str, torch.Tensor]) -> list[list[Any]]:
@@ -116,7 +117,8 @@ def _wait(work: Any, timeout_s: float, what: str) -> None:
 class GroupMember:
     """One process's membership of one epoch of the weight group."""
 
-    def __init__(self, spec: GroupSpec, store: dist.Store, epoch: int, device: torch.device) -> None:
+    def __init__(self, spec: GroupSpec, store: dist.Store, epoch: int,
+                 device: torch.device) -> None:
         self.spec, self.epoch, self.device = spec, epoch, device
         prefixed = dist.PrefixStore(f"sf/epoch{epoch}/", store)
         timeout = datetime.timedelta(seconds=spec.timeout_s)

@@ -164,7 +164,7 @@ class RunConfig:
 
     @property
     def max_staleness(self) -> int:
-        """Policy versions a trained sample may lag: 0 in sync/periodic (on-policy), else the cap."""
+        """Versions a trained sample may lag: 0 in sync/periodic (on-policy), else the cap."""
         return self.run.max_staleness if self.run.mode == "async" else 0
 
 

@@ -93,7 +93,7 @@ class TinyModelConfig(Checked):
     hidden_size: int = bounded(128, ge=1)  # width of the built-in causal LM
     num_layers: int = bounded(2, ge=1)  # transformer blocks
     num_heads: int = bounded(4, ge=1)  # attention heads; divides hidden_size
-    num_kv_heads: int = bounded(2, ge=1)  # key/value heads (grouped-query attention); divides num_heads
+    num_kv_heads: int = bounded(2, ge=1)  # key/value heads (grouped-query); divides num_heads
     intermediate_size: int = bounded(256, ge=1)  # MLP width
     seed: int = 0  # seed of the random initialisation (before the warm start)
 
@@ -225,10 +225,10 @@ class TrainerSection(Checked):
 @dataclass(frozen=True)
 class SimulatedSection(Checked):
     """Simulated devices (``rollout.engine`` and ``trainer.engine`` both ``simulated``): every role
-    holds its device for the cost model's time instead of computing (workers/engines/simulated.py); the
-    controller, workers, store, balancer and modes are the real ones. For capacity planning."""
+    holds its device for the cost model's time instead of computing (workers/engines/simulated.py);
+    the controller, workers, store, balancer and modes are the real ones. For capacity planning."""
 
-    device: SimulatedDevice = embed(SimulatedDevice)  # cost, time_scale, median_response_tokens, skew
+    device: SimulatedDevice = embed(SimulatedDevice)  # cost, time_scale, median tokens, skew
 
 
 @dataclass(frozen=True)
@@ -238,7 +238,7 @@ class StoreSection(Checked):
     num_shards: int = bounded(2, ge=1)  # shards of the transfer queue
     lease_seconds: float = bounded(30.0, gt=0)  # a claimed row not acked within this is redelivered
     max_deliveries: int = bounded(3, ge=1)  # deliveries of a row before it is quarantined as poison
-    capacity_rows: int = bounded(100_000, ge=1)  # back-pressure: puts wait beyond this many live rows
+    capacity_rows: int = bounded(100_000, ge=1)  # back-pressure: puts wait beyond this many rows
     persist: bool = False  # log the store's data to the run directory (for restart)
     fsync: bool = False  # fsync that log on every write (durable, slower)
     # Store nodes already running (`streamflow store serve`), e.g. "tcp://store:5555"; empty: the
@@ -273,7 +273,7 @@ class PlacementNode(Checked):
     rollout: int = bounded(0, ge=0)  # rollout worker processes here
     reward: int = bounded(0, ge=0)  # reward worker processes here
     reference: int = bounded(0, ge=0)  # the reference worker (0 or 1 in all, when one runs)
-    trainer: int = bounded(0, ge=0)  # trainer ranks here (torch engine: 1 in all; deepspeed: num_ranks)
+    trainer: int = bounded(0, ge=0)  # trainer ranks here (torch: 1 in all; deepspeed: num_ranks)
 
     def check(self) -> None:
         require(self.host.strip() not in _WILDCARDS, "host",

@@ -47,8 +47,8 @@ class DeepSpeedSettings:
                 f"DeepSpeedSettings.zero_stage must be one of {SUPPORTED_STAGES}, got "
                 f"{self.zero_stage!r} (stage 3 shards parameters: not supported by this engine)")
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DeepSpeedSettings.{name} must be >= 1, got {getattr(self, name)}")
+            if (value := getattr(self, name)) < 1:
+                raise ValueError(f"DeepSpeedSettings.{name} must be >= 1, got {value}")
 
     def ds_config(self, world_size: int) -> dict[str, Any]:
         """The DeepSpeed JSON config these settings mean (fp32, ZeRO, caller-owned boundary)."""
@@ -109,7 +109,8 @@ def start_ranks(backend: str | None = None) -> RankGroup:
 class DeepSpeedTrainerEngine:
     """A ``TrainerEngine`` on DeepSpeed ZeRO-1/2. Build it on every rank, after ``start_ranks``."""
 
-    def __init__(self, model: torch.nn.Module, settings: DeepSpeedSettings, ranks: RankGroup) -> None:
+    def __init__(self, model: torch.nn.Module, settings: DeepSpeedSettings,
+                 ranks: RankGroup) -> None:
         deepspeed = require_deepspeed()
         from deepspeed.runtime.utils import register_output_backward_hooks
 

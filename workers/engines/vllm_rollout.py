@@ -35,7 +35,7 @@ LOGPROBS_MODE = "processed_logprobs"
 
 
 class VllmNotInstalled(ImportError):
-    """The ``vllm`` module is missing: a config asked for ``rollout.engine=vllm`` without the extra."""
+    """The ``vllm`` module is missing: ``rollout.engine=vllm`` without the extra installed."""
 
 
 def _import_vllm() -> Any:
@@ -98,7 +98,7 @@ def _eos_ids(model_path: Path) -> tuple[int, ...]:
 
 
 def _unshare(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # safetensors refuses tensors sharing storage (tied embeddings): copy every alias after the first.
+    # safetensors refuses tensors sharing storage (tied embeddings): copy each later alias.
     seen: set[int] = set()
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
