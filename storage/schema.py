@@ -13,6 +13,8 @@ import pyarrow as pa
 ROW_ID = "row_id"
 """Column present in every claimed batch: the stable 64-bit row id (uint64)."""
 
+# Row ids: the top 16 bits name the shard, the low 48 a sequence number within it, so any client
+# routes a row id to its shard without a lookup.
 SHARD_BITS = 16
 SEQ_BITS = 64 - SHARD_BITS
 SEQ_MASK = (1 << SEQ_BITS) - 1
@@ -32,7 +34,13 @@ META_COLUMNS: dict[str, pa.DataType] = {
 
 
 class RowState(enum.IntEnum):
-    """The per-(row, task) state; see the lifecycle in docs/store-protocol.md."""
+    """The per-(row, task) state (more: docs/store-protocol.md)::
+
+        PENDING --(last needed column written)--> READY --claim--> LEASED --ack--> CONSUMED
+                                                    ^                 |
+                                                    +--expire/release-+--(deliveries > max)--> DEAD
+
+    A row is freed once every task has CONSUMED it; DEAD rows are kept until ``clear``."""
 
     PENDING = 0
     READY = 1

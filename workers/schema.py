@@ -13,21 +13,25 @@ import pyarrow as pa
 
 from storage.schema import TableSpec, TaskSpec
 
-SAMPLES_SCHEMA = pa.schema([  # what each column holds: docs/training.md "The sample table"
+SAMPLES_SCHEMA = pa.schema([  # who writes each column, and when: docs/training.md
+    # the G samples of one prompt share it (the store's group column)
     pa.field("group_id", pa.int64(), nullable=False),
+    # iteration (= optimizer step) whose batch the sample belongs to
     pa.field("iteration", pa.int64(), nullable=False),
+    # admission: rollout must generate with a version >= this (iteration - max_staleness)
     pa.field("min_policy_version", pa.int64(), nullable=False),
-    pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
-    pa.field("answer", pa.string(), nullable=False),
-    pa.field("response_ids", pa.list_(pa.int32())),
+    pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),  # tokenised prompt [P]
+    pa.field("answer", pa.string(), nullable=False),  # what the verifier compares against
+    pa.field("response_ids", pa.list_(pa.int32())),  # generated tokens, stop token included [L]
+    # behaviour log-probs: log softmax(logits / T) of each sampled token [L]
     pa.field("response_logprobs", pa.list_(pa.float32())),
-    pa.field("policy_version", pa.int64()),
-    pa.field("finish_reason", pa.string()),
-    pa.field("reward", pa.float32()),
-    pa.field("reward_ok", pa.bool_()),
-    pa.field("reward_error", pa.string()),
-    pa.field("ref_logprobs", pa.list_(pa.float32())),
-    pa.field("advantage", pa.float32()),
+    pa.field("policy_version", pa.int64()),  # trainer step count of the generating weights
+    pa.field("finish_reason", pa.string()),  # "stop" (stop token) or "length" (max_new_tokens)
+    pa.field("reward", pa.float32()),  # verifier score; 0.0 when scoring failed
+    pa.field("reward_ok", pa.bool_()),  # False when the verifier raised or timed out
+    pa.field("reward_error", pa.string()),  # why, when reward_ok is False
+    pa.field("ref_logprobs", pa.list_(pa.float32())),  # frozen reference's log-probs [L]
+    pa.field("advantage", pa.float32()),  # group-normalised advantage of the sample's update
 ])
 
 PUT_COLUMNS = ("group_id", "iteration", "min_policy_version", "prompt_ids", "answer")
