@@ -15,7 +15,8 @@ def spawn_store(
 ) -> tuple[subprocess.Popen, list[str]]:
     """``python -m storage.server`` on a free 127.0.0.1 port (its log under ``log_dir``); returns
     (process, addresses) once it is bound. The caller stops the process."""
-    sup = Supervisor(Path(log_dir), env=env)
+    sup = Supervisor(Path(log_dir))
+    sup.env.update(env or {})  # e.g. the bench's thread limits for the node
     node = start_store_node(sup, "store-0", bind="tcp://127.0.0.1:0", shards=shards)
     node.wait()
     return node.child.popen, node.addresses
