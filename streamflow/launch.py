@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -335,7 +336,12 @@ def launch(cfg: RunConfig, *, node_rank: int, nodes: int, coordinator: str) -> i
         except Exception as exc:  # the run failed: one line naming the cause, exit 1
             print(f"error: run failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             return 1
-        return 0 if summary.status in ("ok", "interrupted") else 1
+        if summary.status == "interrupted":  # as `streamflow run`: 128 + the signal, 130 = Ctrl-C
+            name = summary.stopped_by
+            print(f"error: run interrupted ({name or 'stopped'}) and stopped cleanly; continue it "
+                  "with run.resume=auto", file=sys.stderr, flush=True)
+            return 128 + signal.Signals[name].value if name else 130
+        return 0 if summary.status == "ok" else 1
     return RemoteNode(cfg, node_rank, coordinator).run()
 
 

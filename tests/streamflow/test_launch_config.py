@@ -99,3 +99,23 @@ def test_launch_usage_errors(capsys: pytest.CaptureFixture) -> None:
     assert "--coordinator must be HOST:PORT" in capsys.readouterr().err
     assert main([*base, "--node-rank", "1", "--nodes", "3", "--dry-run"]) == EXIT_OK
     assert "host: 10.9.0.2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stopped_by, code", [("SIGTERM", 143), ("SIGINT", 130), (None, 130)])
+def test_interrupted_launch_exits_like_an_interrupted_run(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         stopped_by: str | None,
+                                                         code: int) -> None:
+    from types import SimpleNamespace
+
+    from storage.ports import free_port
+    from streamflow import controller
+    from streamflow.launch import launch
+
+    summary = SimpleNamespace(status="interrupted", stopped_by=stopped_by)
+    monkeypatch.setattr(controller, "run", lambda cfg, cluster: summary)
+    cfg = load_config(TINY, [GOOD])
+    assert launch(cfg, node_rank=0, nodes=3, coordinator=f"127.0.0.1:{free_port()}") == code
+    assert "interrupted" in capsys.readouterr().err
+    summary.status = "ok"
+    assert launch(cfg, node_rank=0, nodes=3, coordinator=f"127.0.0.1:{free_port()}") == 0
