@@ -112,12 +112,13 @@ def _receiver(spec_json: str) -> int:
     """The rollout side: live tensors per model; obeys the trainer's triggers until QUIT."""
     import torch
 
+    from workers.config import WeightGroupConfig
     from workers.weights import WeightSubscriber
-    from workers.weights_collective import GroupMember, GroupSpec, connect_store, copy_into
+    from workers.weights_collective import GroupMember, connect_store, copy_into
 
     job = json.loads(spec_json)
     device = torch.device(job["device"])
-    specs = [GroupSpec(**{**job["spec"], "transport": t}) for t in job["transports"]]
+    specs = [WeightGroupConfig(**{**job["spec"], "transport": t}) for t in job["transports"]]
     store = connect_store(specs[0])
     members = [GroupMember(s, store, k + 1, device) for k, s in enumerate(specs)]
     member = members[0]  # its group also carries the triggers
@@ -160,10 +161,10 @@ def _trigger(member: Any, device: Any, *values: int) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from workers.config import WeightGroupConfig
     from workers.weights import WeightPublisher
     from workers.weights_collective import (
         GroupMember,
-        GroupSpec,
         Rendezvous,
         connect_store,
         tensor_meta,
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               json.dumps(job)])
     cases: list[dict[str, Any]] = []
     try:
-        mine = [GroupSpec(**{**spec, "rank": 0, "transport": t}) for t in transports]
+        mine = [WeightGroupConfig(**{**spec, "rank": 0, "transport": t}) for t in transports]
         store = connect_store(mine[0])
         members = [GroupMember(s, store, k + 1, device) for k, s in enumerate(mine)]
         member = members[0]

@@ -54,8 +54,8 @@ class WorkerCommon:
 
 @dataclass
 class WeightGroupConfig:
-    """Collective weight sync (``workers.weights_collective``, whose ``GroupSpec`` this is): where
-    the group meets and who we are in it. None on a worker config: weights go by file only."""
+    """Collective weight sync (``workers.weights_collective``): where the group meets and who we
+    are in it. None on a worker config: weights go by file only."""
 
     address: str  # host:port of the controller's TCP store (the rendezvous)
     rank: int  # 0 = trainer, i + 1 = rollout worker i

@@ -8,7 +8,6 @@ reported as ``WorkerStatus(state="failed")`` (docs/training.md "Worker processes
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -44,13 +43,6 @@ from workers.rollout import RolloutStage
 from workers.trainer import Trainer
 from workers.trimodel import TriModel
 from workers.weights import WeightPublisher, WeightSubscriber
-from workers.weights_collective import GroupSpec
-
-
-def group_spec(cfg: Any) -> GroupSpec | None:
-    """The weight group of a worker config (None: weights go by file only)."""
-    g = cfg.weights_group  # (WeightGroupConfig has GroupSpec's fields)
-    return None if g is None else GroupSpec(**dataclasses.asdict(g))
 
 
 def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
@@ -89,7 +81,7 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
 
     engine = make_rollout_engine(cfg)
     weights: Any = files
-    spec = group_spec(cfg)
+    spec = cfg.weights_group  # None: weights go by file only
     if spec is not None:  # collective sync: a thread receives each broadcast version
         from workers.weights_group import CollectiveSubscriber
 
@@ -193,7 +185,7 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
     publisher: Any = WeightPublisher(cfg.weights_dir, cfg.weights_bind if leader else None,
                                      keep=cfg.weights_keep,
                                      serve=cfg.weights_serve if leader else None)
-    spec = group_spec(cfg)
+    spec = cfg.weights_group  # None: weights go by file only
     if spec is not None and leader:  # collective sync: rank 0 broadcasts to the rollout workers
         from workers.weights_group import CollectivePublisher
 

@@ -34,7 +34,6 @@ class CollectiveSyncError(RuntimeError):
     """Joining the weight group or a broadcast failed or timed out."""
 
 
-GroupSpec = WeightGroupConfig  # where and how to join: the worker config's record
 
 
 class Rendezvous:
@@ -49,7 +48,7 @@ class Rendezvous:
         self.store = None  # type: ignore[assignment]
 
 
-def connect_store(spec: GroupSpec) -> dist.TCPStore:
+def connect_store(spec: WeightGroupConfig) -> dist.TCPStore:
     host, port = spec.host_port
     try:
         return dist.TCPStore(host, port, is_master=False,
@@ -117,7 +116,7 @@ def _wait(work: Any, timeout_s: float, what: str) -> None:
 class GroupMember:
     """One process's membership of one epoch of the weight group."""
 
-    def __init__(self, spec: GroupSpec, store: dist.Store, epoch: int,
+    def __init__(self, spec: WeightGroupConfig, store: dist.Store, epoch: int,
                  device: torch.device) -> None:
         self.spec, self.epoch, self.device = spec, epoch, device
         prefixed = dist.PrefixStore(f"sf/epoch{epoch}/", store)

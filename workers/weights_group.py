@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
+from workers.config import WeightGroupConfig
 from workers.events import WeightSyncReport
 from workers.weights import PublishedWeights, WeightPublisher, WeightSubscriber, WeightSyncTimeout
 from workers.weights_collective import (
     CollectiveSyncError,
     GroupMember,
-    GroupSpec,
     announce,
     connect_store,
     copy_into,
@@ -34,7 +34,8 @@ log = logging.getLogger("workers.weights")
 class CollectivePublisher:
     """Trainer side (rank 0). Same interface as ``WeightPublisher``."""
 
-    def __init__(self, files: WeightPublisher, spec: GroupSpec, device: str | torch.device) -> None:
+    def __init__(self, files: WeightPublisher, spec: WeightGroupConfig,
+                 device: str | torch.device) -> None:
         self.files = files
         self.spec = spec
         self.device = torch.device(device)
@@ -97,7 +98,7 @@ class CollectiveSubscriber:
     """Rollout side (rank > 0): follows announcements on a thread; see docs/engines.md."""
 
     def __init__(
-        self, files: WeightSubscriber, spec: GroupSpec, device: str | torch.device,
+        self, files: WeightSubscriber, spec: WeightGroupConfig, device: str | torch.device,
         on_sync: Callable[[WeightSyncReport], None] = lambda r: None, worker: str = "rollout",
     ) -> None:
         self.files = files

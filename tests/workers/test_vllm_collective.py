@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.config import WeightGroupConfig
 from workers.engines.base import SamplingParams
 from workers.models import TinyModelSpec, build_tiny_model, save_model
 from workers.tokenizer import build_char_tokenizer, encode_prompt
 from workers.weights import WeightPublisher, WeightSubscriber, weights_path
-from workers.weights_collective import GroupSpec, Rendezvous
+from workers.weights_collective import Rendezvous
 from workers.weights_group import CollectivePublisher, CollectiveSubscriber
 
 
@@ -38,10 +39,11 @@ def check_vllm_collective(tmp_path, device: str) -> None:
     try:
         before = [g[0].token_ids for g in engine.generate(prompts, 1, greedy)]
         rdv = Rendezvous()
-        spec = GroupSpec(rdv.address, 0, 2, "gloo", 1 << 20, 60.0)
+        spec = WeightGroupConfig(rdv.address, 0, 2, "gloo", 1 << 20, 60.0)
         pub = CollectivePublisher(WeightPublisher(tmp_path / "w"), spec, device)
         sub = CollectiveSubscriber(WeightSubscriber(tmp_path / "w"),
-                                   GroupSpec(rdv.address, 1, 2, "gloo", 1 << 20, 60.0), "cpu")
+                                   WeightGroupConfig(rdv.address, 1, 2, "gloo", 1 << 20, 60.0),
+                                   "cpu")
         sub.start(engine)
         state = {k: v.clone().to(device) for k, v in model.state_dict().items()}
         pub.publish(state, 0)

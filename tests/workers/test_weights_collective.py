@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from workers.config import WeightGroupConfig
 from workers.weights import WeightPublisher, WeightSubscriber
 from workers.weights_collective import (
     CollectiveSyncError,
     GroupMember,
-    GroupSpec,
     Rendezvous,
     bucket_layout,
     connect_store,
@@ -52,7 +52,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _spec(address: str, rank: int, world: int, timeout: float = 30.0, bucket: int = 4096):
-    return GroupSpec(address, rank, world, "gloo", bucket, timeout)
+    return WeightGroupConfig(address, rank, world, "gloo", bucket, timeout)
 
 
 def test_bucket_layout_keeps_order_and_puts_a_large_tensor_alone():
@@ -163,7 +163,7 @@ class RemoteEngine(Engine):
         self.return_delay_s = return_delay_s
         self.member: GroupMember | None = None
 
-    def join_weight_group(self, spec: GroupSpec, epoch: int) -> None:
+    def join_weight_group(self, spec: WeightGroupConfig, epoch: int) -> None:
         self.member = GroupMember(spec, connect_store(spec), epoch, torch.device("cpu"))
 
     def receive_weights(self, meta: list, bucket_bytes: int, version: int) -> int:
@@ -275,8 +275,8 @@ def test_shared_memory_buckets_over_gloo_signals(tmp_path: Path):
     targets = [{k: torch.zeros_like(v) for k, v in state.items()} for _ in range(2)]
     errors: list[BaseException] = []
 
-    def spec(rank: int) -> GroupSpec:
-        return GroupSpec(rdv.address, rank, 3, "gloo", 1200, 30.0, "shm", str(tmp_path))
+    def spec(rank: int) -> WeightGroupConfig:
+        return WeightGroupConfig(rdv.address, rank, 3, "gloo", 1200, 30.0, "shm", str(tmp_path))
 
     def receiver(rank: int) -> None:
         try:

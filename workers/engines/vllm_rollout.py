@@ -61,10 +61,11 @@ class WeightSyncExtension:
     # Collective sync (workers/weights_collective.py), vLLM's RLHF pattern: the worker process joins
     # the trainer's weight-update group, then receives each version's buckets itself.
     def streamflow_join_group(self, spec: dict, epoch: int) -> None:
-        """Join epoch ``epoch`` of the weight group (``spec``: GroupSpec fields) on our device."""
-        from workers.weights_collective import GroupMember, GroupSpec, connect_store
+        """Join epoch ``epoch`` of the weight group (``spec``: its fields) on our device."""
+        from workers.config import WeightGroupConfig
+        from workers.weights_collective import GroupMember, connect_store
 
-        group = GroupSpec(**spec)
+        group = WeightGroupConfig(**spec)
         device = getattr(self, "device", None) or torch.device("cpu")
         self._sf_member = GroupMember(group, connect_store(group), epoch, torch.device(device))
 
