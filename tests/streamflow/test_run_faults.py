@@ -11,6 +11,7 @@ regenerated and rescored identically.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import signal
@@ -48,6 +49,9 @@ COMMON = (
 )
 # The balancer on: two shards start the run's coordinator (one shard has nothing to balance).
 BALANCED = ("store.num_shards=2", "store.balancer=true")
+# How long a victim is stopped before the store's counts are read: a write or ack it sent just
+# before the stop has reached the store and been handled by then.
+SETTLE_S = 0.1
 
 
 def _params(run_dir: Path) -> dict:
@@ -148,13 +152,16 @@ class Run:
     ) -> int:
         """Freeze ``victim``, the only worker of ``task``, at a moment it holds a live lease, after
         ``min_iteration_done`` iterations finished; the victim is left stopped (SIGSTOP) for the
-        test to kill or resume. Race-free: the store's counts are read again *after* the victim
-        is stopped, and a stopped worker cannot ack, so a live lease of ``task`` seen then is the
-        victim's and stays live. Two ways to get there, in turn: watch the running victim until
-        the store shows it a lease, then stop it (catches a lease held for a few milliseconds);
-        or stop it first and watch for 1.5 s (a claim it had waiting in the store when it stopped
-        is still granted, longer than a stage's claim wait). Returns the iterations done seen
-        first: a lower bound of those done when the lease was seen."""
+        test to kill or resume. Returns the iterations done seen first: a lower bound of those
+        done when the lease was seen.
+
+        The victim is stepped: stopped, checked, let run for a few milliseconds, stopped again.
+        A stopped worker cannot ack, so a lease of ``task`` the store shows once the victim has
+        been stopped for ``SETTLE_S`` (long enough for a write or ack it sent just before to be
+        handled) is the victim's and stays live. The run cannot outpace the check: the victim
+        only works in short slices, and a lease granted while it is stopped (a claim it had
+        parked in the store) is seen at the next check. A lease lasts at least one claim's
+        compute, longer than most slices, so a few iterations of stepping catch one."""
         deadline = time.monotonic() + timeout
 
         def enough_done() -> tuple[int] | None:  # a tuple: truthy even when 0 are needed
@@ -164,44 +171,44 @@ class Run:
 
         (done,) = wait_until(enough_done, timeout=timeout,
                              what=f"{min_iteration_done} iteration(s) done")
+        slices = itertools.cycle((0.002, 0.005, 0.01, 0.003, 0.02, 0.007))
         with self._store() as client:
 
-            def leased(window: float) -> bool:
-                """A live lease of ``task`` seen within ``window`` seconds (polled every 5 ms)."""
-                since = time.monotonic()
+            def leased() -> bool:
                 try:
-                    while client.stats("samples").task_total(task).in_flight == 0:
-                        if time.monotonic() - since > window:
-                            return False
-                        time.sleep(0.005)
+                    return client.stats("samples").task_total(task).in_flight > 0
                 except Unavailable:
                     raise AssertionError(f"the run ended first\n{self.stderr()}") from None
-                return True
 
             def signal_victim(sig: signal.Signals) -> None:
                 try:
                     if victim.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped
                         raise psutil.NoSuchProcess(victim.pid)
                     victim.send_signal(sig)
+                    if sig == signal.SIGSTOP:  # the signal is asynchronous: wait for the stop
+                        wait_until(lambda: victim.status() == psutil.STATUS_STOPPED,
+                                   timeout=5, interval=0.001, what=f"{victim.pid} stopped")
                 except psutil.NoSuchProcess:
                     raise AssertionError(f"{task} worker {victim.pid} exited before it was seen "
                                          f"holding a lease\n{self.stderr()}") from None
 
             def frozen_holding_a_lease() -> bool:
                 assert self.proc.poll() is None, self.stderr()
-                if leased(window=1.0):  # the running victim holds one: stop it, check again
-                    signal_victim(signal.SIGSTOP)
-                    if leased(window=0.0):
+                signal_victim(signal.SIGSTOP)
+                time.sleep(SETTLE_S)
+                stopped_until = time.monotonic() + 0.15
+                while True:  # checked for a while: a parked claim may be granted meanwhile
+                    if leased():
                         return True
-                    signal_victim(signal.SIGCONT)
-                signal_victim(signal.SIGSTOP)  # stopped first: a waiting claim may be granted
-                if leased(window=1.5):
-                    return True
-                signal_victim(signal.SIGCONT)  # let it work a moment: its next lease
+                    if time.monotonic() > stopped_until:
+                        break
+                    time.sleep(0.005)
+                signal_victim(signal.SIGCONT)
+                time.sleep(next(slices))
                 return False
 
             wait_until(frozen_holding_a_lease, timeout=max(deadline - time.monotonic(), 1.0),
-                       interval=0.05, what=f"{victim.pid} ({task}) frozen holding a lease")
+                       interval=0.0, what=f"{victim.pid} ({task}) frozen holding a lease")
             return done
 
     def wait(self, timeout: float = 120) -> int:
