@@ -119,40 +119,45 @@ def build_model_dir(path: Path, shape: G1Shape, seed: int = 0) -> Path:
 
 def run_config(
     shape: G1Shape, model_dir: Path, out_dir: Path, *, mode: str, iterations: int, threads: int,
-    device: str, phases: bool = False,
+    device: str,
 ) -> dict[str, Any]:
     """The raw config tree of one G1 run (``streamflow.config.config_from_dict`` / YAML).
 
-    ``threads`` is the budget of the whole run: the colocated ``sync`` process gets all of it;
-    ``periodic``/``async`` split it between the rollout worker and the trainer, with the reference
-    fused into the trainer (``reference.placement=trainer``) so that no third process competes
-    for it. ``phases=True`` is the in-process measurement: a reference worker of its own (the
-    reference forward is timed on its own) and every stage claiming the whole batch at once, so
-    each phase runs on the same batch as the plain loop's.
+    ``threads`` is the budget of the whole run, and each mode gets the layout that measures best
+    for it on a CPU host (docs/performance.md "Phases against a plain Hugging Face loop"):
+
+    - ``sync``: all threads in its one process, every stage claiming the whole iteration at once
+      (the plain loop's batch: a decode step costs about the same for 32 rows as for 128 at
+      this size, so fewer, larger claims generate faster);
+    - ``periodic``/``async``: the rollout worker, the reference worker and the trainer share the
+      budget by phase (``run.host_threads``, workers/cores.py): a process at work alone gets every
+      thread, the rollout is capped at half. The rollout claims half an iteration at a time
+      and the trainer 32 rows, so the reference and the trainer start on an iteration while
+      the rest of it is generated.
+
+    The reference always has a worker of its own (fused into the trainer it measures slower on
+    the CPU), so ``bench phases`` times its forward as a phase of the sync layout.
     """
     rows = shape.prompts * shape.group_size
     streaming = mode != "sync"
-    rollout_threads = max(threads // 2, 1) if streaming else threads
-    trainer_threads = max(threads - threads // 2, 1) if streaming else threads
     tree: dict[str, Any] = {
         "run": {"name": f"g1-{mode}", "mode": mode, "iterations": iterations, "seed": 0,
                 "output_dir": str(out_dir / "{name}"), "eval_every": 0, "eval_prompts": 0,
-                "progress": False, "log_level": "WARNING"},
+                "progress": False, "log_level": "WARNING",
+                "host_threads": threads if streaming else 0},
         "model": {"path": str(model_dir), "warmstart_steps": 0},
         "data": {"task": "arithmetic", "digits": 2, "operations": ["+"],
                  "prompts_per_iteration": shape.prompts, "group_size": shape.group_size},
         "rollout": {"engine": "torch", "max_new_tokens": shape.new_tokens, "temperature": 1.0,
-                    "top_p": 1.0, "threads": rollout_threads},
-        "reward": {"fn": "exact_match"},
-        "reference": {"placement": "worker" if phases else "trainer", "threads": 1},
-        "trainer": {"engine": "torch", "lr": LR, "kl_coef": KL_COEF, "threads": trainer_threads},
+                    "top_p": 1.0, "threads": max(threads // 2, 1) if streaming else threads,
+                    "groups_per_claim": max(shape.prompts // 2, 1) if streaming else shape.prompts},
+        "reward": {"fn": "exact_match", "rows_per_claim": rows},
+        "reference": {"placement": "worker", "threads": threads,
+                      "rows_per_claim": 32 if streaming else rows},
+        "trainer": {"engine": "torch", "lr": LR, "kl_coef": KL_COEF, "threads": threads,
+                    "rows_per_claim": 32 if streaming else rows},
         "metrics": {"enabled": False},
     }
-    if phases:
-        tree["rollout"]["groups_per_claim"] = shape.prompts
-        tree["reward"]["rows_per_claim"] = rows
-        tree["reference"]["rows_per_claim"] = rows
-        tree["trainer"]["rows_per_claim"] = rows
     _place_on(tree, device)
     return tree
 

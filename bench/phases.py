@@ -12,13 +12,17 @@ per iteration (no eos: every response runs to 64 tokens on both sides), KL coeff
   with SDPA, reference forward, forward/backward + AdamW). Per phase (generation, reference,
   train step) the MEDIAN of ``--iterations`` iterations after one warm-up iteration;
 - modes: real ``streamflow run`` jobs (``sync``, ``periodic``, ``async``) over the G1 model
-  directory, ``--iterations`` + 1 iterations each. Steady-state seconds per iteration come from
-  the run's timeline (``timeline.jsonl``, the trainer's step spans): (end of the last optimizer
-  step - end of the first) / (iterations - 1), so start-up, the first iteration (pipeline fill)
-  and the final checkpoint are left out. ``sync`` gets all threads in
-  its one process; ``periodic``/``async`` split them between the rollout worker and the trainer
-  (reference fused into the trainer); the reward worker's thread is mostly idle;
+  directory, ``--iterations`` + 2 iterations each, each mode in the layout that measures best for
+  it (``_g1.run_config``: ``sync`` all threads in one process, whole-iteration claims; the
+  streaming modes share the threads by phase among rollout, reference and trainer). Steady-state
+  seconds per iteration come from the run's timeline (``timeline.jsonl``, the trainer's step
+  spans): from the end of the first optimizer step to the end of the last but one, divided by
+  ``--iterations``, so start-up, pipeline fill, the drain (a last iteration generated ahead) and
+  the final checkpoint are left out;
 - the plain loop's seconds per iteration: the median whole iteration of the phase measurement.
+
+``--rounds`` repeats all of it; every figure is then the median over rounds and each round's
+headlines are listed (``"rounds"``): on a shared machine one round is an anecdote.
 
 Ratios are ``plain / StreamFlow`` (> 1: StreamFlow faster). Targets, printed, not asserted: every
 phase >= 1.0x, best mode >= 1.3x the plain loop, best streaming mode >= 1.0x sync.
@@ -51,6 +55,7 @@ from bench._g1 import G1, KL_COEF, LR, QUICK, G1Shape, build_model_dir, run_conf
 PHASES = ("generation", "reference", "train_step")
 MODES = ("sync", "periodic", "async")
 TARGET_PHASE, TARGET_PLAIN, TARGET_STREAMING = 1.0, 1.3, 1.0
+HEADLINES = ("worst_phase_ratio", "best_ratio_to_plain", "best_streaming_ratio_to_sync")
 
 
 def measure_phases(
@@ -66,7 +71,7 @@ def measure_phases(
     torch.set_num_threads(threads)
     # Far more iterations than are run: the trainer checkpoints at its last one, never here.
     tree = run_config(shape, model_dir, work / "runs", mode="sync", iterations=10_000,
-                      threads=threads, device=device, phases=True)
+                      threads=threads, device=device)
     cfg = config_from_dict(tree)
     sf = StreamFlowSync(cfg, work / "runs" / "phases")
     t = cfg.trainer
@@ -113,8 +118,10 @@ def run_mode(
     """Steady-state seconds per iteration of a real ``streamflow run`` job of ``mode``."""
     from streamflow.rundir import RunDir
 
-    tree = run_config(shape, model_dir, work / "runs", mode=mode, iterations=iterations + 1,
+    tree = run_config(shape, model_dir, work / "runs", mode=mode, iterations=iterations + 2,
                       threads=threads, device=device)
+    shutil.rmtree(tree["run"]["output_dir"].replace("{name}", tree["run"]["name"]),
+                  ignore_errors=True)  # the previous round's run of this mode
     config = work / f"{mode}.yaml"
     config.write_text(yaml.safe_dump(tree, sort_keys=False))
     root = str(Path(__file__).resolve().parents[1])  # this checkout's streamflow, not another
@@ -128,12 +135,15 @@ def run_mode(
     run_dir = RunDir(tree["run"]["output_dir"].replace("{name}", tree["run"]["name"]))
     # The trainer's own clock: the end of each optimizer step (its step span, rows == 0). The
     # iteration records' timestamps are taken when the controller gets around to the report, and
-    # the last one also waits for the final checkpoint.
+    # the last one also waits for the final checkpoint. Steady state: from the end of the first
+    # step (start-up and pipeline fill before it) to the end of the last but one (in the
+    # streaming modes the last iteration is the drain: its rows were generated ahead and the
+    # trainer has the host to itself).
     stamps = sorted(s.end for s in run_dir.read_spans() if s.stage == "trainer" and s.rows == 0)
-    if len(stamps) != iterations + 1:
+    if len(stamps) != iterations + 2:
         raise RuntimeError(f"streamflow run ({mode}): {len(stamps)} trainer steps in its "
-                           f"timeline, expected {iterations + 1}")
-    seconds = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+                           f"timeline, expected {iterations + 2}")
+    seconds = (stamps[-2] - stamps[0]) / iterations
     _progress(f"mode {mode}: {seconds:.2f} s per iteration")
     return seconds
 
@@ -147,8 +157,8 @@ def summarize(
 ) -> dict[str, Any]:
     """The JSON object: phases as measured, each mode's ratio to the plain loop, the headlines."""
     plain = round(plain_s, 6)
-    mode_out = {m: {"seconds_per_iteration": round(s, 6), "ratio_to_plain": round(plain / round(s, 6), 4)}
-                for m, s in modes.items()}
+    mode_out = {m: {"seconds_per_iteration": round(s, 6),
+                    "ratio_to_plain": round(plain / round(s, 6), 4)} for m, s in modes.items()}
     sync = mode_out["sync"]["seconds_per_iteration"]
     streaming = min(mode_out[m]["seconds_per_iteration"] for m in ("periodic", "async"))
     return {
@@ -159,6 +169,31 @@ def summarize(
         "best_ratio_to_plain": max(m["ratio_to_plain"] for m in mode_out.values()),
         "best_streaming_ratio_to_sync": round(sync / streaming, 4),
     }
+
+
+def combine(
+    rounds: list[tuple[dict[str, dict[str, float]], dict[str, float], float, dict[str, float]]],
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """One report from the rounds: each figure the median over rounds (ratios recomputed from
+    the medians); with more than one round, each round's own summary under ``"rounds"``."""
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    phases = {name: _pair(med([r[0][name]["streamflow_s"] for r in rounds]),
+                          med([r[0][name]["baseline_s"] for r in rounds])) for name in PHASES}
+    modes = {m: med([r[1][m] for r in rounds]) for m in MODES}
+    report = summarize(phases, modes, med([r[2] for r in rounds]))
+    extras = {k: med([r[3][k] for r in rounds]) for k in rounds[0][3]}
+    if len(rounds) > 1:  # each round's headlines: the spread behind the medians
+        report["rounds"] = []
+        for phases_r, modes_r, plain_r, _ in rounds:
+            one = summarize(phases_r, modes_r, plain_r)
+            report["rounds"].append({
+                "plain_seconds_per_iteration": one["plain_seconds_per_iteration"],
+                "modes": {m: one["modes"][m]["seconds_per_iteration"] for m in MODES},
+                **{k: one[k] for k in HEADLINES},
+            })
+    return report, extras
 
 
 def _mark(ok: bool) -> str:
@@ -178,9 +213,9 @@ def table(report: dict[str, Any], extras: dict[str, float], header: str) -> str:
     for name, m in report["modes"].items():
         lines.append(f"{name:<12} {m['seconds_per_iteration']:>12.4f} {m['ratio_to_plain']:>11.2f}")
     lines.append(f"{'plain loop':<12} {report['plain_seconds_per_iteration']:>12.4f}")
-    w, b, s = (report[k] for k in ("worst_phase_ratio", "best_ratio_to_plain",
-                                    "best_streaming_ratio_to_sync"))
-    lines.append(f"target every phase >= {TARGET_PHASE}x: worst {w:.2f}x ({_mark(w >= TARGET_PHASE)})")
+    w, b, s = (report[k] for k in HEADLINES)
+    lines.append(f"target every phase >= {TARGET_PHASE}x: worst {w:.2f}x "
+                 f"({_mark(w >= TARGET_PHASE)})")
     lines.append(f"target best mode >= {TARGET_PLAIN}x the plain loop: {b:.2f}x "
                  f"({_mark(b >= TARGET_PLAIN)})")
     lines.append(f"target best streaming mode >= {TARGET_STREAMING}x sync: {s:.2f}x "
@@ -194,6 +229,9 @@ def main(argv: list[str]) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=None,
                         help="timed iterations per side and per mode (default 4; --quick 2)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat phases + modes this many times; figures are the medians "
+                             "over rounds, each round's ratios are listed (default 1)")
     parser.add_argument("--threads", type=int, default=2, help="threads in all (default 2)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (for tests)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
@@ -201,8 +239,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.iterations is None:
         args.iterations = 2 if args.quick else 4
-    if args.iterations < 1 or args.threads < 1:
-        parser.error("--iterations and --threads must be >= 1")
+    if args.iterations < 1 or args.threads < 1 or args.rounds < 1:
+        parser.error("--iterations, --threads and --rounds must be >= 1")
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         parser.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
     shape = QUICK if args.quick else G1
@@ -219,20 +257,25 @@ def main(argv: list[str]) -> int:
         try:
             model_dir = build_model_dir(work / "g1-model", shape)
             started = time.perf_counter()
-            phases, plain_s, extras = measure_phases(
-                shape, model_dir, work, iterations=args.iterations, threads=args.threads,
-                device=args.device)
-            modes = {m: run_mode(shape, model_dir, work, mode=m, iterations=args.iterations,
-                                 threads=args.threads, device=args.device) for m in MODES}
+            rounds = []
+            for r in range(args.rounds):
+                _progress(f"round {r + 1} of {args.rounds}")
+                phases, plain_s, extras = measure_phases(
+                    shape, model_dir, work, iterations=args.iterations, threads=args.threads,
+                    device=args.device)
+                modes = {m: run_mode(shape, model_dir, work, mode=m, iterations=args.iterations,
+                                     threads=args.threads, device=args.device) for m in MODES}
+                rounds.append((phases, modes, plain_s, extras))
             elapsed = time.perf_counter() - started
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    report = summarize(phases, modes, plain_s)
+    report, extras = combine(rounds)
     header = (f"G1{' (quick shapes)' if args.quick else ''}: Qwen2 hidden={shape.hidden} "
               f"layers={shape.layers} vocab={shape.vocab}, {shape.prompts} prompts x G="
               f"{shape.group_size} x {shape.new_tokens} tokens, beta={KL_COEF}, {args.threads} "
               f"threads, {args.device}; phases: median of {args.iterations} after 1 warm-up; "
-              f"modes: steady state over {args.iterations} iterations ({elapsed:.0f} s)")
+              f"modes: steady state over {args.iterations} iterations; median of "
+              f"{args.rounds} round(s) ({elapsed:.0f} s)")
     print(table(report, extras, header), file=sys.stderr if args.json else sys.stdout)
     print(json.dumps(report))
     return 0

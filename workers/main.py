@@ -109,7 +109,8 @@ def build_reference(cfg: ReferenceWorkerConfig) -> Any:
 
         return SimulatedReferenceStage(cfg.common.simulated, cfg.rows_per_claim)
     return ReferenceStage(
-        load_model(cfg.model_path, dtype=DTYPES[cfg.dtype]).to(torch_device(cfg.device)),
+        load_model(cfg.model_path, dtype=DTYPES[cfg.dtype],
+                   attn_implementation=cfg.pack.attn_implementation).to(torch_device(cfg.device)),
         temperature=cfg.sampling.temperature, max_rows=cfg.rows_per_claim, pack=cfg.pack,
     )
 
@@ -149,7 +150,8 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
     torch.manual_seed(cfg.common.seed)
     start_iteration = cfg.start_iteration
     device = torch_device(cfg.device)
-    model = load_model(cfg.resume_from or cfg.model_path)  # float32 master weights
+    attn = cfg.pack.attn_implementation
+    model = load_model(cfg.resume_from or cfg.model_path, attn_implementation=attn)  # fp32 master
     if cfg.engine == "torch":  # (DeepSpeed places the model on its rank's device itself)
         model = model.to(device)
     engine, ranks = make_trainer_engine(cfg, model)
@@ -160,7 +162,8 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
         start_iteration = read_state(cfg.resume_from).step
     reference = None
     if cfg.reference_path and cfg.loss.kl_coef > 0 and not cfg.reference_worker:
-        reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype])
+        reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype],
+                               attn_implementation=attn)
     compute = dtype_of(cfg.dtype)
     # updates_per_batch: the trainer keeps the first pass's log-probs as the old policy
     tri = TriModel(model, reference=reference,

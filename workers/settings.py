@@ -202,8 +202,13 @@ class RewardSettings(Checked):
 
 @dataclass(frozen=True)
 class PackingSettings(Checked):
-    """Shared-prompt packing of the trainer's and reference's forwards (``trainer.*``)."""
+    """The trainer's and reference's scoring forwards (``trainer.*``): shared-prompt packing,
+    and the attention of the rows that are not packed."""
 
+    # attention of unpacked rows (the packed path has its own): "sdpa" is faster and gives the
+    # log-probs of "eager" to float rounding (docs/engines.md); "eager" for a model whose sdpa
+    # path differs
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
     # ... a batch whose token saving reaches this (= workers.packing.DEFAULT_MIN_SAVING)
     packing_min_saving: float = bounded(0.25, ge=0, le=1)

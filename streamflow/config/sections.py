@@ -200,7 +200,8 @@ class TrainerSection(Checked):
     # clip_eps, kl_coef, std_normalize, updates_per_batch, importance_correction, is_cap
     loss: GrpoSettings = embed(GrpoSettings)
     rows_per_claim: int = bounded(16, ge=1)  # rows per trainer micro-batch
-    # packing, packing_min_saving, token_budget (trainer and reference forwards)
+    # attn_implementation, packing, packing_min_saving, token_budget (trainer and reference
+    # forwards)
     pack: PackingSettings = embed(PackingSettings)
     threads: int = bounded(1, ge=1)  # torch threads of the trainer (per rank)
     # Bitwise-reproducible updates whatever order groups arrive in: one group per forward/backward

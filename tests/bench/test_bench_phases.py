@@ -76,21 +76,23 @@ def test_full_g1_has_the_specified_shape():
     assert _g1.KL_COEF == 0.04
 
 
-def test_run_config_splits_the_thread_budget_and_is_a_valid_config(tmp_path):
+def test_run_config_gives_each_mode_its_layout_and_is_a_valid_config(tmp_path):
     from streamflow.config import config_from_dict
 
-    for mode, rollout, trainer in (("sync", 2, 2), ("periodic", 1, 1), ("async", 1, 1)):
-        tree = _g1.run_config(_g1.G1, tmp_path, tmp_path, mode=mode, iterations=3, threads=2,
-                              device="cpu")
-        cfg = config_from_dict(tree)
-        assert (cfg.rollout.threads, cfg.trainer.threads) == (rollout, trainer)
+    for mode in ("sync", "periodic", "async"):
+        cfg = config_from_dict(_g1.run_config(_g1.G1, tmp_path, tmp_path, mode=mode, iterations=3,
+                                              threads=2, device="cpu"))
         assert cfg.trainer.kl_coef == 0.04 and cfg.rollout.max_new_tokens == 64
         assert cfg.data.prompts_per_iteration * cfg.data.group_size == 128
-    phases_cfg = config_from_dict(_g1.run_config(
-        _g1.G1, tmp_path, tmp_path, mode="sync", iterations=3, threads=2, device="cpu",
-        phases=True))
-    assert phases_cfg.reference.placement == "worker"
-    assert phases_cfg.trainer.rows_per_claim == phases_cfg.reference.rows_per_claim == 128
+        assert cfg.reference.placement == "worker"  # the reference forward is a phase of its own
+        if mode == "sync":  # one process with every thread, the whole iteration per claim
+            assert cfg.run.host_threads == 0 and cfg.rollout.threads == cfg.trainer.threads == 2
+            assert cfg.rollout.groups_per_claim == 16
+            assert cfg.trainer.rows_per_claim == cfg.reference.rows_per_claim == 128
+        else:  # the budget shared by phase, the rollout capped at half, half an iteration a claim
+            assert cfg.run.host_threads == 2 and cfg.rollout.threads == 1
+            assert cfg.rollout.groups_per_claim == 8
+            assert cfg.trainer.rows_per_claim == cfg.reference.rows_per_claim == 32
 
 
 def test_summary_ratios_are_plain_over_streamflow():
@@ -104,10 +106,32 @@ def test_summary_ratios_are_plain_over_streamflow():
     assert report["best_streaming_ratio_to_sync"] == 2.0  # sync 4.0 s / periodic 2.0 s
 
 
+def test_rounds_combine_into_medians_with_each_round_listed():
+    def one(gen_sf, sync_s, plain_s):
+        phases = {"generation": bench._pair(gen_sf, 1.0), "reference": bench._pair(1.0, 1.0),
+                  "train_step": bench._pair(1.0, 1.0)}
+        modes = {"sync": sync_s, "periodic": 4.0, "async": 2.0}
+        return phases, modes, plain_s, {"streamflow_reward_s": gen_sf}
+
+    report, extras = bench.combine([one(2.0, 4.0, 3.0), one(0.5, 3.0, 6.0), one(1.0, 5.0, 4.0)])
+    assert report["phases"]["generation"] == bench._pair(1.0, 1.0)  # medians, ratio recomputed
+    assert report["modes"]["sync"]["seconds_per_iteration"] == 4.0
+    assert report["plain_seconds_per_iteration"] == 4.0
+    assert report["best_ratio_to_plain"] == 2.0  # async 2.0 s against the median plain 4.0 s
+    assert extras == {"streamflow_reward_s": 1.0}
+    assert [r["worst_phase_ratio"] for r in report["rounds"]] == [0.5, 1.0, 1.0]
+    assert [r["best_streaming_ratio_to_sync"] for r in report["rounds"]] == [2.0, 1.5, 2.5]
+    single, _ = bench.combine([one(2.0, 4.0, 3.0)])
+    assert "rounds" not in single
+
+
 def test_bad_flags_fail_fast_with_one_line(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--threads", "0"])
-    assert "--threads must be >= 1" in capsys.readouterr().err
+    assert "--iterations, --threads and --rounds must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0"])
+    assert "--rounds must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--device", "tpu"])
     assert "--device must be cpu or cuda" in capsys.readouterr().err

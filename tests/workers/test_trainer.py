@@ -161,6 +161,37 @@ def _train(model_dir: Path, tmp: Path, *, iterations: int, order_seed: int | Non
     return params, reports, audit_batch
 
 
+def test_scoring_attention_is_configurable_and_sdpa_trains_like_eager(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """trainer.attn_implementation loads the policy, the fused reference and the reference
+    worker's model with that attention; on unpacked rows sdpa and eager train to the same
+    parameters up to float rounding."""
+    from workers.config import ReferenceWorkerConfig
+    from workers.main import build_reference
+    from workers.settings import PackingSettings
+
+    _, trainer_cfg = _configs(model_dir, tmp_path / "w-attn", 1, ROWS)
+    common = WorkerCommon(name="reference-0", role="reference", store_addresses=[],
+                          table="samples")
+    for impl in ("eager", "sdpa"):
+        pack = PackingSettings(attn_implementation=impl, packing=False)
+        cfg = replace(trainer_cfg, pack=pack, reference_path=str(model_dir),
+                      loss=replace(trainer_cfg.loss, kl_coef=0.1))
+        with storage.embedded(1) as store:
+            trainer = build_trainer(cfg, store.client(), EventSender(None))
+            assert trainer.tri.policy.config._attn_implementation == impl
+            assert trainer.tri.reference.config._attn_implementation == impl
+        stage = build_reference(ReferenceWorkerConfig(common=common, model_path=str(model_dir),
+                                                      pack=pack))
+        assert stage.model.config._attn_implementation == impl
+    runs = {impl: _train(model_dir, tmp_path, iterations=2, order_seed=None, rows_per_claim=ROWS,
+                         pack=PackingSettings(attn_implementation=impl, packing=False))[0]
+            for impl in ("eager", "sdpa")}
+    worst = max(float((runs["eager"][k] - runs["sdpa"][k]).abs().max()) for k in runs["eager"])
+    assert worst <= 1e-5, f"sdpa and eager trained apart: max abs diff {worst}"
+
+
 def test_streamed_random_order_equals_whole_batch(model_dir: Path, tmp_path: Path) -> None:
     """periodic ≡ sync at the trainer: same parameters whatever order groups complete in."""
     base, _, _ = _train(model_dir, tmp_path, iterations=2, order_seed=None, rows_per_claim=ROWS)
