@@ -53,7 +53,7 @@ class ReferenceStage:
         self.pack = pack
         self.last_tokens = 0
 
-    @torch.no_grad()
+    @torch.inference_mode()  # its log-probs leave as Arrow lists: never part of a graph
     def process(self, lease: Lease) -> pa.RecordBatch:
         groups, where = rows_to_groups(lease.batch)
         logprobs = packed_response_logprobs(
