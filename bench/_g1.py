@@ -129,22 +129,22 @@ def run_config(
     - ``sync``: all threads in its one process, every stage claiming the whole iteration at once
       (the plain loop's batch: a decode step costs about the same for 32 rows as for 128 at
       this size, so fewer, larger claims generate faster);
-    - ``periodic``/``async``: the rollout worker gets half the threads, the reference worker and
-      the trainer the other half each (on 2 threads: one per process, three processes; sharing
-      the budget by phase with ``run.host_threads`` measured no faster here). The rollout claims
-      half an iteration at a time and the reference and trainer 32 rows, so both start on an
-      iteration while the rest of it is generated.
+    - ``periodic``/``async``: the rollout worker, the reference worker and the trainer share the
+      budget by phase (``run.host_threads``, workers/cores.py): a process at work alone gets every
+      thread (in ``periodic`` the trainer, once the iteration is generated), the rollout is
+      capped at half. The rollout claims half an iteration at a time and the reference and the
+      trainer 32 rows, so both start on an iteration while the rest of it is generated.
 
     The reference always has a worker of its own (fused into the trainer it measures slower on
     the CPU), so ``bench phases`` times its forward as a phase of the sync layout.
     """
     rows = shape.prompts * shape.group_size
     streaming = mode != "sync"
-    other = max(threads - threads // 2, 1)  # the reference's and the trainer's, when streaming
     tree: dict[str, Any] = {
         "run": {"name": f"g1-{mode}", "mode": mode, "iterations": iterations, "seed": 0,
                 "output_dir": str(out_dir / "{name}"), "eval_every": 0, "eval_prompts": 0,
-                "progress": False, "log_level": "WARNING"},
+                "progress": False, "log_level": "WARNING",
+                "host_threads": threads if streaming else 0},
         "model": {"path": str(model_dir), "warmstart_steps": 0},
         "data": {"task": "arithmetic", "digits": 2, "operations": ["+"],
                  "prompts_per_iteration": shape.prompts, "group_size": shape.group_size},
@@ -152,10 +152,9 @@ def run_config(
                     "top_p": 1.0, "threads": max(threads // 2, 1) if streaming else threads,
                     "groups_per_claim": max(shape.prompts // 2, 1) if streaming else shape.prompts},
         "reward": {"fn": "exact_match", "rows_per_claim": rows},
-        "reference": {"placement": "worker", "threads": other if streaming else threads,
+        "reference": {"placement": "worker", "threads": threads,
                       "rows_per_claim": 32 if streaming else rows},
-        "trainer": {"engine": "torch", "lr": LR, "kl_coef": KL_COEF,
-                    "threads": other if streaming else threads,
+        "trainer": {"engine": "torch", "lr": LR, "kl_coef": KL_COEF, "threads": threads,
                     "rows_per_claim": 32 if streaming else rows},
         "metrics": {"enabled": False},
     }

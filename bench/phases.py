@@ -14,7 +14,8 @@ per iteration (no eos: every response runs to 64 tokens on both sides), KL coeff
 - modes: real ``streamflow run`` jobs (``sync``, ``periodic``, ``async``) over the G1 model
   directory, ``--iterations`` + 2 iterations each, each mode in the layout that measures best for
   it (``_g1.run_config``: ``sync`` all threads in one process, whole-iteration claims; the
-  streaming modes split them among the rollout worker, the reference worker and the trainer). Steady-state
+  streaming modes share them by phase among the rollout worker, the reference worker and the
+  trainer). Steady-state
   seconds per iteration come from the run's timeline (``timeline.jsonl``, the trainer's step
   spans): from the end of the first optimizer step to the end of the last but one, divided by
   ``--iterations``, so start-up, pipeline fill, the drain (a last iteration generated ahead) and

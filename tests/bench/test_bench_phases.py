@@ -89,9 +89,8 @@ def test_run_config_gives_each_mode_its_layout_and_is_a_valid_config(tmp_path):
             assert cfg.run.host_threads == 0 and cfg.rollout.threads == cfg.trainer.threads == 2
             assert cfg.rollout.groups_per_claim == 16
             assert cfg.trainer.rows_per_claim == cfg.reference.rows_per_claim == 128
-        else:  # one thread per process, half an iteration per rollout claim
-            assert cfg.run.host_threads == 0
-            assert cfg.rollout.threads == cfg.reference.threads == cfg.trainer.threads == 1
+        else:  # the budget shared by phase, the rollout capped at half, half an iteration a claim
+            assert cfg.run.host_threads == 2 and cfg.rollout.threads == 1
             assert cfg.rollout.groups_per_claim == 8
             assert cfg.trainer.rows_per_claim == cfg.reference.rows_per_claim == 32
 
