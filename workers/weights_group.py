@@ -163,17 +163,22 @@ class CollectiveSubscriber:
             seq += 1
             with self._changed:
                 self._receiving = int(ann["version"])
+            failed = None
             try:
                 self._apply(engine, store, ann)
             except Exception as exc:  # noqa: BLE001 - the file path delivers this version
                 self.failures += 1
-                self._epoch, self.member = None, None
+                failed, self._epoch, self.member = self.member, None, None
                 log.warning("collective sync of version %s failed (%s); loading it from its "
                             "file", ann.get("version"), exc)
             finally:
                 with self._changed:  # a waiter that saw the file waits for this outcome
                     self._receiving = None
                     self._changed.notify_all()
+            # The failed member's process group is torn down only now, after the waiters were
+            # told: its teardown joins threads that may still wait out an operation on a dead
+            # peer, and the file path must not wait for that.
+            del failed
 
     def _apply(self, engine: Any, store: Any, ann: dict[str, Any]) -> None:
         epoch, version = int(ann["epoch"]), int(ann["version"])
