@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
@@ -173,7 +174,8 @@ class Trainer:
         logp_rows = [out.policy[g][r] for g, r in where]
         logp = pad_sequence(logp_rows, batch_first=True)
         dev = logp.device  # the policy's (a GPU): every operand of the loss goes there
-        mask = pad_sequence([torch.ones(len(x), device=dev) for x in logp_rows], batch_first=True)
+        lengths = torch.tensor([len(x) for x in logp_rows], device=dev)
+        mask = (torch.arange(logp.shape[1], device=dev) < lengths[:, None]).float()
         if first_pass:
             piece.old_logp = [x.detach() for x in logp_rows]
         old = pad_sequence(piece.old_logp, batch_first=True)
@@ -181,10 +183,10 @@ class Trainer:
         loss = self.s.loss
         if loss.kl_coef > 0:
             if self.s.reference_worker:
-                ref = _pad_lists(rows.column("ref_logprobs").to_pylist()).to(dev)
+                ref = _padded(rows.column("ref_logprobs")).to(dev)
             else:
                 ref = pad_sequence([out.ref[g][r] for g, r in where], batch_first=True)
-        behaviour = _pad_lists(rows.column("response_logprobs").to_pylist()).to(dev)
+        behaviour = _padded(rows.column("response_logprobs")).to(dev)
         adv = self._advantages(rows)
         loss_sum, sums = grpo_loss_sums(
             logp, old, ref, adv.to(dev), mask, clip_eps=loss.clip_eps, kl_coef=loss.kl_coef,
@@ -367,5 +369,12 @@ class Trainer:
                 held.lease = dataclasses.replace(held.lease, deadline=deadline)
 
 
-def _pad_lists(values: list[list[float]]) -> torch.Tensor:
-    return pad_sequence([torch.tensor(v, dtype=torch.float32) for v in values], batch_first=True)
+def _padded(column: pa.Array) -> torch.Tensor:
+    """A list<float32> column as a zero-padded ``[rows, longest]`` float32 tensor, read from the
+    Arrow buffers (no Python object per value; ``flatten`` honours slices and null lists)."""
+    lengths = pc.list_value_length(column).fill_null(0).to_numpy().astype(np.int64)
+    flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    out = np.zeros((len(lengths), int(lengths.max(initial=0))), np.float32)
+    step = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    out[np.repeat(np.arange(len(lengths)), lengths), step] = flat
+    return torch.from_numpy(out)

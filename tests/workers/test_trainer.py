@@ -192,6 +192,19 @@ def test_scoring_attention_is_configurable_and_sdpa_trains_like_eager(
     assert worst <= 1e-5, f"sdpa and eager trained apart: max abs diff {worst}"
 
 
+def test_list_columns_are_padded_from_the_arrow_buffers_like_pad_sequence() -> None:
+    from torch.nn.utils.rnn import pad_sequence
+
+    from workers.trainer import _padded
+
+    column = pa.array([[0.5, -1.25, 3.0], [], None, [2.0], [1.0, 2.0, 3.0, 4.0]],
+                      pa.list_(pa.float32()))
+    for part in (column, column.slice(1), column.slice(3, 2), column.slice(0, 2)):
+        want = pad_sequence([torch.tensor(v or [], dtype=torch.float32)
+                             for v in part.to_pylist()], batch_first=True)
+        assert torch.equal(_padded(part), want), part
+
+
 def test_streamed_random_order_equals_whole_batch(model_dir: Path, tmp_path: Path) -> None:
     """periodic ≡ sync at the trainer: same parameters whatever order groups complete in."""
     base, _, _ = _train(model_dir, tmp_path, iterations=2, order_seed=None, rows_per_claim=ROWS)
