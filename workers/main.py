@@ -282,6 +282,9 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
         cores.install(None)
 
 
+EXIT_BOUND_S = 60.0  # after SIGTERM/SIGINT, a worker leaves within this, done or not
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.main", description=__doc__)
     parser.add_argument("--role", required=True,
@@ -292,9 +295,25 @@ def main(argv: list[str] | None = None) -> int:
     # One line per event in the worker's log file (the controller keeps logs/<worker>.log).
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    install_stop_handlers(stop)
     return run_worker(cfg, stop)
+
+
+def install_stop_handlers(stop: threading.Event) -> None:
+    """SIGTERM/SIGINT set ``stop`` (the loop finishes its turn and releases its rows)."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+        # The way out is bounded: a worker whose store or controller is gone may never finish
+        # releasing its rows, and an orphan (its controller SIGKILLed; PR_SET_PDEATHSIG sent
+        # this signal) has nobody to SIGKILL it. A supervised worker is SIGKILLed long before
+        # (the supervisor's grace is 10 s).
+        bound = threading.Timer(EXIT_BOUND_S, os._exit, args=(128 + signum,))
+        bound.daemon = True
+        bound.start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
 
 
 if __name__ == "__main__":
