@@ -103,12 +103,14 @@ class Controller:
                         self._run_colocated()
                     else:
                         self._run_streaming(stop)
-            except KeyboardInterrupt:
+            except BaseException as exc:
+                if not stop.caused(exc):
+                    status, error = "failed", f"{type(exc).__name__}: {exc}"
+                    raise
+                if not isinstance(exc, KeyboardInterrupt):  # the interrupt, as C code raised it
+                    log.info("stopping: %s: %s raised by the interrupt", type(exc).__name__, exc)
                 status = "interrupted"
                 error = f"interrupted by {stop.signal_name}" if stop.signal_name else "interrupted"
-            except Exception as exc:
-                status, error = "failed", f"{type(exc).__name__}: {exc}"
-                raise
             finally:
                 summary = st.finish(cfg.run.mode, cfg.run.name, status, error, stop.signal_name)
                 cores.install(None)
@@ -187,7 +189,7 @@ class Controller:
             self._stream(cluster, receiver, client)
         finally:
             exc = sys.exc_info()[1]
-            if isinstance(exc, KeyboardInterrupt):
+            if exc is not None and stop.caused(exc):
                 log.warning("stopping: workers finish their turn and release their rows, then the "
                             "store node stops (Ctrl-C again to stop at once)")
             final = (lambda: st.read_store_totals(addresses, plan.table_spec, cluster.restarts())

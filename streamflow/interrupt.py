@@ -31,6 +31,14 @@ class StopSignals:
         """The signal that asked for the stop ("SIGINT", "SIGTERM"), or None."""
         return signal.Signals(self.received[0]).name if self.received else None
 
+    def caused(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is how the stop surfaced: the ``KeyboardInterrupt`` itself, or any error
+        raised once a stop signal had arrived. The handler raises wherever the main thread is, and
+        C code running then may turn the ``KeyboardInterrupt`` into its own error (safetensors'
+        ``load_file`` + ``load_state_dict`` raise ``ValueError: could not determine the shape of
+        object type 'torch.storage.UntypedStorage'`` for about one interrupt in four)."""
+        return isinstance(exc, KeyboardInterrupt) or bool(self.received)
+
     def on_force(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Run ``callback`` when a second signal forces the stop; returns a remover."""
         self._force.append(callback)
