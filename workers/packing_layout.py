@@ -228,7 +228,7 @@ def _assemble(groups: Sequence[PackGroup], placed: list[tuple[int, list[int], in
             cursor += len(r)
         chunks.append(PackChunk(gi, row, start, plen, tuple(resp), tuple(starts), tuple(lens)))
     lengths = np.fromiter((len(t) for t in seg_tokens), np.int64, len(seg_tokens))
-    offset = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    offset = steps_within(lengths)
     rows = np.repeat(np.asarray(seg_row, np.int64), lengths)
     cols = np.repeat(np.asarray(seg_col, np.int64), lengths) + offset
     ids = np.full((num_rows, width), int(pad_id), np.int64)
@@ -244,7 +244,7 @@ def _assemble(groups: Sequence[PackGroup], placed: list[tuple[int, list[int], in
     r_len = np.fromiter((len(r) for _, r in scored), np.int64, len(scored))
     r_row, r_start, r_prompt_end = (np.fromiter((w[k] for w, _ in scored), np.int64, len(scored))
                                     for k in range(3))
-    step = np.arange(int(r_len.sum())) - np.repeat(np.cumsum(r_len) - r_len, r_len)
+    step = steps_within(r_len)
     t_row = np.repeat(r_row, r_len)
     t_pos = np.where(step == 0, np.repeat(r_prompt_end - 1, r_len),
                      np.repeat(r_start, r_len) + step - 1)
@@ -260,3 +260,9 @@ def _assemble(groups: Sequence[PackGroup], placed: list[tuple[int, list[int], in
         target_keep_index=torch.from_numpy(keep_rank[t_row * width + t_pos]),
         response_lengths=[[len(r) for r in g.responses] for g in groups],
         group_ids=[g.group_id for g in groups], chunks=chunks, packed=packed)
+
+
+def steps_within(lengths: np.ndarray) -> np.ndarray:
+    """Each element's index within its segment, segments laid end to end: ``[2, 3]`` gives
+    ``[0, 1, 0, 1, 2]`` (how flat token lists are scattered into a padded or packed grid)."""
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)

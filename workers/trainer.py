@@ -31,6 +31,7 @@ from workers.events import Span, StepReport, WorkerStatus
 from workers.faults import dead_iteration
 from workers.loop import LeaseKeeper
 from workers.packing import should_pack
+from workers.packing_layout import steps_within
 from workers.reference import rows_to_groups
 from workers.rl import LossSums, group_advantages, grpo_loss_sums
 from workers.schema import trainer_columns
@@ -375,6 +376,5 @@ def _padded(column: pa.Array) -> torch.Tensor:
     lengths = pc.list_value_length(column).fill_null(0).to_numpy().astype(np.int64)
     flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
     out = np.zeros((len(lengths), int(lengths.max(initial=0))), np.float32)
-    step = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    out[np.repeat(np.arange(len(lengths)), lengths), step] = flat
+    out[np.repeat(np.arange(len(lengths)), lengths), steps_within(lengths)] = flat
     return torch.from_numpy(out)
