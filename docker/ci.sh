@@ -290,13 +290,18 @@ run_stack() {
         || service_failed controller "no summary.json on the runs volume"
     docker cp "$cid:/runs/quickstart/prometheus" "$WORK/run/" >/dev/null \
         || service_failed controller "no prometheus/targets.json on the runs volume"
+    # The checks' own lines come last, after the context, so that a log's tail shows what failed.
     if ! python3 "$ROOT/docker/ci/check_stack.py" --prometheus "http://127.0.0.1:$prom_port" \
-            --run-dir "$WORK/run" --iterations "$iterations" --since "$since" --skip-job grafana; then
+            --run-dir "$WORK/run" --iterations "$iterations" --since "$since" --skip-job grafana \
+            >"$WORK/checks.log" 2>&1; then
         "${COMPOSE[@]}" ps -a >&2 || true
         printf -- '----- docker compose logs --tail 30 prometheus -----\n' >&2
         "${COMPOSE[@]}" logs --no-color --tail 30 prometheus >&2 || true
+        printf -- '----- docker/ci/check_stack.py -----\n' >&2
+        cat "$WORK/checks.log" >&2
         die "checks of the run and of Prometheus failed (above)"
     fi
+    cat "$WORK/checks.log"
     phase_done checks
 }
 

@@ -109,7 +109,10 @@ def check_prometheus(base: str, run_dir: Path, since: float, skip_jobs: set[str]
             for address in group["targets"]:
                 if address not in scraped:
                     bad.append(f"targets.json lists {address} ({group['labels']}), never scraped")
-    names = sorted(f"{s['metric'].get('job')}/{s['metric'].get('worker', '-')}" for s in ever)
+    # How many times each was scraped up: the margin the run's length left over discovery.
+    ups = {(s["metric"].get("job"), s["metric"].get("worker", "-")): int(float(s["value"][1]))
+           for s in api(base, "query", query=f"sum_over_time({sel}[{window}s])", time=now)["result"]}
+    names = sorted(f"{job}/{worker} ({n} up)" for (job, worker), n in ups.items())
     print(f"prometheus: {len(ever)} targets scraped during the run: {', '.join(names)}")
     if bad:
         return bad
