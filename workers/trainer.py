@@ -90,10 +90,13 @@ class Trainer:
     def poll(self, timeout_s: float) -> bool:
         """One claim turn; returns True when it completed an iteration (a step was taken)."""
         self._keep_leases_alive()
+        # Rows of this iteration claimed (and parked) before the last step are work in hand: a
+        # server-side wait for more rows would hold them up to ``timeout_s``, so just look.
+        wait = 0.0 if self._parked.get(self.step) else timeout_s
         try:
             lease = self.client.claim(
                 self.table, "trainer", list(self.columns), self.s.rows_per_claim,
-                whole_groups=True, timeout=timeout_s,
+                whole_groups=True, timeout=wait,
             )
         except (Unavailable, UnknownTable):  # store node down or recovering: its rows come back
             time.sleep(0.5)
@@ -212,6 +215,10 @@ class Trainer:
         )
 
     def _train_first_pass(self, piece: Piece) -> None:
+        with cores.busy():  # re-taken per piece: a share freed by another process is used at once
+            self._train_piece(piece)
+
+    def _train_piece(self, piece: Piece) -> None:
         start = time.time()
         self._first_at = self._first_at or start
         if self.ranks is not None:
