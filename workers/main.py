@@ -301,16 +301,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def install_stop_handlers(stop: threading.Event) -> None:
     """SIGTERM/SIGINT set ``stop`` (the loop finishes its turn and releases its rows)."""
+    fired: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
-        stop.set()
-        # The way out is bounded: a worker whose store or controller is gone may never finish
-        # releasing its rows, and an orphan (its controller SIGKILLed; PR_SET_PDEATHSIG sent
-        # this signal) has nobody to SIGKILL it. A supervised worker is SIGKILLed long before
-        # (the supervisor's grace is 10 s).
+        # Only the first signal acts. A handler runs in the main thread between two bytecodes,
+        # so a second signal can land inside the first one's ``stop.set()`` while it holds the
+        # event's (non-reentrant) lock: setting it again there waits on that lock forever (an
+        # orphaned worker was found so, four handlers deep, never reaching its exit bound).
+        if fired:
+            return
+        fired.append(signum)
+        # The way out is bounded, and the bound is armed before anything that could block: a
+        # worker whose store or controller is gone may never finish releasing its rows, and an
+        # orphan (its controller SIGKILLed; PR_SET_PDEATHSIG sent this signal) has nobody to
+        # SIGKILL it. A supervised worker is SIGKILLed long before (the supervisor's grace is 10 s).
         bound = threading.Timer(EXIT_BOUND_S, os._exit, args=(128 + signum,))
         bound.daemon = True
         bound.start()
+        stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
