@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from testkit import wait_until
 
 from streamflow import interrupt
 from streamflow.interrupt import StopSignals
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _deliver(stop: StopSignals, sig: int) -> None:
@@ -57,12 +62,12 @@ def test_removed_force_callback_is_not_called() -> None:
     assert forced == []
 
 
-def _interrupted_loads(path: str, seconds: float, out) -> None:  # noqa: ANN001 - a queue
+def _interrupted_loads(path: str, seconds: float) -> None:
     """Child process: load ``path`` into a model over and over while a timer interrupts it at
-    random instants, until a ValueError surfaces or ``seconds`` pass. Puts (the names of the
-    error types that surfaced, the errors ``caused`` did not name the stop). A child, because an
-    interrupt cut into load_state_dict's ``no_grad`` can leave torch's grad mode off in the
-    process, which would break every later test of a shared test process."""
+    random instants, until a ValueError surfaces or ``seconds`` pass. Prints, as JSON, the names of
+    the error types that surfaced and the errors ``caused`` did not name the stop. A child,
+    because an interrupt cut into load_state_dict's ``no_grad`` can leave torch's grad mode off in
+    the process, which would break every later test of a shared test process."""
     import torch
     from safetensors.torch import load_file
 
@@ -87,7 +92,7 @@ def _interrupted_loads(path: str, seconds: float, out) -> None:  # noqa: ANN001 
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
-    out.put((sorted(kinds), uncaused))
+    print(json.dumps({"kinds": sorted(kinds), "uncaused": uncaused}))
 
 
 def test_an_interrupt_that_c_code_turned_into_another_error_is_still_the_stop(tmp_path) -> None:
@@ -105,16 +110,15 @@ def test_an_interrupt_that_c_code_turned_into_another_error_is_still_the_stop(tm
         with pytest.raises(RuntimeError) as plain:
             model.load_state_dict({"0.weight": torch.zeros(3)})
         assert not stop.caused(plain.value)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    child = ctx.Process(target=_interrupted_loads, args=(path, 60.0, out))
-    child.start()
-    try:
-        kinds, uncaused = out.get(timeout=180)
-    finally:
-        child.join(30)
-        if child.is_alive():
-            child.kill()
+    # A plain subprocess, not multiprocessing: that would leave its resource tracker running
+    # under the test process, and later tests check that runs leave no child process behind.
+    child = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); from tests.streamflow."
+         f"test_interrupt import _interrupted_loads as f; f({path!r}, 60.0)"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    assert child.returncode == 0, child.stderr[-2000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    kinds, uncaused = result["kinds"], result["uncaused"]
     assert uncaused == [], f"errors after the signal that caused() did not name the stop: {uncaused}"
     assert "ValueError" in kinds, f"only {kinds} surfaced in 60 s: the case is not exercised"
     assert torch.is_grad_enabled()
