@@ -54,7 +54,7 @@ from streamflow.progress import ProgressDisplay, StepProgress, describe_run
 from streamflow.rundir import RunDir, RunSummary, StageSpan
 from streamflow.runstate import RunState
 from streamflow.stages import Evaluator, RunPlan, build_plan
-from workers import cores
+from workers import cores, heap
 from workers.cores import CoreShareConfig
 from workers.events import EventReceiver, EventSender, Span, StepReport, WorkerStatus
 from workers.loop import LeaseKeeper, StageLoop
@@ -122,6 +122,7 @@ class Controller:
     def _run_colocated(self) -> None:
         plan = self.plan
         # Colocated: this one process holds every model and gets the largest thread budget.
+        heap.keep_heap()  # its stages' freed activations are reused, not faulted in again
         torch.set_num_threads(
             self.cfg.run.host_threads or max(self.cfg.rollout.threads, self.cfg.trainer.threads))
         events: Any = EventSender(None)  # reports stay in memory

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import storage
-from workers import cores
+from workers import cores, heap
 from workers.checkpoint import read_state, restore_rng, save_checkpoint
 from workers.config import (
     ReferenceWorkerConfig,
@@ -213,6 +213,7 @@ def build_simulated_trainer(cfg: TrainerWorkerConfig, client: Any, events: Event
 
 def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
     common = cfg.common
+    heap.keep_heap()  # a step's freed activations are reused, not faulted in again
     torch.set_num_threads(max(common.threads, 1))
     if common.cores is not None:  # the host's budget, shared by phase (workers.cores)
         cores.install(cores.CoreShare(common.cores))

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from workers import heap
 from workers.engines.base import RolloutEngine, SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models import TinyModelSpec, build_tiny_model, save_model
@@ -198,6 +199,7 @@ def prepare_builtin(
         probe_accuracy.append(evaluate(model, tokenizer, probe, max_new_tokens=max_new))
         return probe_accuracy[-1] >= recipe.target_accuracy
 
+    heap.keep_heap()  # its steps reuse their freed activations (workers/heap.py)
     run_threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
     try:
