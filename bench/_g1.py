@@ -129,14 +129,15 @@ def run_config(
     - ``sync``: all threads in its one process, every stage claiming the whole iteration at once
       (the plain loop's batch: a decode step costs about the same for 32 rows as for 128 at
       this size, so fewer, larger claims generate faster);
-    - ``periodic``/``async``: the rollout worker, the reference worker and the trainer share the
-      budget by phase (``run.host_threads``, workers/cores.py): a process at work alone gets every
-      thread (in ``periodic`` the trainer, once the iteration is generated), the rollout is
-      capped at half. The rollout claims half an iteration at a time and the reference and the
-      trainer 32 rows, so both start on an iteration while the rest of it is generated.
-
-    The reference always has a worker of its own (fused into the trainer it measures slower on
-    the CPU), so ``bench phases`` times its forward as a phase of the sync layout.
+    - ``periodic``/``async``: the rollout worker and the trainer share the budget by phase
+      (``run.host_threads``, workers/cores.py): a process at work alone gets every thread (in
+      ``periodic`` the trainer, once the iteration is generated), the rollout is capped at half.
+      The rollout claims half an iteration at a time and the trainer 32 rows, so it starts on an
+      iteration while the rest of it is generated;
+    - the reference: a worker of its own in ``sync``, so ``bench phases`` times its forward as a
+      phase of that layout; fused into the trainer in ``periodic``/``async``, where two processes
+      share the two cores better than three (alternated: ``async`` 2.93 against 3.17 s per
+      iteration, ``periodic`` 3.36 against 3.49 s; docs/performance.md).
     """
     rows = shape.prompts * shape.group_size
     streaming = mode != "sync"
@@ -152,7 +153,7 @@ def run_config(
                     "top_p": 1.0, "threads": max(threads // 2, 1) if streaming else threads,
                     "groups_per_claim": max(shape.prompts // 2, 1) if streaming else shape.prompts},
         "reward": {"fn": "exact_match", "rows_per_claim": rows},
-        "reference": {"placement": "worker", "threads": threads,
+        "reference": {"placement": "trainer" if streaming else "worker", "threads": threads,
                       "rows_per_claim": 32 if streaming else rows},
         "trainer": {"engine": "torch", "lr": LR, "kl_coef": KL_COEF, "threads": threads,
                     "rows_per_claim": 32 if streaming else rows},

@@ -84,13 +84,14 @@ def test_run_config_gives_each_mode_its_layout_and_is_a_valid_config(tmp_path):
                                               threads=2, device="cpu"))
         assert cfg.trainer.kl_coef == 0.04 and cfg.rollout.max_new_tokens == 64
         assert cfg.data.prompts_per_iteration * cfg.data.group_size == 128
-        assert cfg.reference.placement == "worker"  # the reference forward is a phase of its own
         if mode == "sync":  # one process with every thread, the whole iteration per claim
+            assert cfg.reference.placement == "worker"  # its forward is a phase of its own
             assert cfg.run.host_threads == 0 and cfg.rollout.threads == cfg.trainer.threads == 2
             assert cfg.rollout.groups_per_claim == 16
             assert cfg.trainer.rows_per_claim == cfg.reference.rows_per_claim == 128
         else:  # the budget shared by phase, the rollout capped at half, half an iteration a claim
             assert cfg.run.host_threads == 2 and cfg.rollout.threads == 1
+            assert cfg.reference.placement == "trainer"  # two processes share the cores, not three
             assert cfg.rollout.groups_per_claim == 8
             assert cfg.trainer.rows_per_claim == cfg.reference.rows_per_claim == 32
 
