@@ -41,14 +41,9 @@ TOP_PAD = 256 * MIB
 USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_",
                   "MALLOC_MMAP_MAX_")
 
-_kept = False
-
 
 def keep_heap() -> bool:
-    """Tune this process's glibc heap (once); True when it is tuned, False where it stood aside."""
-    global _kept
-    if _kept:
-        return True
+    """Tune this process's glibc heap (idempotent); True when tuned, False where it stood aside."""
     if os.environ.get("STREAMFLOW_KEEP_HEAP", "1") == "0":
         return False
     if any(name in os.environ for name in USER_VARIABLES):
@@ -63,8 +58,6 @@ def keep_heap() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = all(mallopt(param, value) == 1 for param, value in (
+    return all(mallopt(param, value) == 1 for param, value in (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
         (M_TOP_PAD, TOP_PAD)))
-    _kept = ok
-    return ok
