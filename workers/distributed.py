@@ -140,11 +140,18 @@ class RankGroup:
     """This process's view of the trainer ranks over an initialised ``torch.distributed`` group:
     the leader calls ``send_*``, followers ``receive``; all call each collective at one point."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, *, own_group: bool | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("RankGroup needs an initialised torch.distributed process group")
         self.rank = rank
         self.world_size = world_size
+        # Commands, row payloads, loss sums and digests are host tensors: they travel over gloo
+        # whatever the gradients use (NCCL takes CUDA tensors only). own_group=None: a gloo group
+        # of our own unless the default group is gloo already; every rank creates it here, at the
+        # same point, as new_group requires.
+        if own_group is None:
+            own_group = dist.get_backend() != "gloo"
+        self._group = dist.new_group(backend="gloo") if own_group else None
         try:
             env = rank_env()
         except ValueError:  # not torchrun's: nothing to say about the launcher
@@ -164,7 +171,7 @@ class RankGroup:
         payload = encode_rows(rows)
         self._control(Op.MICRO_BATCH, iteration, len(payload))
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        dist.broadcast(data, src=0)
+        dist.broadcast(data, src=0, group=self._group)
 
     def send_step(self, iteration: int) -> None:
         self._control(Op.STEP, iteration, 0)
@@ -175,13 +182,14 @@ class RankGroup:
     def _control(self, op: Op, iteration: int, nbytes: int) -> None:
         if not self.is_leader:
             raise RuntimeError(f"rank {self.rank} cannot send commands; only rank 0 leads")
-        dist.broadcast(torch.tensor([int(op), iteration, nbytes], dtype=torch.int64), src=0)
+        dist.broadcast(torch.tensor([int(op), iteration, nbytes], dtype=torch.int64), src=0,
+                       group=self._group)
 
     # ---------------------------------------------------------------- follower
     def receive(self) -> Command:
         """Block until the leader's next command (and its payload) arrives."""
         control = torch.zeros(_CONTROL_LEN, dtype=torch.int64)
-        dist.broadcast(control, src=0)
+        dist.broadcast(control, src=0, group=self._group)
         op, iteration, nbytes = (int(x) for x in control.tolist())
         try:
             kind = Op(op)
@@ -190,7 +198,7 @@ class RankGroup:
         rows = None
         if kind is Op.MICRO_BATCH:
             data = torch.empty(nbytes, dtype=torch.uint8)
-            dist.broadcast(data, src=0)
+            dist.broadcast(data, src=0, group=self._group)
             rows = decode_rows(memoryview(data.numpy()))
         return Command(kind, iteration, rows)
 
@@ -200,11 +208,11 @@ class RankGroup:
         gets the global ones."""
         summed = [f for f in fields(LossSums) if f.name not in ("ratio_max", "ratio_min")]
         total = torch.tensor([getattr(sums, f.name) for f in summed], dtype=torch.float64)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._group)
         peak = torch.tensor([sums.ratio_max], dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self._group)
         low = torch.tensor([sums.ratio_min], dtype=torch.float64)  # inf on a rank without tokens
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._group)
         out = {f.name: round(v) if f.type == "int" else v
                for f, v in zip(summed, total.tolist(), strict=True)}
         return LossSums(**out, ratio_max=float(peak[0]), ratio_min=float(low[0]))
@@ -213,18 +221,18 @@ class RankGroup:
         """Rank 0's ``text`` on every rank (e.g. the checkpoint directory every rank writes to)."""
         data = text.encode() if self.is_leader else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=0)
+        dist.broadcast(size, src=0, group=self._group)
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_leader
                else torch.empty(int(size[0]), dtype=torch.uint8))
         if int(size[0]):
-            dist.broadcast(buf, src=0)
+            dist.broadcast(buf, src=0, group=self._group)
         return bytes(buf.numpy()).decode()
 
     def check_in_sync(self, model: torch.nn.Module) -> list[int]:
         """Every rank's parameter digest; raises ``RanksOutOfSync`` unless all are equal."""
         digest = torch.tensor([parameter_digest(model)], dtype=torch.int64)
         gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(gathered, digest)
+        dist.all_gather(gathered, digest, group=self._group)
         digests = [int(t[0]) for t in gathered]
         if len(set(digests)) != 1:
             raise RanksOutOfSync(f"parameter digests differ across ranks: {digests}")

@@ -346,3 +346,43 @@ def test_parameter_digest_sees_a_one_ulp_change() -> None:
         w = model.weight.view(-1)
         w[5] = torch.nextafter(w[5], torch.tensor(float("inf")))
     assert parameter_digest(model) != before
+
+
+def _rank_group_main(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks whose RankGroup uses a group of its own (as under NCCL)."""
+    import torch.distributed as dist
+
+    from workers.distributed import Op, RankGroup
+    from workers.rl import LossSums
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        group = RankGroup(rank, 2, own_group=True)
+        assert group._group is not None
+        rows = _rows([4, 4, 2])
+        if group.is_leader:
+            group.send_micro_batch(rows, 3)
+            got = None
+        else:
+            got = group.receive()
+            assert got.op is Op.MICRO_BATCH and got.iteration == 3 and got.rows.equals(rows)
+        text = group.broadcast_text("ckpt-dir" if group.is_leader else "")
+        sums = group.all_reduce_sums(LossSums(loss_sum=1.0 + rank, num_tokens=2 + rank,
+                                              ratio_max=1.0 + rank, ratio_min=1.0 - rank / 4))
+        Path(out, f"rank{rank}.json").write_text(json.dumps(
+            {"text": text, "loss_sum": sums.loss_sum, "num_tokens": sums.num_tokens,
+             "ratio_max": sums.ratio_max, "ratio_min": sums.ratio_min}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_group_commands_go_over_a_gloo_group_of_their_own(tmp_path: Path) -> None:
+    """Under NCCL (CUDA ranks) the commands and row payloads, which are host tensors, travel over
+    a gloo group of the RankGroup's own: the same exchange over such a group, on two CPU ranks."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_group_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[0] == results[1] == {"text": "ckpt-dir", "loss_sum": 3.0, "num_tokens": 5,
+                                        "ratio_max": 2.0, "ratio_min": 0.75}

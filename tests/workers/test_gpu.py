@@ -25,7 +25,7 @@ import torch
 from workers.engines.base import SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.engines.torch_trainer import TorchTrainerEngine
-from workers.models import TinyModelSpec, build_tiny_model
+from workers.models import TinyModelSpec, build_tiny_model, save_model
 from workers.packing import PackGroup
 from workers.tokenizer import build_char_tokenizer, encode_prompt
 from workers.trimodel import TriModel
@@ -102,27 +102,51 @@ def _smollm2(tmp_path_factory) -> Path:
     return out
 
 
-def test_periodic_smollm2_run_on_one_gpu(tmp_path, tmp_path_factory):
+def _run_on_one_gpu(run_dir: Path, overrides: list[str]) -> dict:
+    """configs/gpu-smollm2.yaml for 2 iterations with ``overrides``; every role on cuda:0 in
+    bfloat16, new weights broadcast (gloo: the processes share one GPU). The trainer's record."""
     from streamflow.config import load_config
     from streamflow.controller import run
+
+    cfg = load_config(ROOT / "configs" / "gpu-smollm2.yaml", [
+        f"run.output_dir={run_dir}", "run.iterations=2", "data.prompts_per_iteration=8",
+        "devices.placement=colocated", "run.progress=false", *overrides])
+    summary = run(cfg)
+    assert summary.status == "ok"
+    workers = run_dir / "workers"
+    trainer = json.loads((workers / "trainer-0.json").read_text())
+    rollout = json.loads((workers / "rollout-0.json").read_text())
+    assert trainer["device"] == "cuda:0" and rollout["device"] == "cuda:0"
+    assert trainer["dtype"] == "bfloat16" and trainer["weights_group"]["backend"] == "gloo"
+    log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "broadcast policy version 2:" in log
+    return trainer
+
+
+@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
+def test_periodic_run_on_one_gpu_with_a_local_model(tmp_path, engine):
+    """The same GPU path with a model built here (nothing to download or convert), on both
+    trainer engines."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed", reason="the deepspeed package is not installed")
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModelSpec(hidden_size=128, num_layers=2, num_heads=2,
+                                           num_kv_heads=1, intermediate_size=256), tok)
+    path = save_model(model, tok, tmp_path / "tiny")
+    trainer = _run_on_one_gpu(tmp_path / "run", [
+        f"model.path={path}", "data.task=arithmetic", "reward.fn=exact_match",
+        "rollout.max_new_tokens=8", f"trainer.engine={engine}"])
+    assert trainer["engine"] == engine
+
+
+def test_periodic_smollm2_run_on_one_gpu(tmp_path, tmp_path_factory):
     from workers.tasks_word import main as write_problems
 
     model = _smollm2(tmp_path_factory)
     problems = tmp_path / "problems.jsonl"
     assert write_problems([str(problems), "--model", str(model), "--num", "64"]) == 0
-    cfg = load_config(ROOT / "configs" / "gpu-smollm2.yaml", [
-        f"model.path={model}", f"data.file={problems}", f"run.output_dir={tmp_path / 'run'}",
-        "run.iterations=2", "data.prompts_per_iteration=8", "rollout.max_new_tokens=32",
-        "devices.placement=colocated", "run.progress=false"])
-    summary = run(cfg)
-    assert summary.status == "ok"
-    workers = tmp_path / "run" / "workers"
-    trainer = json.loads((workers / "trainer-0.json").read_text())
-    rollout = json.loads((workers / "rollout-0.json").read_text())
-    assert trainer["device"] == "cuda:0" and rollout["device"] == "cuda:0"
-    assert trainer["dtype"] == "bfloat16" and trainer["weights_group"]["backend"] == "gloo"
-    log = (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
-    assert "broadcast policy version 2:" in log
+    _run_on_one_gpu(tmp_path / "run", [f"model.path={model}", f"data.file={problems}",
+                                       "rollout.max_new_tokens=32"])
 
 
 def test_vllm_on_cuda_receives_a_broadcast_version(tmp_path):
