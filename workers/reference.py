@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -59,6 +60,13 @@ class ReferenceStage:
         logprobs = packed_response_logprobs(
             self.model, groups, temperature=self.temperature, token_budget=self.pack.token_budget,
             pack=self.pack.packing, min_saving=self.pack.packing_min_saving)
-        rows = [logprobs[g][r].float().tolist() for g, r in where]
-        self.last_tokens = sum(len(r) for r in rows)
-        return with_row_ids(lease, {"ref_logprobs": pa.array(rows, pa.list_(pa.float32()))})
+        # One copy to the host for the whole batch (on a GPU each row's copy would wait for the
+        # device), then the list column straight from the flat values and their offsets.
+        pieces = [logprobs[g][r] for g, r in where]
+        offsets = np.zeros(len(pieces) + 1, dtype=np.int32)
+        np.cumsum([p.shape[0] for p in pieces], out=offsets[1:])
+        flat = (torch.cat(pieces).float().cpu().numpy() if pieces
+                else np.empty(0, dtype=np.float32))
+        self.last_tokens = int(offsets[-1])
+        column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.float32()))
+        return with_row_ids(lease, {"ref_logprobs": column})
