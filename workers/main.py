@@ -121,7 +121,7 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
     if cfg.engine == "torch":
         o = cfg.optim
         return TorchTrainerEngine(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
-                                  max_grad_norm=o.max_grad_norm,
+                                  max_grad_norm=o.max_grad_norm, warmup_steps=o.warmup_steps,
                                   fp64_accumulation=cfg.deterministic), None
     if cfg.engine == "deepspeed":  # needs the [deepspeed] extra (clear error if missing)
         if cfg.device.startswith("cuda"):  # rank r on the GPU after the trainer's first + r

@@ -236,6 +236,17 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
     return opt
 
 
+def apply_warmup(optimizer: torch.optim.Optimizer) -> None:
+    """Set each param group's lr for the step about to be taken and count it. The schedule lives
+    in the param group (set by ``make_optimizer``), so it is saved and restored with the
+    optimizer's state dict; call once per optimizer step, right before it."""
+    for group in optimizer.param_groups:
+        warmup = group.get("warmup_steps", 0)
+        if warmup:
+            group["lr"] = group["base_lr"] * min(1.0, (group["num_steps"] + 1) / warmup)
+        group["num_steps"] = group.get("num_steps", 0) + 1
+
+
 def optimizer_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
 ) -> float:
@@ -247,13 +258,7 @@ def optimizer_step(
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     else:
         norm = torch.zeros(())
-    for group in optimizer.param_groups:
-        # The warm-up schedule lives in the param group (set by make_optimizer), so it is saved
-        # and restored with the optimizer's state dict.
-        warmup = group.get("warmup_steps", 0)
-        if warmup:
-            group["lr"] = group["base_lr"] * min(1.0, (group["num_steps"] + 1) / warmup)
-        group["num_steps"] = group.get("num_steps", 0) + 1
+    apply_warmup(optimizer)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)

@@ -163,6 +163,9 @@ class OptimizerSettings(Checked):
     weight_decay: float = bounded(0.0, ge=0)  # AdamW weight decay
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas, each in [0, 1)
     max_grad_norm: float = bounded(1.0, ge=0)  # gradient clipping norm (0 = no clipping)
+    # optimizer steps over which the lr ramps linearly up to ``lr`` (0 = none): a fresh Adam moves
+    # every parameter by ~lr on its first steps, signal or noise (docs/engines.md)
+    warmup_steps: int = bounded(0, ge=0)
 
     def check(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))  # a JSON list comes back a tuple

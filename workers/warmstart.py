@@ -132,7 +132,7 @@ class BuiltinRecipe:
     task_seed: int = 0
     warmstart_steps: int = 1500
     batch_size: int = 64
-    lr: float = 3e-3
+    lr: float = 1e-3
     seed: int = 0
     eval_size: int = 200
     target_accuracy: float = 0.3

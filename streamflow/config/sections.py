@@ -196,7 +196,8 @@ class ReferenceSection(Checked):
 class TrainerSection(Checked):
     # training engine behind the Protocol ("simulated": no model, see ``simulated``)
     engine: Literal["torch", "deepspeed", "simulated"] = "torch"
-    optim: OptimizerSettings = embed(OptimizerSettings)  # lr, weight_decay, betas, max_grad_norm
+    # lr, warmup_steps, weight_decay, betas, max_grad_norm
+    optim: OptimizerSettings = embed(OptimizerSettings)
     # clip_eps, kl_coef, std_normalize, updates_per_batch, importance_correction, is_cap
     loss: GrpoSettings = embed(GrpoSettings)
     rows_per_claim: int = bounded(16, ge=1)  # rows per trainer micro-batch

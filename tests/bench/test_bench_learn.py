@@ -59,14 +59,25 @@ def test_a_failed_run_is_an_error_not_a_figure(tmp_path):
 
 @pytest.mark.slow
 def test_a_shortened_demo_recipe_raises_held_out_accuracy(tmp_path):
-    # The demo's recipe (warm start to the target, then GRPO), cut to a few iterations.
+    # The demo's recipe (warm start to the target, then GRPO) cut to 30 iterations, on the demo's
+    # 200 held-out prompts. Why 30: held-out accuracy can dip in the first iterations (seed 0 went
+    # 0.37 -> 0.34 at iteration 4) and is 0.105-0.23 above its start by iteration 30 for seed 0 on
+    # both CPU kernel sets measured (docs/learning.md); 8 iterations tested noise, not learning.
     cmd = [sys.executable, "-m", "streamflow", "bench", "learn", "--json", "--seeds", "0",
            "--threads", "2", "--output", str(tmp_path),
-           "--set", "run.iterations=8", "--set", "run.eval_every=4", "--set", "run.eval_prompts=100"]
+           "--set", "run.iterations=30", "--set", "run.eval_every=10"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     (case,) = result["cases"]
-    assert 0.0 < case["accuracy_before"] < 0.8  # the warm start landed in its band
+    # The warm start reached its target before its step cap (with the earlier warm-start rate it
+    # ran all 1500 steps to a probe accuracy of 0.1 on AVX-512 hosts) and landed in its band.
+    (manifest,) = [json.loads(p.read_text())
+                   for p in tmp_path.glob(".cache/builtin-*/streamflow_manifest.json")]
+    recipe = manifest["recipe"]
+    assert manifest["probe_accuracy"] >= recipe["target_accuracy"] > 0, manifest
+    assert manifest["warmstart_steps_run"] < recipe["warmstart_steps"], manifest
+    assert 0.2 <= case["accuracy_before"] < 0.8, case
     assert case["accuracy_after"] >= case["accuracy_before"] + 0.05, case
+    assert case["reward_last_window"] > case["reward_first_window"], case
     assert case["rl_seconds"] > 0

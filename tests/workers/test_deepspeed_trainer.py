@@ -85,11 +85,14 @@ def warm_deepspeed() -> float:
 @pytest.fixture(scope="module")
 def torch_result(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list]:
     """The reference: TorchTrainerEngine in this process on the same rows (weights, grad norms)."""
-    tmp = tmp_path_factory.mktemp("torch")
+    return _run_torch(model_dir, tmp_path_factory.mktemp("torch"))
+
+
+def _run_torch(model_dir: Path, tmp: Path, **kw) -> tuple[dict, list]:  # noqa: ANN003
     with storage.embedded(2) as store:
         client = store.client()
         _prepare(client, model_dir, tmp, range(ITERATIONS))
-        cfg = _trainer_config(model_dir, tmp / "weights", [], engine="torch")
+        cfg = _trainer_config(model_dir, tmp / "weights", [], engine="torch", **kw)
         events = EventSender(None)
         trainer = build_trainer(cfg, client, events)
         trainer.publish_current()
@@ -272,6 +275,19 @@ def test_one_rank_equals_torch(
 ) -> None:
     got, out, _ = _run_deepspeed(model_dir, tmp_path, nproc=1, zero_stage=2)
     _check_against_torch(got, out, torch_result, "zero2 x1 rank")
+
+
+@pytest.mark.slow  # ranks launched by torchrun: 20-40 s each
+def test_lr_warmup_applies_on_both_engines_alike(
+    model_dir: Path, tmp_path: Path, warm_deepspeed: float, torch_result: tuple
+) -> None:
+    # trainer.warmup_steps reaches the optimizer (its first step at lr/2 changes the weights) and
+    # DeepSpeed's ZeRO steps with the same ramp as the torch engine.
+    want = _run_torch(model_dir, tmp_path / "torch", warmup_steps=ITERATIONS)
+    assert _max_diff(want[0], torch_result[0]) > 100 * TOLERANCE
+    got, out, _ = _run_deepspeed(model_dir, tmp_path / "ds", nproc=1, zero_stage=2,
+                                 warmup_steps=ITERATIONS)
+    _check_against_torch(got, out, want, "zero2 x1 rank, warm-up")
 
 
 # --------------------------------------------------------------------------- unit pieces

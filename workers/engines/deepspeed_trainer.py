@@ -17,7 +17,7 @@ import torch
 
 from workers.distributed import RankGroup, rank_env
 from workers.engines.torch_trainer import publishable
-from workers.rl import make_optimizer
+from workers.rl import apply_warmup, make_optimizer
 from workers.settings import OptimizerSettings, embed, flat
 
 CHECKPOINT_TAG = "deepspeed"  # sub-directory of a trainer checkpoint holding DeepSpeed's files
@@ -121,7 +121,9 @@ class DeepSpeedTrainerEngine:
         # Same optimizer as TorchTrainerEngine (AdamW, foreach off); ZeRO wraps it and steps it on
         # this rank's flat fp32 partition.
         o = settings.optim
-        optimizer = make_optimizer(model, o.lr, o.weight_decay, o.betas)
+        optimizer = make_optimizer(model, o.lr, o.weight_decay, o.betas,
+                                   warmup_steps=o.warmup_steps)
+        self._base_optimizer = optimizer  # ZeRO steps it; its param groups carry the warm-up
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=settings.ds_config(ranks.world_size))
         self.model: torch.nn.Module = self.ds.module
@@ -139,6 +141,7 @@ class DeepSpeedTrainerEngine:
             raise ValueError(f"step: grad_scale must be > 0, got {grad_scale}")
         zero = self.ds.optimizer
         zero.override_loss_scale(1.0 / (grad_scale * self.ranks.world_size))
+        apply_warmup(self._base_optimizer)
         try:
             self.ds.step()
         finally:

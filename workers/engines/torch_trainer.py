@@ -55,9 +55,9 @@ class TorchTrainerEngine:
 
     def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = 1.0,
-                 fp64_accumulation: bool = False) -> None:
+                 fp64_accumulation: bool = False, warmup_steps: int = 0) -> None:
         self.model = model.train()
-        self.optimizer = make_optimizer(model, lr, weight_decay, betas)
+        self.optimizer = make_optimizer(model, lr, weight_decay, betas, warmup_steps=warmup_steps)
         self.max_grad_norm = max_grad_norm
         # Float64 sums of the micro-batch gradients: addition is then order-independent to far
         # below fp32 resolution, so the same micro-batches in any arrival order give bitwise the
