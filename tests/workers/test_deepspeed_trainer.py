@@ -286,8 +286,18 @@ def test_lr_warmup_applies_on_both_engines_alike(
     want = _run_torch(model_dir, tmp_path / "torch", warmup_steps=ITERATIONS)
     assert _max_diff(want[0], torch_result[0]) > 100 * TOLERANCE
     got, out, _ = _run_deepspeed(model_dir, tmp_path / "ds", nproc=1, zero_stage=2,
-                                 warmup_steps=ITERATIONS)
+                                 warmup_steps=ITERATIONS, checkpoint_dir=str(tmp_path / "ckpt"),
+                                 checkpoint_every=1)
     _check_against_torch(got, out, want, "zero2 x1 rank, warm-up")
+    # Resumed after step 1, the ramp goes on at step 2 (lr, not lr/2 again): its position lives in
+    # the optimizer's param groups, which DeepSpeed's checkpoint (ZeRO's default, non-elastic
+    # layout) saves and loads with the optimizer's state.
+    resumed, _, _ = _run_deepspeed(model_dir, tmp_path / "resumed", nproc=1, zero_stage=None,
+                                   iterations=range(1, ITERATIONS), warmup_steps=ITERATIONS,
+                                   resume_from=str(tmp_path / "ckpt" / "step-000001"),
+                                   checkpoint_dir=str(tmp_path / "ckpt2"))
+    diff = _max_diff(resumed, got)
+    assert diff <= 1e-6, f"resumed with a warm-up, DeepSpeed diverged by {diff}"
 
 
 # --------------------------------------------------------------------------- unit pieces

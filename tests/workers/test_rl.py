@@ -259,3 +259,18 @@ def test_lr_warmup_ramps_linearly_then_holds():
     assert seen == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
     with pytest.raises(ValueError, match="warmup_steps"):
         make_optimizer(model, lr=1e-3, warmup_steps=-1)
+
+
+def test_lr_warmup_resumes_where_the_saved_optimizer_left_it():
+    # The ramp's position is saved with the optimizer (a resumed run must not ramp up again).
+    tok = build_char_tokenizer()
+    model = build_tiny_model(SPEC, tok)
+    opt = make_optimizer(model, lr=1e-3, warmup_steps=4)
+    for _ in range(2):
+        model(torch.tensor([[1, 5, 6]])).logits.sum().backward()
+        optimizer_step(model, opt, max_grad_norm=None)
+    resumed = make_optimizer(model, lr=1e-3, warmup_steps=4)
+    resumed.load_state_dict(opt.state_dict())
+    model(torch.tensor([[1, 5, 6]])).logits.sum().backward()
+    optimizer_step(model, resumed, max_grad_norm=None)
+    assert resumed.param_groups[0]["lr"] == pytest.approx(7.5e-4)
