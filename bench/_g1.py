@@ -29,6 +29,11 @@ from typing import Any
 
 KL_COEF = 0.04
 LR = 1e-4  # trainer.lr's default, written out so the plain loop uses the same
+# Where each mode's reference forward runs (docs/performance.md): a worker of its own in ``sync``
+# (the bench times it as a phase there); in the rollout worker in ``async``, where the rollout
+# runs ahead and has the time, so the trainer does only its own pass; fused into the trainer in
+# ``periodic``, where the rollout is the iteration's critical path.
+REFERENCE_PLACEMENT = {"sync": "worker", "periodic": "trainer", "async": "rollout"}
 PAD = "<pad>"
 
 
@@ -134,13 +139,18 @@ def run_config(
       ``periodic`` the trainer, once the iteration is generated), the rollout is capped at half.
       The rollout claims half an iteration at a time and the trainer 32 rows, so it starts on an
       iteration while the rest of it is generated;
-    - the reference: a worker of its own in ``sync``, so ``bench phases`` times its forward as a
-      phase of that layout; fused into the trainer in ``periodic``/``async``, where two processes
-      share the two cores better than three (alternated: ``async`` 2.93 against 3.17 s per
-      iteration, ``periodic`` 3.36 against 3.49 s; docs/performance.md).
+    - the reference (``REFERENCE_PLACEMENT``): a worker of its own in ``sync``, so ``bench
+      phases`` times its forward as a phase of that layout; in ``periodic``/``async`` never a
+      third process (two processes share two cores better than three: ``async`` 2.93 against
+      3.17 s per iteration, ``periodic`` 3.36 against 3.49 s), but fused into the trainer in
+      ``periodic`` and run by the rollout worker in ``async`` (docs/performance.md).
     """
     rows = shape.prompts * shape.group_size
     streaming = mode != "sync"
+    if mode == "sync":  # a reference worker's threads: the bench times its forward as a phase
+        reference_threads: dict[str, Any] = {"threads": threads}
+    else:
+        reference_threads = {}
     tree: dict[str, Any] = {
         "run": {"name": f"g1-{mode}", "mode": mode, "iterations": iterations, "seed": 0,
                 "output_dir": str(out_dir / "{name}"), "eval_every": 0, "eval_prompts": 0,
@@ -153,8 +163,8 @@ def run_config(
                     "top_p": 1.0, "threads": max(threads // 2, 1) if streaming else threads,
                     "groups_per_claim": max(shape.prompts // 2, 1) if streaming else shape.prompts},
         "reward": {"fn": "exact_match", "rows_per_claim": rows},
-        "reference": {"placement": "trainer" if streaming else "worker", "threads": threads,
-                      "rows_per_claim": 32 if streaming else rows},
+        "reference": {"placement": REFERENCE_PLACEMENT[mode], "rows_per_claim": rows,
+                      **reference_threads},
         "trainer": {"engine": "torch", "lr": LR, "kl_coef": KL_COEF, "threads": threads,
                     "rows_per_claim": 32 if streaming else rows},
         "metrics": {"enabled": False},
@@ -178,4 +188,6 @@ def _place_on(tree: dict[str, Any], device: str) -> None:
                              "device (rollout.device); only cpu can be measured")
         return
     for section, _ in sections:
+        if section == "reference" and tree["reference"]["placement"] == "rollout":
+            continue  # it runs on the rollout's device
         tree[section]["device"] = device

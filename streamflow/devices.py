@@ -111,6 +111,8 @@ def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
     for key, device in (("trainer.device", trainer), ("reference.device", reference),
                         *(("rollout.device", d) for d in rollout)):
         _check_index(key, device, gpus)
+    if cfg.reference_in_rollout:  # each rollout worker holds the reference on its own device
+        reference = rollout[0]
     if r.engine == "simulated":  # simulated roles hold no model: nothing to place
         rollout = tuple("cpu" for _ in rollout)
         trainer = reference = "cpu"

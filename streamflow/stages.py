@@ -114,7 +114,8 @@ class RunPlan:
         s = self.cfg.store
         return samples_table_spec(
             self.table, group_size=self.cfg.data.group_size,
-            reference_worker=self.cfg.reference_worker, capacity_rows=s.capacity_rows,
+            reference_worker=self.cfg.reference_worker,
+            reference_in_rollout=self.cfg.reference_in_rollout, capacity_rows=s.capacity_rows,
             lease_seconds=s.lease_seconds, max_deliveries=s.max_deliveries,
             fsync="always" if s.fsync else "never")
 
@@ -257,7 +258,9 @@ def _worker_records(plan: RunPlan, blank: WorkerCommon, announce: str | None,
         weights_announce=announce, group_size=d.group_size, groups_per_claim=r.groups_per_claim,
         sampling=r.sampling, engine=r.engine, generate=r.generate, vllm=r.vllm,
         device=devices.rollout[0], dtype=devices.rollout_dtype,
-        weights_group=group and replace(group, rank=1))
+        weights_group=group and replace(group, rank=1),
+        reference_path=model if cfg.reference_in_rollout else None,
+        reference_dtype=devices.reference_dtype, reference_pack=t.pack)
     plan.reward = RewardWorkerConfig(common=_named(blank, "reward"), model_path=model,
                                      verifier=cfg.reward.verifier,
                                      rows_per_claim=cfg.reward.rows_per_claim)
@@ -267,10 +270,10 @@ def _worker_records(plan: RunPlan, blank: WorkerCommon, announce: str | None,
         dtype=devices.reference_dtype, device=devices.reference) if cfg.reference_worker else None
     plan.trainer = TrainerWorkerConfig(
         common=_named(blank, "trainer"), model_path=model,
-        reference_path=model if cfg.kl_active and not cfg.reference_worker else None,
+        reference_path=model if cfg.kl_active and not cfg.reference_in_store else None,
         weights_dir=str(plan.weights_dir), weights_bind=announce,
         rows_per_iteration=d.prompts_per_iteration * d.group_size, iterations=cfg.run.iterations,
-        group_size=d.group_size, reference_worker=cfg.reference_worker,
+        group_size=d.group_size, reference_in_store=cfg.reference_in_store,
         optim=t.optim, loss=t.loss if cfg.kl_active else replace(t.loss, kl_coef=0.0),
         sampling=r.sampling, pack=t.pack, rows_per_claim=t.rows_per_claim,
         reference_dtype=devices.reference_dtype, checkpoint_dir=str(plan.run_dir / "checkpoints"),

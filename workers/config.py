@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from workers.cores import CoreShareConfig
@@ -95,6 +95,11 @@ class RolloutWorkerConfig:
     device: str = "cpu"  # cpu | cuda:N (resolved by the controller, streamflow/devices.py)
     dtype: str = "float32"  # torch engine's parameter dtype
     weights_group: WeightGroupConfig | None = None  # collective weight sync (None: files)
+    # reference.placement=rollout: the frozen reference this worker scores its responses with,
+    # on its own device (None: another role writes ref_logprobs, or the KL term is off)
+    reference_path: str | None = None
+    reference_dtype: str = "float32"
+    reference_pack: PackingSettings = field(default_factory=PackingSettings)  # trainer.pack
 
 
 @flat
@@ -129,7 +134,8 @@ class TrainerWorkerConfig:
     rows_per_iteration: int  # prompts_per_iteration * group_size
     iterations: int
     group_size: int
-    reference_worker: bool  # ref_logprobs come from the reference task
+    # ref_logprobs come from the store (the reference worker or the rollout writes them)
+    reference_in_store: bool
     optim: OptimizerSettings = embed(OptimizerSettings)
     loss: GrpoSettings = embed(GrpoSettings, kl_coef=0.0)  # (no KL unless a reference is given)
     sampling: SamplingSettings = embed(SamplingSettings)  # its temperature: the rollout's

@@ -37,7 +37,7 @@ from workers.events import EventSender, WeightSyncReport, WorkerStatus
 from workers.loop import LeaseKeeper, serve_stage
 from workers.metrics import MeteredClient, MeteredEvents, WorkerMetrics
 from workers.models import load_model, load_tokenizer
-from workers.reference import ReferenceStage
+from workers.reference import ReferenceScorer, ReferenceStage
 from workers.reward import RewardStage
 from workers.rollout import RolloutStage
 from workers.trainer import Trainer
@@ -87,9 +87,17 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
 
         weights = CollectiveSubscriber(files, spec, cfg.device, on_sync, worker=cfg.common.name)
         weights.start(engine)
+    reference = None
+    if cfg.reference_path:  # reference.placement=rollout: score the responses here, on our device
+        reference = ReferenceScorer(
+            load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype],
+                       attn_implementation=cfg.reference_pack.attn_implementation
+                       ).to(torch_device(cfg.device)),
+            temperature=sampling.temperature, pack=cfg.reference_pack)
     return RolloutStage(engine, weights, params, worker=cfg.common.name,
                         group_size=cfg.group_size, groups_per_claim=cfg.groups_per_claim,
-                        seed=cfg.common.seed, weight_wait_s=cfg.weight_wait_s, on_sync=on_sync)
+                        seed=cfg.common.seed, weight_wait_s=cfg.weight_wait_s, on_sync=on_sync,
+                        reference=reference)
 
 
 def build_reward(cfg: RewardWorkerConfig) -> Any:
@@ -161,7 +169,7 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
         restore_rng(cfg.resume_from)
         start_iteration = read_state(cfg.resume_from).step
     reference = None
-    if cfg.reference_path and cfg.loss.kl_coef > 0 and not cfg.reference_worker:
+    if cfg.reference_path and cfg.loss.kl_coef > 0 and not cfg.reference_in_store:
         reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype],
                                attn_implementation=attn)
     compute = dtype_of(cfg.dtype)

@@ -2,7 +2,8 @@
 
 Writes ``ref_logprobs`` at the trainer's temperature, packing a claim's rows of one prompt when
 packing is on. Off when the KL coefficient is 0; fused into the trainer with
-``reference.placement = trainer`` (docs/training.md "The reference role").
+``reference.placement = trainer``, run by the rollout worker after it generates with
+``reference.placement = rollout`` (docs/training.md "The reference role").
 """
 
 from __future__ import annotations
@@ -39,24 +40,24 @@ def rows_to_groups(batch: pa.RecordBatch) -> tuple[list[PackGroup], list[tuple[i
     return groups, where
 
 
-class ReferenceStage:
-    task = "reference"
-    columns = REFERENCE_READS
-    whole_groups = False
+class ReferenceScorer:
+    """The frozen reference model and how it scores rows: log-probs of each response at the
+    sampling temperature, a batch's rows of one prompt packed when packing pays. Used by the
+    reference worker and, with ``reference.placement = rollout``, by the rollout worker right
+    after it generates (docs/training.md "The reference role")."""
 
-    def __init__(self, model: torch.nn.Module, *, temperature: float, max_rows: int,
+    def __init__(self, model: torch.nn.Module, *, temperature: float,
                  pack: PackingSettings) -> None:
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.temperature = temperature
-        self.max_rows = max_rows
         self.pack = pack
-        self.last_tokens = 0
 
     @torch.inference_mode()  # its log-probs leave as Arrow lists: never part of a graph
-    def process(self, lease: Lease) -> pa.RecordBatch:
-        groups, where = rows_to_groups(lease.batch)
+    def score(self, batch: pa.RecordBatch) -> pa.ListArray:
+        """``ref_logprobs`` of ``batch``'s rows (it needs group_id, prompt_ids, response_ids)."""
+        groups, where = rows_to_groups(batch)
         logprobs = packed_response_logprobs(
             self.model, groups, temperature=self.temperature, token_budget=self.pack.token_budget,
             pack=self.pack.packing, min_saving=self.pack.packing_min_saving)
@@ -67,6 +68,22 @@ class ReferenceStage:
         np.cumsum([p.shape[0] for p in pieces], out=offsets[1:])
         flat = (torch.cat(pieces).float().cpu().numpy() if pieces
                 else np.empty(0, dtype=np.float32))
-        self.last_tokens = int(offsets[-1])
-        column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.float32()))
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.float32()))
+
+
+class ReferenceStage:
+    task = "reference"
+    columns = REFERENCE_READS
+    whole_groups = False
+
+    def __init__(self, model: torch.nn.Module, *, temperature: float, max_rows: int,
+                 pack: PackingSettings) -> None:
+        self.scorer = ReferenceScorer(model, temperature=temperature, pack=pack)
+        self.model = self.scorer.model
+        self.max_rows = max_rows
+        self.last_tokens = 0
+
+    def process(self, lease: Lease) -> pa.RecordBatch:
+        column = self.scorer.score(lease.batch)
+        self.last_tokens = len(column.values)
         return with_row_ids(lease, {"ref_logprobs": column})

@@ -2,7 +2,9 @@
 
 Before generating, loads the newest published version, waiting (bounded) for the rows'
 ``min_policy_version``; sampling is seeded per group by (run seed, group id, policy version), so
-a group's responses do not depend on who claims it (docs/training.md "The rollout role").
+a group's responses do not depend on who claims it (docs/training.md "The rollout role"). With
+``reference.placement = rollout`` it also scores what it generated with the frozen reference and
+writes ``ref_logprobs`` in the same write, so the trainer does not run the reference forward.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from storage.schema import Lease
 from workers.engines.base import LoadsWeightsFile, RolloutEngine, SamplingParams
 from workers.events import WeightSyncReport
 from workers.loop import with_row_ids
+from workers.reference import ReferenceScorer
 from workers.schema import ROLLOUT_READS
 from workers.weights import WeightSubscriber, weights_path
 
@@ -34,7 +37,8 @@ class RolloutStage:
     def __init__(self, engine: RolloutEngine, weights: WeightSubscriber, params: SamplingParams, *,
                  worker: str, group_size: int, groups_per_claim: int, seed: int,
                  weight_wait_s: float,
-                 on_sync: Callable[[WeightSyncReport], None] = lambda r: None) -> None:
+                 on_sync: Callable[[WeightSyncReport], None] = lambda r: None,
+                 reference: ReferenceScorer | None = None) -> None:
         self.engine = engine
         self.weights = weights
         self.params = params
@@ -44,6 +48,7 @@ class RolloutStage:
         self.seed = seed
         self.weight_wait_s = weight_wait_s
         self.on_sync = on_sync
+        self.reference = reference  # None: another role writes ref_logprobs (or none does)
         self.last_tokens = 0
         # collective sync: weights arrive on another thread, never while this stage generates
         self.engine_lock = getattr(weights, "engine_lock", None) or nullcontext()
@@ -78,9 +83,15 @@ class RolloutStage:
         batch = lease.batch
         self.ensure_version(max(batch.column("min_policy_version").to_pylist()))
         with self.engine_lock:  # the version that generates is the version the rows record
-            return self._generate(lease)
+            columns = self._generate(lease)
+        if self.reference is not None:  # the frozen model: no lock, weight loads never touch it
+            scored = pa.RecordBatch.from_arrays(
+                [batch.column("group_id"), batch.column("prompt_ids"), columns["response_ids"]],
+                names=["group_id", "prompt_ids", "response_ids"])
+            columns["ref_logprobs"] = self.reference.score(scored)
+        return with_row_ids(lease, columns)
 
-    def _generate(self, lease: Lease) -> pa.RecordBatch:
+    def _generate(self, lease: Lease) -> dict[str, pa.Array]:
         batch = lease.batch
         version = self.engine.policy_version
         group_ids = batch.column("group_id").to_pylist()
@@ -111,9 +122,9 @@ class RolloutStage:
                 logprobs[row] = sample.logprobs
                 finish[row] = sample.finish_reason
         self.last_tokens = sum(len(r) for r in response_ids)
-        return with_row_ids(lease, {
+        return {
             "response_ids": pa.array(response_ids, pa.list_(pa.int32())),
             "response_logprobs": pa.array(logprobs, pa.list_(pa.float32())),
             "policy_version": pa.array([version] * n, pa.int64()),
             "finish_reason": pa.array(finish, pa.string()),
-        })
+        }

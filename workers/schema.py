@@ -62,11 +62,13 @@ def prompt_rows(iteration: int, prompts: Sequence[Sequence[int]], answers: Seque
 
 
 def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
-                       capacity_rows: int = 1_000_000, lease_seconds: float = 60.0,
-                       max_deliveries: int = 5, fsync: str = "always") -> TableSpec:
+                       reference_in_rollout: bool = False, capacity_rows: int = 1_000_000,
+                       lease_seconds: float = 60.0, max_deliveries: int = 5,
+                       fsync: str = "always") -> TableSpec:
     """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
     wait for ``ref_logprobs`` (off when the KL term is off or the reference is fused into the
-    trainer)."""
+    trainer); ``reference_in_rollout``: the rollout writes them with its responses, so the trainer
+    waits for them without a reference task."""
     tasks = [
         TaskSpec("rollout", ("prompt_ids",), whole_groups=True),
         TaskSpec("reward", ("response_ids",)),
@@ -74,6 +76,7 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
     trainer_needs: tuple[str, ...] = ("response_ids", "reward")
     if reference_worker:
         tasks.append(TaskSpec("reference", ("response_ids",)))
+    if reference_worker or reference_in_rollout:
         trainer_needs += REFERENCE_COLUMNS
     tasks.append(TaskSpec("trainer", trainer_needs, whole_groups=True))
     return TableSpec(
@@ -83,6 +86,7 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
     )
 
 
-def trainer_columns(reference_worker: bool) -> tuple[str, ...]:
-    """What the trainer claims: ``ref_logprobs`` too when a reference worker writes them."""
-    return TRAINER_READS + (REFERENCE_COLUMNS if reference_worker else ())
+def trainer_columns(reference_in_store: bool) -> tuple[str, ...]:
+    """What the trainer claims: ``ref_logprobs`` too when another role (the reference worker or
+    the rollout) writes them to the store."""
+    return TRAINER_READS + (REFERENCE_COLUMNS if reference_in_store else ())

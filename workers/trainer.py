@@ -75,7 +75,7 @@ class Trainer:
         self.keeper = keeper  # renews held leases from its own thread (else: between claims)
         self.ranks = ranks  # several trainer ranks (workers.distributed); None: this process alone
         self.step = start_iteration  # = policy version of the current weights
-        self.columns = trainer_columns(settings.reference_worker)
+        self.columns = trainer_columns(settings.reference_in_store)
         self._parked: dict[int, list[Piece]] = {}
         self._held: dict[int, _Held] = {}
         self._seen: dict[int, set[int]] = {}  # iteration (>= step) -> row ids accepted for training
@@ -186,7 +186,7 @@ class Trainer:
         ref = None
         loss = self.s.loss
         if loss.kl_coef > 0:
-            if self.s.reference_worker:
+            if self.s.reference_in_store:
                 ref = _padded(rows.column("ref_logprobs")).to(dev)
             else:
                 ref = pad_sequence([out.ref[g][r] for g, r in where], batch_first=True)

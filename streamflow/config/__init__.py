@@ -115,6 +115,9 @@ def _check_simulated(cfg: RunConfig) -> None:
             "simulated engines write no checkpoints: there is nothing to resume from")
     require(cfg.trainer.num_ranks == 1, "trainer.num_ranks",
             "must be 1 with trainer.engine 'simulated' (one simulated trainer device)")
+    require(not cfg.reference_in_rollout, "reference.placement",
+            "'rollout' needs a real rollout engine (a simulated one holds no model to score "
+            "with): use 'worker' or 'trainer'")
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,16 @@ class RunConfig:
         return self.kl_active and self.reference.placement == "worker"
 
     @property
+    def reference_in_rollout(self) -> bool:
+        """Each rollout worker scores its responses with the reference and writes them."""
+        return self.kl_active and self.reference.placement == "rollout"
+
+    @property
+    def reference_in_store(self) -> bool:
+        """The trainer reads ``ref_logprobs`` from the store (another role wrote them)."""
+        return self.reference_worker or self.reference_in_rollout
+
+    @property
     def max_staleness(self) -> int:
         """Versions a trained sample may lag: 0 in sync/periodic (on-policy), else the cap."""
         return self.run.max_staleness if self.run.mode == "async" else 0
@@ -182,6 +195,11 @@ def config_warnings(cfg: RunConfig) -> list[str]:
                      "model.path")
     if cfg.data.task != "arithmetic" and cfg.data.digits != DataSection.digits:
         notes.append("data.digits applies to task 'arithmetic' only")
+    if cfg.reference_in_rollout and (cfg.reference.threads != ReferenceSection.threads
+                                     or cfg.reference.device != ReferenceSection.device):
+        notes.append("reference.threads and reference.device apply to a reference worker; with "
+                     "reference.placement 'rollout' the reference runs on each rollout worker's "
+                     "threads and device")
     return notes
 
 

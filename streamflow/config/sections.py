@@ -180,7 +180,9 @@ class RewardSection(Checked):
 @dataclass(frozen=True)
 class ReferenceSection(Checked):
     enabled: bool = True  # compute frozen-reference log-probs (forced off when kl_coef == 0)
-    placement: Literal["worker", "trainer"] = "worker"  # own worker process, or fused in trainer
+    # own worker process, fused into the trainer's pass, or run by each rollout worker on what it
+    # generated (docs/training.md "The reference role")
+    placement: Literal["worker", "trainer", "rollout"] = "worker"
     rows_per_claim: int = bounded(32, ge=1)  # rows claimed per micro-batch
     threads: int = bounded(1, ge=1)  # torch threads of the reference worker
     # dtype of the frozen reference copy (auto: model.dtype)

@@ -302,3 +302,20 @@ def test_embedded_worker_settings_are_flat_keys_of_their_section():
     assert info.value.key == "rollout.top_p"
     with pytest.raises(ConfigValueError, match="simulated.skew: must be"):
         load_config(None, ["simulated.skew=9"])
+
+
+def test_reference_placement_rollout_routes_ref_logprobs_through_the_store():
+    cfg = load_config(None, ["reference.placement=rollout"])
+    assert cfg.reference_in_rollout and cfg.reference_in_store and not cfg.reference_worker
+    fused = load_config(None, ["reference.placement=trainer"])
+    assert not fused.reference_in_store and not fused.reference_in_rollout
+    off = load_config(None, ["reference.placement=rollout", "trainer.kl_coef=0"])
+    assert not off.reference_in_rollout and not off.reference_in_store  # no KL: nobody scores
+    assert config_warnings(cfg) == []
+    assert any("reference.threads and reference.device apply to a reference worker" in w
+               for w in config_warnings(load_config(None, ["reference.placement=rollout",
+                                                           "reference.threads=2"])))
+    with pytest.raises(ConfigValueError) as info:  # a simulated rollout has no model to score with
+        load_config(None, ["reference.placement=rollout", "rollout.engine=simulated",
+                           "trainer.engine=simulated", "run.eval_every=0"])
+    assert info.value.key == "reference.placement" and "real rollout engine" in str(info.value)

@@ -186,6 +186,37 @@ def test_packing_on_equals_packing_off_in_a_full_run(tiny_config) -> None:
     _assert_trained(packed, a)
 
 
+def test_the_reference_in_the_rollout_gives_the_reference_workers_parameters(tiny_config) -> None:
+    """``reference.placement=rollout`` moves the reference forward, not the result: a periodic
+    run whose rollout writes ref_logprobs ends with the parameters of a sync run with a reference
+    worker (the KL term's gradient is nonzero from the second step on, when policy and reference
+    differ), and its trainer holds no reference copy."""
+    common = ("run.iterations=2", "run.eval_every=0", "trainer.kl_coef=0.5", "trainer.lr=0.01")
+    worker = tiny_config("run.mode=sync", "reference.placement=worker", *common)
+    run(worker)
+    in_rollout = tiny_config("run.mode=periodic", "reference.placement=rollout", *common,
+                             f"run.output_dir={Path(worker.run.output_dir).parent / 'rollout'}")
+    summary = run(in_rollout)
+    no_children_left()
+    assert summary.status == "ok" and summary.iterations == 2
+    out = Path(in_rollout.run.output_dir)
+    trainer = json.loads((out / "workers" / "trainer-0.json").read_text())
+    rollout = json.loads((out / "workers" / "rollout-0.json").read_text())
+    assert trainer["reference_path"] is None and trainer["reference_in_store"] is True
+    assert rollout["reference_path"] is not None
+    assert not (out / "workers" / "reference-0.json").exists()
+    a = _final_params(Path(worker.run.output_dir), 2)
+    b = _final_params(out, 2)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    # ... and the KL term mattered: without it the parameters differ
+    no_kl = tiny_config("run.mode=sync", *common[:-2], "trainer.kl_coef=0", "trainer.lr=0.01",
+                        f"run.output_dir={Path(worker.run.output_dir).parent / 'nokl'}")
+    run(no_kl)
+    c = _final_params(Path(no_kl.run.output_dir), 2)
+    assert max(float((a[k] - c[k]).abs().max()) for k in a) > 1e-5
+    _assert_trained(worker, a)
+
+
 @pytest.mark.slow
 def test_deepspeed_two_ranks_match_the_torch_trainer(tiny_config) -> None:
     """The same run with the trainer on DeepSpeed (ZeRO-2, 2 gloo ranks via torch's launcher)."""

@@ -143,3 +143,10 @@ def test_worker_checks_its_device_with_torch():
     assert dtype_of("bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of"):
         dtype_of("float16")
+
+
+def test_a_reference_in_the_rollout_sits_on_the_rollouts_device():
+    d = resolve_devices(cfg("reference.placement=rollout", "rollout.num_workers=2"), gpus=4)
+    # no reference process: trainer 1 + rollout 2 GPUs, the reference copy on the rollout's
+    assert (d.trainer, d.rollout, d.reference) == ("cuda:0", ("cuda:1", "cuda:2"), "cuda:1")
+    assert d.reference_dtype == d.rollout_dtype == "bfloat16"

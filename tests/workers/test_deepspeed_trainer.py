@@ -156,7 +156,7 @@ def _trainer_config(model_dir: Path, weights: Path, addresses: list[str], *, eng
     return TrainerWorkerConfig(
         common=common, model_path=str(model_dir), reference_path=None, weights_dir=str(weights),
         weights_bind=None, rows_per_iteration=ROWS, iterations=iterations, group_size=G,
-        reference_worker=False, lr=1e-2, rows_per_claim=ROWS_PER_CLAIM, engine=engine, **kw,
+        reference_in_store=False, lr=1e-2, rows_per_claim=ROWS_PER_CLAIM, engine=engine, **kw,
     )
 
 

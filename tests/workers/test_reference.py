@@ -43,3 +43,53 @@ def test_each_row_gets_its_own_log_probs(packing: bool) -> None:
         alone = packed_response_logprobs(model, [PackGroup(gid, prompts[gid], [response])],
                                          token_budget=256, pack=False)[0][0]
         assert torch.allclose(torch.tensor(values), alone.float(), atol=1e-5), (gid, response)
+
+
+def test_the_rollout_scores_its_responses_with_the_frozen_reference(tmp_path) -> None:
+    """``reference.placement = rollout``: the rollout writes ``ref_logprobs`` of what it just
+    generated, under the frozen reference (not the policy that generated), on the right rows."""
+    import copy
+
+    from storage.schema import ROW_ID
+    from workers.engines.base import SamplingParams
+    from workers.engines.torch_rollout import TorchRolloutEngine
+    from workers.reference import ReferenceScorer
+    from workers.rollout import RolloutStage
+    from workers.weights import WeightSubscriber
+
+    torch.manual_seed(0)
+    tok = build_char_tokenizer()
+    reference = build_tiny_model(TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,
+                                               num_kv_heads=1, intermediate_size=64), tok)
+    policy = copy.deepcopy(reference)  # a later policy version: the reference must not follow it
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    prompts = {4: encode_prompt(tok, "12+34="), 9: encode_prompt(tok, "5+6=")}
+    gids = [9, 4, 9, 4]  # the groups' rows interleaved: results must go back by row
+    batch = pa.RecordBatch.from_pydict({
+        "group_id": pa.array(gids, pa.int64()),
+        "iteration": pa.array([0] * 4, pa.int64()),
+        "min_policy_version": pa.array([0] * 4, pa.int64()),
+        "prompt_ids": pa.array([prompts[g] for g in gids], pa.list_(pa.int32())),
+        ROW_ID: pa.array(range(4), pa.uint64()),
+    })
+    pack = PackingSettings(packing=True, packing_min_saving=0.0)
+    stage = RolloutStage(
+        TorchRolloutEngine(policy, tok), WeightSubscriber(tmp_path),
+        SamplingParams(temperature=1.5, max_new_tokens=6), worker="r", group_size=2,
+        groups_per_claim=2, seed=3, weight_wait_s=1.0,
+        reference=ReferenceScorer(copy.deepcopy(reference), temperature=1.5, pack=pack))
+    out = stage.process(Lease(1, "samples", "rollout", 0, 0.0, batch))
+    assert out.schema.field("ref_logprobs").type == pa.list_(pa.float32())
+    assert out.column(ROW_ID).to_pylist() == [0, 1, 2, 3]
+    got = out.to_pydict()
+    # what a reference worker would write for these rows, one row at a time
+    for gid, response, ref, behaviour in zip(gids, got["response_ids"], got["ref_logprobs"],
+                                             got["response_logprobs"], strict=True):
+        assert len(ref) == len(response) > 0
+        alone = packed_response_logprobs(reference, [PackGroup(gid, prompts[gid], [response])],
+                                         temperature=1.5, token_budget=256, pack=False)[0][0]
+        assert torch.allclose(torch.tensor(ref), alone.float(), atol=1e-5), (gid, response)
+        # the policy that generated is another model: its log-probs are not the reference's
+        assert not torch.allclose(torch.tensor(ref), torch.tensor(behaviour), atol=1e-3)

@@ -34,3 +34,7 @@ def test_every_declared_column_is_in_the_table_and_tasks_wait_for_their_inputs()
         trainer = next(t for t in spec.tasks if t.name == "trainer")
         assert set(trainer.needs) <= set(trainer_columns(reference))
     assert trainer_columns(True) == (*TRAINER_READS, "ref_logprobs")
+    # reference.placement=rollout: no reference task; the trainer waits for the rollout's column
+    spec = samples_table_spec("t", group_size=2, reference_worker=False, reference_in_rollout=True)
+    assert [t.name for t in spec.tasks] == ["rollout", "reward", "trainer"]
+    assert "ref_logprobs" in next(t for t in spec.tasks if t.name == "trainer").needs

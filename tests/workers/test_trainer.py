@@ -63,7 +63,7 @@ def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: in
     trainer = TrainerWorkerConfig(
         common=replace(common, name="trainer-0", role="trainer"), model_path=str(model_dir),
         reference_path=None, weights_dir=str(weights), weights_bind=None,
-        rows_per_iteration=ROWS, iterations=iterations, group_size=G, reference_worker=False,
+        rows_per_iteration=ROWS, iterations=iterations, group_size=G, reference_in_store=False,
         lr=1e-2, rows_per_claim=rows_per_claim, checkpoint_dir=None, deterministic=deterministic,
     )
     return rollout, replace(trainer, **trainer_over)

@@ -35,7 +35,7 @@ class SimulatedTrainer(Trainer):
         settings = dataclasses.replace(cfg, pack=dataclasses.replace(cfg.pack, packing=False))
         super().__init__(
             client, cfg.common.table, SimulatedTrainingEngine(device),
-            SimulatedTriModel(device, reference=not cfg.reference_worker),  # type: ignore[arg-type]
+            SimulatedTriModel(device, reference=not cfg.reference_in_store),  # type: ignore[arg-type]
             settings, publisher, worker=cfg.common.name, send=send, keeper=keeper,
         )
         self.device = device
