@@ -217,3 +217,46 @@ def test_a_group_samples_the_same_alone_or_with_other_groups(setup):
         assert [g.token_ids for g in alone] == [g.token_ids for g in together[i]]
     swapped = engine.generate(prompts[::-1], 3, params(seeds[::-1]))
     assert [g.token_ids for g in swapped[0]] == [g.token_ids for g in together[-1]]
+
+
+@pytest.mark.slow  # a real vLLM engine (module fixture `setup`: 12-50 s to start)
+def test_the_reference_in_the_rollout_scores_vllm_responses_with_the_frozen_model(setup, tmp_path):
+    """``reference.placement = rollout`` beside vLLM: the engine generates with a later policy
+    version, the torch reference copy scores each response under the frozen initial weights."""
+    import copy
+
+    import pyarrow as pa
+
+    from storage.schema import ROW_ID, Lease
+    from workers.reference import ReferenceScorer
+    from workers.settings import PackingSettings
+
+    engine, model, tok = setup
+    original = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    engine.load_weights({k: v + 0.05 * torch.randn(v.shape, generator=gen)
+                         for k, v in original.items()}, 3)
+    try:
+        prompts = _prompts(tok)[:2]
+        gids = [5, 6, 5, 6]
+        batch = pa.RecordBatch.from_pydict({
+            "group_id": pa.array(gids, pa.int64()),
+            "iteration": pa.array([0] * 4, pa.int64()),
+            "min_policy_version": pa.array([0] * 4, pa.int64()),
+            "prompt_ids": pa.array([prompts[g - 5] for g in gids], pa.list_(pa.int32())),
+            ROW_ID: pa.array(range(4), pa.uint64()),
+        })
+        stage = RolloutStage(
+            engine, WeightSubscriber(tmp_path), SamplingParams(temperature=0.7, max_new_tokens=8),
+            worker="rollout-test", group_size=2, groups_per_claim=2, seed=0, weight_wait_s=1.0,
+            reference=ReferenceScorer(copy.deepcopy(model), temperature=0.7,
+                                      pack=PackingSettings()))
+        out = stage.process(Lease(1, "samples", "rollout", 0, 0.0, batch)).to_pydict()
+        assert out["policy_version"] == [3] * 4
+        for gid, response, ref, behaviour in zip(gids, out["response_ids"], out["ref_logprobs"],
+                                                 out["response_logprobs"], strict=True):
+            want = _recompute(model, prompts[gid - 5], response, 0.7)
+            assert torch.allclose(torch.tensor(ref), want, atol=LOGPROB_TOL)
+            assert not torch.allclose(torch.tensor(behaviour), want, atol=LOGPROB_TOL)
+    finally:
+        engine.load_weights(original, 0)
