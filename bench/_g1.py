@@ -147,10 +147,6 @@ def run_config(
     """
     rows = shape.prompts * shape.group_size
     streaming = mode != "sync"
-    if mode == "sync":  # a reference worker's threads: the bench times its forward as a phase
-        reference_threads: dict[str, Any] = {"threads": threads}
-    else:
-        reference_threads = {}
     tree: dict[str, Any] = {
         "run": {"name": f"g1-{mode}", "mode": mode, "iterations": iterations, "seed": 0,
                 "output_dir": str(out_dir / "{name}"), "eval_every": 0, "eval_prompts": 0,
@@ -163,12 +159,13 @@ def run_config(
                     "top_p": 1.0, "threads": max(threads // 2, 1) if streaming else threads,
                     "groups_per_claim": max(shape.prompts // 2, 1) if streaming else shape.prompts},
         "reward": {"fn": "exact_match", "rows_per_claim": rows},
-        "reference": {"placement": REFERENCE_PLACEMENT[mode], "rows_per_claim": rows,
-                      **reference_threads},
+        "reference": {"placement": REFERENCE_PLACEMENT[mode], "rows_per_claim": rows},
         "trainer": {"engine": "torch", "lr": LR, "kl_coef": KL_COEF, "threads": threads,
                     "rows_per_claim": 32 if streaming else rows},
         "metrics": {"enabled": False},
     }
+    if mode == "sync":  # the reference worker's threads (the other modes have no such process)
+        tree["reference"]["threads"] = threads
     _place_on(tree, device)
     return tree
 

@@ -40,6 +40,7 @@ from workers.models import load_model, load_tokenizer
 from workers.reference import ReferenceScorer, ReferenceStage
 from workers.reward import RewardStage
 from workers.rollout import RolloutStage
+from workers.settings import PackingSettings
 from workers.trainer import Trainer
 from workers.trimodel import TriModel
 from workers.weights import WeightPublisher, WeightSubscriber
@@ -67,6 +68,13 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
                               max_batch_size=cfg.generate.rows_per_generate or None)
 
 
+def load_reference(path: str, *, dtype: str, device: str, temperature: float,
+                   pack: PackingSettings) -> ReferenceScorer:
+    """The frozen reference on ``device``, as the reference worker and the rollout run it."""
+    model = load_model(path, dtype=DTYPES[dtype], attn_implementation=pack.attn_implementation)
+    return ReferenceScorer(model.to(torch_device(device)), temperature=temperature, pack=pack)
+
+
 def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage:
     tokenizer = load_tokenizer(cfg.model_path)
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
@@ -89,11 +97,9 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
         weights.start(engine)
     reference = None
     if cfg.reference_path:  # reference.placement=rollout: score the responses here, on our device
-        reference = ReferenceScorer(
-            load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype],
-                       attn_implementation=cfg.reference_pack.attn_implementation
-                       ).to(torch_device(cfg.device)),
-            temperature=sampling.temperature, pack=cfg.reference_pack)
+        reference = load_reference(cfg.reference_path, dtype=cfg.reference_dtype,
+                                   device=cfg.device, temperature=sampling.temperature,
+                                   pack=cfg.reference_pack)
     return RolloutStage(engine, weights, params, worker=cfg.common.name,
                         group_size=cfg.group_size, groups_per_claim=cfg.groups_per_claim,
                         seed=cfg.common.seed, weight_wait_s=cfg.weight_wait_s, on_sync=on_sync,
@@ -117,10 +123,9 @@ def build_reference(cfg: ReferenceWorkerConfig) -> Any:
 
         return SimulatedReferenceStage(cfg.common.simulated, cfg.rows_per_claim)
     return ReferenceStage(
-        load_model(cfg.model_path, dtype=DTYPES[cfg.dtype],
-                   attn_implementation=cfg.pack.attn_implementation).to(torch_device(cfg.device)),
-        temperature=cfg.sampling.temperature, max_rows=cfg.rows_per_claim, pack=cfg.pack,
-    )
+        load_reference(cfg.model_path, dtype=cfg.dtype, device=cfg.device,
+                       temperature=cfg.sampling.temperature, pack=cfg.pack),
+        max_rows=cfg.rows_per_claim)
 
 
 def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tuple[Any, Any]:

@@ -76,10 +76,8 @@ class ReferenceStage:
     columns = REFERENCE_READS
     whole_groups = False
 
-    def __init__(self, model: torch.nn.Module, *, temperature: float, max_rows: int,
-                 pack: PackingSettings) -> None:
-        self.scorer = ReferenceScorer(model, temperature=temperature, pack=pack)
-        self.model = self.scorer.model
+    def __init__(self, scorer: ReferenceScorer, *, max_rows: int) -> None:
+        self.scorer = scorer
         self.max_rows = max_rows
         self.last_tokens = 0
 

@@ -10,7 +10,7 @@ import torch
 from storage.schema import Lease
 from workers.models import TinyModelSpec, build_tiny_model
 from workers.packing import PackGroup, packed_response_logprobs
-from workers.reference import ReferenceStage
+from workers.reference import ReferenceScorer, ReferenceStage
 from workers.settings import PackingSettings
 from workers.tokenizer import build_char_tokenizer, encode_prompt
 
@@ -31,8 +31,8 @@ def test_each_row_gets_its_own_log_probs(packing: bool) -> None:
         "prompt_ids": pa.array([prompts[g] for g, _ in rows], pa.list_(pa.int32())),
         "response_ids": pa.array([r for _, r in rows], pa.list_(pa.int32())),
     })
-    stage = ReferenceStage(model, temperature=1.0, max_rows=64,
-                           pack=PackingSettings(packing=packing, packing_min_saving=0.0))
+    pack = PackingSettings(packing=packing, packing_min_saving=0.0)
+    stage = ReferenceStage(ReferenceScorer(model, temperature=1.0, pack=pack), max_rows=64)
     out = stage.process(Lease(1, "samples", "reference", 0, 0.0, batch))
     assert out.column("row_id").to_pylist() == batch.column("row_id").to_pylist()
     assert out.schema.field("ref_logprobs").type == pa.list_(pa.float32())
@@ -53,7 +53,6 @@ def test_the_rollout_scores_its_responses_with_the_frozen_reference(tmp_path) ->
     from storage.schema import ROW_ID
     from workers.engines.base import SamplingParams
     from workers.engines.torch_rollout import TorchRolloutEngine
-    from workers.reference import ReferenceScorer
     from workers.rollout import RolloutStage
     from workers.weights import WeightSubscriber
 

@@ -185,7 +185,7 @@ def test_scoring_attention_is_configurable_and_sdpa_trains_like_eager(
             assert trainer.tri.reference.config._attn_implementation == impl
         stage = build_reference(ReferenceWorkerConfig(common=common, model_path=str(model_dir),
                                                       pack=pack))
-        assert stage.model.config._attn_implementation == impl
+        assert stage.scorer.model.config._attn_implementation == impl
     runs = {impl: _train(model_dir, tmp_path, iterations=2, order_seed=None, rows_per_claim=ROWS,
                          pack=PackingSettings(attn_implementation=impl, packing=False))[0]
             for impl in ("eager", "sdpa")}
