@@ -137,8 +137,11 @@ def run_config(
     - ``periodic``/``async``: the rollout worker and the trainer share the budget by phase
       (``run.host_threads``, workers/cores.py): a process at work alone gets every thread (in
       ``periodic`` the trainer, once the iteration is generated), the rollout is capped at half.
-      The rollout claims half an iteration at a time and the trainer 32 rows, so it starts on an
-      iteration while the rest of it is generated;
+      The trainer claims 32 rows. In ``periodic`` the rollout claims half an iteration at a
+      time, so the trainer starts on an iteration while the rest of it is generated; in
+      ``async`` it runs an iteration ahead and claims a whole one (one larger decode batch takes
+      less CPU, and the rollout, which scores the reference there too, is busy nearly all the
+      iteration);
     - the reference (``REFERENCE_PLACEMENT``): a worker of its own in ``sync``, so ``bench
       phases`` times its forward as a phase of that layout; in ``periodic``/``async`` never a
       third process (two processes share two cores better than three: ``async`` 2.93 against
@@ -157,7 +160,8 @@ def run_config(
                  "prompts_per_iteration": shape.prompts, "group_size": shape.group_size},
         "rollout": {"engine": "torch", "max_new_tokens": shape.new_tokens, "temperature": 1.0,
                     "top_p": 1.0, "threads": max(threads // 2, 1) if streaming else threads,
-                    "groups_per_claim": max(shape.prompts // 2, 1) if streaming else shape.prompts},
+                    "groups_per_claim": max(shape.prompts // 2, 1) if mode == "periodic"
+                    else shape.prompts},
         "reward": {"fn": "exact_match", "rows_per_claim": rows},
         "reference": {"placement": REFERENCE_PLACEMENT[mode], "rows_per_claim": rows},
         "trainer": {"engine": "torch", "lr": LR, "kl_coef": KL_COEF, "threads": threads,

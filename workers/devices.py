@@ -7,6 +7,9 @@ cannot see is a one-line error naming the device, before any model is loaded ont
 
 from __future__ import annotations
 
+import os
+from collections.abc import MutableMapping
+
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -26,6 +29,34 @@ def torch_device(spec: str, offset: int = 0) -> torch.device:
     if index >= count:
         raise RuntimeError(f"device cuda:{index} does not exist ({count} GPU(s) visible)")
     return torch.device("cuda", index)
+
+
+def pin_visible_gpu(spec: str, environ: MutableMapping[str, str] | None = None) -> str:
+    """Make ``spec``'s GPU the only one this process sees, for an engine that places itself on the
+    first visible GPU (vLLM); returns the name that GPU then has here (``cuda:0``).
+
+    ``cuda:N`` counts among the GPUs this process was started with (the controller resolved it
+    on the same ``CUDA_VISIBLE_DEVICES``), so N picks entry N of that list, not physical GPU N.
+    Anything but ``cuda:N`` is returned unchanged. Call it before CUDA is initialised here: the
+    driver reads the variable once.
+    """
+    dev = torch.device(spec)
+    if dev.type != "cuda" or dev.index is None:
+        return spec
+    env = os.environ if environ is None else environ
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        entry = str(dev.index)
+    else:
+        entries = [e for e in listed.replace(" ", "").split(",") if e]
+        if entries and entries[0].startswith("-"):  # "-1": CUDA hides every device
+            entries = []
+        if dev.index >= len(entries):
+            raise RuntimeError(f"device {spec!r} does not exist ({len(entries)} GPU(s) visible: "
+                               f"CUDA_VISIBLE_DEVICES={listed!r})")
+        entry = entries[dev.index]
+    env["CUDA_VISIBLE_DEVICES"] = entry
+    return "cuda:0"
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -30,7 +30,7 @@ from workers.config import (
     WorkerConfig,
     from_json,
 )
-from workers.devices import DTYPES, dtype_of, torch_device
+from workers.devices import DTYPES, dtype_of, pin_visible_gpu, torch_device
 from workers.engines.base import SamplingParams
 from workers.engines.torch_trainer import TorchTrainerEngine
 from workers.events import EventSender, WeightSyncReport, WorkerStatus
@@ -46,10 +46,10 @@ from workers.trimodel import TriModel
 from workers.weights import WeightPublisher, WeightSubscriber
 
 
-def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
+def make_rollout_engine(cfg: RolloutWorkerConfig, device: str) -> Any:
+    """The configured rollout engine on ``device`` (this process's name for the rollout's
+    device: for vLLM, ``build_rollout`` has made it the only GPU visible here)."""
     if cfg.engine == "vllm":
-        if cfg.device.startswith("cuda:"):  # vLLM places itself on the first visible GPU
-            os.environ["CUDA_VISIBLE_DEVICES"] = cfg.device.partition(":")[2]
         from workers.engines.vllm_rollout import VllmRolloutEngine  # needs the [vllm] extra
 
         return VllmRolloutEngine(cfg.model_path, seed=cfg.common.seed, **cfg.vllm.engine_kwargs())
@@ -64,7 +64,7 @@ def make_rollout_engine(cfg: RolloutWorkerConfig) -> Any:
 
     model = load_model(cfg.model_path, dtype=dtype_of(cfg.dtype),
                        attn_implementation=cfg.generate.attn_implementation)
-    return TorchRolloutEngine(model, tokenizer, device=torch_device(cfg.device),
+    return TorchRolloutEngine(model, tokenizer, device=torch_device(device),
                               max_batch_size=cfg.generate.rows_per_generate or None)
 
 
@@ -87,18 +87,24 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
         report.seconds += files.fetch_seconds.pop(report.policy_version, 0.0)
         events.send(report)
 
-    engine = make_rollout_engine(cfg)
+    device = cfg.device
+    if cfg.engine == "vllm":  # vLLM places itself on the first visible GPU: make that ours
+        device = pin_visible_gpu(cfg.device)
+    engine = make_rollout_engine(cfg, device)
     weights: Any = files
     spec = cfg.weights_group  # None: weights go by file only
     if spec is not None:  # collective sync: a thread receives each broadcast version
         from workers.weights_group import CollectiveSubscriber
 
-        weights = CollectiveSubscriber(files, spec, cfg.device, on_sync, worker=cfg.common.name)
+        weights = CollectiveSubscriber(files, spec, device, on_sync, worker=cfg.common.name)
         weights.start(engine)
     reference = None
-    if cfg.reference_path:  # reference.placement=rollout: score the responses here, on our device
+    # reference.placement=rollout: score the responses here, on our device. Loaded after the
+    # engine: vLLM refuses to start unless vllm_gpu_memory_utilization of the GPU is free, then
+    # takes only its weights, activations and vllm_kv_cache_gib, which leaves room for the copy.
+    if cfg.reference_path:
         reference = load_reference(cfg.reference_path, dtype=cfg.reference_dtype,
-                                   device=cfg.device, temperature=sampling.temperature,
+                                   device=device, temperature=sampling.temperature,
                                    pack=cfg.reference_pack)
     return RolloutStage(engine, weights, params, worker=cfg.common.name,
                         group_size=cfg.group_size, groups_per_claim=cfg.groups_per_claim,

@@ -89,11 +89,13 @@ def test_run_config_gives_each_mode_its_layout_and_is_a_valid_config(tmp_path):
             assert cfg.run.host_threads == 0 and cfg.rollout.threads == cfg.trainer.threads == 2
             assert cfg.rollout.groups_per_claim == 16
             assert cfg.trainer.rows_per_claim == cfg.reference.rows_per_claim == 128
-        else:  # the budget shared by phase, the rollout capped at half, half an iteration a claim
+        else:  # the budget shared by phase, the rollout capped at half
             assert cfg.run.host_threads == 2 and cfg.rollout.threads == 1
             # two processes share the cores, not three: the reference rides in one of them
             assert cfg.reference.placement == {"periodic": "trainer", "async": "rollout"}[mode]
-            assert cfg.rollout.groups_per_claim == 8
+            # periodic: half an iteration a claim, so training starts while the rest generates;
+            # async runs an iteration ahead: a whole one a claim (one larger decode batch)
+            assert cfg.rollout.groups_per_claim == {"periodic": 8, "async": 16}[mode]
             assert cfg.trainer.rows_per_claim == 32
 
 

@@ -150,3 +150,24 @@ def test_a_reference_in_the_rollout_sits_on_the_rollouts_device():
     # no reference process: trainer 1 + rollout 2 GPUs, the reference copy on the rollout's
     assert (d.trainer, d.rollout, d.reference) == ("cuda:0", ("cuda:1", "cuda:2"), "cuda:1")
     assert d.reference_dtype == d.rollout_dtype == "bfloat16"
+
+
+def test_a_vllm_rollout_sees_only_its_own_gpu_counted_among_the_visible_ones():
+    from workers.devices import pin_visible_gpu
+
+    # cuda:N is entry N of the list the process was started with, not physical GPU N
+    env = {"CUDA_VISIBLE_DEVICES": "4, 7"}
+    assert pin_visible_gpu("cuda:1", env) == "cuda:0" and env["CUDA_VISIBLE_DEVICES"] == "7"
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}  # UUIDs pass through as they are
+    assert pin_visible_gpu("cuda:0", env) == "cuda:0" and env["CUDA_VISIBLE_DEVICES"] == "GPU-aa"
+    env = {}  # nothing hidden: the index is the physical one
+    assert pin_visible_gpu("cuda:3", env) == "cuda:0" and env["CUDA_VISIBLE_DEVICES"] == "3"
+    for spec in ("cpu", "cuda"):  # nothing to pin: left as it is
+        env = {"CUDA_VISIBLE_DEVICES": "2,3"}
+        assert pin_visible_gpu(spec, env) == spec and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    env = {"CUDA_VISIBLE_DEVICES": "2,3"}
+    with pytest.raises(RuntimeError, match=r"'cuda:2' does not exist \(2 GPU\(s\) visible"):
+        pin_visible_gpu("cuda:2", env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"  # unchanged by the refusal
+    with pytest.raises(RuntimeError, match=r"'cuda:0' does not exist \(0 GPU"):
+        pin_visible_gpu("cuda:0", {"CUDA_VISIBLE_DEVICES": "-1"})

@@ -6,6 +6,7 @@ What each test holds the GPU path to:
 - one trainer step (TriModel forward, AdamW) on the GPU lands within 1e-4 of the CPU's in float32;
   under bf16 autocast the loss is within 2 % and the master weights stay float32;
 - a periodic SmolLM2-135M run on one GPU ends ok with every role on cuda and weights broadcast;
+- an async run with the reference in the rollout worker ends ok on one GPU;
 - vLLM on CUDA receives a broadcast version in its worker (tests/workers/test_vllm_collective.py's
   check on the GPU build);
 - ``streamflow bench weights`` runs on the GPU (device-to-device copy as the reference), and
@@ -137,6 +138,23 @@ def test_periodic_run_on_one_gpu_with_a_local_model(tmp_path, engine):
         f"model.path={path}", "data.task=arithmetic", "reward.fn=exact_match",
         "rollout.max_new_tokens=8", f"trainer.engine={engine}"])
     assert trainer["engine"] == engine
+
+
+def test_async_run_on_one_gpu_with_the_reference_in_the_rollout(tmp_path):
+    """``bench phases``' async layout on a GPU: the rollout worker holds the frozen reference
+    beside its engine on its own device and no reference worker runs."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModelSpec(hidden_size=128, num_layers=2, num_heads=2,
+                                           num_kv_heads=1, intermediate_size=256), tok)
+    path = save_model(model, tok, tmp_path / "tiny")
+    run_dir = tmp_path / "run"
+    _run_on_one_gpu(run_dir, [
+        f"model.path={path}", "data.task=arithmetic", "reward.fn=exact_match",
+        "rollout.max_new_tokens=8", "run.mode=async", "trainer.kl_coef=0.04",
+        "reference.enabled=true", "reference.placement=rollout"])
+    rollout = json.loads((run_dir / "workers" / "rollout-0.json").read_text())
+    assert rollout["reference_path"] and rollout["reference_dtype"] == "bfloat16"
+    assert not (run_dir / "workers" / "reference-0.json").exists()
 
 
 def test_periodic_smollm2_run_on_one_gpu(tmp_path, tmp_path_factory):

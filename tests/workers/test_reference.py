@@ -92,3 +92,43 @@ def test_the_rollout_scores_its_responses_with_the_frozen_reference(tmp_path) ->
         assert torch.allclose(torch.tensor(ref), alone.float(), atol=1e-5), (gid, response)
         # the policy that generated is another model: its log-probs are not the reference's
         assert not torch.allclose(torch.tensor(ref), torch.tensor(behaviour), atol=1e-3)
+
+
+def test_a_vllm_rollout_on_a_later_gpu_scores_on_the_gpu_it_pinned(tmp_path, monkeypatch) -> None:
+    """vLLM places itself on the first GPU it sees, so the rollout worker hides every other
+    one; its reference copy (and the collective receiver) must then name that GPU as this
+    process sees it (cuda:0), not by the controller's index (cuda:1 no longer exists here)."""
+    import workers.main as main
+    from workers.config import RolloutWorkerConfig, WorkerCommon
+    from workers.events import EventSender
+
+    placed: dict[str, str] = {}
+
+    class Engine:  # stands in for vLLM: records the device it was built for
+        policy_version = 0
+
+    def engine_on(cfg, device):
+        placed["engine"] = device
+        return Engine()
+
+    def reference_on(path, *, device, **kwargs):
+        placed["reference"] = device
+        placed["visible"] = main.os.environ["CUDA_VISIBLE_DEVICES"]
+        return object()
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
+    monkeypatch.setattr(main, "make_rollout_engine", engine_on)
+    monkeypatch.setattr(main, "load_reference", reference_on)
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,
+                                           num_kv_heads=1, intermediate_size=64), tok)
+    from workers.models import save_model
+
+    save_model(model, tok, tmp_path / "m")
+    cfg = RolloutWorkerConfig(
+        common=WorkerCommon(name="rollout-1", role="rollout", store_addresses=[],
+                            table="samples", seed=0),
+        model_path=str(tmp_path / "m"), weights_dir=str(tmp_path / "w"), weights_announce=None,
+        group_size=2, engine="vllm", device="cuda:1", reference_path=str(tmp_path / "m"))
+    main.build_rollout(cfg, EventSender(None))
+    assert placed == {"engine": "cuda:0", "reference": "cuda:0", "visible": "6"}
