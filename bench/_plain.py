@@ -8,20 +8,34 @@ is the policy itself (ratio 1 on the only pass), as in StreamFlow's trainer.
 
 Each phase is timed on its own (``PlainTimes``); ``total`` is the whole iteration, prompt encoding
 and reward included. Settings (learning rate, betas, clip, KL coefficient, gradient-norm clip,
-temperature) are the ones the StreamFlow side runs with, passed in by the bench.
+temperature) are the ones the StreamFlow side runs with (``settings_of`` reads them from the run
+config the bench gives both sides).
+
+``python -m bench._plain CONFIG --iterations N`` runs the loop alone in a process of its own, as
+a user would, over the run config's model and prompts: one warm-up iteration, then N timed ones;
+its last line is ``{"seconds_per_iteration": mean of the N, "iterations": [...]}``. The bench
+runs it beside the modes' ``streamflow run`` jobs, so the plain loop and the modes are measured
+the same way.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.rewards import exact_match
 from workers.tasks import Problem
+
+if TYPE_CHECKING:
+    from streamflow.config import RunConfig
 
 
 @dataclass
@@ -142,3 +156,47 @@ class PlainGRPO:
         t4 = time.perf_counter()
         return PlainTimes(generation=t1 - t0, reward=t2 - t1, reference=t3 - t2,
                           train_step=t4 - t3, total=t4 - t0, reward_mean=float(rewards.mean()))
+
+
+def settings_of(cfg: RunConfig) -> PlainSettings:
+    """The plain loop's settings from the run config StreamFlow's side runs with."""
+    t = cfg.trainer
+    return PlainSettings(
+        group_size=cfg.data.group_size, new_tokens=cfg.rollout.max_new_tokens,
+        kl_coef=t.kl_coef, lr=t.lr, betas=(t.betas[0], t.betas[1]), clip_eps=t.clip_eps,
+        max_grad_norm=t.max_grad_norm, temperature=cfg.rollout.temperature, seed=cfg.run.seed)
+
+
+def main(argv: list[str]) -> int:
+    """The loop alone in this process (module docstring); prints one JSON line."""
+    from streamflow.config import load_config
+    from streamflow.stages import build_plan
+
+    parser = argparse.ArgumentParser(prog="python -m bench._plain",
+                                     description="the plain GRPO loop alone, timed")
+    parser.add_argument("config", help="the run config (model.path, prompts, settings)")
+    parser.add_argument("--iterations", type=int, default=4, help="timed iterations (>= 1)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (>= 1)")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    if args.iterations < 1 or args.threads < 1:
+        parser.error("--iterations and --threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config)
+    if cfg.model.path is None:
+        parser.error(f"{args.config}: model.path is not set (the plain loop needs a model "
+                     "directory)")
+    plan = build_plan(cfg, Path(cfg.run.output_dir))  # for the prompts: the same as the modes'
+    try:
+        loop = PlainGRPO(Path(str(cfg.model.path)), settings_of(cfg), device=args.device)
+        seconds = [loop.iteration(plan.problems(k)).total for k in range(args.iterations + 1)]
+    finally:
+        plan.cleanup()
+    timed = seconds[1:]  # iteration 0 is the warm-up
+    print(json.dumps({"seconds_per_iteration": round(sum(timed) / len(timed), 6),
+                      "iterations": [round(x, 6) for x in timed]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -20,7 +20,11 @@ per iteration (no eos: every response runs to 64 tokens on both sides), KL coeff
   spans): from the end of the first optimizer step to the end of the last but one, divided by
   ``--iterations``, so start-up, pipeline fill, the drain (a last iteration generated ahead) and
   the final checkpoint are left out;
-- the plain loop's seconds per iteration: the median whole iteration of the phase measurement.
+- the plain loop's seconds per iteration: the loop alone in a process of its own
+  (``python -m bench._plain``), measured like the modes (a fresh process, its first iteration
+  left out, the mean of ``--iterations``), run before the modes in odd rounds and after them in
+  even ones; the median whole iteration of the phase measurement is printed beside it
+  (``plain_in_process_seconds_per_iteration``).
 
 ``--rounds`` repeats all of it; every figure is then the median over rounds and each round's
 headlines are listed (``"rounds"``): on a shared machine one round is an anecdote.
@@ -31,7 +35,8 @@ phase >= 1.0x, best mode >= 1.3x the plain loop, best streaming mode >= 1.0x syn
 Output: a table, then one JSON line (with ``--json`` the table goes to stderr and stdout holds only
 the JSON line): ``{"phases": {NAME: {"streamflow_s", "baseline_s", "ratio"}}, "modes": {MODE:
 {"seconds_per_iteration", "ratio_to_plain"}}, "plain_seconds_per_iteration", "worst_phase_ratio",
-"best_ratio_to_plain", "best_streaming_ratio_to_sync"}``.
+"best_ratio_to_plain", "best_streaming_ratio_to_sync",
+"plain_in_process_seconds_per_iteration"}``.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from typing import Any
 
 import yaml
 
-from bench._g1 import G1, KL_COEF, LR, QUICK, G1Shape, build_model_dir, run_config
+from bench._g1 import G1, KL_COEF, QUICK, G1Shape, build_model_dir, run_config
 
 PHASES = ("generation", "reference", "train_step")
 MODES = ("sync", "periodic", "async")
@@ -65,7 +70,7 @@ def measure_phases(
     """Phases of both sides, interleaved: (phases, plain seconds per iteration, extras)."""
     import torch
 
-    from bench._plain import PlainGRPO, PlainSettings
+    from bench._plain import PlainGRPO, settings_of
     from bench._sfsync import StreamFlowSync
     from streamflow.config import config_from_dict
 
@@ -75,12 +80,7 @@ def measure_phases(
                       threads=threads, device=device)
     cfg = config_from_dict(tree)
     sf = StreamFlowSync(cfg, work / "runs" / "phases")
-    t = cfg.trainer
-    plain = PlainGRPO(model_dir, PlainSettings(
-        group_size=shape.group_size, new_tokens=shape.new_tokens, kl_coef=KL_COEF, lr=LR,
-        betas=(t.betas[0], t.betas[1]), clip_eps=t.clip_eps, max_grad_norm=t.max_grad_norm,
-        temperature=cfg.rollout.temperature, seed=cfg.run.seed,
-    ), device=device)
+    plain = PlainGRPO(model_dir, settings_of(cfg), device=device)
     sf_runs, plain_runs = [], []
     try:
         for k in range(iterations + 1):  # iteration 0 is the warm-up of both sides
@@ -119,20 +119,9 @@ def run_mode(
     """Steady-state seconds per iteration of a real ``streamflow run`` job of ``mode``."""
     from streamflow.rundir import RunDir
 
-    tree = run_config(shape, model_dir, work / "runs", mode=mode, iterations=iterations + 2,
-                      threads=threads, device=device)
-    shutil.rmtree(tree["run"]["output_dir"].replace("{name}", tree["run"]["name"]),
-                  ignore_errors=True)  # the previous round's run of this mode
-    config = work / f"{mode}.yaml"
-    config.write_text(yaml.safe_dump(tree, sort_keys=False))
-    root = str(Path(__file__).resolve().parents[1])  # this checkout's streamflow, not another
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-m", "streamflow", "run", str(config)], env=env,
-                          capture_output=True, text=True, timeout=3600, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"streamflow run ({mode}) failed with exit status {proc.returncode}: "
-                           f"{(proc.stderr or proc.stdout)[-2000:]}")
+    tree, config = _write_config(shape, model_dir, work, mode=mode, iterations=iterations + 2,
+                                 threads=threads, device=device)
+    _child(["-m", "streamflow", "run", str(config)], f"streamflow run ({mode})")
     run_dir = RunDir(tree["run"]["output_dir"].replace("{name}", tree["run"]["name"]))
     # The trainer's own clock: the end of each optimizer step (its step span, rows == 0). The
     # iteration records' timestamps are taken when the controller gets around to the report, and
@@ -147,6 +136,51 @@ def run_mode(
     seconds = (stamps[-2] - stamps[0]) / iterations
     _progress(f"mode {mode}: {seconds:.2f} s per iteration")
     return seconds
+
+
+def run_plain(
+    shape: G1Shape, model_dir: Path, work: Path, *, iterations: int, threads: int, device: str,
+) -> float:
+    """Seconds per iteration of the plain loop alone in a process of its own (``bench._plain``),
+    measured like a mode: a fresh process, the start left out (one warm-up iteration), the mean
+    of ``iterations`` iterations."""
+    _, config = _write_config(shape, model_dir, work, mode="sync", iterations=iterations,
+                              threads=threads, device=device, label="plain")
+    out = _child(["-m", "bench._plain", str(config), "--iterations", str(iterations),
+                  "--threads", str(threads), "--device", device], "the plain loop")
+    seconds = float(json.loads(out.strip().splitlines()[-1])["seconds_per_iteration"])
+    _progress(f"plain loop (own process): {seconds:.2f} s per iteration")
+    return seconds
+
+
+def _write_config(
+    shape: G1Shape, model_dir: Path, work: Path, *, mode: str, iterations: int, threads: int,
+    device: str, label: str | None = None,
+) -> tuple[dict[str, Any], Path]:
+    """The run config tree of ``mode`` and its YAML file ``LABEL.yaml`` (label: the mode), the
+    previous round's run directory of that label removed."""
+    label = label or mode
+    tree = run_config(shape, model_dir, work / "runs", mode=mode, iterations=iterations,
+                      threads=threads, device=device)
+    tree["run"]["name"] = f"g1-{label}"
+    shutil.rmtree(tree["run"]["output_dir"].replace("{name}", tree["run"]["name"]),
+                  ignore_errors=True)  # the previous round's run of this label
+    config = work / f"{label}.yaml"
+    config.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return tree, config
+
+
+def _child(args: list[str], what: str) -> str:
+    """Run ``python ARGS`` on this checkout's packages; its stdout, or a RuntimeError."""
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's streamflow, not another
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=3600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed with exit status {proc.returncode}: "
+                           f"{(proc.stderr or proc.stdout)[-2000:]}")
+    return proc.stdout
 
 
 def _progress(line: str) -> None:
@@ -208,12 +242,14 @@ def table(report: dict[str, Any], extras: dict[str, float], header: str) -> str:
                      f"{p['ratio']:>6.2f}")
     lines.append(f"(not phases: reward {extras['streamflow_reward_s']:.4f} / "
                  f"{extras['baseline_reward_s']:.4f} s; StreamFlow weight load + publish "
-                 f"{extras['streamflow_weight_sync_s']:.4f} s; in-process sync iteration "
-                 f"{extras['streamflow_sync_iteration_s']:.4f} s)")
+                 f"{extras['streamflow_weight_sync_s']:.4f} s; in-process iterations: sync "
+                 f"{extras['streamflow_sync_iteration_s']:.4f} s, plain loop "
+                 f"{extras['plain_in_process_s']:.4f} s)")
     lines.append(f"{'mode':<12} {'s/iteration':>12} {'plain/mode':>11}")
     for name, m in report["modes"].items():
         lines.append(f"{name:<12} {m['seconds_per_iteration']:>12.4f} {m['ratio_to_plain']:>11.2f}")
-    lines.append(f"{'plain loop':<12} {report['plain_seconds_per_iteration']:>12.4f}")
+    lines.append(f"{'plain loop':<12} {report['plain_seconds_per_iteration']:>12.4f}  "
+                 "(alone in its own process)")
     w, b, s = (report[k] for k in HEADLINES)
     lines.append(f"target every phase >= {TARGET_PHASE}x: worst {w:.2f}x "
                  f"({_mark(w >= TARGET_PHASE)})")
@@ -261,16 +297,25 @@ def main(argv: list[str]) -> int:
             rounds = []
             for r in range(args.rounds):
                 _progress(f"round {r + 1} of {args.rounds}")
-                phases, plain_s, extras = measure_phases(
+                phases, in_process_s, extras = measure_phases(
                     shape, model_dir, work, iterations=args.iterations, threads=args.threads,
                     device=args.device)
-                modes = {m: run_mode(shape, model_dir, work, mode=m, iterations=args.iterations,
-                                     threads=args.threads, device=args.device) for m in MODES}
+                extras["plain_in_process_s"] = in_process_s
+                # The plain loop alone, like the modes; first in one round, last in the next, so
+                # the host's drift over a round weighs on both sides alike.
+                kw = dict(iterations=args.iterations, threads=args.threads, device=args.device)
+                plain_s = 0.0
+                if r % 2 == 0:
+                    plain_s = run_plain(shape, model_dir, work, **kw)
+                modes = {m: run_mode(shape, model_dir, work, mode=m, **kw) for m in MODES}
+                if r % 2 == 1:
+                    plain_s = run_plain(shape, model_dir, work, **kw)
                 rounds.append((phases, modes, plain_s, extras))
             elapsed = time.perf_counter() - started
         finally:
             shutil.rmtree(work, ignore_errors=True)
     report, extras = combine(rounds)
+    report["plain_in_process_seconds_per_iteration"] = round(extras["plain_in_process_s"], 6)
     header = (f"G1{' (quick shapes)' if args.quick else ''}: Qwen2 hidden={shape.hidden} "
               f"layers={shape.layers} vocab={shape.vocab}, {shape.prompts} prompts x G="
               f"{shape.group_size} x {shape.new_tokens} tokens, beta={KL_COEF}, {args.threads} "

@@ -30,7 +30,11 @@ def test_quick_run_prints_one_json_line_with_consistent_figures(capsys):
     assert "target every phase" in captured.err and "target every phase" not in captured.out
     report = json.loads(captured.out.strip().splitlines()[-1])
     assert set(report) == {"phases", "modes", "plain_seconds_per_iteration", "worst_phase_ratio",
-                           "best_ratio_to_plain", "best_streaming_ratio_to_sync"}
+                           "best_ratio_to_plain", "best_streaming_ratio_to_sync",
+                           "plain_in_process_seconds_per_iteration"}
+    # the plain loop alone in its own process, the one the modes are compared with
+    assert "plain loop (own process):" in captured.err
+    assert _positive(report["plain_in_process_seconds_per_iteration"])
     assert set(report["phases"]) == set(bench.PHASES)
     for phase in report["phases"].values():
         assert set(phase) == {"streamflow_s", "baseline_s", "ratio"}
@@ -152,3 +156,40 @@ def test_device_is_placed_on_every_role_or_refused(capsys, tmp_path):
     with pytest.raises(SystemExit):  # all on the CPU: a cuda baseline would be a false compare
         bench.main(["--quick", "--device", "cuda"])
     assert "no per-role device" in capsys.readouterr().err
+
+
+def test_the_plain_loop_runs_alone_beside_the_modes_first_then_last(monkeypatch, capsys):
+    """Each round times the plain loop in its own process next to the three modes (before them
+    in odd rounds, after them in even ones); the modes' ratios are to that figure, and the
+    in-process one of the phase measurement is reported beside it."""
+    calls: list[str] = []
+    phases = {name: bench._pair(1.0, 1.0) for name in bench.PHASES}
+    extras = {"streamflow_reward_s": 0.1, "baseline_reward_s": 0.1,
+              "streamflow_weight_sync_s": 0.1, "streamflow_sync_iteration_s": 1.0}
+    plain_by_round = iter([4.0, 6.0, 5.0])
+
+    def fake_phases(*args, **kwargs):
+        calls.append("phases")
+        return phases, 9.0, dict(extras)
+
+    def fake_mode(*args, mode, **kwargs):
+        calls.append(mode)
+        return {"sync": 4.0, "periodic": 5.0, "async": 2.5}[mode]
+
+    def fake_plain(*args, **kwargs):
+        calls.append("plain")
+        return next(plain_by_round)
+
+    monkeypatch.setattr(bench, "build_model_dir", lambda path, shape: path)
+    monkeypatch.setattr(bench, "measure_phases", fake_phases)
+    monkeypatch.setattr(bench, "run_mode", fake_mode)
+    monkeypatch.setattr(bench, "run_plain", fake_plain)
+    assert bench.main(["--quick", "--json", "--iterations", "1", "--rounds", "3"]) == 0
+    round_ = ["phases", "plain", "sync", "periodic", "async"]
+    flipped = ["phases", "sync", "periodic", "async", "plain"]
+    assert calls == round_ + flipped + round_
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["plain_seconds_per_iteration"] == 5.0  # the median of the lone runs
+    assert report["plain_in_process_seconds_per_iteration"] == 9.0  # not the one compared with
+    assert report["modes"]["async"]["ratio_to_plain"] == 2.0
+    assert [r["plain_seconds_per_iteration"] for r in report["rounds"]] == [4.0, 6.0, 5.0]
