@@ -14,7 +14,6 @@ import subprocess
 from dataclasses import dataclass
 
 from streamflow.config import ConfigValueError, RunConfig
-from workers.devices import visible_entries
 
 
 def _driver_gpus() -> int:
@@ -36,7 +35,10 @@ def visible_gpus() -> int:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is None:
         return physical
-    return min(len(visible_entries(env)), physical)
+    entries = [e for e in env.replace(" ", "").split(",") if e]
+    if not entries or entries[0].startswith("-"):  # "" or "-1": CUDA hides every device
+        return 0
+    return min(len(entries), physical)
 
 
 @dataclass(frozen=True)

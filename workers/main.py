@@ -30,7 +30,7 @@ from workers.config import (
     WorkerConfig,
     from_json,
 )
-from workers.devices import dtype_of, pin_visible_gpu, torch_device
+from workers.devices import DTYPES, dtype_of, pin_visible_gpu, torch_device
 from workers.engines.base import SamplingParams
 from workers.engines.torch_trainer import TorchTrainerEngine
 from workers.events import EventSender, WeightSyncReport, WorkerStatus
@@ -71,7 +71,7 @@ def make_rollout_engine(cfg: RolloutWorkerConfig, device: str) -> Any:
 def load_reference(path: str, *, dtype: str, device: str, temperature: float,
                    pack: PackingSettings) -> ReferenceScorer:
     """The frozen reference on ``device``, as the reference worker and the rollout run it."""
-    model = load_model(path, dtype=dtype_of(dtype), attn_implementation=pack.attn_implementation)
+    model = load_model(path, dtype=DTYPES[dtype], attn_implementation=pack.attn_implementation)
     return ReferenceScorer(model.to(torch_device(device)), temperature=temperature, pack=pack)
 
 
@@ -181,7 +181,7 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
         start_iteration = read_state(cfg.resume_from).step
     reference = None
     if cfg.reference_path and cfg.loss.kl_coef > 0 and not cfg.reference_in_store:
-        reference = load_model(cfg.reference_path, dtype=dtype_of(cfg.reference_dtype),
+        reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype],
                                attn_implementation=attn)
     compute = dtype_of(cfg.dtype)
     # updates_per_batch: the trainer keeps the first pass's log-probs as the old policy
