@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MAX_SLOTS = 64
 
@@ -109,3 +110,46 @@ def busy() -> contextlib.AbstractContextManager[int]:
         torch = sys.modules.get("torch")
         return contextlib.nullcontext(torch.get_num_threads() if torch else os.cpu_count() or 1)
     return _current.busy()
+
+
+
+def refresh() -> None:
+    """Inside a phase, re-take this process's share now (a no-op outside one or without a share).
+    Cheap enough to call between two layers: it reads the 64-byte table."""
+    if _current is not None and _current._depth:
+        _current.refresh()
+
+
+def refresh_between_layers(model: Any) -> int:
+    """Call ``refresh`` before each decoder layer's forward and before each layer's backward; the
+    number of layers hooked (0: no ``model.layers`` list found, nothing hooked).
+
+    Why: a trainer's micro-batch takes seconds on a CPU, and a share taken only where a phase
+    begins is stale for most of it: the rollout finishing mid-pass left its thread idle until
+    the trainer's next micro-batch, and the rollout starting mid-pass ran three threads on two
+    cores. Between layers the hand-off lags by a layer (docs/training.md). The backward runs on
+    the thread that called it (CPU autograd), so a share taken in a gradient hook applies to the
+    rest of the backward.
+    """
+    import torch
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return 0
+
+    def before_backward(grad: torch.Tensor) -> None:
+        refresh()
+
+    def before_forward(module: torch.nn.Module, args: Any) -> None:
+        refresh()
+
+    def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+        # the gradient of a layer's output arrives first in that layer's backward
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(before_backward)
+
+    for layer in layers:
+        layer.register_forward_pre_hook(before_forward)
+        layer.register_forward_hook(after_forward)
+    return len(layers)

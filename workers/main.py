@@ -174,6 +174,7 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
     if cfg.engine == "torch":  # (DeepSpeed places the model on its rank's device itself)
         model = model.to(device)
     engine, ranks = make_trainer_engine(cfg, model)
+    cores.refresh_between_layers(model)  # a pass is seconds long: re-take the share per layer
     leader = ranks is None or ranks.is_leader
     if cfg.resume_from:  # weights above; optimizer, RNG and step from the same checkpoint
         engine.load_state(cfg.resume_from)
@@ -183,6 +184,7 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
     if cfg.reference_path and cfg.loss.kl_coef > 0 and not cfg.reference_in_store:
         reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype],
                                attn_implementation=attn)
+        cores.refresh_between_layers(reference)
     compute = dtype_of(cfg.dtype)
     # updates_per_batch: the trainer keeps the first pass's log-probs as the old policy
     tri = TriModel(model, reference=reference,

@@ -121,3 +121,61 @@ def test_a_missing_table_is_created_not_truncated(tmp_path):
         assert b.share() == 1
         b.close()
     a.close()
+
+
+def _mark(path, slot: int, busy: bool) -> None:  # noqa: ANN001
+    """Another process of the host starting or ending a phase: its byte of the table."""
+    with open(path, "r+b") as fh:
+        fh.seek(slot)
+        fh.write(bytes([int(busy)]))
+
+
+def test_a_model_takes_a_share_freed_or_claimed_mid_pass_between_its_layers(tmp_path):
+    """A trainer's pass is seconds long: the share is re-taken before every layer's forward and
+    backward, so a rollout that starts mid-pass gets its thread at the next layer, and one that
+    stops hands its thread back at the next layer (not at the next micro-batch)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = AutoModelForCausalLM.from_config(config).float()
+    assert cores.refresh_between_layers(model) == 3
+    layers = model.model.layers
+    forward_threads: list[int] = []
+    for layer in layers:  # registered after the share's hooks, so they see what those set
+        layer.register_forward_pre_hook(lambda m, a: forward_threads.append(torch.get_num_threads()))
+    backward_threads: list[int] = []
+    for layer in (layers[2], layers[0]):  # a weight's gradient is computed inside its layer
+        layer.mlp.down_proj.weight.register_hook(
+            lambda g: backward_threads.append(torch.get_num_threads()))
+
+    path = create(tmp_path / "cores")
+    rollout_slot = 2
+
+    def rollout_starts(module: torch.nn.Module, args: object, output: object) -> None:
+        _mark(path, rollout_slot, True)  # once layer 0 has run
+
+    starts_hook = layers[0].register_forward_hook(rollout_starts)
+    trainer = CoreShare(CoreShareConfig(str(path), 1, 2))
+    before = torch.get_num_threads()
+    cores.install(trainer)
+    try:
+        with cores.busy() as threads:
+            assert threads == 2  # alone at work: both threads
+            loss = model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.sum()
+            assert forward_threads == [2, 1, 1]
+            starts_hook.remove()
+            _mark(path, rollout_slot, False)  # the rollout is done before the backward
+            loss.backward()
+            assert backward_threads == [2, 2]  # taken back at the first layer of the backward
+        # outside a phase the hooks leave the count alone (a phase's start sets it)
+        _mark(path, rollout_slot, True)
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1, 2]]))
+        assert torch.get_num_threads() == 2
+    finally:
+        cores.install(None)
+        trainer.close()
+        torch.set_num_threads(before)

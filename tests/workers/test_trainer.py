@@ -183,6 +183,9 @@ def test_scoring_attention_is_configurable_and_sdpa_trains_like_eager(
             trainer = build_trainer(cfg, store.client(), EventSender(None))
             assert trainer.tri.policy.config._attn_implementation == impl
             assert trainer.tri.reference.config._attn_implementation == impl
+            # both re-take the host's thread share between layers (workers.cores)
+            for m in (trainer.tri.policy, trainer.tri.reference):
+                assert all(len(layer._forward_pre_hooks) == 1 for layer in m.model.layers)
         stage = build_reference(ReferenceWorkerConfig(common=common, model_path=str(model_dir),
                                                       pack=pack))
         assert stage.scorer.model.config._attn_implementation == impl
