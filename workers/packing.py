@@ -207,7 +207,13 @@ def batch_logprobs(
     device = next(model.parameters()).device
     ids, score_mask = batch.input_ids.to(device), batch.score_mask.to(device)
     if not batch.packed:
-        mask2d = batch.token_mask.long().to(device)
+        # Attention is causal, so columns after the last scored one feed no scored logit: the
+        # last token of the longest rows is an input nowhere and is not computed (one column in
+        # 70 of a 6-token prompt and a 64-token response). The row-major order of the scored
+        # positions, which ``target_keep_index`` indexes, is unchanged.
+        width = batch.scored_width
+        ids, score_mask = ids[:, :width], score_mask[:, :width]
+        mask2d = batch.token_mask[:, :width].long().to(device)
         logits = _scored_logits(model, score_mask, input_ids=ids, attention_mask=mask2d)
     elif attention == "segments":
         layout = SharedPromptLayout.of(batch)

@@ -79,6 +79,13 @@ class PackedBatch:
         return int(self.input_ids.shape[1])
 
     @property
+    def scored_width(self) -> int:
+        """Columns up to and including the last one that holds a scored position (all if none):
+        with causal attention the columns after it feed no scored logit."""
+        cols = self.score_mask.any(dim=0).nonzero()
+        return int(cols[-1]) + 1 if len(cols) else self.seq_len
+
+    @property
     def num_tokens(self) -> int:
         """Real tokens that go through the model (what the linear layers pay for)."""
         return int(self.token_mask.sum())

@@ -272,6 +272,25 @@ def test_unpacked_rows_one_response_per_row():
     assert b.token_mask[0].tolist() == [True] * 5 + [False] * 2
 
 
+def test_unpacked_rows_feed_the_model_only_up_to_the_last_scored_column(model):
+    # rows of 3+2, 3+4 and 5+1 tokens: width 7, but the last scored logit is at column 5 (the
+    # 3+4 row's token 6 is scored from column 5; its own logit at column 6 scores nothing)
+    groups = make_groups([3, 5], [[2, 4], [1]])
+    batch = unpacked_rows(groups)
+    assert batch.seq_len == 7 and batch.scored_width == 6
+    widths: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda m, args, out: widths.append(int(args[0].shape[1])))
+    try:
+        got = batch_logprobs(model, batch)
+    finally:
+        hook.remove()
+    assert widths == [6]
+    for g_got, g_want in zip(got, reference_logprobs(model, groups), strict=True):
+        for a, b in zip(g_got, g_want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 def test_token_saving_and_the_auto_rule():
     from workers.packing import DEFAULT_MIN_SAVING, should_pack, token_saving
 
