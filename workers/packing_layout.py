@@ -269,6 +269,30 @@ def _assemble(groups: Sequence[PackGroup], placed: list[tuple[int, list[int], in
         group_ids=[g.group_id for g in groups], chunks=chunks, packed=packed)
 
 
+def forward_slices(sizes: Sequence[int], tokens_per_forward: int) -> list[range]:
+    """Contiguous slices of items (groups of ``sizes`` tokens) for separate forwards: one slice
+    when all fit in ``tokens_per_forward`` (or it is 0); else the fewest slices that fit, near
+    equal: a slice closes once it holds an equal share of what is left (``left / ceil(left /
+    budget)``) or when the next item would overflow the budget. An item is never split: one
+    above the budget is a slice alone."""
+    total = sum(sizes)
+    if tokens_per_forward <= 0 or total <= tokens_per_forward:
+        return [range(len(sizes))] if sizes else []
+    slices: list[range] = []
+    start = in_slice = 0
+    left = total
+    share = left / -(-left // tokens_per_forward)
+    for i, n in enumerate(sizes):
+        if i > start and (in_slice >= share or in_slice + n > tokens_per_forward):
+            slices.append(range(start, i))
+            left -= in_slice
+            share = left / -(-left // tokens_per_forward)
+            start, in_slice = i, 0
+        in_slice += n
+    slices.append(range(start, len(sizes)))
+    return slices
+
+
 def steps_within(lengths: np.ndarray) -> np.ndarray:
     """Each element's index within its segment, segments laid end to end: ``[2, 3]`` gives
     ``[0, 1, 0, 1, 2]`` (how flat token lists are scattered into a padded or packed grid)."""

@@ -17,6 +17,7 @@ import torch
 from storage.schema import Lease
 from workers.loop import with_row_ids
 from workers.packing import PackGroup, packed_response_logprobs
+from workers.packing_layout import forward_slices
 from workers.schema import REFERENCE_READS
 from workers.settings import PackingSettings
 
@@ -58,9 +59,13 @@ class ReferenceScorer:
     def score(self, batch: pa.RecordBatch) -> pa.ListArray:
         """``ref_logprobs`` of ``batch``'s rows (it needs group_id, prompt_ids, response_ids)."""
         groups, where = rows_to_groups(batch)
-        logprobs = packed_response_logprobs(
-            self.model, groups, temperature=self.temperature, token_budget=self.pack.token_budget,
-            pack=self.pack.packing, min_saving=self.pack.packing_min_saving)
+        sizes = [sum(len(g.prompt_ids) + len(r) for r in g.responses) for g in groups]
+        logprobs: list[list[torch.Tensor]] = []
+        for part in forward_slices(sizes, self.pack.tokens_per_forward):  # whole groups each
+            logprobs += packed_response_logprobs(
+                self.model, groups[part.start : part.stop], temperature=self.temperature,
+                token_budget=self.pack.token_budget, pack=self.pack.packing,
+                min_saving=self.pack.packing_min_saving)
         # One copy to the host for the whole batch (on a GPU each row's copy would wait for the
         # device), then the list column straight from the flat values and their offsets.
         pieces = [logprobs[g][r] for g, r in where]

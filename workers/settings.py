@@ -216,6 +216,12 @@ class PackingSettings(Checked):
     # ... a batch whose token saving reaches this (= workers.packing.DEFAULT_MIN_SAVING)
     packing_min_saving: float = bounded(0.25, ge=0, le=1)
     token_budget: int = bounded(4096, ge=1)  # max tokens per packed micro-batch
+    # Most tokens (each row's prompt + response) one scoring forward takes: a larger batch is
+    # scored in several forwards of whole groups, near-equal in size (trainer: each one's
+    # backward accumulates into the same step; 0 = one forward per batch). On a CPU a forward
+    # over G1's whole iteration (128 rows, ~9k tokens) spills the caches: 32-row pieces took
+    # 23 % less time for the reference and 16 % less for forward+backward (docs/engines.md).
+    tokens_per_forward: int = bounded(4096, ge=0)
 
 
 @dataclass(frozen=True)

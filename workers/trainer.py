@@ -31,7 +31,7 @@ from workers.events import Span, StepReport, WorkerStatus
 from workers.faults import dead_iteration
 from workers.loop import LeaseKeeper
 from workers.packing import should_pack
-from workers.packing_layout import steps_within
+from workers.packing_layout import forward_slices, steps_within
 from workers.reference import rows_to_groups
 from workers.rl import LossSums, group_advantages, grpo_loss_sums
 from workers.schema import trainer_columns
@@ -157,11 +157,25 @@ class Trainer:
                     self._parked.setdefault(int(it), []).append(piece)
 
     def _split(self, rows: pa.RecordBatch) -> list[pa.RecordBatch]:
-        """Deterministic mode: one forward/backward per group (docs/training.md)."""
-        if not self.s.deterministic or self.ranks is not None:
+        """The pieces of whole groups trained one forward/backward each: one per group in
+        deterministic mode, else pieces of at most ``tokens_per_forward`` tokens (docs/training.md);
+        several ranks split a piece among themselves instead."""
+        if self.ranks is not None:
             return [rows]
         groups = rows.column("group_id").to_numpy()
-        return [rows.filter(pa.array(groups == g)) for g in sorted(set(groups.tolist()))]
+        if self.s.deterministic:
+            return [rows.filter(pa.array(groups == g)) for g in sorted(set(groups.tolist()))]
+        tokens = (pc.list_value_length(rows.column("prompt_ids")).to_numpy()
+                  + pc.list_value_length(rows.column("response_ids")).to_numpy())
+        order = list(dict.fromkeys(groups.tolist()))  # groups in arrival order
+        size = dict.fromkeys(order, 0)
+        for g, n in zip(groups.tolist(), tokens.tolist(), strict=True):
+            size[g] += n
+        slices = forward_slices([size[g] for g in order], self.s.pack.tokens_per_forward)
+        if len(slices) <= 1:
+            return [rows]
+        return [rows.filter(pa.array(np.isin(groups, [order[i] for i in part])))
+                for part in slices]
 
     # ------------------------------------------------------------------ compute
     def _forward(self, piece: Piece, first_pass: bool) -> tuple[torch.Tensor, LossSums]:

@@ -291,6 +291,27 @@ def test_unpacked_rows_feed_the_model_only_up_to_the_last_scored_column(model):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+def test_forward_slices_are_near_equal_whole_groups_within_the_budget():
+    from workers.packing_layout import forward_slices
+
+    def lens(sizes, budget):  # noqa: ANN001, ANN202
+        return [len(r) for r in forward_slices(sizes, budget)]
+
+    # G1's iteration: 16 groups of 8 x (6 + 64) tokens in 4096-token forwards -> 3, near equal
+    assert lens([560] * 16, 4096) == [6, 5, 5]
+    assert lens([560] * 16, 0) == [16] and lens([560] * 4, 4096) == [4]  # 0 or fits: one
+    assert forward_slices([], 4096) == []
+    # never over the budget, never a group split; one above it stands alone
+    slices = forward_slices([100, 5000, 100, 100], 1000)
+    assert [list(r) for r in slices] == [[0], [1], [2, 3]]
+    sizes = [37, 250, 12, 90, 90, 301, 5, 64, 64, 64, 200]
+    for budget in (1, 64, 300, 301, 500, 2000):
+        parts = forward_slices(sizes, budget)
+        assert [i for r in parts for i in r] == list(range(len(sizes)))
+        for r in parts:
+            assert len(r) == 1 or sum(sizes[i] for i in r) <= budget, (budget, list(r))
+
+
 def test_token_saving_and_the_auto_rule():
     from workers.packing import DEFAULT_MIN_SAVING, should_pack, token_saving
 

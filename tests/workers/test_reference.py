@@ -15,8 +15,10 @@ from workers.settings import PackingSettings
 from workers.tokenizer import build_char_tokenizer, encode_prompt
 
 
+@pytest.mark.parametrize("tokens_per_forward", [4096, 1])  # 1: one forward per group
 @pytest.mark.parametrize("packing", [False, True])
-def test_each_row_gets_its_own_log_probs(packing: bool) -> None:
+def test_each_row_gets_its_own_log_probs(packing: bool, tokens_per_forward: int,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,
@@ -31,9 +33,19 @@ def test_each_row_gets_its_own_log_probs(packing: bool) -> None:
         "prompt_ids": pa.array([prompts[g] for g, _ in rows], pa.list_(pa.int32())),
         "response_ids": pa.array([r for _, r in rows], pa.list_(pa.int32())),
     })
-    pack = PackingSettings(packing=packing, packing_min_saving=0.0)
+    pack = PackingSettings(packing=packing, packing_min_saving=0.0,
+                           tokens_per_forward=tokens_per_forward)
     stage = ReferenceStage(ReferenceScorer(model, temperature=1.0, pack=pack), max_rows=64)
+    forwards: list[list[int]] = []
+
+    def scoring(model, groups, **kw):  # noqa: ANN001, ANN003, ANN202
+        forwards.append([g.group_id for g in groups])
+        return packed_response_logprobs(model, groups, **kw)
+
+    monkeypatch.setattr("workers.reference.packed_response_logprobs", scoring)
     out = stage.process(Lease(1, "samples", "reference", 0, 0.0, batch))
+    # the three groups (~40 tokens) in one forward, or each alone, whole, past a 1-token budget
+    assert forwards == ([[7, 3, 9]] if tokens_per_forward > 40 else [[7], [3], [9]])
     assert out.column("row_id").to_pylist() == batch.column("row_id").to_pylist()
     assert out.schema.field("ref_logprobs").type == pa.list_(pa.float32())
     got = out.column("ref_logprobs").to_pylist()

@@ -121,7 +121,8 @@ class _ShiftedBehaviour:
 
 def _train(model_dir: Path, tmp: Path, *, iterations: int, order_seed: int | None,
            rows_per_claim: int, audit: bool = False, deterministic: bool = False,
-           behaviour_shift: float = 0.0, reward_of=lambda resp: len(resp) % 3, **trainer_over):
+           behaviour_shift: float = 0.0, reward_of=lambda resp: len(resp) % 3,
+           sent: list | None = None, **trainer_over):
     weights = tmp / f"w-{next(_RUNS)}"
     rollout_cfg, trainer_cfg = _configs(model_dir, weights, iterations, rows_per_claim,
                                         deterministic, **trainer_over)
@@ -158,6 +159,8 @@ def _train(model_dir: Path, tmp: Path, *, iterations: int, order_seed: int | Non
             audit_batch = pa.Table.from_batches(parts).combine_chunks().to_batches()[0]
         params = {k: v.detach().clone() for k, v in trainer.engine.model.state_dict().items()}
         reports = [r for r in events.sent if isinstance(r, StepReport)]
+        if sent is not None:  # every event, for a test that reads spans too
+            sent.extend(events.sent)
         client.close()
     return params, reports, audit_batch
 
@@ -230,6 +233,26 @@ def test_streamed_random_order_equals_whole_batch(model_dir: Path, tmp_path: Pat
                                                num_kv_heads=1, intermediate_size=64),
                                  build_char_tokenizer()).state_dict()
     assert any(float((base[k] - untouched[k]).abs().max()) > 1e-4 for k in base), "no learning"
+
+
+def test_a_claim_over_the_token_budget_trains_in_several_forwards_to_the_same_step(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """trainer.tokens_per_forward: a whole-iteration claim is trained in pieces of whole groups,
+    each its own forward/backward into the same step (float rounding apart)."""
+    from workers.events import Span
+    from workers.settings import PackingSettings
+
+    runs = {}
+    for budget in (0, 1):  # 0: one forward per claim; 1: every group alone
+        sent: list = []
+        runs[budget], _, _ = _train(
+            model_dir, tmp_path, iterations=2, order_seed=None, rows_per_claim=ROWS, sent=sent,
+            pack=PackingSettings(packing=False, tokens_per_forward=budget))
+        pieces = [s for s in sent if isinstance(s, Span) and s.role == "trainer" and s.rows]
+        assert [s.rows for s in pieces] == ([ROWS] * 2 if budget == 0 else [G] * PROMPTS * 2)
+    worst = max(float((runs[0][k] - runs[1][k]).abs().max()) for k in runs[0])
+    assert worst <= 1e-5, f"pieces trained apart from one forward: max abs diff {worst}"
 
 
 def test_ratio_is_exactly_one_and_versions_match(model_dir: Path, tmp_path: Path) -> None:
