@@ -112,7 +112,6 @@ def busy() -> contextlib.AbstractContextManager[int]:
     return _current.busy()
 
 
-
 def refresh() -> None:
     """Inside a phase, re-take this process's share now (a no-op outside one or without a share).
     Cheap enough to call between two layers: it reads the 64-byte table."""
