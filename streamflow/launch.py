@@ -43,7 +43,7 @@ from streamflow.supervisor import Supervisor
 from workers.config import from_json, to_json
 
 if TYPE_CHECKING:
-    from streamflow.stages import RunPlan
+    from streamflow.plan import RunPlan
 
 log = logging.getLogger("streamflow.launch")
 
@@ -271,7 +271,7 @@ class MultiHostCluster(LocalCluster):
 
     def fetch_weights(self, version: int) -> None:
         """Copy a published version from the trainer's node (for the controller's evaluation)."""
-        from workers.weights_net import WeightFetcher, WeightFetchError
+        from workers.weights.net import WeightFetcher, WeightFetchError
 
         try:
             serve = json.loads(self.coord.lookup(WEIGHTS, 0.0))["serve"]

@@ -90,7 +90,7 @@ def _check_model_dir(path: Path) -> None:
 
 
 def _check_problem_file(cfg: RunConfig) -> None:
-    from workers.tasks import ProblemFileError, load_problem_file
+    from workers.tasks.arithmetic import ProblemFileError, load_problem_file
 
     d = cfg.data
     try:
@@ -103,7 +103,7 @@ def _check_problem_file(cfg: RunConfig) -> None:
 
 
 def _check_reward(fn: str) -> None:
-    from workers.rewards import RewardError, resolve_reward
+    from workers.tasks.verifiers import RewardError, resolve_reward
 
     try:
         resolve_reward(fn)

@@ -159,7 +159,7 @@ def reward_window(iterations: int) -> int:
     return min(10, iterations // 2)
 
 
-# Every built-in reward (workers/rewards.py) scores in [0, 1]; a user's function has no declared
+# Every built-in reward (workers/tasks/verifiers.py) scores in [0, 1]; a user's function has no declared
 # range (tests/streamflow/test_rundir.py fails when a built-in is added without a range here).
 BUILTIN_REWARD_RANGES: dict[str, tuple[float, float]] = {
     "exact_match": (0.0, 1.0),

@@ -15,7 +15,7 @@ from typing import Any
 import storage
 from streamflow.metrics import Endpoint
 from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan
-from workers.events import StepReport, WeightSyncReport
+from workers.runtime.events import StepReport, WeightSyncReport
 
 log = logging.getLogger("streamflow.controller")
 # StepReport fields an IterationRecord carries unchanged

@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from workers.cores import CoreShareConfig
+from workers.runtime.cores import CoreShareConfig
 from workers.settings import (
     GrpoSettings,
     OptimizerSettings,
@@ -48,13 +48,13 @@ class WorkerCommon:
     # not None: this worker runs the ``simulated`` engine of its role on this device
     simulated: SimulatedDevice | None = None
     # not None: ``threads`` is ignored; the worker takes its share of the host's thread budget at
-    # every compute phase (workers.cores)
+    # every compute phase (workers.runtime.cores)
     cores: CoreShareConfig | None = None
 
 
 @dataclass
 class WeightGroupConfig:
-    """Collective weight sync (``workers.weights_collective``): where the group meets and who we
+    """Collective weight sync (``workers.weights.group``): where the group meets and who we
     are in it. None on a worker config: weights go by file only."""
 
     address: str  # host:port of the controller's TCP store (the rendezvous)
@@ -145,7 +145,7 @@ class TrainerWorkerConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     start_iteration: int = 0  # first iteration to train (overridden by resume_from's step)
-    resume_from: str | None = None  # checkpoint directory (workers.checkpoint) to continue from
+    resume_from: str | None = None  # checkpoint directory (workers.models.checkpoint) to continue from
     checkpoint_keep: int = 2  # complete checkpoints kept (the newest ones)
     engine: str = "torch"  # torch | deepspeed | simulated
     deterministic: bool = False  # one group per forward + fp64 gradient sums (bitwise updates)

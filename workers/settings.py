@@ -175,7 +175,7 @@ class OptimizerSettings(Checked):
 
 @dataclass(frozen=True)
 class GrpoSettings(Checked):
-    """The GRPO objective (``trainer.*``; ``workers.rl``)."""
+    """The GRPO objective (``trainer.*``; ``workers.rl.grpo``)."""
 
     clip_eps: float = bounded(0.2, gt=0)  # ratio clip epsilon
     kl_coef: float = bounded(0.02, ge=0)  # beta of the k3 KL-to-reference term (0 = no reference)
@@ -191,7 +191,7 @@ _REWARD_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 
 @dataclass(frozen=True)
 class RewardSettings(Checked):
-    """The verifier of the reward workers (``reward.*``; ``workers.reward``)."""
+    """The verifier of the reward workers (``reward.*``; ``workers.roles.reward``)."""
 
     fn: str = "exact_match"  # registry name, or "package.module:function" for a user verifier
     timeout_s: float = bounded(2.0, gt=0)  # per-sample scoring timeout; a timeout scores as failed
@@ -213,7 +213,7 @@ class PackingSettings(Checked):
     # path differs
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
-    # ... a batch whose token saving reaches this (= workers.packing.DEFAULT_MIN_SAVING)
+    # ... a batch whose token saving reaches this (= workers.rl.packing.DEFAULT_MIN_SAVING)
     packing_min_saving: float = bounded(0.25, ge=0, le=1)
     token_budget: int = bounded(4096, ge=1)  # max tokens per packed micro-batch
     # Most tokens (each row's prompt + response) one scoring forward takes: a larger batch is

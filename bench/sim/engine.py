@@ -1,7 +1,7 @@
 """The ``simulated`` engine: rollout, reward, reference and trainer stages that do no math but hold
 their device for the time the cost model gives (``workers.engines.sim_cost``), scaled by ``time_scale``.
 
-Everything around the hold is real: the stages plug into the real ``workers.loop.StageLoop``
+Everything around the hold is real: the stages plug into the real ``workers.roles.loop.StageLoop``
 (claim -> process -> write+ack carried by the next claim) against a real store over real sockets,
 and write real Arrow columns (placeholders of ``PAYLOAD_TOKENS`` tokens for the token lists, so
 that the store moves real batches of every column but not the gigabytes a real 7B run would; the
@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 
 from storage.schema import ROW_ID, Lease
 from workers.engines.sim_cost import CostModel, Workload, group_lengths
-from workers.loop import with_row_ids
+from workers.roles.loop import with_row_ids
 from workers.schema import ROLLOUT_READS
 
 PAYLOAD_TOKENS = 4  # tokens actually stored per response / log-prob list (placeholders)

@@ -42,7 +42,7 @@ from bench.sim.engine import (
     VersionBoard,
 )
 from workers.engines.sim_cost import Workload, group_lengths, preset
-from workers.loop import StageLoop
+from workers.roles.loop import StageLoop
 
 
 class _NoEvents:

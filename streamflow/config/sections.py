@@ -71,7 +71,7 @@ class RunSection(Checked):
     max_restarts: int = bounded(3, ge=0)
     # torch threads this host's compute processes (rollout, reference, trainer, evaluation) share
     # in the streaming modes, handed back and forth by phase: one process at work gets them all,
-    # two split them (workers/cores.py). sync uses them all in its one process. 0 = off: each
+    # two split them (workers/runtime/cores.py). sync uses them all in its one process. 0 = off: each
     # role keeps its own `threads`. Ignored (fixed threads) with trainer.deterministic.
     host_threads: int = bounded(0, ge=0, le=1024)
     progress: bool = True  # live display on a TTY; otherwise one log line per iteration
@@ -307,7 +307,7 @@ class DevicesSection(Checked):
 class WeightsSection(Checked):
     # How a new policy version reaches the rollout workers: file = safetensors in /dev/shm and a
     # reload; collective = the trainer sends it over a torch.distributed group in buckets, copied
-    # into the live parameters (workers/weights_collective.py): NCCL broadcast when every process
+    # into the live parameters (workers/weights/group.py): NCCL broadcast when every process
     # has a GPU of its own, else gloo signals + shared-memory buckets; auto = collective when the
     # trainer is on a GPU and the run is streaming on one host, else file.
     sync: Literal["auto", "file", "collective"] = "auto"

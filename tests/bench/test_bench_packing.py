@@ -42,7 +42,7 @@ def test_json_flag_keeps_stdout_machine_readable(capsys):
 
 
 def test_report_carries_the_auto_rule_decision(capsys):
-    from workers.packing import should_pack, token_saving
+    from workers.rl.packing import should_pack, token_saving
 
     assert bench.main(["--quick", "--json", "--repeats", "0", "--threads", "1",
                        "--cases", "16,8,2;2,8,4", "--min-saving", "0.3"]) == 0

@@ -58,8 +58,8 @@ def test_quick_run_prints_one_json_line_with_consistent_figures(capsys):
 
 
 def test_g1_model_directory_loads_with_exact_vocabulary_and_no_eos(tmp_path):
-    from workers.models import load_model, load_tokenizer
-    from workers.tokenizer import encode_prompt
+    from workers.models.local import load_model, load_tokenizer
+    from workers.models.tokenizer import encode_prompt
 
     path = _g1.build_model_dir(tmp_path / "g1", _g1.QUICK)
     tok = load_tokenizer(path)  # as the run path loads it (transformers picks Qwen2Tokenizer)

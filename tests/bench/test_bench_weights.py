@@ -25,8 +25,8 @@ def test_quick_bench_prints_table_then_the_json_line():
     assert [(c["model"], c["path"], c["transport"]) for c in cases] == [
         ("embedded", "file", "safetensors"), ("embedded", "collective", "gloo+shm"),
         ("embedded", "collective", "gloo+broadcast")]
-    from workers.models import TinyModelSpec, build_tiny_model
-    from workers.tokenizer import build_char_tokenizer
+    from workers.models.local import TinyModelSpec, build_tiny_model
+    from workers.models.tokenizer import build_char_tokenizer
 
     model = build_tiny_model(TinyModelSpec(), build_char_tokenizer())
     want = sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from workers.rewards import brevity
+from workers.tasks.verifiers import brevity
 
 SCORING_DIR_ENV = "STREAMFLOW_TEST_SCORING_DIR"
 

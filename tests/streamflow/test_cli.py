@@ -60,9 +60,9 @@ def test_dry_run_prints_resolved_yaml_and_starts_nothing(fake_controller, capsys
 def test_dry_run_does_not_import_the_engine():
     # The config checks the simulated cost preset's name against workers.engines.sim_cost, a
     # standard-library-only table of presets; anything else of workers (engines, torch) is heavy.
-    # The early checks (streamflow/preflight.py) resolve reward.fn with workers.rewards, which
+    # The early checks (streamflow/preflight.py) resolve reward.fn with workers.tasks.verifiers, which
     # is standard-library only as well, and so is workers.settings (the knobs the config embeds).
-    light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.rewards",
+    light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.tasks.verifiers",
              "workers.settings")
     code = (
         "import sys; from streamflow.cli import main; "
@@ -273,8 +273,8 @@ def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path, store_
 
     import storage
     from workers.config import RewardWorkerConfig, WorkerCommon, to_json
+    from workers.models.tokenizer import build_char_tokenizer
     from workers.schema import samples_table_spec
-    from workers.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     tok_dir = tmp_path / "tokenizer"

@@ -84,7 +84,7 @@ def test_periodic_equals_sync_through_processes(tiny_config) -> None:
 
 def _assert_trained(cfg, params: dict) -> None:
     """Guards the equivalence tests against comparing parameters that never moved."""
-    from streamflow.stages import resolve_model
+    from streamflow.plan import resolve_model
 
     initial = load_file(str(resolve_model(cfg, Path(cfg.run.output_dir).parent / ".cache")
                             / "model.safetensors"))

@@ -129,7 +129,7 @@ def test_dry_run_refuses_cuda_without_a_gpu_in_one_line():
 def test_worker_checks_its_device_with_torch():
     import torch
 
-    from workers.devices import dtype_of, torch_device
+    from workers.runtime.devices import dtype_of, torch_device
 
     assert torch_device("cpu") == torch.device("cpu")
     if torch.cuda.is_available():
@@ -153,7 +153,7 @@ def test_a_reference_in_the_rollout_sits_on_the_rollouts_device():
 
 
 def test_a_vllm_rollout_sees_only_its_own_gpu_counted_among_the_visible_ones():
-    from workers.devices import pin_visible_gpu
+    from workers.runtime.devices import pin_visible_gpu
 
     # cuda:N is entry N of the list the process was started with, not physical GPU N
     env = {"CUDA_VISIBLE_DEVICES": "4, 7"}

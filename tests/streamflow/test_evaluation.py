@@ -10,15 +10,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from streamflow.stages import Evaluator, build_plan, held_out_split, resolve_model
+from streamflow.plan import Evaluator, build_plan, held_out_split, resolve_model
 from workers.engines.base import SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.engines.torch_trainer import TorchTrainerEngine
-from workers.models import load_model, load_tokenizer
-from workers.rewards import brevity
-from workers.tasks import Problem
-from workers.tokenizer import decode_response, encode_prompt
-from workers.weights import WeightPublisher, weights_path
+from workers.models.local import load_model, load_tokenizer
+from workers.models.tokenizer import decode_response, encode_prompt
+from workers.tasks.arithmetic import Problem
+from workers.tasks.verifiers import brevity
+from workers.weights.file_sync import WeightPublisher, weights_path
 
 ROWS = 20
 

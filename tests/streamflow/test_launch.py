@@ -248,7 +248,7 @@ def _netns_inode(name: str) -> str:
 
 
 def _rank_line(log: Path, rank: int) -> str:
-    """The line `workers.distributed.describe_rank` wrote when ``rank`` joined the group."""
+    """The line `workers.runtime.distributed.describe_rank` wrote when ``rank`` joined the group."""
     text = log.read_text(errors="replace")
     lines = [x for x in text.splitlines() if f"rank {rank} of 2 joined" in x]
     assert len(lines) == 1, text[-3000:]

@@ -19,8 +19,8 @@ from streamflow.config import MetricsSection, load_config
 from streamflow.metrics import ControllerMetrics, targets_path, with_metrics, write_targets
 from streamflow.rundir import IterationRecord
 from workers.config import RewardWorkerConfig, WorkerCommon
-from workers.events import EventSender, Span, StepReport, WeightSyncReport
-from workers.metrics import MeteredClient, MeteredEvents, WorkerMetrics
+from workers.runtime.events import EventSender, Span, StepReport, WeightSyncReport
+from workers.runtime.metrics import MeteredClient, MeteredEvents, WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from testkit import wait_until
 
 from streamflow.controller import run
-from workers.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
+from workers.models.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ("run.iterations=6", "run.checkpoint_every=3", "rollout.groups_per_claim=2",
@@ -129,8 +129,8 @@ class _Engine:
 
 
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> None:
-    from workers.models import TinyModelSpec, build_tiny_model
-    from workers.tokenizer import build_char_tokenizer
+    from workers.models.local import TinyModelSpec, build_tiny_model
+    from workers.models.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyModelSpec(hidden_size=16, num_layers=1, num_heads=2,
@@ -164,9 +164,9 @@ def test_replacing_a_step_never_leaves_it_missing(tmp_path: Path, monkeypatch) -
     """Re-saving an existing step swaps it in with two renames; a save killed between them
     leaves the old copy under .old-step-N-*, which readers take as step N and the next save
     restores — the newest checkpoint is never absent."""
-    from workers import checkpoint as ck
-    from workers.models import TinyModelSpec, build_tiny_model
-    from workers.tokenizer import build_char_tokenizer
+    from workers.models import checkpoint as ck
+    from workers.models.local import TinyModelSpec, build_tiny_model
+    from workers.models.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyModelSpec(hidden_size=16, num_layers=1, num_heads=2,
@@ -202,8 +202,8 @@ def test_auto_resume_takes_the_newest_checkpoint_whose_iterations_were_recorded(
     """Checkpoint k is written just after iteration k-1 is reported: a run killed before the
     controller wrote that report's line resumes from the older checkpoint and retrains the
     iteration, so no line of metrics.jsonl is missing for good."""
-    from streamflow.stages import find_resume
-    from workers.checkpoint import FORMAT
+    from streamflow.plan import find_resume
+    from workers.models.checkpoint import FORMAT
 
     for step in (3, 6):
         state = tmp_path / "checkpoints" / f"step-{step:06d}" / "trainer_state.json"

@@ -29,8 +29,8 @@ import storage
 from storage.errors import Unavailable
 from streamflow.controller import WorkerFailed, run
 from streamflow.supervisor import Supervisor
-from workers.checkpoint import latest_checkpoint, read_state
-from workers.tasks import ArithmeticTask
+from workers.models.checkpoint import latest_checkpoint, read_state
+from workers.tasks.arithmetic import ArithmeticTask
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERATIONS = 5

@@ -269,8 +269,8 @@ def test_step_progress_draws_a_bar_on_a_terminal(monkeypatch):
 
 
 def test_warm_start_reports_its_steps_through_prepare_builtin(tmp_path):
-    from workers.models import TinyModelSpec
-    from workers.warmstart import BuiltinRecipe, prepare_builtin
+    from workers.models.local import TinyModelSpec
+    from workers.models.warmstart import BuiltinRecipe, prepare_builtin
 
     seen: list[tuple[int, int]] = []
     recipe = BuiltinRecipe(spec=TinyModelSpec(hidden_size=16, num_layers=1, num_heads=2,
@@ -307,7 +307,7 @@ def test_reward_band_is_clipped_to_the_reward_range(tmp_path):
 
 
 def test_every_builtin_reward_has_a_declared_range():
-    from workers.rewards import available_rewards
+    from workers.tasks.verifiers import available_rewards
 
     assert set(available_rewards()) <= set(BUILTIN_REWARD_RANGES)
 

@@ -1,4 +1,4 @@
-"""The host's thread budget shared by phase (workers/cores.py), across real processes."""
+"""The host's thread budget shared by phase (workers/runtime/cores.py), across real processes."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from workers import cores
 from workers.config import RewardWorkerConfig, WorkerCommon, from_json, to_json
-from workers.cores import CoreShare, CoreShareConfig, create
+from workers.runtime import cores
+from workers.runtime.cores import CoreShare, CoreShareConfig, create
 
 
 def test_share_splits_the_budget_among_busy_processes(tmp_path):

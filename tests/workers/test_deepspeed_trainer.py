@@ -28,7 +28,12 @@ from testkit import free_port, wait_until
 
 import storage
 from workers.config import RolloutWorkerConfig, TrainerWorkerConfig, WorkerCommon
-from workers.distributed import (
+from workers.engines.deepspeed_trainer import DeepSpeedSettings, start_ranks
+from workers.models.local import TinyModelSpec, build_tiny_model, save_model
+from workers.models.tokenizer import build_char_tokenizer, encode_prompt
+from workers.roles.build import build_rollout, build_trainer
+from workers.roles.loop import StageLoop
+from workers.runtime.distributed import (
     deal_groups,
     decode_rows,
     encode_rows,
@@ -36,14 +41,9 @@ from workers.distributed import (
     parameter_digest,
     rank_env,
 )
-from workers.engines.deepspeed_trainer import DeepSpeedSettings, start_ranks
-from workers.events import EventSender, StepReport
-from workers.loop import StageLoop
-from workers.main import build_rollout, build_trainer
-from workers.models import TinyModelSpec, build_tiny_model, save_model
+from workers.runtime.events import EventSender, StepReport
 from workers.schema import prompt_rows, samples_table_spec
-from workers.tokenizer import build_char_tokenizer, encode_prompt
-from workers.weights import weights_path
+from workers.weights.file_sync import weights_path
 
 REPO = Path(__file__).resolve().parents[2]
 G = 4
@@ -378,8 +378,8 @@ def _rank_group_main(rank: int, port: int, out: str) -> None:
     """One of two gloo ranks whose RankGroup uses a group of its own (as under NCCL)."""
     import torch.distributed as dist
 
-    from workers.distributed import Op, RankGroup
-    from workers.rl import LossSums
+    from workers.rl.grpo import LossSums
+    from workers.runtime.distributed import Op, RankGroup
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)

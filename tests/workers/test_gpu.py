@@ -26,10 +26,10 @@ import torch
 from workers.engines.base import SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.engines.torch_trainer import TorchTrainerEngine
-from workers.models import TinyModelSpec, build_tiny_model, save_model
-from workers.packing import PackGroup
-from workers.tokenizer import build_char_tokenizer, encode_prompt
-from workers.trimodel import TriModel
+from workers.models.local import TinyModelSpec, build_tiny_model, save_model
+from workers.models.tokenizer import build_char_tokenizer, encode_prompt
+from workers.rl.packing import PackGroup
+from workers.rl.trimodel import TriModel
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def test_trainer_step_on_gpu_matches_cpu():
 
 
 def _smollm2(tmp_path_factory) -> Path:
-    from workers.hf import ConversionError, convert_smollm2
+    from workers.models.gguf import ConversionError, convert_smollm2
 
     cached = ROOT / "runs" / "models" / "SmolLM2-135M-Instruct"
     if (cached / "config.json").is_file():
@@ -158,7 +158,7 @@ def test_async_run_on_one_gpu_with_the_reference_in_the_rollout(tmp_path):
 
 
 def test_periodic_smollm2_run_on_one_gpu(tmp_path, tmp_path_factory):
-    from workers.tasks_word import main as write_problems
+    from workers.tasks.word import main as write_problems
 
     model = _smollm2(tmp_path_factory)
     problems = tmp_path / "problems.jsonl"

@@ -1,4 +1,4 @@
-"""``workers.heap``: a process's freed buffers stay in its heap for the next step."""
+"""``workers.runtime.heap``: a process's freed buffers stay in its heap for the next step."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workers import heap
+from workers.runtime import heap
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # vary from run to run; glibc's bookkeeping does not.)
 _STEPS = """
 import ctypes, ctypes.util, json, sys
-from workers import heap
+from workers.runtime import heap
 kept = heap.keep_heap() if sys.argv[1] == "kept" else False
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -1,4 +1,4 @@
-"""GGUF -> HF conversion (workers.hf) on a tiny GGUF written here with the ``gguf`` library.
+"""GGUF -> HF conversion (workers.models.gguf) on a tiny GGUF written here with the ``gguf`` library.
 
 The real SmolLM2 conversion takes ~50 s on 2 cores (too slow for CI); its code path is the same
 ``convert_gguf`` exercised here: a Llama GGUF with a byte-level BPE tokenizer and a chat template.
@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from workers.hf import ConversionError, convert_gguf, smollm2_gguf_path
-from workers.models import load_model, load_tokenizer
+from workers.models.gguf import ConversionError, convert_gguf, smollm2_gguf_path
+from workers.models.local import load_model, load_tokenizer
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -8,8 +8,8 @@ import pyarrow as pa
 
 import storage
 from storage.schema import TableSpec, TaskSpec
-from workers.events import EventSender
-from workers.loop import LeaseKeeper, StageLoop, with_row_ids
+from workers.roles.loop import LeaseKeeper, StageLoop, with_row_ids
+from workers.runtime.events import EventSender
 
 SCHEMA = pa.schema([("x", pa.int64()), ("y", pa.int64())])
 

@@ -7,14 +7,19 @@ import json
 import pytest
 import torch
 
-from workers.models import (
+from workers.models.local import (
     TinyModelSpec,
     build_tiny_model,
     load_model,
     load_tokenizer,
     save_model,
 )
-from workers.tokenizer import build_char_tokenizer, decode_response, encode_answer, encode_prompt
+from workers.models.tokenizer import (
+    build_char_tokenizer,
+    decode_response,
+    encode_answer,
+    encode_prompt,
+)
 
 torch.set_num_threads(1)
 SMALL = TinyModelSpec(

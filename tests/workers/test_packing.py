@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
-from workers import packing
-from workers.packing import (
+from workers.rl import packing
+from workers.rl.packing import (
     PackGroup,
     PackingError,
     PackingFallbackWarning,
@@ -250,7 +250,7 @@ def test_self_check_rejects_an_inexact_attention(monkeypatch):
 
 @pytest.mark.parametrize("attention", ["segments", "mask"])
 def test_models_built_with_eager_attention(attention):
-    model = tiny_model("llama")  # workers.models builds its models with eager attention
+    model = tiny_model("llama")  # workers.models.local builds its models with eager attention
     model.config._attn_implementation = "eager"
     groups = make_groups([5, 3], [[4, 1, 6], [2]], seed=5)
     got = batch_logprobs(model, pack_groups(groups, token_budget=40), attention=attention)
@@ -292,7 +292,7 @@ def test_unpacked_rows_feed_the_model_only_up_to_the_last_scored_column(model):
 
 
 def test_forward_slices_are_near_equal_whole_groups_within_the_budget():
-    from workers.packing_layout import forward_slices
+    from workers.rl.packing_layout import forward_slices
 
     def lens(sizes, budget):  # noqa: ANN001, ANN202
         return [len(r) for r in forward_slices(sizes, budget)]
@@ -313,7 +313,7 @@ def test_forward_slices_are_near_equal_whole_groups_within_the_budget():
 
 
 def test_token_saving_and_the_auto_rule():
-    from workers.packing import DEFAULT_MIN_SAVING, should_pack, token_saving
+    from workers.rl.packing import DEFAULT_MIN_SAVING, should_pack, token_saving
 
     short = PackGroup(0, [1] * 6, [[2] * 64 for _ in range(8)])  # 560 tokens unpacked, 518 packed
     assert token_saving([short]) == pytest.approx(1 - 518 / 560)
@@ -331,7 +331,7 @@ def test_token_saving_and_the_auto_rule():
 def test_packing_threshold_defaults_agree():
     from streamflow.config import TrainerSection
     from workers.config import ReferenceWorkerConfig, TrainerWorkerConfig
-    from workers.packing import DEFAULT_MIN_SAVING
+    from workers.rl.packing import DEFAULT_MIN_SAVING
 
     assert TrainerSection().packing_min_saving == DEFAULT_MIN_SAVING
     for cls in (ReferenceWorkerConfig, TrainerWorkerConfig):

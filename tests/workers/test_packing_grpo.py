@@ -7,7 +7,7 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from workers.packing import PackGroup, packed_response_logprobs
+from workers.rl.packing import PackGroup, packed_response_logprobs
 
 torch.set_num_threads(1)
 VOCAB = 64

@@ -1,4 +1,4 @@
-"""The reference stage (workers/reference.py): each row's log-probs land on that row, as float32
+"""The reference stage (workers/roles/reference.py): each row's log-probs land on that row, as float32
 lists, whatever the order and lengths of the rows in the claim."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from storage.schema import Lease
-from workers.models import TinyModelSpec, build_tiny_model
-from workers.packing import PackGroup, packed_response_logprobs
-from workers.reference import ReferenceScorer, ReferenceStage
+from workers.models.local import TinyModelSpec, build_tiny_model
+from workers.models.tokenizer import build_char_tokenizer, encode_prompt
+from workers.rl.packing import PackGroup, packed_response_logprobs
+from workers.roles.reference import ReferenceScorer, ReferenceStage
 from workers.settings import PackingSettings
-from workers.tokenizer import build_char_tokenizer, encode_prompt
 
 
 @pytest.mark.parametrize("tokens_per_forward", [4096, 1])  # 1: one forward per group
@@ -42,7 +42,7 @@ def test_each_row_gets_its_own_log_probs(packing: bool, tokens_per_forward: int,
         forwards.append([g.group_id for g in groups])
         return packed_response_logprobs(model, groups, **kw)
 
-    monkeypatch.setattr("workers.reference.packed_response_logprobs", scoring)
+    monkeypatch.setattr("workers.roles.reference.packed_response_logprobs", scoring)
     out = stage.process(Lease(1, "samples", "reference", 0, 0.0, batch))
     # the three groups (~40 tokens) in one forward, or each alone, whole, past a 1-token budget
     assert forwards == ([[7, 3, 9]] if tokens_per_forward > 40 else [[7], [3], [9]])
@@ -65,8 +65,8 @@ def test_the_rollout_scores_its_responses_with_the_frozen_reference(tmp_path) ->
     from storage.schema import ROW_ID
     from workers.engines.base import SamplingParams
     from workers.engines.torch_rollout import TorchRolloutEngine
-    from workers.rollout import RolloutStage
-    from workers.weights import WeightSubscriber
+    from workers.roles.rollout import RolloutStage
+    from workers.weights.file_sync import WeightSubscriber
 
     torch.manual_seed(0)
     tok = build_char_tokenizer()
@@ -110,9 +110,9 @@ def test_a_vllm_rollout_on_a_later_gpu_scores_on_the_gpu_it_pinned(tmp_path, mon
     """vLLM places itself on the first GPU it sees, so the rollout worker hides every other
     one; its reference copy (and the collective receiver) must then name that GPU as this
     process sees it (cuda:0), not by the controller's index (cuda:1 no longer exists here)."""
-    import workers.main as main
+    import workers.roles.build as main
     from workers.config import RolloutWorkerConfig, WorkerCommon
-    from workers.events import EventSender
+    from workers.runtime.events import EventSender
 
     placed: dict[str, str] = {}
 
@@ -134,7 +134,7 @@ def test_a_vllm_rollout_on_a_later_gpu_scores_on_the_gpu_it_pinned(tmp_path, mon
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,
                                            num_kv_heads=1, intermediate_size=64), tok)
-    from workers.models import save_model
+    from workers.models.local import save_model
 
     save_model(model, tok, tmp_path / "m")
     cfg = RolloutWorkerConfig(

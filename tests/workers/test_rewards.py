@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from workers.rewards import (
+from workers.tasks.verifiers import (
     RewardError,
     RewardRunner,
     available_rewards,
@@ -115,7 +115,7 @@ def test_child_load_error_is_reported(user_module):
 
 
 def test_brevity_prefers_short_completions() -> None:
-    from workers.rewards import resolve_reward
+    from workers.tasks.verifiers import resolve_reward
 
     fn = resolve_reward("brevity")
     assert fn("", "ignored") == 1.0

@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from workers.models import TinyModelSpec, build_tiny_model
-from workers.rl import (
+from workers.models.local import TinyModelSpec, build_tiny_model
+from workers.models.tokenizer import build_char_tokenizer
+from workers.rl.grpo import (
     IncompleteGroupError,
     LossSums,
     build_token_batch,
@@ -20,7 +21,6 @@ from workers.rl import (
     response_logprobs,
     scale_gradients,
 )
-from workers.tokenizer import build_char_tokenizer
 
 torch.set_num_threads(1)
 SPEC = TinyModelSpec(

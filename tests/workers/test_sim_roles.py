@@ -21,7 +21,7 @@ from workers.engines.simulated import (
     SimulatedTrainingEngine,
     SimulatedTriModel,
 )
-from workers.packing import PackGroup
+from workers.rl.packing import PackGroup
 
 SPEC = SimulatedDevice(cost="7b-1acc", time_scale=1e6, median_response_tokens=50, skew=1.0)
 COST = preset("7b-1acc")

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from workers.tasks import ArithmeticTask, Problem, ProblemFileError, load_problem_file
+from workers.tasks.arithmetic import ArithmeticTask, Problem, ProblemFileError, load_problem_file
 
 
 def test_problems_are_correct_and_deterministic():

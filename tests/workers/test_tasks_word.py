@@ -1,4 +1,4 @@
-"""Word problems (workers.tasks_word): determinism, held-out split, answers, chat prompts, reward."""
+"""Word problems (workers.tasks.word): determinism, held-out split, answers, chat prompts, reward."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from workers.tasks import Problem
-from workers.tasks_word import (
+from workers.models.tokenizer import build_char_tokenizer
+from workers.tasks.arithmetic import Problem
+from workers.tasks.word import (
     KINDS,
     WordProblemTask,
     chat_prompt_ids,
@@ -16,7 +17,6 @@ from workers.tasks_word import (
     last_number_match,
     problems_as_rows,
 )
-from workers.tokenizer import build_char_tokenizer
 
 
 def test_streams_are_deterministic_and_seeded():

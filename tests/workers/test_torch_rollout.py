@@ -7,9 +7,9 @@ import torch
 
 from workers.engines.base import RolloutEngine, SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
-from workers.models import TinyModelSpec, build_tiny_model
-from workers.rl import build_token_batch, response_logprobs, to_token_tensor
-from workers.tokenizer import build_char_tokenizer, encode_prompt
+from workers.models.local import TinyModelSpec, build_tiny_model
+from workers.models.tokenizer import build_char_tokenizer, encode_prompt
+from workers.rl.grpo import build_token_batch, response_logprobs, to_token_tensor
 
 torch.set_num_threads(1)
 SPEC = TinyModelSpec(
@@ -253,8 +253,8 @@ def test_rollout_stage_seeds_each_group_by_its_own_id(model, tok, tmp_path):
     import pyarrow as pa
 
     from storage.schema import ROW_ID, Lease
-    from workers.rollout import RolloutStage
-    from workers.weights import WeightSubscriber
+    from workers.roles.rollout import RolloutStage
+    from workers.weights.file_sync import WeightSubscriber
 
     group_size = 3
     prompts = {7: _prompt_ids(tok)[0], 8: _prompt_ids(tok)[1], 9: _prompt_ids(tok)[2]}

@@ -21,19 +21,19 @@ import storage
 from storage.schema import TaskSpec
 from workers.config import RolloutWorkerConfig, TrainerWorkerConfig, WorkerCommon
 from workers.engines.torch_trainer import TorchTrainerEngine
-from workers.events import EventSender, StepReport
-from workers.loop import StageLoop
-from workers.main import build_rollout, build_trainer
-from workers.models import TinyModelSpec, build_tiny_model, load_model, save_model
-from workers.rl import (
+from workers.models.local import TinyModelSpec, build_tiny_model, load_model, save_model
+from workers.models.tokenizer import build_char_tokenizer, encode_prompt
+from workers.rl.grpo import (
     LossSums,
     build_token_batch,
     group_advantages,
     grpo_loss_sums,
     response_logprobs,
 )
+from workers.roles.build import build_rollout, build_trainer
+from workers.roles.loop import StageLoop
+from workers.runtime.events import EventSender, StepReport
 from workers.schema import prompt_rows, samples_table_spec
-from workers.tokenizer import build_char_tokenizer, encode_prompt
 
 _RUNS = itertools.count()  # one weights directory per training run of a test
 G = 4
@@ -172,7 +172,7 @@ def test_scoring_attention_is_configurable_and_sdpa_trains_like_eager(
     worker's model with that attention; on unpacked rows sdpa and eager train to the same
     parameters up to float rounding."""
     from workers.config import ReferenceWorkerConfig
-    from workers.main import build_reference
+    from workers.roles.build import build_reference
     from workers.settings import PackingSettings
 
     _, trainer_cfg = _configs(model_dir, tmp_path / "w-attn", 1, ROWS)
@@ -186,7 +186,7 @@ def test_scoring_attention_is_configurable_and_sdpa_trains_like_eager(
             trainer = build_trainer(cfg, store.client(), EventSender(None))
             assert trainer.tri.policy.config._attn_implementation == impl
             assert trainer.tri.reference.config._attn_implementation == impl
-            # both re-take the host's thread share between layers (workers.cores)
+            # both re-take the host's thread share between layers (workers.runtime.cores)
             for m in (trainer.tri.policy, trainer.tri.reference):
                 assert all(len(layer._forward_pre_hooks) == 1 for layer in m.model.layers)
         stage = build_reference(ReferenceWorkerConfig(common=common, model_path=str(model_dir),
@@ -202,7 +202,7 @@ def test_scoring_attention_is_configurable_and_sdpa_trains_like_eager(
 def test_list_columns_are_padded_from_the_arrow_buffers_like_pad_sequence() -> None:
     from torch.nn.utils.rnn import pad_sequence
 
-    from workers.trainer import _padded
+    from workers.roles.trainer import _padded
 
     column = pa.array([[0.5, -1.25, 3.0], [], None, [2.0], [1.0, 2.0, 3.0, 4.0]],
                       pa.list_(pa.float32()))
@@ -240,7 +240,7 @@ def test_a_claim_over_the_token_budget_trains_in_several_forwards_to_the_same_st
 ) -> None:
     """trainer.tokens_per_forward: a whole-iteration claim is trained in pieces of whole groups,
     each its own forward/backward into the same step (float rounding apart)."""
-    from workers.events import Span
+    from workers.runtime.events import Span
     from workers.settings import PackingSettings
 
     runs = {}
@@ -323,7 +323,7 @@ def test_group_integrity_under_random_completion(model_dir: Path, tmp_path: Path
 
 def _replica(model_dir: Path, batch: pa.RecordBatch, iterations: int, lr: float,
              updates: int, refresh_old: bool = False) -> tuple[dict, list[LossSums]]:
-    """GRPO with ``updates`` passes per batch written out with workers.rl alone (whole batch,
+    """GRPO with ``updates`` passes per batch written out with workers.rl.grpo alone (whole batch,
     unpacked): the old policy of every pass is the policy at the start of the iteration."""
     torch.manual_seed(3)
     engine = TorchTrainerEngine(load_model(model_dir), lr=lr)

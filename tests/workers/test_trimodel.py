@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from workers.packing import PackGroup
-from workers.trimodel import TriModel
+from workers.rl.packing import PackGroup
+from workers.rl.trimodel import TriModel
 
 torch.set_num_threads(1)
 VOCAB = 64

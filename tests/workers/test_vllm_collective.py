@@ -10,11 +10,11 @@ import torch
 
 from workers.config import WeightGroupConfig
 from workers.engines.base import SamplingParams
-from workers.models import TinyModelSpec, build_tiny_model, save_model
-from workers.tokenizer import build_char_tokenizer, encode_prompt
-from workers.weights import WeightPublisher, WeightSubscriber, weights_path
-from workers.weights_collective import Rendezvous
-from workers.weights_group import CollectivePublisher, CollectiveSubscriber
+from workers.models.local import TinyModelSpec, build_tiny_model, save_model
+from workers.models.tokenizer import build_char_tokenizer, encode_prompt
+from workers.weights.collective import CollectivePublisher, CollectiveSubscriber
+from workers.weights.file_sync import WeightPublisher, WeightSubscriber, weights_path
+from workers.weights.group import Rendezvous
 
 
 @pytest.mark.slow

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from workers.engines.base import FINISH_LENGTH, FINISH_STOP, LoadsWeightsFile, SamplingParams
-from workers.models import TinyModelSpec, build_tiny_model, save_model
-from workers.rl import response_logprobs
-from workers.rollout import RolloutStage
-from workers.tokenizer import build_char_tokenizer, encode_prompt
-from workers.weights import WeightPublisher, WeightSubscriber
+from workers.models.local import TinyModelSpec, build_tiny_model, save_model
+from workers.models.tokenizer import build_char_tokenizer, encode_prompt
+from workers.rl.grpo import response_logprobs
+from workers.roles.rollout import RolloutStage
+from workers.weights.file_sync import WeightPublisher, WeightSubscriber
 
 LOGPROB_TOL = 1e-4  # fp32 on both sides; measured max 4.8e-7
 
@@ -228,7 +228,7 @@ def test_the_reference_in_the_rollout_scores_vllm_responses_with_the_frozen_mode
     import pyarrow as pa
 
     from storage.schema import ROW_ID, Lease
-    from workers.reference import ReferenceScorer
+    from workers.roles.reference import ReferenceScorer
     from workers.settings import PackingSettings
 
     engine, model, tok = setup

@@ -7,10 +7,10 @@ import json
 import torch
 
 from workers.engines.base import Generation, SamplingParams
-from workers.models import TinyModelSpec, build_tiny_model, load_model
-from workers.tasks import ArithmeticTask
-from workers.tokenizer import build_char_tokenizer, encode_answer
-from workers.warmstart import MANIFEST, BuiltinRecipe, evaluate, prepare_builtin, warm_start
+from workers.models.local import TinyModelSpec, build_tiny_model, load_model
+from workers.models.tokenizer import build_char_tokenizer, encode_answer
+from workers.models.warmstart import MANIFEST, BuiltinRecipe, evaluate, prepare_builtin, warm_start
+from workers.tasks.arithmetic import ArithmeticTask
 
 torch.set_num_threads(1)
 SPEC = TinyModelSpec(

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from workers.config import WeightGroupConfig
-from workers.weights import WeightPublisher, WeightSubscriber
-from workers.weights_collective import (
+from workers.weights.collective import CollectivePublisher, CollectiveSubscriber
+from workers.weights.file_sync import WeightPublisher, WeightSubscriber
+from workers.weights.group import (
     CollectiveSyncError,
     GroupMember,
     Rendezvous,
@@ -22,7 +23,6 @@ from workers.weights_collective import (
     copy_into,
     tensor_meta,
 )
-from workers.weights_group import CollectivePublisher, CollectiveSubscriber
 
 
 class Engine:

@@ -12,8 +12,8 @@ import torch
 import zmq
 from testkit import wait_until
 
-from workers.weights import WeightPublisher, WeightSubscriber, latest_version
-from workers.weights_net import WeightFetcher, WeightFetchError
+from workers.weights.file_sync import WeightPublisher, WeightSubscriber, latest_version
+from workers.weights.net import WeightFetcher, WeightFetchError
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

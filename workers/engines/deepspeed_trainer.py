@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from workers.distributed import RankGroup, rank_env
 from workers.engines.torch_trainer import publishable
-from workers.rl import apply_warmup, make_optimizer
+from workers.rl.grpo import apply_warmup, make_optimizer
+from workers.runtime.distributed import RankGroup, rank_env
 from workers.settings import OptimizerSettings, embed, flat
 
 CHECKPOINT_TAG = "deepspeed"  # sub-directory of a trainer checkpoint holding DeepSpeed's files

@@ -22,13 +22,13 @@ from storage.schema import Lease
 from workers.config import SimulatedDevice
 from workers.engines.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from workers.engines.sim_cost import CostModel, preset
-from workers.loop import with_row_ids
+from workers.roles.loop import with_row_ids
 from workers.schema import REFERENCE_READS
 
 if TYPE_CHECKING:
     import torch
 
-    from workers.packing import PackGroup
+    from workers.rl.packing import PackGroup
 
 VERSION_TENSOR = "simulated.policy_version"  # the one tensor of a simulated weights file
 

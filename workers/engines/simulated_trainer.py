@@ -11,9 +11,9 @@ from typing import Any
 
 from workers.config import TrainerWorkerConfig
 from workers.engines.simulated import Device, SimulatedTrainingEngine, SimulatedTriModel
-from workers.loop import LeaseKeeper
-from workers.trainer import Trainer
-from workers.weights import WeightPublisher
+from workers.roles.loop import LeaseKeeper
+from workers.roles.trainer import Trainer
+from workers.weights.file_sync import WeightPublisher
 
 
 class SimulatedTrainer(Trainer):

@@ -26,7 +26,7 @@ from workers.engines.base import (
     check_generate,
     prompt_seeds_of,
 )
-from workers.packing import attention_implementation
+from workers.rl.packing import attention_implementation
 
 GREEDY_TEMPERATURE = 1e-5
 DECODE_ATTENTION = "streamflow_decode_sdpa"

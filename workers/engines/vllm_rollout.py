@@ -58,12 +58,12 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
 
-    # Collective sync (workers/weights_collective.py), vLLM's RLHF pattern: the worker process joins
+    # Collective sync (workers/weights/group.py), vLLM's RLHF pattern: the worker process joins
     # the trainer's weight-update group, then receives each version's buckets itself.
     def streamflow_join_group(self, spec: dict, epoch: int) -> None:
         """Join epoch ``epoch`` of the weight group (``spec``: its fields) on our device."""
         from workers.config import WeightGroupConfig
-        from workers.weights_collective import GroupMember, connect_store
+        from workers.weights.group import GroupMember, connect_store
 
         group = WeightGroupConfig(**spec)
         device = getattr(self, "device", None) or torch.device("cpu")
@@ -236,7 +236,7 @@ class VllmRolloutEngine:
         self.policy_version = int(version)
 
     def join_weight_group(self, spec: Any, epoch: int) -> None:
-        """Collective sync: vLLM's worker joins the weight group (``workers.weights_group``)."""
+        """Collective sync: vLLM's worker joins the weight group (``workers.weights.collective``)."""
         import dataclasses
 
         self.llm.collective_rpc("streamflow_join_group", args=(dataclasses.asdict(spec), epoch))

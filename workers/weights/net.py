@@ -16,9 +16,9 @@ import msgspec
 import zmq
 
 from storage import rpc
-from workers.weights_files import published_versions, weights_path
+from workers.weights.versions import published_versions, weights_path
 
-log = logging.getLogger("workers.weights")
+log = logging.getLogger("workers.weights.file_sync")
 
 MAX_REQUEST_BYTES = 4096
 

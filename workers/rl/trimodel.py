@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from workers.packing import (
+from workers.rl.packing import (
     PackedBatch,
     PackGroup,
     batch_logprobs,

@@ -12,9 +12,9 @@ from typing import Any
 import pyarrow as pa
 
 from storage.schema import Lease
-from workers.loop import HandBack, with_row_ids
-from workers.rewards import RewardRunner, resolve_reward
+from workers.roles.loop import HandBack, with_row_ids
 from workers.schema import REWARD_READS
+from workers.tasks.verifiers import RewardRunner, resolve_reward
 
 
 class RewardStage:

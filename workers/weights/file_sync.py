@@ -3,7 +3,7 @@
 ``WeightPublisher`` writes ``<dir>/policy-v000007.safetensors`` atomically, keeps the newest
 ``keep`` and announces each on ZeroMQ PUB; ``WeightSubscriber`` finds or waits (bounded, never a
 busy loop) for a version, fetched from the trainer's host when ``fetch`` is set
-(``workers.weights_net``). Protocol: docs/engines.md, "Weight sync by file".
+(``workers.weights.net``). Protocol: docs/engines.md, "Weight sync by file".
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ import torch
 import zmq
 from safetensors.torch import load_file, save_file
 
-from workers.weights_files import latest_version, prune, published_versions, weights_path
-from workers.weights_net import WeightFetcher, WeightFetchError, WeightServer
+from workers.weights.net import WeightFetcher, WeightFetchError, WeightServer
+from workers.weights.versions import latest_version, prune, published_versions, weights_path
 
 __all__ = [  # the file helpers are re-exported: callers import them from here
     "PublishedWeights", "WeightPublisher", "WeightSubscriber", "WeightSyncTimeout",
     "latest_version", "published_versions", "weights_path",
 ]
 
-log = logging.getLogger("workers.weights")
+log = logging.getLogger("workers.weights.file_sync")
 
 
 class WeightSyncTimeout(TimeoutError):

@@ -1,5 +1,5 @@
 """The two ends of collective weight sync: ``CollectivePublisher`` (trainer) and
-``CollectiveSubscriber`` (rollout worker), over ``workers.weights_collective``. A version's file is
+``CollectiveSubscriber`` (rollout worker), over ``workers.weights.group``. A version's file is
 always written too: the fallback of a failed broadcast. See docs/engines.md, "Collective weight
 sync: the two ends".
 """
@@ -15,9 +15,14 @@ from typing import Any
 import torch
 
 from workers.config import WeightGroupConfig
-from workers.events import WeightSyncReport
-from workers.weights import PublishedWeights, WeightPublisher, WeightSubscriber, WeightSyncTimeout
-from workers.weights_collective import (
+from workers.runtime.events import WeightSyncReport
+from workers.weights.file_sync import (
+    PublishedWeights,
+    WeightPublisher,
+    WeightSubscriber,
+    WeightSyncTimeout,
+)
+from workers.weights.group import (
     CollectiveSyncError,
     GroupMember,
     announce,
@@ -28,7 +33,7 @@ from workers.weights_collective import (
     tensor_meta,
 )
 
-log = logging.getLogger("workers.weights")
+log = logging.getLogger("workers.weights.file_sync")
 
 
 class CollectivePublisher:

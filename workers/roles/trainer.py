@@ -23,20 +23,20 @@ from torch.nn.utils.rnn import pad_sequence
 
 from storage.errors import CellAlreadyWritten, LeaseExpired, Unavailable, UnknownTable
 from storage.schema import ROW_ID, Lease
-from workers import cores
 from workers.config import TrainerWorkerConfig
-from workers.distributed import Op, RankGroup, first_group
 from workers.engines.torch_trainer import TrainerEngine
-from workers.events import Span, StepReport, WorkerStatus
-from workers.faults import dead_iteration
-from workers.loop import LeaseKeeper
-from workers.packing import should_pack
-from workers.packing_layout import forward_slices, steps_within
-from workers.reference import rows_to_groups
-from workers.rl import LossSums, group_advantages, grpo_loss_sums
+from workers.rl.grpo import LossSums, group_advantages, grpo_loss_sums
+from workers.rl.packing import should_pack
+from workers.rl.packing_layout import forward_slices, steps_within
+from workers.rl.trimodel import TriModel
+from workers.roles.loop import LeaseKeeper
+from workers.roles.reference import rows_to_groups
+from workers.runtime import cores
+from workers.runtime.distributed import Op, RankGroup, first_group
+from workers.runtime.events import Span, StepReport, WorkerStatus
+from workers.runtime.faults import dead_iteration
 from workers.schema import trainer_columns
-from workers.trimodel import TriModel
-from workers.weights import WeightPublisher
+from workers.weights.file_sync import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Trainer:
         self.s, self.publisher, self.worker = settings, publisher, worker
         self.send, self.on_step = send, on_step
         self.keeper = keeper  # renews held leases from its own thread (else: between claims)
-        self.ranks = ranks  # several trainer ranks (workers.distributed); None: this process alone
+        self.ranks = ranks  # several trainer ranks (workers.runtime.distributed); None: this process alone
         self.step = start_iteration  # = policy version of the current weights
         self.columns = trainer_columns(settings.reference_in_store)
         self._parked: dict[int, list[Piece]] = {}
@@ -101,7 +101,7 @@ class Trainer:
         except (Unavailable, UnknownTable):  # store node down or recovering: its rows come back
             time.sleep(0.5)
             return False
-        with cores.busy():  # this host's thread budget, shared by phase (workers.cores)
+        with cores.busy():  # this host's thread budget, shared by phase (workers.runtime.cores)
             if lease.num_rows:
                 self._accept(lease)
             for piece in self._parked.pop(self.step, []):

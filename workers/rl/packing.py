@@ -1,6 +1,6 @@
 """Shared-prompt packing: a group's responses scored with ONE copy of its prompt.
 
-Owns the attention that makes the packed layout (``workers.packing_layout``, re-exported here)
+Owns the attention that makes the packed layout (``workers.rl.packing_layout``, re-exported here)
 exact for HF causal LMs, and ``packed_response_logprobs(..., pack=True|False)``. Layout,
 invariants and when packing pays: docs/engines.md, "Shared-prompt packing".
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from workers.packing_layout import (
+from workers.rl.packing_layout import (
     DEFAULT_MIN_SAVING,
     PackChunk,
     PackedBatch,

@@ -18,11 +18,11 @@ import pyarrow as pa
 
 from storage.schema import Lease
 from workers.engines.base import LoadsWeightsFile, RolloutEngine, SamplingParams
-from workers.events import WeightSyncReport
-from workers.loop import with_row_ids
-from workers.reference import ReferenceScorer
+from workers.roles.loop import with_row_ids
+from workers.roles.reference import ReferenceScorer
+from workers.runtime.events import WeightSyncReport
 from workers.schema import ROLLOUT_READS
-from workers.weights import WeightSubscriber, weights_path
+from workers.weights.file_sync import WeightSubscriber, weights_path
 
 
 def sampling_seed(run_seed: int, group_id: int, policy_version: int) -> int:

@@ -15,9 +15,9 @@ import pyarrow as pa
 import torch
 
 from storage.schema import Lease
-from workers.loop import with_row_ids
-from workers.packing import PackGroup, packed_response_logprobs
-from workers.packing_layout import forward_slices
+from workers.rl.packing import PackGroup, packed_response_logprobs
+from workers.rl.packing_layout import forward_slices
+from workers.roles.loop import with_row_ids
 from workers.schema import REFERENCE_READS
 from workers.settings import PackingSettings
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from workers.config import WeightGroupConfig
 
-log = logging.getLogger("workers.weights")
+log = logging.getLogger("workers.weights.file_sync")
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,

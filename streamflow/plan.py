@@ -25,8 +25,6 @@ from streamflow.admission import min_policy_version
 from streamflow.config import RunConfig, StoreSection
 from streamflow.devices import RoleDevices, resolve_devices, weight_sync_path
 from streamflow.rundir import read_jsonl
-from workers import cores
-from workers.checkpoint import list_checkpoints, read_state
 from workers.config import (
     ReferenceWorkerConfig,
     RewardWorkerConfig,
@@ -35,17 +33,19 @@ from workers.config import (
     WeightGroupConfig,
     WorkerCommon,
 )
-from workers.cores import MAX_SLOTS, CoreShareConfig
-from workers.cores import create as create_core_table
 from workers.engines.base import SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
-from workers.models import TinyModelSpec, load_model, load_tokenizer
-from workers.rewards import RewardRunner
+from workers.models.checkpoint import list_checkpoints, read_state
+from workers.models.local import TinyModelSpec, load_model, load_tokenizer
+from workers.models.tokenizer import decode_response, encode_prompt
+from workers.models.warmstart import BuiltinRecipe, prepare_builtin
+from workers.runtime import cores
+from workers.runtime.cores import MAX_SLOTS, CoreShareConfig
+from workers.runtime.cores import create as create_core_table
 from workers.schema import prompt_rows
-from workers.tasks import ArithmeticTask, Problem, load_problem_file
-from workers.tokenizer import decode_response, encode_prompt
-from workers.warmstart import BuiltinRecipe, prepare_builtin
-from workers.weights import weights_path
+from workers.tasks.arithmetic import ArithmeticTask, Problem, load_problem_file
+from workers.tasks.verifiers import RewardRunner
+from workers.weights.file_sync import weights_path
 
 TABLE = "samples"
 
@@ -89,14 +89,14 @@ class RunPlan:
     eval_problems: list[Problem]
     table: str = TABLE
     start_iteration: int = 0
-    # the host's thread-budget table (workers.cores); None: each role keeps its own threads
+    # the host's thread-budget table (workers.runtime.cores); None: each role keeps its own threads
     cores_path: Path | None = None
     rollout: RolloutWorkerConfig = field(init=False)
     reward: RewardWorkerConfig = field(init=False)
     reference: ReferenceWorkerConfig | None = field(init=False)
     trainer: TrainerWorkerConfig = field(init=False)
     devices: RoleDevices | None = None
-    rendezvous: object | None = None  # workers.weights_collective.Rendezvous (collective only)
+    rendezvous: object | None = None  # workers.weights.group.Rendezvous (collective only)
 
     @property
     def store(self) -> StoreSection:
@@ -194,7 +194,7 @@ def build_plan(cfg: RunConfig, run_dir: Path,
     train, task, evals = _problems(cfg)
     plan = RunPlan(cfg, run_dir, model_path, _weights_dir(run_dir), load_tokenizer(model_path),
                    train, task, evals)
-    # streaming workers share run.host_threads by phase (workers.cores)
+    # streaming workers share run.host_threads by phase (workers.runtime.cores)
     if cfg.run.host_threads > 0 and not cfg.trainer.deterministic and cfg.run.mode != "sync":
         cores_path = plan.weights_dir.with_name(f"{plan.weights_dir.name}.cores")
         plan.cores_path = create_core_table(cores_path)
@@ -231,7 +231,7 @@ def _problems(cfg: RunConfig) -> tuple[list[Problem] | None, ArithmeticTask | No
 def _weight_group(plan: RunPlan) -> WeightGroupConfig:
     """Collective weight sync: start the group's rendezvous here (for the whole run); trainer rank
     0, rollout worker i rank i + 1."""
-    from workers.weights_collective import Rendezvous
+    from workers.weights.group import Rendezvous
 
     cfg, devices = plan.cfg, plan.devices
     assert devices is not None

@@ -15,14 +15,19 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from workers import heap
 from workers.engines.base import RolloutEngine, SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
-from workers.models import TinyModelSpec, build_tiny_model, save_model
-from workers.rewards import exact_match
-from workers.rl import build_token_batch, response_logprobs
-from workers.tasks import ArithmeticTask, Problem
-from workers.tokenizer import build_char_tokenizer, decode_response, encode_answer, encode_prompt
+from workers.models.local import TinyModelSpec, build_tiny_model, save_model
+from workers.models.tokenizer import (
+    build_char_tokenizer,
+    decode_response,
+    encode_answer,
+    encode_prompt,
+)
+from workers.rl.grpo import build_token_batch, response_logprobs
+from workers.runtime import heap
+from workers.tasks.arithmetic import ArithmeticTask, Problem
+from workers.tasks.verifiers import exact_match
 
 MANIFEST = "streamflow_manifest.json"
 MANIFEST_FORMAT = 2
@@ -199,7 +204,7 @@ def prepare_builtin(
         probe_accuracy.append(evaluate(model, tokenizer, probe, max_new_tokens=max_new))
         return probe_accuracy[-1] >= recipe.target_accuracy
 
-    heap.keep_heap()  # its steps reuse their freed activations (workers/heap.py)
+    heap.keep_heap()  # its steps reuse their freed activations (workers/runtime/heap.py)
     run_threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
     try:

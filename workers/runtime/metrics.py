@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from storage.metrics import HttpEndpoint
-from workers.events import Record, Span, StepReport, WeightSyncReport
+from workers.runtime.events import Record, Span, StepReport, WeightSyncReport
 
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
             120.0, 300.0, 600.0)
@@ -92,7 +92,7 @@ class WorkerMetrics(HttpEndpoint):
 
     # ------------------------------------------------------------------ observations
     def observe(self, record: Record) -> None:
-        """One report the worker sends to its controller (see ``workers.events``)."""
+        """One report the worker sends to its controller (see ``workers.runtime.events``)."""
         if isinstance(record, Span):
             self._span(record)
         elif isinstance(record, WeightSyncReport):

@@ -1,6 +1,6 @@
 """Arithmetic word problems for instruct models, and chat-template prompts.
 
-``WordProblemTask`` (the same contract as ``workers.tasks.ArithmeticTask``), ``chat_prompt_text``
+``WordProblemTask`` (the same contract as ``workers.tasks.arithmetic.ArithmeticTask``), ``chat_prompt_text``
 / ``chat_prompt_ids``, ``final_number`` and the reward ``last_number_match``
 (docs/training.md "Tasks").
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from workers.tasks import Problem, TrainingStream
+from workers.tasks.arithmetic import Problem, TrainingStream
 
 KINDS = ("add", "sub", "mul", "div", "total")
 NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Max", "Zoe", "Leo", "Ella")
@@ -132,7 +132,7 @@ def final_number(text: str) -> str | None:
 
 def last_number_match(completion: str, answer: str) -> float:
     """1.0 if the last number of the completion equals the answer (a reward for chatty models:
-    ``reward.fn: workers.tasks_word:last_number_match``)."""
+    ``reward.fn: workers.tasks.word:last_number_match``)."""
     got = final_number(completion)
     if got is None:
         return 0.0
@@ -155,13 +155,13 @@ def problems_as_rows(problems: Sequence[Problem],
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m workers.tasks_word OUT.jsonl [--model DIR]``: write a problem file for
+    """``python -m workers.tasks.word OUT.jsonl [--model DIR]``: write a problem file for
     ``data.task: file`` (prompts rendered in the model's chat template when --model is given)."""
     import argparse
     import json
     from pathlib import Path
 
-    parser = argparse.ArgumentParser(prog="python -m workers.tasks_word", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m workers.tasks.word", description=main.__doc__)
     parser.add_argument("out", help="JSONL file to write")
     parser.add_argument("--model", help="HF model directory whose chat template renders prompts")
     parser.add_argument("--num", type=int, default=512, help="training problems to write")
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     task = WordProblemTask(max_value=args.max_value, kinds=kinds, seed=args.seed)
     tokenizer = None
     if args.model:
-        from workers.models import load_tokenizer
+        from workers.models.local import load_tokenizer
 
         tokenizer = load_tokenizer(args.model)
     rows = problems_as_rows(task.train_problems(args.num), tokenizer)

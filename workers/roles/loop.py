@@ -18,9 +18,9 @@ import pyarrow as pa
 
 from storage.errors import LeaseExpired, Unavailable, UnknownLease, UnknownTable
 from storage.schema import ROW_ID, Lease
-from workers import cores
-from workers.events import EventSender, Span
-from workers.faults import failure_reason
+from workers.runtime import cores
+from workers.runtime.events import EventSender, Span
+from workers.runtime.faults import failure_reason
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from streamflow.stages import build_plan
+from streamflow.plan import build_plan
 from workers.config import from_json, to_json
 
 
