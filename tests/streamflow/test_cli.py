@@ -62,7 +62,8 @@ def test_dry_run_does_not_import_the_engine():
     # standard-library-only table of presets; anything else of workers (engines, torch) is heavy.
     # The early checks (streamflow/preflight.py) resolve reward.fn with workers.tasks.verifiers, which
     # is standard-library only as well, and so is workers.settings (the knobs the config embeds).
-    light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.tasks.verifiers",
+    light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.tasks",
+             "workers.tasks.verifiers",
              "workers.settings")
     code = (
         "import sys; from streamflow.cli import main; "
