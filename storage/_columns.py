@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  # Array.take imports it lazily (~80 ms): pay that at start-up
+import pyarrow.compute  # noqa: F401  # Array.take imports it lazily: pay that at start-up
 
 # Beyond this many runs of sources, one take per source and a permutation beat a take per run.
 _MAX_RUNS = 32
@@ -109,7 +109,7 @@ def claimed_batch(
                 fast[c] = sources[s0].arrays[c].slice(o0, k)
             else:
                 fast[c] = gather(sources, c, src[j], off[j])
-    # pa.array infers float64/uint64/uint16 from the numpy dtypes, ~3x faster than type=.
+    # pa.array infers float64/uint64/uint16 from the numpy dtypes, faster than passing type=.
     for c in cols:
         if c < 0:
             arrays.append(pa.array(created[idx]))

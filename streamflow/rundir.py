@@ -289,7 +289,7 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _pyplot() -> Any:  # matplotlib's Agg backend, imported lazily (it costs ~0.5 s)
+def _pyplot() -> Any:  # matplotlib's Agg backend, imported lazily (a slow import)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -66,7 +66,7 @@ class DeepSpeedSettings:
                 "reduce_bucket_size": self.reduce_bucket_size,
                 "allgather_bucket_size": self.allgather_bucket_size,
             },
-            "zero_allow_untested_optimizer": True,  # our torch AdamW (FusedAdam: 30x slower on CPU)
+            "zero_allow_untested_optimizer": True,  # our torch AdamW (FusedAdam is slow on a CPU: docs/deepspeed.md)
             "fp16": {"enabled": False},
             "bf16": {"enabled": False},
             "steps_per_print": 1 << 30,

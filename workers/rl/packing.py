@@ -144,8 +144,8 @@ def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: PackC
         ks = torch.cat([kp.expand(m, -1, -1, -1), take(k)], dim=2)  # [m, H, P + n, d]
         vs = torch.cat([vp.expand(m, -1, -1, -1), take(v)], dim=2)
         # The kernel cannot skip the masked upper-right blocks (n^2 / 2 scores per response);
-        # splitting prompt and own keys into two mask-free calls merged by log-sum-exp was
-        # measured no faster on CPU, so the simple masked call stays.
+        # splitting prompt and own keys into two mask-free calls merged by log-sum-exp was no
+        # faster on a CPU (docs/engines.md, "Shared-prompt packing"), so the simple masked call stays.
         mask = layout.response_mask(c.prompt_len, n, q.device)
         o = F.scaled_dot_product_attention(take(q), ks, vs, attn_mask=mask, **sdpa_args)
         outs.update({s: o[i] for i, s in enumerate(starts)})

@@ -4,10 +4,8 @@ PyTorch's CPU tensors come from glibc ``malloc``. By default glibc hands a freed
 back to the kernel once it exceeds a trim threshold (twice the dynamic mmap threshold: 64 MiB at
 most), and serves each buffer above the mmap threshold with its own ``mmap``/``munmap``. A
 training step or a batched forward frees tens of MiB of activations and asks for them again a
-moment later, so every step faults the same memory in again, page by page: a G1 ``sync`` run of
-``streamflow bench phases`` took 3.1–3.4 M minor page faults and 6–7 s of system time over 8
-iterations, and 0.64 M and 2 s with the settings below: 10–13 % less wall time
-(docs/performance.md).
+moment later, so every step faults the same memory in again, page by page (the page faults and
+system time with and without the settings below, and their command: docs/performance.md).
 
 ``keep_heap`` raises the trim threshold and the top pad and pins the mmap threshold at its
 maximum (32 MiB): the reuse PyTorch CPU tuning guides get by preloading jemalloc or tcmalloc,
