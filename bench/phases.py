@@ -6,9 +6,11 @@ per iteration (no eos: every response runs to 64 tokens on both sides), KL coeff
 ``--threads`` (default 2) threads in all. Measured in one invocation:
 
 - phases, side by side in this process and interleaved iteration by iteration (load from other
-  processes hits both sides alike): StreamFlow's sync iteration through its own builders
-  (``_sfsync``: torch rollout engine, reference stage, torch trainer engine over an embedded
-  store, each stage claiming the whole batch) against the plain loop (``_plain``: ``generate``
+  processes hits both sides alike): StreamFlow's sync iteration through the controller's own
+  colocated loop (``streamflow.controller.ColocatedLoop``, what ``streamflow run`` runs in
+  ``sync``: torch rollout engine, reference stage, torch trainer engine over an embedded store,
+  each stage claiming the whole batch; ``StreamFlowSync`` below times its iterations one by one)
+  against the plain loop (``_plain``: ``generate``
   with SDPA, reference forward, forward/backward + AdamW). Per phase (generation, reference,
   train step) the MEDIAN of ``--iterations`` iterations after one warm-up iteration;
 - modes: real ``streamflow run`` jobs (``sync``, ``periodic``, ``async``) over the G1 model
@@ -51,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,60 @@ TARGET_PHASE, TARGET_PLAIN, TARGET_STREAMING = 1.0, 1.3, 1.0
 HEADLINES = ("worst_phase_ratio", "best_ratio_to_plain", "best_streaming_ratio_to_sync")
 
 
+@dataclass
+class StreamFlowTimes:
+    """Seconds of one sync iteration, per phase (weight movement taken out) and in all."""
+
+    generation: float
+    reward: float
+    reference: float
+    train_step: float
+    weight_sync: float  # rollout load + trainer publish
+    total: float
+    reward_mean: float
+
+
+class StreamFlowSync:
+    """The controller's colocated loop over ``cfg`` (which must give the reference its own
+    worker), one timed iteration at a time. Weight movement is not part of a phase: the rollout's
+    load of the new policy (``WeightSyncReport.seconds``) is taken out of generation and the
+    trainer's publish (``StepReport.publish_seconds``) out of the train step."""
+
+    def __init__(self, cfg: Any, run_dir: Path) -> None:
+        from streamflow.controller import ColocatedLoop
+        from streamflow.plan import build_plan
+        from workers.runtime.events import EventSender
+
+        self.plan = plan = build_plan(cfg, run_dir)
+        if plan.reference is None:
+            plan.cleanup()
+            raise ValueError("bench phases: the StreamFlow side needs reference.placement=worker "
+                             "and trainer.kl_coef > 0 (the reference forward is a phase)")
+        self.sent: list[Any] = []  # the reports of the iteration being timed
+        self.loop = ColocatedLoop(plan, EventSender(None), self.sent.extend)
+
+    def iteration(self, k: int) -> StreamFlowTimes:
+        from workers.runtime.events import StepReport, WeightSyncReport
+
+        self.sent.clear()
+        sec = self.loop.iteration(k)
+        loads = sum(r.seconds for r in self.sent if isinstance(r, WeightSyncReport))
+        steps = [r for r in self.sent if isinstance(r, StepReport)]
+        if len(steps) != 1:
+            raise RuntimeError(f"bench phases: iteration {k} gave {len(steps)} trainer steps")
+        publish = steps[0].publish_seconds
+        return StreamFlowTimes(
+            generation=sec.rollout - loads, reward=sec.reward, reference=sec.reference,
+            train_step=sec.trainer - publish, weight_sync=loads + publish, total=sec.total,
+            reward_mean=steps[0].reward_mean)
+
+    def close(self) -> None:
+        try:
+            self.loop.__exit__(None, None, None)
+        finally:
+            self.plan.cleanup()
+
+
 def measure_phases(
     shape: G1Shape, model_dir: Path, work: Path, *, iterations: int, threads: int, device: str
 ) -> tuple[dict[str, dict[str, float]], float, dict[str, float]]:
@@ -71,7 +128,6 @@ def measure_phases(
     import torch
 
     from bench._plain import PlainGRPO, settings_of
-    from bench._sfsync import StreamFlowSync
     from streamflow.config import config_from_dict
 
     torch.set_num_threads(threads)

@@ -24,7 +24,7 @@ What each loop consumes, produces, waits on, and what unblocks it:
     reference   response_ids             ref_logprobs             rows ready            rollout write
     trainer     all columns (groups)     weights v+1, advantages  all rows of k in      reward/ref writes
 
-Modes: ``sync`` runs every role in this process, stages taking turns (``_run_colocated``);
+Modes: ``sync`` runs every role in this process, stages taking turns (``ColocatedLoop``);
 ``periodic`` (s = 0) and ``async`` (s = ``max_staleness``) stream between one process per worker
 (``_run_streaming``), started and restarted by a ``Cluster`` (``LocalCluster`` or
 ``MultiHostCluster``).
@@ -39,6 +39,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -120,7 +121,6 @@ class Controller:
         return summary
 
     def _run_colocated(self) -> None:
-        plan = self.plan
         # Colocated: this one process holds every model and gets the largest thread budget.
         heap.keep_heap()  # its stages' freed activations are reused, not faulted in again
         torch.set_num_threads(
@@ -128,38 +128,12 @@ class Controller:
         events: Any = EventSender(None)  # reports stay in memory
         if self.metrics is not None:  # the workers' series, from this one process's endpoint
             events = MeteredEvents(events, WorkerMetrics(self.metrics.registry))
-
-        def reports() -> None:
-            self._dispatch(events.sent)
-            events.sent.clear()
-
-        with storage.embedded(plan.store.num_shards, persist_dir=plan.store_persist_dir) as store:
-            client = store.client()
-            client.create_table(plan.table_spec)
-            keeper = LeaseKeeper(store.client)
-            stages = [("rollout", build_rollout(plan.rollout, events)),
-                      ("reward", reward := build_reward(plan.reward))]
-            if plan.reference:
-                stages.append(("reference", build_reference(plan.reference)))
-            trainer = build_trainer(plan.trainer, client, events, keeper)
-            trainer.publish_current()
+        with ColocatedLoop(self.plan, events, self._dispatch, self._check_stall,
+                           persist=True) as loop:
             self.display.start_loop(self.state.begin_loop())
-            loops = [StageLoop(client, plan.table, stage, worker=f"{role}-0", role=role,
-                               events=events, keeper=keeper) for role, stage in stages]
-            for k in range(plan.start_iteration, self.cfg.run.iterations):
-                client.put(plan.table, plan.prompt_rows(k, self.staleness), timeout=600.0)
-                for loop in loops:  # each stage drains the whole batch before the next
-                    while loop.turn(0.0):  # the last (empty) claim carries the last write+ack
-                        pass
-                    reports()
-                while not trainer.poll(0.0):
-                    reports()  # an "unrecoverable" iteration fails the run here
-                    self._check_stall()
-                reports()
+            for k in range(self.plan.start_iteration, self.cfg.run.iterations):
+                loop.iteration(k, self.staleness)
             self.state.loop_ended = self.state.loop_ended or time.time()
-            keeper.close()
-            reward.close()
-            client.close()
 
     def _run_streaming(self, stop: interrupt.StopSignals) -> None:
         cfg, plan, st = self.cfg, self.plan, self.state
@@ -313,6 +287,86 @@ class Controller:
         if limit and time.monotonic() - self.state.last_progress > limit:
             raise WorkerFailed(f"no progress for {limit:.0f}s (run.stall_timeout_s); see "
                                f"{self.rundir.path / 'logs'}")
+
+
+@dataclass(frozen=True)
+class StageSeconds:
+    """Wall seconds of one colocated iteration: each stage's drain, the trainer's wait, in all."""
+
+    rollout: float
+    reward: float
+    reference: float  # 0.0 without a reference worker
+    trainer: float  # from the end of the last stage to the trainer's step report
+    total: float  # from before the put to the step report
+
+
+class ColocatedLoop:
+    """``sync`` mode's loop: every role in this process over an embedded store, stages taking turns.
+
+    ``Controller`` runs it to the last iteration; ``bench phases`` times its iterations one by
+    one (the same code, no copy). ``dispatch`` gets the reports the workers sent after each
+    stage and while the trainer finishes its step; ``check`` runs while it waits (stall rule).
+    Invariant: ``iteration(k)`` returns once the trainer reported the step of k.
+    """
+
+    def __init__(self, plan: RunPlan, events: Any, dispatch: Callable[[list], None],
+                 check: Callable[[], None] = lambda: None, *, persist: bool = False) -> None:
+        self.plan, self.events, self.dispatch, self.check = plan, events, dispatch, check
+        self._stack = contextlib.ExitStack()
+        try:
+            self._open(persist)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _open(self, persist: bool) -> None:
+        plan, events = self.plan, self.events
+        store = self._stack.enter_context(storage.embedded(
+            plan.store.num_shards, persist_dir=plan.store_persist_dir if persist else None))
+        self.client = client = store.client()
+        client.create_table(plan.table_spec)
+        self.keeper = LeaseKeeper(store.client)
+        stages = [("rollout", build_rollout(plan.rollout, events)),
+                  ("reward", reward := build_reward(plan.reward))]
+        if plan.reference:
+            stages.append(("reference", build_reference(plan.reference)))
+        self._stack.callback(client.close)  # closed in the reverse order: keeper, reward, client
+        self._stack.callback(reward.close)
+        self._stack.callback(self.keeper.close)
+        self.trainer = build_trainer(plan.trainer, client, events, self.keeper)
+        self.trainer.publish_current()
+        self.loops = [StageLoop(client, plan.table, stage, worker=f"{role}-0", role=role,
+                                events=events, keeper=self.keeper) for role, stage in stages]
+
+    def iteration(self, k: int, staleness: int = 0) -> StageSeconds:
+        """Put iteration k, drain each stage in turn, wait for the trainer's step of k."""
+        t0 = time.perf_counter()
+        self.client.put(self.plan.table, self.plan.prompt_rows(k, staleness), timeout=600.0)
+        seconds = {"reference": 0.0}
+        for loop in self.loops:  # each stage drains the whole batch before the next
+            start = time.perf_counter()
+            while loop.turn(0.0):  # the last (empty) claim carries the last write+ack
+                pass
+            seconds[loop.role] = time.perf_counter() - start
+            self._reports()
+        start = time.perf_counter()
+        while not self.trainer.poll(0.0):
+            self._reports()  # an "unrecoverable" iteration fails the run here
+            self.check()
+        seconds["trainer"] = time.perf_counter() - start
+        self._reports()
+        return StageSeconds(**seconds, total=time.perf_counter() - t0)
+
+    def _reports(self) -> None:
+        sent = list(self.events.sent)
+        self.events.sent.clear()
+        self.dispatch(sent)
+
+    def __enter__(self) -> ColocatedLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
 
 
 def run(cfg: RunConfig, cluster: ClusterFactory = LocalCluster) -> RunSummary:

@@ -193,3 +193,33 @@ def test_the_plain_loop_runs_alone_beside_the_modes_first_then_last(monkeypatch,
     assert report["plain_in_process_seconds_per_iteration"] == 9.0  # not the one compared with
     assert report["modes"]["async"]["ratio_to_plain"] == 2.0
     assert [r["plain_seconds_per_iteration"] for r in report["rounds"]] == [4.0, 6.0, 5.0]
+
+
+@pytest.mark.slow
+def test_streamflow_side_times_the_controllers_own_colocated_loop(tmp_path, monkeypatch):
+    """No second copy of the sync loop: each timed iteration is one ``ColocatedLoop.iteration``
+    (the loop ``streamflow run`` runs in sync), and the phases are that iteration's stages."""
+    from streamflow.config import config_from_dict
+    from streamflow.controller import ColocatedLoop
+
+    calls = []
+    real = ColocatedLoop.iteration
+
+    def counted(self, k, staleness=0):
+        calls.append(k)
+        return real(self, k, staleness)
+
+    monkeypatch.setattr(ColocatedLoop, "iteration", counted)
+    model = _g1.build_model_dir(tmp_path / "g1", _g1.QUICK)
+    cfg = config_from_dict(_g1.run_config(_g1.QUICK, model, tmp_path / "runs", mode="sync",
+                                          iterations=100, threads=1, device="cpu"))
+    sf = bench.StreamFlowSync(cfg, tmp_path / "runs" / "phases")
+    try:
+        times = [sf.iteration(k) for k in range(2)]
+    finally:
+        sf.close()
+    assert calls == [0, 1]
+    for t in times:
+        parts = (t.generation, t.reward, t.reference, t.train_step, t.weight_sync)
+        assert all(p > 0 for p in parts), t
+        assert sum(parts) <= t.total
