@@ -150,6 +150,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Before anything is built (docs/controller.md); ports are of the moment: no dry-run check.
     preflight.check_output_dir(cfg)
     preflight.check_inputs(cfg)
+    for note in preflight.notes(cfg):  # after the checks: an error stays one line
+        print(f"note: {note}", file=sys.stderr)
     if args.dry_run:
         sys.stdout.write(dump_yaml(cfg))
         return EXIT_OK

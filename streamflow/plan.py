@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -33,18 +32,17 @@ from workers.config import (
     WeightGroupConfig,
     WorkerCommon,
 )
-from workers.engines.base import SamplingParams
-from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models.checkpoint import list_checkpoints, read_state
 from workers.models.local import TinyModelSpec, load_model, load_tokenizer
-from workers.models.tokenizer import decode_response, encode_prompt
+from workers.models.tokenizer import encode_prompt
 from workers.models.warmstart import BuiltinRecipe, prepare_builtin
 from workers.runtime import cores
 from workers.runtime.cores import MAX_SLOTS, CoreShareConfig
 from workers.runtime.cores import create as create_core_table
 from workers.schema import prompt_rows
 from workers.tasks.arithmetic import ArithmeticTask, Problem, load_problem_file
-from workers.tasks.verifiers import RewardRunner
+from workers.tasks.evaluate import greedy_accuracy, reward_scorer
+from workers.tasks.heldout import split_prompt_file
 from workers.weights.file_sync import weights_path
 
 TABLE = "samples"
@@ -190,8 +188,8 @@ def _weights_dir(run_dir: Path) -> Path:
 def build_plan(cfg: RunConfig, run_dir: Path,
                progress: Callable[[int, int], None] | None = None) -> RunPlan:
     """Resolve everything a run needs before any process starts (docs/controller.md)."""
+    train, task, evals = _problems(cfg)  # first: a bad split must fail before any warm start
     model_path = resolve_model(cfg, Path(cfg.run.output_dir).parent / ".cache", progress)
-    train, task, evals = _problems(cfg)
     plan = RunPlan(cfg, run_dir, model_path, _weights_dir(run_dir), load_tokenizer(model_path),
                    train, task, evals)
     # streaming workers share run.host_threads by phase (workers.runtime.cores)
@@ -222,7 +220,7 @@ def _problems(cfg: RunConfig) -> tuple[list[Problem] | None, ArithmeticTask | No
             raise ValueError("data.file is required when data.task is 'file'")
         rows = load_problem_file(d.file, d.prompt_column, d.answer_column)
         held_out = cfg.run.eval_prompts if cfg.run.eval_every else 0
-        train, evals = held_out_split(rows, held_out, seed=d.seed, source=d.file)
+        train, evals = split_prompt_file(rows, held_out, source=d.file)
         return train, None, evals
     task = ArithmeticTask(digits=d.digits, operations=tuple(d.operations), seed=d.seed)
     return None, task, task.eval_problems(cfg.run.eval_prompts) if cfg.run.eval_prompts else []
@@ -285,44 +283,6 @@ def _worker_records(plan: RunPlan, blank: WorkerCommon, announce: str | None,
         weights_group=group)
 
 
-def held_out_split(rows: list[Problem], n_eval: int, *, seed: int,
-                   source: str = "data.file") -> tuple[list[Problem], list[Problem]]:
-    """(train, eval) of a prompt file: ``n_eval`` distinct prompts drawn with ``seed`` held out,
-    with every row carrying one (docs/controller.md); ``n_eval == 0`` trains on every row."""
-    if n_eval == 0:
-        return rows, []
-    prompts = list(dict.fromkeys(p.prompt for p in rows))  # distinct, in file order
-    if n_eval >= len(prompts):
-        raise ValueError(f"run.eval_prompts={n_eval} holds out every prompt of {source} "
-                         f"({len(prompts)} distinct): lower run.eval_prompts or set "
-                         "run.eval_every=0")
-    held = set(random.Random(seed).sample(prompts, n_eval))
-    first: dict[str, Problem] = {}
-    for p in rows:
-        if p.prompt in held:
-            first.setdefault(p.prompt, p)
-    evals = [first[q] for q in prompts if q in held]
-    return [p for p in rows if p.prompt not in held], evals
-
-
-def reward_accuracy(
-    model: torch.nn.Module, tokenizer: object, problems: list[Problem], *, reward_fn: str,
-    success_threshold: float, timeout_s: float, max_new_tokens: int,
-) -> float:
-    """Fraction of ``problems`` whose greedy response scores ``>= success_threshold`` under
-    ``reward_fn`` run as the reward workers run it (a failed score counts as unsolved)."""
-    if not problems:
-        raise ValueError("reward_accuracy: no problems")
-    engine = TorchRolloutEngine(model, tokenizer, max_batch_size=256)
-    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    gens = engine.generate(prompts, 1, params)
-    completions = [decode_response(tokenizer, g[0].token_ids) for g in gens]
-    with RewardRunner(reward_fn, timeout_s=timeout_s) as runner:
-        results = runner.score(completions, [p.answer for p in problems])
-    return sum(1 for r in results if r.ok and r.score >= success_threshold) / len(problems)
-
-
 def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
     """The checkpoint to continue from (``run.resume``: auto or a path). With auto: the newest
     whose iterations are all in ``metrics.jsonl``, else the newest one (docs/controller.md)."""
@@ -374,8 +334,7 @@ class Evaluator:
         elif version != 0:
             return None  # pruned already (async runs far ahead): skip rather than guess
         r = plan.cfg.reward
+        score = reward_scorer(r.fn, success_threshold=r.success_threshold, timeout_s=r.timeout_s)
         with torch.no_grad(), cores.busy():  # the controller's slot of the host's budget
-            return reward_accuracy(
-                self._model, plan.tokenizer, plan.eval_problems, reward_fn=r.fn,
-                success_threshold=r.success_threshold, timeout_s=r.timeout_s,
-                max_new_tokens=plan.cfg.rollout.max_new_tokens)
+            return greedy_accuracy(self._model, plan.tokenizer, plan.eval_problems,
+                                   max_new_tokens=plan.cfg.rollout.max_new_tokens, score=score)

@@ -1,8 +1,11 @@
 """Checks of a run config against this machine, before anything is built or started.
 
 ``check(cfg)`` (``streamflow run`` and ``--dry-run``): no torch, well under a second; every
-failure is a one-line ``ConfigError``. Also the output directory's refusal to overwrite and its
-clearing on ``run.overwrite``. What is checked: docs/controller.md "Checks before a run".
+failure is a one-line ``ConfigError``. Invariant: every check that depends only on the config and
+its files runs here, so none of them can fail after the built-in model's warm start (the prompt
+file's held-out split included). Also the output directory's refusal to overwrite and its
+clearing on ``run.overwrite``, and ``notes``: what a valid config does that a user may not expect.
+What is checked: docs/controller.md "Checks before a run".
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ def check_inputs(cfg: RunConfig) -> None:
         _check_model_dir(Path(cfg.model.path))
     if cfg.data.task == "file" and cfg.data.file:
         _check_problem_file(cfg)
+    elif cfg.data.task == "arithmetic":
+        _check_arithmetic(cfg)
     _check_reward(cfg.reward.fn)
     for key, engine, package in (("rollout.engine", cfg.rollout.engine, "vllm"),
                                  ("trainer.engine", cfg.trainer.engine, "deepspeed")):
@@ -100,6 +105,46 @@ def _check_problem_file(cfg: RunConfig) -> None:
         raise ConfigError("data.file", str(err).replace("\n", " ")) from None
     if not problems:
         raise ConfigError("data.file", f"{d.file} has no rows")
+    from workers.tasks.heldout import split_prompt_file
+
+    n_eval = cfg.run.eval_prompts if cfg.run.eval_every else 0
+    try:  # the split build_plan makes: enough distinct prompts for it and for training
+        split_prompt_file(problems, n_eval, source=str(d.file))
+    except ValueError as err:
+        raise ConfigError("", str(err)) from None  # the message starts with run.eval_prompts=N
+
+
+# Up to this many problems the arithmetic task enumerates its held-out split exactly (as
+# ArithmeticTask.eval_problems does); above, the split holds tens of thousands of problems.
+_ENUMERATED = 200_000
+
+
+def _check_arithmetic(cfg: RunConfig) -> None:
+    from workers.tasks.arithmetic import ArithmeticTask
+
+    d = cfg.data
+    try:
+        task = ArithmeticTask(digits=d.digits, operations=tuple(d.operations), seed=d.seed)
+    except ValueError as err:
+        key = "data.digits" if "digits" in str(err) else "data.operations"
+        raise ConfigError(key, str(err)) from None
+    n = cfg.run.eval_prompts
+    if n and len(task.operations) * (task.max_operand + 1) ** 2 <= _ENUMERATED:
+        try:
+            task.eval_problems(n)
+        except ValueError as err:
+            raise ConfigError("run.eval_prompts", f"{n}: {err}; lower run.eval_prompts or raise "
+                              "data.digits") from None
+
+
+def notes(cfg: RunConfig) -> list[str]:
+    """What a valid config does that its user may not expect (the CLI prints them at start and
+    with ``--dry-run``)."""
+    out = []
+    if cfg.data.task == "file" and cfg.model.path is None:
+        out.append("model.path is unset: the built-in model is warm-started on its arithmetic "
+                   f"task, not on {cfg.data.file}; set model.path to train your own model")
+    return out
 
 
 def _check_reward(fn: str) -> None:

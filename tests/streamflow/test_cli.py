@@ -62,8 +62,9 @@ def test_dry_run_does_not_import_the_engine():
     # standard-library-only table of presets; anything else of workers (engines, torch) is heavy.
     # The early checks (streamflow/preflight.py) resolve reward.fn with workers.tasks.verifiers, which
     # is standard-library only as well, and so is workers.settings (the knobs the config embeds).
+    # The task checks build the arithmetic task and its held-out split (pyarrow only for files).
     light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.tasks",
-             "workers.tasks.verifiers",
+             "workers.tasks.verifiers", "workers.tasks.arithmetic", "workers.tasks.heldout",
              "workers.settings")
     code = (
         "import sys; from streamflow.cli import main; "
@@ -349,7 +350,8 @@ def _one_line_error(capsys, argv, needle, fake_controller) -> None:
 @pytest.fixture
 def problems(tmp_path):
     good = tmp_path / "good.jsonl"
-    good.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    # more distinct prompts than tiny.yaml's run.eval_prompts: some are left for training
+    good.write_text("".join(f'{{"prompt": "1+{i}=", "answer": "{i + 1}"}}\n' for i in range(8)))
     no_answer = tmp_path / "no_answer.jsonl"
     no_answer.write_text('{"prompt": "1+1="}\n')
     empty = tmp_path / "empty.jsonl"
@@ -385,6 +387,44 @@ def test_bad_inputs_are_one_line_before_anything_is_built(
             *[o.format(tmp=tmp_path, **problems) for o in overrides]]
     _one_line_error(capsys, argv + (["--dry-run"] if dry_run else []), needle, fake_controller)
     assert not out.exists()
+
+
+def _few_distinct(tmp_path: Path) -> Path:
+    """300 rows, 78 distinct prompts (the file a user held out completely with eval_prompts=200)."""
+    path = tmp_path / "few.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Q{i % 78}: what is {i % 78} + 1?",
+                                        "answer": str(i % 78 + 1)}) + "\n" for i in range(300)))
+    return path
+
+
+def test_an_all_held_out_prompt_file_fails_before_any_warm_start(capsys, tmp_path):
+    # The real controller (no stand-in): without the early check it would warm-start the built-in
+    # model into <output_dir>/../.cache before the split failed.
+    runs = tmp_path / "runs"
+    argv = ["run", TINY, f"run.output_dir={runs / 'x'}", "data.task=file",
+            f"data.file={_few_distinct(tmp_path)}", "run.eval_prompts=200",
+            "reward.fn=workers.tasks.word:last_number_match"]
+    needle = "error: run.eval_prompts=200 holds out every prompt of "
+    for extra in (["--dry-run"], []):
+        assert main(argv + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(needle) and "(78 distinct" in err, err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert not (runs / ".cache").exists() and not (runs / "x").exists()
+
+
+def test_the_built_in_model_with_a_prompt_file_says_what_it_warm_starts_on(
+    fake_controller, capsys, problems, tmp_path
+):
+    argv = ["run", TINY, f"run.output_dir={tmp_path / 'run'}", "data.task=file",
+            f"data.file={problems['good']}"]
+    note = ("note: model.path is unset: the built-in model is warm-started on its arithmetic "
+            f"task, not on {problems['good']}; set model.path to train your own model")
+    for extra in (["--dry-run"], []):
+        assert main(argv + extra) == 0
+        assert note in capsys.readouterr().err.splitlines()
+    assert main(["run", TINY, f"run.output_dir={tmp_path / 'run2'}", "--dry-run"]) == 0
+    assert "note:" not in capsys.readouterr().err  # the arithmetic task: nothing to say
 
 
 def test_a_good_problem_file_passes(fake_controller, problems, tmp_path):

@@ -1,5 +1,6 @@
-"""Held-out evaluation: a prompt file's eval rows are never trained on, accuracy is scored with the
-run's reward function and success threshold, and published weights load strictly."""
+"""Held-out evaluation: a prompt file's eval rows are never trained on, its split is checked before
+any warm start, accuracy is scored with the run's reward function and success threshold, and
+published weights load strictly."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from streamflow.plan import Evaluator, build_plan, held_out_split, resolve_model
+from streamflow.plan import Evaluator, build_plan, resolve_model
 from workers.engines.base import SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.engines.torch_trainer import TorchTrainerEngine
 from workers.models.local import load_model, load_tokenizer
 from workers.models.tokenizer import decode_response, encode_prompt
-from workers.tasks.arithmetic import Problem
 from workers.tasks.verifiers import brevity
 from workers.weights.file_sync import WeightPublisher, weights_path
 
@@ -49,22 +49,22 @@ def test_held_out_rows_of_a_prompt_file_are_never_trained(tiny_config, tmp_path:
     assert held | train == {f"{a}+{a + 1}=" for a in range(ROWS)}  # every prompt on one side
     for k in range(12):  # several epochs over the 16-17 training rows
         assert not {p.prompt for p in plan.problems(k)} & held
-    # Deterministic (same file and seed: same split, so resume sees the same data) and seeded.
+    # Deterministic (same file: same split, so resume sees the same data), whatever the seed.
     assert plan.eval_problems == _plan(tiny_config, tmp_path).eval_problems
-    other = _plan(tiny_config, tmp_path, "data.seed=7").eval_problems
-    assert {p.prompt for p in other} != held
+    assert _plan(tiny_config, tmp_path, "data.seed=7").eval_problems == plan.eval_problems
     # Evaluation off: nothing is held out, every row trains.
     assert len(_plan(tiny_config, tmp_path, "run.eval_every=0").train_problems) == ROWS + 1
 
 
-def test_held_out_split_bounds() -> None:
-    rows = [Problem(f"q{i}", "a") for i in range(5)] + [Problem("q0", "b")]
-    train, evals = held_out_split(rows, 2, seed=0)
-    assert len(evals) == 2 and len(train) == len(rows) - 2 - (Problem("q0", "a") in evals)
-    assert [p for p in rows if p in train] == train  # file order kept
-    assert held_out_split(rows, 0, seed=0) == (rows, [])
-    with pytest.raises(ValueError, match=r"run.eval_prompts=5 holds out every prompt .*5 distinct"):
-        held_out_split(rows, 5, seed=0)
+def test_a_split_holding_out_every_prompt_fails_before_the_warm_start(
+    tiny_config, tmp_path: Path
+) -> None:
+    runs = tmp_path / "runs"
+    cfg = tiny_config("data.task=file", f"data.file={_file(tmp_path)}", "run.eval_every=1",
+                      f"run.eval_prompts={ROWS}", f"run.output_dir={runs / 'x'}")
+    with pytest.raises(ValueError, match=rf"run.eval_prompts={ROWS} holds out every prompt"):
+        build_plan(cfg, runs / "x")
+    assert not (runs / ".cache").exists()  # the built-in model was never warm-started
 
 
 def _greedy(plan) -> dict[str, str]:

@@ -69,3 +69,19 @@ def test_port_probe_sees_a_listener_but_not_a_closed_port() -> None:
         preflight.check_ports(load_config(None, [f"metrics.port={port}",
                                                  "metrics.enabled=false"]))
     preflight.check_ports(load_config(None, [f"store.port={port}", f"metrics.port={port}"]))
+
+
+def test_the_arithmetic_task_and_its_held_out_split_are_checked_before_anything(
+    tmp_path: Path,
+) -> None:
+    def check(*overrides: str) -> None:
+        cfg = load_config(ROOT / "configs" / "tiny.yaml",
+                          [f"run.output_dir={tmp_path / 'run'}", *overrides])
+        preflight.check_inputs(cfg)
+
+    check("data.digits=1", "run.eval_prompts=4")  # 1-digit sums hold out a few problems
+    with pytest.raises(ConfigError, match=r"^run.eval_prompts: 64: .*held-out problems; lower "):
+        check("data.digits=1", "run.eval_prompts=64")
+    with pytest.raises(ConfigError, match=r"^data.digits: .*1\.\.9"):
+        check("data.digits=10")
+    assert not (tmp_path / "run").exists()

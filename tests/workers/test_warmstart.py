@@ -9,8 +9,9 @@ import torch
 from workers.engines.base import Generation, SamplingParams
 from workers.models.local import TinyModelSpec, build_tiny_model, load_model
 from workers.models.tokenizer import build_char_tokenizer, encode_answer
-from workers.models.warmstart import MANIFEST, BuiltinRecipe, evaluate, prepare_builtin, warm_start
+from workers.models.warmstart import MANIFEST, BuiltinRecipe, prepare_builtin, warm_start
 from workers.tasks.arithmetic import ArithmeticTask
+from workers.tasks.evaluate import exact_match_scorer, greedy_accuracy, reward_scorer
 
 torch.set_num_threads(1)
 SPEC = TinyModelSpec(
@@ -34,11 +35,12 @@ def test_warm_start_is_deterministic_and_learns():
 
 
 class _OracleEngine:
-    """Answers every prompt with the right (or a wrong) answer: checks evaluate's plumbing."""
+    """Answers the prompts of ``wrong`` with a wrong answer, the others right: checks the
+    evaluator's plumbing."""
 
     policy_version = 0
 
-    def __init__(self, tok, problems, wrong: bool) -> None:
+    def __init__(self, tok, problems, wrong) -> None:
         self.answers = {p.prompt: p.answer for p in problems}
         self.tok, self.wrong = tok, wrong
 
@@ -47,7 +49,7 @@ class _OracleEngine:
         out = []
         for ids in prompts:
             prompt = self.tok.decode(ids, skip_special_tokens=True)
-            answer = self.answers[prompt] + ("9" if self.wrong else "")
+            answer = self.answers[prompt] + ("9" if prompt in self.wrong else "")
             ids = encode_answer(self.tok, answer)
             out.append([Generation(ids, [0.0] * len(ids), "stop")] * n)
         return out
@@ -56,13 +58,44 @@ class _OracleEngine:
         raise NotImplementedError
 
 
-def test_evaluate_scores_exact_match_of_greedy_outputs():
+def test_greedy_accuracy_scores_exact_match_of_greedy_outputs():
     tok = build_char_tokenizer()
     problems = TASK.eval_problems(5)
-    assert evaluate(_OracleEngine(tok, problems, wrong=False), tok, problems) == 1.0
-    assert evaluate(_OracleEngine(tok, problems, wrong=True), tok, problems) == 0.0
-    acc = evaluate(build_tiny_model(SPEC, tok), tok, problems, max_new_tokens=3)
+    every = {p.prompt for p in problems}
+
+    def accuracy(wrong, **kw) -> float:
+        return greedy_accuracy(_OracleEngine(tok, problems, wrong), tok, problems,
+                               max_new_tokens=3, **kw)
+
+    assert accuracy(set()) == 1.0
+    assert accuracy(every) == 0.0
+    assert accuracy({problems[0].prompt, problems[3].prompt}) == 3 / 5
+    acc = greedy_accuracy(build_tiny_model(SPEC, tok), tok, problems, max_new_tokens=3)
     assert 0.0 <= acc <= 1.0
+
+
+def test_the_warm_start_and_the_controller_score_through_the_one_evaluator():
+    # The controller's scorer (reward.fn at its threshold) agrees with the warm start's exact
+    # match on a 0/1 reward, and a scorer sees every greedy response with its answer, in order.
+    tok = build_char_tokenizer()
+    problems = TASK.eval_problems(6)
+    engine = _OracleEngine(tok, problems, {problems[1].prompt, problems[4].prompt})
+    exact = greedy_accuracy(engine, tok, problems, max_new_tokens=3, score=exact_match_scorer)
+    controller = reward_scorer("exact_match", success_threshold=1.0, timeout_s=5.0)
+    assert greedy_accuracy(engine, tok, problems, max_new_tokens=3, score=controller) == exact
+    assert exact == 4 / 6
+    seen = []
+
+    def record(completions, answers):
+        seen.extend(zip(completions, answers, strict=True))
+        return [c.startswith("1") for c in completions]
+
+    acc = greedy_accuracy(engine, tok, problems, max_new_tokens=3, score=record)
+    wrong = {problems[1].prompt, problems[4].prompt}
+    assert seen == [(p.answer + ("9" if p.prompt in wrong else ""), p.answer) for p in problems]
+    assert acc == sum(c.startswith("1") for c, _ in seen) / 6
+    lenient = reward_scorer("exact_match", success_threshold=0.0, timeout_s=5.0)
+    assert greedy_accuracy(engine, tok, problems, max_new_tokens=3, score=lenient) == 1.0
 
 
 def test_warm_start_stops_when_asked_and_reports_progress():

@@ -1,5 +1,6 @@
-"""Supervised warm start, greedy evaluation, and the reproducible embedded default checkpoint
-(``prepare_builtin``, cached by its manifest). See docs/engines.md, "Warm start".
+"""Supervised warm start and the reproducible embedded default checkpoint (``prepare_builtin``,
+cached by its manifest; its accuracies by ``workers.tasks.evaluate``, the controller's evaluator).
+See docs/engines.md, "Warm start".
 """
 
 from __future__ import annotations
@@ -8,26 +9,19 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from workers.engines.base import RolloutEngine, SamplingParams
-from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models.local import TinyModelSpec, build_tiny_model, save_model
-from workers.models.tokenizer import (
-    build_char_tokenizer,
-    decode_response,
-    encode_answer,
-    encode_prompt,
-)
+from workers.models.tokenizer import build_char_tokenizer, encode_answer, encode_prompt
 from workers.rl.grpo import build_token_batch, response_logprobs
 from workers.runtime import heap
-from workers.tasks.arithmetic import ArithmeticTask, Problem
-from workers.tasks.verifiers import exact_match
+from workers.tasks.arithmetic import ArithmeticTask
+from workers.tasks.evaluate import greedy_accuracy
 
 MANIFEST = "streamflow_manifest.json"
 MANIFEST_FORMAT = 2
@@ -101,28 +95,6 @@ def warm_start(
     model.eval()
     tail = losses[-max(1, done // 10):]
     return WarmStartResult(steps=done, loss=sum(tail) / len(tail) if tail else float("nan"))
-
-
-def evaluate(
-    engine_or_model: RolloutEngine | PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    problems: Sequence[Problem],
-    *,
-    max_new_tokens: int = 8,
-) -> float:
-    """Greedy exact-match accuracy of the model (or engine) on ``problems``."""
-    if not problems:
-        raise ValueError("evaluate: no problems")
-    if isinstance(engine_or_model, torch.nn.Module):
-        engine: RolloutEngine = TorchRolloutEngine(engine_or_model, tokenizer, max_batch_size=256)
-    else:
-        engine = engine_or_model
-    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
-    gens = engine.generate(prompts, 1, SamplingParams(temperature=0.0,
-                                                      max_new_tokens=max_new_tokens))
-    correct = sum(exact_match(decode_response(tokenizer, g[0].token_ids), p.answer)
-                  for g, p in zip(gens, problems, strict=True))
-    return correct / len(problems)
 
 
 @dataclass
@@ -201,7 +173,7 @@ def prepare_builtin(
     probe_accuracy: list[float] = []
 
     def reached_target(step: int) -> bool:
-        probe_accuracy.append(evaluate(model, tokenizer, probe, max_new_tokens=max_new))
+        probe_accuracy.append(greedy_accuracy(model, tokenizer, probe, max_new_tokens=max_new))
         return probe_accuracy[-1] >= recipe.target_accuracy
 
     heap.keep_heap()  # its steps reuse their freed activations (workers/runtime/heap.py)
@@ -215,7 +187,7 @@ def prepare_builtin(
             lr=recipe.lr, seed=recipe.seed, check_every=recipe.check_every, progress=progress,
             stop=reached_target if recipe.target_accuracy > 0 else None)
         seconds = time.perf_counter() - t0
-        accuracy = evaluate(model, tokenizer, held_out, max_new_tokens=max_new)
+        accuracy = greedy_accuracy(model, tokenizer, held_out, max_new_tokens=max_new)
     finally:
         torch.set_num_threads(run_threads)
     save_model(model, tokenizer, out)

@@ -1,13 +1,13 @@
 """Verifiable tasks: the embedded procedural arithmetic task, and prompts from a user's file.
 
 ``ArithmeticTask`` streams problems like ``"12+34="`` -> ``"46"`` with a seed-independent held-out
-split (``a+b`` and ``b+a`` on the same side); ``load_problem_file`` reads JSONL or Parquet.
+split (the rule of ``workers.tasks.heldout``: ``a+b`` and ``b+a`` on the same side);
+``load_problem_file`` reads JSONL or Parquet (pyarrow is imported only there).
 The task contract: docs/training.md "Tasks".
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import operator
@@ -16,9 +16,12 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+from workers.tasks.heldout import arithmetic_key, is_held_out
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 SUPPORTED_OPERATIONS = ("+", "-", "*")
 
@@ -31,16 +34,8 @@ class Problem:
     answer: str
 
 
-COMMUTATIVE_OPERATIONS = ("+", "*")
-
-
 def _is_held_out(op: str, a: int, b: int, fraction: float) -> bool:
-    # a+b and b+a are one problem to a learner: hash the unordered pair (docs/training.md)
-    if op in COMMUTATIVE_OPERATIONS and a > b:
-        a, b = b, a
-    # A keyed hash (not Python's salted hash()) so the split is identical in every process.
-    digest = hashlib.blake2b(f"{op}|{a}|{b}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
+    return is_held_out(arithmetic_key(op, a, b), fraction)
 
 
 _SOLVE = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -168,6 +163,9 @@ def _as_text(value: object) -> str | None:
 
 
 def _read_table(path: Path) -> pa.Table:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return pq.read_table(path)
@@ -194,6 +192,8 @@ def load_problem_file(
     path: str | os.PathLike[str], prompt_column: str = "prompt", answer_column: str = "answer"
 ) -> list[Problem]:
     """Read problems from a JSONL or Parquet file with a prompt and an answer column."""
+    import pyarrow as pa
+
     p = Path(path)
     if not p.is_file():
         raise ProblemFileError(f"problem file {str(p)!r} does not exist")

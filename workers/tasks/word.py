@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import operator
 import random
 import re
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from workers.tasks.arithmetic import Problem, TrainingStream
+from workers.tasks.heldout import is_held_out, word_key
 
 KINDS = ("add", "sub", "mul", "div", "total")
 NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Max", "Zoe", "Leo", "Ella")
@@ -34,11 +34,6 @@ _TEMPLATES = {
 
 _ANSWER = {"add": operator.add, "total": operator.add, "sub": operator.sub,
            "mul": operator.mul, "div": operator.floordiv}
-
-
-def _held_out(kind: str, a: int, b: int, fraction: float) -> bool:
-    digest = hashlib.blake2b(f"word|{kind}|{a}|{b}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
 @dataclass
@@ -83,7 +78,10 @@ class WordProblemTask(TrainingStream):
         return kind, a, b
 
     def is_held_out(self, triple: tuple[str, int, int]) -> bool:
-        return _held_out(*triple, self.held_out_fraction)
+        """Whether a (kind, a, b) triple belongs to the evaluation split: the rule of
+        ``workers.tasks.heldout`` on the arithmetic it re-words (add(a, b), add(b, a) and
+        total(a, b) are one problem, on one side)."""
+        return is_held_out(word_key(*triple), self.held_out_fraction)
 
     def _stream(self, seed: int, held_out: bool) -> Iterator[Problem]:
         rng = random.Random(f"word|{self.max_value}|{','.join(self.kinds)}|{seed}|{held_out}")
