@@ -70,11 +70,12 @@ class TableSpec:
     group_column: str | None = None
     group_size: int | None = None
     # Back-pressure: ``put`` waits (up to its timeout) while the table holds this many rows/bytes.
-    capacity_rows: int = 1_000_000
+    # These limits are declared here only: a run's ``store.*`` keys take their defaults from them.
+    capacity_rows: int = 100_000
     capacity_bytes: int = 8 << 30
     # Leases: default deadline, and the delivery count past which a row is quarantined (DEAD).
-    lease_seconds: float = 60.0
-    max_deliveries: int = 5
+    lease_seconds: float = 30.0
+    max_deliveries: int = 3
     # Durability with a persistence root: "always" (when acknowledged), "interval", "never".
     fsync: str = "always"
     fsync_interval_s: float = 0.05

@@ -27,6 +27,7 @@ from storage.server_verbs import StoreVerbs
 log = logging.getLogger("storage.server")
 
 SYNC_TICK_S = 0.02  # how often node.sync() runs while an fsync="interval" table has been written
+DEFAULT_PORT = 5555  # a node started by hand (`streamflow store serve`, this module's main)
 
 
 class StartError(RuntimeError):
@@ -38,7 +39,7 @@ class StartError(RuntimeError):
 class ServerConfig:
     """How a store node listens. Defaults are safe: loopback only, no metrics port."""
 
-    bind: Sequence[str] = ("tcp://127.0.0.1:5555",)  # "tcp://127.0.0.1:0" picks a free port
+    bind: Sequence[str] = (f"tcp://127.0.0.1:{DEFAULT_PORT}",)  # port 0 picks a free port
     num_shards: int = 1
     node_index: int = 0
     metrics_port: int | None = None  # None = off; 0 = pick a free port
@@ -278,11 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = "python -m storage"
     ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     ap.add_argument("--bind", action="append", help="address to bind (repeatable); "
-                    "default tcp://127.0.0.1:5555; tcp://127.0.0.1:0 picks a free port")
-    ap.add_argument("--shards", type=int, default=1)
-    ap.add_argument("--node-index", type=int, default=0)
-    ap.add_argument("--metrics-port", type=int, default=None)
-    ap.add_argument("--max-message-bytes", type=int, default=wire.DEFAULT_MAX_MESSAGE_BYTES)
+                    f"default {ServerConfig.bind[0]}; tcp://127.0.0.1:0 picks a free port")
+    ap.add_argument("--shards", type=int, default=ServerConfig.num_shards)
+    ap.add_argument("--node-index", type=int, default=ServerConfig.node_index)
+    ap.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port)
+    ap.add_argument("--max-message-bytes", type=int, default=ServerConfig.max_message_bytes)
     ap.add_argument("--persist-dir", help="persistence root: keep and recover every table here")
     ap.add_argument("--max-parked-bytes", type=int, default=ServerConfig.max_parked_bytes)
     ap.add_argument("--max-parked-per-peer", type=int, default=ServerConfig.max_parked_per_peer)
@@ -294,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format=fmt)
     try:
         config = ServerConfig(
-            bind=tuple(args.bind or ("tcp://127.0.0.1:5555",)), num_shards=args.shards,
+            bind=tuple(args.bind or ServerConfig.bind), num_shards=args.shards,
             node_index=args.node_index, metrics_port=args.metrics_port,
             max_message_bytes=args.max_message_bytes, persist_dir=args.persist_dir,
             max_parked_bytes=args.max_parked_bytes, max_parked_per_peer=args.max_parked_per_peer,

@@ -32,6 +32,8 @@ def _error(message: str) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from storage.server import ServerConfig
+
     ap = argparse.ArgumentParser(prog="streamflow", description="Streaming dataflow engine for "
                                  "RL post-training of LLMs.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -62,20 +64,26 @@ def _build_parser() -> argparse.ArgumentParser:
     store_sub = store.add_subparsers(dest="store_command", required=True, metavar="ACTION")
     serve = store_sub.add_parser("serve", help="serve one store node in the foreground")
     serve.add_argument("--config", help="take num_shards/host/port from this run config's store")
-    serve.add_argument("--bind", action="append",
-                       help="address to bind (repeatable; default tcp://127.0.0.1:5555)")
-    serve.add_argument("--shards", type=int, help="number of shards on this node")
-    serve.add_argument("--node-index", type=int, default=0, help="index of this node")
+    node = ServerConfig  # its defaults are the flags' (unset flags: the node's own defaults)
+    serve.add_argument("--bind", action="append", help="address to bind (repeatable; default "
+                       f"{node.bind[0]}, or --config's store.host/port)")
+    serve.add_argument("--shards", type=int, help="number of shards on this node (default "
+                       f"{node.num_shards}, or --config's store.num_shards)")
+    serve.add_argument("--node-index", type=int,
+                       help=f"index of this node (default {node.node_index})")
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (0 = pick a free one)")
     serve.add_argument("--persist-dir",
                        help="persistence root: every table is kept in DIR/<table> and "
                        "recovered when the node starts (default: memory only)")
     serve.add_argument("--max-message-bytes", type=int,
-                       help="largest request accepted, in bytes (default 1 GiB)")
+                       help="largest request accepted, in bytes (default "
+                       f"{node.max_message_bytes >> 30} GiB)")
     serve.add_argument("--max-parked-bytes", type=int,
-                       help="bytes of puts waiting for room, whole node (default 256 MiB)")
+                       help="bytes of puts waiting for room, whole node "
+                       f"(default {node.max_parked_bytes >> 20} MiB)")
     serve.add_argument("--max-parked-per-peer", type=int,
-                       help="requests one client connection may have waiting (default 256)")
+                       help="requests one client connection may have waiting "
+                       f"(default {node.max_parked_per_peer})")
     serve.add_argument("--log-level", default="INFO", type=str.upper,
                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--ready-file", help="write the bound addresses here (JSON) once serving")
@@ -217,22 +225,21 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 def _cmd_store_serve(args: argparse.Namespace) -> int:
     from storage.errors import StoreError
-    from storage.server import ServerConfig, StartError, serve, start_error_line
+    from storage.server import DEFAULT_PORT, ServerConfig, StartError, serve, start_error_line
 
-    shards, bind = 1, ["tcp://127.0.0.1:5555"]
+    # Unset flags take the node's own defaults (storage.server.ServerConfig), or --config's store.
+    from_run: dict[str, Any] = {}
     if args.config:
         store = load_config(args.config).store
-        shards, bind = store.num_shards, [f"tcp://{store.host}:{store.port or 5555}"]
-    optional = {
-        key: getattr(args, key)
-        for key in ("persist_dir", "max_message_bytes", "max_parked_bytes", "max_parked_per_peer")
-        if getattr(args, key) is not None
-    }
+        from_run = {"num_shards": store.num_shards,
+                    "bind": (f"tcp://{store.host}:{store.port or DEFAULT_PORT}",)}
+    flags = {"bind": args.bind and tuple(args.bind), "num_shards": args.shards,
+             "node_index": args.node_index, "metrics_port": args.metrics_port,
+             **{key: getattr(args, key) for key in ("persist_dir", "max_message_bytes",
+                                                    "max_parked_bytes", "max_parked_per_peer")}}
+    given = {key: value for key, value in flags.items() if value is not None}
     try:
-        server_config = ServerConfig(bind=tuple(args.bind or bind),
-                                     num_shards=args.shards if args.shards is not None else shards,
-                                     node_index=args.node_index, metrics_port=args.metrics_port,
-                                     **optional)
+        server_config = ServerConfig(**{**from_run, **given})
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.dry_run:

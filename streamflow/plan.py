@@ -204,11 +204,7 @@ def build_plan(cfg: RunConfig, run_dir: Path,
     group = _weight_group(plan) if weight_sync_path(cfg, plan.devices) == "collective" else None
     # the trainer's PUB address for each published version (sync runs need none)
     announce = None if cfg.run.mode == "sync" else f"tcp://127.0.0.1:{free_port()}"
-    # every role on a simulated device with simulated engines (the config checks both)
-    simulated = cfg.simulated.device if cfg.rollout.engine == "simulated" else None
-    blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed,
-                         simulated=simulated)
-    _worker_records(plan, blank, announce, group, resume_from)
+    _worker_records(plan, announce, group, resume_from)
     return plan
 
 
@@ -245,34 +241,39 @@ def _weight_group(plan: RunPlan) -> WeightGroupConfig:
                              shm_dir=str(plan.weights_dir))
 
 
-def _worker_records(plan: RunPlan, blank: WorkerCommon, announce: str | None,
-                    group: WeightGroupConfig | None, resume_from: Path | None) -> None:
-    """One ``workers.config`` record per role (the sections' settings objects go over whole)."""
+def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfig | None,
+                    resume_from: Path | None) -> None:
+    """One ``workers.config`` record per role: the sections' settings objects go over whole, and
+    every other knob of the run fills a record field that has no default of its own."""
     cfg, devices, model = plan.cfg, plan.devices, str(plan.model_path)
     assert devices is not None
+    # every role on a simulated device with simulated engines (the config checks both)
+    simulated = cfg.simulated.device if cfg.rollout.engine == "simulated" else None
+    blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed,
+                         threads=1, simulated=simulated)  # (threads: each record sets its role's)
     r, t, d = cfg.rollout, cfg.trainer, cfg.data
     plan.rollout = RolloutWorkerConfig(
-        common=_named(blank, "rollout"), model_path=model, weights_dir=str(plan.weights_dir),
-        weights_announce=announce, group_size=d.group_size, groups_per_claim=r.groups_per_claim,
-        sampling=r.sampling, engine=r.engine, generate=r.generate, vllm=r.vllm,
+        common=_named(blank, "rollout", r.threads), model_path=model,
+        weights_dir=str(plan.weights_dir), weights_announce=announce, group_size=d.group_size,
+        groups_per_claim=r.groups_per_claim, sampling=r.sampling, engine=r.engine, generate=r.generate, vllm=r.vllm,
         device=devices.rollout[0], dtype=devices.rollout_dtype,
         weights_group=group and replace(group, rank=1),
         reference_path=model if cfg.reference_in_rollout else None,
         reference_dtype=devices.reference_dtype, reference_pack=t.pack)
-    plan.reward = RewardWorkerConfig(common=_named(blank, "reward"), model_path=model,
+    plan.reward = RewardWorkerConfig(common=_named(blank, "reward", 1), model_path=model,
                                      verifier=cfg.reward.verifier,
                                      rows_per_claim=cfg.reward.rows_per_claim)
     plan.reference = ReferenceWorkerConfig(
-        common=_named(blank, "reference"), model_path=model, sampling=r.sampling,
-        rows_per_claim=cfg.reference.rows_per_claim, pack=t.pack,
+        common=_named(blank, "reference", cfg.reference.threads), model_path=model,
+        sampling=r.sampling, rows_per_claim=cfg.reference.rows_per_claim, pack=t.pack,
         dtype=devices.reference_dtype, device=devices.reference) if cfg.reference_worker else None
     plan.trainer = TrainerWorkerConfig(
-        common=_named(blank, "trainer"), model_path=model,
+        common=_named(blank, "trainer", t.threads), model_path=model,
         reference_path=model if cfg.kl_active and not cfg.reference_in_store else None,
         weights_dir=str(plan.weights_dir), weights_bind=announce,
         rows_per_iteration=d.prompts_per_iteration * d.group_size, iterations=cfg.run.iterations,
         group_size=d.group_size, reference_in_store=cfg.reference_in_store,
-        optim=t.optim, loss=t.loss if cfg.kl_active else replace(t.loss, kl_coef=0.0),
+        optim=t.optim, loss=t.loss,
         sampling=r.sampling, pack=t.pack, rows_per_claim=t.rows_per_claim,
         reference_dtype=devices.reference_dtype, checkpoint_dir=str(plan.run_dir / "checkpoints"),
         checkpoint_every=cfg.run.checkpoint_every, engine=t.engine, num_ranks=t.num_ranks,
@@ -300,8 +301,8 @@ def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
     return path
 
 
-def _named(common: WorkerCommon, role: str) -> WorkerCommon:
-    return replace(common, name=f"{role}-0", role=role)
+def _named(common: WorkerCommon, role: str, threads: int) -> WorkerCommon:
+    return replace(common, name=f"{role}-0", role=role, threads=threads)
 
 
 class Evaluator:

@@ -1,5 +1,10 @@
 """Typed configuration of one worker process, as the controller hands it over (a JSON file that
 round-trips exactly; unknown fields are an error). See docs/engines.md, "Worker configuration".
+
+Invariant: a knob of the run has one default, the run config's. A record carries the run's
+settings objects (``workers.settings``) whole, and every other value that comes from a YAML key is
+a field with no default, which ``streamflow.plan`` fills; a field with a default is the worker's
+own (no YAML key). tests/test_knobs.py holds every record to this.
 """
 
 from __future__ import annotations
@@ -33,10 +38,10 @@ class WorkerCommon:
     role: str  # rollout | reward | reference | trainer
     store_addresses: list[str]  # one ZeroMQ address per store node
     table: str  # the run's samples table
+    seed: int  # run.seed
+    threads: int  # torch intra-op threads of this process (<role>.threads; a reward worker: 1)
     events_address: str | None = None  # controller's PULL socket (None: keep reports in memory)
-    threads: int = 1  # torch intra-op threads of this process
     claim_timeout_s: float = 1.0  # one server-side wait; the loop re-checks for shutdown after it
-    seed: int = 0
     metrics_host: str | None = None  # serve Prometheus /metrics on this address (None: off)
     metrics_port: int = 0  # 0 = pick a free port (reported in WorkerStatus "ready")
     # a store request unanswered this long (beyond its own wait) raises Unavailable: a dead or
@@ -62,9 +67,9 @@ class WeightGroupConfig:
     world_size: int  # 1 + rollout workers
     # nccl when every member has a GPU of its own; gloo otherwise (CPU, or processes sharing a GPU:
     # NCCL refuses two ranks on one device, gloo stages CUDA tensors through host memory)
-    backend: str = "gloo"
-    bucket_bytes: int = 32 << 20
-    timeout_s: float = 300.0
+    backend: str
+    bucket_bytes: int  # weights.bucket_mb
+    timeout_s: float  # weights.timeout_s
     # gloo: "shm" = the bytes go through shared-memory buckets in shm_dir (one host), gloo only
     # signals; "broadcast" = the bytes travel in the collective (always with nccl)
     transport: str = "broadcast"
@@ -84,21 +89,21 @@ class RolloutWorkerConfig:
     weights_dir: str  # where the trainer publishes policy versions
     weights_announce: str | None  # trainer's PUB address for version announcements
     group_size: int
-    groups_per_claim: int = 1
+    groups_per_claim: int
+    engine: str  # torch | vllm | simulated
+    device: str  # cpu | cuda:N (resolved by the controller, streamflow/devices.py)
+    dtype: str  # torch engine's parameter dtype
+    reference_dtype: str  # the reference copy's (used with reference_path only)
     sampling: SamplingSettings = embed(SamplingSettings)
-    engine: str = "torch"  # torch | vllm | simulated
     weight_wait_s: float = 600.0  # longest wait for a required policy version
     generate: TorchGenerateSettings = embed(TorchGenerateSettings)  # torch engine only
     vllm: VllmSettings = embed(VllmSettings)  # ignored by the torch engine
     # trainer on another host: its WeightServer; versions are copied into weights_dir (local)
     weights_fetch: str | None = None
-    device: str = "cpu"  # cpu | cuda:N (resolved by the controller, streamflow/devices.py)
-    dtype: str = "float32"  # torch engine's parameter dtype
     weights_group: WeightGroupConfig | None = None  # collective weight sync (None: files)
     # reference.placement=rollout: the frozen reference this worker scores its responses with,
     # on its own device (None: another role writes ref_logprobs, or the KL term is off)
     reference_path: str | None = None
-    reference_dtype: str = "float32"
     reference_pack: PackingSettings = field(default_factory=PackingSettings)  # trainer.pack
 
 
@@ -107,8 +112,8 @@ class RolloutWorkerConfig:
 class RewardWorkerConfig:
     common: WorkerCommon
     model_path: str  # for the tokenizer (responses are decoded to text for the verifier)
+    rows_per_claim: int
     verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error
-    rows_per_claim: int = 64
 
 
 @flat
@@ -116,11 +121,11 @@ class RewardWorkerConfig:
 class ReferenceWorkerConfig:
     common: WorkerCommon
     model_path: str  # the frozen reference (the initial policy unless configured otherwise)
+    rows_per_claim: int
+    dtype: str
+    device: str  # cpu | cuda:N
     sampling: SamplingSettings = embed(SamplingSettings)  # its temperature: the rollout's
-    rows_per_claim: int = 64
     pack: PackingSettings = embed(PackingSettings)
-    dtype: str = "float32"
-    device: str = "cpu"  # cpu | cuda:N
 
 
 @flat
@@ -136,26 +141,33 @@ class TrainerWorkerConfig:
     group_size: int
     # ref_logprobs come from the store (the reference worker or the rollout writes them)
     reference_in_store: bool
+    rows_per_claim: int
+    reference_dtype: str  # the fused reference's (used with reference_path only)
+    checkpoint_every: int
+    engine: str  # torch | deepspeed | simulated
+    deterministic: bool  # one group per forward + fp64 gradient sums (bitwise updates)
+    num_ranks: int  # deepspeed: ranks started by torch's launcher (must match its world size)
+    zero_stage: int  # deepspeed: ZeRO stage 1 or 2
+    device: str  # cpu | cuda:N: rank 0's device (deepspeed rank r: cuda:N+r)
+    dtype: str  # compute dtype: bfloat16 = forward under autocast, fp32 master weights
     optim: OptimizerSettings = embed(OptimizerSettings)
-    loss: GrpoSettings = embed(GrpoSettings, kl_coef=0.0)  # (no KL unless a reference is given)
+    # kl_coef is the run's trainer.kl_coef, the KL term's one switch (0: no reference anywhere)
+    loss: GrpoSettings = embed(GrpoSettings)
     sampling: SamplingSettings = embed(SamplingSettings)  # its temperature: the rollout's
     pack: PackingSettings = embed(PackingSettings)
-    rows_per_claim: int = 64
-    reference_dtype: str = "float32"
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
     start_iteration: int = 0  # first iteration to train (overridden by resume_from's step)
     resume_from: str | None = None  # checkpoint directory (workers.models.checkpoint) to continue from
     checkpoint_keep: int = 2  # complete checkpoints kept (the newest ones)
-    engine: str = "torch"  # torch | deepspeed | simulated
-    deterministic: bool = False  # one group per forward + fp64 gradient sums (bitwise updates)
-    num_ranks: int = 1  # deepspeed: ranks started by torch's launcher (must match its world size)
-    zero_stage: int = 2  # deepspeed: ZeRO stage 1 or 2
     weights_keep: int = 4  # published versions kept on disk (older ones are unlinked)
     weights_serve: str | None = None  # serve published versions to other hosts (ROUTER bind)
-    device: str = "cpu"  # cpu | cuda:N: rank 0's device (deepspeed rank r: cuda:N+r)
-    dtype: str = "float32"  # compute dtype: bfloat16 = forward under autocast, fp32 master weights
     weights_group: WeightGroupConfig | None = None  # collective weight sync (None: files)
+
+    def __post_init__(self) -> None:
+        # A KL term without reference log-probs would fail mid-step: refuse the record instead.
+        if self.loss.kl_coef > 0 and not (self.reference_path or self.reference_in_store):
+            raise ValueError(f"kl_coef={self.loss.kl_coef} needs a reference (reference_path or "
+                             "reference_in_store); set kl_coef=0 to train without one")
 
 
 WorkerConfig = (RolloutWorkerConfig | RewardWorkerConfig | ReferenceWorkerConfig

@@ -62,9 +62,11 @@ def prompt_rows(iteration: int, prompts: Sequence[Sequence[int]], answers: Seque
 
 
 def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
-                       reference_in_rollout: bool = False, capacity_rows: int = 1_000_000,
-                       lease_seconds: float = 60.0, max_deliveries: int = 5,
-                       fsync: str = "always") -> TableSpec:
+                       reference_in_rollout: bool = False,
+                       capacity_rows: int = TableSpec.capacity_rows,
+                       lease_seconds: float = TableSpec.lease_seconds,
+                       max_deliveries: int = TableSpec.max_deliveries,
+                       fsync: str = TableSpec.fsync) -> TableSpec:
     """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
     wait for ``ref_logprobs`` (off when the KL term is off or the reference is fused into the
     trainer); ``reference_in_rollout``: the rollout writes them with its responses, so the trainer

@@ -8,7 +8,6 @@ key. Invariants: docs/controller.md "Configuration".
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,8 +77,8 @@ def _check_placement(cfg: RunConfig) -> None:
     wanted = {
         "rollout": (cfg.rollout.num_workers, "rollout.num_workers"),
         "reward": (cfg.reward.num_workers, "reward.num_workers"),
-        "reference": (int(cfg.reference_worker), "a reference worker (trainer.kl_coef > 0, "
-                      "reference.enabled, reference.placement=worker)"),
+        "reference": (int(cfg.reference_worker), "a reference worker (trainer.kl_coef > 0 and "
+                      "reference.placement=worker)"),
         "trainer": (cfg.trainer.num_ranks, "trainer.num_ranks"),
     }
     for role, (want, source) in wanted.items():
@@ -139,10 +138,6 @@ class RunConfig:
     weights: WeightsSection = field(default_factory=WeightsSection)  # weight sync path
 
     def __post_init__(self) -> None:
-        # With no KL term the reference log-probs are never used: don't pay for computing them.
-        if self.trainer.kl_coef == 0 and self.reference.enabled:
-            reference = dataclasses.replace(self.reference, enabled=False)
-            object.__setattr__(self, "reference", reference)
         if self.trainer.packing and self.trainer.engine != "simulated":  # (no packing to do)
             longest = self.rollout.max_new_tokens * self.data.group_size
             require(self.trainer.token_budget >= longest, "trainer.token_budget",
@@ -157,8 +152,9 @@ class RunConfig:
 
     @property
     def kl_active(self) -> bool:
-        """The KL term is on (reference.enabled is forced off when kl_coef is 0)."""
-        return self.trainer.kl_coef > 0 and self.reference.enabled
+        """The KL term is on, so a frozen reference runs where reference.placement says: the one
+        switch is trainer.kl_coef (0 = no KL term and no reference anywhere)."""
+        return self.trainer.kl_coef > 0
 
     @property
     def reference_worker(self) -> bool:
@@ -195,6 +191,8 @@ def config_warnings(cfg: RunConfig) -> list[str]:
                      "model.path")
     if cfg.data.task != "arithmetic" and cfg.data.digits != DataSection.digits:
         notes.append("data.digits applies to task 'arithmetic' only")
+    if not cfg.kl_active and cfg.reference != ReferenceSection():
+        notes.append("reference.* has no effect with trainer.kl_coef 0 (no reference runs)")
     if cfg.reference_in_rollout and (cfg.reference.threads != ReferenceSection.threads
                                      or cfg.reference.device != ReferenceSection.device):
         notes.append("reference.threads and reference.device apply to a reference worker; with "

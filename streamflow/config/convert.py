@@ -1,8 +1,8 @@
 """Dataclass <-> plain data for the run configuration: the one generic converter, the YAML reader.
 
 Owns the configuration errors, the type check of every value against its annotation, section
-<-> mapping (embedded settings objects as flat keys), the safe YAML loader and ``key.sub=value``
-overrides (docs/controller.md "Configuration").
+<-> mapping (embedded settings objects as flat keys), the safe YAML loader, ``key.sub=value``
+overrides and the table of removed or renamed keys (docs/controller.md "Configuration").
 """
 
 from __future__ import annotations
@@ -30,6 +30,15 @@ class ConfigTypeError(ConfigError):
 
 class OverrideSyntaxError(ConfigError):
     """A command-line override that is not ``key.sub=value``."""
+
+
+# Keys a user's YAML or override may still set from an older release: the full dotted key -> what
+# to do now. Such a key fails with this pointer instead of the list of allowed keys, so nothing
+# a user wrote is silently ignored or left without a way forward.
+RENAMED_KEYS: dict[str, str] = {
+    "reference.enabled": "removed; set trainer.kl_coef: 0 to run without a reference "
+                         "(trainer.kl_coef > 0 runs one where reference.placement says)",
+}
 
 
 def _type_name(tp: Any) -> str:
@@ -119,13 +128,16 @@ def section_keys(cls: type) -> dict[str, Any]:
 
 
 def _unknown_key(cls: type, key: str, section: str) -> UnknownKeyError:
+    full = f"{section}.{key}" if section else key
+    if full in RENAMED_KEYS:
+        return UnknownKeyError(full, RENAMED_KEYS[full])
     allowed = list(section_keys(cls))
     where = f"section '{section}'" if section else "the top level"
     msg = f"unknown key; {where} allows: {', '.join(allowed)}"
     close = difflib.get_close_matches(key, allowed, n=1)
     if close:
         msg += f" (did you mean '{close[0]}'?)"
-    return UnknownKeyError(f"{section}.{key}" if section else key, msg)
+    return UnknownKeyError(full, msg)
 
 
 def from_dict(cls: type[Any], data: Any, section: str = "") -> Any:

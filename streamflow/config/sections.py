@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from storage.schema import TableSpec
 from workers.settings import (
     Checked,
     GrpoSettings,
@@ -179,7 +180,8 @@ class RewardSection(Checked):
 
 @dataclass(frozen=True)
 class ReferenceSection(Checked):
-    enabled: bool = True  # compute frozen-reference log-probs (forced off when kl_coef == 0)
+    """Where the frozen reference runs; whether one runs is trainer.kl_coef's (0: none anywhere)."""
+
     # own worker process, fused into the trainer's pass, or run by each rollout worker on what it
     # generated (docs/training.md "The reference role")
     placement: Literal["worker", "trainer", "rollout"] = "worker"
@@ -240,11 +242,16 @@ class StoreSection(Checked):
     host: str = "127.0.0.1"  # address the store nodes bind (loopback by default)
     port: int = bounded(0, ge=0, le=65535)  # first port of the store nodes (0 = pick free ports)
     num_shards: int = bounded(2, ge=1)  # shards of the transfer queue
-    lease_seconds: float = bounded(30.0, gt=0)  # a claimed row not acked within this is redelivered
-    max_deliveries: int = bounded(3, ge=1)  # deliveries of a row before it is quarantined as poison
-    capacity_rows: int = bounded(100_000, ge=1)  # back-pressure: puts wait beyond this many rows
+    # a claimed row not acked within this is redelivered (the table's limits below default to the
+    # store's own, declared once in storage.schema.TableSpec)
+    lease_seconds: float = bounded(TableSpec.lease_seconds, gt=0)
+    # deliveries of a row before it is quarantined as poison
+    max_deliveries: int = bounded(TableSpec.max_deliveries, ge=1)
+    # back-pressure: puts wait while the table holds this many rows
+    capacity_rows: int = bounded(TableSpec.capacity_rows, ge=1)
     persist: bool = False  # log the store's data to the run directory (for restart)
-    fsync: bool = False  # fsync that log on every write (durable, slower)
+    # fsync that log on every write (TableSpec.fsync "always"; false: "never"): durable, slower
+    fsync: bool = False
     # Store nodes already running (`streamflow store serve`), e.g. "tcp://store:5555"; empty: the
     # run starts its own node. The run's table is (re)created on them at start.
     addresses: tuple[str, ...] = ()

@@ -304,7 +304,7 @@ def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path, store_
         config = tmp_path / "reward-0.json"
         config.write_text(to_json(RewardWorkerConfig(
             common=WorkerCommon(name="reward-0", role="reward", store_addresses=[address],
-                                table="samples", claim_timeout_s=0.2),
+                                table="samples", seed=0, threads=1, claim_timeout_s=0.2),
             model_path=str(tok_dir), fn="exact_match", rows_per_claim=2,
         )))
         worker = subprocess.Popen(

@@ -24,6 +24,7 @@ from streamflow.config import (
     dump_yaml,
     load_config,
 )
+from streamflow.config.convert import RENAMED_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,6 +33,11 @@ def _write(tmp_path: Path, text: str) -> Path:
     p = tmp_path / "cfg.yaml"
     p.write_text(text)
     return p
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_with_todays_keys(path):
+    assert isinstance(load_config(path), RunConfig)  # (a removed key would raise)
 
 
 @pytest.mark.parametrize("name", ["quickstart.yaml", "tiny.yaml"])
@@ -224,10 +230,31 @@ def test_yaml_fills_values_only(tmp_path):
     assert load_config(_write(tmp_path, "")) == RunConfig()
 
 
-def test_kl_zero_forces_reference_off():
-    assert load_config(None, []).reference.enabled is True
-    cfg = load_config(None, ["trainer.kl_coef=0", "reference.enabled=true"])
-    assert cfg.reference.enabled is False
+@pytest.mark.parametrize("placement", ["worker", "trainer", "rollout"])
+def test_kl_coef_alone_says_whether_a_reference_runs(placement):
+    on = load_config(None, [f"reference.placement={placement}"])
+    assert on.kl_active and on.reference_worker == (placement == "worker")
+    assert on.reference_in_rollout == (placement == "rollout")
+    assert on.reference_in_store == (placement != "trainer")
+    off = load_config(None, [f"reference.placement={placement}", "trainer.kl_coef=0"])
+    assert not (off.kl_active or off.reference_worker or off.reference_in_rollout
+                or off.reference_in_store)
+    notes = config_warnings(off)
+    assert (placement != "worker") == any("no effect with trainer.kl_coef 0" in n for n in notes)
+
+
+def test_a_removed_key_fails_in_one_line_pointing_at_the_new_way(tmp_path):
+    yaml_file = _write(tmp_path, "reference:\n  enabled: false\n")
+    for load in (lambda: load_config(yaml_file), lambda: load_config(None, [
+            "reference.enabled=true"])):
+        with pytest.raises(UnknownKeyError) as info:
+            load()
+        assert info.value.key == "reference.enabled" and "\n" not in str(info.value)
+        assert "set trainer.kl_coef: 0 to run without a reference" in str(info.value)
+    for key, pointer in RENAMED_KEYS.items():  # each entry is reached (no section declares it)
+        with pytest.raises(UnknownKeyError, match=f"^{key}: ") as info:
+            load_config(None, [f"{key}=1"])
+        assert str(info.value) == f"{key}: {pointer}"
 
 
 def test_max_staleness_by_mode_and_warnings():

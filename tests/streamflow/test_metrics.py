@@ -200,7 +200,8 @@ def test_targets_file_and_worker_configs(tmp_path: Path) -> None:
         {"targets": ["127.0.0.1:2"],
          "labels": {"role": "trainer", "worker": "trainer-0", "run": "demo"}},
     ]
-    w = RewardWorkerConfig(WorkerCommon("reward-0", "reward", [], "t"), "m", fn="exact_match")
+    w = RewardWorkerConfig(WorkerCommon("reward-0", "reward", [], "t", seed=0, threads=1), "m",
+                           rows_per_claim=32, fn="exact_match")
     assert with_metrics(w, MetricsSection(host="0.0.0.0")).common.metrics_host == "0.0.0.0"
     assert with_metrics(w, MetricsSection(enabled=False)).common.metrics_host is None
 

@@ -28,13 +28,19 @@ def test_worker_records_carry_the_configs_settings_objects(tiny_config, tmp_path
         assert from_json(role, to_json(record)) == record
 
 
-def test_kl_off_reaches_the_trainer_as_a_zero_kl_coefficient(tiny_config, tmp_path: Path) -> None:
-    cfg = tiny_config("reference.enabled=false")
-    plan = build_plan(cfg, tmp_path / "run")
+def test_kl_coef_reaches_the_trainer_only_in_the_loss_settings(tiny_config, tmp_path: Path) -> None:
+    on = tiny_config("trainer.kl_coef=0.05", "reference.placement=trainer")
+    plan = build_plan(on, tmp_path / "on")
     plan.cleanup()
-    assert cfg.trainer.kl_coef > 0 and plan.reference is None
-    assert plan.trainer.loss.kl_coef == 0.0 and plan.trainer.reference_path is None
-    assert plan.trainer.loss.clip_eps == cfg.trainer.clip_eps
+    assert plan.trainer.loss is on.trainer.loss and plan.trainer.kl_coef == 0.05
+    assert plan.trainer.reference_path == str(plan.model_path) and plan.reference is None
+    off = tiny_config("trainer.kl_coef=0")  # tiny.yaml: reference.placement worker
+    plan = build_plan(off, tmp_path / "off")
+    plan.cleanup()
+    assert plan.trainer.loss is off.trainer.loss and plan.trainer.loss.kl_coef == 0.0
+    assert plan.reference is None and plan.trainer.reference_path is None
+    assert not plan.trainer.reference_in_store and plan.rollout.reference_path is None
+    assert "reference" not in {t.name for t in plan.table_spec.tasks}
 
 
 def test_prompt_rows_of_an_iteration(tiny_config, tmp_path: Path) -> None:

@@ -121,10 +121,11 @@ def _prepare(client, model_dir: Path, tmp: Path, iterations) -> list:
     """Put, generate (real rollout stage) and reward the rows of ``iterations``; returns them."""
     client.create_table(samples_table_spec("samples", group_size=G, reference_worker=False))
     common = WorkerCommon(name="rollout-0", role="rollout", store_addresses=[], table="samples",
-                          seed=3)
+                          seed=3, threads=1)
     rollout = build_rollout(RolloutWorkerConfig(
         common=common, model_path=str(model_dir), weights_dir=str(tmp / "rollout-weights"),
-        weights_announce=None, group_size=G, max_new_tokens=4,
+        weights_announce=None, group_size=G, groups_per_claim=1, engine="torch", device="cpu",
+        dtype="float32", reference_dtype="float32", max_new_tokens=4,
     ), EventSender(None))
     for k in iterations:
         _put(client, k)
@@ -152,11 +153,14 @@ def _prepare(client, model_dir: Path, tmp: Path, iterations) -> list:
 def _trainer_config(model_dir: Path, weights: Path, addresses: list[str], *, engine: str,
                     iterations: int = ITERATIONS, **kw) -> TrainerWorkerConfig:
     common = WorkerCommon(name="trainer-0", role="trainer", store_addresses=addresses,
-                          table="samples", seed=3, claim_timeout_s=0.2)
+                          table="samples", seed=3, threads=1, claim_timeout_s=0.2)
+    fields = dict(checkpoint_every=0, deterministic=False, num_ranks=1, zero_stage=2,
+                  device="cpu", dtype="float32", reference_dtype="float32", kl_coef=0.0)
     return TrainerWorkerConfig(
         common=common, model_path=str(model_dir), reference_path=None, weights_dir=str(weights),
         weights_bind=None, rows_per_iteration=ROWS, iterations=iterations, group_size=G,
-        reference_in_store=False, lr=1e-2, rows_per_claim=ROWS_PER_CLAIM, engine=engine, **kw,
+        reference_in_store=False, lr=1e-2, rows_per_claim=ROWS_PER_CLAIM, engine=engine,
+        **{**fields, **kw},
     )
 
 

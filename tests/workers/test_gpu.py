@@ -151,7 +151,7 @@ def test_async_run_on_one_gpu_with_the_reference_in_the_rollout(tmp_path):
     _run_on_one_gpu(run_dir, [
         f"model.path={path}", "data.task=arithmetic", "reward.fn=exact_match",
         "rollout.max_new_tokens=8", "run.mode=async", "trainer.kl_coef=0.04",
-        "reference.enabled=true", "reference.placement=rollout"])
+        "reference.placement=rollout"])
     rollout = json.loads((run_dir / "workers" / "rollout-0.json").read_text())
     assert rollout["reference_path"] and rollout["reference_dtype"] == "bfloat16"
     assert not (run_dir / "workers" / "reference-0.json").exists()

@@ -54,17 +54,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: int,
              deterministic: bool = False, **trainer_over):
-    common = WorkerCommon(name="t", role="t", store_addresses=[], table="samples", seed=3)
+    common = WorkerCommon(name="t", role="t", store_addresses=[], table="samples", seed=3,
+                          threads=1)
+    cpu = dict(device="cpu", dtype="float32", reference_dtype="float32")
     rollout = RolloutWorkerConfig(
         common=replace(common, name="rollout-0", role="rollout"), model_path=str(model_dir),
         weights_dir=str(weights), weights_announce=None, group_size=G, groups_per_claim=1,
-        max_new_tokens=4,
+        engine="torch", max_new_tokens=4, **cpu,
     )
     trainer = TrainerWorkerConfig(
         common=replace(common, name="trainer-0", role="trainer"), model_path=str(model_dir),
         reference_path=None, weights_dir=str(weights), weights_bind=None,
         rows_per_iteration=ROWS, iterations=iterations, group_size=G, reference_in_store=False,
-        lr=1e-2, rows_per_claim=rows_per_claim, checkpoint_dir=None, deterministic=deterministic,
+        lr=1e-2, kl_coef=0.0, rows_per_claim=rows_per_claim, checkpoint_dir=None,
+        checkpoint_every=0, engine="torch", deterministic=deterministic, num_ranks=1,
+        zero_stage=2, **cpu,
     )
     return rollout, replace(trainer, **trainer_over)
 
@@ -177,7 +181,7 @@ def test_scoring_attention_is_configurable_and_sdpa_trains_like_eager(
 
     _, trainer_cfg = _configs(model_dir, tmp_path / "w-attn", 1, ROWS)
     common = WorkerCommon(name="reference-0", role="reference", store_addresses=[],
-                          table="samples")
+                          table="samples", seed=0, threads=1)
     for impl in ("eager", "sdpa"):
         pack = PackingSettings(attn_implementation=impl, packing=False)
         cfg = replace(trainer_cfg, pack=pack, reference_path=str(model_dir),
@@ -189,8 +193,9 @@ def test_scoring_attention_is_configurable_and_sdpa_trains_like_eager(
             # both re-take the host's thread share between layers (workers.runtime.cores)
             for m in (trainer.tri.policy, trainer.tri.reference):
                 assert all(len(layer._forward_pre_hooks) == 1 for layer in m.model.layers)
-        stage = build_reference(ReferenceWorkerConfig(common=common, model_path=str(model_dir),
-                                                      pack=pack))
+        stage = build_reference(ReferenceWorkerConfig(
+            common=common, model_path=str(model_dir), rows_per_claim=ROWS, dtype="float32",
+            device="cpu", pack=pack))
         assert stage.scorer.model.config._attn_implementation == impl
     runs = {impl: _train(model_dir, tmp_path, iterations=2, order_seed=None, rows_per_claim=ROWS,
                          pack=PackingSettings(attn_implementation=impl, packing=False))[0]
