@@ -1,4 +1,4 @@
-"""The ``streamflow`` command line: run, store serve, bench, report, model convert-smollm2.
+"""The ``streamflow`` command line: run, store serve, bench, report, model, config keys.
 
 Argument parsing and the lazy wiring of each subcommand to its module (no torch for ``--dry-run``
 or ``report``). Exit codes: 0 ok, 1 failed, 2 usage/config error, 128 + signal when stopped
@@ -113,6 +113,12 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "package) -> HF directory")
     convert.add_argument("out_dir", help="directory to write (replaced if it exists)")
     convert.set_defaults(handler=_cmd_model_convert_smollm2)
+
+    config = sub.add_parser("config", help="the run configuration's reference")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    keys = config_sub.add_parser("keys", help="print every config key with its default and "
+                                 "comment (Markdown; = docs/configuration.md)")
+    keys.set_defaults(handler=_cmd_config_keys)
     return ap
 
 
@@ -314,6 +320,13 @@ def _cmd_model_convert_smollm2(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     print(f"wrote {report.out_dir} ({report.num_parameters / 1e6:.1f} M parameters, "
           f"{report.bytes_on_disk / 1e6:.0f} MB) in {report.seconds:.1f}s")
+    return EXIT_OK
+
+
+def _cmd_config_keys(args: argparse.Namespace) -> int:
+    from streamflow.config.keys import render
+
+    sys.stdout.write(render())
     return EXIT_OK
 
 
