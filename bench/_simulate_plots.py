@@ -31,9 +31,10 @@ def markdown(rows: list[dict[str, Any]], targets: dict[str, Any]) -> str:
     out = []
     head = (
         "| mode | workers | layout R/W/F/T | time scale | samples/s | bound | efficiency | "
+        "vs ref. schedule | "
         "util rollout / reward / reference / trainer | controller ms/mb | store ms/mb |"
     )
-    sep = "|" + "---|" * 10
+    sep = "|" + "---|" * 11
     for sweep, title in (
         ("scaling", "Scaling (skew 1.0)"),
         ("control", "Control plane (periodic, coordinator + sessions, 4 shards)"),
@@ -55,7 +56,8 @@ def markdown(rows: list[dict[str, Any]], targets: dict[str, Any]) -> str:
             skew = f" {r['skew']} |" if sweep == "skew" else ""
             out.append(
                 f"| {label} |{skew} {r['workers']} | {_fmt_layout(r)} | {r['time_scale']:g} | "
-                f"{r['throughput']:.2f} | {r['bound']:.2f} | {r['efficiency']:.3f} | {_util(r)} | "
+                f"{r['throughput']:.2f} | {r['bound']:.2f} | {r['efficiency']:.3f} | "
+                f"{r['reference_ratio']:.3f} | {_util(r)} | "
                 f"{r['controller_cpu_ms_per_micro_batch']:.3f}"
                 + (
                     f" (coordinator {r['coordinator_cpu_ms_per_micro_batch']:.3f})"
@@ -101,6 +103,7 @@ def print_tables(rows: list[dict[str, Any]], targets: dict[str, Any]) -> None:
         "samples/s",
         "bound",
         "efficiency",
+        "vs ref.",
         "util ro/rw/rf/tr",
         "ctl ms/mb",
         "coord ms/mb",
@@ -118,6 +121,7 @@ def print_tables(rows: list[dict[str, Any]], targets: dict[str, Any]) -> None:
             f"{r['throughput']:.2f}",
             f"{r['bound']:.2f}",
             f"{r['efficiency']:.3f}",
+            f"{r['reference_ratio']:.3f}",
             _util(r),
             f"{r['controller_cpu_ms_per_micro_batch']:.3f}",
             f"{r['coordinator_cpu_ms_per_micro_batch']:.3f}",
@@ -183,7 +187,7 @@ def draw(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("simulated workers")
     ax.set_ylabel("efficiency = achieved / bound")
-    ax.set_title("Engine efficiency against the cost-model bound")
+    ax.set_title("Engine efficiency against the cost-model lower bound")
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     paths.append(out / "efficiency.png")

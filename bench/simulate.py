@@ -3,11 +3,12 @@
 Every case is a real run of ``bench.sim.cluster.run_sim``: a real store node process, real host
 processes of simulated device threads, the real admission rule; only the devices are simulated
 (cost preset ``7b-1acc``, ``workers.engines.sim_cost``). Reported per case: throughput (samples per
-simulated second), the bound from the cost model (``bench.sim.bound``), efficiency =
-achieved / bound, utilisation per role, and the controller's, coordinator's and store node's CPU
+simulated second), the lower bound on time from the cost model (``bench.sim.bound``: no
+schedule beats it), efficiency = achieved / bound throughput (<= 1), the reference schedule's
+time (a zero-overhead greedy schedule, which runs can beat) and the run's ratio to it, utilisation per role, and the controller's, coordinator's and store node's CPU
 seconds per micro-batch.
 
-Sweeps (``--quick``: a tiny subset for the tests):
+Sweeps (``--quick``: a tiny subset for the tests; ``--small``: every sweep at reduced size):
 - scaling: ``sync``, ``periodic``, ``async`` s=1 and s=2 at 8, 64, 256 simulated workers (weak
   scaling: each rollout device gets 2 batches of 16 prompts x 8 samples per iteration);
 - skew: response-length sigma 0.25 / 1.0 / 1.5 at 64 workers (the long tail);
@@ -114,6 +115,9 @@ def summarize(r: SimResult, w: Workload) -> dict[str, Any]:
         "efficiency": r.efficiency,
         "sim_seconds": r.sim_seconds,
         "bound_seconds": r.bound_seconds,
+        # the zero-overhead greedy schedule, to read runs against (not a bound: runs beat it)
+        "reference_seconds": r.reference_seconds,
+        "reference_ratio": r.reference_seconds / r.sim_seconds,
         "wall_real_s": r.wall_real_s,
         "time_scale": r.time_scale,
         "utilisation": r.utilisation,
@@ -144,8 +148,12 @@ def balance_case(args: argparse.Namespace, on: bool, base: Workload) -> dict[str
     have a backlog until the last ones; 4 shards; each put lands on one shard (the emptiest), so
     each iteration's rows sit on one shard: the skew the balancer must undo."""
     lay = Layout(rollout=48, reward=2, reference=4, trainer=32)
+    waves = 16
+    if getattr(args, "small", False):  # the same shape at a quarter of the devices
+        lay, waves = Layout(rollout=12, reward=1, reference=4, trainer=8), 2
     w = base.replace(
-        prompts_per_iteration=2 * 16 * base.groups_per_rollout_batch, rows_per_reference_batch=64
+        prompts_per_iteration=2 * waves * base.groups_per_rollout_batch,
+        rows_per_reference_batch=64,
     )
     row = case(
         "async",
@@ -197,7 +205,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             row = run(case, mode, s, n, workload_for(n, base), args)
             row["sweep"] = "scaling"
             rows.append(row)
-    for n in sizes if "control" in want and "periodic" in args.modes and not args.quick else ():
+    quick = args.quick and not args.small
+    for n in sizes if "control" in want and "periodic" in args.modes and not quick else ():
         # The balancer on every stage worker (the real default with >= 2 shards): what the
         # coordinator and the controller cost per micro-batch as workers grow.
         row = run(
@@ -213,8 +222,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         )
         row["sweep"] = "control"
         rows.append(row)
-    if not args.quick:
-        n = 64
+    if not quick:
+        n = sizes[0] if args.small else 64
         for skew in (0.25, 1.5) if "skew" in want else ():
             for mode, s in modes:
                 row = run(case, mode, s, n, workload_for(n, base.replace(skew=skew)), args)
@@ -223,9 +232,11 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         # Generation ~ training on separate pools: 16 rollout, 7 trainer devices, rollout
         # batches of 8 groups (64 sequences, 8 waves per iteration) and trainer micro-batches of
         # 2 groups, so training can stream close behind generation (the paper streams groups).
-        eq = Layout(rollout=16, reward=1, reference=2, trainer=7)
+        eq, waves = Layout(rollout=16, reward=1, reference=2, trainer=7), 8
+        if args.small:
+            eq, waves = Layout(rollout=4, reward=1, reference=1, trainer=2), 2
         w = base.replace(
-            prompts_per_iteration=8 * 16 * 8,
+            prompts_per_iteration=waves * eq.rollout * 8,
             groups_per_rollout_batch=8,
             rows_per_reward_batch=32,
             rows_per_reference_batch=32,
@@ -311,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.add_argument("--quick", action="store_true", help="a tiny sweep (tests)")
     parser.add_argument(
+        "--small",
+        action="store_true",
+        help="every sweep's cases at reduced size (tests: 8 workers, smaller fixed layouts)",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         nargs="+",
@@ -349,10 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.workers is None:
-        args.workers = [8] if args.quick else [8, 64, 256]
+        args.workers = [8] if args.quick or args.small else [8, 64, 256]
     if args.iterations is None:
         args.iterations = 2
-    if args.quick and args.time_scale is None:
+    if (args.quick or args.small) and args.time_scale is None:
         args.time_scale = 100.0  # a smoke test of the JSON, not a measurement
     if min(args.workers) < 4:
         parser.error("--workers: each size must be >= 4 (one device per role)")
@@ -360,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = result["cases"]
     result["targets"] = targets(rows)
     result["time_scale"] = args.time_scale
-    if not args.no_plots and not args.quick:
+    if not args.no_plots and not args.quick and not args.small:
         from bench._simulate_plots import draw
 
         draw(rows, Path(args.plots))

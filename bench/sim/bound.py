@@ -1,12 +1,41 @@
-"""The theoretical bound of a simulated run: its time with a zero-overhead engine, from the cost
-model alone.
+"""Two schedules of a simulated run from the cost model alone: a lower bound on its time that
+no schedule can beat (``bound_seconds``), and a good zero-overhead schedule to read runs against
+(``reference_seconds``).
 
-``bound_seconds(mode, staleness, layout, cost, workload)`` schedules the same work with the same
-rules as the engine, but every claim, write, ack, admission and announcement is instantaneous and
-every device pulls the next micro-batch the instant it is free. The engine's efficiency is
-``bound / achieved`` (= achieved throughput / bound throughput); an ideal engine scores 1.
+``bound_seconds(mode, staleness, layout, cost, workload)`` is a true lower bound: every term is
+work that must happen in sequence or work conserved over a pool of devices, whatever the
+micro-batch cuts, the device each one lands on and the order they run in. The engine's
+efficiency is ``bound / achieved`` (<= 1 for every run; tested against random schedules).
+Per iteration k, with ``pub[v]`` the time version v is announced (pub[0] = 0; the run ends at
+pub[K]), L the response lengths of k, B the rollout batch's row cap, P the prompt tokens:
 
-Notation (costs from ``workers.engines.sim_cost``; micro-batches cut in put order, as the store hands
+    a_k      = pub[max(k - s, 0)]       admission; nothing of k is generated before it
+    load_k   = S if k - s >= 1          the version k - s is announced at a_k: every device that
+                                        generates k loads it after a_k (none holds it before)
+    gen_k    = prefill*P*|L| + per_seq*sum(L) + base*sum_j sorted_desc(L)[j*B]
+               (the least device-time of any cut into batches of <= B rows: the j-th largest
+               batch maximum is at least the (j*B+1)-th largest length)
+    rollout ends  >= a_k + load_k + max(gen_k / R, the costliest group)
+    reward / reference end >= a_k + load_k + cheapest group + (their work of k) / (W resp. F)
+    each pool's last end of iterations <= k >= its work of iterations 0..k / its devices
+    training of k starts >= pub[k] + S*[k>0] (the trainer sends version k first)
+    pub[k+1] >= max(rollout end + cheapest row through reward|reference and training,
+                    reward / reference end + cheapest row's training,
+                    training start + max(train_k / T, costliest row)) + A(T)
+    sync-split: training of k starts once every row of k is ready (the max of the ends above)
+    sync (D colocated devices, stages taking turns): pub[k+1] >= pub[k] + load_k + the sum over
+               stages of max(work / D, costliest indivisible piece) + A(D)
+
+Every term only grows with the ones before it, so lower bounds in give a lower bound out. Slower
+devices (the balance case's ``slowdown``) only add time: the bound still holds, loosely.
+
+Why the reference schedule is not a bound: it fixes the micro-batches (rows cut in release order
+into full ``rows_per_*_batch`` chunks, each released with its LATEST row) and takes jobs greedily
+in release order. A run whose claims return what is ready now starts smaller micro-batches
+earlier, and greedy list scheduling is not optimal (Graham's anomalies): runs measured
+0.976-1.002 of it (docs/performance.md), and random schedules beat it (tests/bench/sim/).
+
+The reference schedule. Notation (costs from ``workers.engines.sim_cost``; micro-batches cut in put order, as the store hands
 them out):
 
     g_k,b     rollout batch b of iteration k (``groups_per_rollout_batch`` groups)  generate_s
@@ -50,6 +79,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.engines.sim_cost import CostModel, Workload, iteration_lengths
+
+MODES = ("sync", "sync-split", "periodic", "async")
 
 
 @dataclass(frozen=True)
@@ -135,10 +166,12 @@ class _Rollout:
         return ends, lengths
 
 
-def bound_seconds(mode: str, staleness: int, layout: Layout, cost: CostModel, w: Workload) -> float:
-    """pub[K] of the module docstring. ``mode``: sync | sync-split | periodic | async."""
-    if mode not in ("sync", "sync-split", "periodic", "async"):
-        raise ValueError(f"mode must be sync, sync-split, periodic or async, got {mode!r}")
+def reference_seconds(
+    mode: str, staleness: int, layout: Layout, cost: CostModel, w: Workload
+) -> float:
+    """pub[K] of the reference schedule (module docstring). ``mode``: sync | sync-split |
+    periodic | async. One good schedule, not the best: runs can beat it (``bound_seconds``)."""
+    _check_mode(mode)
     p = w.prompt_tokens
     s = staleness if mode == "async" else 0
     colocated = mode == "sync"
@@ -183,6 +216,71 @@ def bound_seconds(mode: str, staleness: int, layout: Layout, cost: CostModel, w:
         pub.append(max(trained) + cost.step_s(t))
         if colocated:  # the next rollout starts after the step (and loads the new version)
             rollout.free = _devices(n, pub[-1])
+    return pub[-1]
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be sync, sync-split, periodic or async, got {mode!r}")
+
+
+def least_generate_s(cost: CostModel, w: Workload, lengths: Sequence[int]) -> float:
+    """The least rollout device-time of ``lengths`` over every cut into batches of at most the
+    rollout batch's rows (``gen_k`` of the module docstring)."""
+    size = w.groups_per_rollout_batch * w.group_size
+    desc = sorted(lengths, reverse=True)
+    return (cost.prefill_s_per_token * w.prompt_tokens * len(desc)
+            + cost.decode_per_seq_s * sum(desc) + cost.decode_base_s * sum(desc[::size]))
+
+
+def bound_seconds(mode: str, staleness: int, layout: Layout, cost: CostModel, w: Workload) -> float:
+    """A lower bound on pub[K] for any schedule (module docstring). ``mode`` as ``MODES``."""
+    _check_mode(mode)
+    p, g = w.prompt_tokens, w.group_size
+    s = staleness if mode == "async" else 0
+    pub = [0.0]
+    done = dict.fromkeys(("rollout", "reward", "reference", "trainer"), 0.0)
+    for k in range(w.iterations):
+        lengths = iteration_lengths(w, k)
+        groups = [lengths[i : i + g] for i in range(0, len(lengths), g)]
+        load = cost.sync_s() if k - s >= 1 else 0.0
+        work = {
+            "rollout": least_generate_s(cost, w, lengths),
+            "reward": cost.reward_s(len(lengths)),
+            "reference": cost.reference_s(p, lengths),
+            "trainer": cost.train_s(p, lengths),
+        }
+        piece = {  # the costliest piece no cut can split: a group (rollout), a row (the rest)
+            "rollout": max(cost.generate_s(p, x) for x in groups),
+            "reward": cost.reward_s(1),
+            "reference": cost.reference_s(p, [max(lengths)]),
+            "trainer": cost.train_s(p, [max(lengths)]),
+        }
+        if mode == "sync":
+            d = layout.devices
+            turns = sum(max(work[r] / d, piece[r]) for r in work)
+            pub.append(pub[k] + load + turns + cost.step_s(d))
+            continue
+        a = pub[max(k - s, 0)] + load
+        first = a + min(cost.generate_s(p, x) for x in groups)  # the first rows of k exist
+        shortest = min(lengths)
+        scored = max(cost.reward_s(1), cost.reference_s(p, [shortest]) if layout.reference else 0)
+        for r in work:  # a pool does the work of every iteration so far, from time 0
+            done[r] += work[r]
+        generated = max(a + max(work["rollout"] / layout.rollout, piece["rollout"]),
+                        done["rollout"] / layout.rollout)
+        ready = [generated + scored, max(first + work["reward"] / layout.reward,
+                                         done["reward"] / layout.reward)]
+        if layout.reference:
+            ready.append(max(first + work["reference"] / layout.reference,
+                             done["reference"] / layout.reference))
+        start = pub[k] + (cost.sync_s() if k else 0.0)
+        train = max(work["trainer"] / layout.trainer, piece["trainer"])
+        if mode == "sync-split":  # no row of k is trained before every row of k is ready
+            end = max(start, *ready) + train
+        else:
+            end = max(start + train, *(t + cost.train_s(p, [shortest]) for t in ready))
+        pub.append(end + cost.step_s(layout.trainer))
     return pub[-1]
 
 

@@ -5,8 +5,9 @@ coordinator (a thread of this process, as in a real streaming run), and host pro
 simulated workers (``bench.sim.host``: many device threads per process), then acts as the
 controller: it puts iteration k's prompt rows once ``streamflow.admission.admissible`` says so
 (the same function the real controller calls) and announces versions and admissions to the hosts.
-It returns a ``SimResult``: achieved throughput in samples per *simulated* second, the bound from
-``bench.sim.bound``, efficiency = bound time / achieved time, utilisation per role and per
+It returns a ``SimResult``: achieved throughput in samples per *simulated* second, the lower bound
+from ``bench.sim.bound`` (no schedule beats it), efficiency = bound time / achieved time (<= 1),
+the reference schedule's time (``bench.sim.bound.reference_seconds``), utilisation per role and per
 device, the holds (for timelines) and the CPU seconds the controller, the coordinator and the store
 node spent (the control-plane cost the bench reports per micro-batch).
 
@@ -41,7 +42,7 @@ import zmq
 
 import storage
 from bench._store_node import spawn_store
-from bench.sim.bound import Layout, bound_seconds, micro_batches
+from bench.sim.bound import Layout, bound_seconds, micro_batches, reference_seconds
 from bench.sim.engine import PAYLOAD_TOKENS, SIM_COLUMN
 from streamflow.admission import admissible, min_policy_version
 from workers.engines.sim_cost import Workload, preset
@@ -98,9 +99,10 @@ class SimResult:
     wall_real_s: float
     sim_seconds: float
     throughput: float  # samples per simulated second
-    bound_seconds: float
+    bound_seconds: float  # a lower bound on the time: no schedule beats it (bench.sim.bound)
     bound_throughput: float
-    efficiency: float
+    efficiency: float  # bound / achieved time: <= 1
+    reference_seconds: float  # the zero-overhead greedy schedule (not a bound: runs can beat it)
     utilisation: dict[str, float]  # role -> mean busy fraction of its devices
     device_utilisation: dict[str, float]
     micro_batches: int
@@ -327,7 +329,8 @@ def _result(
     sim = wall * scale
     samples = w.iterations * w.rows_per_iteration
     cost = preset(cfg.cost)
-    bound = bound_seconds("sync-split" if cfg.turns else cfg.mode, cfg.staleness, lay, cost, w)
+    mode = "sync-split" if cfg.turns else cfg.mode
+    bound = bound_seconds(mode, cfg.staleness, lay, cost, w)
     holds = [h for d in done for h in d["holds"]]  # device, role, kind, start, end, it, rows
     busy: dict[str, float] = {}
     by_role: dict[str, float] = {}
@@ -357,6 +360,7 @@ def _result(
         bound_seconds=bound,
         bound_throughput=samples / bound,
         efficiency=bound / sim,
+        reference_seconds=reference_seconds(mode, cfg.staleness, lay, cost, w),
         utilisation=util,
         device_utilisation={d: b / wall for d, b in sorted(busy.items())},
         micro_batches=micro,
