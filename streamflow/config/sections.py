@@ -58,8 +58,9 @@ class RunSection(Checked):
     # async only: max policy versions a trained sample may lag behind the trainer (0 = on-policy)
     max_staleness: int = bounded(1, ge=0)
     eval_every: int = bounded(1, ge=0)  # evaluate held-out accuracy every N iterations (0 = never)
-    # number of held-out evaluation prompts (data.task=file: that many distinct prompts, drawn with
-    # data.seed, are removed from training while eval_every > 0)
+    # number of held-out evaluation prompts (data.task=file: that many distinct prompts, chosen by
+    # the held-out rule on their canonical form, whatever the seed, leave training while
+    # eval_every > 0; docs/training.md "Tasks")
     eval_prompts: int = bounded(64, ge=0)
     checkpoint_every: int = bounded(0, ge=0)  # checkpoint every N iterations (0 = only at the end)
     # fail the run when worker processes are not all ready after this long (start-up, model load)
@@ -135,7 +136,7 @@ class DataSection(Checked):
     prompts_per_iteration: int = bounded(16, ge=1)  # prompts per iteration (rows = x group_size)
     # G: responses sampled per prompt
     group_size: int = bounded(8, ge=2, why="GRPO advantages compare responses within a group")
-    seed: int = 0  # seed of prompt generation / shuffling (eval prompts are held out from it)
+    seed: int = 0  # seed of prompt generation / shuffling (the held-out split does not depend on it)
 
     def check(self) -> None:
         require(len(self.operations) > 0, "operations", "must list at least one of '+', '-', '*'")
