@@ -218,9 +218,8 @@ class PackingSettings(Checked):
     token_budget: int = bounded(4096, ge=1)  # max tokens per packed micro-batch
     # Most tokens (each row's prompt + response) one scoring forward takes: a larger batch is
     # scored in several forwards of whole groups, near-equal in size (trainer: each one's
-    # backward accumulates into the same step; 0 = one forward per batch). On a CPU a forward
-    # over G1's whole iteration (128 rows, ~9k tokens) spills the caches: 32-row pieces took
-    # 23 % less time for the reference and 16 % less for forward+backward (docs/engines.md).
+    # backward accumulates into the same step; 0 = one forward per batch). On a CPU one forward
+    # over a whole large iteration spills the caches (the pieces measured: docs/engines.md).
     tokens_per_forward: int = bounded(4096, ge=0)
 
 

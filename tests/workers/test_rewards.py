@@ -63,6 +63,12 @@ def test_resolve_errors_name_the_problem(user_module):
     assert resolve_reward(f"{user_module}:length_reward")("abc", "") == 3.0
 
 
+def test_a_moved_module_points_at_its_new_path():
+    with pytest.raises(RewardError, match="moved; use 'workers.tasks.word:last_number_match'"):
+        resolve_reward("workers.tasks_word:last_number_match")
+    assert resolve_reward("workers.tasks.word:last_number_match")("it is 12", "12") == 1.0
+
+
 def test_register_reward_decorator():
     @register_reward("test_always_half")
     def half(completion: str, answer: str) -> float:

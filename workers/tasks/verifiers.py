@@ -46,11 +46,18 @@ def available_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
+# Modules of this package that reward.fn could name before they moved: a one-line pointer.
+MOVED_MODULES = {"workers.rewards": "workers.tasks.verifiers", "workers.tasks_word": "workers.tasks.word"}
+
+
 def _import_path(path: str) -> RewardFn:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise RewardError(
             f"reward import path must look like 'package.module:function', got {path!r}")
+    if module_name in MOVED_MODULES:
+        raise RewardError(f"reward {path!r}: module {module_name!r} moved; use "
+                          f"'{MOVED_MODULES[module_name]}:{attr}'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
