@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -78,8 +79,6 @@ def test_mixed_dtypes_round_trip_into_live_parameters(tmp_path: Path):
             member.receive(meta, 64, copy_into(targets, meta))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
-
-    import threading
 
     t = threading.Thread(target=receiver)
     t.start()
@@ -156,12 +155,13 @@ def test_a_missing_member_times_out_and_the_version_goes_by_file(tmp_path: Path)
 
 class RemoteEngine(Engine):
     """Like vLLM: the member lives behind an RPC, so the barrier passes (and the trainer writes
-    the version's file) before ``receive_weights`` returns and sets ``policy_version``."""
+    the version's file) before ``receive_weights`` returns and sets ``policy_version``. The RPC's
+    way back is held until the test opens ``returned``: that moment is what is under test."""
 
-    def __init__(self, return_delay_s: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.return_delay_s = return_delay_s
         self.member: GroupMember | None = None
+        self.returned = threading.Event()
 
     def join_weight_group(self, spec: WeightGroupConfig, epoch: int) -> None:
         self.member = GroupMember(spec, connect_store(spec), epoch, torch.device("cpu"))
@@ -171,7 +171,7 @@ class RemoteEngine(Engine):
         nbytes = self.member.receive(meta, bucket_bytes,
                                      copy_into(self.weight_targets(), meta))
         self.member.barrier()
-        time.sleep(self.return_delay_s)  # the RPC's way back: the delay is what is under test
+        assert self.returned.wait(30), "the test never let the RPC return"
         self.policy_version = version
         return nbytes
 
@@ -179,24 +179,41 @@ class RemoteEngine(Engine):
 def test_a_version_in_flight_is_waited_for_although_its_file_already_exists(tmp_path: Path):
     rdv = Rendezvous()
     pub = CollectivePublisher(WeightPublisher(tmp_path), _spec(rdv.address, 0, 2), "cpu")
-    engine = RemoteEngine(return_delay_s=1.0)
+    engine = RemoteEngine()
     sub = CollectiveSubscriber(WeightSubscriber(tmp_path), _spec(rdv.address, 1, 2), "cpu")
+    looked = threading.Event()  # the waiter has seen version 1's file on disk
+    newest = sub.files.newest
+
+    def newest_seen() -> int | None:
+        version = newest()
+        if version is not None and version >= 1:
+            looked.set()
+        return version
+
+    outcome: list[bool] = []
+    waiter = threading.Thread(target=lambda: outcome.append(sub.wait_engine(engine, 1, 30.0)))
     try:
         sub.start(engine)
         pub.publish(_state(0), 0)
         pub.publish(_state(1), 1)  # returns after the barrier, with the file written
         assert sub.newest() == 1 and engine.policy_version == 0  # the receive is still returning
-        assert sub.wait_engine(engine, 1, 10.0) is True  # not a second load of the same version
+        sub.files.newest = newest_seen
+        waiter.start()
+        assert looked.wait(30)  # it saw the file while the receive was in flight ...
+        engine.returned.set()
+        waiter.join(30)
+        assert outcome == [True]  # ... and waited for it: not a second load of the same version
         assert pub.broadcasts == 1 and sub.received == 1
         assert torch.equal(engine.model.state_dict()["0.weight"], _state(1)["0.weight"])
     finally:
+        engine.returned.set()
         sub.close()
         pub.close()
 
 
 def _member(address: str, rank: int, directory: str, versions: list[int], q, done) -> None:  # noqa: ANN001
-    """A rollout worker's weight side in its own process: report how each version arrived, then
-    stay in the group until the test has every report (``done``)."""
+    """A rollout worker's weight side in its own process: report how each version arrived on its
+    own queue ``q``, then stay in the group until the test has every report (``done``)."""
     engine = Engine()
     sub = CollectiveSubscriber(WeightSubscriber(directory), _spec(address, rank, 3, timeout=10.0),
                                "cpu")
@@ -216,38 +233,41 @@ def _member(address: str, rank: int, directory: str, versions: list[int], q, don
 
 @pytest.mark.slow
 def test_a_restarted_member_loads_files_then_rejoins_at_the_next_epoch(tmp_path: Path):
+    # One queue per member process: a queue's writers share one lock, and the member killed below
+    # may die holding it (its feeder thread releases it only after the test has read the report),
+    # which would leave every other member's report stuck behind it.
     ctx = mp.get_context("spawn")
     rdv = Rendezvous()
-    q = ctx.Queue()
+    qa, qb, qb2 = ctx.Queue(), ctx.Queue(), ctx.Queue()
     done = ctx.Event()
     pub = CollectivePublisher(WeightPublisher(tmp_path), _spec(rdv.address, 0, 3, timeout=10.0),
                               "cpu")
     pub.publish(_state(0), 0)
-    a = ctx.Process(target=_member, args=(rdv.address, 1, str(tmp_path), [1, 2, 3], q, done))
-    b = ctx.Process(target=_member, args=(rdv.address, 2, str(tmp_path), [1, 2, 3], q, done))
+    a = ctx.Process(target=_member, args=(rdv.address, 1, str(tmp_path), [1, 2, 3], qa, done))
+    b = ctx.Process(target=_member, args=(rdv.address, 2, str(tmp_path), [1, 2, 3], qb, done))
     procs = [a, b]
     try:
         a.start()
         b.start()
-        assert {q.get(timeout=120)[:2] for _ in range(2)} == {("up", 1), ("up", 2)}
+        assert (qa.get(timeout=120)[:2], qb.get(timeout=120)[:2]) == (("up", 1), ("up", 2))
         pub.publish(_state(1), 1)
-        got = {q.get(timeout=60)[:3] for _ in range(2)}
-        assert got == {("broadcast", 1, 1), ("broadcast", 2, 1)}
+        got = (qa.get(timeout=60)[:3], qb.get(timeout=60)[:3])
+        assert got == (("broadcast", 1, 1), ("broadcast", 2, 1))
         os.kill(b.pid, signal.SIGKILL)  # rank 2 dies; its restart comes up fresh at version 0
         b.join(10)
         pub.publish(_state(2), 2)  # fails on the dead member: version 2 goes by file
         assert pub.failures == 1
         # the survivor has it (broadcast, or file once its receive timed out: 10 s)
-        assert q.get(timeout=120)[1:3] == (1, 2)
-        b2 = ctx.Process(target=_member, args=(rdv.address, 2, str(tmp_path), [2, 3], q, done))
+        assert qa.get(timeout=120)[1:3] == (1, 2)
+        b2 = ctx.Process(target=_member, args=(rdv.address, 2, str(tmp_path), [2, 3], qb2, done))
         procs.append(b2)
         b2.start()
-        assert q.get(timeout=120)[:2] == ("up", 2)
-        assert q.get(timeout=60)[:3] == ("file", 2, 2)  # the fresh member catches up from the file
+        assert qb2.get(timeout=120)[:2] == ("up", 2)
+        assert qb2.get(timeout=60)[:3] == ("file", 2, 2)  # the fresh member catches up from the file
         pub.publish(_state(3), 3)  # a new epoch: both members join it
-        final = {q.get(timeout=60) for _ in range(2)}
+        final = (qa.get(timeout=60), qb2.get(timeout=60))
         want = float(_state(3)["0.weight"].sum())
-        assert {f[:3] for f in final} == {("broadcast", 1, 3), ("broadcast", 2, 3)}
+        assert tuple(f[:3] for f in final) == (("broadcast", 1, 3), ("broadcast", 2, 3))
         assert all(abs(f[3] - want) < 1e-3 for f in final)
         assert pub.broadcasts == 2 and pub.failures == 1
     finally:
@@ -267,8 +287,6 @@ def test_an_unreachable_rendezvous_is_a_clear_error():
 
 def test_shared_memory_buckets_over_gloo_signals(tmp_path: Path):
     """transport=shm: gloo carries the signals, the bytes go through two shared buckets."""
-    import threading
-
     rdv = Rendezvous()
     state = {f"t{i}": torch.randn(40 + i, 3) for i in range(7)}
     state["b"] = torch.randn(11).to(torch.bfloat16)
