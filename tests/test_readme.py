@@ -136,6 +136,7 @@ def test_the_readme_reward_scores_the_readme_prompts(tmp_path, monkeypatch):
     files = readme_files(MARKDOWN)
     (tmp_path / "my_reward.py").write_text(files["my_reward.py"])
     monkeypatch.syspath_prepend(str(tmp_path))
+    _forget_readme_modules(monkeypatch)
     from workers.tasks.verifiers import resolve_reward
 
     score = resolve_reward("my_reward:score")  # as reward.fn names it
@@ -145,6 +146,13 @@ def test_the_readme_reward_scores_the_readme_prompts(tmp_path, monkeypatch):
         assert score(f"The answer is {row['answer']}.", row["answer"]) == 1.0
         assert score(f"The answer is {int(row['answer']) + 1}.", row["answer"]) == 0.0
         assert score("I do not know.", row["answer"]) == 0.0
+
+
+def _forget_readme_modules(monkeypatch) -> None:
+    """Each test imports the README's modules from its own directory, never an earlier one's."""
+    for name in readme_files(MARKDOWN):
+        if name.endswith(".py"):
+            monkeypatch.delitem(sys.modules, name.removesuffix(".py"), raising=False)
 
 
 def _where_it_runs_exists(where: str) -> bool:
@@ -184,6 +192,11 @@ def _split_env(words: list[str], cwd: Path) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
+def _names_flag(helptext: str, word: str) -> bool:
+    flag = word.split("=")[0]  # whole: --dev is not --device
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", helptext) is not None
+
+
 def _check_streamflow(argv: list[str], command: Command, capsys) -> None:
     from streamflow import cli
 
@@ -213,7 +226,7 @@ def _check_streamflow(argv: list[str], command: Command, capsys) -> None:
         with pytest.raises(SystemExit):
             module.main(["--help"])
         helptext = capsys.readouterr().out
-        assert all(a.split("=")[0] in helptext for a in argv[2:] if a.startswith("--"))
+        assert all(_names_flag(helptext, a) for a in argv[2:] if a.startswith("--")), argv
         return
     args, extra = cli._build_parser().parse_known_args(argv)  # exits (2) on a usage error
     assert extra == [] and args.command == argv[0]
@@ -224,7 +237,7 @@ def _check_python_module(words: list[str]) -> None:
     proc = subprocess.run([sys.executable, "-m", words[2], "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert all(w.split("=")[0] in proc.stdout for w in words[3:] if w.startswith("--"))
+    assert all(_names_flag(proc.stdout, w) for w in words[3:] if w.startswith("--")), words
 
 
 def _check_paths_exist(words: list[str], cwd: Path) -> None:
@@ -238,6 +251,7 @@ def _check_paths_exist(words: list[str], cwd: Path) -> None:
 def test_every_readme_command_runs_or_parses(command, tmp_path, monkeypatch, capsys):
     cwd = _scratch(tmp_path)
     monkeypatch.chdir(cwd)
+    _forget_readme_modules(monkeypatch)
     env, words = _split_env(shlex.split(command.text), cwd)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
