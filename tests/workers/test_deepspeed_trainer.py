@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import closing
 from dataclasses import asdict
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from workers.engines.deepspeed_trainer import DeepSpeedSettings, start_ranks
 from workers.models.local import TinyModelSpec, build_tiny_model, save_model
 from workers.models.tokenizer import build_char_tokenizer, encode_prompt
 from workers.roles.build import build_rollout, build_trainer
-from workers.roles.loop import StageLoop
+from workers.roles.loop import LeaseKeeper, StageLoop
 from workers.runtime.distributed import (
     deal_groups,
     decode_rows,
@@ -89,12 +90,12 @@ def torch_result(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> t
 
 
 def _run_torch(model_dir: Path, tmp: Path, **kw) -> tuple[dict, list]:  # noqa: ANN003
-    with storage.embedded(2) as store:
+    with storage.embedded(2) as store, closing(LeaseKeeper(store.client)) as keeper:
         client = store.client()
         _prepare(client, model_dir, tmp, range(ITERATIONS))
         cfg = _trainer_config(model_dir, tmp / "weights", [], engine="torch", **kw)
         events = EventSender(None)
-        trainer = build_trainer(cfg, client, events)
+        trainer = build_trainer(cfg, client, events, keeper)
         trainer.publish_current()
 
         def trained() -> bool:

@@ -1,10 +1,12 @@
-"""The stage loop: one round trip per micro-batch, zombie results fenced off, heartbeats."""
+"""The stage loop: one round trip per micro-batch, zombie results fenced off, heartbeats (also of
+leases held across turns, as the trainer holds them until its step)."""
 
 from __future__ import annotations
 
 import time
 
 import pyarrow as pa
+from testkit import wait_until
 
 import storage
 from storage.schema import TableSpec, TaskSpec
@@ -87,4 +89,35 @@ def test_heartbeats_keep_long_work_alive() -> None:
         finally:
             keeper.close()
         assert _results(client) == {3: 6}
+        assert client.stats("t").task_total("double").redelivered_total == 0
+
+
+def test_a_lease_held_across_turns_is_renewed_until_its_late_ack() -> None:
+    """A lease held beyond the turn that claimed it (the trainer acks after its step): the keeper
+    renews it while other turns go on, so its ack long after the first deadline is accepted."""
+    with storage.embedded() as store:
+        client = store.client()
+        client.create_table(_table(0.4))
+        client.put("t", pa.table({"x": [1, 2, 3]}))
+        held = client.claim("t", "double", ["x"], 1, timeout=1.0)
+        keeper = LeaseKeeper(store.client, tick_s=0.05)
+        try:
+            keeper.hold(held)
+            loop = StageLoop(client, "t", Doubler(), worker="w", role="double",
+                             events=EventSender(None), keeper=keeper)
+
+            def turns_past_the_deadline() -> bool:  # the other rows go by meanwhile
+                loop.turn(0.0)
+                return time.time() > held.deadline + 0.4
+
+            wait_until(turns_past_the_deadline, timeout=30, interval=0.0,
+                       what="turns past the held lease's first deadline")
+            loop.flush()
+            keeper.drop(held.lease_id)
+            xs = held.batch.column("x").to_pylist()
+            out = with_row_ids(held, {"y": pa.array([2 * x for x in xs], pa.int64())})
+            client.write("t", held, out, ack=True)  # LeaseExpired had the keeper not renewed it
+        finally:
+            keeper.close()
+        assert _results(client) == {1: 2, 2: 4, 3: 6}
         assert client.stats("t").task_total("double").redelivered_total == 0

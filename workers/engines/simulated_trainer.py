@@ -26,7 +26,7 @@ class SimulatedTrainer(Trainer):
         publisher: WeightPublisher,
         *,
         send: Callable[[Any], None] = lambda r: None,
-        keeper: LeaseKeeper | None = None,
+        keeper: LeaseKeeper,
     ) -> None:
         if cfg.common.simulated is None:
             raise ValueError("trainer engine 'simulated' needs common.simulated (the device)")

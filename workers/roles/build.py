@@ -153,8 +153,9 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
 
 
 def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
-                  keeper: LeaseKeeper | None = None, metrics: WorkerMetrics | None = None) -> Any:
-    """The trainer of ``cfg.engine``: ``Trainer`` (torch, deepspeed) or ``SimulatedTrainer``."""
+                  keeper: LeaseKeeper, metrics: WorkerMetrics | None = None) -> Any:
+    """The trainer of ``cfg.engine``: ``Trainer`` (torch, deepspeed) or ``SimulatedTrainer``;
+    ``keeper`` renews the leases it holds until their rows are trained and acked."""
     if cfg.engine == "simulated":
         return build_simulated_trainer(cfg, client, events, keeper)
     torch.manual_seed(cfg.common.seed)
@@ -213,7 +214,7 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
 
 
 def build_simulated_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
-                            keeper: LeaseKeeper | None) -> Any:
+                            keeper: LeaseKeeper) -> Any:
     from workers.engines.simulated_trainer import SimulatedTrainer
 
     if cfg.resume_from:

@@ -8,7 +8,6 @@ staleness and the multi-rank protocol: docs/training.md "The trainer".
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -55,8 +54,7 @@ class Piece:
 @dataclass
 class _Held:
     lease: Lease
-    untrained: int  # rows of this lease not yet trained
-    lifetime: float  # seconds the store granted at claim time; renewed at half of it
+    untrained: int  # rows of this lease not yet trained (held by the keeper until acked)
     # (row ids, advantages) of its trained pieces: written with the ack (leader only)
     advantages: list[tuple[pa.Array, pa.Array]] = field(default_factory=list)
 
@@ -68,11 +66,13 @@ class Trainer:
                  settings: TrainerWorkerConfig, publisher: WeightPublisher, *,
                  worker: str = "trainer-0", send: Callable[[Any], None] = lambda r: None,
                  start_iteration: int = 0, on_step: Callable[[int], None] = lambda it: None,
-                 keeper: LeaseKeeper | None = None, ranks: RankGroup | None = None) -> None:
+                 keeper: LeaseKeeper, ranks: RankGroup | None = None) -> None:
         self.client, self.table, self.engine, self.tri = client, table, engine, tri
         self.s, self.publisher, self.worker = settings, publisher, worker
         self.send, self.on_step = send, on_step
-        self.keeper = keeper  # renews held leases from its own thread (else: between claims)
+        # Held leases outlive claim turns (a lease is acked after the step): the keeper renews
+        # them from its own thread, so a long step or a slow poller never lets one expire.
+        self.keeper = keeper
         self.ranks = ranks  # several trainer ranks (workers.runtime.distributed); None: this process alone
         self.step = start_iteration  # = policy version of the current weights
         self.columns = trainer_columns(settings.reference_in_store)
@@ -89,7 +89,6 @@ class Trainer:
 
     def poll(self, timeout_s: float) -> bool:
         """One claim turn; returns True when it completed an iteration (a step was taken)."""
-        self._keep_leases_alive()
         # Rows of this iteration claimed (and parked) before the last step are work in hand: a
         # server-side wait for more rows would hold them up to ``timeout_s``, so just look.
         wait = 0.0 if self._parked.get(self.step) else timeout_s
@@ -133,10 +132,8 @@ class Trainer:
 
     def _accept(self, lease: Lease) -> None:
         iterations = lease.batch.column("iteration").to_numpy()
-        lifetime = max(lease.deadline - time.time(), 1.0)
-        self._held[lease.lease_id] = _Held(lease, lease.num_rows, lifetime)
-        if self.keeper is not None:
-            self.keeper.hold(lease)
+        self._held[lease.lease_id] = _Held(lease, lease.num_rows)
+        self.keeper.hold(lease)
         for it in sorted(set(iterations.tolist())):
             rows = lease.batch.filter(pa.array(iterations == it))
             if it < self.step:  # in the current weights already (docs/training.md)
@@ -311,8 +308,7 @@ class Trainer:
                 continue
             held.untrained -= piece.rows.num_rows
             if held.untrained == 0:
-                if self.keeper is not None:
-                    self.keeper.drop(held.lease.lease_id)
+                self.keeper.drop(held.lease.lease_id)
                 try:
                     self._ack(held)
                 except (LeaseExpired, Unavailable, UnknownTable) as exc:  # rows come back
@@ -375,20 +371,9 @@ class Trainer:
     def release_held(self) -> None:
         """Clean stop: hand every held lease back at once (not counted as a failed delivery)."""
         for held in self._held.values():
-            if self.keeper is not None:
-                self.keeper.drop(held.lease.lease_id)
+            self.keeper.drop(held.lease.lease_id)
             self.client.release(held.lease)
         self._held.clear()
-
-    def _keep_leases_alive(self) -> None:
-        """Without a keeper: renew held leases (they outlive a claim turn) at half their life."""
-        if not self._held or self.keeper is not None:
-            return
-        now = time.time()
-        for held in self._held.values():
-            if held.lease.deadline - now < held.lifetime / 2:
-                deadline = self.client.extend(held.lease)
-                held.lease = dataclasses.replace(held.lease, deadline=deadline)
 
 
 def _padded(column: pa.Array) -> torch.Tensor:
