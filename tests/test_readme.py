@@ -12,7 +12,8 @@ its fenced ``bash`` blocks checked here.
 - What a unit test cannot run (``make demo``, ``make test``, ``docker compose``, a GPU box, a
   Prometheus server) is listed in ``ELSEWHERE`` with the test or Makefile target that runs it,
   and that test or target must exist.
-A command of any other kind fails the test: add it to one of these lists.
+A command of any other kind fails the test: add it to one of these lists. Every link of the
+README reaches its file, and its heading when it names one.
 """
 
 from __future__ import annotations
@@ -272,3 +273,24 @@ def test_every_readme_command_runs_or_parses(command, tmp_path, monkeypatch, cap
     else:
         pytest.fail(f"README line {command.line}: {command.text!r} is checked nowhere: run it "
                     "here, or name in ELSEWHERE the test that runs it")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_of_the_readme_reaches_its_file_and_heading():
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", MARKDOWN):
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = target.partition("#")
+        file = REPO / path
+        if not file.is_file():
+            broken.append(target)
+        elif anchor:
+            headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(target)
+    assert broken == []
