@@ -10,7 +10,7 @@ import torch
 from storage.schema import Lease
 from workers.models.local import TinyModelSpec, build_tiny_model
 from workers.models.tokenizer import build_char_tokenizer, encode_prompt
-from workers.rl.packing import PackGroup, packed_response_logprobs
+from workers.rl.packing import PackGroup, choose_layout, packed_response_logprobs
 from workers.roles.reference import ReferenceScorer, ReferenceStage
 from workers.settings import PackingSettings
 
@@ -38,11 +38,11 @@ def test_each_row_gets_its_own_log_probs(packing: bool, tokens_per_forward: int,
     stage = ReferenceStage(ReferenceScorer(model, temperature=1.0, pack=pack), max_rows=64)
     forwards: list[list[int]] = []
 
-    def scoring(model, groups, **kw):  # noqa: ANN001, ANN003, ANN202
+    def scoring(groups, models, **kw):  # noqa: ANN001, ANN003, ANN202 - one call per forward
         forwards.append([g.group_id for g in groups])
-        return packed_response_logprobs(model, groups, **kw)
+        return choose_layout(groups, models, **kw)
 
-    monkeypatch.setattr("workers.roles.reference.packed_response_logprobs", scoring)
+    monkeypatch.setattr("workers.rl.reference.choose_layout", scoring)
     out = stage.process(Lease(1, "samples", "reference", 0, 0.0, batch))
     # the three groups (~40 tokens) in one forward, or each alone, whole, past a 1-token budget
     assert forwards == ([[7, 3, 9]] if tokens_per_forward > 40 else [[7], [3], [9]])

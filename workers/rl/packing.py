@@ -1,7 +1,8 @@
 """Shared-prompt packing: a group's responses scored with ONE copy of its prompt.
 
 Owns the attention that makes the packed layout (``workers.rl.packing_layout``, re-exported here)
-exact for HF causal LMs, and ``packed_response_logprobs(..., pack=True|False)``. Layout,
+exact for HF causal LMs, the packing decision (``choose_layout``) and
+``packed_response_logprobs(..., pack=True|False)``. Layout,
 invariants and when packing pays: docs/engines.md, "Shared-prompt packing".
 """
 
@@ -36,7 +37,8 @@ from workers.rl.packing_layout import (
 # the layout's names are part of this module's API (callers import them from here)
 __all__ = [
     "DEFAULT_MIN_SAVING", "PackChunk", "PackGroup", "PackedBatch", "PackingError",
-    "PackingFallbackWarning", "PackingUnsupportedError", "batch_logprobs", "pack_groups",
+    "PackingFallbackWarning", "PackingUnsupportedError", "batch_logprobs", "choose_layout",
+    "pack_groups",
     "packed_response_logprobs", "packing_unsupported_reason", "should_pack", "token_saving",
     "unpacked_rows",
 ]
@@ -298,6 +300,21 @@ def _self_check(model: torch.nn.Module) -> str | None:
     return None
 
 
+def choose_layout(
+    groups: Sequence[PackGroup], models: Sequence[torch.nn.Module], *, pack: bool,
+    min_saving: float, token_budget: int, max_responses_per_row: int | None = None,
+    pad_id: int = 0,
+) -> PackedBatch:
+    """The one packing decision: the layout every model in ``models`` runs ``groups`` on, packed
+    when ``pack``, the token saving reaches ``min_saving`` (0: always) and each model runs packed
+    batches exactly; else unpacked rows."""
+    if (pack and should_pack(groups, min_saving)
+            and all(packing_unsupported_reason(m) is None for m in models)):
+        return pack_groups(groups, token_budget=token_budget, pad_id=pad_id,
+                           max_responses_per_row=max_responses_per_row)
+    return unpacked_rows(groups, pad_id=pad_id)
+
+
 def packed_response_logprobs(
     model: torch.nn.Module,
     groups: Sequence[PackGroup],
@@ -309,12 +326,8 @@ def packed_response_logprobs(
     pad_id: int = 0,
     min_saving: float = 0.0,
 ) -> list[list[torch.Tensor]]:
-    """Per group, per response: token log-probs ``[L_i]``; packed when ``pack``, the model
-    supports it and the token saving reaches ``min_saving`` (0: always), else unpacked rows."""
-    pack = pack and should_pack(groups, min_saving)
-    if pack and packing_unsupported_reason(model) is None:
-        batch = pack_groups(groups, token_budget=token_budget, pad_id=pad_id,
-                            max_responses_per_row=max_responses_per_row)
-    else:
-        batch = unpacked_rows(groups, pad_id=pad_id)
+    """Per group, per response: token log-probs ``[L_i]`` on ``choose_layout``'s layout."""
+    batch = choose_layout(groups, [model], pack=pack, min_saving=min_saving,
+                          token_budget=token_budget, max_responses_per_row=max_responses_per_row,
+                          pad_id=pad_id)
     return batch_logprobs(model, batch, temperature=temperature)

@@ -1,7 +1,9 @@
 """The unified tri-model: policy and reference log-probs of a micro-batch in one packed pass.
 
-The reference is frozen at construction; the old policy is never a held model (the trainer keeps
-the first pass's detached log-probs). See docs/engines.md, "The tri-model".
+The reference is frozen at construction and scored by ``workers.rl.reference`` (the one owner of
+reference log-probs) on the layout the policy runs (``choose_layout``: the one packing decision);
+the old policy is never a held model (the trainer keeps the first pass's detached log-probs). See
+docs/engines.md, "The tri-model".
 """
 
 from __future__ import annotations
@@ -15,14 +17,8 @@ from typing import Literal
 
 import torch
 
-from workers.rl.packing import (
-    PackedBatch,
-    PackGroup,
-    batch_logprobs,
-    pack_groups,
-    packing_unsupported_reason,
-    unpacked_rows,
-)
+from workers.rl.packing import PackedBatch, PackGroup, batch_logprobs, choose_layout
+from workers.rl.reference import FrozenReference
 
 ReferenceSource = Literal["copy"] | torch.nn.Module | str | os.PathLike[str] | None
 
@@ -35,14 +31,6 @@ class TriLogprobs:
     policy: list[list[torch.Tensor]]  # differentiable
     ref: list[list[torch.Tensor]] | None  # detached; None when no reference is held
     batch: PackedBatch  # the layout every model ran on (rows, tokens, packed or not)
-
-
-def _freeze(
-    model: torch.nn.Module, dtype: torch.dtype | None, device: str | torch.device | None
-) -> torch.nn.Module:
-    model.requires_grad_(False)
-    model.eval()
-    return model.to(device=device, dtype=dtype)
 
 
 def _module_bytes(model: torch.nn.Module) -> int:
@@ -69,22 +57,28 @@ class TriModel:
         self.frozen_dtype = frozen_dtype
         self.frozen_device = frozen_device
         self.autocast_dtype = autocast_dtype
-        self.reference = self._load_reference(reference)
+        model = self._load_reference(reference)
+        self.frozen = (FrozenReference(model, dtype=frozen_dtype, device=frozen_device)
+                       if model is not None else None)
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        """The frozen reference model (None: no reference is held)."""
+        return self.frozen.model if self.frozen is not None else None
 
     def _load_reference(self, source: ReferenceSource) -> torch.nn.Module | None:
         if source is None:
             return None
         if isinstance(source, str) and source == "copy":
-            return _freeze(copy.deepcopy(self.policy), self.frozen_dtype, self.frozen_device)
+            return copy.deepcopy(self.policy)
         if isinstance(source, torch.nn.Module):
-            return _freeze(source, self.frozen_dtype, self.frozen_device)
+            return source
         if isinstance(source, str | os.PathLike):
             from transformers import AutoModelForCausalLM
 
             if not os.path.isdir(source):
                 raise FileNotFoundError(f"reference model directory not found: {source}")
-            model = AutoModelForCausalLM.from_pretrained(os.fspath(source))
-            return _freeze(model, self.frozen_dtype, self.frozen_device)
+            return AutoModelForCausalLM.from_pretrained(os.fspath(source))
         raise TypeError(
             f"reference must be 'copy', a module, a model directory or None, got {source!r}")
 
@@ -94,14 +88,15 @@ class TriModel:
 
     def forward(
         self, groups: Sequence[PackGroup], *, temperature: float = 1.0, token_budget: int = 4096,
-        pack: bool = True, max_responses_per_row: int | None = None,
+        pack: bool = True, max_responses_per_row: int | None = None, min_saving: float = 0.0,
     ) -> TriLogprobs:
-        """Pack ``groups`` once, then score them with the policy and the frozen reference."""
-        frozen = [self.reference] if self.reference is not None else []
-        pack = pack and all(packing_unsupported_reason(m) is None for m in [self.policy, *frozen])
-        batch = (pack_groups(groups, token_budget=token_budget,
-                             max_responses_per_row=max_responses_per_row)
-                 if pack else unpacked_rows(groups))
+        """Lay ``groups`` out once (``choose_layout``: packed when ``pack``, the saving reaches
+        ``min_saving`` and both models run it exactly), then score them with the policy and the
+        frozen reference."""
+        models = [self.policy] + ([self.reference] if self.reference is not None else [])
+        batch = choose_layout(groups, models, pack=pack, min_saving=min_saving,
+                              token_budget=token_budget,
+                              max_responses_per_row=max_responses_per_row)
         device = next(self.policy.parameters()).device
         autocast = (torch.autocast(device.type, dtype=self.autocast_dtype)
                     if self.autocast_dtype is not None else contextlib.nullcontext())
@@ -111,8 +106,7 @@ class TriModel:
     def _forward(self, batch: PackedBatch, temperature: float, device: torch.device) -> TriLogprobs:
         policy = batch_logprobs(self.policy, batch, temperature=temperature)
         ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                out = batch_logprobs(self.reference, batch, temperature=temperature)
+        if self.frozen is not None:
+            out = self.frozen.logprobs(batch, temperature)
             ref = [[t.to(device=device, dtype=torch.float32) for t in g] for g in out]
         return TriLogprobs(policy=[[t.float() for t in g] for g in policy], ref=ref, batch=batch)

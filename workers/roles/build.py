@@ -23,9 +23,10 @@ from workers.engines.base import SamplingParams
 from workers.engines.torch_trainer import TorchTrainerEngine
 from workers.models.checkpoint import read_state, restore_rng, save_checkpoint
 from workers.models.local import load_model, load_tokenizer
+from workers.rl.reference import ReferenceScorer
 from workers.rl.trimodel import TriModel
 from workers.roles.loop import LeaseKeeper
-from workers.roles.reference import ReferenceScorer, ReferenceStage
+from workers.roles.reference import ReferenceStage
 from workers.roles.reward import RewardStage
 from workers.roles.rollout import RolloutStage
 from workers.roles.trainer import Trainer

@@ -25,11 +25,10 @@ from storage.schema import ROW_ID, Lease
 from workers.config import TrainerWorkerConfig
 from workers.engines.torch_trainer import TrainerEngine
 from workers.rl.grpo import LossSums, group_advantages, grpo_loss_sums
-from workers.rl.packing import should_pack
 from workers.rl.packing_layout import forward_slices, steps_within
+from workers.rl.reference import rows_to_groups
 from workers.rl.trimodel import TriModel
 from workers.roles.loop import LeaseKeeper
-from workers.roles.reference import rows_to_groups
 from workers.runtime import cores
 from workers.runtime.distributed import Op, RankGroup, first_group
 from workers.runtime.events import Span, StepReport, WorkerStatus
@@ -184,7 +183,7 @@ class Trainer:
         pack = self.s.pack
         out = self.tri.forward(
             groups, temperature=self.s.sampling.temperature, token_budget=pack.token_budget,
-            pack=pack.packing and should_pack(groups, pack.packing_min_saving),
+            pack=pack.packing, min_saving=pack.packing_min_saving,
         )
         logp_rows = [out.policy[g][r] for g, r in where]
         logp = pad_sequence(logp_rows, batch_first=True)
