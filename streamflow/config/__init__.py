@@ -186,7 +186,9 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     if cfg.run.mode != "async" and cfg.trainer.importance_correction:
         notes.append(f"trainer.importance_correction has no effect in mode '{cfg.run.mode}' "
                      "(behaviour and trained policy are the same version)")
-    if cfg.model.path is not None and cfg.model.warmstart_steps > 0:
+    # the default (the demo's cap) and 0 (the way to say "none") are silent with a model.path
+    if cfg.model.path is not None and cfg.model.warmstart_steps not in (
+            0, ModelSection.warmstart_steps):
         notes.append("model.warmstart_steps applies to the built-in model only; ignored with "
                      "model.path")
     if cfg.data.task != "arithmetic" and cfg.data.digits != DataSection.digits:

@@ -267,6 +267,16 @@ def test_max_staleness_by_mode_and_warnings():
     assert config_warnings(load_config(None, ["run.mode=async", "run.max_staleness=3"])) == []
 
 
+def test_warmstart_steps_warns_with_a_model_path_only_when_set_to_run():
+    def warned(*overrides: str) -> bool:
+        cfg = load_config(None, ["model.path=models/mine", *overrides])
+        return any("model.warmstart_steps" in w for w in config_warnings(cfg))
+
+    assert not warned()  # the default (the demo's cap) says nothing about a user's model
+    assert not warned("model.warmstart_steps=0")
+    assert warned("model.warmstart_steps=5")
+
+
 def test_sections_are_frozen_and_validate_on_construction():
     cfg = RunConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
