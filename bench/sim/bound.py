@@ -7,14 +7,15 @@ work that must happen in sequence or work conserved over a pool of devices, what
 micro-batch cuts, the device each one lands on and the order they run in. The engine's
 efficiency is ``bound / achieved`` (<= 1 for every run; tested against random schedules).
 Per iteration k, with ``pub[v]`` the time version v is announced (pub[0] = 0; the run ends at
-pub[K]), L the response lengths of k, B the rollout batch's row cap, P the prompt tokens:
+pub[K]), L the response lengths of k, P the prompt tokens:
 
     a_k      = pub[max(k - s, 0)]       admission; nothing of k is generated before it
     load_k   = S if k - s >= 1          the version k - s is announced at a_k: every device that
                                         generates k loads it after a_k (none holds it before)
-    gen_k    = prefill*P*|L| + per_seq*sum(L) + base*sum_j sorted_desc(L)[j*B]
-               (the least device-time of any cut into batches of <= B rows: the j-th largest
-               batch maximum is at least the (j*B+1)-th largest length)
+    gen_k    = prefill*P*|L| + per_seq*sum(L) + base*sum_j M[j*b], M = the groups' longest
+               responses sorted descending, b = groups per rollout batch (the least device-time
+               of any cut into batches of <= b whole groups: the j-th largest batch maximum is at
+               least the (j*b+1)-th largest group maximum)
     rollout ends  >= a_k + load_k + max(gen_k / R, the costliest group)
     reward / reference end >= a_k + load_k + cheapest group + (their work of k) / (W resp. F)
     each pool's last end of iterations <= k >= its work of iterations 0..k / its devices
@@ -225,12 +226,14 @@ def _check_mode(mode: str) -> None:
 
 
 def least_generate_s(cost: CostModel, w: Workload, lengths: Sequence[int]) -> float:
-    """The least rollout device-time of ``lengths`` over every cut into batches of at most the
-    rollout batch's rows (``gen_k`` of the module docstring)."""
-    size = w.groups_per_rollout_batch * w.group_size
-    desc = sorted(lengths, reverse=True)
-    return (cost.prefill_s_per_token * w.prompt_tokens * len(desc)
-            + cost.decode_per_seq_s * sum(desc) + cost.decode_base_s * sum(desc[::size]))
+    """The least rollout device-time of ``lengths`` (whole groups of ``group_size`` rows in put
+    order) over every cut into batches of at most ``groups_per_rollout_batch`` whole groups
+    (``gen_k`` of the module docstring)."""
+    g = w.group_size
+    longest = sorted((max(lengths[i : i + g]) for i in range(0, len(lengths), g)), reverse=True)
+    return (cost.prefill_s_per_token * w.prompt_tokens * len(lengths)
+            + cost.decode_per_seq_s * sum(lengths)
+            + cost.decode_base_s * sum(longest[:: w.groups_per_rollout_batch]))
 
 
 def bound_seconds(mode: str, staleness: int, layout: Layout, cost: CostModel, w: Workload) -> float:

@@ -190,6 +190,11 @@ def test_least_generate_time_by_hand() -> None:
     # batches of <= 2: {9, 7} and {5, 1} cost 9 + 5, the least of any cut
     assert least_generate_s(cost, w, [1, 9, 5, 7]) == 14.0
     assert least_generate_s(cost, w, []) == 0.0
+    # groups of 2 (maxima 9, 7, 5) are never split: {9-group, 7-group} and {5-group}: 9 + 5
+    w2 = Workload(group_size=2, groups_per_rollout_batch=2, rows_per_trainer_batch=2)
+    assert least_generate_s(cost, w2, [1, 9, 7, 2, 5, 5]) == 14.0
+    w3 = Workload(group_size=2, groups_per_rollout_batch=1, rows_per_trainer_batch=2)
+    assert least_generate_s(cost, w3, [1, 9, 7, 2, 5, 5]) == 21.0
 
 
 def test_bound_by_hand() -> None:
