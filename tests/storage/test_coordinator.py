@@ -387,8 +387,14 @@ def test_a_consumer_owning_no_shard_waits_server_side_instead_of_spinning():
             assert calls <= 8 and client.claims <= 2 * calls, (calls, client.claims)
             assert idle.claim_wait_s == pytest.approx(0.2)
             # Rows put while the call waits are its own: one call, no empty answer first.
-            threading.Timer(0.05, lambda: admin.put("t", rows(5))).start()
+            def put_while_it_waits() -> None:
+                wait_until(lambda: store.parked()["claims"] == 1, what="the claim to park")
+                admin.put("t", rows(5))
+
+            putter = threading.Thread(target=put_while_it_waits)
+            putter.start()
             lease = idle.claim(client, ["x"], 10, timeout=5.0)
+            putter.join(30)
             assert lease.num_rows == 5 and idle.rows_stolen == 5
             client.client.ack(lease)
             client.client.close()

@@ -123,13 +123,31 @@ def test_training_engine_holds_train_and_step_times_and_publishes_the_version():
         engine.save_state("/nonexistent")
 
 
-def test_a_hold_begun_by_the_forward_covers_the_trainers_math_until_backward():
-    import time
+class _Clock:
+    """The simulated device's clock in a test: only ``sleep`` and the test move it."""
 
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += seconds
+
+
+def test_a_hold_begun_by_the_forward_covers_the_trainers_math_until_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr("workers.engines.simulated.time", clock)
     device = Device(SimulatedDevice(cost="7b-1acc", time_scale=1.0))
-    start = time.monotonic()
     device.begin(0.5)
-    time.sleep(0.3)  # the trainer's loss math on the placeholders: inside the hold
+    clock.now += 0.3  # the trainer's loss math on the placeholders: inside the hold
     device.finish()
-    elapsed = time.monotonic() - start
-    assert 0.5 <= elapsed < 0.75 and device.busy_s == 0.5
+    assert clock.now == pytest.approx(100.5) and device.busy_s == 0.5
+    device.begin(0.5)
+    clock.now += 0.8  # math longer than the hold: finish adds nothing
+    device.finish()
+    assert clock.now == pytest.approx(101.3) and device.busy_s == 1.0
