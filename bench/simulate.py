@@ -287,10 +287,14 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["periodic_over_sync_split"] = (
             eq["periodic"]["throughput"] / eq["sync-split"]["throughput"]
         )
-        # The same ratios with a zero-overhead engine (the cost model's bounds): what the
-        # schedules themselves allow, to read the measured ratios against.
+        # The same ratios of the lower bounds, and of the zero-overhead reference schedules:
+        # what the schedules themselves allow, to read the measured ratios against.
         out["periodic_over_sync_bound"] = eq["periodic"]["bound"] / eq["sync"]["bound"]
         out["periodic_over_sync_split_bound"] = eq["periodic"]["bound"] / eq["sync-split"]["bound"]
+        if all("reference_seconds" in eq[m] for m in ("sync", "sync-split", "periodic")):
+            ref = {m: eq[m]["reference_seconds"] for m in ("sync", "sync-split", "periodic")}
+            out["periodic_over_sync_reference"] = ref["sync"] / ref["periodic"]
+            out["periodic_over_sync_split_reference"] = ref["sync-split"] / ref["periodic"]
     skew = [r for r in rows if r["workers"] == 64 and r["sweep"] in ("skew", "scaling")]
     by = {(r["label"], r["skew"]): r["throughput"] for r in skew}
     out["async1_over_periodic_by_skew"] = {

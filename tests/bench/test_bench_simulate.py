@@ -95,9 +95,9 @@ def test_targets_cover_every_bounded_sweep_and_name_the_worst_case() -> None:
             "reference_spread": 0.07,
         },
         _row("sync", "scaling", 256, 0.85, 1.0, 1.0),
-        _row("sync", "equal", 26, 0.93, 60.0, 64.0),
-        _row("sync-split", "equal", 26, 0.98, 30.0, 31.0),
-        _row("periodic", "equal", 26, 0.99, 57.0, 58.0),
+        {**_row("sync", "equal", 26, 0.93, 60.0, 64.0), "reference_seconds": 10.0},
+        {**_row("sync-split", "equal", 26, 0.98, 30.0, 31.0), "reference_seconds": 20.0},
+        {**_row("periodic", "equal", 26, 0.99, 57.0, 58.0), "reference_seconds": 8.0},
     ]
     out = targets(rows)
     assert out["min_efficiency_up_to_64"] == 0.91
@@ -107,6 +107,8 @@ def test_targets_cover_every_bounded_sweep_and_name_the_worst_case() -> None:
     assert out["periodic_over_sync_split"] == pytest.approx(57 / 30)
     assert out["periodic_over_sync_bound"] == pytest.approx(58 / 64)
     assert out["periodic_over_sync_split_bound"] == pytest.approx(58 / 31)
+    assert out["periodic_over_sync_reference"] == pytest.approx(10 / 8)  # seconds: sync / periodic
+    assert out["periodic_over_sync_split_reference"] == pytest.approx(20 / 8)
     assert out["reference_utilisation_spread"] == {True: 0.07}
 
 
