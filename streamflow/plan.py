@@ -161,7 +161,8 @@ class RunPlan:
         for i in range(c.reward.num_workers):
             add("reward", self.reward, i, 1)
         if self.reference is not None:
-            add("reference", self.reference, 0, c.reference.threads)
+            for i in range(c.reference.num_workers):
+                add("reference", self.reference, i, c.reference.threads)
         add("trainer", self.trainer, 0, c.trainer.threads)
         return out
 

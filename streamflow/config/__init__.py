@@ -77,8 +77,9 @@ def _check_placement(cfg: RunConfig) -> None:
     wanted = {
         "rollout": (cfg.rollout.num_workers, "rollout.num_workers"),
         "reward": (cfg.reward.num_workers, "reward.num_workers"),
-        "reference": (int(cfg.reference_worker), "a reference worker (trainer.kl_coef > 0 and "
-                      "reference.placement=worker)"),
+        "reference": (cfg.reference.num_workers if cfg.reference_worker else 0,
+                      "reference.num_workers, when trainer.kl_coef > 0 and "
+                      "reference.placement=worker"),
         "trainer": (cfg.trainer.num_ranks, "trainer.num_ranks"),
     }
     for role, (want, source) in wanted.items():

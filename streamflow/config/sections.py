@@ -186,8 +186,11 @@ class ReferenceSection(Checked):
     # own worker process, fused into the trainer's pass, or run by each rollout worker on what it
     # generated (docs/training.md "The reference role")
     placement: Literal["worker", "trainer", "rollout"] = "worker"
+    # reference worker processes (placement 'worker'), sharing the rows through the store (and
+    # the balancer) as rollout and reward workers do; all of them on reference.device
+    num_workers: int = bounded(1, ge=1)
     rows_per_claim: int = bounded(32, ge=1)  # rows claimed per micro-batch
-    threads: int = bounded(1, ge=1)  # torch threads of the reference worker
+    threads: int = bounded(1, ge=1)  # torch threads of each reference worker
     # dtype of the frozen reference copy (auto: model.dtype)
     dtype: RoleDType = "auto"
     device: str = "auto"  # where the reference runs (auto | cpu | cuda | cuda:N)
@@ -284,7 +287,7 @@ class PlacementNode(Checked):
     store_nodes: int = bounded(0, ge=0)  # store node processes here (store.num_shards shards each)
     rollout: int = bounded(0, ge=0)  # rollout worker processes here
     reward: int = bounded(0, ge=0)  # reward worker processes here
-    reference: int = bounded(0, ge=0)  # the reference worker (0 or 1 in all, when one runs)
+    reference: int = bounded(0, ge=0)  # reference worker processes here (reference.num_workers)
     trainer: int = bounded(0, ge=0)  # trainer ranks here (torch: 1 in all; deepspeed: num_ranks)
 
     def check(self) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from streamflow.config import ConfigError
 from streamflow.plan import build_plan
 from workers.config import from_json, to_json
 
@@ -53,3 +56,28 @@ def test_prompt_rows_of_an_iteration(tiny_config, tmp_path: Path) -> None:
     problems = plan.problems(3)
     assert batch["prompt_ids"][::g] == [plan.encode(p.prompt) for p in problems]
     assert batch["answer"][::g] == [p.answer for p in problems]
+
+
+def test_reference_num_workers_starts_that_many_reference_workers(tiny_config,
+                                                                   tmp_path: Path) -> None:
+    cfg = tiny_config("trainer.kl_coef=0.05", "reference.num_workers=3", "reward.num_workers=2")
+    plan = build_plan(cfg, tmp_path / "run")
+    plan.cleanup()
+    workers = plan.workers(["tcp://127.0.0.1:1"], None, "tcp://127.0.0.1:2")
+    refs = [(name, record) for name, role, record, _ in workers if role == "reference"]
+    assert [name for name, _ in refs] == ["reference-0", "reference-1", "reference-2"]
+    assert [r.common.name for _, r in refs] == ["reference-0", "reference-1", "reference-2"]
+    assert all(r.common.coordinator_address == "tcp://127.0.0.1:2" for _, r in refs)
+    assert [n for n, role, *_ in workers if role == "reward"] == ["reward-0", "reward-1"]
+    one = build_plan(tiny_config("trainer.kl_coef=0.05"), tmp_path / "one")
+    one.cleanup()
+    assert [n for n, role, *_ in one.workers([], None) if role == "reference"] == ["reference-0"]
+
+
+def test_placement_counts_every_reference_worker(tiny_config) -> None:
+    nodes = ("placement.nodes=[{host: a, store_nodes: 1, rollout: 1, reward: 1, reference: %d, "
+             "trainer: 1}]")
+    cfg = tiny_config("trainer.kl_coef=0.05", "reference.num_workers=2", nodes % 2)
+    assert sum(n.reference for n in cfg.placement.nodes) == 2
+    with pytest.raises(ConfigError, match=r"places 1 reference .*reference.num_workers"):
+        tiny_config("trainer.kl_coef=0.05", "reference.num_workers=2", nodes % 1)
