@@ -80,7 +80,8 @@ def _check_placement(cfg: RunConfig) -> None:
         "reference": (cfg.reference.num_workers if cfg.reference_worker else 0,
                       "reference.num_workers, when trainer.kl_coef > 0 and "
                       "reference.placement=worker"),
-        "trainer": (cfg.trainer.num_ranks, "trainer.num_ranks"),
+        "trainer": (cfg.trainer.num_ranks if cfg.trainer.engine == "deepspeed" else 1,
+                    "trainer.num_ranks with engine deepspeed, else 1 process"),
     }
     for role, (want, source) in wanted.items():
         placed = sum(getattr(n, role) for n in nodes)
@@ -113,8 +114,6 @@ def _check_simulated(cfg: RunConfig) -> None:
             "must be 0 with simulated engines (there is no model to evaluate)")
     require(cfg.run.resume is None, "run.resume",
             "simulated engines write no checkpoints: there is nothing to resume from")
-    require(cfg.trainer.num_ranks == 1, "trainer.num_ranks",
-            "must be 1 with trainer.engine 'simulated' (one simulated trainer device)")
     require(not cfg.reference_in_rollout, "reference.placement",
             "'rollout' needs a real rollout engine (a simulated one holds no model to score "
             "with): use 'worker' or 'trainer'")

@@ -216,7 +216,8 @@ class TrainerSection(Checked):
     # Bitwise-reproducible updates whatever order groups arrive in: one group per forward/backward
     # and float64 gradient sums (torch engine). Slower (smaller forwards) and 8 bytes/parameter.
     deterministic: bool = False
-    # engine=deepspeed: data-parallel ranks started by torch's launcher, and the ZeRO stage
+    # engine=deepspeed: data-parallel ranks started by torch's launcher (and the ZeRO stage);
+    # engine=simulated: data-parallel simulated devices modelled in the one trainer process
     num_ranks: int = bounded(1, ge=1)
     zero_stage: int = bounded(2, ge=1, le=2)
     # where the trainer runs (auto | cpu | cuda | cuda:N; deepspeed rank r uses the device after
@@ -227,8 +228,9 @@ class TrainerSection(Checked):
 
     def check(self) -> None:
         _check_device(self.device)
-        require(self.num_ranks == 1 or self.engine == "deepspeed", "num_ranks",
-                f"{self.num_ranks} ranks need engine 'deepspeed' (the torch engine is one process)")
+        require(self.num_ranks == 1 or self.engine in ("deepspeed", "simulated"), "num_ranks",
+                f"{self.num_ranks} ranks need engine 'deepspeed' or 'simulated' (the torch engine "
+                "is one process)")
 
 
 @flat
@@ -288,7 +290,8 @@ class PlacementNode(Checked):
     rollout: int = bounded(0, ge=0)  # rollout worker processes here
     reward: int = bounded(0, ge=0)  # reward worker processes here
     reference: int = bounded(0, ge=0)  # reference worker processes here (reference.num_workers)
-    trainer: int = bounded(0, ge=0)  # trainer ranks here (torch: 1 in all; deepspeed: num_ranks)
+    # trainer ranks here (torch and simulated: 1 process in all; deepspeed: num_ranks)
+    trainer: int = bounded(0, ge=0)
 
     def check(self) -> None:
         require(self.host.strip() not in _WILDCARDS, "host",

@@ -74,11 +74,24 @@ def test_simulated_engines_go_together(tmp_path):
         _config(tmp_path, "rollout.engine=torch")
 
 
+def test_simulated_trainer_devices_are_num_ranks_in_one_process(tmp_path):
+    cfg = _config(tmp_path, "trainer.num_ranks=4")
+    assert cfg.trainer.num_ranks == 4
+    nodes = ("placement.nodes=[{host: a, store_nodes: 1, rollout: 2, reward: 1, reference: 1, "
+             "trainer: %d}]")
+    assert sum(n.trainer for n in _config(tmp_path, "trainer.num_ranks=4",
+                                          nodes % 1).placement.nodes) == 1
+    with pytest.raises(ConfigError, match="places 4 trainer"):
+        _config(tmp_path, "trainer.num_ranks=4", nodes % 4)
+    with pytest.raises(ConfigError, match="'deepspeed' or 'simulated'") as err:
+        load_config(None, ["trainer.num_ranks=2"])
+    assert err.value.key == "trainer.num_ranks"
+
+
 @pytest.mark.parametrize(
     ("override", "key"),
     [
         ("run.eval_every=1", "run.eval_every"),
-        ("trainer.num_ranks=2", "trainer.num_ranks"),
         ("run.resume=auto", "run.resume"),
         ("simulated.cost=70b", "simulated.cost"),
         ("simulated.time_scale=0", "simulated.time_scale"),

@@ -20,6 +20,7 @@ from workers.engines.simulated import (
     SimulatedRolloutEngine,
     SimulatedTrainingEngine,
     SimulatedTriModel,
+    data_parallel_s,
 )
 from workers.rl.packing import PackGroup
 
@@ -121,6 +122,24 @@ def test_training_engine_holds_train_and_step_times_and_publishes_the_version():
     assert engine.state_dict()[VERSION_TENSOR].tolist() == [1]  # two steps make one version
     with pytest.raises(RuntimeError, match="no checkpoints"):
         engine.save_state("/nonexistent")
+
+
+def test_data_parallel_devices_share_a_micro_batch_and_pay_the_all_reduce():
+    assert data_parallel_s([4.0, 3.0, 3.0, 2.0], 2) == 6.0  # {4, 2} and {3, 3}
+    assert data_parallel_s([4.0, 1.0, 1.0], 3) == 4.0  # a row is not split: the costliest
+    assert data_parallel_s([1.0, 2.0], 1) == 3.0 and data_parallel_s([], 4) == 0.0
+    groups = [PackGroup(group_id=g, prompt_ids=[1, 2], responses=[[5] * 10] * 4)
+              for g in range(2)]  # 8 equal rows
+    one, four = Device(SPEC), Device(SPEC)
+    SimulatedTriModel(one, reference=False).forward(groups)
+    SimulatedTriModel(four, reference=False, devices=4).forward(groups)
+    assert four.busy_s == pytest.approx(one.busy_s / 4) and four.busy_s > 0
+    engine = SimulatedTrainingEngine(Device(SPEC), devices=4)
+    engine.step(1.0)
+    assert engine.device.busy_s == pytest.approx(COST.step_s(4))
+    assert COST.step_s(4) != pytest.approx(COST.step_s(1))  # all-reduce in, optimizer sharded
+    with pytest.raises(ValueError, match="num_ranks"):
+        SimulatedTriModel(Device(SPEC), reference=False, devices=0)
 
 
 class _Clock:

@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# H100 SXM figures from NVIDIA's H100 datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3.
+# H100 SXM, NVIDIA's datasheet (dense BF16 FLOP/s, HBM3 bytes/s): docs/engines.md
 H100_BF16_FLOPS = 989e12
 H100_HBM_BYTES_PER_S = 3.35e12
 
@@ -69,35 +69,20 @@ class CostModel:
 
 
 def _preset_7b_1acc() -> CostModel:
-    n = 7.6e9  # Qwen2.5-7B (7.61 B parameters, its model card): the model AsyncFlow reports on
+    # Qwen2.5-7B on one H100 per device; every constant's derivation and source: docs/engines.md
+    # "The cost model of simulated devices" (How the 7b-1acc preset's constants were derived).
+    n = 7.6e9
     return CostModel(
         name="7b-1acc",
         params=n,
-        # Prefill is compute-bound: 2N FLOPs per token at 50 % of the H100's dense BF16 peak.
-        prefill_s_per_token=2 * n / (0.5 * H100_BF16_FLOPS),  # 30.7 us/token
-        # Decode at batch 1 streams the bf16 weights once per token; vLLM reaches ~75-77 % of the
-        # HBM roofline at concurrency 1 (Llama-3.1-8B sweep, johnmusgrave.com/p/vllm-throughput-
-        # latency-sweep-on): 15.2 GB / (0.75 * 3.35 TB/s) = 6.0 ms per step.
+        prefill_s_per_token=2 * n / (0.5 * H100_BF16_FLOPS),
         decode_base_s=2 * n / (0.75 * H100_HBM_BYTES_PER_S),
-        # Per live sequence: KV-cache reads + its share of the matmuls. Chosen so that a full
-        # batch of 256 sequences gives ~12.5 k output tokens/s on one H100, the published vLLM
-        # figure for Llama-3.1-8B BF16 (morphllm.com/vllm-benchmarks): 256 / 12.5k = 20.5 ms/step.
         decode_per_seq_s=(256 / 12_500 - 2 * n / (0.75 * H100_HBM_BYTES_PER_S)) / 256,
-        # Math verifier on CPU (string/number comparison), ~1 ms a sample; never the bottleneck.
         reward_s_per_sample=1e-3,
-        # Reference: forward only, 2N FLOPs per token at 50 % MFU (same as prefill).
         ref_s_per_token=2 * n / (0.5 * H100_BF16_FLOPS),
-        # Training: forward + backward = 6N FLOPs per token at 40 % MFU, the usual figure for
-        # dense 7B training on H100 (Megatron-LM / MosaicML report 40-50 %): 115 us/token.
         train_s_per_token=6 * n / (0.4 * H100_BF16_FLOPS),
-        # AdamW touches ~36 bytes per parameter (bf16 param/grad, fp32 master + 2 moments, read
-        # and write) at ~70 % of HBM bandwidth: 7.6e9 * 36 / 2.35e12 = 0.12 s on one device.
         optimizer_s=n * 36 / (0.7 * H100_HBM_BYTES_PER_S),
-        # Gradient all-reduce across nodes: one 400 Gb/s NDR InfiniBand NIC per GPU = 50 GB/s.
         allreduce_bandwidth=50e9,
-        # Weight sync trainer -> rollout engine over the same 50 GB/s network (15.2 GB: 0.30 s),
-        # plus 1 s to reload the engine's weights and reset its KV cache (our measured vLLM
-        # reload of a 651 MB model took 0.4-1.0 s on CPU; docs/engines.md).
         sync_bandwidth=50e9,
         sync_latency_s=1.0,
     )
@@ -123,8 +108,8 @@ class Workload:
     median_response_tokens: int = 600
     skew: float = 1.0  # sigma of the lognormal; 0 = every response has the median length
     max_response_tokens: int = 4096
-    # Rollout micro-batch = 32 x 8 = 256 sequences: vLLM's default max_num_seqs, the batch
-    # the 12.5 k tokens/s decode figure of the 7b-1acc preset was measured at.
+    # Rollout micro-batch = 32 x 8 = 256 sequences: vLLM's default max_num_seqs, the batch the
+    # 7b-1acc preset's decode cost was calibrated at (docs/engines.md).
     groups_per_rollout_batch: int = 32
     rows_per_reward_batch: int = 256
     rows_per_reference_batch: int = 256

@@ -158,13 +158,27 @@ class SimulatedLogprobs:
     ref: list[list[torch.Tensor]] | None
 
 
+def data_parallel_s(row_seconds: Sequence[float], devices: int) -> float:
+    """A micro-batch's time on ``devices`` data-parallel devices: its rows dealt out whole, the
+    costliest first, each to the least-loaded device; the step waits for the most loaded one.
+    Never below ``sum / devices`` nor the costliest row (the bound's training terms)."""
+    loads = [0.0] * max(devices, 1)
+    for seconds in sorted(row_seconds, reverse=True):
+        loads[loads.index(min(loads))] += seconds
+    return max(loads)
+
+
 class SimulatedTriModel:
     """``TriModel.forward`` without a model: the hold of ``train_s`` (forward and backward) begins,
-    and the log-probs are zeros of each response's length (ratio 1, no KL)."""
+    spread over ``devices`` data-parallel devices (``data_parallel_s``), and the log-probs are
+    zeros of each response's length (ratio 1, no KL)."""
 
-    def __init__(self, device: Device, *, reference: bool) -> None:
+    def __init__(self, device: Device, *, reference: bool, devices: int = 1) -> None:
+        if devices < 1:
+            raise ValueError(f"trainer.num_ranks (simulated devices) must be >= 1, got {devices}")
         self.device = device
         self.reference = reference  # the trainer's own reference log-probs (no reference worker)
+        self.devices = devices
 
     def forward(self, groups: Sequence[PackGroup], **_: Any) -> SimulatedLogprobs:
         """``TriModel.forward``'s call; its packing keywords price nothing here."""
@@ -172,8 +186,9 @@ class SimulatedTriModel:
 
         lengths = [len(r) for g in groups for r in g.responses]
         prompt = _prompt_tokens([len(g.prompt_ids) for g in groups for _ in g.responses])
+        rows = [self.device.cost.train_s(prompt, [n]) for n in lengths]
         # The hold ends in the engine's backward: the trainer's math in between is inside it.
-        self.device.begin(self.device.cost.train_s(prompt, lengths))
+        self.device.begin(data_parallel_s(rows, self.devices))
 
         def zeros() -> list[list[torch.Tensor]]:
             return [[torch.zeros(len(r)) for r in g.responses] for g in groups]
@@ -183,18 +198,20 @@ class SimulatedTriModel:
 
 class SimulatedTrainingEngine:
     """A ``TrainerEngine`` without parameters: ``backward`` ends the forward's hold, ``step`` holds
-    ``cost.step_s(1)``, and the "weights" are one tensor, the policy version."""
+    ``cost.step_s(devices)`` (the all-reduce and the sharded optimizer of ``devices`` data-parallel
+    devices), and the "weights" are one tensor, the policy version."""
 
-    def __init__(self, device: Device, *, updates_per_batch: int = 1) -> None:
+    def __init__(self, device: Device, *, updates_per_batch: int = 1, devices: int = 1) -> None:
         self.device = device
         self.updates_per_batch = updates_per_batch  # optimizer steps per version
+        self.devices = devices
         self.steps = 0
 
     def backward(self, loss: torch.Tensor) -> None:
         self.device.finish()  # the end of the micro-batch's hold, begun by its forward
 
     def step(self, grad_scale: float) -> float:
-        self.device.hold(self.device.cost.step_s(1))
+        self.device.hold(self.device.cost.step_s(self.devices))
         self.steps += 1
         return 0.0  # no gradients: the reported norm is 0
 

@@ -17,7 +17,8 @@ from workers.weights.file_sync import WeightPublisher
 
 
 class SimulatedTrainer(Trainer):
-    """``Trainer`` whose device is simulated (docs/engines.md); one rank, no checkpoints."""
+    """``Trainer`` whose devices are simulated (docs/engines.md): ``num_ranks`` data-parallel
+    devices modelled in this one process (no launcher), no checkpoints."""
 
     def __init__(
         self,
@@ -34,8 +35,9 @@ class SimulatedTrainer(Trainer):
         # the simulated forward prices rows, not a packed layout
         settings = dataclasses.replace(cfg, pack=dataclasses.replace(cfg.pack, packing=False))
         super().__init__(
-            client, cfg.common.table, SimulatedTrainingEngine(device),
-            SimulatedTriModel(device, reference=not cfg.reference_in_store),  # type: ignore[arg-type]
+            client, cfg.common.table, SimulatedTrainingEngine(device, devices=cfg.num_ranks),
+            SimulatedTriModel(device, reference=not cfg.reference_in_store,  # type: ignore[arg-type]
+                              devices=cfg.num_ranks),
             settings, publisher, worker=cfg.common.name, send=send, keeper=keeper,
         )
         self.device = device
