@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.tasks.arithmetic import Problem
+from workers.tasks.problem import Problem
 from workers.tasks.verifiers import exact_match
 
 if TYPE_CHECKING:

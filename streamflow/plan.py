@@ -40,9 +40,11 @@ from workers.runtime import cores
 from workers.runtime.cores import MAX_SLOTS, CoreShareConfig
 from workers.runtime.cores import create as create_core_table
 from workers.schema import prompt_rows
-from workers.tasks.arithmetic import ArithmeticTask, Problem, load_problem_file
+from workers.tasks.arithmetic import ArithmeticTask
 from workers.tasks.evaluate import greedy_accuracy, reward_scorer
 from workers.tasks.heldout import split_prompt_file
+from workers.tasks.problem import Problem
+from workers.tasks.prompt_file import load_problem_file
 from workers.weights.file_sync import weights_path
 
 TABLE = "samples"

@@ -95,7 +95,7 @@ def _check_model_dir(path: Path) -> None:
 
 
 def _check_problem_file(cfg: RunConfig) -> None:
-    from workers.tasks.arithmetic import ProblemFileError, load_problem_file
+    from workers.tasks.prompt_file import ProblemFileError, load_problem_file
 
     d = cfg.data
     try:

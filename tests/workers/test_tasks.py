@@ -9,7 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from workers.tasks.arithmetic import ArithmeticTask, Problem, ProblemFileError, load_problem_file
+from workers.tasks.arithmetic import ArithmeticTask
+from workers.tasks.problem import Problem
+from workers.tasks.prompt_file import ProblemFileError, load_problem_file
 
 
 def test_problems_are_correct_and_deterministic():

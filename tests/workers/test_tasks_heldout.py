@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.tasks.arithmetic import ArithmeticTask, Problem
+from workers.tasks.arithmetic import ArithmeticTask
 from workers.tasks.heldout import (
     arithmetic_key,
     is_held_out,
@@ -17,6 +17,7 @@ from workers.tasks.heldout import (
     split_prompt_file,
     word_key,
 )
+from workers.tasks.problem import Problem
 from workers.tasks.word import WordProblemTask
 
 OPERANDS = st.integers(min_value=0, max_value=10**6)

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from workers.models.tokenizer import build_char_tokenizer
-from workers.tasks.arithmetic import Problem
+from workers.tasks.problem import Problem
 from workers.tasks.word import (
     KINDS,
     WordProblemTask,

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from workers.engines.base import RolloutEngine, SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models.tokenizer import decode_response, encode_prompt
-from workers.tasks.arithmetic import Problem
+from workers.tasks.problem import Problem
 from workers.tasks.verifiers import RewardRunner, exact_match
 
 # (completions, answers) -> one "solved" per problem, in order; a batch, so that a reward run in

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from workers.tasks.arithmetic import Problem, TrainingStream
 from workers.tasks.heldout import is_held_out, word_key
+from workers.tasks.problem import Problem, TrainingStream
 
 KINDS = ("add", "sub", "mul", "div", "total")
 NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Max", "Zoe", "Leo", "Ella")
