@@ -217,7 +217,8 @@ def draw(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
 def _timeline(ax: Any, r: dict[str, Any]) -> None:
     res = r["_result"]
-    counts = {role: n for role, n in r["layout"].items() if role in ROLES}
+    # one line per role: the busy fraction of its workers (a trainer of T devices is one worker)
+    counts = {role: len({h[0] for h in res.holds if h[1] == role}) for role in ROLES}
     end = res.sim_seconds
     step = end / 300
     grid = [i * step for i in range(301)]

@@ -1,11 +1,15 @@
 """``streamflow bench simulate``: the simulated cluster (issue 8), swept over modes, sizes and skew.
 
-Every case is a real run of ``bench.sim.cluster.run_sim``: a real store node process, real host
-processes of simulated device threads, the real admission rule; only the devices are simulated
-(cost preset ``7b-1acc``, ``workers.engines.sim_cost``). Reported per case: throughput (samples per
-simulated second), the lower bound on time from the cost model (``bench.sim.bound``: no
-schedule beats it), efficiency = achieved / bound throughput (<= 1), the reference schedule's
-time (a zero-overhead greedy schedule, which runs can beat) and the run's ratio to it, utilisation per role, and the controller's, coordinator's and store node's CPU
+Every case is a real ``streamflow run`` (``bench.sim.cluster.run_sim``): the real controller with
+its admission rule, puts and version announcements, the real store node, coordinator and worker
+code; only the devices are simulated (every engine ``simulated``, cost preset ``7b-1acc``,
+``workers.engines.sim_cost``). Streaming modes run their workers as threads of a few host
+processes (``bench.sim.simcluster.SimCluster``); ``sync`` runs the controller's own colocated
+loop over ``simulated.devices`` devices. Reported per case: throughput (samples per simulated
+second), the lower bound on time from the cost model and the run's own workload
+(``bench.sim.bound``: no schedule beats it), efficiency = achieved / bound throughput (<= 1), the
+reference schedule's time (a zero-overhead greedy schedule, which runs can beat) and the run's
+ratio to it, utilisation per role, and the controller's, coordinator's and store node's CPU
 seconds per micro-batch.
 
 Sweeps (``--quick``: a tiny subset for the tests; ``--small``: every sweep at reduced size):
@@ -13,15 +17,15 @@ Sweeps (``--quick``: a tiny subset for the tests; ``--small``: every sweep at re
   scaling: each rollout device gets 2 batches of 16 prompts x 8 samples per iteration);
 - skew: response-length sigma 0.25 / 1.0 / 1.5 at 64 workers (the long tail);
 - equal: a workload whose generation and training take about equal time, ``periodic`` against
-  ``sync`` (colocated, same devices) and ``sync-split`` (separate pools taking turns: the
-  Periodic Asynchrony paper's baseline);
+  ``sync`` (colocated, same devices). (``sync-split``, separate pools taking turns, was a mode of
+  the bench's own controller; the real controller has none: its bound stays in bench.sim.bound.)
 - control: ``periodic`` with the coordinator and a ``ConsumerSession`` per stage worker (4
   shards) at each size: the control plane's CPU per micro-batch as workers grow;
 - balance: the reference stage is the bottleneck (48/2/4/32 devices), one of its 4 devices 3x
-  slower, 4 shards, ``ConsumerSession`` + coordinator (rebalancing + stealing) against static
-  ownership without stealing; the spread of utilisation across the reference consumers,
-  (max - min) / mean, at time scale 10 (``BALANCE_TIME_SCALE``: why). Its efficiency is not
-  meaningful (the bound assumes identical devices).
+  slower, 4 shards, the coordinator rebalancing against the first ownership kept (stealing on in
+  both: the real workers always steal); the spread of utilisation across the reference
+  consumers, (max - min) / mean, at time scale 10 (``BALANCE_TIME_SCALE``: why). Its efficiency
+  is not meaningful (the bound assumes identical devices).
 
 Worker split for N workers (streaming modes): rollout N/2, trainer 5N/16, reference N/8,
 reward N/16 (at least 1 each); ``sync`` colocates all N as devices that take turns.
@@ -47,7 +51,8 @@ from workers.engines.sim_cost import Workload
 ROOT = Path(__file__).resolve().parents[1]
 MODES = (("sync", 0), ("periodic", 0), ("async", 1), ("async", 2))
 SWEEPS = ("scaling", "control", "skew", "equal", "balance")
-MODE_NAMES = ("sync", "sync-split", "periodic", "async")
+MODE_NAMES = ("sync", "periodic", "async")
+REMOVED_MODES = ("sync-split",)  # --modes values of the old bench controller
 
 
 def layout_for(n: int, mode: str) -> Layout:
@@ -165,7 +170,6 @@ def balance_case(args: argparse.Namespace, on: bool, base: Workload) -> dict[str
         shards=4,
         balancer=True,
         rebalance=on,
-        steal=on,
         slowdown={"reference-0": 3.0},
         time_scale=BALANCE_TIME_SCALE,
     )
@@ -218,7 +222,6 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             args,
             shards=4,
             balancer=True,
-            balanced_roles=("rollout", "reward", "reference"),
         )
         row["sweep"] = "control"
         rows.append(row)
@@ -246,7 +249,6 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         for label, mode, extra in (
             (
                 ("sync", "sync", {"layout": Layout(devices=eq.workers)}),
-                ("sync-split", "periodic", {"layout": eq, "turns": True}),
                 ("periodic", "periodic", {"layout": eq}),
             )
             if "equal" in want
@@ -282,19 +284,18 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
         },
     }
     eq = {r["label"]: r for r in rows if r["sweep"] == "equal"}
-    if {"sync", "sync-split", "periodic"} <= eq.keys():
-        out["periodic_over_sync"] = eq["periodic"]["throughput"] / eq["sync"]["throughput"]
-        out["periodic_over_sync_split"] = (
-            eq["periodic"]["throughput"] / eq["sync-split"]["throughput"]
-        )
-        # The same ratios of the lower bounds, and of the zero-overhead reference schedules:
-        # what the schedules themselves allow, to read the measured ratios against.
-        out["periodic_over_sync_bound"] = eq["periodic"]["bound"] / eq["sync"]["bound"]
-        out["periodic_over_sync_split_bound"] = eq["periodic"]["bound"] / eq["sync-split"]["bound"]
-        if all("reference_seconds" in eq[m] for m in ("sync", "sync-split", "periodic")):
-            ref = {m: eq[m]["reference_seconds"] for m in ("sync", "sync-split", "periodic")}
-            out["periodic_over_sync_reference"] = ref["sync"] / ref["periodic"]
-            out["periodic_over_sync_split_reference"] = ref["sync-split"] / ref["periodic"]
+    # sync-split rows: only from results of the old bench controller (it has no real mode)
+    for other in ("sync", "sync-split"):
+        if not {other, "periodic"} <= eq.keys():
+            continue
+        name = "sync" if other == "sync" else "sync_split"
+        out[f"periodic_over_{name}"] = eq["periodic"]["throughput"] / eq[other]["throughput"]
+        # The same ratio of the lower bounds, and of the zero-overhead reference schedules:
+        # what the schedules themselves allow, to read the measured ratio against.
+        out[f"periodic_over_{name}_bound"] = eq["periodic"]["bound"] / eq[other]["bound"]
+        if all("reference_seconds" in eq[m] for m in (other, "periodic")):
+            out[f"periodic_over_{name}_reference"] = (
+                eq[other]["reference_seconds"] / eq["periodic"]["reference_seconds"])
     skew = [r for r in rows if r["workers"] == 64 and r["sweep"] in ("skew", "scaling")]
     by = {(r["label"], r["skew"]): r["throughput"] for r in skew}
     out["async1_over_periodic_by_skew"] = {
@@ -356,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         nargs="+",
         default=list(MODE_NAMES),
-        choices=MODE_NAMES,
-        help="which modes to run (default: all; async = s=1 and s=2; sync-split: equal sweep)",
+        choices=MODE_NAMES + REMOVED_MODES,
+        help="which modes to run (default: all; async = s=1 and s=2)",
     )
     parser.add_argument("--plots", default=str(ROOT / "docs" / "perf"))
     parser.add_argument("--no-plots", action="store_true")
@@ -368,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         help="print the tables as Markdown (docs/performance.md) instead",
     )
     args = parser.parse_args(argv)
+    if set(args.modes) & set(REMOVED_MODES):
+        parser.error("--modes sync-split: removed; the bench runs the real controller, which has "
+                     "no sync-split mode (its bound: bench.sim.bound.bound_seconds)")
     if args.workers is None:
         args.workers = [8] if args.quick or args.small else [8, 64, 256]
     if args.iterations is None:

@@ -75,13 +75,17 @@ assumes identical devices (the balancer's slow-device case is reported without a
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from workers.engines.sim_cost import CostModel, Workload, iteration_lengths
 
 MODES = ("sync", "sync-split", "periodic", "async")
+# iteration k -> its response lengths in put order; default ``sim_cost.iteration_lengths``. A run's
+# own (``bench.sim.cluster.run_lengths``) may give each row a length no longer than its own: every
+# term of the bound only grows with the lengths, so the bound still holds.
+Lengths = Callable[[int], list[int]]
 
 
 @dataclass(frozen=True)
@@ -143,14 +147,14 @@ def _stage(
 class _Rollout:
     """Rollout devices with the version each holds (the weight-load rule)."""
 
-    def __init__(self, n: int, cost: CostModel, w: Workload) -> None:
+    def __init__(self, n: int, cost: CostModel, w: Workload, lengths: Lengths) -> None:
         self.free = _devices(n, 0.0)
         self.loaded = [0] * max(n, 1)
-        self.cost, self.w = cost, w
+        self.cost, self.w, self.lengths = cost, w, lengths
 
     def run(self, k: int, release: float, pub: list[float]) -> tuple[list[float], list[int]]:
         """Generate iteration k; returns the end and the length of every row (put order)."""
-        lengths = iteration_lengths(self.w, k)
+        lengths = self.lengths(k)
         size = self.w.groups_per_rollout_batch * self.w.group_size
         ends: list[float] = []
         for i in range(0, len(lengths), size):
@@ -168,7 +172,8 @@ class _Rollout:
 
 
 def reference_seconds(
-    mode: str, staleness: int, layout: Layout, cost: CostModel, w: Workload
+    mode: str, staleness: int, layout: Layout, cost: CostModel, w: Workload,
+    lengths_of: Lengths | None = None,
 ) -> float:
     """pub[K] of the reference schedule (module docstring). ``mode``: sync | sync-split |
     periodic | async. One good schedule, not the best: runs can beat it (``bound_seconds``)."""
@@ -177,7 +182,8 @@ def reference_seconds(
     s = staleness if mode == "async" else 0
     colocated = mode == "sync"
     n = layout.devices if colocated else 0
-    rollout = _Rollout(n or layout.rollout, cost, w)
+    rollout = _Rollout(n or layout.rollout, cost, w,
+                       lengths_of or (lambda k: iteration_lengths(w, k)))
     rew_dev = _devices(n or layout.reward, 0.0)
     ref_dev = _devices(n or layout.reference, 0.0)
     pub = [0.0]
@@ -236,7 +242,8 @@ def least_generate_s(cost: CostModel, w: Workload, lengths: Sequence[int]) -> fl
             + cost.decode_base_s * sum(longest[:: w.groups_per_rollout_batch]))
 
 
-def bound_seconds(mode: str, staleness: int, layout: Layout, cost: CostModel, w: Workload) -> float:
+def bound_seconds(mode: str, staleness: int, layout: Layout, cost: CostModel, w: Workload,
+                  lengths_of: Lengths | None = None) -> float:
     """A lower bound on pub[K] for any schedule (module docstring). ``mode`` as ``MODES``."""
     _check_mode(mode)
     p, g = w.prompt_tokens, w.group_size
@@ -244,7 +251,7 @@ def bound_seconds(mode: str, staleness: int, layout: Layout, cost: CostModel, w:
     pub = [0.0]
     done = dict.fromkeys(("rollout", "reward", "reference", "trainer"), 0.0)
     for k in range(w.iterations):
-        lengths = iteration_lengths(w, k)
+        lengths = lengths_of(k) if lengths_of else iteration_lengths(w, k)
         groups = [lengths[i : i + g] for i in range(0, len(lengths), g)]
         load = cost.sync_s() if k - s >= 1 else 0.0
         work = {

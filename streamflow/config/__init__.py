@@ -114,6 +114,9 @@ def _check_simulated(cfg: RunConfig) -> None:
             "must be 0 with simulated engines (there is no model to evaluate)")
     require(cfg.run.resume is None, "run.resume",
             "simulated engines write no checkpoints: there is nothing to resume from")
+    require(cfg.simulated.devices == 1 or cfg.run.mode == "sync", "simulated.devices",
+            "must be 1 in the streaming modes (one simulated device per worker: use "
+            "rollout/reward/reference.num_workers and trainer.num_ranks)")
     require(not cfg.reference_in_rollout, "reference.placement",
             "'rollout' needs a real rollout engine (a simulated one holds no model to score "
             "with): use 'worker' or 'trainer'")

@@ -52,8 +52,7 @@ def test_no_case_of_any_sweep_beats_its_bound(capsys: pytest.CaptureFixture[str]
     assert main(["bench", "simulate", "--small", "--json", "--no-plots"]) == 0
     cases = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cases"]
     assert {c["sweep"] for c in cases} == {"scaling", "control", "skew", "equal", "balance"}
-    assert {c["label"] for c in cases} >= {"sync", "sync-split", "periodic", "async(s=1)",
-                                           "async(s=2)"}
+    assert {c["label"] for c in cases} >= {"sync", "periodic", "async(s=1)", "async(s=2)"}
     for c in cases:
         assert 0 < c["efficiency"] <= 1.0, c
         assert c["bound_seconds"] <= c["sim_seconds"]
@@ -66,6 +65,13 @@ def test_bench_simulate_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) ->
         main(["bench", "simulate", "--workers", "2"])
     assert exit_info.value.code == 2
     assert "--workers" in capsys.readouterr().err
+
+
+def test_removed_sync_split_mode_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "simulate", "--modes", "periodic", "sync-split"])
+    assert exit_info.value.code == 2
+    assert "--modes sync-split: removed" in capsys.readouterr().err
 
 
 def _row(label: str, sweep: str, workers: int, eff: float, thr: float, bound: float) -> dict:

@@ -11,7 +11,7 @@ import pytest
 from storage.schema import ROW_ID, Lease
 from workers.config import SimulatedDevice
 from workers.engines.base import FINISH_LENGTH, FINISH_STOP, RolloutEngine, SamplingParams
-from workers.engines.sim_cost import preset
+from workers.engines.sim_cost import drawn_lengths, preset
 from workers.engines.simulated import (
     VERSION_TENSOR,
     Device,
@@ -21,6 +21,7 @@ from workers.engines.simulated import (
     SimulatedTrainingEngine,
     SimulatedTriModel,
     data_parallel_s,
+    spread_generate_s,
 )
 from workers.rl.packing import PackGroup
 
@@ -66,8 +67,16 @@ def test_rollout_engine_draws_seeded_capped_lengths_and_holds_the_cost_models_ti
 
 def test_rollout_engine_median_follows_the_spec():
     engine = SimulatedRolloutEngine(SPEC, vocab_size=10)
-    drawn = engine.lengths(4001, SamplingParams(max_new_tokens=10_000, seed=0))
-    assert sorted(drawn.tolist())[2000] == pytest.approx(50, rel=0.1)
+    drawn = engine.lengths(1, 4001, SamplingParams(max_new_tokens=10_000, seed=0))
+    assert sorted(drawn)[2000] == pytest.approx(50, rel=0.1)
+
+
+def test_each_prompts_lengths_come_from_its_own_seed_whatever_the_batch():
+    engine = SimulatedRolloutEngine(SPEC, vocab_size=10)
+    pair = engine.lengths(2, 4, SamplingParams(max_new_tokens=64, prompt_seeds=(11, 12)))
+    alone = engine.lengths(1, 4, SamplingParams(max_new_tokens=64, prompt_seeds=(12,)))
+    assert pair[4:] == alone == drawn_lengths(12, 4, 50, 1.0, 64)
+    assert pair[:4] == drawn_lengths(11, 4, 50, 1.0, 64) != alone
 
 
 def test_reference_stage_writes_placeholders_of_each_response_length():
@@ -142,6 +151,28 @@ def test_data_parallel_devices_share_a_micro_batch_and_pay_the_all_reduce():
         SimulatedTriModel(Device(SPEC), reference=False, devices=0)
 
 
+def test_colocated_devices_spread_each_stages_batch():
+    """simulated.devices = D (sync): a batch is dealt out whole (groups, rows) to D devices."""
+    lengths = [[40, 10], [30, 30], [5, 5], [50, 1]]
+    one = spread_generate_s(COST, [4, 4, 4, 4], lengths, 1)
+    assert one == pytest.approx(COST.generate_s(4, [n for ls in lengths for n in ls]))
+    two = spread_generate_s(COST, [4, 4, 4, 4], lengths, 2)
+    alone = [COST.generate_s(4, ls) for ls in lengths]
+    assert max(alone) <= two < one and two >= one / 2  # batching only saves decode steps
+    assert spread_generate_s(COST, [4] * 4, lengths, 8) == pytest.approx(max(alone))
+    spec = SimulatedDevice(cost="7b-1acc", time_scale=1e6, median_response_tokens=50, devices=4)
+    engine = SimulatedRolloutEngine(spec, vocab_size=100)
+    out = engine.generate([[1, 2]] * 8, 2, SamplingParams(max_new_tokens=64, seed=1))
+    drawn = [[len(s.token_ids) for s in g] for g in out]
+    assert engine.device.busy_s == pytest.approx(spread_generate_s(COST, [2] * 8, drawn, 4))
+    stage = SimulatedReferenceStage(spec, max_rows=8)
+    stage.process(_lease({
+        "prompt_ids": pa.array([[1, 2]] * 8, pa.list_(pa.int32())),
+        "response_ids": pa.array([[3] * 10] * 8, pa.list_(pa.int32())),
+    }))
+    assert stage.device.busy_s == pytest.approx(COST.reference_s(2, [10] * 8) / 4)
+
+
 class _Clock:
     """The simulated device's clock in a test: only ``sleep`` and the test move it."""
 
@@ -170,3 +201,24 @@ def test_a_hold_begun_by_the_forward_covers_the_trainers_math_until_backward(
     clock.now += 0.8  # math longer than the hold: finish adds nothing
     device.finish()
     assert clock.now == pytest.approx(101.3) and device.busy_s == 1.0
+
+
+def test_the_simulated_trainer_holds_the_send_of_each_version_before_publishing():
+    from workers.engines.simulated_trainer import SendingPublisher
+
+    calls = []
+
+    class Inner:
+        def publish(self, state, version):  # noqa: ANN001, ANN202
+            calls.append((version, device.busy_s))
+            return "published"
+
+        def close(self):  # noqa: ANN202
+            calls.append("closed")
+
+    device = Device(SPEC)
+    publisher = SendingPublisher(Inner(), device)
+    assert publisher.publish({}, 3) == "published"
+    assert calls == [(3, pytest.approx(COST.sync_s()))]  # held before the version went out
+    publisher.close()
+    assert calls[-1] == "closed"

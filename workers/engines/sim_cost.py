@@ -147,3 +147,13 @@ def iteration_lengths(w: Workload, k: int) -> list[int]:
     """Lengths of every row of iteration ``k`` in put order (group ids k*P .. k*P+P-1)."""
     p = w.prompts_per_iteration
     return [n for g in range(k * p, (k + 1) * p) for n in group_lengths(w, g)]
+
+
+def drawn_lengths(seed: int, n: int, median: int, skew: float, cap: int) -> list[int]:
+    """The response lengths the simulated rollout engine draws for one prompt of sampling seed
+    ``seed`` (its ``n`` samples): lognormal of median ``median`` and sigma ``skew``, in
+    [1, ``cap``]. A pure function, so a bound can recompute a run's lengths (bench.sim)."""
+    import numpy as np
+
+    drawn = np.random.default_rng(seed).lognormal(math.log(median), skew, size=n)
+    return np.clip(np.rint(drawn), 1, cap).astype(np.int64).tolist()

@@ -20,8 +20,14 @@ import pyarrow.compute as pc
 
 from storage.schema import Lease
 from workers.config import SimulatedDevice
-from workers.engines.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
-from workers.engines.sim_cost import CostModel, preset
+from workers.engines.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    SamplingParams,
+    prompt_seeds_of,
+)
+from workers.engines.sim_cost import CostModel, drawn_lengths, preset
 from workers.roles.loop import with_row_ids
 from workers.schema import REFERENCE_READS
 
@@ -65,6 +71,35 @@ def _prompt_tokens(lengths: Sequence[int]) -> int:
     return math.ceil(sum(lengths) / len(lengths)) if lengths else 0
 
 
+def data_parallel_s(row_seconds: Sequence[float], devices: int) -> float:
+    """A micro-batch's time on ``devices`` data-parallel devices: its rows dealt out whole, the
+    costliest first, each to the least-loaded device; the step waits for the most loaded one.
+    Never below ``sum / devices`` nor the costliest row (the bound's training terms)."""
+    loads = [0.0] * max(devices, 1)
+    for seconds in sorted(row_seconds, reverse=True):
+        loads[loads.index(min(loads))] += seconds
+    return max(loads)
+
+
+def spread_generate_s(cost: CostModel, prompts: Sequence[int], lengths: Sequence[Sequence[int]],
+                      devices: int) -> float:
+    """A generate call's time on ``devices`` colocated devices: its prompts (each with its samples'
+    ``lengths``) dealt out whole, the costliest first, to the device with the least work so far
+    among those with fewer than an equal share (ceil(prompts / devices)); the call waits for the
+    slowest device. One device: ``generate_s`` of the whole batch. The share cap keeps every
+    device's batch no larger than the call's per-device batch (a larger one decodes cheaper)."""
+    bins: list[list[int]] = [[] for _ in range(max(devices, 1))]
+    work = [0.0] * len(bins)
+    share = -(-len(prompts) // len(bins))
+    alone = [cost.generate_s(p, ls) for p, ls in zip(prompts, lengths, strict=True)]
+    for i in sorted(range(len(prompts)), key=lambda i: -alone[i]):
+        d = min((d for d in range(len(bins)) if len(bins[d]) < share), key=lambda d: work[d])
+        bins[d].append(i)
+        work[d] += alone[i]
+    return max(cost.generate_s(_prompt_tokens([prompts[i] for i in b]),
+                               [n for i in b for n in lengths[i]]) for b in bins)
+
+
 class SimulatedRolloutEngine:
     """A ``RolloutEngine`` that draws responses instead of generating them (docs/engines.md)."""
 
@@ -74,28 +109,31 @@ class SimulatedRolloutEngine:
         self.eos_ids = tuple(eos_ids)
         self.policy_version = 0
 
-    def lengths(self, count: int, params: SamplingParams) -> np.ndarray:
-        rng = np.random.default_rng(params.seed)
+    def lengths(self, num_prompts: int, n: int, params: SamplingParams) -> list[int]:
+        """Each prompt's ``n`` lengths from its own seed (``prompt_seeds_of``): a group's lengths
+        do not depend on the batch it was claimed in (``sim_cost.drawn_lengths``)."""
         spec = self.device.spec
-        drawn = rng.lognormal(math.log(spec.median_response_tokens), spec.skew, size=count)
-        return np.clip(np.rint(drawn), 1, params.max_new_tokens).astype(np.int64)
+        seeds = prompt_seeds_of(params, num_prompts, n) or [0] * num_prompts
+        return [length for seed in seeds for length in drawn_lengths(
+            seed, n, spec.median_response_tokens, spec.skew, params.max_new_tokens)]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Generation]]:
-        lengths = self.lengths(len(prompts) * n, params)
+        lengths = self.lengths(len(prompts), n, params)
         rng = np.random.default_rng((params.seed or 0) + 1)
         stops = params.stop_token_ids + self.eos_ids
         flat: list[Generation] = []
-        for length in lengths.tolist():  # prompt i's samples are rows i * n .. i * n + n - 1
+        for length in lengths:  # prompt i's samples are rows i * n .. i * n + n - 1
             tokens = rng.integers(0, self.vocab_size, size=length).tolist()
             stopped = length < params.max_new_tokens
             if stopped and stops:  # a response that ended early ends with a stop token
                 tokens[-1] = stops[0]
             flat.append(Generation(tokens, [-math.log(self.vocab_size)] * length,
                                    FINISH_STOP if stopped else FINISH_LENGTH))
-        self.device.hold(self.device.cost.generate_s(_prompt_tokens([len(p) for p in prompts]),
-                                                     lengths.tolist()))
+        self.device.hold(spread_generate_s(
+            self.device.cost, [len(p) for p in prompts],
+            [lengths[i * n : (i + 1) * n] for i in range(len(prompts))], self.device.spec.devices))
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
@@ -117,7 +155,8 @@ class SimulatedRewardStage:
 
     def process(self, lease: Lease) -> pa.RecordBatch:
         out = self.inner.process(lease)
-        self.device.hold(self.device.cost.reward_s(lease.num_rows))
+        row = self.device.cost.reward_s(1)
+        self.device.hold(data_parallel_s([row] * lease.num_rows, self.device.spec.devices))
         return out
 
     def close(self) -> None:
@@ -143,7 +182,8 @@ class SimulatedReferenceStage:
     def process(self, lease: Lease) -> pa.RecordBatch:
         lengths = _lengths(lease.batch, "response_ids")
         prompt = _prompt_tokens(_lengths(lease.batch, "prompt_ids"))
-        self.device.hold(self.device.cost.reference_s(prompt, lengths))
+        rows = [self.device.cost.reference_s(prompt, [n]) for n in lengths]
+        self.device.hold(data_parallel_s(rows, self.device.spec.devices))
         self.last_tokens = sum(lengths)
         offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())
         values = pa.array(np.zeros(self.last_tokens, np.float32))
@@ -156,16 +196,6 @@ class SimulatedLogprobs:
 
     policy: list[list[torch.Tensor]]
     ref: list[list[torch.Tensor]] | None
-
-
-def data_parallel_s(row_seconds: Sequence[float], devices: int) -> float:
-    """A micro-batch's time on ``devices`` data-parallel devices: its rows dealt out whole, the
-    costliest first, each to the least-loaded device; the step waits for the most loaded one.
-    Never below ``sum / devices`` nor the costliest row (the bound's training terms)."""
-    loads = [0.0] * max(devices, 1)
-    for seconds in sorted(row_seconds, reverse=True):
-        loads[loads.index(min(loads))] += seconds
-    return max(loads)
 
 
 class SimulatedTriModel:

@@ -16,6 +16,21 @@ from workers.roles.trainer import Trainer
 from workers.weights.file_sync import WeightPublisher
 
 
+class SendingPublisher:
+    """The real publisher, after the trainer's device held the send of the version to the rollout
+    engines (``cost.sync_s``): a run's next training starts no earlier than a real one could."""
+
+    def __init__(self, inner: WeightPublisher, device: Device) -> None:
+        self.inner, self.device = inner, device
+
+    def publish(self, state: Any, version: int) -> Any:
+        self.device.hold(self.device.cost.sync_s())
+        return self.inner.publish(state, version)
+
+    def __getattr__(self, name: str) -> Any:  # close(), ... : the real publisher's
+        return getattr(self.inner, name)
+
+
 class SimulatedTrainer(Trainer):
     """``Trainer`` whose devices are simulated (docs/engines.md): ``num_ranks`` data-parallel
     devices modelled in this one process (no launcher), no checkpoints."""
@@ -38,6 +53,7 @@ class SimulatedTrainer(Trainer):
             client, cfg.common.table, SimulatedTrainingEngine(device, devices=cfg.num_ranks),
             SimulatedTriModel(device, reference=not cfg.reference_in_store,  # type: ignore[arg-type]
                               devices=cfg.num_ranks),
-            settings, publisher, worker=cfg.common.name, send=send, keeper=keeper,
+            settings, SendingPublisher(publisher, device),  # type: ignore[arg-type]
+            worker=cfg.common.name, send=send, keeper=keeper,
         )
         self.device = device

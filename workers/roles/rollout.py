@@ -109,7 +109,7 @@ class RolloutStage:
                 raise ValueError(
                     f"group {gid}: claimed {len(rows)} rows, expected {self.group_size}")
         seeds = tuple(sampling_seed(self.seed, group_ids[i], version) for i in order)
-        # (``seed``: engines without per-prompt seeds, e.g. the simulated one, use the first)
+        # (``seed``: engines without per-prompt seeds use the first)
         params = dataclasses.replace(self.params, seed=seeds[0], prompt_seeds=seeds)
         generations = self.engine.generate([prompts[i] for i in order], self.group_size, params)
         n = batch.num_rows

@@ -1,15 +1,15 @@
 """The simulated cluster (bench.sim): the reference schedule (hand-computed), the run's config checks,
-and tiny simulated runs of every mode through a real store node process and real host processes."""
+and tiny simulated runs of every mode through the real controller, store node and worker code
+(streaming workers as threads of ``SimCluster`` host processes)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
+import psutil
 import pytest
 
 from bench.sim.bound import Layout, list_schedule, reference_seconds
-from bench.sim.cluster import SimConfig, run_sim
+from bench.sim.cluster import SimConfig, run_config, run_lengths, run_sim
+from bench.sim.simcluster import SimCluster
 from workers.engines.sim_cost import CostModel, Workload
 
 # Round numbers so that the bounds below can be computed by hand.
@@ -73,8 +73,57 @@ def test_sim_config_rejects_bad_input() -> None:
         SimConfig(mode="async", layout=Layout(1, 1, 0, 1), workload=w, staleness=0)
     with pytest.raises(ValueError, match="sync needs"):
         SimConfig(mode="sync", layout=Layout(1, 1, 0, 1), workload=w)
-    with pytest.raises(ValueError, match="turns"):
-        SimConfig(mode="async", layout=Layout(1, 1, 0, 1), workload=w, staleness=1, turns=True)
+    with pytest.raises(ValueError, match="7b-2acc"):
+        SimConfig(mode="sync", layout=Layout(devices=1), workload=w, cost="7b-2acc")
+
+
+def test_run_config_maps_the_layout_onto_the_real_keys(tmp_path) -> None:
+    w = Workload(prompts_per_iteration=16, group_size=4, groups_per_rollout_batch=2,
+                 rows_per_reward_batch=8, rows_per_reference_batch=8, rows_per_trainer_batch=8,
+                 median_response_tokens=50, skew=0.5, max_response_tokens=300)
+    lay = Layout(rollout=3, reward=2, reference=4, trainer=5)
+    cfg = run_config(SimConfig(mode="async", staleness=2, layout=lay, workload=w, shards=4,
+                               balancer=True, time_scale=7.0), tmp_path)
+    assert (cfg.run.mode, cfg.max_staleness, cfg.run.iterations) == ("async", 2, w.iterations)
+    assert (cfg.rollout.engine, cfg.trainer.engine) == ("simulated", "simulated")
+    assert (cfg.rollout.num_workers, cfg.reward.num_workers, cfg.reference.num_workers,
+            cfg.trainer.num_ranks) == (3, 2, 4, 5)
+    assert cfg.reference_worker and cfg.simulated.devices == 1
+    assert (cfg.rollout.groups_per_claim, cfg.reward.rows_per_claim,
+            cfg.reference.rows_per_claim, cfg.trainer.rows_per_claim) == (2, 8, 8, 8)
+    assert (cfg.simulated.median_response_tokens, cfg.simulated.skew,
+            cfg.simulated.time_scale, cfg.rollout.max_new_tokens) == (50, 0.5, 7.0, 300)
+    assert (cfg.store.num_shards, cfg.store.balancer) == (4, True)
+    no_ref = run_config(SimConfig(mode="periodic", layout=Layout(1, 1, 0, 1), workload=w),
+                        tmp_path)
+    assert not no_ref.kl_active and no_ref.store.balancer is False
+    sync = run_config(SimConfig(mode="sync", layout=Layout(devices=6), workload=w), tmp_path)
+    assert (sync.simulated.devices, sync.trainer.num_ranks, sync.rollout.num_workers) == (6, 6, 1)
+    # one claim per stage feeds every colocated device a micro-batch
+    assert (sync.rollout.groups_per_claim, sync.trainer.rows_per_claim) == (12, 48)
+
+
+def test_run_lengths_are_the_simulated_rollouts_draws() -> None:
+    """On-policy, the bound's lengths are exactly what the simulated rollout engine draws for
+    each group's seed; with staleness s, never longer than any of the versions it may use."""
+    from workers.config import SimulatedDevice
+    from workers.engines.base import SamplingParams
+    from workers.engines.simulated import SimulatedRolloutEngine
+    from workers.roles.rollout import sampling_seed
+
+    w = Workload(prompts_per_iteration=3, group_size=4, median_response_tokens=40,
+                 max_response_tokens=100, seed=5)
+    engine = SimulatedRolloutEngine(SimulatedDevice(median_response_tokens=40, skew=1.0,
+                                                    time_scale=1e9), vocab_size=10)
+
+    def drawn(k: int, version: int) -> list[int]:
+        seeds = tuple(sampling_seed(5, g, version) for g in range(3 * k, 3 * k + 3))
+        return engine.lengths(3, 4, SamplingParams(max_new_tokens=100, prompt_seeds=seeds))
+
+    assert run_lengths(w, 0)(2) == drawn(2, 2)
+    stale = run_lengths(w, 1)(2)
+    assert stale == [min(a, b) for a, b in zip(drawn(2, 1), drawn(2, 2), strict=True)]
+    assert stale != drawn(2, 2)  # another version's draws do lower some rows
 
 
 TINY = Workload(
@@ -133,10 +182,34 @@ def test_tiny_simulated_run_through_real_sockets(mode: str, staleness: int, layo
         assert _spans(r.holds, "rollout", 1)[0] < _spans(r.holds, "trainer", 0)[1]
 
 
-def test_host_process_imports_no_torch() -> None:
-    # A host runs 100+ device threads per process: the loop, the store client and the cost
-    # model must stay light.
-    code = "import sys, bench.sim.host; print('torch' in sys.modules)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "False"
+@pytest.mark.slow
+def test_sim_hosts_run_the_workers_as_threads_of_a_few_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Run on a layout of 7 workers: 2 stage hosts and the trainer's own, each worker a thread."""
+    import time
+
+    w = TINY.replace(iterations=1)
+    lay = Layout(rollout=3, reward=1, reference=2, trainer=2)
+    seen: list = []
+    real = SimCluster.start_workers
+
+    def spy(self, workers, events_address):  # noqa: ANN001, ANN202
+        real(self, workers, events_address)
+        seen.append({name: self.host_of[name] for name, *_ in workers})
+        seen.append([(c.name, c.popen.pid) for c in self.children.values()])
+
+    monkeypatch.setattr(SimCluster, "start_workers", spy)
+    r = run_sim(SimConfig(mode="periodic", layout=lay, workload=w, time_scale=200.0, hosts=2,
+                          timeout_s=60.0))
+    hosts, children = seen
+    assert sorted(set(hosts.values())) == ["sim-host-0", "sim-host-1", "sim-host-2"]
+    assert hosts["trainer-0"] == "sim-host-0"
+    assert sorted(h for n, h in hosts.items() if n != "trainer-0").count("sim-host-1") == 3
+    assert {n.split("-")[0] for n in hosts} == {"rollout", "reward", "reference", "trainer"}
+    assert len(hosts) == 7 and r.samples == w.rows_per_iteration
+    for _, pid in children:  # every process of the run ended with it
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie":
+            assert time.monotonic() < deadline, pid
+            time.sleep(0.05)
