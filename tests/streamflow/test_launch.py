@@ -93,7 +93,13 @@ def _launch(
     return procs
 
 
-def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
+# A stuck run fails itself: its controller's run.startup_timeout_s and run.stall_timeout_s (300 s
+# each by default) end it with a cause in the node logs. This bound only catches a launcher that
+# never exits, so it lies past those and is no guess of how long a run takes on a loaded machine.
+RUN_BOUND_S = 700
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float = RUN_BOUND_S) -> list[int]:
     deadline = time.monotonic() + timeout_s
     codes = []
     for p in procs:
@@ -144,6 +150,7 @@ def hosts():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_BOUND_S)
 def test_three_namespaces_equal_one_host(one_host, hosts, model_cache: Path) -> None:
     """Coordinator + controller + store in A, rollout/reward/reference in B, trainer in C."""
     out = model_cache / "three-hosts"
@@ -156,7 +163,7 @@ def test_three_namespaces_equal_one_host(one_host, hosts, model_cache: Path) -> 
     ]
     procs = _launch(hosts, out, overrides)
     try:
-        codes = _wait(procs, 150)
+        codes = _wait(procs)
     finally:
         _kill(procs)
     assert codes == [0, 0, 0], [_node_log(out, r)[-3000:] for r in range(3)]
@@ -172,6 +179,7 @@ def test_three_namespaces_equal_one_host(one_host, hosts, model_cache: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_BOUND_S)
 def test_network_cut_longer_than_the_lease(one_host, hosts, model_cache: Path) -> None:
     """Namespace B (rollout-0, reward-0) is cut off for 3x the lease, mid-iteration."""
     out = model_cache / "cut"
@@ -219,7 +227,7 @@ def test_network_cut_longer_than_the_lease(one_host, hosts, model_cache: Path) -
         hosts.cut(1)
         time.sleep(3 * lease)  # on purpose: the cut outlasts the lease (the fault under test)
         hosts.heal(1)
-        codes = _wait(procs, 120)
+        codes = _wait(procs)
     finally:
         hosts.heal(1)  # idempotent: the cable is back whatever happened above
         _kill(procs)
@@ -256,6 +264,7 @@ def _rank_line(log: Path, rank: int) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_BOUND_S)
 def test_deepspeed_ranks_on_two_namespaces(model_cache: Path) -> None:
     """trainer.engine=deepspeed, 2 ranks: rank 0 in namespace A (with the coordinator,
     controller, store, rollout, reward and reference), rank 1 in namespace B. Each node starts its
@@ -283,7 +292,7 @@ def test_deepspeed_ranks_on_two_namespaces(model_cache: Path) -> None:
     with netns.Hosts(2, tag="d") as hosts:
         procs = _launch(hosts, out, [*overrides, *DS, _placement(hosts, nodes)])
         try:
-            codes = _wait(procs, 150)
+            codes = _wait(procs)
         finally:
             _kill(procs)
             hosts.kill_all()  # torchrun's ranks run in sessions of their own
