@@ -41,19 +41,20 @@ RENAMED_KEYS: dict[str, str] = {
 }
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """How a key's type reads in an error and in docs/configuration.md."""
     origin = typing.get_origin(tp)
     if tp is type(None):
         return "null"
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
     if origin is tuple:
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
-            return f"list of {_type_name(args[0])}"
-        return f"list of {len(args)} ({', '.join(_type_name(a) for a in args)})"
+            return f"list of {type_name(args[0])}"
+        return f"list of {len(args)} ({', '.join(type_name(a) for a in args)})"
     if dataclasses.is_dataclass(tp):
         return "mapping"
     return getattr(tp, "__name__", str(tp))
@@ -75,7 +76,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(arg, value, key)
             except ConfigTypeError:
                 continue
-        raise ConfigTypeError(key, f"expected {_type_name(tp)}, got {value!r}")
+        raise ConfigTypeError(key, f"expected {type_name(tp)}, got {value!r}")
     if origin is Literal:
         choices = typing.get_args(tp)
         # Strict: True must not pass for a Literal[1], nor 1 for Literal["1"].
@@ -85,12 +86,12 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                                     f"got {value!r}")
     if origin is tuple:
         if not isinstance(value, list | tuple):
-            raise ConfigTypeError(key, f"expected {_type_name(tp)}, got {value!r}")
+            raise ConfigTypeError(key, f"expected {type_name(tp)}, got {value!r}")
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
-            raise ConfigTypeError(key, f"expected {_type_name(tp)}, got {len(value)} items: "
+            raise ConfigTypeError(key, f"expected {type_name(tp)}, got {len(value)} items: "
                                   f"{value!r}")
         pairs = enumerate(zip(args, value, strict=True))
         return tuple(_convert(a, v, f"{key}[{i}]") for i, (a, v) in pairs)
@@ -110,7 +111,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             return value
     else:
         raise TypeError(f"config annotation {tp!r} of {key} is not supported by the converter")
-    raise ConfigTypeError(key, f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    raise ConfigTypeError(key, f"expected {type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
 def section_keys(cls: type) -> dict[str, Any]:

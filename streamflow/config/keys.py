@@ -19,12 +19,12 @@ import json
 import sys
 import textwrap
 import tokenize
-import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from streamflow.config import RunConfig
+from streamflow.config.convert import type_name
 from workers.settings import embedded
 
 HEADER = """\
@@ -80,24 +80,6 @@ def _comment_blocks(cls: type) -> dict[str, str]:
     return found
 
 
-def _kind(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if tp is type(None):
-        return "null"
-    if origin is Literal:
-        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_kind(a) for a in typing.get_args(tp))
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return f"list of {_kind(args[0])}"
-        return f"list of {len(args)} {_kind(args[0])}"
-    if dataclasses.is_dataclass(tp):
-        return "mapping"
-    return str(getattr(tp, "__name__", tp))
-
-
 def _bounds(f: dataclasses.Field[Any]) -> str:
     ops = ((">=", f.metadata.get("ge")), (">", f.metadata.get("gt")), ("<=", f.metadata.get("le")))
     return " and ".join(f"{op} {b}" for op, b in ops if b is not None)
@@ -135,7 +117,7 @@ def _keys(cls: type, prefix: str, base: Any) -> list[Key]:
         if dataclasses.is_dataclass(tp):  # a nested section, e.g. model.builtin
             out += _keys(typing.cast(type, tp), f"{name}.", None)
             continue
-        kind = ", ".join(s for s in (_kind(tp), _bounds(f)) if s)
+        kind = ", ".join(s for s in (type_name(tp), _bounds(f)) if s)
         out.append(Key(name, kind, _yaml(default), comments.get(f.name, "")))
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else None
         if dataclasses.is_dataclass(item):  # a list of mappings, e.g. placement.nodes
