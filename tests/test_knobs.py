@@ -192,3 +192,12 @@ def test_the_stores_limits_are_declared_once_in_storage():
 def test_store_serve_flags_default_to_the_nodes_own_config(capsys):
     assert cli_main(["store", "serve", "--dry-run"]) == 0
     assert capsys.readouterr().out.strip() == str(ServerConfig())
+
+
+def test_the_builtin_model_size_is_declared_once():
+    from streamflow.config.sections import TinyModelConfig
+    from workers.models.spec import TinyModelSpec
+
+    run_default = dataclasses.asdict(TinyModelConfig())
+    spec_default = dataclasses.asdict(TinyModelSpec())
+    assert run_default == {k: spec_default[k] for k in run_default}

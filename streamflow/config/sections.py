@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from storage.schema import TableSpec
+from workers.models.spec import TinyModelSpec
 from workers.settings import (
     Checked,
     GrpoSettings,
@@ -92,12 +93,15 @@ class RunSection(Checked):
 
 @dataclass(frozen=True)
 class TinyModelConfig(Checked):
-    hidden_size: int = bounded(128, ge=1)  # width of the built-in causal LM
-    num_layers: int = bounded(2, ge=1)  # transformer blocks
-    num_heads: int = bounded(4, ge=1)  # attention heads; divides hidden_size
-    num_kv_heads: int = bounded(2, ge=1)  # key/value heads (grouped-query); divides num_heads
-    intermediate_size: int = bounded(256, ge=1)  # MLP width
-    seed: int = 0  # seed of the random initialisation (before the warm start)
+    # the defaults are the embedded model's own (workers.models.spec.TinyModelSpec)
+    hidden_size: int = bounded(TinyModelSpec.hidden_size, ge=1)  # width of the built-in causal LM
+    num_layers: int = bounded(TinyModelSpec.num_layers, ge=1)  # transformer blocks
+    # attention heads; divides hidden_size
+    num_heads: int = bounded(TinyModelSpec.num_heads, ge=1)
+    # key/value heads (grouped-query); divides num_heads
+    num_kv_heads: int = bounded(TinyModelSpec.num_kv_heads, ge=1)
+    intermediate_size: int = bounded(TinyModelSpec.intermediate_size, ge=1)  # MLP width
+    seed: int = TinyModelSpec.seed  # seed of the random initialisation (before the warm start)
 
     def check(self) -> None:
         require(self.hidden_size % self.num_heads == 0, "num_heads",

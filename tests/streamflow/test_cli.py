@@ -65,7 +65,8 @@ def test_dry_run_does_not_import_the_engine():
     # The task checks build the arithmetic task and its held-out split (pyarrow only for files).
     light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.tasks",
              "workers.tasks.verifiers", "workers.tasks.arithmetic", "workers.tasks.heldout",
-             "workers.tasks.problem", "workers.tasks.prompt_file", "workers.settings")
+             "workers.tasks.problem", "workers.tasks.prompt_file", "workers.settings",
+             "workers.models", "workers.models.spec")
     code = (
         "import sys; from streamflow.cli import main; "
         f"rc = main(['run', {TINY!r}, '--dry-run']); "

@@ -117,8 +117,9 @@ def test_warm_start_stops_when_asked_and_reports_progress():
 def test_prepare_builtin_stops_at_the_target_on_a_fixed_thread_count(tmp_path):
     # The probe accuracy of an untrained model is 0: a target of 0.01 runs to the cap; the weights
     # must not depend on the caller's thread count (the warm start always runs on recipe.threads).
-    recipe = BuiltinRecipe(spec=SPEC, digits=1, warmstart_steps=20, batch_size=8, eval_size=5,
-                           target_accuracy=0.01, check_every=10, probe_size=8)
+    recipe = BuiltinRecipe(spec=SPEC, digits=1, operations=("+",), task_seed=0, warmstart_steps=20,
+                           batch_size=8, lr=1e-3, seed=0, eval_size=5, target_accuracy=0.01,
+                           check_every=10, probe_size=8)
     torch.set_num_threads(2)
     try:
         two = prepare_builtin(tmp_path / "two", recipe=recipe)
@@ -137,8 +138,8 @@ def test_prepare_builtin_stops_at_the_target_on_a_fixed_thread_count(tmp_path):
 
 
 def test_prepare_builtin_is_reproducible_and_cached(tmp_path):
-    recipe = BuiltinRecipe(spec=SPEC, digits=1, warmstart_steps=4, batch_size=8, eval_size=5,
-                           target_accuracy=0.0)
+    recipe = BuiltinRecipe(spec=SPEC, digits=1, operations=("+",), task_seed=0, warmstart_steps=4,
+                           batch_size=8, lr=1e-3, seed=0, eval_size=5, target_accuracy=0.0)
     path = prepare_builtin(tmp_path / "m", recipe=recipe)
     manifest = json.loads((path / MANIFEST).read_text())
     assert manifest["recipe"]["warmstart_steps"] == 4

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,33 +20,13 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from workers.models.spec import TinyModelSpec
+
 DEFAULT_ATTN = "eager"
 
 
 def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()  # transformers' tqdm bars are noise in the workers' logs
-
-
-@dataclass
-class TinyModelSpec:
-    """Size of the embedded Qwen2 model (defaults: ~0.8 M parameters with the char tokenizer)."""
-
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 512
-    max_position_embeddings: int = 256
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"TinyModelSpec.{name} must be > 0, got {getattr(self, name)}")
-        for big, small in (("hidden_size", "num_heads"), ("num_heads", "num_kv_heads")):
-            if getattr(self, big) % getattr(self, small):
-                raise ValueError(f"TinyModelSpec.{big} ({getattr(self, big)}) must be divisible by "
-                                 f"{small} ({getattr(self, small)})")
 
 
 def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:

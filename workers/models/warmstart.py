@@ -10,7 +10,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -103,16 +103,19 @@ class BuiltinRecipe:
     ``threads`` threads, until probe accuracy reaches ``target_accuracy`` (0: all steps), at most
     ``warmstart_steps`` steps; why: docs/engines.md, "Warm start"."""
 
-    spec: TinyModelSpec = field(default_factory=TinyModelSpec)
-    digits: int = 2
-    operations: tuple[str, ...] = ("+",)
-    task_seed: int = 0
-    warmstart_steps: int = 1500
-    batch_size: int = 64
-    lr: float = 1e-3
-    seed: int = 0
-    eval_size: int = 200
-    target_accuracy: float = 0.3
+    # The run's model.* and data.* keys, filled by the plan (streamflow.plan.builtin_recipe): no
+    # default of their own.
+    spec: TinyModelSpec
+    digits: int
+    operations: tuple[str, ...]
+    task_seed: int
+    warmstart_steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    eval_size: int
+    target_accuracy: float
+    # the recipe's own
     check_every: int = 10
     probe_size: int = 200
     threads: int = 1
@@ -152,7 +155,9 @@ def prepare_builtin(
     override its model size, task and step count."""
     if isinstance(spec, BuiltinRecipe):
         recipe, spec = spec, None
-    recipe = replace(recipe) if recipe is not None else BuiltinRecipe()
+    if recipe is None:
+        raise ValueError("prepare_builtin: a BuiltinRecipe is needed (streamflow.plan.builtin_recipe)")
+    recipe = replace(recipe)
     if spec is not None:
         recipe.spec = spec
     if task is not None:
