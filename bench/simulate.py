@@ -139,11 +139,10 @@ def summarize(r: SimResult, w: Workload) -> dict[str, Any]:
 
 # The balance case runs at this time scale unless ``--time-scale`` is given. Each claim round trip
 # costs the same few real milliseconds whatever the scale, and every simulated device is idle for
-# round trip x time scale simulated seconds between two micro-batches: at 25 that is ~0.3 s, 12 %
-# of a fast reference device's 2.2 s micro-batch but 4 % of the slow one's 6.6 s, so the fast
-# consumers look less busy for a reason that has nothing to do with balancing (measured spread
-# 0.10-0.15 at 25 against 0.04-0.06 at 10 with the same code). A 1 ms round trip on a real
-# cluster would be 0.05 % of that micro-batch.
+# round trip x time scale simulated seconds between two micro-batches: a larger share of a fast
+# device's micro-batch than of a slow one's, so at a high scale the fast consumers look less busy
+# for a reason that has nothing to do with balancing (the spreads at 25 and 10, and why a real
+# cluster's round trip is negligible there: docs/benchmarks.md).
 BALANCE_TIME_SCALE = 10.0
 
 

@@ -12,7 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# the run's own bound is the subprocess timeout below; the test's outlasts it
 @pytest.mark.slow
+@pytest.mark.timeout(700)
 def test_tiny_pipeline_reports_every_mode():
     cmd = [sys.executable, "-m", "streamflow", "bench", "pipeline", "--json", "--iterations", "2",
            "--prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--hidden", "32",
