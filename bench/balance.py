@@ -1,4 +1,4 @@
-"""Benchmark: the shard balancer on vs off under a skewed workload (issue 4).
+"""Benchmark: the shard balancer on vs off under a skewed workload.
 
 Workload: one store node process with ``--shards`` shards; ``--consumers`` consumer threads, each
 with its own store client and ``ConsumerSession``; consumer ``c0-slow`` takes ``--slow-factor``

@@ -1,4 +1,4 @@
-"""``streamflow bench simulate``: the simulated cluster (issue 8), swept over modes, sizes and skew.
+"""``streamflow bench simulate``: the simulated cluster, swept over modes, sizes and skew.
 
 Every case is a real ``streamflow run`` (``bench.sim.cluster.run_sim``): the real controller with
 its admission rule, puts and version announcements, the real store node, coordinator and worker
@@ -17,8 +17,8 @@ Sweeps (``--quick``: a tiny subset for the tests; ``--small``: every sweep at re
   scaling: each rollout device gets 2 batches of 16 prompts x 8 samples per iteration);
 - skew: response-length sigma 0.25 / 1.0 / 1.5 at 64 workers (the long tail);
 - equal: a workload whose generation and training take about equal time, ``periodic`` against
-  ``sync`` (colocated, same devices). (``sync-split``, separate pools taking turns, was a mode of
-  the bench's own controller; the real controller has none: its bound stays in bench.sim.bound.)
+  ``sync`` (colocated, same devices) and against ``sync-split`` (the same separate pools taking
+  turns, the Periodic Asynchrony paper's baseline: ``periodic`` with ``trainer.whole_iterations``).
 - control: ``periodic`` with the coordinator and a ``ConsumerSession`` per stage worker (4
   shards) at each size: the control plane's CPU per micro-batch as workers grow;
 - balance: the reference stage is the bottleneck (48/2/4/32 devices), one of its 4 devices 3x
@@ -51,8 +51,7 @@ from workers.engines.sim_cost import Workload
 ROOT = Path(__file__).resolve().parents[1]
 MODES = (("sync", 0), ("periodic", 0), ("async", 1), ("async", 2))
 SWEEPS = ("scaling", "control", "skew", "equal", "balance")
-MODE_NAMES = ("sync", "periodic", "async")
-REMOVED_MODES = ("sync-split",)  # --modes values of the old bench controller
+MODE_NAMES = ("sync", "sync-split", "periodic", "async")  # sync-split: the equal sweep only
 
 
 def layout_for(n: int, mode: str) -> Layout:
@@ -248,6 +247,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         for label, mode, extra in (
             (
                 ("sync", "sync", {"layout": Layout(devices=eq.workers)}),
+                ("sync-split", "sync-split", {"layout": eq}),
                 ("periodic", "periodic", {"layout": eq}),
             )
             if "equal" in want
@@ -283,7 +283,6 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
         },
     }
     eq = {r["label"]: r for r in rows if r["sweep"] == "equal"}
-    # sync-split rows: only from results of the old bench controller (it has no real mode)
     for other in ("sync", "sync-split"):
         if not {other, "periodic"} <= eq.keys():
             continue
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         nargs="+",
         default=list(MODE_NAMES),
-        choices=MODE_NAMES + REMOVED_MODES,
+        choices=MODE_NAMES,
         help="which modes to run (default: all; async = s=1 and s=2)",
     )
     parser.add_argument("--plots", default=str(ROOT / "docs" / "perf"))
@@ -368,9 +367,6 @@ def main(argv: list[str] | None = None) -> int:
         help="print the tables as Markdown (docs/performance.md) instead",
     )
     args = parser.parse_args(argv)
-    if set(args.modes) & set(REMOVED_MODES):
-        parser.error("--modes sync-split: removed; the bench runs the real controller, which has "
-                     "no sync-split mode (its bound: bench.sim.bound.bound_seconds)")
     if args.workers is None:
         args.workers = [8] if args.quick or args.small else [8, 64, 256]
     if args.iterations is None:

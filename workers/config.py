@@ -146,6 +146,7 @@ class TrainerWorkerConfig:
     checkpoint_every: int
     engine: str  # torch | deepspeed | simulated
     deterministic: bool  # one group per forward + fp64 gradient sums (bitwise updates)
+    whole_iterations: bool  # train an iteration only once all its rows are ready
     num_ranks: int  # deepspeed: ranks started by torch's launcher (must match its world size)
     zero_stage: int  # deepspeed: ZeRO stage 1 or 2
     device: str  # cpu | cuda:N: rank 0's device (deepspeed rank r: cuda:N+r)

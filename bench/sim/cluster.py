@@ -42,7 +42,9 @@ ROLES = ("rollout", "reward", "reference", "trainer")
 
 @dataclass
 class SimConfig:
-    mode: str  # sync | periodic | async
+    # sync | sync-split | periodic | async; sync-split = periodic whose trainer waits for whole
+    # iterations (trainer.whole_iterations): separate pools taking turns
+    mode: str
     layout: Layout
     workload: Workload
     staleness: int = 0  # async only (periodic and sync are 0 by definition)
@@ -56,8 +58,9 @@ class SimConfig:
     timeout_s: float = 300.0  # the run fails when no worker reports for this long
 
     def __post_init__(self) -> None:
-        if self.mode not in ("sync", "periodic", "async"):
-            raise ValueError(f"SimConfig.mode must be sync, periodic or async, got {self.mode!r}")
+        if self.mode not in ("sync", "sync-split", "periodic", "async"):
+            raise ValueError("SimConfig.mode must be sync, sync-split, periodic or async, got "
+                             f"{self.mode!r}")
         if self.mode != "async":
             self.staleness = 0
         elif self.staleness < 1:
@@ -66,7 +69,7 @@ class SimConfig:
         if self.mode == "sync" and lay.devices < 1:
             raise ValueError("sync needs layout.devices >= 1 (colocated devices)")
         if self.mode != "sync" and min(lay.rollout, lay.reward, lay.trainer) < 1:
-            raise ValueError("periodic/async need >= 1 rollout, reward and trainer device")
+            raise ValueError(f"{self.mode} needs >= 1 rollout, reward and trainer device")
         preset(self.cost)
 
 
@@ -107,7 +110,9 @@ def run_config(cfg: SimConfig, out: Path) -> RunConfig:
     d = lay.devices if sync else 1
     reference = sync or lay.reference > 0
     return load_config(None, [
-        "run.name=sim", f"run.output_dir={out}", f"run.mode={cfg.mode}",
+        "run.name=sim", f"run.output_dir={out}",
+        f"run.mode={'periodic' if cfg.mode == 'sync-split' else cfg.mode}",
+        f"trainer.whole_iterations={str(cfg.mode == 'sync-split').lower()}",
         f"run.iterations={w.iterations}", f"run.max_staleness={max(cfg.staleness, 1)}",
         f"run.seed={w.seed}", "run.eval_every=0", "run.progress=false", "run.max_restarts=0",
         f"run.stall_timeout_s={cfg.timeout_s}", f"run.startup_timeout_s={cfg.timeout_s}",

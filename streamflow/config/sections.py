@@ -220,6 +220,10 @@ class TrainerSection(Checked):
     # Bitwise-reproducible updates whatever order groups arrive in: one group per forward/backward
     # and float64 gradient sums (torch engine). Slower (smaller forwards) and 8 bytes/parameter.
     deterministic: bool = False
+    # Train iteration k only once every row of k is ready, instead of streaming its groups as
+    # they complete: the separate-pools baseline of the Periodic Asynchrony paper (pools take
+    # turns; `streamflow bench simulate` compares it). Off for real runs: it only adds waiting.
+    whole_iterations: bool = False
     # engine=deepspeed: data-parallel ranks started by torch's launcher (and the ZeRO stage);
     # engine=simulated: data-parallel simulated devices modelled in the one trainer process
     num_ranks: int = bounded(1, ge=1)

@@ -52,7 +52,8 @@ def test_no_case_of_any_sweep_beats_its_bound(capsys: pytest.CaptureFixture[str]
     assert main(["bench", "simulate", "--small", "--json", "--no-plots"]) == 0
     cases = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cases"]
     assert {c["sweep"] for c in cases} == {"scaling", "control", "skew", "equal", "balance"}
-    assert {c["label"] for c in cases} >= {"sync", "periodic", "async(s=1)", "async(s=2)"}
+    assert {c["label"] for c in cases} >= {"sync", "sync-split", "periodic", "async(s=1)",
+                                           "async(s=2)"}
     for c in cases:
         assert 0 < c["efficiency"] <= 1.0, c
         assert c["bound_seconds"] <= c["sim_seconds"]
@@ -67,11 +68,19 @@ def test_bench_simulate_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) ->
     assert "--workers" in capsys.readouterr().err
 
 
-def test_removed_sync_split_mode_says_why(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "simulate", "--modes", "periodic", "sync-split"])
-    assert exit_info.value.code == 2
-    assert "--modes sync-split: removed" in capsys.readouterr().err
+def test_sync_split_is_the_real_periodic_mode_with_whole_iterations(tmp_path) -> None:
+    from bench.sim.bound import Layout
+    from bench.sim.cluster import SimConfig, run_config
+    from bench.simulate import MODE_NAMES, MODES
+    from workers.engines.sim_cost import Workload
+
+    assert "sync-split" in MODE_NAMES  # a --modes choice, run in the equal sweep only
+    assert "sync-split" not in {m for m, _ in MODES}  # not in the scaling and skew sweeps
+    lay, w = Layout(rollout=2, reward=1, reference=1, trainer=2), Workload(iterations=1)
+    split = run_config(SimConfig(mode="sync-split", layout=lay, workload=w), tmp_path)
+    assert (split.run.mode, split.trainer.whole_iterations) == ("periodic", True)
+    periodic = run_config(SimConfig(mode="periodic", layout=lay, workload=w), tmp_path)
+    assert (periodic.run.mode, periodic.trainer.whole_iterations) == ("periodic", False)
 
 
 def _row(label: str, sweep: str, workers: int, eff: float, thr: float, bound: float) -> dict:

@@ -155,7 +155,8 @@ def _trainer_config(model_dir: Path, weights: Path, addresses: list[str], *, eng
                     iterations: int = ITERATIONS, **kw) -> TrainerWorkerConfig:
     common = WorkerCommon(name="trainer-0", role="trainer", store_addresses=addresses,
                           table="samples", seed=3, threads=1, claim_timeout_s=0.2)
-    fields = dict(checkpoint_every=0, deterministic=False, num_ranks=1, zero_stage=2,
+    fields = dict(checkpoint_every=0, deterministic=False, whole_iterations=False, num_ranks=1,
+                  zero_stage=2,
                   device="cpu", dtype="float32", reference_dtype="float32", kl_coef=0.0)
     return TrainerWorkerConfig(
         common=common, model_path=str(model_dir), reference_path=None, weights_dir=str(weights),

@@ -71,6 +71,7 @@ def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: in
         rows_per_iteration=ROWS, iterations=iterations, group_size=G, reference_in_store=False,
         lr=1e-2, kl_coef=0.0, rows_per_claim=rows_per_claim, checkpoint_dir=None,
         checkpoint_every=0, engine="torch", deterministic=deterministic, num_ranks=1,
+        whole_iterations=False,
         zero_stage=2, **cpu,
     )
     return rollout, replace(trainer, **trainer_over)
@@ -316,6 +317,39 @@ def test_rows_claimed_ahead_are_trained_without_waiting_on_the_store(
         reports = [r for r in events.sent if isinstance(r, StepReport)]
         assert [(r.iteration, r.samples) for r in reports] == [(0, ROWS), (1, ROWS)]
         assert reports[1].staleness_max == 1
+        client.close()
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_whole_iterations_trains_nothing_until_every_row_is_ready(
+    model_dir: Path, tmp_path: Path, whole: bool
+) -> None:
+    """Streaming trains each group as it completes; ``whole_iterations`` (the separate-pools
+    baseline) holds every row until the whole iteration is ready, then takes the same step."""
+    rollout_cfg, trainer_cfg = _configs(model_dir, tmp_path / "w", 1, rows_per_claim=G,
+                                        whole_iterations=whole)
+    events = EventSender(None)
+    with storage.embedded(1) as store, closing(LeaseKeeper(store.client)) as keeper:
+        client = store.client()
+        client.create_table(_spec(False))
+        _put(client, 0)
+        rollout = StageLoop(client, "samples", build_rollout(rollout_cfg, events), worker="r",
+                            role="rollout", events=events)
+        while rollout.turn(0.0):
+            pass
+        trainer = build_trainer(trainer_cfg, client, events, keeper)
+        trainer.publish_current()
+        rewarded = _reward_rows(client, None)
+        for _ in range(ROWS - G):  # every group but the last one complete
+            next(rewarded)
+        for _ in range(PROMPTS):  # a claim turn per complete group, and one more
+            assert not trainer.poll(0.0)
+        assert trainer._rows_in == (0 if whole else ROWS - G)
+        for _ in rewarded:  # the last group completes
+            pass
+        assert trainer.poll(0.0)
+        reports = [r for r in events.sent if isinstance(r, StepReport)]
+        assert [(r.iteration, r.samples) for r in reports] == [(0, ROWS)]
         client.close()
 
 

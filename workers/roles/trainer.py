@@ -90,7 +90,7 @@ class Trainer:
         """One claim turn; returns True when it completed an iteration (a step was taken)."""
         # Rows of this iteration claimed (and parked) before the last step are work in hand: a
         # server-side wait for more rows would hold them up to ``timeout_s``, so just look.
-        wait = 0.0 if self._parked.get(self.step) else timeout_s
+        wait = 0.0 if self._parked.get(self.step) and self._may_train() else timeout_s
         try:
             lease = self.client.claim(
                 self.table, "trainer", list(self.columns), self.s.rows_per_claim,
@@ -102,7 +102,7 @@ class Trainer:
         with cores.busy():  # this host's thread budget, shared by phase (workers.runtime.cores)
             if lease.num_rows:
                 self._accept(lease)
-            for piece in self._parked.pop(self.step, []):
+            for piece in self._parked.pop(self.step, []) if self._may_train() else ():
                 self._train_first_pass(piece)
             if not lease.num_rows and self._rows_in < self._expected():
                 self._check_dead()
@@ -113,6 +113,13 @@ class Trainer:
 
     def _expected(self) -> int:
         return self.s.rows_per_iteration - self.s.group_size * len(self._dead)
+
+    def _may_train(self) -> bool:
+        """Whether rows of the current iteration may be trained now: at once when streaming, and
+        only once every expected row is in hand with ``whole_iterations`` (the separate-pools
+        baseline that takes turns: training of k starts when all of k is ready)."""
+        return (not self.s.whole_iterations
+                or len(self._seen.get(self.step, ())) >= self._expected())
 
     def _check_dead(self) -> None:
         """At most once a second while waiting: which groups of this iteration are DEAD."""
@@ -147,7 +154,7 @@ class Trainer:
             seen.update(int(r) for r in rows.column(ROW_ID).to_numpy().tolist())
             for part in self._split(rows) if rows.num_rows else []:
                 piece = Piece(lease, int(it), part)
-                if it == self.step:
+                if it == self.step and not self.s.whole_iterations:
                     self._train_first_pass(piece)
                 else:
                     self._parked.setdefault(int(it), []).append(piece)

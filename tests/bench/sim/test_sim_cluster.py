@@ -148,6 +148,7 @@ def _spans(holds: list, role: str, k: int, kind: str = "compute") -> tuple[float
     [
         ("sync", 0, Layout(devices=4)),
         ("periodic", 0, Layout(rollout=2, reward=1, reference=1, trainer=2)),
+        ("sync-split", 0, Layout(rollout=2, reward=1, reference=1, trainer=2)),
         ("async", 1, Layout(rollout=2, reward=1, reference=1, trainer=2)),
     ],
 )
@@ -176,7 +177,12 @@ def test_tiny_simulated_run_through_real_sockets(mode: str, staleness: int, layo
             ]
             for (_, end, _), (start, _, _) in zip(ends, ends[1:], strict=False):
                 assert end <= start + 1e-6
-    if mode == "periodic":  # generation of k+1 never overlaps training of k
+    if mode == "sync-split":  # separate pools taking turns: no row of k trained before all of k
+        for k in range(2):  # is ready, and generation of k+1 waits for the step of k
+            ready = max(_spans(r.holds, role, k)[1] for role in ("reward", "reference"))
+            assert ready <= _spans(r.holds, "trainer", k)[0] + 1e-6
+        assert _spans(r.holds, "trainer", 0)[1] <= _spans(r.holds, "rollout", 1)[0] + 1e-6
+    if mode in ("periodic", "sync-split"):  # generation of k+1 never overlaps training of k
         assert _spans(r.holds, "trainer", 0)[1] <= _spans(r.holds, "rollout", 1)[0] + 1e-6
     if mode == "async":  # rollout runs ahead: generation of 1 starts before training of 0 ends
         assert _spans(r.holds, "rollout", 1)[0] < _spans(r.holds, "trainer", 0)[1]
