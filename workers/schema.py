@@ -25,6 +25,11 @@ SAMPLES_SCHEMA = pa.schema([  # who writes each column, and when: docs/training.
     pa.field("response_ids", pa.list_(pa.int32())),  # generated tokens, stop token included [L]
     # behaviour log-probs: log softmax(logits / T) of each sampled token [L]
     pa.field("response_logprobs", pa.list_(pa.float32())),
+    # per response token, 1: the model generated it (trained on); 0: the environment appended it
+    # (a tool's answer: context for later tokens, never trained on; its response_logprobs entry is
+    # 0.0). NULL: all ones [L]. Every rollout writes it with response_ids, NULL when single-turn
+    # (the trainer claims it, and a claimed column must be written)
+    pa.field("response_loss_mask", pa.list_(pa.int8())),
     pa.field("policy_version", pa.int64()),  # trainer step count of the generating weights
     pa.field("finish_reason", pa.string()),  # "stop" (stop token) or "length" (max_new_tokens)
     pa.field("reward", pa.float32()),  # verifier score; 0.0 when scoring failed
@@ -36,13 +41,14 @@ SAMPLES_SCHEMA = pa.schema([  # who writes each column, and when: docs/training.
 
 PUT_COLUMNS = ("group_id", "iteration", "min_policy_version", "prompt_ids", "answer")
 ROLLOUT_READS = ("group_id", "iteration", "min_policy_version", "prompt_ids")
-ROLLOUT_COLUMNS = ("response_ids", "response_logprobs", "policy_version", "finish_reason")
+ROLLOUT_COLUMNS = ("response_ids", "response_logprobs", "policy_version", "finish_reason",
+                   "response_loss_mask")
 REWARD_READS = ("response_ids", "answer", "iteration", "group_id")
 REWARD_COLUMNS = ("reward", "reward_ok", "reward_error")
 REFERENCE_READS = ("group_id", "iteration", "prompt_ids", "response_ids")
 REFERENCE_COLUMNS = ("ref_logprobs",)
 TRAINER_READS = ("group_id", "iteration", "prompt_ids", "response_ids", "response_logprobs",
-                 "policy_version", "reward", "reward_ok")
+                 "response_loss_mask", "policy_version", "reward", "reward_ok")
 TRAINER_COLUMNS = ("advantage",)
 _PUT_SCHEMA = pa.schema([SAMPLES_SCHEMA.field(c) for c in PUT_COLUMNS])
 

@@ -6,6 +6,8 @@ import pyarrow as pa
 
 from workers.schema import (
     PUT_COLUMNS,
+    REWARD_COLUMNS,
+    ROLLOUT_COLUMNS,
     SAMPLES_SCHEMA,
     TRAINER_READS,
     prompt_rows,
@@ -34,6 +36,10 @@ def test_every_declared_column_is_in_the_table_and_tasks_wait_for_their_inputs()
         trainer = next(t for t in spec.tasks if t.name == "trainer")
         assert set(trainer.needs) <= set(trainer_columns(reference))
     assert trainer_columns(True) == (*TRAINER_READS, "ref_logprobs")
+    # the store hands out written cells only: whatever the trainer claims, a task before it writes
+    # (response_loss_mask too, NULL from single-turn rollouts)
+    assert set(TRAINER_READS) <= {*PUT_COLUMNS, *ROLLOUT_COLUMNS, *REWARD_COLUMNS}
+    assert SAMPLES_SCHEMA.field("response_loss_mask").type == pa.list_(pa.int8())
     # reference.placement=rollout: no reference task; the trainer waits for the rollout's column
     spec = samples_table_spec("t", group_size=2, reference_worker=False, reference_in_rollout=True)
     assert [t.name for t in spec.tasks] == ["rollout", "reward", "trainer"]

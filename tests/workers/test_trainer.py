@@ -130,7 +130,7 @@ class _ShiftedBehaviour:
 def _train(model_dir: Path, tmp: Path, *, iterations: int, order_seed: int | None,
            rows_per_claim: int, audit: bool = False, deterministic: bool = False,
            behaviour_shift: float = 0.0, reward_of=lambda resp: len(resp) % 3,
-           sent: list | None = None, **trainer_over):
+           sent: list | None = None, wrap_rollout=None, **trainer_over):
     weights = tmp / f"w-{next(_RUNS)}"
     rollout_cfg, trainer_cfg = _configs(model_dir, weights, iterations, rows_per_claim,
                                         deterministic, **trainer_over)
@@ -141,6 +141,8 @@ def _train(model_dir: Path, tmp: Path, *, iterations: int, order_seed: int | Non
         rollout = build_rollout(rollout_cfg, events)
         if behaviour_shift:
             rollout = _ShiftedBehaviour(rollout, behaviour_shift)
+        if wrap_rollout is not None:  # a stage around the rollout's (test_loss_mask.py)
+            rollout = wrap_rollout(rollout)
         trainer = build_trainer(trainer_cfg, client, events, keeper)
         trainer.publish_current()
         for k in range(iterations):
@@ -426,16 +428,20 @@ def test_group_integrity_under_random_completion(model_dir: Path, tmp_path: Path
 
 
 def _replica(model_dir: Path, batch: pa.RecordBatch, iterations: int, lr: float,
-             updates: int, refresh_old: bool = False) -> tuple[dict, list[LossSums]]:
+             updates: int, refresh_old: bool = False,
+             loss_mask_of=None) -> tuple[dict, list[LossSums]]:
     """GRPO with ``updates`` passes per batch written out with workers.rl.grpo alone (whole batch,
-    unpacked): the old policy of every pass is the policy at the start of the iteration."""
+    unpacked): the old policy of every pass is the policy at the start of the iteration;
+    ``loss_mask_of(response_ids)``: each row's loss mask (None: all ones)."""
     torch.manual_seed(3)
     engine = TorchTrainerEngine(load_model(model_dir), lr=lr)
     rows = batch.to_pylist()
     per_pass: list[LossSums] = []
     for k in range(iterations):
         mine = [r for r in rows if r["iteration"] == k]
-        tb = build_token_batch([(r["prompt_ids"], r["response_ids"]) for r in mine])
+        masks = [loss_mask_of(r["response_ids"]) for r in mine] if loss_mask_of else None
+        tb = build_token_batch([(r["prompt_ids"], r["response_ids"]) for r in mine],
+                               loss_masks=masks)
         adv = group_advantages(torch.tensor([r["reward"] for r in mine]),
                                torch.tensor([r["group_id"] for r in mine]), group_size=G)
         old = None

@@ -1,7 +1,9 @@
 """GRPO math: token log-probs, group advantages, the clipped loss as token SUMS, optimizer helpers.
 
 Pure tensor math, no I/O. Conventions, and why the loss is a sum: docs/engines.md, "GRPO math
-conventions".
+conventions". The loss mask (``response_mask``) holds a row's MODEL tokens only: the tokens an
+environment appended to a response (a row's ``response_loss_mask`` zeros) are scored as context
+but count nowhere in the loss, its token count, the KL, the ratios or the IS weights.
 """
 
 from __future__ import annotations
@@ -25,28 +27,58 @@ class TokenBatch:
 
     input_ids: torch.Tensor  # [B, T] long, prompt then response then pad
     attention_mask: torch.Tensor  # [B, T] long, 1 on prompt and response tokens
-    response_mask: torch.Tensor  # [B, T] float, 1 on response tokens only
+    response_mask: torch.Tensor  # [B, T] float, 1 on the response tokens the loss trains on
+    # [B, T] float, 1 on every response token, environment tokens included (where per-response
+    # lists such as behaviour log-probs go: ``to_token_tensor``); = response_mask without masks
+    response_positions: torch.Tensor
 
 
 def build_token_batch(
-    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, pad_token_id: int = 0
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, pad_token_id: int = 0,
+    loss_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> TokenBatch:
-    """Stack (prompt_ids, response_ids) pairs into a right-padded ``TokenBatch``."""
+    """Stack (prompt_ids, response_ids) pairs into a right-padded ``TokenBatch``; ``loss_masks``:
+    per row, its ``response_loss_mask`` (None: all ones), applied by ``apply_loss_masks``."""
     if not pairs:
         raise ValueError("build_token_batch: no rows")
     width = max(len(p) + len(r) for p, r in pairs)
     batch = len(pairs)
     input_ids = torch.full((batch, width), int(pad_token_id), dtype=torch.long)
     attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    response_mask = torch.zeros((batch, width), dtype=torch.float32)
+    positions = torch.zeros((batch, width), dtype=torch.float32)
     for i, (prompt, response) in enumerate(pairs):
         if len(prompt) == 0:
             raise ValueError(f"build_token_batch: row {i} has an empty prompt")
         n_p, n_r = len(prompt), len(response)
         input_ids[i, : n_p + n_r] = torch.tensor([*prompt, *response], dtype=torch.long)
         attention_mask[i, : n_p + n_r] = 1
-        response_mask[i, n_p : n_p + n_r] = 1.0
-    return TokenBatch(input_ids, attention_mask, response_mask)
+        positions[i, n_p : n_p + n_r] = 1.0
+    return TokenBatch(input_ids, attention_mask, apply_loss_masks(positions, loss_masks), positions)
+
+
+def apply_loss_masks(positions: torch.Tensor,
+                     loss_masks: Sequence[Sequence[int] | None] | None) -> torch.Tensor:
+    """The loss mask [B, T]: ``positions`` (1 on each row's response tokens, in order) times each
+    row's ``response_loss_mask`` laid on those tokens; a None row (or ``loss_masks`` None) keeps
+    all ones. A mask must hold one 0/1 per response token (ValueError otherwise)."""
+    if loss_masks is None or all(m is None for m in loss_masks):
+        return positions
+    if len(loss_masks) != positions.shape[0]:
+        raise ValueError(f"apply_loss_masks: {len(loss_masks)} masks for "
+                         f"{positions.shape[0]} rows")
+    out = positions.clone()
+    for i, row in enumerate(loss_masks):
+        if row is None:
+            continue
+        idx = positions[i].nonzero().squeeze(-1)
+        values = torch.as_tensor(row, dtype=positions.dtype)
+        if len(idx) != len(values):
+            raise ValueError(f"apply_loss_masks: row {i} has {len(values)} mask values for "
+                             f"{len(idx)} response tokens")
+        if bool(((values != 0) & (values != 1)).any()):
+            raise ValueError(f"apply_loss_masks: row {i} has mask values other than 0 and 1")
+        out[i, idx] = values.to(out.device)
+    return out
 
 
 def response_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
@@ -63,11 +95,12 @@ def response_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
     return out * response_mask.to(out.dtype)
 
 
-def to_token_tensor(values: Sequence[Sequence[float]], response_mask: torch.Tensor) -> torch.Tensor:
-    """Scatter per-response lists (e.g. behaviour log-probs) into [B, T] at ``response_mask``."""
-    out = torch.zeros_like(response_mask, dtype=torch.float32)
+def to_token_tensor(values: Sequence[Sequence[float]], positions: torch.Tensor) -> torch.Tensor:
+    """Scatter per-response lists (e.g. behaviour log-probs) into [B, T] at ``positions`` (a
+    ``TokenBatch.response_positions``: one value per response token, environment tokens too)."""
+    out = torch.zeros_like(positions, dtype=torch.float32)
     for i, row in enumerate(values):
-        idx = response_mask[i].nonzero().squeeze(-1)
+        idx = positions[i].nonzero().squeeze(-1)
         if len(idx) != len(row):
             raise ValueError(
                 f"to_token_tensor: row {i} has {len(row)} values for {len(idx)} tokens")
@@ -110,7 +143,7 @@ class LossSums:
     loss_sum: float = 0.0  # total loss (policy + kl_coef * kl) summed over tokens
     policy_loss_sum: float = 0.0  # clipped surrogate loss (IS-weighted), summed over tokens
     kl_sum: float = 0.0  # k3 KL to the reference, summed over tokens (0 without a reference)
-    num_tokens: int = 0  # response tokens (sum of the mask)
+    num_tokens: int = 0  # response tokens trained on (sum of the loss mask: model tokens only)
     clipped_tokens: int = 0  # tokens where the clipped term was the active (smaller) one
     ratio_sum: float = 0.0  # sum of exp(logp - old_logp)
     ratio_max: float = 0.0  # max ratio seen (0.0 while no token is counted)
@@ -157,7 +190,9 @@ def grpo_loss_sums(
     Per token: ``-w * min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + kl_coef * k3``,
     ``ratio = exp(logp - old_logp)``, ``k3 = exp(ref - logp) - (ref - logp) - 1``, ``w =
     min(exp(old_logp - behaviour_logp), is_cap)`` (detached) when ``is_correction``, else 1.
-    Shapes: [B, T], advantages [B]."""
+    ``mask``: the loss mask (``TokenBatch.response_mask``); a token at 0 (padding, prompt or an
+    environment token) adds nothing to any sum and gets no gradient. Shapes: [B, T], advantages
+    [B]."""
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
         raise ValueError(f"grpo_loss_sums: logp {tuple(logp.shape)}, old_logp "
                          f"{tuple(old_logp.shape)} and mask {tuple(mask.shape)} must have the "

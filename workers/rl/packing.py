@@ -4,6 +4,11 @@ Owns the attention that makes the packed layout (``workers.rl.packing_layout``, 
 exact for HF causal LMs, the packing decision (``choose_layout``) and
 ``packed_response_logprobs(..., pack=True|False)``. Layout,
 invariants and when packing pays: docs/engines.md, "Shared-prompt packing".
+
+Every response token is scored, environment tokens of a multi-turn response too (they are context
+for the tokens after them); the ``response_loss_mask`` never shapes a layout. The loss lays it on
+the per-response log-probs ``[L_i]`` that both layouts return in the same order, so a packed
+group's masked tokens drop out of the loss exactly as the unpacked rows' do.
 """
 
 from __future__ import annotations

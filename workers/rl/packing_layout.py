@@ -1,6 +1,7 @@
 """Shared-prompt packing, the layout half: which tokens go where (``pack_groups`` ->
 ``PackedBatch``, ``unpacked_rows``) and when packing pays (``token_saving``, ``should_pack``).
-No model here; see docs/engines.md, "Shared-prompt packing".
+No model here; see docs/engines.md, "Shared-prompt packing". A response is laid out whole,
+environment tokens included: the loss mask is applied to the log-probs, never to the layout.
 """
 
 from __future__ import annotations

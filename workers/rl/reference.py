@@ -6,7 +6,9 @@ layout at a temperature: the trainer's fused reference (``workers.rl.trimodel``)
 layout its policy runs. ``ReferenceScorer`` adds the settings: temperature, packing and forward
 slices of whole groups by ``tokens_per_forward``, Arrow rows in and ``ref_logprobs`` out (the
 reference worker, and the rollout's copy with ``reference.placement = rollout``).
-Invariant: the reference never takes a gradient (frozen, scored without autograd).
+Invariant: the reference never takes a gradient (frozen, scored without autograd). It scores
+every response token, environment tokens of a multi-turn response included (``ref_logprobs`` has
+one value per token): the ``response_loss_mask`` matters only in the loss, which masks the KL.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The reference is frozen at construction and scored by ``workers.rl.reference`` (the one owner of
 reference log-probs) on the layout the policy runs (``choose_layout``: the one packing decision);
 the old policy is never a held model (the trainer keeps the first pass's detached log-probs). See
-docs/engines.md, "The tri-model".
+docs/engines.md, "The tri-model". Both models score every response token, environment tokens
+included; the ``response_loss_mask`` is the loss's (``workers.rl.grpo.apply_loss_masks``).
 """
 
 from __future__ import annotations

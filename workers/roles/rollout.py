@@ -127,4 +127,7 @@ class RolloutStage:
             "response_logprobs": pa.array(logprobs, pa.list_(pa.float32())),
             "policy_version": pa.array([version] * n, pa.int64()),
             "finish_reason": pa.array(finish, pa.string()),
+            # single-turn: every token is the model's. Written (as NULL) all the same: the
+            # trainer claims the column, and the store hands out only written cells
+            "response_loss_mask": pa.nulls(n, pa.list_(pa.int8())),
         }

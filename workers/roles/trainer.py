@@ -24,7 +24,7 @@ from storage.errors import CellAlreadyWritten, LeaseExpired, Unavailable, Unknow
 from storage.schema import ROW_ID, Lease
 from workers.config import TrainerWorkerConfig
 from workers.engines.torch_trainer import TrainerEngine
-from workers.rl.grpo import LossSums, group_advantages, grpo_loss_sums
+from workers.rl.grpo import LossSums, apply_loss_masks, group_advantages, grpo_loss_sums
 from workers.rl.packing_layout import forward_slices, steps_within
 from workers.rl.reference import rows_to_groups
 from workers.rl.trimodel import TriModel
@@ -195,8 +195,11 @@ class Trainer:
         logp_rows = [out.policy[g][r] for g, r in where]
         logp = pad_sequence(logp_rows, batch_first=True)
         dev = logp.device  # the policy's (a GPU): every operand of the loss goes there
-        lengths = torch.tensor([len(x) for x in logp_rows], device=dev)
-        mask = (torch.arange(logp.shape[1], device=dev) < lengths[:, None]).float()
+        lengths = torch.tensor([len(x) for x in logp_rows])
+        positions = (torch.arange(logp.shape[1]) < lengths[:, None]).float()
+        # Packed or not, every response token was scored (environment tokens are context); the
+        # loss mask is laid on the same per-row grid either way, so packing stays exact.
+        mask = apply_loss_masks(positions, _loss_masks(rows)).to(dev)
         if first_pass:
             piece.old_logp = [x.detach() for x in logp_rows]
         old = pad_sequence(piece.old_logp, batch_first=True)
@@ -380,6 +383,15 @@ class Trainer:
             self.keeper.drop(held.lease.lease_id)
             self.client.release(held.lease)
         self._held.clear()
+
+
+def _loss_masks(rows: pa.RecordBatch) -> list[list[int] | None] | None:
+    """Each row's ``response_loss_mask`` (None: all ones), or None when no row has one (rows
+    claimed without the column, or every writer single-turn)."""
+    if "response_loss_mask" not in rows.schema.names:
+        return None
+    column = rows.column("response_loss_mask")
+    return None if column.null_count == len(column) else column.to_pylist()
 
 
 def _padded(column: pa.Array) -> torch.Tensor:

@@ -35,7 +35,7 @@ class StepReport:
     iteration: int
     policy_version: int  # version published after this step (= iteration + 1)
     samples: int
-    response_tokens: int
+    response_tokens: int  # the tokens trained on: response tokens whose loss mask is 1
     # token-weighted over every pass of the step; grad_norm: the mean pre-clip norm of its updates
     loss: float
     kl: float
