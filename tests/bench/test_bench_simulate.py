@@ -48,8 +48,11 @@ def test_bench_simulate_modes_filter(capsys: pytest.CaptureFixture[str]) -> None
 @pytest.mark.timeout(900)
 def test_no_case_of_any_sweep_beats_its_bound(capsys: pytest.CaptureFixture[str]) -> None:
     """Every case of ``bench simulate`` (every sweep, every mode) at reduced size: the achieved
-    time is never below the lower bound, and the reference schedule is reported beside it."""
-    assert main(["bench", "simulate", "--small", "--json", "--no-plots"]) == 0
+    time is never below the lower bound, and the reference schedule is reported beside it. A
+    high time scale shortens every case (the real overheads then weigh more, which only lowers
+    efficiency): the bound must hold all the same."""
+    assert main(["bench", "simulate", "--small", "--time-scale", "400", "--json",
+                 "--no-plots"]) == 0
     cases = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cases"]
     assert {c["sweep"] for c in cases} == {"scaling", "control", "skew", "equal", "balance"}
     assert {c["label"] for c in cases} >= {"sync", "sync-split", "periodic", "async(s=1)",
