@@ -19,7 +19,9 @@ from workers.agent.sandbox import SandboxLimits, SandboxResult, check_sandbox, r
 
 pytestmark = pytest.mark.slow  # every case starts real, isolated processes
 
-FAST = SandboxLimits(wall_s=5.0, cpu_s=2.0, memory_mb=128, max_output_bytes=4096)
+# A wall-clock limit far above what a case needs: a loaded machine must not turn a normal run
+# into a timeout (the timeout cases set their own, short limits).
+FAST = SandboxLimits(wall_s=30.0, cpu_s=2.0, memory_mb=128, max_output_bytes=4096)
 
 
 def wait_for(condition, deadline_s: float, what: str) -> None:
@@ -133,7 +135,7 @@ def test_fork_bomb_ends_and_leaves_no_process(body):
 
 
 def test_memory_beyond_the_limit_is_a_memory_error():
-    limits = SandboxLimits(wall_s=5.0, cpu_s=2.0, memory_mb=64)
+    limits = SandboxLimits(wall_s=30.0, cpu_s=2.0, memory_mb=64)
     res = run_python("chunks = [bytearray(1 << 20) for _ in range(2048)]\nprint('allocated')",
                      limits)
     assert res.error == "memory" and res.exit_code == 1
@@ -167,7 +169,7 @@ def test_limits_are_applied_inside():
 
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
 def test_output_flood_is_cut_at_the_limit_promptly(stream):
-    limits = SandboxLimits(wall_s=5.0, max_output_bytes=1000)
+    limits = SandboxLimits(wall_s=30.0, max_output_bytes=1000)
     res = run_python(f"import sys\nwhile True:\n    sys.{stream}.write('x' * 1048576)", limits)
     assert res.error == "output_limit"
     assert getattr(res, stream) == "x" * limits.max_output_bytes
@@ -208,7 +210,7 @@ def test_concurrent_sandboxes_run_apart():
     code = ("import os, time  # {}\nkids = []\nfor _ in range(6):\n    pid = os.fork()\n"
             "    if pid == 0:\n        time.sleep(1.5)\n        os._exit(0)\n    kids.append(pid)\n"
             "for pid in kids:\n    os.waitpid(pid, 0)\nprint('ok')")
-    limits = SandboxLimits(wall_s=5.0, max_processes=8)
+    limits = SandboxLimits(wall_s=30.0, max_processes=8)
     results: list[SandboxResult] = []
     threads = [threading.Thread(target=lambda m=m: results.append(run_python(code.format(m),
                                                                              limits)))
