@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from workers.runtime.cores import CoreShareConfig
 from workers.settings import (
+    AgentSettings,
     GrpoSettings,
     OptimizerSettings,
     PackingSettings,
@@ -105,6 +106,8 @@ class RolloutWorkerConfig:
     # on its own device (None: another role writes ref_logprobs, or the KL term is off)
     reference_path: str | None = None
     reference_pack: PackingSettings = field(default_factory=PackingSettings)  # trainer.pack
+    # multi-turn tool use (workers.roles.turns): None = single-turn, today's table exactly
+    agent: AgentSettings | None = None
 
 
 @flat
@@ -114,6 +117,16 @@ class RewardWorkerConfig:
     model_path: str  # for the tokenizer (responses are decoded to text for the verifier)
     rows_per_claim: int
     verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error
+
+
+@dataclass
+class EnvironmentWorkerConfig:
+    """The environment role (workers.roles.environment): answers the tool calls of every turn."""
+
+    common: WorkerCommon
+    model_path: str  # for the tokenizer (turns are decoded, observations encoded)
+    rows_per_claim: int
+    agent: AgentSettings  # max_turns > 1: the turn tasks it serves, its environment and budgets
 
 
 @flat
@@ -172,12 +185,13 @@ class TrainerWorkerConfig:
 
 
 WorkerConfig = (RolloutWorkerConfig | RewardWorkerConfig | ReferenceWorkerConfig
-                | TrainerWorkerConfig)
+                | TrainerWorkerConfig | EnvironmentWorkerConfig)
 ROLE_CONFIGS: dict[str, type] = {
     "rollout": RolloutWorkerConfig,
     "reward": RewardWorkerConfig,
     "reference": ReferenceWorkerConfig,
     "trainer": TrainerWorkerConfig,
+    "environment": EnvironmentWorkerConfig,
 }
 
 T = TypeVar("T")

@@ -21,14 +21,23 @@ import torch
 
 import storage
 from workers.config import (
+    ROLE_CONFIGS,
+    EnvironmentWorkerConfig,
     RewardWorkerConfig,
     RolloutWorkerConfig,
     TrainerWorkerConfig,
     WorkerConfig,
     from_json,
 )
-from workers.roles.build import build_reference, build_reward, build_rollout, build_trainer
-from workers.roles.loop import LeaseKeeper, serve_stage
+from workers.roles.build import (
+    build_reference,
+    build_reward,
+    build_rollout,
+    build_trainer,
+    rollout_stages,
+)
+from workers.roles.environment import build_environment
+from workers.roles.loop import LeaseKeeper, serve_stage, serve_stages
 from workers.runtime import cores, heap
 from workers.runtime.events import EventSender, WorkerStatus
 from workers.runtime.metrics import MeteredClient, MeteredEvents, WorkerMetrics
@@ -70,23 +79,31 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
             trainer.stop_followers()
         else:
             if isinstance(cfg, RolloutWorkerConfig):
-                stage: Any = build_rollout(cfg, events)
+                stages: list[Any] = rollout_stages(build_rollout(cfg, events))
+            elif isinstance(cfg, EnvironmentWorkerConfig):
+                stages = build_environment(cfg)
             elif isinstance(cfg, RewardWorkerConfig):
-                stage = build_reward(cfg)
+                stages = [build_reward(cfg)]
             else:
-                stage = build_reference(cfg)
+                stages = [build_reference(cfg)]
             events.send(ready())
-            if common.coordinator_address:  # the balancer: claim from the shards we own
-                from storage.coordinator_session import ConsumerSession
+            if len(stages) > 1:  # the turn tasks of a multi-turn run (no balancer session yet)
+                serve_stages(client, common.table, stages, stop, worker=common.name,
+                             role=common.role, events=events, timeout_s=common.claim_timeout_s,
+                             keeper=keeper)
+            else:
+                if common.coordinator_address:  # the balancer: claim from the shards we own
+                    from storage.coordinator_session import ConsumerSession
 
-                session = ConsumerSession(
-                    common.coordinator_address, common.table, stage.task, common.name,
-                    registry=metrics.registry if metrics is not None else None,
+                    session = ConsumerSession(
+                        common.coordinator_address, common.table, stages[0].task, common.name,
+                        registry=metrics.registry if metrics is not None else None,
+                    )
+                serve_stage(
+                    client, common.table, stages[0], stop, worker=common.name, role=common.role,
+                    events=events, timeout_s=common.claim_timeout_s, keeper=keeper,
+                    session=session,
                 )
-            serve_stage(
-                client, common.table, stage, stop, worker=common.name, role=common.role,
-                events=events, timeout_s=common.claim_timeout_s, keeper=keeper, session=session,
-            )
         events.send(WorkerStatus(common.name, common.role, "stopped"))
         return 0
     except Exception as exc:
@@ -112,7 +129,7 @@ EXIT_BOUND_S = 60.0  # after SIGTERM/SIGINT, a worker leaves within this, done o
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.main", description=__doc__)
     parser.add_argument("--role", required=True,
-                        choices=["rollout", "reward", "reference", "trainer"])
+                        choices=sorted(ROLE_CONFIGS))
     parser.add_argument("--config", required=True, help="JSON file written by the controller")
     args = parser.parse_args(argv)
     cfg = from_json(args.role, Path(args.config).read_text())

@@ -31,13 +31,45 @@ SAMPLES_SCHEMA = pa.schema([  # who writes each column, and when: docs/training.
     # (the trainer claims it, and a claimed column must be written)
     pa.field("response_loss_mask", pa.list_(pa.int8())),
     pa.field("policy_version", pa.int64()),  # trainer step count of the generating weights
-    pa.field("finish_reason", pa.string()),  # "stop" (stop token) or "length" (max_new_tokens)
+    # "stop" (stop token) or "length" (max_new_tokens); a multi-turn trajectory also "tool" (its
+    # last allowed turn called a tool), "budget" (max_total_tokens) or "done" (the environment)
+    pa.field("finish_reason", pa.string()),
     pa.field("reward", pa.float32()),  # verifier score; 0.0 when scoring failed
     pa.field("reward_ok", pa.bool_()),  # False when the verifier raised or timed out
     pa.field("reward_error", pa.string()),  # why, when reward_ok is False
     pa.field("ref_logprobs", pa.list_(pa.float32())),  # frozen reference's log-probs [L]
     pa.field("advantage", pa.float32()),  # group-normalised advantage of the sample's update
 ])
+
+
+
+def turn_columns(max_turns: int) -> list[pa.Field]:
+    """The per-turn columns of a multi-turn table (``max_turns`` > 1), in the order a trajectory
+    writes them: turn0, obs0, turn1, obs1, ..., turn{T-1}. Invariant: the written columns of a row
+    are always a prefix of that order, since whoever ends a trajectory writes every later one as
+    NULL in the same write (docs/training.md "Multi-turn trajectories")."""
+    fields: list[pa.Field] = []
+    for t in range(max_turns):
+        fields += [
+            # model tokens of turn t (tool-call end marker or stop token included); NULL: the
+            # trajectory ended before turn t [L_t]
+            pa.field(f"turn{t}_ids", pa.list_(pa.int32())),
+            pa.field(f"turn{t}_logprobs", pa.list_(pa.float32())),  # behaviour log-probs [L_t]
+            pa.field(f"turn{t}_version", pa.int64()),  # policy version that generated turn t
+            # "tool" (ended in a tool call), "stop", "length" (max_new_tokens) or "budget"
+            # (cut by max_total_tokens); NULL: the trajectory ended before turn t
+            pa.field(f"turn{t}_finish", pa.string()),
+        ]
+        if t < max_turns - 1:
+            fields += [
+                # the formatted, tokenised, truncated observation that answers turn t's call;
+                # NULL: the trajectory ended at or before turn t [O_t]
+                pa.field(f"obs{t}_ids", pa.list_(pa.int32())),
+                # NULL or the observation's error kind (workers.agent.environments.ERROR_KINDS)
+                pa.field(f"obs{t}_error", pa.string()),
+            ]
+    return fields
+
 
 PUT_COLUMNS = ("group_id", "iteration", "min_policy_version", "prompt_ids", "answer")
 ROLLOUT_READS = ("group_id", "iteration", "min_policy_version", "prompt_ids")
@@ -72,15 +104,20 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
                        capacity_rows: int = TableSpec.capacity_rows,
                        lease_seconds: float = TableSpec.lease_seconds,
                        max_deliveries: int = TableSpec.max_deliveries,
-                       fsync: str = TableSpec.fsync) -> TableSpec:
+                       fsync: str = TableSpec.fsync, max_turns: int = 1) -> TableSpec:
     """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
     wait for ``ref_logprobs`` (off when the KL term is off or the reference is fused into the
     trainer); ``reference_in_rollout``: the rollout writes them with its responses, so the trainer
-    waits for them without a reference task."""
-    tasks = [
-        TaskSpec("rollout", ("prompt_ids",), whole_groups=True),
-        TaskSpec("reward", ("response_ids",)),
-    ]
+    waits for them without a reference task. ``max_turns`` > 1 adds the ``turn_columns`` and
+    the turn tasks: ``env.{t}`` (needs ``turn{t}_ids``, t < T-1) and ``rollout.{t}`` (needs
+    ``obs{t-1}_ids``, t >= 1); 1 is the single-turn table exactly."""
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    tasks = [TaskSpec("rollout", ("prompt_ids",), whole_groups=True)]
+    for t in range(max_turns - 1):
+        tasks.append(TaskSpec(f"env.{t}", (f"turn{t}_ids",)))
+        tasks.append(TaskSpec(f"rollout.{t + 1}", (f"obs{t}_ids",)))
+    tasks.append(TaskSpec("reward", ("response_ids",)))
     trainer_needs: tuple[str, ...] = ("response_ids", "reward")
     if reference_worker:
         tasks.append(TaskSpec("reference", ("response_ids",)))
@@ -88,7 +125,9 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
         trainer_needs += REFERENCE_COLUMNS
     tasks.append(TaskSpec("trainer", trainer_needs, whole_groups=True))
     return TableSpec(
-        name=name, schema=SAMPLES_SCHEMA, tasks=tuple(tasks), group_column="group_id",
+        name=name, tasks=tuple(tasks),
+        schema=pa.schema([*SAMPLES_SCHEMA, *turn_columns(max_turns)]) if max_turns > 1
+        else SAMPLES_SCHEMA, group_column="group_id",
         group_size=group_size, capacity_rows=capacity_rows, lease_seconds=lease_seconds,
         max_deliveries=max_deliveries, fsync=fsync,
     )

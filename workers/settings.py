@@ -223,6 +223,33 @@ class PackingSettings(Checked):
     tokens_per_forward: int = bounded(4096, ge=0)
 
 
+_ENV_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
+
+
+@dataclass(frozen=True)
+class AgentSettings(Checked):
+    """Multi-turn tool use (``agent.*``; docs/training.md "Multi-turn trajectories"): how many
+    model turns a trajectory may take, its token budget, and the environment that answers."""
+
+    max_turns: int = bounded(1, ge=1)  # model turns per trajectory (1: single-turn, no tools)
+    # most response tokens of a trajectory, model turns and observations together (the prompt
+    # not counted): a turn is cut, or an observation ends the trajectory, at this bound
+    max_total_tokens: int = bounded(512, ge=2)
+    max_observation_tokens: int = bounded(64, ge=1)  # an observation's tokens past this are cut
+    env_fn: str = "calculator"  # built-in ("calculator", "python") or "package.module:Class"
+    # "plain": (=expr=) for the character model; "hermes": <tool_call>{json}</tool_call>
+    tool_format: Literal["plain", "hermes"] = "hermes"
+    # the python tool's sandbox (workers.agent.sandbox.SandboxLimits)
+    sandbox_wall_s: float = bounded(5.0, gt=0)
+    sandbox_cpu_s: float = bounded(2.0, gt=0)
+    sandbox_memory_mb: int = bounded(256, ge=16)
+    sandbox_max_output_bytes: int = bounded(4096, ge=1)
+
+    def check(self) -> None:
+        require(bool(_ENV_FN.match(self.env_fn)), "env_fn",
+                f"must be a built-in name or 'module.path:Class', got {self.env_fn!r}")
+
+
 @dataclass(frozen=True)
 class SimulatedDevice(Checked):
     """The ``simulated`` engines' device (``simulated.*``): roles wait the cost model's time."""

@@ -30,6 +30,7 @@ from workers.roles.reference import ReferenceStage
 from workers.roles.reward import RewardStage
 from workers.roles.rollout import RolloutStage
 from workers.roles.trainer import Trainer
+from workers.roles.turns import TurnPolicy, marker_ids, turn_stages
 from workers.runtime import cores
 from workers.runtime.devices import DTYPES, dtype_of, pin_visible_gpu, torch_device
 from workers.runtime.events import EventSender, WeightSyncReport
@@ -98,10 +99,22 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
         reference = load_reference(cfg.reference_path, dtype=cfg.reference_dtype,
                                    device=device, temperature=sampling.temperature,
                                    pack=cfg.reference_pack)
+    agent = None  # multi-turn: turn 0 here, turns 1..T-1 by ``rollout_stages``
+    if cfg.agent is not None and cfg.agent.max_turns > 1:
+        agent = TurnPolicy(cfg.agent.max_turns, cfg.agent.max_total_tokens,
+                           sampling.max_new_tokens, marker_ids(tokenizer, cfg.agent.tool_format))
     return RolloutStage(engine, weights, params, worker=cfg.common.name,
                         group_size=cfg.group_size, groups_per_claim=cfg.groups_per_claim,
                         seed=cfg.common.seed, weight_wait_s=cfg.weight_wait_s, on_sync=on_sync,
-                        reference=reference)
+                        reference=reference, agent=agent)
+
+
+def rollout_stages(stage: RolloutStage) -> list[Any]:
+    """The stages a rollout worker serves: ``stage`` (turn 0) and, multi-turn, turns 1..T-1
+    (one continuation per row, so a claim takes as many rows as a turn-0 claim generates)."""
+    if stage.agent is None:
+        return [stage]
+    return [stage, *turn_stages(stage, stage.agent, max_rows=stage.max_rows)]
 
 
 def build_reward(cfg: RewardWorkerConfig) -> Any:

@@ -11,12 +11,19 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pyarrow as pa
 
-from storage.errors import LeaseExpired, Unavailable, UnknownLease, UnknownTable
+from storage.errors import (
+    CellAlreadyWritten,
+    LeaseExpired,
+    Unavailable,
+    UnknownLease,
+    UnknownTable,
+)
 from storage.schema import ROW_ID, Lease
 from workers.runtime import cores
 from workers.runtime.events import EventSender, Span
@@ -86,15 +93,48 @@ class HandBack(Exception):  # noqa: N818 - a control-flow signal, not an error o
         self.error = error
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What a stage returns when its rows write different column sets (a multi-turn turn: rows
+    that end their trajectory write more than rows that go on): one batch (``row_id`` + columns)
+    per set, none or several. The loop writes them under the lease, then acks it with the next
+    claim. A cell a predecessor already wrote (a redelivered lease whose holder wrote and died
+    before its ack) keeps the predecessor's value: that row's write is skipped, never repeated."""
+
+    batches: tuple[pa.RecordBatch, ...] = ()
+
+
 class Stage(Protocol):
     task: str  # the store task this stage consumes
     columns: tuple[str, ...]  # columns to claim (row_id is always added by the store)
     whole_groups: bool
     max_rows: int
 
-    def process(self, lease: Lease) -> pa.RecordBatch:
+    def process(self, lease: Lease) -> pa.RecordBatch | Parts:
         """The columns to write for the lease's rows: ``row_id`` plus this stage's columns."""
         ...
+
+
+def write_parts(client: Any, table: str, lease: Lease, parts: Parts) -> int:
+    """Write each batch under ``lease`` (no ack); returns the rows whose cells a predecessor had
+    written already (kept). A batch refused with CellAlreadyWritten (all or nothing) is written
+    again one row at a time, skipping exactly the rows already written."""
+    kept = 0
+    for batch in parts.batches:
+        try:
+            client.write(table, lease, batch)
+            continue
+        except CellAlreadyWritten:
+            pass
+        for i in range(batch.num_rows):
+            try:
+                client.write(table, lease, batch.slice(i, 1))
+            except CellAlreadyWritten:
+                kept += 1
+    if kept:
+        log.warning("lease %s: %d rows were written by a predecessor; kept its cells",
+                    lease.lease_id, kept)
+    return kept
 
 
 def iteration_of(batch: pa.RecordBatch) -> int:
@@ -122,7 +162,7 @@ class StageLoop:
         # storage.coordinator_session.ConsumerSession: claim from owned shards (+ steal), and
         # report throughput for the balancer; None: claim from any shard.
         self.session = session
-        self._prev: tuple[Lease, pa.RecordBatch] | None = None
+        self._prev: tuple[Lease, pa.RecordBatch | None] | None = None
 
     def turn(self, timeout_s: float) -> int:
         """Ack the previous result, claim and process the next rows; returns rows processed
@@ -165,7 +205,16 @@ class StageLoop:
                 self.client.release(lease, error=reason[:500])
             finally:
                 raise
-        self._prev = (lease, out)
+        if isinstance(out, Parts):  # written now; the ack rides on the next claim
+            try:
+                write_parts(self.client, self.table, lease, out)
+            except (LeaseExpired, UnknownLease) as exc:
+                log.warning("%s: parts of lease %s fenced off (%s)", self.worker,
+                            lease.lease_id, exc)
+                return 0
+            self._prev = (lease, None)
+        else:
+            self._prev = (lease, out)
         if self.session is not None:
             self.session.record(lease.num_rows, time.time() - start)
         tokens = int(getattr(self.stage, "last_tokens", 0))
@@ -178,7 +227,10 @@ class StageLoop:
         if self._prev is not None:
             lease, out = self._prev
             self._prev = None
-            self.client.write(self.table, lease, out, ack=True)
+            if out is None:
+                self.client.ack(lease)
+            else:
+                self.client.write(self.table, lease, out, ack=True)
 
 
 def serve_stage(client: Any, table: str, stage: Stage, stop: threading.Event, *, worker: str,
@@ -191,4 +243,25 @@ def serve_stage(client: Any, table: str, stage: Stage, stop: threading.Event, *,
     while not stop.is_set():
         total += max(loop.turn(timeout_s), 0)
     loop.flush()
+    return total
+
+
+def serve_stages(client: Any, table: str, stages: Sequence[Stage], stop: threading.Event, *,
+                 worker: str, role: str, events: EventSender, timeout_s: float = 1.0,
+                 keeper: LeaseKeeper | None = None) -> int:
+    """One worker serving several tasks (the turn tasks of a multi-turn run): one ``StageLoop``
+    per stage, taken in turn. A round looks without waiting; a round that found nothing waits
+    ``timeout_s`` split over the stages, so an idle worker neither spins nor sits on one task's
+    wait while another has rows. Stops and flushes like ``serve_stage``."""
+    loops = [StageLoop(client, table, s, worker=worker, role=role, events=events, keeper=keeper)
+             for s in stages]
+    total, wait = 0, 0.0
+    while not stop.is_set():
+        got = 0
+        for loop in loops:
+            got += max(loop.turn(wait), 0)
+        total += got
+        wait = 0.0 if got else timeout_s / len(loops)
+    for loop in loops:
+        loop.flush()
     return total

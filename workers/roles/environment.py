@@ -1,0 +1,123 @@
+"""The environment role: answers the tool call that ended a model turn (tasks ``env.{t}``).
+
+One ``EnvironmentStage`` per turn t < T-1; one worker serves all of them
+(``workers.roles.loop.serve_stages``). For each claimed row whose turn t ended in a tool call it
+decodes the turn, builds the ``StepContext`` from the row (prompt, answer, turn, the calls of the
+earlier turns: the environment keeps no state, the row does), runs ``execute`` (which turns every
+failure of the call or of a user's environment into an error observation; the python tool runs in
+the sandbox, the calculator in-process and bounded), formats and tokenises the observation with
+the model's tokenizer and cuts it to ``max_observation_tokens``. Then either
+
+* it writes ``obs{t}_ids`` / ``obs{t}_error``, which makes the row ready for ``rollout.{t+1}``; or
+* it ENDS the trajectory, when the environment says done ("done") or the observation would leave
+  no room in ``max_total_tokens`` for another model token ("budget"): the observation is not
+  appended, and the assembled response columns and NULL in every later turn/obs cell are written
+  in the same write (``workers.agent.trajectory.observation_writes``).
+
+A row whose turn t did not call a tool (the trajectory ended at or before turn t: ``turn{t}_finish``
+is not "tool", or NULL) is acked without work. A redelivered lease keeps the cells its predecessor
+wrote (``workers.roles.loop.Parts``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from storage.schema import ROW_ID, Lease
+from workers.agent.environments import (
+    Environment,
+    PythonEnvironment,
+    StepContext,
+    execute,
+    load_environment,
+)
+from workers.agent.toolcall import ToolCall, format_observation, parse_tool_call
+from workers.agent.trajectory import (
+    FINISH_BUDGET,
+    FINISH_DONE,
+    FINISH_TOOL,
+    observation_writes,
+    turn_reads,
+)
+from workers.agent.trajectory import history as read_history
+from workers.config import EnvironmentWorkerConfig
+from workers.models.tokenizer import decode_response
+from workers.roles.loop import Parts
+from workers.settings import AgentSettings
+
+ENV_READS = ("group_id", "iteration", "prompt_ids", "answer")
+
+
+class EnvironmentStage:
+    """The observations of turn ``turn`` (task ``env.{turn}``): see the module docstring."""
+
+    whole_groups = False
+
+    def __init__(self, env: Environment, tokenizer: Any, turn: int, *, max_turns: int,
+                 max_total_tokens: int, max_observation_tokens: int, plain: bool,
+                 max_rows: int) -> None:
+        if not 0 <= turn < max_turns - 1:
+            raise ValueError(f"turn must be in [0, {max_turns - 1}), got {turn}")
+        self.env, self.tokenizer, self.turn = env, tokenizer, turn
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        self.max_observation_tokens, self.plain = max_observation_tokens, plain
+        self.task = f"env.{turn}"
+        self.columns = (*ENV_READS, *turn_reads(turn + 1, turn))
+        self.max_rows = max_rows
+        self.last_tokens = 0
+
+    def process(self, lease: Lease) -> Parts:
+        row_ids, items = [], []
+        for row in lease.batch.to_pylist():
+            hist = read_history(row, self.turn + 1, self.turn)
+            if hist is None or hist.turns[-1].finish != FINISH_TOOL:
+                continue  # ended at or before this turn: its later cells are written (NULL)
+            texts = [decode_response(self.tokenizer, t.ids) for t in hist.turns]
+            calls = tuple(c for c in (parse_tool_call(x, plain=self.plain) for x in texts[:-1])
+                          if isinstance(c, ToolCall))
+            context = StepContext(decode_response(self.tokenizer, row["prompt_ids"]),
+                                  row["answer"] or "", self.turn, calls)
+            obs = execute(self.env, texts[-1], context, plain=self.plain)
+            ids = list(self.tokenizer(format_observation(obs.text, self.plain),
+                                      add_special_tokens=False)["input_ids"])
+            ids = ids[: self.max_observation_tokens]
+            end = None
+            if obs.done:
+                end = FINISH_DONE
+            elif hist.length() + len(ids) >= self.max_total_tokens:  # no room for a model token
+                end = FINISH_BUDGET
+            row_ids.append(row[ROW_ID])
+            items.append((hist, ids, obs.error, end))
+        self.last_tokens = sum(len(it[1]) for it in items if it[3] is None)
+        return Parts(tuple(observation_writes(row_ids, self.turn, self.max_turns, items)))
+
+
+def make_environment(agent: AgentSettings) -> Environment:
+    """The configured environment; the python tool with the configured sandbox limits."""
+    if agent.env_fn == "python":
+        from workers.agent.sandbox import SandboxLimits
+
+        return PythonEnvironment(limits=SandboxLimits(
+            wall_s=agent.sandbox_wall_s, cpu_s=agent.sandbox_cpu_s,
+            memory_mb=agent.sandbox_memory_mb, max_output_bytes=agent.sandbox_max_output_bytes))
+    return load_environment(agent.env_fn)
+
+
+def environment_stages(env: Environment, tokenizer: Any, agent: AgentSettings, *,
+                       max_rows: int) -> list[EnvironmentStage]:
+    """One stage per ``env.{t}`` task (t < max_turns - 1)."""
+    return [EnvironmentStage(env, tokenizer, t, max_turns=agent.max_turns,
+                             max_total_tokens=agent.max_total_tokens,
+                             max_observation_tokens=agent.max_observation_tokens,
+                             plain=agent.tool_format == "plain", max_rows=max_rows)
+            for t in range(agent.max_turns - 1)]
+
+
+def build_environment(cfg: EnvironmentWorkerConfig) -> list[EnvironmentStage]:
+    from workers.models.local import load_tokenizer  # (imports torch: only a real worker needs it)
+
+    if cfg.agent.max_turns < 2:
+        raise ValueError(f"an environment worker needs agent.max_turns >= 2, got "
+                         f"{cfg.agent.max_turns}: a single-turn run has no tool calls to answer")
+    return environment_stages(make_environment(cfg.agent), load_tokenizer(cfg.model_path),
+                              cfg.agent, max_rows=cfg.rows_per_claim)
