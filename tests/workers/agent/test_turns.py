@@ -316,3 +316,19 @@ def test_the_torch_engine_generates_turn_one_from_the_context(char_model) -> Non
             assert row["response_logprobs"][10:] == pytest.approx(want.logprobs, abs=1e-5)
             assert row["finish_reason"] == want.finish
         assert len(seeds) == G  # each row of the group draws its own tokens
+
+
+def test_the_environment_record_round_trips_and_builds_a_stage_per_turn(tmp_path) -> None:  # noqa: ANN001
+    from workers.config import EnvironmentWorkerConfig, WorkerCommon, from_json, to_json
+    from workers.roles.environment import build_environment
+
+    TOK.save_pretrained(tmp_path)
+    common = WorkerCommon(name="env-0", role="environment", store_addresses=[], table=TABLE,
+                          seed=3, threads=1)
+    cfg = EnvironmentWorkerConfig(common=common, model_path=str(tmp_path), rows_per_claim=8,
+                                  agent=AGENT)
+    back = from_json("environment", to_json(cfg))
+    assert back == cfg and isinstance(back.agent, AgentSettings)
+    assert [s.task for s in build_environment(back)] == ["env.0", "env.1"]
+    with pytest.raises(ValueError, match="max_turns >= 2"):
+        build_environment(replace(cfg, agent=replace(AGENT, max_turns=1)))
