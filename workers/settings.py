@@ -237,6 +237,8 @@ class AgentSettings(Checked):
     max_total_tokens: int = bounded(512, ge=2)
     max_observation_tokens: int = bounded(64, ge=1)  # an observation's tokens past this are cut
     env_fn: str = "calculator"  # built-in ("calculator", "python") or "package.module:Class"
+    # a user's environment steps in a child process, killed past this (workers.agent.isolated)
+    env_timeout_s: float = bounded(10.0, gt=0)
     # "plain": (=expr=) for the character model; "hermes": <tool_call>{json}</tool_call>
     tool_format: Literal["plain", "hermes"] = "hermes"
     # the python tool's sandbox (workers.agent.sandbox.SandboxLimits)

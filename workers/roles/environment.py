@@ -5,7 +5,8 @@ One ``EnvironmentStage`` per turn t < T-1; one worker serves all of them
 decodes the turn, builds the ``StepContext`` from the row (prompt, answer, turn, the calls of the
 earlier turns: the environment keeps no state, the row does), runs ``execute`` (which turns every
 failure of the call or of a user's environment into an error observation; the python tool runs in
-the sandbox, the calculator in-process and bounded), formats and tokenises the observation with
+the sandbox, the calculator in-process and bounded, a user's environment in a child process killed
+past ``env_timeout_s``: ``workers.agent.isolated``), formats and tokenises the observation with
 the model's tokenizer and cuts it to ``max_observation_tokens``. Then either
 
 * it writes ``obs{t}_ids`` / ``obs{t}_error``, which makes the row ready for ``rollout.{t+1}``; or
@@ -25,12 +26,14 @@ from typing import Any
 
 from storage.schema import ROW_ID, Lease
 from workers.agent.environments import (
+    BUILTIN_ENVIRONMENTS,
     Environment,
     PythonEnvironment,
     StepContext,
     execute,
     load_environment,
 )
+from workers.agent.isolated import IsolatedEnvironment
 from workers.agent.toolcall import ToolCall, format_observation, parse_tool_call
 from workers.agent.trajectory import (
     FINISH_BUDGET,
@@ -100,7 +103,9 @@ def make_environment(agent: AgentSettings) -> Environment:
         return PythonEnvironment(limits=SandboxLimits(
             wall_s=agent.sandbox_wall_s, cpu_s=agent.sandbox_cpu_s,
             memory_mb=agent.sandbox_memory_mb, max_output_bytes=agent.sandbox_max_output_bytes))
-    return load_environment(agent.env_fn)
+    if agent.env_fn in BUILTIN_ENVIRONMENTS:  # pure and bounded: in-process
+        return load_environment(agent.env_fn)
+    return IsolatedEnvironment(agent.env_fn, agent.env_timeout_s)  # user code may hang
 
 
 def environment_stages(env: Environment, tokenizer: Any, agent: AgentSettings, *,
