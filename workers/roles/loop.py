@@ -2,7 +2,10 @@
 
 Each claim carries the previous turn's write+ack (one round trip per micro-batch); a stage that
 raises hands its rows back as a failed delivery, ``HandBack`` hands them back and goes on; a store
-node down is waited out. Lease lifecycle and shutdown: docs/training.md "The stage loop".
+node down is waited out. A stage whose rows write different column sets returns ``Parts``: written
+under the lease at once (a predecessor's cells kept), acked with the next claim. ``serve_stages``
+runs one worker over several tasks. Lease lifecycle and shutdown: docs/training.md "The stage
+loop"; ``Parts``: "Multi-turn trajectories".
 """
 
 from __future__ import annotations
