@@ -55,7 +55,14 @@ from streamflow.plan import Evaluator, RunPlan, build_plan
 from streamflow.progress import ProgressDisplay, StepProgress, describe_run
 from streamflow.rundir import RunDir, RunSummary, StageSpan
 from streamflow.runstate import RunState
-from workers.roles.build import build_reference, build_reward, build_rollout, build_trainer
+from workers.roles.build import (
+    build_reference,
+    build_reward,
+    build_rollout,
+    build_trainer,
+    rollout_stages,
+)
+from workers.roles.environment import build_environment
 from workers.roles.loop import LeaseKeeper, StageLoop
 from workers.runtime import cores, heap
 from workers.runtime.cores import CoreShareConfig
@@ -298,6 +305,8 @@ class StageSeconds:
     reference: float  # 0.0 without a reference worker
     trainer: float  # from the end of the last stage to the trainer's step report
     total: float  # from before the put to the step report
+    # multi-turn: the env.{t} drains (the rollout.{t} drains count as rollout); 0.0 single-turn
+    environment: float = 0.0
 
 
 class ColocatedLoop:
@@ -326,8 +335,10 @@ class ColocatedLoop:
         self.client = client = store.client()
         client.create_table(plan.table_spec)
         self.keeper = LeaseKeeper(store.client)
-        stages = [("rollout", build_rollout(plan.rollout, events)),
-                  ("reward", reward := build_reward(plan.reward))]
+        stages = _turn_order(rollout_stages(build_rollout(plan.rollout, events)),
+                             build_environment(plan.environment, _tool_tap(events))
+                             if plan.environment else [])
+        stages.append(("reward", reward := build_reward(plan.reward)))
         if plan.reference:
             stages.append(("reference", build_reference(plan.reference)))
         self._stack.callback(client.close)  # closed in the reverse order: keeper, reward, client
@@ -342,12 +353,12 @@ class ColocatedLoop:
         """Put iteration k, drain each stage in turn, wait for the trainer's step of k."""
         t0 = time.perf_counter()
         self.client.put(self.plan.table, self.plan.prompt_rows(k, staleness), timeout=600.0)
-        seconds = {"reference": 0.0}
+        seconds = {"reference": 0.0, "rollout": 0.0, "environment": 0.0}
         for loop in self.loops:  # each stage drains the whole batch before the next
             start = time.perf_counter()
             while loop.turn(0.0):  # the last (empty) claim carries the last write+ack
                 pass
-            seconds[loop.role] = time.perf_counter() - start
+            seconds[loop.role] = seconds.get(loop.role, 0.0) + time.perf_counter() - start
             self._reports()
         start = time.perf_counter()
         while not self.trainer.poll(0.0):
@@ -367,6 +378,21 @@ class ColocatedLoop:
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
+
+
+def _tool_tap(events: Any) -> Callable[[float, str | None], None] | None:
+    """The environment stages' per-call tap: the worker metrics this process serves, if any."""
+    metrics = getattr(events, "metrics", None)
+    return metrics.tool_call if metrics is not None else None
+
+
+def _turn_order(rollouts: list[Any], environments: list[Any]) -> list[tuple[str, Any]]:
+    """sync's drain order of a trajectory's tasks: rollout, env.0, rollout.1, env.1, ...,
+    rollout.{T-1} (each task's rows are ready only once the one before it wrote them)."""
+    order: list[tuple[str, Any]] = [("rollout", rollouts[0])]
+    for env, turn in zip(environments, rollouts[1:], strict=True):
+        order += [("environment", env), ("rollout", turn)]
+    return order
 
 
 def run(cfg: RunConfig, cluster: ClusterFactory = LocalCluster) -> RunSummary:

@@ -66,7 +66,7 @@ def worker_nodes(cfg: RunConfig) -> dict[str, int]:
     """Worker name -> node rank, in ``placement.nodes`` order (rollout-0 on the first node that
     places a rollout worker, ...). ``trainer-0`` is on the first node with trainer ranks."""
     out: dict[str, int] = {}
-    counters = dict.fromkeys(("rollout", "reward", "reference"), 0)
+    counters = dict.fromkeys(("rollout", "reward", "reference", "environment"), 0)
     for rank, node in enumerate(cfg.placement.nodes):
         for role in counters:
             for _ in range(getattr(node, role)):

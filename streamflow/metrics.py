@@ -22,7 +22,7 @@ from streamflow.config import MetricsSection
 from streamflow.rundir import IterationRecord
 
 Endpoint = tuple[str, str, str]  # (host:port of a /metrics, role, worker): one scrape target
-ROLES = ("rollout", "reward", "reference", "trainer", "store")
+ROLES = ("rollout", "reward", "reference", "environment", "trainer", "store")
 _ITERATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                       1800.0, 3600.0)
 
@@ -41,6 +41,10 @@ _SERIES: tuple[tuple[str, Any, str, str, tuple[str, ...]], ...] = (
     ("reward_std", Gauge, "reward_std", "Reward standard deviation of the last iteration.", ()),
     ("accuracy", Gauge, "accuracy_ratio",
      "Held-out greedy accuracy of the last evaluated policy version (0..1).", ()),
+    ("turns_mean", Gauge, "turns_mean",
+     "Mean model turns per trajectory of the last iteration (1: single-turn).", ()),
+    ("tool_calls_mean", Gauge, "tool_calls_mean",
+     "Mean tool calls answered with an observation per trajectory of the last iteration.", ()),
     ("staleness_mean", Gauge, "staleness_mean_versions",
      "Mean staleness of the last iteration's samples.", ()),
     ("staleness_max", Gauge, "staleness_max_versions",
@@ -90,6 +94,8 @@ class ControllerMetrics(HttpEndpoint):
         self.reward_std.set(rec.reward_std)
         if rec.accuracy is not None:
             self.accuracy.set(rec.accuracy)
+        self.turns_mean.set(rec.turns_mean)
+        self.tool_calls_mean.set(rec.tool_calls_mean)
         self.staleness_mean.set(rec.staleness_mean)
         self.staleness_max.set(rec.staleness_max)
         self.weight_sync.set(rec.weight_sync_seconds)

@@ -25,6 +25,7 @@ from streamflow.config import RunConfig, StoreSection
 from streamflow.devices import RoleDevices, resolve_devices, weight_sync_path
 from streamflow.rundir import read_jsonl
 from workers.config import (
+    EnvironmentWorkerConfig,
     ReferenceWorkerConfig,
     RewardWorkerConfig,
     RolloutWorkerConfig,
@@ -40,6 +41,7 @@ from workers.runtime import cores
 from workers.runtime.cores import MAX_SLOTS, CoreShareConfig
 from workers.runtime.cores import create as create_core_table
 from workers.schema import prompt_rows
+from workers.settings import AgentSettings
 from workers.tasks.arithmetic import ArithmeticTask
 from workers.tasks.evaluate import greedy_accuracy, reward_scorer
 from workers.tasks.heldout import split_prompt_file
@@ -94,6 +96,8 @@ class RunPlan:
     rollout: RolloutWorkerConfig = field(init=False)
     reward: RewardWorkerConfig = field(init=False)
     reference: ReferenceWorkerConfig | None = field(init=False)
+    # the environment workers' record (rollout.max_turns > 1; None: single-turn)
+    environment: EnvironmentWorkerConfig | None = field(init=False)
     trainer: TrainerWorkerConfig = field(init=False)
     devices: RoleDevices | None = None
     rendezvous: object | None = None  # workers.weights.group.Rendezvous (collective only)
@@ -117,7 +121,7 @@ class RunPlan:
             reference_worker=self.cfg.reference_worker,
             reference_in_rollout=self.cfg.reference_in_rollout, capacity_rows=s.capacity_rows,
             lease_seconds=s.lease_seconds, max_deliveries=s.max_deliveries,
-            fsync="always" if s.fsync else "never")
+            fsync="always" if s.fsync else "never", max_turns=self.cfg.rollout.max_turns)
 
     def problems(self, iteration: int) -> list[Problem]:
         n = self.cfg.data.prompts_per_iteration
@@ -149,7 +153,7 @@ class RunPlan:
             common = replace(self.rollout.common, name=f"{role}-{i}", role=role, table=self.table,
                              store_addresses=store_addresses, events_address=events_address,
                              threads=threads, coordinator_address=coordinator_address)
-            if role != "reward" and self.cores_path is not None:  # the host's shared budget
+            if role not in ("reward", "environment") and self.cores_path is not None:  # the host's shared budget
                 cap = threads if role == "rollout" else 0  # see CoreShareConfig.max_threads
                 share = CoreShareConfig(str(self.cores_path), next(slots), c.run.host_threads, cap)
                 common = replace(common, threads=cap or c.run.host_threads, cores=share)
@@ -162,6 +166,9 @@ class RunPlan:
                 weights_group=group and replace(group, rank=i + 1))
         for i in range(c.reward.num_workers):
             add("reward", self.reward, i, 1)
+        if self.environment is not None:  # CPU only: tool calls, observations, no model
+            for i in range(c.env.num_workers):
+                add("environment", self.environment, i, 1)
         if self.reference is not None:
             for i in range(c.reference.num_workers):
                 add("reference", self.reference, i, c.reference.threads)
@@ -255,6 +262,9 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
     blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed,
                          threads=1, simulated=simulated)  # (threads: each record sets its role's)
     r, t, d = cfg.rollout, cfg.trainer, cfg.data
+    # multi-turn: the turn budgets and the environment, env.format resolved for the model
+    agent = AgentSettings(turns=r.turns, env=replace(cfg.env.settings, format=cfg.tool_format)
+                          ) if cfg.multi_turn else None
     plan.rollout = RolloutWorkerConfig(
         common=_named(blank, "rollout", r.threads), model_path=model,
         weights_dir=str(plan.weights_dir), weights_announce=announce, group_size=d.group_size,
@@ -262,7 +272,10 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
         device=devices.rollout[0], dtype=devices.rollout_dtype,
         weights_group=group and replace(group, rank=1),
         reference_path=model if cfg.reference_in_rollout else None,
-        reference_dtype=devices.reference_dtype, reference_pack=t.pack)
+        reference_dtype=devices.reference_dtype, reference_pack=t.pack, agent=agent)
+    plan.environment = EnvironmentWorkerConfig(
+        common=_named(blank, "environment", 1), model_path=model,
+        rows_per_claim=cfg.env.rows_per_claim, agent=agent) if agent is not None else None
     plan.reward = RewardWorkerConfig(common=_named(blank, "reward", 1), model_path=model,
                                      verifier=cfg.reward.verifier,
                                      rows_per_claim=cfg.reward.rows_per_claim)

@@ -11,6 +11,7 @@ What is checked: docs/controller.md "Checks before a run".
 from __future__ import annotations
 
 import errno
+import importlib
 import importlib.util
 import json
 import shutil
@@ -70,6 +71,9 @@ def check_inputs(cfg: RunConfig) -> None:
     elif cfg.data.task == "arithmetic":
         _check_arithmetic(cfg)
     _check_reward(cfg.reward.fn)
+    if cfg.multi_turn:
+        _check_env(cfg.env.fn)
+        _check_context(cfg)
     for key, engine, package in (("rollout.engine", cfg.rollout.engine, "vllm"),
                                  ("trainer.engine", cfg.trainer.engine, "deepspeed")):
         if engine == package and importlib.util.find_spec(package) is None:
@@ -157,6 +161,57 @@ def _check_reward(fn: str) -> None:
     except Exception as err:  # the user's module raised while being imported
         why = f"importing {fn!r} raised {type(err).__name__}: {err}".replace("\n", " ")
         raise ConfigError("reward.fn", why) from None
+
+
+def _check_env(fn: str) -> None:
+    """env.fn names a built-in or an importable class (not made here: a user's environment is
+    only ever made in the child process that isolates it); the python tool needs a sandbox that
+    works on this machine."""
+    from workers.agent.environments import BUILTIN_ENVIRONMENTS
+
+    if fn == "python":
+        from workers.agent.sandbox import check_sandbox
+
+        reason = check_sandbox()
+        if reason is not None:
+            raise ConfigError("env.fn", f"'python' needs the sandbox, which does not work here: "
+                              f"{reason}".replace("\n", " "))
+        return
+    if fn in BUILTIN_ENVIRONMENTS:
+        return
+    module_name, _, attr = fn.partition(":")
+    if not attr:
+        raise ConfigError("env.fn", f"unknown environment {fn!r}; built-in: "
+                          f"{', '.join(BUILTIN_ENVIRONMENTS)} (or 'package.module:Class')")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as err:  # ImportError, or the user's module raised while being imported
+        why = f"cannot import {module_name!r}: {type(err).__name__}: {err}".replace("\n", " ")
+        raise ConfigError("env.fn", why) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError("env.fn", f"module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError("env.fn", f"{fn!r} is not a class or factory")
+
+
+def _check_context(cfg: RunConfig) -> None:
+    """A whole trajectory (prompt, turns, observations) is one forward of the model: its response
+    budget must leave the model's context room for a prompt."""
+    if cfg.model.path is None:
+        from workers.models.spec import TinyModelSpec
+
+        context, where = TinyModelSpec.max_position_embeddings, "the built-in model"
+    else:
+        config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        context, where = config.get("max_position_embeddings"), cfg.model.path
+        if not isinstance(context, int):
+            return  # (a model that states no context: the engine's own limit applies)
+    limit = cfg.rollout.max_total_tokens
+    if limit >= context:
+        raise ConfigError("rollout.max_total_tokens", f"{limit} leaves no room for a prompt in "
+                          f"the context of {where} ({context} tokens): use less than {context}")
 
 
 def port_in_use(key: str, address: str) -> ConfigError:

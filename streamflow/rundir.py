@@ -53,6 +53,10 @@ class IterationRecord:
     weight_sync_seconds: float = 0.0  # time spent publishing/loading weights this iteration
     weight_sync_bytes: int = 0  # bytes of weights moved this iteration
     reward_failures: int = 0  # samples whose verifier raised or timed out (scored as failed)
+    # mean model turns, and tool calls answered with an observation, per trained trajectory
+    # (rollout.max_turns > 1; single-turn: 1 and 0)
+    turns_mean: float = 1.0
+    tool_calls_mean: float = 0.0
     wall_seconds: float = 0.0  # wall time of the iteration
     stage_busy_seconds: dict[str, float] = field(default_factory=dict)  # stage -> busy seconds
     queue_depths: dict[str, int] = field(default_factory=dict)  # task -> rows waiting at the end

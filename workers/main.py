@@ -81,7 +81,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
             if isinstance(cfg, RolloutWorkerConfig):
                 stages: list[Any] = rollout_stages(build_rollout(cfg, events))
             elif isinstance(cfg, EnvironmentWorkerConfig):
-                stages = build_environment(cfg)
+                stages = build_environment(cfg, metrics.tool_call if metrics else None)
             elif isinstance(cfg, RewardWorkerConfig):
                 stages = [build_reward(cfg)]
             else:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from workers.agent.sandbox import SandboxLimits
+
 T = TypeVar("T")
 
 
@@ -227,29 +229,67 @@ _ENV_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
 
 
 @dataclass(frozen=True)
-class AgentSettings(Checked):
-    """Multi-turn tool use (``agent.*``; docs/training.md "Multi-turn trajectories"): how many
-    model turns a trajectory may take, its token budget, and the environment that answers."""
+class TurnSettings(Checked):
+    """How long a multi-turn trajectory may grow (``rollout.*``; docs/training.md "Multi-turn
+    trajectories")."""
 
     max_turns: int = bounded(1, ge=1)  # model turns per trajectory (1: single-turn, no tools)
     # most response tokens of a trajectory, model turns and observations together (the prompt
-    # not counted): a turn is cut, or an observation ends the trajectory, at this bound
-    max_total_tokens: int = bounded(512, ge=2)
+    # not counted): a turn is cut, or an observation ends the trajectory, at this bound. The
+    # default leaves the built-in model's context room for a prompt (preflight checks the bound)
+    max_total_tokens: int = bounded(128, ge=2)
+
+
+@dataclass(frozen=True)
+class SandboxSettings(Checked):
+    """The python tool's sandbox (``env.sandbox.*``); the defaults are the sandbox's own
+    (``workers.agent.sandbox.SandboxLimits``), declared there once."""
+
+    wall_s: float = bounded(SandboxLimits.wall_s, gt=0)  # wall-clock limit of one snippet
+    cpu_s: float = bounded(SandboxLimits.cpu_s, gt=0)  # CPU seconds of one snippet
+    # address space of one snippet in MiB (also the size of its /sandbox tmpfs)
+    memory_mb: int = bounded(SandboxLimits.memory_mb, ge=16)
+    # most bytes of its stdout, and of its stderr (past it: an output_limit error)
+    max_output_bytes: int = bounded(SandboxLimits.max_output_bytes, ge=1)
+    # most processes it may run at once (RLIMIT_NPROC: a fork bomb ends here)
+    max_processes: int = bounded(SandboxLimits.max_processes, ge=1)
+
+    def limits(self) -> SandboxLimits:
+        return SandboxLimits(**dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
+class EnvSettings(Checked):
+    """The environment that answers a turn's tool call (``env.*``; workers.roles.environment)."""
+
+    fn: str = "calculator"  # built-in ("calculator", "python") or "package.module:Class"
+    # the tool-call form: "plain" = (=expr=), "hermes" = <tool_call>{json}</tool_call>; "auto" =
+    # plain for the built-in character model, hermes for a model.path (the plan resolves it)
+    format: Literal["auto", "plain", "hermes"] = "auto"
     max_observation_tokens: int = bounded(64, ge=1)  # an observation's tokens past this are cut
-    env_fn: str = "calculator"  # built-in ("calculator", "python") or "package.module:Class"
     # a user's environment steps in a child process, killed past this (workers.agent.isolated)
-    env_timeout_s: float = bounded(10.0, gt=0)
-    # "plain": (=expr=) for the character model; "hermes": <tool_call>{json}</tool_call>
-    tool_format: Literal["plain", "hermes"] = "hermes"
-    # the python tool's sandbox (workers.agent.sandbox.SandboxLimits)
-    sandbox_wall_s: float = bounded(5.0, gt=0)
-    sandbox_cpu_s: float = bounded(2.0, gt=0)
-    sandbox_memory_mb: int = bounded(256, ge=16)
-    sandbox_max_output_bytes: int = bounded(4096, ge=1)
+    timeout_s: float = bounded(10.0, gt=0)
+    sandbox: SandboxSettings = field(default_factory=SandboxSettings)  # env=python only
 
     def check(self) -> None:
-        require(bool(_ENV_FN.match(self.env_fn)), "env_fn",
-                f"must be a built-in name or 'module.path:Class', got {self.env_fn!r}")
+        require(bool(_ENV_FN.match(self.fn)), "fn",
+                f"must be a built-in name or 'module.path:Class', got {self.fn!r}")
+
+    @property
+    def plain(self) -> bool:
+        """Calls are parsed in the plain form (``format`` resolved: "auto" is never sent)."""
+        return self.format == "plain"
+
+
+@flat
+@dataclass(frozen=True)
+class AgentSettings(Checked):
+    """Multi-turn tool use as a worker reads it: the run's ``rollout.max_turns`` /
+    ``rollout.max_total_tokens`` and its ``env.*`` settings, whole (``agent.fn`` reads
+    ``agent.env.fn``)."""
+
+    turns: TurnSettings = embed(TurnSettings)  # max_turns, max_total_tokens
+    env: EnvSettings = embed(EnvSettings)  # fn, format, max_observation_tokens, timeout_s, sandbox
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from storage.schema import TableSpec
 from workers.models.spec import TinyModelSpec
 from workers.settings import (
     Checked,
+    EnvSettings,
     GrpoSettings,
     OptimizerSettings,
     PackingSettings,
@@ -22,6 +23,7 @@ from workers.settings import (
     SamplingSettings,
     SimulatedDevice,
     TorchGenerateSettings,
+    TurnSettings,
     VllmSettings,
     bounded,
     embed,
@@ -158,6 +160,8 @@ class RolloutSection(Checked):
     engine: Literal["torch", "vllm", "simulated"] = "torch"
     num_workers: int = bounded(1, ge=1)  # rollout worker processes
     sampling: SamplingSettings = embed(SamplingSettings)  # temperature, top_p, max_new_tokens
+    # max_turns, max_total_tokens: multi-turn tool use (> 1 turn: the env.* section answers)
+    turns: TurnSettings = embed(TurnSettings)
     groups_per_claim: int = bounded(4, ge=1)  # prompt groups claimed from the store per micro-batch
     threads: int = bounded(1, ge=1)  # torch threads per rollout worker
     # torch engine only: attn_implementation, rows_per_generate
@@ -181,6 +185,18 @@ class RewardSection(Checked):
     # held-out accuracy counts a prompt as solved when the reward of its greedy response is >= this
     # (1.0: the full score of a 0/1 verifier such as exact_match)
     success_threshold: float = 1.0
+
+
+@flat
+@dataclass(frozen=True)
+class EnvSection(Checked):
+    """The environment workers of a multi-turn run (rollout.max_turns > 1; no effect otherwise):
+    they answer the tool call that ended a model turn (tasks env.{t})."""
+
+    # fn, format, max_observation_tokens, timeout_s (a user's environment), sandbox.* (python)
+    settings: EnvSettings = embed(EnvSettings)
+    num_workers: int = bounded(1, ge=1)  # environment worker processes (CPU only)
+    rows_per_claim: int = bounded(32, ge=1)  # rows claimed per micro-batch
 
 
 @dataclass(frozen=True)
@@ -298,6 +314,8 @@ class PlacementNode(Checked):
     rollout: int = bounded(0, ge=0)  # rollout worker processes here
     reward: int = bounded(0, ge=0)  # reward worker processes here
     reference: int = bounded(0, ge=0)  # reference worker processes here (reference.num_workers)
+    # environment worker processes here (env.num_workers when rollout.max_turns > 1)
+    environment: int = bounded(0, ge=0)
     # trainer ranks here (torch and simulated: 1 process in all; deepspeed: num_ranks)
     trainer: int = bounded(0, ge=0)
 

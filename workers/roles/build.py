@@ -102,7 +102,7 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
     agent = None  # multi-turn: turn 0 here, turns 1..T-1 by ``rollout_stages``
     if cfg.agent is not None and cfg.agent.max_turns > 1:
         agent = TurnPolicy(cfg.agent.max_turns, cfg.agent.max_total_tokens,
-                           sampling.max_new_tokens, marker_ids(tokenizer, cfg.agent.tool_format))
+                           sampling.max_new_tokens, marker_ids(tokenizer, cfg.agent.format))
     return RolloutStage(engine, weights, params, worker=cfg.common.name,
                         group_size=cfg.group_size, groups_per_claim=cfg.groups_per_claim,
                         seed=cfg.common.seed, weight_wait_s=cfg.weight_wait_s, on_sync=on_sync,

@@ -6,7 +6,7 @@ decodes the turn, builds the ``StepContext`` from the row (prompt, answer, turn,
 earlier turns: the environment keeps no state, the row does), runs ``execute`` (which turns every
 failure of the call or of a user's environment into an error observation; the python tool runs in
 the sandbox, the calculator in-process and bounded, a user's environment in a child process killed
-past ``env_timeout_s``: ``workers.agent.isolated``), formats and tokenises the observation with
+past ``env.timeout_s``: ``workers.agent.isolated``), formats and tokenises the observation with
 the model's tokenizer and cuts it to ``max_observation_tokens``. Then either
 
 * it writes ``obs{t}_ids`` / ``obs{t}_error``, which makes the row ready for ``rollout.{t+1}``; or
@@ -22,6 +22,8 @@ wrote (``workers.roles.loop.Parts``).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from storage.schema import ROW_ID, Lease
@@ -58,7 +60,8 @@ class EnvironmentStage:
 
     def __init__(self, env: Environment, tokenizer: Any, turn: int, *, max_turns: int,
                  max_total_tokens: int, max_observation_tokens: int, plain: bool,
-                 max_rows: int) -> None:
+                 max_rows: int, on_call: Callable[[float, str | None], None] | None = None
+                 ) -> None:
         if not 0 <= turn < max_turns - 1:
             raise ValueError(f"turn must be in [0, {max_turns - 1}), got {turn}")
         self.env, self.tokenizer, self.turn = env, tokenizer, turn
@@ -68,6 +71,8 @@ class EnvironmentStage:
         self.columns = (*ENV_READS, *turn_reads(turn + 1, turn))
         self.max_rows = max_rows
         self.last_tokens = 0
+        # (seconds, error kind or None) of each call executed: the worker's metrics
+        self.on_call = on_call or (lambda seconds, error: None)
 
     def process(self, lease: Lease) -> Parts:
         row_ids, items = [], []
@@ -80,7 +85,9 @@ class EnvironmentStage:
                           if isinstance(c, ToolCall))
             context = StepContext(decode_response(self.tokenizer, row["prompt_ids"]),
                                   row["answer"] or "", self.turn, calls)
+            start = time.perf_counter()
             obs = execute(self.env, texts[-1], context, plain=self.plain)
+            self.on_call(time.perf_counter() - start, obs.error)
             ids = list(self.tokenizer(format_observation(obs.text, self.plain),
                                       add_special_tokens=False)["input_ids"])
             ids = ids[: self.max_observation_tokens]
@@ -97,32 +104,32 @@ class EnvironmentStage:
 
 def make_environment(agent: AgentSettings) -> Environment:
     """The configured environment; the python tool with the configured sandbox limits."""
-    if agent.env_fn == "python":
-        from workers.agent.sandbox import SandboxLimits
-
-        return PythonEnvironment(limits=SandboxLimits(
-            wall_s=agent.sandbox_wall_s, cpu_s=agent.sandbox_cpu_s,
-            memory_mb=agent.sandbox_memory_mb, max_output_bytes=agent.sandbox_max_output_bytes))
-    if agent.env_fn in BUILTIN_ENVIRONMENTS:  # pure and bounded: in-process
-        return load_environment(agent.env_fn)
-    return IsolatedEnvironment(agent.env_fn, agent.env_timeout_s)  # user code may hang
+    if agent.fn == "python":
+        return PythonEnvironment(limits=agent.sandbox.limits())
+    if agent.fn in BUILTIN_ENVIRONMENTS:  # pure and bounded: in-process
+        return load_environment(agent.fn)
+    return IsolatedEnvironment(agent.fn, agent.timeout_s)  # user code may hang
 
 
 def environment_stages(env: Environment, tokenizer: Any, agent: AgentSettings, *,
-                       max_rows: int) -> list[EnvironmentStage]:
-    """One stage per ``env.{t}`` task (t < max_turns - 1)."""
+                       max_rows: int, on_call: Callable[[float, str | None], None] | None = None
+                       ) -> list[EnvironmentStage]:
+    """One stage per ``env.{t}`` task (t < max_turns - 1); ``on_call(seconds, error)`` after each
+    executed call (``workers.runtime.metrics.WorkerMetrics.tool_call``)."""
     return [EnvironmentStage(env, tokenizer, t, max_turns=agent.max_turns,
                              max_total_tokens=agent.max_total_tokens,
                              max_observation_tokens=agent.max_observation_tokens,
-                             plain=agent.tool_format == "plain", max_rows=max_rows)
+                             plain=agent.env.plain, max_rows=max_rows, on_call=on_call)
             for t in range(agent.max_turns - 1)]
 
 
-def build_environment(cfg: EnvironmentWorkerConfig) -> list[EnvironmentStage]:
+def build_environment(cfg: EnvironmentWorkerConfig,
+                      on_call: Callable[[float, str | None], None] | None = None
+                      ) -> list[EnvironmentStage]:
     from workers.models.local import load_tokenizer  # (imports torch: only a real worker needs it)
 
     if cfg.agent.max_turns < 2:
-        raise ValueError(f"an environment worker needs agent.max_turns >= 2, got "
+        raise ValueError(f"an environment worker needs rollout.max_turns >= 2, got "
                          f"{cfg.agent.max_turns}: a single-turn run has no tool calls to answer")
     return environment_stages(make_environment(cfg.agent), load_tokenizer(cfg.model_path),
-                              cfg.agent, max_rows=cfg.rows_per_claim)
+                              cfg.agent, max_rows=cfg.rows_per_claim, on_call=on_call)

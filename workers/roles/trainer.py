@@ -252,6 +252,7 @@ class Trainer:
         self._rows_in += rows.num_rows
         self._staleness += [self.step - v for v in rows.column("policy_version").to_pylist()]
         self._rewards += rows.column("reward").to_pylist()
+        self._turns += turn_counts(_loss_masks(rows) or [None] * rows.num_rows)
         self._failures += sum(1 for ok in rows.column("reward_ok").to_pylist() if not ok)
         self._done.append(piece)
         end = time.time()
@@ -303,6 +304,8 @@ class Trainer:
             ratio_max=means["ratio_max"], ratio_min=means["ratio_min"],
             step_seconds=end - (self._first_at or start), publish_seconds=published.seconds,
             publish_bytes=published.bytes, busy_seconds=self._busy,
+            turns_mean=sum(t for t, _ in self._turns) / max(len(self._turns), 1),
+            tool_calls_mean=sum(c for _, c in self._turns) / max(len(self._turns), 1),
         ))
         self.on_step(self.step)  # the checkpoint, before any ack (docs/training.md)
         self._ack_done()
@@ -348,6 +351,7 @@ class Trainer:
         self._rows_in, self._sums = 0, LossSums()
         self._staleness: list[int] = []
         self._rewards: list[float] = []
+        self._turns: list[tuple[int, int]] = []  # per trained row: (model turns, tool answers)
         self._failures = 0
         self._first_at: float | None = None
         self._busy = 0.0
@@ -392,6 +396,21 @@ def _loss_masks(rows: pa.RecordBatch) -> list[list[int] | None] | None:
         return None
     column = rows.column("response_loss_mask")
     return None if column.null_count == len(column) else column.to_pylist()
+
+
+def turn_counts(masks: list[list[int] | None]) -> list[tuple[int, int]]:
+    """(model turns, tool calls answered) of each response, read from its loss mask: a turn is
+    a run of generated tokens (1s), an answered call a run of observation tokens (0s) between
+    them. None (single-turn): one turn, no call."""
+    out = []
+    for mask in masks:
+        if not mask:
+            out.append((1, 0))
+            continue
+        starts = [i for i in range(len(mask)) if i == 0 or mask[i] != mask[i - 1]]
+        turns = sum(1 for i in starts if mask[i])
+        out.append((turns, len(starts) - turns))
+    return out
 
 
 def _padded(column: pa.Array) -> torch.Tensor:

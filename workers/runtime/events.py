@@ -54,6 +54,10 @@ class StepReport:
     publish_seconds: float  # time to write the weights of the new version
     publish_bytes: int
     busy_seconds: float  # forward/backward/optimizer time in this step
+    # per trained trajectory: model turns, and tool calls answered with an observation (read
+    # from response_loss_mask: a single-turn run reports 1 and 0)
+    turns_mean: float = 1.0
+    tool_calls_mean: float = 0.0
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one worker process (rollout, reward, reference or trainer).
+"""Prometheus metrics of one worker process (rollout, reward, reference, environment, trainer).
 
 A private registry per process, its ``/metrics`` endpoint, and two taps that feed it without
 touching the role code: ``MeteredEvents`` (the reports the worker sends) and ``MeteredClient``
@@ -64,6 +64,12 @@ _METRICS: tuple[tuple[str, Any, str, tuple[str, ...], str], ...] = (
      "Pre-clip gradient norm of the last step (mean over its updates)."),
     ("reward_failures", Counter, "streamflow_trainer_reward_failures_total", (),
      "Samples whose verifier failed (scored 0)."),
+    # environment workers (multi-turn): each tool call executed, and the failed ones by kind
+    ("tool_duration", _TIMES, "streamflow_env_tool_duration_seconds", (),
+     "One tool call: parsed and stepped by the environment (observation not yet tokenised)."),
+    ("tool_errors", Counter, "streamflow_env_tool_errors_total", ("kind",),
+     "Tool calls answered with an error observation, by kind (timeout, memory, output_limit, "
+     "crashed, bad_call, unknown_tool, ...)."),
     ("last_checkpoint", Gauge, "streamflow_trainer_last_checkpoint_timestamp_seconds", (),
      "Unix time of the last complete checkpoint (0: none yet)."),
 )
@@ -132,6 +138,12 @@ class WorkerMetrics(HttpEndpoint):
             self.reward_failures.inc(rep.reward_failures)
         self._sync("publish", rep.publish_seconds, rep.publish_bytes, rep.policy_version)
 
+    def tool_call(self, seconds: float, error: str | None) -> None:
+        """One tool call an environment stage executed (``error``: its kind, None: answered)."""
+        self.tool_duration.observe(seconds)
+        if error is not None:
+            self._child(self.tool_errors, error).inc()
+
     def observe_ages(self, stage: str, created_at: Any) -> None:
         """Ages of claimed rows; ``created_at`` is the claimed batch's Arrow column."""
         now, child = time.time(), self._child(self.sample_age, stage)
@@ -147,6 +159,11 @@ class MeteredEvents:
 
     def __init__(self, inner: Any, metrics: WorkerMetrics) -> None:
         self._inner, self._metrics = inner, metrics
+
+    @property
+    def metrics(self) -> WorkerMetrics:
+        """What it feeds: the taps a role has beyond its reports (``tool_call``) use it too."""
+        return self._metrics
 
     def send(self, record: Record) -> None:
         try:

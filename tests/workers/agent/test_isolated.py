@@ -41,8 +41,8 @@ def test_a_spec_that_cannot_be_had_fails_at_construction() -> None:
 
 
 def test_the_role_isolates_user_environments_only() -> None:
-    user = make_environment(AgentSettings(max_turns=2, env_fn="agent_envs:Moody",
-                                          env_timeout_s=1.0))
+    user = make_environment(AgentSettings(max_turns=2, fn="agent_envs:Moody",
+                                          timeout_s=1.0))
     with closing(user):
         assert isinstance(user, IsolatedEnvironment) and user.timeout_s == 1.0
     assert not isinstance(make_environment(AgentSettings(max_turns=2)), IsolatedEnvironment)

@@ -40,7 +40,7 @@ SCRIPTS = {"12*34+5=": ["(=12*34=)55", "(=408+5=)", "413$"], "1+1=": ["2$"],
            "7*8=": ["(=7*8=)", "(=56=)", "(=56=)"], "9-9=": ["(=1+1+1+1+1+1+1+1+1+1+1+1=)", "555"],
            "8-8=": ["(=" + "1+" * 17 + "1=)"]}
 AGENT = AgentSettings(max_turns=3, max_total_tokens=40, max_observation_tokens=8,
-                      env_fn="calculator", tool_format="plain")
+                      fn="calculator", format="plain")
 
 
 def ids(text: str) -> list[int]:
