@@ -20,10 +20,13 @@ What each loop consumes, produces, waits on, and what unblocks it:
     loop        consumes                 produces                 waits on              unblocked by
     controller  trainer step reports     prompt rows of k         version ≥ k - s       trainer publish
     rollout     prompt_ids (groups)      response, logprobs, v    rows ready; weights   controller put; publish
+    environment turn{t}_ids (max_turns>1) obs{t}_ids             rows ready            rollout.{t} write
     reward      response_ids             reward                   rows ready            rollout write
     reference   response_ids             ref_logprobs             rows ready            rollout write
     trainer     all columns (groups)     weights v+1, advantages  all rows of k in      reward/ref writes
 
+Multi-turn (``rollout.max_turns`` > 1), rollout and environment pass each row back and forth,
+rollout.{t} taking obs{t-1}_ids, until a turn ends it with its response_ids (docs/training.md).
 Modes: ``sync`` runs every role in this process, stages taking turns (``ColocatedLoop``);
 ``periodic`` (s = 0) and ``async`` (s = ``max_staleness``) stream between one process per worker
 (``_run_streaming``), started and restarted by a ``Cluster`` (``LocalCluster`` or
