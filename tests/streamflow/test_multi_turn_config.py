@@ -80,6 +80,8 @@ def test_the_reference_in_rollout_is_refused_only_with_turns() -> None:
 def test_env_settings_without_turns_are_a_warning() -> None:
     assert any("env.* has no effect" in n for n in config_warnings(_cfg("env.fn=python")))
     assert not config_warnings(_cfg(TWO, "env.fn=python"))
+    assert any("env.num_workers is ignored in mode 'sync'" in n
+               for n in config_warnings(_cfg(TWO, "run.mode=sync", "env.num_workers=2")))
 
 
 @pytest.mark.parametrize("overrides, needle", [
