@@ -2,9 +2,10 @@
 through real processes in each mode: periodic gives sync's parameters, async finishes, and every
 row goes through the environment's task (env.0) on its way to the reward.
 
-The built-in character model seldom writes a whole plain-form call by itself, so these runs prove
-the wiring (the turn tasks, the environment workers, sync's drain order, the metrics), not a tool's
-answer: the answering is tests/workers/agent/test_turns.py's, with a scripted engine."""
+The built-in character model seldom writes a plain-form call (its end marker ``=)``) by itself: a
+hot sampling temperature, longer turns and more rows make a few calls per iteration (seeded: the
+same ones every time), so the environment's answers are part of what periodic must reproduce.
+Each call's answer itself is tests/workers/agent/test_turns.py's, with a scripted engine."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from testkit import no_children_left
 from streamflow.controller import run
 
 TURNS = ("rollout.max_turns=2", "env.fn=calculator", "run.iterations=2", "run.eval_every=0",
-         "rollout.groups_per_claim=1", "run.stall_timeout_s=60")
+         "rollout.groups_per_claim=1", "run.stall_timeout_s=60",
+         # (a few tool calls per iteration; see the module docstring)
+         "rollout.temperature=4", "rollout.max_new_tokens=12", "data.prompts_per_iteration=16",
+         "data.group_size=4", "trainer.rows_per_claim=16")
 
 
 def _lines(path: Path) -> list[dict]:
@@ -59,6 +63,10 @@ def test_multi_turn_periodic_equals_sync(tiny_config) -> None:
     no_children_left()
     _check_turn_run(sync, 2)
     _check_turn_run(periodic, 2)
+    turns = [[(r["turns_mean"], r["tool_calls_mean"]) for r in _lines(Path(c.run.output_dir)
+                                                                      / "metrics.jsonl")]
+             for c in (sync, periodic)]
+    assert turns[0] == turns[1] and sum(calls for _, calls in turns[0]) > 0, turns
     assert (Path(periodic.run.output_dir) / "workers" / "environment-0.json").is_file()
     a, b = _params(sync), _params(periodic)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
@@ -80,5 +88,6 @@ def test_multi_turn_async_finishes(tiny_config) -> None:
     records = _lines(out / "metrics.jsonl")
     assert [r["iteration"] for r in records] == [0, 1]
     assert all(r["turns_mean"] >= 1.0 for r in records)
+    assert sum(r["tool_calls_mean"] for r in records) > 0  # the environment answered calls
     assert on_disk["stage_busy_seconds"].get("environment", 0.0) > 0.0
     assert on_disk["dead_rows"] == 0
