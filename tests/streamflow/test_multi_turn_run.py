@@ -10,14 +10,18 @@ Each call's answer itself is tests/workers/agent/test_turns.py's, with a scripte
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from safetensors.torch import load_file
-from testkit import no_children_left
+from testkit import no_children_left, wait_until
 
 from streamflow.controller import run
 
+ROOT = Path(__file__).resolve().parents[2]
 TURNS = ("rollout.max_turns=2", "env.fn=calculator", "run.iterations=2", "run.eval_every=0",
          "rollout.groups_per_claim=1", "run.stall_timeout_s=60",
          # (a few tool calls per iteration; see the module docstring)
@@ -91,3 +95,50 @@ def test_multi_turn_async_finishes(tiny_config) -> None:
     assert sum(r["tool_calls_mean"] for r in records) > 0  # the environment answered calls
     assert on_disk["stage_busy_seconds"].get("environment", 0.0) > 0.0
     assert on_disk["dead_rows"] == 0
+
+
+@pytest.mark.slow
+def test_a_killed_environment_worker_is_restarted_and_the_run_finishes(model_cache, tmp_path):
+    """The environment worker is SIGKILLed once it has answered an iteration's calls: the
+    supervisor restarts it (the rule every stage worker has), the rows it held come back when
+    their lease expires, and the run trains every iteration with nothing lost."""
+    out = model_cache / f"{tmp_path.name}-env-restart"
+    log = tmp_path / "run.stderr"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamflow", "run", str(ROOT / "configs" / "tiny.yaml"),
+             *TURNS, "run.mode=periodic", "run.iterations=4", "store.lease_seconds=2",
+             f"run.output_dir={out}", "run.progress=false"],
+            stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
+        try:
+            def recorded() -> int:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                metrics = out / "metrics.jsonl"
+                return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+            def environment_worker() -> psutil.Process | None:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    try:
+                        if "/environment-0.json" in " ".join(child.cmdline()):
+                            return child
+                    except psutil.NoSuchProcess:
+                        continue
+                return None
+
+            victim = wait_until(environment_worker, timeout=120, what="the environment worker")
+            # polled without a pause: the kill must land while iterations with calls remain
+            wait_until(lambda: recorded() >= 1, timeout=120, interval=0.0,
+                       what="an iteration recorded")
+            victim.kill()
+            assert recorded() < 4, "the run ended before the kill: nothing was tested"
+            assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["iterations"] == 4, summary
+    assert summary["worker_restarts"] == {"environment-0": 1}
+    assert summary["dead_rows"] == 0 and summary["in_flight_rows"] == 0
+    assert [r["samples"] for r in _lines(out / "metrics.jsonl")] == [64] * 4
+    assert "restart 1 of environment-0" in (out / "logs" / "environment-0.log").read_text()
