@@ -63,10 +63,11 @@ def test_dry_run_does_not_import_the_engine():
     # The early checks (streamflow/preflight.py) resolve reward.fn with workers.tasks.verifiers, which
     # is standard-library only as well, and so is workers.settings (the knobs the config embeds).
     # The task checks build the arithmetic task and its held-out split (pyarrow only for files).
+    # workers.settings takes env.sandbox.*'s defaults from workers.agent.sandbox (stdlib only).
     light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.tasks",
              "workers.tasks.verifiers", "workers.tasks.arithmetic", "workers.tasks.heldout",
              "workers.tasks.problem", "workers.tasks.prompt_file", "workers.settings",
-             "workers.models", "workers.models.spec")
+             "workers.models", "workers.models.spec", "workers.agent", "workers.agent.sandbox")
     code = (
         "import sys; from streamflow.cli import main; "
         f"rc = main(['run', {TINY!r}, '--dry-run']); "
