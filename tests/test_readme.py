@@ -149,6 +149,22 @@ def test_the_readme_reward_scores_the_readme_prompts(tmp_path, monkeypatch):
         assert score("I do not know.", row["answer"]) == 0.0
 
 
+def test_the_readme_environment_answers_the_readme_call(tmp_path, monkeypatch):
+    files = readme_files(MARKDOWN)
+    (tmp_path / "my_env.py").write_text(files["my_env.py"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _forget_readme_modules(monkeypatch)
+    from workers.agent.environments import StepContext, execute, load_environment
+
+    env = load_environment("my_env:GuessEnv")  # as env.fn names it in agent.yaml
+    assert "fn: my_env:GuessEnv" in files["agent.yaml"]
+    call = re.search(r"`(<tool_call>.*?</tool_call>)`", MARKDOWN).group(1)  # the README's call
+    answers = {target: execute(env, call, StepContext("guess", str(target), 0))
+               for target in (3, 7, 9)}
+    assert [(o.text, o.error, o.done) for o in answers.values()] == [
+        ("lower", None, False), ("correct", None, True), ("higher", None, False)]
+
+
 def _forget_readme_modules(monkeypatch) -> None:
     """Each test imports the README's modules from its own directory, never an earlier one's."""
     for name in readme_files(MARKDOWN):
