@@ -278,7 +278,7 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
         rows_per_claim=cfg.env.rows_per_claim, agent=agent) if agent is not None else None
     plan.reward = RewardWorkerConfig(common=_named(blank, "reward", 1), model_path=model,
                                      verifier=cfg.reward.verifier,
-                                     rows_per_claim=cfg.reward.rows_per_claim)
+                                     rows_per_claim=cfg.reward.rows_per_claim, agent=agent)
     plan.reference = ReferenceWorkerConfig(
         common=_named(blank, "reference", cfg.reference.threads), model_path=model,
         sampling=r.sampling, rows_per_claim=cfg.reference.rows_per_claim, pack=t.pack,

@@ -73,6 +73,7 @@ def check_inputs(cfg: RunConfig) -> None:
     _check_reward(cfg.reward.fn)
     if cfg.multi_turn:
         _check_env(cfg.env.fn)
+        _check_tools(cfg.env.fn, cfg.env.tools, cfg.env.timeout_s)
         _check_context(cfg)
     for key, engine, package in (("rollout.engine", cfg.rollout.engine, "vllm"),
                                  ("trainer.engine", cfg.trainer.engine, "deepspeed")):
@@ -152,10 +153,10 @@ def notes(cfg: RunConfig) -> list[str]:
 
 
 def _check_reward(fn: str) -> None:
-    from workers.tasks.verifiers import RewardError, resolve_reward
+    from workers.tasks.verifiers import RewardError, resolve_reward, takes_trajectory
 
     try:
-        resolve_reward(fn)
+        takes_trajectory(resolve_reward(fn))
     except RewardError as err:
         raise ConfigError("reward.fn", str(err).replace("\n", " ")) from None
     except Exception as err:  # the user's module raised while being imported
@@ -194,6 +195,32 @@ def _check_env(fn: str) -> None:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError("env.fn", f"{fn!r} is not a class or factory")
+
+
+def _check_tools(fn: str, tools: tuple[str, ...], timeout_s: float) -> None:
+    """Each name of env.tools is served by the environment (its ``tools()``): a built-in is made
+    here, a user's only in a child process (``workers.agent.isolated``), and only when env.tools
+    names any."""
+    if not tools:
+        return
+    from workers.agent.environments import BUILTIN_ENVIRONMENTS
+
+    if fn in BUILTIN_ENVIRONMENTS:
+        served = tuple(BUILTIN_ENVIRONMENTS[fn]().tools())
+    else:
+        from workers.agent.isolated import IsolatedEnvironment
+
+        try:
+            env = IsolatedEnvironment(fn, timeout_s)
+        except ValueError as err:  # load_environment's message, naming env.fn
+            why = str(err).removeprefix("env.fn: ").replace("\n", " ")
+            raise ConfigError("env.fn", why) from None
+        served = env.tools()
+        env.close()
+    unknown = [t for t in tools if t not in served]
+    if unknown:
+        raise ConfigError("env.tools", f"{unknown[0]!r} is not a tool of env.fn={fn}, which "
+                          f"serves: {', '.join(served)}")
 
 
 def _check_context(cfg: RunConfig) -> None:

@@ -116,7 +116,8 @@ class RewardWorkerConfig:
     common: WorkerCommon
     model_path: str  # for the tokenizer (responses are decoded to text for the verifier)
     rows_per_claim: int
-    verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error
+    verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error, env_reward
+    agent: AgentSettings | None = None  # multi-turn: the trajectory columns it reads
 
 
 @dataclass
@@ -210,7 +211,11 @@ def _build(cls: type[T], data: dict[str, Any]) -> T:
     for key, value in data.items():  # a mapping where a (maybe optional) dataclass goes: build it
         options = (hints[key], *typing.get_args(hints[key]))
         inner = [a for a in options if dataclasses.is_dataclass(a)]
-        kwargs[key] = _build(inner[0], value) if inner and isinstance(value, dict) else value
+        if inner and isinstance(value, dict):
+            value = _build(inner[0], value)
+        elif typing.get_origin(hints[key]) is tuple and isinstance(value, list):
+            value = tuple(value)  # (JSON has lists only)
+        kwargs[key] = value
     return cls(**kwargs)
 
 

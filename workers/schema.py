@@ -71,6 +71,12 @@ def turn_columns(max_turns: int) -> list[pa.Field]:
     return fields
 
 
+# multi-turn only: the environment's reward of the trajectory (Observation.reward of the
+# observation that ended it), written with the assembled columns by whoever ends it; NULL: none
+# (the reward role reads it, reward.env_reward)
+ENV_REWARD_FIELD = pa.field("env_reward", pa.float32())
+
+
 PUT_COLUMNS = ("group_id", "iteration", "min_policy_version", "prompt_ids", "answer")
 ROLLOUT_READS = ("group_id", "iteration", "min_policy_version", "prompt_ids")
 ROLLOUT_COLUMNS = ("response_ids", "response_logprobs", "policy_version", "finish_reason",
@@ -108,8 +114,8 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
     """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
     wait for ``ref_logprobs`` (off when the KL term is off or the reference is fused into the
     trainer); ``reference_in_rollout``: the rollout writes them with its responses, so the trainer
-    waits for them without a reference task. ``max_turns`` > 1 adds the ``turn_columns`` and
-    the turn tasks: ``env.{t}`` (needs ``turn{t}_ids``, t < T-1) and ``rollout.{t}`` (needs
+    waits for them without a reference task. ``max_turns`` > 1 adds the ``turn_columns``,
+    ``env_reward`` and the turn tasks: ``env.{t}`` (needs ``turn{t}_ids``, t < T-1) and ``rollout.{t}`` (needs
     ``obs{t-1}_ids``, t >= 1); 1 is the single-turn table exactly."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -126,7 +132,8 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
     tasks.append(TaskSpec("trainer", trainer_needs, whole_groups=True))
     return TableSpec(
         name=name, tasks=tuple(tasks),
-        schema=pa.schema([*SAMPLES_SCHEMA, *turn_columns(max_turns)]) if max_turns > 1
+        schema=pa.schema([*SAMPLES_SCHEMA, *turn_columns(max_turns), ENV_REWARD_FIELD])
+        if max_turns > 1
         else SAMPLES_SCHEMA, group_column="group_id",
         group_size=group_size, capacity_rows=capacity_rows, lease_seconds=lease_seconds,
         max_deliveries=max_deliveries, fsync=fsync,

@@ -199,6 +199,9 @@ class RewardSettings(Checked):
     timeout_s: float = bounded(2.0, gt=0)  # per-sample scoring timeout; a timeout scores as failed
     # a failed sample: "retry" = a failed delivery, "zero" = scored 0.0 and trained on
     on_error: Literal["retry", "zero"] = "retry"
+    # multi-turn: a trajectory the environment ended with a reward (Observation.reward) is scored
+    # "replace" = that reward (the verifier is not run), "add" = verifier + it, "ignore" = verifier
+    env_reward: Literal["replace", "add", "ignore"] = "replace"
 
     def check(self) -> None:
         require(bool(_REWARD_FN.match(self.fn)), "fn",
@@ -263,6 +266,9 @@ class EnvSettings(Checked):
     """The environment that answers a turn's tool call (``env.*``; workers.roles.environment)."""
 
     fn: str = "calculator"  # built-in ("calculator", "python") or "package.module:Class"
+    # the tools the model may call, each served by the environment (its tools()); a call to any
+    # other is an "unknown_tool" observation. Empty: every tool the environment serves
+    tools: tuple[str, ...] = ()
     # the tool-call form: "plain" = (=expr=), "hermes" = <tool_call>{json}</tool_call>; "auto" =
     # plain for the built-in character model, hermes for a model.path (the plan resolves it)
     format: Literal["auto", "plain", "hermes"] = "auto"
@@ -274,6 +280,8 @@ class EnvSettings(Checked):
     def check(self) -> None:
         require(bool(_ENV_FN.match(self.fn)), "fn",
                 f"must be a built-in name or 'module.path:Class', got {self.fn!r}")
+        require(all(self.tools) and len(set(self.tools)) == len(self.tools), "tools",
+                f"must be distinct non-empty tool names, got {list(self.tools)}")
 
     @property
     def plain(self) -> bool:
@@ -289,7 +297,7 @@ class AgentSettings(Checked):
     ``agent.env.fn``)."""
 
     turns: TurnSettings = embed(TurnSettings)  # max_turns, max_total_tokens
-    env: EnvSettings = embed(EnvSettings)  # fn, format, max_observation_tokens, timeout_s, sandbox
+    env: EnvSettings = embed(EnvSettings)  # fn, tools, format, max_observation_tokens, ...
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ def test_the_keys_embed_the_workers_settings_declared_once() -> None:
     (["env.fn=1bad"], "env.fn", "must be a built-in name"),
     (["env.format=json"], "env.format", "must be one of 'auto', 'plain', 'hermes'"),
     (["env.sandbox.wall_s=0"], "env.sandbox.wall_s", "must be > 0"),
+    (["env.tools=[calculator, calculator]"], "env.tools", "must be distinct non-empty tool names"),
     (["env.num_workers=0"], "env.num_workers", "must be >= 1"),
     ([TWO, "trainer.kl_coef=0.1", "reference.placement=rollout"], "reference.placement",
      "'rollout' cannot score a trajectory of rollout.max_turns=2"),
@@ -89,6 +90,10 @@ def test_env_settings_without_turns_are_a_warning() -> None:
     (["env.fn=no_such_module_xyz:Env"],
      "error: env.fn: cannot import 'no_such_module_xyz': ModuleNotFoundError"),
     (["env.fn=json:NoSuchClass"], "error: env.fn: module 'json' has no attribute 'NoSuchClass'"),
+    (["env.tools=[calculator, python]"],
+     "error: env.tools: 'python' is not a tool of env.fn=calculator, which serves: calculator"),
+    (["reward.fn=json:dumps"], "error: reward.fn: reward 'dumps' must take (completion, answer) "
+                               "or (completion, answer, trajectory), not (obj, *, skipkeys"),
     (["rollout.max_total_tokens=256"],
      "error: rollout.max_total_tokens: 256 leaves no room for a prompt in the context of the "
      "built-in model (256 tokens)"),
@@ -108,6 +113,21 @@ def test_dry_run_accepts_a_good_environment(capsys, tmp_path):
     # single-turn: env.fn is never used, so it is not checked
     assert main(["run", TINY, "env.fn=nope", f"run.output_dir={tmp_path}", "--dry-run"]) == 0
     capsys.readouterr()
+
+
+def test_env_tools_are_checked_against_a_users_environment_in_a_child(capsys, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "workers" / "agent"))  # agent_envs
+    ok = ["run", TINY, TWO, "env.fn=agent_envs:Moody", f"run.output_dir={tmp_path}", "--dry-run"]
+    assert main([*ok, "env.tools=[say]"]) == 0
+    assert main([*ok, "env.tools=[say, shout]"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: env.tools: 'shout' is not a tool of env.fn=agent_envs:Moody, "
+                          "which serves: say\n") and err.count("\n") == 1, err
+    assert main([*ok[:3], "env.fn=agent_envs:Broken", *ok[4:], "env.tools=[say]"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: env.fn: environment 'agent_envs:Broken' raised when made") and (
+        err.count("\n") == 1), err
 
 
 def test_the_python_tool_needs_a_working_sandbox(monkeypatch, capsys, tmp_path):
@@ -143,6 +163,7 @@ def test_the_plan_builds_the_turn_table_and_the_environment_workers(tmp_path) ->
                          env=dataclasses.replace(cfg.env.settings, format="plain"))
     assert plan.rollout.agent == want and plan.environment is not None
     assert plan.environment.agent == want and plan.environment.rows_per_claim == 5
+    assert plan.reward.agent == want  # it reads the trajectory's columns
     assert [t.name for t in plan.table_spec.tasks] == [
         "rollout", "env.0", "rollout.1", "env.1", "rollout.2", "reward", "reference", "trainer"]
     workers = plan.workers(["tcp://127.0.0.1:1"], None)
@@ -156,7 +177,7 @@ def test_the_plan_builds_the_turn_table_and_the_environment_workers(tmp_path) ->
 
 def test_a_single_turn_plan_is_todays(tmp_path) -> None:
     plan = _plan(_cfg("env.num_workers=3"), tmp_path)
-    assert plan.rollout.agent is None and plan.environment is None
+    assert plan.rollout.agent is None and plan.environment is None and plan.reward.agent is None
     assert "env.0" not in [t.name for t in plan.table_spec.tasks]
     assert all(role != "environment" for _, role, _, _ in plan.workers(["tcp://h:1"], None))
 

@@ -9,11 +9,13 @@ import pytest
 from workers.tasks.verifiers import (
     RewardError,
     RewardRunner,
+    Trajectory,
     available_rewards,
     exact_match,
     numeric_close,
     register_reward,
     resolve_reward,
+    takes_trajectory,
 )
 
 USER_MODULE = textwrap.dedent(
@@ -34,6 +36,11 @@ USER_MODULE = textwrap.dedent(
         if completion == "text":
             return "not a number"
         return 1.0 if completion.strip() == answer else 0.0
+
+    def tool_thrift(completion, answer, trajectory):
+        # the answer counts only when the last turn says it, less 0.25 per tool call
+        said = trajectory.turns[-1].strip() == answer
+        return float(said) - 0.25 * trajectory.tool_calls
     """
 )
 
@@ -126,3 +133,42 @@ def test_brevity_prefers_short_completions() -> None:
     fn = resolve_reward("brevity")
     assert fn("", "ignored") == 1.0
     assert fn("12", "x") > fn("1234", "x") > 0.0
+
+
+def test_the_form_of_a_reward_function_is_read_from_its_signature(user_module):
+    def two(completion, answer):  # noqa: ANN001, ANN202
+        return 0.0
+
+    def three(completion, answer, trajectory=None):  # noqa: ANN001, ANN202
+        return 0.0
+
+    def one(completion):  # noqa: ANN001, ANN202
+        return 0.0
+
+    assert not takes_trajectory(two) and not takes_trajectory(exact_match)
+    assert takes_trajectory(three) and takes_trajectory(resolve_reward(f"{user_module}:tool_thrift"))
+    assert takes_trajectory(lambda *args: 0.0)
+    with pytest.raises(RewardError, match=r"must take \(completion, answer\) or \(completion, "
+                                          r"answer, trajectory\), not \(completion\)"):
+        takes_trajectory(one)
+    with pytest.raises(RewardError, match="must take"):
+        RewardRunner(one, timeout_s=1.0, isolate=False)
+
+
+def test_a_trajectory_reward_gets_the_trajectory_and_a_classic_one_does_not(user_module):
+    traj = Trajectory(("(=7*8=)", "56"), ("56",), (None,), 1, None, "stop")
+    seen = []
+
+    def classic(completion, answer):  # noqa: ANN001, ANN202
+        seen.append((completion, answer))
+        return 1.0
+
+    runner = RewardRunner(classic, timeout_s=1.0, isolate=False)
+    assert runner.score(["(=7*8=)56 56"], ["56"], [traj])[0].score == 1.0
+    assert seen == [("(=7*8=)56 56", "56")]
+    # in the child: the record crosses the pipe; a single-turn sample is a trajectory of one turn
+    with RewardRunner(f"{user_module}:tool_thrift", timeout_s=5.0) as aware:
+        assert aware.isolated and aware.takes_trajectory
+        res = aware.score(["(=7*8=)56 56", "56"], ["56", "56"], [traj, traj])
+        assert [r.score for r in res] == [0.75, 0.75] and all(r.ok for r in res)
+        assert aware.score(["56"], ["56"])[0].score == 1.0

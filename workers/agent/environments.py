@@ -29,7 +29,7 @@ import importlib
 import math
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -87,16 +87,17 @@ class Environment(Protocol):
 
 
 def execute(env: Environment, model_turn_text: str, context: StepContext, *,
-            plain: bool = False) -> Observation:
+            plain: bool = False, allowed: Sequence[str] = ()) -> Observation:
     """The observation for one model turn. A turn without a call is the model's answer:
-    ``Observation("", done=True)``. ``plain`` picks the call form (workers.agent.toolcall)."""
+    ``Observation("", done=True)``. ``plain`` picks the call form (workers.agent.toolcall);
+    ``allowed`` (``env.tools``) narrows the tools the model may call (empty: all it serves)."""
     parsed = parse_tool_call(model_turn_text, plain=plain)
     if parsed is None:
         return Observation("", done=True)
     if isinstance(parsed, ToolCallError):
         return Observation(f"bad tool call ({parsed.kind}): {parsed.message}", "bad_call")
     try:
-        tools = tuple(env.tools())
+        tools = tuple(allowed) or tuple(env.tools())
         if parsed.name not in tools:
             return Observation(f"unknown tool {parsed.name[:40]!r}; the tools are "
                                f"{', '.join(tools)}", "unknown_tool")

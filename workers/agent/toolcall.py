@@ -13,7 +13,10 @@ chat template or is the embedded character-level model):
   stop generation there and keep the marker in the text (the parser needs it to tell a finished
   call from one cut off by the token budget). The observation goes back as
   ``<tool_response>\\n{text}\\n</tool_response>`` (the block Qwen2.5's template writes for a
-  ``tool`` message; an engine with a chat template adds the template's turn tokens around it).
+  ``tool`` message) when the tokenizer has no chat template; with one, the observation is the
+  template's own tool-message turn (``chat_wrapping``: for Qwen2.5 ``<|im_end|>\\n<|im_start|>user
+  \\n<tool_response>\\n{text}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n``), so the
+  model's turn is closed and the model goes on as the assistant.
 * **Plain** (``plain=True``) for the character model, whose default alphabet is only
   ``0123456789+-*=() `` (no letters, ``<``, ``{``, quotes, ``[`` or ``:``): ``(=123*45=)`` is
   ``calculator`` with ``expression`` = ``123*45``. It is the only tool the plain form names.
@@ -198,8 +201,49 @@ def render_tool_call(call: ToolCall, plain: bool = False) -> str:
 _WHITESPACE = re.compile(r"\s+")
 
 
-def format_observation(text: str, plain: bool = False) -> str:
-    """An environment's answer as it is appended to the conversation (loss mask 0)."""
+def format_observation(text: str, plain: bool = False,
+                       wrapping: tuple[str, str] | None = None) -> str:
+    """An environment's answer as it is appended to the conversation (loss mask 0): in the chat
+    template's tool-message turn when ``wrapping`` (``chat_wrapping``) is given."""
     if plain:
         return _WHITESPACE.sub(" ", text).strip() + " "
+    if wrapping is not None:
+        return wrapping[0] + text + wrapping[1]
     return f"{TOOL_RESPONSE_START}\n{text}\n{TOOL_RESPONSE_END}"
+
+
+def observation_text(formatted: str, plain: bool = False,
+                     wrapping: tuple[str, str] | None = None) -> str:
+    """The text of an observation read back (decoded with its special tokens) from what
+    ``format_observation`` appended: its wrapping removed where it is found whole."""
+    before, after = (("", " ") if plain else wrapping if wrapping is not None else
+                     (f"{TOOL_RESPONSE_START}\n", f"\n{TOOL_RESPONSE_END}"))
+    if formatted.startswith(before) and formatted.endswith(after) and (
+            len(formatted) >= len(before) + len(after)):
+        return formatted[len(before):len(formatted) - len(after)]
+    return formatted
+
+
+_SENT_TURN, _SENT_OBS = "\x00TURN\x00", "\x00OBSERVATION\x00"
+
+
+def chat_wrapping(tokenizer: Any) -> tuple[str, str] | None:
+    """(before, after) an observation's text: the tokenizer's chat template rendering [user,
+    assistant turn, tool message] + the generation prompt, from just after the assistant's text.
+    None when it has no template, or the template fails or drops the tool message (then the
+    bare ``<tool_response>`` block is used)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENT_TURN},
+                {"role": "tool", "content": _SENT_OBS}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template that refuses a tool message (e.g. strict role alternation)
+        return None
+    if not isinstance(text, str) or text.count(_SENT_TURN) != 1:
+        return None
+    tail = text[text.index(_SENT_TURN) + len(_SENT_TURN):]
+    if tail.count(_SENT_OBS) != 1:
+        return None
+    before, _, after = tail.partition(_SENT_OBS)
+    return before, after

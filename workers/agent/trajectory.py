@@ -11,8 +11,8 @@ single-turn-compatible columns, and the write batches of one turn's rows.
 Invariants:
 
 * The written turn/obs cells of a row are a prefix of turn0, obs0, turn1, obs1, ...: whoever ends
-  a trajectory writes the assembled columns and NULL in every later turn/obs cell in the SAME
-  write, so each later turn task finds the row ready, reads a NULL, and acks it untouched. A NULL
+  a trajectory writes the assembled columns, ``env_reward`` (the environment's final reward, else
+  NULL) and NULL in every later turn/obs cell in the SAME write, so each later turn task finds the row ready, reads a NULL, and acks it untouched. A NULL
   cell (``turn{t}_ids``, ``turn{t}_finish``, ``obs{t}_ids``) therefore means "ended before this".
 * ``response_ids`` = turn0 + obs0 + turn1 + ... + the last turn; ``response_loss_mask`` is 1 on
   model tokens and 0 on observation tokens; ``response_logprobs`` is 0.0 on observation tokens.
@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from storage.schema import ROW_ID
 from workers.engines.base import FINISH_STOP, Generation
-from workers.schema import SAMPLES_SCHEMA, turn_columns
+from workers.schema import ENV_REWARD_FIELD, SAMPLES_SCHEMA, turn_columns
 
 FINISH_TOOL = "tool"  # the turn ended in a tool call (its end marker is the turn's last token)
 FINISH_BUDGET = "budget"  # max_total_tokens cut the turn, or left no room for the observation
@@ -174,7 +174,7 @@ def assemble(hist: History, finish_reason: str) -> Assembled:
 
 # ----------------------------------------------------------------------------- write batches
 def _types(max_turns: int) -> dict[str, pa.DataType]:
-    return {f.name: f.type for f in (*SAMPLES_SCHEMA, *turn_columns(max_turns))}
+    return {f.name: f.type for f in (*SAMPLES_SCHEMA, *turn_columns(max_turns), ENV_REWARD_FIELD)}
 
 
 def later_columns(max_turns: int, t: int) -> tuple[str, ...]:
@@ -193,11 +193,12 @@ def _batch(row_ids: Sequence[int], values: dict[str, list[Any]],
 
 def _ended(max_turns: int, t: int, items: Sequence[tuple[History, str]],
            override: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    """The assembled columns of trajectories ending at turn/obs t, and NULL in every later cell
-    (``override``: cells this write sets itself)."""
+    """The assembled columns of trajectories ending at turn/obs t, NULL in every later cell and
+    in ``env_reward`` (``override``: cells this write sets itself)."""
     done = [assemble(h, reason) for h, reason in items]
     values: dict[str, list[Any]] = {name: [getattr(a, name) for a in done] for name in ASSEMBLED}
     values.update({name: [None] * len(items) for name in later_columns(max_turns, t)})
+    values[ENV_REWARD_FIELD.name] = [None] * len(items)
     values.update(override)
     return values
 
@@ -230,14 +231,18 @@ def turn_writes(row_ids: Sequence[int], t: int, max_turns: int,
 
 
 def observation_writes(row_ids: Sequence[int], t: int, max_turns: int,
-                       items: Sequence[tuple[History, list[int], str | None, str | None]]
-                       ) -> list[pa.RecordBatch]:
+                       items: Sequence[tuple[History, list[int], str | None, str | None]],
+                       rewards: Sequence[float | None] | None = None) -> list[pa.RecordBatch]:
     """The writes of observation ``t``. Each item: (history through turn t, the observation's
     ids, its error kind, the trajectory's finish_reason if the environment ends it here, else
-    None). An ending row's observation is not appended: ``obs{t}_ids`` is NULL, its error kept."""
+    None); ``rewards``: each item's ``Observation.reward`` (written as ``env_reward`` when the
+    row ends here). An ending row's observation is not appended: ``obs{t}_ids`` is NULL, its
+    error kept."""
+    rewards = list(rewards) if rewards is not None else [None] * len(items)
     types = _types(max_turns)
     going = [(rid, it) for rid, it in zip(row_ids, items, strict=True) if it[3] is None]
-    ending = [(rid, it) for rid, it in zip(row_ids, items, strict=True) if it[3] is not None]
+    ending = [(rid, it, r) for rid, it, r in zip(row_ids, items, rewards, strict=True)
+              if it[3] is not None]
     out = []
     if going:
         out.append(_batch([g[0] for g in going], {
@@ -245,6 +250,7 @@ def observation_writes(row_ids: Sequence[int], t: int, max_turns: int,
             f"obs{t}_error": [g[1][2] for g in going]}, types))
     if ending:
         values = _ended(max_turns, t, [(e[1][0], str(e[1][3])) for e in ending],
-                        {f"obs{t}_error": [e[1][2] for e in ending]})
+                        {f"obs{t}_error": [e[1][2] for e in ending],
+                         ENV_REWARD_FIELD.name: [e[2] for e in ending]})
         out.append(_batch([e[0] for e in ending], values, types))
     return out

@@ -120,7 +120,8 @@ def rollout_stages(stage: RolloutStage) -> list[Any]:
 def build_reward(cfg: RewardWorkerConfig) -> Any:
     r = cfg.verifier
     stage = RewardStage(load_tokenizer(cfg.model_path), r.fn, timeout_s=r.timeout_s,
-                        max_rows=cfg.rows_per_claim, on_error=r.on_error)
+                        max_rows=cfg.rows_per_claim, on_error=r.on_error, agent=cfg.agent,
+                        env_reward=r.env_reward)
     if cfg.common.simulated is not None:  # the real verifier, plus the cost model's time
         from workers.engines.simulated import SimulatedRewardStage
 

@@ -6,14 +6,18 @@ decodes the turn, builds the ``StepContext`` from the row (prompt, answer, turn,
 earlier turns: the environment keeps no state, the row does), runs ``execute`` (which turns every
 failure of the call or of a user's environment into an error observation; the python tool runs in
 the sandbox, the calculator in-process and bounded, a user's environment in a child process killed
-past ``env.timeout_s``: ``workers.agent.isolated``), formats and tokenises the observation with
-the model's tokenizer and cuts it to ``max_observation_tokens``. Then either
+past ``env.timeout_s``: ``workers.agent.isolated``; a call to a tool outside ``env.tools`` is an
+"unknown_tool" observation), formats the observation (hermes form with a chat template: in the
+template's tool-message turn, ``workers.agent.toolcall.chat_wrapping``), tokenises it with the
+model's tokenizer and cuts its text so that the whole fits ``max_observation_tokens`` (the turn
+wrapping is never cut: the model must go on as the assistant). Then either
 
 * it writes ``obs{t}_ids`` / ``obs{t}_error``, which makes the row ready for ``rollout.{t+1}``; or
 * it ENDS the trajectory, when the environment says done ("done") or the observation would leave
   no room in ``max_total_tokens`` for another model token ("budget"): the observation is not
-  appended, and the assembled response columns and NULL in every later turn/obs cell are written
-  in the same write (``workers.agent.trajectory.observation_writes``).
+  appended, and the assembled response columns, NULL in every later turn/obs cell and
+  ``env_reward`` (the done observation's ``reward``, or NULL) are written in the same write
+  (``workers.agent.trajectory.observation_writes``).
 
 A row whose turn t did not call a tool (the trajectory ended at or before turn t: ``turn{t}_finish``
 is not "tool", or NULL) is acked without work. A redelivered lease keeps the cells its predecessor
@@ -36,7 +40,7 @@ from workers.agent.environments import (
     load_environment,
 )
 from workers.agent.isolated import IsolatedEnvironment
-from workers.agent.toolcall import ToolCall, format_observation, parse_tool_call
+from workers.agent.toolcall import ToolCall, chat_wrapping, format_observation, parse_tool_call
 from workers.agent.trajectory import (
     FINISH_BUDGET,
     FINISH_DONE,
@@ -60,13 +64,15 @@ class EnvironmentStage:
 
     def __init__(self, env: Environment, tokenizer: Any, turn: int, *, max_turns: int,
                  max_total_tokens: int, max_observation_tokens: int, plain: bool,
-                 max_rows: int, on_call: Callable[[float, str | None], None] | None = None
-                 ) -> None:
+                 max_rows: int, on_call: Callable[[float, str | None], None] | None = None,
+                 tools: tuple[str, ...] = ()) -> None:
         if not 0 <= turn < max_turns - 1:
             raise ValueError(f"turn must be in [0, {max_turns - 1}), got {turn}")
         self.env, self.tokenizer, self.turn = env, tokenizer, turn
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.max_observation_tokens, self.plain = max_observation_tokens, plain
+        self.tools = tools  # env.tools: the tools the model may call (empty: all served)
+        self.wrapping = None if plain else chat_wrapping(tokenizer)
         self.task = f"env.{turn}"
         self.columns = (*ENV_READS, *turn_reads(turn + 1, turn))
         self.max_rows = max_rows
@@ -75,7 +81,7 @@ class EnvironmentStage:
         self.on_call = on_call or (lambda seconds, error: None)
 
     def process(self, lease: Lease) -> Parts:
-        row_ids, items = [], []
+        row_ids, items, rewards = [], [], []
         for row in lease.batch.to_pylist():
             hist = read_history(row, self.turn + 1, self.turn)
             if hist is None or hist.turns[-1].finish != FINISH_TOOL:
@@ -86,11 +92,10 @@ class EnvironmentStage:
             context = StepContext(decode_response(self.tokenizer, row["prompt_ids"]),
                                   row["answer"] or "", self.turn, calls)
             start = time.perf_counter()
-            obs = execute(self.env, texts[-1], context, plain=self.plain)
+            obs = execute(self.env, texts[-1], context, plain=self.plain, allowed=self.tools)
             self.on_call(time.perf_counter() - start, obs.error)
-            ids = list(self.tokenizer(format_observation(obs.text, self.plain),
-                                      add_special_tokens=False)["input_ids"])
-            ids = ids[: self.max_observation_tokens]
+            ids = observation_ids(self.tokenizer, obs.text, self.plain, self.wrapping,
+                                  self.max_observation_tokens)
             end = None
             if obs.done:
                 end = FINISH_DONE
@@ -98,8 +103,24 @@ class EnvironmentStage:
                 end = FINISH_BUDGET
             row_ids.append(row[ROW_ID])
             items.append((hist, ids, obs.error, end))
+            rewards.append(obs.reward if obs.done else None)
         self.last_tokens = sum(len(it[1]) for it in items if it[3] is None)
-        return Parts(tuple(observation_writes(row_ids, self.turn, self.max_turns, items)))
+        return Parts(tuple(observation_writes(row_ids, self.turn, self.max_turns, items,
+                                              rewards)))
+
+
+def observation_ids(tokenizer: Any, text: str, plain: bool, wrapping: tuple[str, str] | None,
+                    max_tokens: int) -> list[int]:
+    """The formatted observation's ids, cut to ``max_tokens``; with a chat template's
+    ``wrapping`` only the text is cut, the turn wrapping is kept whole."""
+    def encode(piece: str) -> list[int]:
+        return [int(i) for i in tokenizer(piece, add_special_tokens=False)["input_ids"]]
+
+    ids = encode(format_observation(text, plain, wrapping))
+    if len(ids) <= max_tokens or wrapping is None:
+        return ids[:max_tokens]
+    before, after = encode(wrapping[0]), encode(wrapping[1])
+    return before + encode(text)[:max(max_tokens - len(before) - len(after), 0)] + after
 
 
 def make_environment(agent: AgentSettings) -> Environment:
@@ -119,7 +140,8 @@ def environment_stages(env: Environment, tokenizer: Any, agent: AgentSettings, *
     return [EnvironmentStage(env, tokenizer, t, max_turns=agent.max_turns,
                              max_total_tokens=agent.max_total_tokens,
                              max_observation_tokens=agent.max_observation_tokens,
-                             plain=agent.env.plain, max_rows=max_rows, on_call=on_call)
+                             plain=agent.env.plain, max_rows=max_rows, on_call=on_call,
+                             tools=agent.env.tools)
             for t in range(agent.max_turns - 1)]
 
 

@@ -2,7 +2,10 @@
 
 Writes ``reward``, ``reward_ok``, ``reward_error``. ``on_error="zero"`` trains on a failed sample
 scored 0.0; ``"retry"`` hands it back as a failed delivery (a multi-row lease cleanly, then one
-row per claim to isolate it). Details: docs/training.md "The reward role".
+row per claim to isolate it). Multi-turn, it also reads each trajectory's turns, observations,
+errors and ``env_reward``: a verifier of the form ``fn(completion, answer, trajectory)`` gets them
+as a ``Trajectory``, and ``env_reward`` (``reward.env_reward``) replaces the verifier's score,
+adds to it, or is ignored. Details: docs/training.md "The reward role".
 """
 
 from __future__ import annotations
@@ -12,24 +15,48 @@ from typing import Any
 import pyarrow as pa
 
 from storage.schema import Lease
+from workers.agent.toolcall import chat_wrapping, observation_text
+from workers.agent.trajectory import FINISH_TOOL
 from workers.roles.loop import HandBack, with_row_ids
-from workers.schema import REWARD_READS
-from workers.tasks.verifiers import RewardRunner, resolve_reward
+from workers.schema import ENV_REWARD_FIELD, REWARD_READS
+from workers.settings import AgentSettings
+from workers.tasks.verifiers import RewardResult, RewardRunner, Trajectory, resolve_reward
+
+ENV_REWARD_RULES = ("replace", "add", "ignore")
+
+
+def trajectory_reads(max_turns: int) -> tuple[str, ...]:
+    """The columns a multi-turn reward claim adds to ``REWARD_READS`` (all written on an ended
+    row: its later cells as NULL)."""
+    names = ["finish_reason", ENV_REWARD_FIELD.name]
+    for t in range(max_turns):
+        names += [f"turn{t}_ids", f"turn{t}_finish"]
+        if t < max_turns - 1:
+            names += [f"obs{t}_ids", f"obs{t}_error"]
+    return tuple(names)
 
 
 class RewardStage:
     task = "reward"
-    columns = REWARD_READS
     whole_groups = False
 
     def __init__(self, tokenizer: Any, reward_fn: str, *, timeout_s: float, max_rows: int,
-                 on_error: str = "retry") -> None:
+                 on_error: str = "retry", agent: AgentSettings | None = None,
+                 env_reward: str = "replace") -> None:
         if on_error not in ("retry", "zero"):
             raise ValueError(f"reward on_error must be 'retry' or 'zero', got {on_error!r}")
+        if env_reward not in ENV_REWARD_RULES:
+            raise ValueError(f"reward env_reward must be one of {ENV_REWARD_RULES}, got "
+                             f"{env_reward!r}")
         self.tokenizer = tokenizer
         self.runner = RewardRunner(resolve_reward(reward_fn), timeout_s)
         self.max_rows = self._max_rows = max_rows
-        self.on_error = on_error
+        self.on_error, self.env_reward = on_error, env_reward
+        self.max_turns = agent.max_turns if agent is not None else 1
+        self.plain = agent is not None and agent.env.plain
+        self.wrapping = None if self.plain or self.max_turns == 1 else chat_wrapping(tokenizer)
+        self.columns = REWARD_READS + (trajectory_reads(self.max_turns) if self.max_turns > 1
+                                       else ())
         self._isolating = 0  # single-row claims left after a failure in a multi-row lease
         self.last_tokens = 0
 
@@ -37,7 +64,10 @@ class RewardStage:
         responses = lease.batch.column("response_ids").to_pylist()
         answers = lease.batch.column("answer").to_pylist()
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        results = self.runner.score(texts, answers)
+        if self.max_turns == 1:
+            results = self.runner.score(texts, answers)
+        else:
+            results = self._score_trajectories(lease.batch.to_pylist(), texts, answers)
         if self._isolating:
             self._isolating -= 1
             if not self._isolating:
@@ -54,6 +84,42 @@ class RewardStage:
             "reward_ok": pa.array([r.ok for r in results], pa.bool_()),
             "reward_error": pa.array([r.error for r in results], pa.string()),
         })
+
+    def _score_trajectories(self, rows: list[dict[str, Any]], texts: list[str],
+                            answers: list[str]) -> list[RewardResult]:
+        """Each row's score under ``env_reward``: "replace" runs the verifier only on the rows
+        without an environment reward."""
+        trajs = [self.trajectory(row) for row in rows]
+        env = [t.env_reward if self.env_reward != "ignore" else None for t in trajs]
+        todo = [i for i, r in enumerate(env) if r is None or self.env_reward == "add"]
+        scored = self.runner.score([texts[i] for i in todo], [answers[i] for i in todo],
+                                   [trajs[i] for i in todo])
+        results = [RewardResult(r, True) if r is not None else None for r in env]
+        for i, res in zip(todo, scored, strict=True):
+            results[i] = (res if env[i] is None else
+                          RewardResult(res.score + float(env[i]), res.ok, res.error))
+        return [r for r in results if r is not None]
+
+    def trajectory(self, row: dict[str, Any]) -> Trajectory:
+        """The ``Trajectory`` of a claimed row (``trajectory_reads``)."""
+        def decode(ids: list[int], special: bool) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=not special)
+
+        turns, observations, errors = [], [], []
+        for t in range(self.max_turns):
+            ids = row[f"turn{t}_ids"]
+            if ids is None:
+                break
+            turns.append(decode(ids, False))
+            if t < self.max_turns - 1 and row[f"turn{t}_finish"] == FINISH_TOOL:
+                errors.append(row[f"obs{t}_error"])  # the environment answered this call
+                if row[f"obs{t}_ids"] is not None:
+                    observations.append(observation_text(decode(row[f"obs{t}_ids"], True),
+                                                         self.plain, self.wrapping))
+        env_reward = row[ENV_REWARD_FIELD.name]
+        return Trajectory(tuple(turns), tuple(observations), tuple(errors), len(errors),
+                          None if env_reward is None else float(env_reward),
+                          row["finish_reason"] or "")
 
     def close(self) -> None:
         self.runner.close()

@@ -1,6 +1,10 @@
 """Reward functions: a registry of rule-based verifiers, and a runner that scores with timeouts.
 
-Built-ins run in-process; any other ``"package.module:function"`` runs in a spawned child that a
+A reward function is ``fn(completion, answer) -> float`` or ``fn(completion, answer, trajectory)
+-> float``: the form is read from its signature once, when it is loaded (``takes_trajectory``);
+``trajectory`` is a ``Trajectory`` (the model's turns, the observations, their errors, the tool
+calls, the environment's reward; a single-turn sample is a trajectory of one turn). Built-ins
+run in-process; any other ``"package.module:function"`` runs in a spawned child that a
 per-sample timeout kills and restarts; a failure scores 0.0 with ``ok=False`` and the reason
 (docs/training.md "The reward role"). Stays light to import (no torch): the child imports it.
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import math
 import multiprocessing as mp
 import re
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[..., float]  # (completion, answer) or (completion, answer, trajectory)
 _START_TIMEOUT_S = 60.0  # for the child to import the verifier and answer "ready"
 
 _REGISTRY: dict[str, RewardFn] = {}
@@ -82,6 +87,36 @@ def resolve_reward(name_or_import_path: str) -> RewardFn:
                       "(or give an import path 'package.module:function')")
 
 
+@dataclass(frozen=True)
+class Trajectory:
+    """What a trajectory-aware reward function reads besides the completion (the whole
+    response, turns and observations decoded together) and the answer."""
+
+    turns: tuple[str, ...]  # the model's turns, decoded, in order
+    observations: tuple[str, ...]  # the observation texts appended after turns 0, 1, ...
+    errors: tuple[str | None, ...]  # per executed tool call: None or its error kind
+    tool_calls: int  # calls the environment executed (an unanswered last-turn call not counted)
+    env_reward: float | None = None  # the environment's reward of the trajectory, if it gave one
+    finish_reason: str = ""  # "stop", "length", "tool", "budget" or "done"
+
+
+def takes_trajectory(fn: RewardFn) -> bool:
+    """Whether ``fn`` is called as ``fn(completion, answer, trajectory)`` (it accepts three
+    positional arguments) rather than ``fn(completion, answer)``; RewardError when neither."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the classic form
+        return False
+    for args, three in (((0, 0, 0), True), ((0, 0), False)):
+        try:
+            sig.bind(*args)
+        except TypeError:
+            continue
+        return three
+    raise RewardError(f"reward {getattr(fn, '__qualname__', fn)!r} must take (completion, "
+                      f"answer) or (completion, answer, trajectory), not {sig}")
+
+
 # --------------------------------------------------------------------------- built-ins
 @register_reward("exact_match")
 def exact_match(completion: str, answer: str) -> float:
@@ -134,15 +169,18 @@ def _check_score(value: object) -> float:
     return score
 
 
-def _score_one(fn: RewardFn, completion: str, answer: str) -> RewardResult:
+def _score_one(fn: RewardFn, completion: str, answer: str,
+               trajectory: Trajectory | None = None) -> RewardResult:
+    """``trajectory`` is None for a classic ``fn(completion, answer)``."""
     try:
-        return RewardResult(_check_score(fn(completion, answer)), True, None)
+        args = (completion, answer) if trajectory is None else (completion, answer, trajectory)
+        return RewardResult(_check_score(fn(*args)), True, None)
     except Exception as exc:  # a user's bug must not escape: it becomes a failed sample
         return RewardResult(0.0, False, f"{type(exc).__name__}: {exc}")
 
 
 def _child_main(import_path: str, conn: Connection) -> None:
-    """Child loop: receive (completion, answer) string pairs, send (score, ok, error) back."""
+    """Child loop: receive (completion, answer, trajectory or None), send (score, ok, error)."""
     try:
         fn = resolve_reward(import_path)
     except Exception as exc:
@@ -151,7 +189,7 @@ def _child_main(import_path: str, conn: Connection) -> None:
     conn.send(("ready", None))
     with contextlib.suppress(EOFError):  # the parent is gone
         while (msg := conn.recv()) is not None:  # None: stop
-            r = _score_one(fn, str(msg[0]), str(msg[1]))
+            r = _score_one(fn, str(msg[0]), str(msg[1]), msg[2])
             conn.send((r.score, r.ok, r.error))
 
 
@@ -173,6 +211,7 @@ class RewardRunner:
             raise RewardError(f"RewardRunner: timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
         self.fn: RewardFn = resolve_reward(fn) if isinstance(fn, str) else fn
+        self.takes_trajectory = takes_trajectory(self.fn)  # read once, here
         self.isolated = (self.fn not in _BUILTINS) if isolate is None else isolate
         self.import_path: str | None = None
         if self.isolated:
@@ -232,20 +271,30 @@ class RewardRunner:
         self.close()
 
     # -- scoring -------------------------------------------------------------------------------
-    def score(self, completions: Sequence[str], answers: Sequence[str]) -> list[RewardResult]:
-        """One ``RewardResult`` per completion, in order; never raises for a bad sample."""
+    def score(self, completions: Sequence[str], answers: Sequence[str],
+              trajectories: Sequence[Trajectory] | None = None) -> list[RewardResult]:
+        """One ``RewardResult`` per completion, in order; never raises for a bad sample. A
+        trajectory-aware ``fn`` gets ``trajectories`` (None: each completion as one turn)."""
         if len(completions) != len(answers):
             raise ValueError(f"score: {len(completions)} completions but {len(answers)} answers")
+        if not self.takes_trajectory:
+            trajs: list[Trajectory | None] = [None] * len(completions)
+        elif trajectories is None:
+            trajs = [Trajectory((str(c),), (), (), 0) for c in completions]
+        else:
+            trajs = list(trajectories)
         one = self._score_isolated if self.isolated else functools.partial(_score_one, self.fn)
-        return [one(str(c), str(a)) for c, a in zip(completions, answers, strict=True)]
+        return [one(str(c), str(a), t)
+                for c, a, t in zip(completions, answers, trajs, strict=True)]
 
-    def _score_isolated(self, completion: str, answer: str) -> RewardResult:
+    def _score_isolated(self, completion: str, answer: str,
+                        trajectory: Trajectory | None = None) -> RewardResult:
         if self._conn is None:
             self._start()
         assert self._conn is not None
         deadline = time.monotonic() + self.timeout_s
         try:
-            self._conn.send((completion, answer))
+            self._conn.send((completion, answer, trajectory))
             if self._conn.poll(max(0.0, deadline - time.monotonic())):
                 score, ok, error = self._conn.recv()
                 return RewardResult(float(score), bool(ok), error)

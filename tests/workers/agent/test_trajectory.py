@@ -44,7 +44,7 @@ def test_single_turn_table_is_unchanged_and_turn_tables_add_the_turn_tasks():
     assert names[:6] == ["turn0_ids", "turn0_logprobs", "turn0_version", "turn0_finish",
                          "obs0_ids", "obs0_error"]
     assert names[-1] == "turn2_finish" and "obs2_ids" not in names
-    assert three.schema.names == SAMPLES_SCHEMA.names + names
+    assert three.schema.names == [*SAMPLES_SCHEMA.names, *names, "env_reward"]
 
 
 def test_context_interleaves_turns_and_observations():
@@ -118,6 +118,7 @@ def test_turn_writes_split_going_and_ending_rows_and_null_fill_the_rest():
     (last,) = turn_writes([12], 2, 3, [(History((T0, T0), (OBS0, OBS0)), T0)])
     assert later_columns(3, 2) == ()
     assert last.to_pylist()[0]["finish_reason"] == "tool"
+    assert last.to_pylist()[0]["env_reward"] is None  # (a claimed column is written on every row)
 
 
 def test_observation_writes_end_without_appending_and_keep_the_error():
@@ -130,6 +131,17 @@ def test_observation_writes_end_without_appending_and_keep_the_error():
     assert row["obs0_ids"] is None and row["obs0_error"] == "tool_error"
     assert row["response_ids"] == [1, 2, 3] and row["finish_reason"] == "budget"
     assert "turn1_ids" in done.schema.names and row["turn1_ids"] is None
+    assert row["env_reward"] is None  # no reward given: NULL, but written
+
+
+def test_the_environments_final_reward_is_written_with_the_ended_row():
+    hist = History((T0,), ())
+    on, done = observation_writes([5, 6, 7], 0, 3, [
+        (hist, [8], None, None), (hist, [8], None, "done"), (hist, [9], None, "done")],
+        [0.25, 0.75, None])
+    assert "env_reward" not in on.schema.names  # a row that goes on has no reward yet
+    assert [(r[ROW_ID], r["env_reward"]) for r in done.to_pylist()] == [(6, 0.75), (7, None)]
+    assert done.schema.field("env_reward").type == pa.float32()
 
 
 @pytest.mark.parametrize("marker, stops", [((33,), (2, 33)), ((17, 19), (2,))])
