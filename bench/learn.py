@@ -13,9 +13,13 @@ What it reports per case, from the run's ``summary.json`` and ``metrics.jsonl``:
   iterations (min(10, iterations // 2) each: single iterations are too noisy to compare);
 - ``rl_seconds``: wall seconds of the RL loop (start-up and warm start excluded);
 - ``seconds_to_plus_0_10``: RL wall seconds until the first evaluation at least 0.10 above
-  ``accuracy_before`` (None if never reached).
-and ``worst_accuracy_gain`` over the cases. Target (printed, not asserted here): every case gains
-at least 0.10 and its last reward window beats its first.
+  ``accuracy_before`` (None if never reached);
+- ``tool_calls_per_trajectory``: tool calls answered per trained trajectory (the trainer's
+  ``tool_calls_mean``), averaged over the last window of iterations; 0 for a single-turn run.
+and, over the cases, ``worst_accuracy_gain`` and ``tool_calls_per_trajectory`` (the lowest).
+Target (printed, not asserted here): every case gains at least ``--target-gain`` (0.10), its last
+reward window beats its first, and it calls at least ``--min-tool-calls`` (0) tools per
+trajectory at the end (configs/agentic.yaml: 0.15 and 0.5, docs/learning.md).
 
 Prints a table, then the JSON object as the last line.
 """
@@ -34,6 +38,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from streamflow.rundir import reward_window
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_GAIN = 0.10
 
@@ -50,6 +56,7 @@ class Case:
     reward_last_window: float
     rl_seconds: float
     seconds_to_plus_0_10: float | None
+    tool_calls_per_trajectory: float  # over the last window of iterations; 0: single turn
     wall_seconds: float  # the whole process, warm start and start-up included
 
     @property
@@ -72,11 +79,14 @@ def read_case(run_dir: Path, seed: int, threads: int, wall: float) -> Case:
         elapsed += r["wall_seconds"]
         if reached is None and r["accuracy"] is not None and r["accuracy"] >= before + TARGET_GAIN:
             reached = elapsed
+    last = records[-max(1, reward_window(len(records))):]
+    calls = sum(r.get("tool_calls_mean") or 0.0 for r in last) / len(last) if last else 0.0
     return Case(
         seed=seed, threads=threads, accuracy_before=before, accuracy_after=after,
         reward_first_window=summary["reward_mean_first_window"],
         reward_last_window=summary["reward_mean_last_window"],
-        rl_seconds=summary["wall_seconds"], seconds_to_plus_0_10=reached, wall_seconds=wall,
+        rl_seconds=summary["wall_seconds"], seconds_to_plus_0_10=reached,
+        tool_calls_per_trajectory=calls, wall_seconds=wall,
     )
 
 
@@ -95,7 +105,8 @@ def run_case(config: Path, out: Path, seed: int, threads: int, extra: list[str])
     return read_case(run_dir, seed, threads, wall)
 
 
-def report(cases: list[Case]) -> dict:
+def report(cases: list[Case], *, target_gain: float = TARGET_GAIN,
+           min_tool_calls: float = 0.0) -> dict:
     worst = min(cases, key=lambda c: c.gain)
     return {
         "cases": [
@@ -103,9 +114,11 @@ def report(cases: list[Case]) -> dict:
         ],
         "worst_accuracy_gain": worst.gain,
         "worst_case": {"seed": worst.seed, "threads": worst.threads},
-        "target": {"accuracy_gain_at_least": TARGET_GAIN, "last_reward_window_above_first": True},
-        "met": all(c.gain >= TARGET_GAIN and c.reward_last_window > c.reward_first_window
-                   for c in cases),
+        "tool_calls_per_trajectory": min(c.tool_calls_per_trajectory for c in cases),
+        "target": {"accuracy_gain_at_least": target_gain, "last_reward_window_above_first": True,
+                   "tool_calls_per_trajectory_at_least": min_tool_calls},
+        "met": all(c.gain >= target_gain and c.reward_last_window > c.reward_first_window
+                   and c.tool_calls_per_trajectory >= min_tool_calls for c in cases),
     }
 
 
@@ -122,23 +135,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="an override applied to every case (repeatable), e.g. "
                              "--set run.iterations=30")
+    parser.add_argument("--target-gain", type=float, default=TARGET_GAIN,
+                        help="the held-out accuracy gain every case must reach")
+    parser.add_argument("--min-tool-calls", type=float, default=0.0,
+                        help="tool calls per trajectory every case must make at the end")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sf-learn-") as tmp:
         out = args.output or Path(tmp)
         cases = [run_case(args.config, out, seed, threads, args.overrides)
                  for seed in args.seeds for threads in args.threads]
-    result = report(cases)
+    result = report(cases, target_gain=args.target_gain, min_tool_calls=args.min_tool_calls)
     if not args.json:
         table = Table(title=f"bench learn: {args.config.name} over seeds x threads")
         for col in ("seed", "threads", "accuracy before -> after", "gain", "reward windows",
-                    "RL s", "s to +0.10", "process s"):
+                    "RL s", "s to +0.10", "tool calls", "process s"):
             table.add_column(col)
         for c in cases:
             to = "-" if c.seconds_to_plus_0_10 is None else f"{c.seconds_to_plus_0_10:.1f}"
             table.add_row(str(c.seed), str(c.threads),
                           f"{c.accuracy_before:.3f} -> {c.accuracy_after:.3f}", f"{c.gain:+.3f}",
                           f"{c.reward_first_window:.3f} -> {c.reward_last_window:.3f}",
-                          f"{c.rl_seconds:.1f}", to, f"{c.wall_seconds:.0f}")
+                          f"{c.rl_seconds:.1f}", to, f"{c.tool_calls_per_trajectory:.2f}",
+                          f"{c.wall_seconds:.0f}")
         Console(stderr=True).print(table)
     print(json.dumps(result))
     return 0

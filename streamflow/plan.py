@@ -61,7 +61,8 @@ def builtin_recipe(cfg: RunConfig) -> BuiltinRecipe:
         spec=spec, digits=cfg.data.digits, operations=tuple(cfg.data.operations),
         task_seed=cfg.data.seed, warmstart_steps=m.warmstart_steps,
         target_accuracy=m.warmstart_target_accuracy, batch_size=m.warmstart_batch_size,
-        lr=m.warmstart_lr, seed=cfg.run.seed, eval_size=max(min(cfg.run.eval_prompts, 200), 1))
+        lr=m.warmstart_lr, seed=cfg.run.seed, eval_size=max(min(cfg.run.eval_prompts, 200), 1),
+        tool_fraction=m.warmstart_tool_fraction)
 
 
 def resolve_model(cfg: RunConfig, cache_root: Path,
@@ -262,9 +263,7 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
     blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed,
                          threads=1, simulated=simulated)  # (threads: each record sets its role's)
     r, t, d = cfg.rollout, cfg.trainer, cfg.data
-    # multi-turn: the turn budgets and the environment, env.format resolved for the model
-    agent = AgentSettings(turns=r.turns, env=replace(cfg.env.settings, format=cfg.tool_format)
-                          ) if cfg.multi_turn else None
+    agent = agent_settings(cfg)
     plan.rollout = RolloutWorkerConfig(
         common=_named(blank, "rollout", r.threads), model_path=model,
         weights_dir=str(plan.weights_dir), weights_announce=announce, group_size=d.group_size,
@@ -318,6 +317,15 @@ def find_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
     return path
 
 
+def agent_settings(cfg: RunConfig) -> AgentSettings | None:
+    """Multi-turn: the turn budgets and the environment, env.format resolved for the model (the
+    rollout's, the environment workers' and the evaluator's); None for a single-turn run."""
+    if not cfg.multi_turn:
+        return None
+    return AgentSettings(turns=cfg.rollout.turns,
+                         env=replace(cfg.env.settings, format=cfg.tool_format))
+
+
 def _named(common: WorkerCommon, role: str, threads: int) -> WorkerCommon:
     return replace(common, name=f"{role}-0", role=role, threads=threads)
 
@@ -355,4 +363,5 @@ class Evaluator:
         score = reward_scorer(r.fn, success_threshold=r.success_threshold, timeout_s=r.timeout_s)
         with torch.no_grad(), cores.busy():  # the controller's slot of the host's budget
             return greedy_accuracy(self._model, plan.tokenizer, plan.eval_problems,
-                                   max_new_tokens=plan.cfg.rollout.max_new_tokens, score=score)
+                                   max_new_tokens=plan.cfg.rollout.max_new_tokens, score=score,
+                                   agent=agent_settings(plan.cfg))

@@ -169,6 +169,7 @@ BUILTIN_REWARD_RANGES: dict[str, tuple[float, float]] = {
     "exact_match": (0.0, 1.0),
     "numeric_close": (0.0, 1.0),
     "brevity": (0.0, 1.0),
+    "final_answer": (0.0, 1.0),
 }
 
 

@@ -123,6 +123,10 @@ class ModelSection(Checked):
     warmstart_target_accuracy: float = bounded(0.0, ge=0, le=1)
     warmstart_lr: float = bounded(1e-3, gt=0)  # learning rate of the warm start
     warmstart_batch_size: int = bounded(32, ge=1)  # examples per warm-start step
+    # the fraction of warm-start examples written as a plain-form calculator tape,
+    # "12*34=" -> "(=12*34=)408 408" (the observation masked out of the loss), so that RL
+    # starts from a model that sometimes calls the tool (0: answers only; configs/agentic.yaml)
+    warmstart_tool_fraction: float = bounded(0.0, ge=0, le=1)
     # dtype of every role whose own dtype (rollout/reference/trainer.dtype) is "auto"
     dtype: RoleDType = "auto"
 

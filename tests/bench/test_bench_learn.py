@@ -13,13 +13,15 @@ import pytest
 from bench.learn import ROOT, read_case, report
 
 
-def _fake_run(path: Path, accuracies: list[float | None], walls: list[float]) -> Path:
+def _fake_run(path: Path, accuracies: list[float | None], walls: list[float],
+              calls: list[float] | None = None) -> Path:
     path.mkdir(parents=True)
     summary = {"status": "ok", "error": None, "accuracy_before": 0.30,
                "accuracy_last": accuracies[-1], "reward_mean_first_window": 0.2,
                "reward_mean_last_window": 0.35, "wall_seconds": sum(walls)}
     (path / "summary.json").write_text(json.dumps(summary))
-    lines = [json.dumps({"iteration": i, "accuracy": a, "wall_seconds": w})
+    lines = [json.dumps({"iteration": i, "accuracy": a, "wall_seconds": w}
+                        | ({} if calls is None else {"tool_calls_mean": calls[i]}))
              for i, (a, w) in enumerate(zip(accuracies, walls, strict=True))]
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return path
@@ -45,7 +47,25 @@ def test_report_names_the_worst_case_and_whether_the_target_is_met(tmp_path):
     assert report([good])["met"] is True
     assert set(out["cases"][0]) == {"seed", "threads", "accuracy_before", "accuracy_after",
                                     "reward_first_window", "reward_last_window", "rl_seconds",
-                                    "seconds_to_plus_0_10"}
+                                    "seconds_to_plus_0_10", "tool_calls_per_trajectory"}
+    assert out["tool_calls_per_trajectory"] == 0.0  # single-turn runs record no tool calls
+
+
+def test_tool_calls_are_the_last_window_mean_and_can_fail_the_target(tmp_path):
+    # 6 iterations: the window is min(10, 6 // 2) = 3, so the early iterations without calls
+    # do not count
+    run = _fake_run(tmp_path / "t", [None] * 5 + [0.5], [1.0] * 6,
+                    calls=[0.0, 0.0, 0.0, 0.4, 0.8, 0.9])
+    case = read_case(run, 0, 1, 1.0)
+    assert case.tool_calls_per_trajectory == pytest.approx(0.7)
+    few = read_case(_fake_run(tmp_path / "f", [0.5, 0.5], [1.0, 1.0], calls=[0.9, 0.2]), 1, 1, 1.0)
+    assert few.tool_calls_per_trajectory == pytest.approx(0.2)
+    out = report([case, few], target_gain=0.15, min_tool_calls=0.5)
+    assert out["tool_calls_per_trajectory"] == pytest.approx(0.2)
+    assert out["target"]["tool_calls_per_trajectory_at_least"] == 0.5
+    assert out["met"] is False  # both gain 0.2 and raise their reward; one calls too little
+    assert report([case], target_gain=0.15, min_tool_calls=0.5)["met"] is True
+    assert report([case], target_gain=0.25)["met"] is False
 
 
 def test_a_failed_run_is_an_error_not_a_figure(tmp_path):
@@ -83,3 +103,35 @@ def test_a_shortened_demo_recipe_raises_held_out_accuracy(tmp_path):
     assert case["accuracy_after"] >= case["accuracy_before"] + 0.05, case
     assert case["reward_last_window"] > case["reward_first_window"], case
     assert case["rl_seconds"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1000)
+def test_the_agentic_recipe_reports_tool_calls_from_a_tiny_run(tmp_path):
+    # The demo of tool use (configs/agentic.yaml) cut to a warm start of every example a
+    # calculator tape, 2 iterations and 40 held-out prompts: too short to learn (its learning is
+    # measured in docs/learning.md, minutes per case), long enough that the model calls the
+    # calculator and the bench reads the calls and the multi-turn evaluation back.
+    cmd = [sys.executable, "-m", "streamflow", "bench", "learn", "--json", "--seeds", "0",
+           "--threads", "1", "--output", str(tmp_path), "--config",
+           str(ROOT / "configs" / "agentic.yaml"), "--target-gain", "0.15",
+           "--min-tool-calls", "0.5",
+           *(x for kv in ("model.warmstart_steps=60", "model.warmstart_tool_fraction=1",
+                          "run.iterations=2", "run.eval_every=1", "run.eval_prompts=40",
+                          "data.prompts_per_iteration=16") for x in ("--set", kv))]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    (case,) = result["cases"]
+    records = [json.loads(x) for x in (tmp_path / "seed0-threads1" / "metrics.jsonl")
+               .read_text().splitlines()]
+    calls = [r["tool_calls_mean"] for r in records]
+    assert case["tool_calls_per_trajectory"] == pytest.approx(calls[-1])  # window: 1 of 2
+    assert case["tool_calls_per_trajectory"] > 0, records  # it did call the calculator
+    assert result["tool_calls_per_trajectory"] == case["tool_calls_per_trajectory"]
+    assert result["worst_accuracy_gain"] == pytest.approx(
+        case["accuracy_after"] - case["accuracy_before"])
+    assert result["target"]["tool_calls_per_trajectory_at_least"] == 0.5
+    assert result["met"] == (case["accuracy_after"] - case["accuracy_before"] >= 0.15
+                             and case["reward_last_window"] > case["reward_first_window"]
+                             and case["tool_calls_per_trajectory"] >= 0.5)

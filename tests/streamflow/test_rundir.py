@@ -276,7 +276,8 @@ def test_warm_start_reports_its_steps_through_prepare_builtin(tmp_path):
     recipe = BuiltinRecipe(spec=TinyModelSpec(hidden_size=16, num_layers=1, num_heads=2,
                                               num_kv_heads=1, intermediate_size=32),
                            digits=2, operations=("+",), task_seed=0, warmstart_steps=3,
-                           batch_size=2, lr=1e-3, seed=0, eval_size=2, target_accuracy=0.0)
+                           batch_size=2, lr=1e-3, seed=0, eval_size=2, target_accuracy=0.0,
+                           tool_fraction=0.0)
     prepare_builtin(tmp_path / "m", recipe, progress=lambda s, t: seen.append((s, t)))
     assert seen == [(1, 3), (2, 3), (3, 3)]
     seen.clear()

@@ -119,6 +119,7 @@ def test_prepare_builtin_stops_at_the_target_on_a_fixed_thread_count(tmp_path):
     # must not depend on the caller's thread count (the warm start always runs on recipe.threads).
     recipe = BuiltinRecipe(spec=SPEC, digits=1, operations=("+",), task_seed=0, warmstart_steps=20,
                            batch_size=8, lr=1e-3, seed=0, eval_size=5, target_accuracy=0.01,
+                           tool_fraction=0.0,
                            check_every=10, probe_size=8)
     torch.set_num_threads(2)
     try:
@@ -139,7 +140,8 @@ def test_prepare_builtin_stops_at_the_target_on_a_fixed_thread_count(tmp_path):
 
 def test_prepare_builtin_is_reproducible_and_cached(tmp_path):
     recipe = BuiltinRecipe(spec=SPEC, digits=1, operations=("+",), task_seed=0, warmstart_steps=4,
-                           batch_size=8, lr=1e-3, seed=0, eval_size=5, target_accuracy=0.0)
+                           batch_size=8, lr=1e-3, seed=0, eval_size=5, target_accuracy=0.0,
+                           tool_fraction=0.0)
     path = prepare_builtin(tmp_path / "m", recipe=recipe)
     manifest = json.loads((path / MANIFEST).read_text())
     assert manifest["recipe"]["warmstart_steps"] == 4

@@ -1,6 +1,12 @@
 """Supervised warm start and the reproducible embedded default checkpoint (``prepare_builtin``,
 cached by its manifest; its accuracies by ``workers.tasks.evaluate``, the controller's evaluator).
 See docs/engines.md, "Warm start".
+
+With a ``tool_fraction`` > 0 that fraction of the examples (drawn per example from the seed) is a
+calculator tape in the plain call form, ``12*34=`` -> ``(=12*34=)408 408``: the call, the
+calculator's own observation (made by ``workers.agent.environments.execute``, so it reads exactly
+as in a run) and the answer. The observation's tokens are masked out of the loss, as RL masks
+them, so the model learns the format without learning to predict the tool (docs/learning.md).
 """
 
 from __future__ import annotations
@@ -8,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -16,12 +23,21 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from workers.agent.environments import StepContext, execute, load_environment
+from workers.agent.toolcall import (
+    PLAIN_ARGUMENT,
+    PLAIN_TOOL,
+    ToolCall,
+    format_observation,
+    render_tool_call,
+)
 from workers.models.local import TinyModelSpec, build_tiny_model, save_model
 from workers.models.tokenizer import build_char_tokenizer, encode_answer, encode_prompt
 from workers.rl.grpo import build_token_batch, response_logprobs
 from workers.runtime import heap
 from workers.tasks.arithmetic import ArithmeticTask
 from workers.tasks.evaluate import greedy_accuracy
+from workers.tasks.problem import Problem
 
 MANIFEST = "streamflow_manifest.json"
 MANIFEST_FORMAT = 2
@@ -32,6 +48,24 @@ def _lr_at(step: int, lr: float, warmup: int) -> float:
     # warm start stops when the policy reaches its target accuracy, not at a fixed step (a cosine
     # over the total made the result a knife-edge function of the step count).
     return lr * min(1.0, (step + 1) / max(1, warmup))
+
+
+def tool_tape(tokenizer: PreTrainedTokenizerBase, problem: Problem
+              ) -> tuple[list[int], list[int]]:
+    """(response ids, loss mask) of ``problem`` solved with the calculator in the plain form:
+    call (mask 1), observation (mask 0), answer and eos (mask 1)."""
+    call_text = render_tool_call(ToolCall(PLAIN_TOOL, {PLAIN_ARGUMENT: problem.prompt.rstrip("=")}),
+                                 plain=True)
+    obs = execute(load_environment("calculator"), call_text,
+                  StepContext(problem.prompt, problem.answer, 0), plain=True)
+    if obs.error is not None or obs.text.strip() != problem.answer:
+        raise ValueError(f"tool_tape: the calculator answers {problem.prompt!r} with "
+                         f"{obs.text!r}, not {problem.answer!r}")
+    call = list(tokenizer(call_text, add_special_tokens=False)["input_ids"])
+    seen = list(tokenizer(format_observation(obs.text, plain=True),
+                          add_special_tokens=False)["input_ids"])
+    answer = encode_answer(tokenizer, problem.answer)
+    return call + seen + answer, [1] * len(call) + [0] * len(seen) + [1] * len(answer)
 
 
 @dataclass(frozen=True)
@@ -56,14 +90,16 @@ def warm_start(
     stop: Callable[[int], bool] | None = None,
     check_every: int = 10,
     progress: Callable[[int, int], None] | None = None,
+    tool_fraction: float = 0.0,
 ) -> WarmStartResult:
     """Supervised fine-tuning for at most ``steps`` AdamW steps; ``stop(step)`` is asked every
     ``check_every`` steps (model in eval mode) and ends it on True; ``progress(step, steps)``
-    after every step."""
+    after every step; ``tool_fraction`` of the examples are calculator tapes (``tool_tape``)."""
     if steps < 0 or batch_size < 1 or check_every < 1:
         raise ValueError(f"warm_start: need steps >= 0, batch_size >= 1 and check_every >= 1, "
                          f"got {steps}, {batch_size}, {check_every}")
     stream = task.iterate(seed)
+    draw = random.Random(f"warmstart-tool|{seed}")  # which examples are tapes
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
                                   betas=(0.9, 0.98), foreach=False)
@@ -71,10 +107,14 @@ def warm_start(
     done = 0
     for step in range(steps):
         model.train()
-        problems = [next(stream) for _ in range(batch_size)]
-        pairs = [(encode_prompt(tokenizer, p.prompt), encode_answer(tokenizer, p.answer))
-                 for p in problems]
-        batch = build_token_batch(pairs, pad_token_id=pad)
+        pairs, masks = [], []
+        for p in (next(stream) for _ in range(batch_size)):
+            tape = tool_fraction > 0 and draw.random() < tool_fraction
+            response, mask = tool_tape(tokenizer, p) if tape else (
+                encode_answer(tokenizer, p.answer), None)
+            pairs.append((encode_prompt(tokenizer, p.prompt), response))
+            masks.append(mask)
+        batch = build_token_batch(pairs, pad_token_id=pad, loss_masks=masks)
         logp = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask)
         loss = -logp.sum() / batch.response_mask.sum()
         for group in optimizer.param_groups:
@@ -115,6 +155,7 @@ class BuiltinRecipe:
     seed: int
     eval_size: int
     target_accuracy: float
+    tool_fraction: float  # model.warmstart_tool_fraction
     # the recipe's own
     check_every: int = 10
     probe_size: int = 200
@@ -127,6 +168,8 @@ class BuiltinRecipe:
     def to_json(self) -> dict:
         d = asdict(self)
         d["operations"] = list(self.operations)
+        if not self.tool_fraction:  # the key of a recipe without tapes is what it always was
+            del d["tool_fraction"]
         d["format"] = MANIFEST_FORMAT
         return d
 
@@ -190,6 +233,7 @@ def prepare_builtin(
         result = warm_start(
             model, tokenizer, task, steps=recipe.warmstart_steps, batch_size=recipe.batch_size,
             lr=recipe.lr, seed=recipe.seed, check_every=recipe.check_every, progress=progress,
+            tool_fraction=recipe.tool_fraction,
             stop=reached_target if recipe.target_accuracy > 0 else None)
         seconds = time.perf_counter() - t0
         accuracy = greedy_accuracy(model, tokenizer, held_out, max_new_tokens=max_new)

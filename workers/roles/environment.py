@@ -34,6 +34,7 @@ from storage.schema import ROW_ID, Lease
 from workers.agent.environments import (
     BUILTIN_ENVIRONMENTS,
     Environment,
+    Observation,
     PythonEnvironment,
     StepContext,
     execute,
@@ -45,6 +46,7 @@ from workers.agent.trajectory import (
     FINISH_BUDGET,
     FINISH_DONE,
     FINISH_TOOL,
+    History,
     observation_writes,
     turn_reads,
 )
@@ -86,27 +88,45 @@ class EnvironmentStage:
             hist = read_history(row, self.turn + 1, self.turn)
             if hist is None or hist.turns[-1].finish != FINISH_TOOL:
                 continue  # ended at or before this turn: its later cells are written (NULL)
-            texts = [decode_response(self.tokenizer, t.ids) for t in hist.turns]
-            calls = tuple(c for c in (parse_tool_call(x, plain=self.plain) for x in texts[:-1])
-                          if isinstance(c, ToolCall))
-            context = StepContext(decode_response(self.tokenizer, row["prompt_ids"]),
-                                  row["answer"] or "", self.turn, calls)
-            start = time.perf_counter()
-            obs = execute(self.env, texts[-1], context, plain=self.plain, allowed=self.tools)
-            self.on_call(time.perf_counter() - start, obs.error)
-            ids = observation_ids(self.tokenizer, obs.text, self.plain, self.wrapping,
-                                  self.max_observation_tokens)
-            end = None
-            if obs.done:
-                end = FINISH_DONE
-            elif hist.length() + len(ids) >= self.max_total_tokens:  # no room for a model token
-                end = FINISH_BUDGET
+            obs, ids, end = observe(self.env, self.tokenizer, decode_response(
+                self.tokenizer, row["prompt_ids"]), row["answer"] or "", hist, plain=self.plain,
+                max_observation_tokens=self.max_observation_tokens,
+                max_total_tokens=self.max_total_tokens, on_call=self.on_call,
+                allowed=self.tools, wrapping=self.wrapping)
             row_ids.append(row[ROW_ID])
             items.append((hist, ids, obs.error, end))
             rewards.append(obs.reward if obs.done else None)
         self.last_tokens = sum(len(it[1]) for it in items if it[3] is None)
         return Parts(tuple(observation_writes(row_ids, self.turn, self.max_turns, items,
                                               rewards)))
+
+
+def observe(env: Environment, tokenizer: Any, prompt: str, answer: str, hist: History, *,
+            plain: bool, max_observation_tokens: int, max_total_tokens: int,
+            on_call: Callable[[float, str | None], None] | None = None,
+            allowed: tuple[str, ...] = (), wrapping: tuple[str, str] | None = None
+            ) -> tuple[Observation, list[int], str | None]:
+    """The answer to the call that ended ``hist``'s last turn, as the environment role and the
+    multi-turn evaluator (``workers.tasks.evaluate``) both make it: the observation, its ids
+    (formatted, tokenised, cut to ``max_observation_tokens``) and the trajectory's
+    finish_reason if it ends here ("done", or "budget": no room left for a model token), else
+    None. ``on_call(seconds, error)`` times the call itself; ``allowed``: ``env.tools``;
+    ``wrapping``: the chat template's tool-message turn (``chat_wrapping``; None: bare block)."""
+    texts = [decode_response(tokenizer, t.ids) for t in hist.turns]
+    calls = tuple(c for c in (parse_tool_call(x, plain=plain) for x in texts[:-1])
+                  if isinstance(c, ToolCall))
+    context = StepContext(prompt, answer, len(hist.turns) - 1, calls)
+    start = time.perf_counter()
+    obs = execute(env, texts[-1], context, plain=plain, allowed=allowed)
+    if on_call is not None:
+        on_call(time.perf_counter() - start, obs.error)
+    ids = observation_ids(tokenizer, obs.text, plain, wrapping, max_observation_tokens)
+    end = None
+    if obs.done:
+        end = FINISH_DONE
+    elif hist.length() + len(ids) >= max_total_tokens:  # no room for a model token
+        end = FINISH_BUDGET
+    return obs, ids, end
 
 
 def observation_ids(tokenizer: Any, text: str, plain: bool, wrapping: tuple[str, str] | None,

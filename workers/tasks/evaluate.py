@@ -1,7 +1,11 @@
 """Greedy accuracy: the one evaluator of the warm start (its stop probe and its held-out figure)
 and of the controller's held-out evaluation (docs/controller.md "The plan").
 
-A problem counts as solved when its single greedy response (temperature 0) passes ``score``:
+A problem counts as solved when its greedy response (temperature 0) passes ``score``. With an
+``agent`` of more than one turn the response is a whole trajectory made by the rollout's and the
+environment role's own turn code (``TurnPolicy``, ``close_turn``, ``observe``), the environment
+in this process: held-out accuracy then measures the model with its tools. Otherwise it is one
+generation, as it always was. Scorers:
 ``exact_match_scorer`` for the warm start, ``reward_scorer`` (the run's ``reward.fn`` against
 ``reward.success_threshold``, run as the reward workers run it) for the controller. Imports torch
 through the rollout engine: not part of the light ``workers.tasks`` the ``--dry-run`` loads.
@@ -14,9 +18,14 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from workers.agent.toolcall import chat_wrapping
+from workers.agent.trajectory import History, assemble, close_turn, context_ids, turn_end
 from workers.engines.base import RolloutEngine, SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models.tokenizer import decode_response, encode_prompt
+from workers.roles.environment import make_environment, observe
+from workers.roles.turns import TurnPolicy, marker_ids
+from workers.settings import AgentSettings
 from workers.tasks.problem import Problem
 from workers.tasks.verifiers import RewardRunner, exact_match
 
@@ -50,20 +59,64 @@ def greedy_accuracy(
     *,
     max_new_tokens: int,
     score: Scorer = exact_match_scorer,
+    agent: AgentSettings | None = None,
 ) -> float:
-    """Fraction of ``problems`` whose greedy response ``score`` counts as solved."""
+    """Fraction of ``problems`` whose greedy response ``score`` counts as solved (``agent``: a
+    trajectory with its tools, see the module docstring)."""
     if not problems:
         raise ValueError("greedy_accuracy: no problems")
     if isinstance(engine_or_model, torch.nn.Module):
         engine: RolloutEngine = TorchRolloutEngine(engine_or_model, tokenizer, max_batch_size=256)
     else:
         engine = engine_or_model
-    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
-    gens = engine.generate(prompts, 1, SamplingParams(temperature=0.0,
-                                                      max_new_tokens=max_new_tokens))
-    completions = [decode_response(tokenizer, g[0].token_ids) for g in gens]
+    completions = greedy_completions(engine, tokenizer, problems, max_new_tokens=max_new_tokens,
+                                     agent=agent)
     solved = score(completions, [p.answer for p in problems])
     if len(solved) != len(problems):
         raise ValueError(f"greedy_accuracy: the scorer returned {len(solved)} results for "
                          f"{len(problems)} problems")
     return sum(solved) / len(problems)
+
+
+def greedy_completions(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase,
+                       problems: Sequence[Problem], *, max_new_tokens: int,
+                       agent: AgentSettings | None = None) -> list[str]:
+    """The greedy response text of each problem: one generation, or (``agent`` with
+    ``max_turns`` > 1) the trajectory, observations included, as the reward sees it."""
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    if agent is None or agent.max_turns <= 1:
+        gens = engine.generate(prompts, 1, greedy)
+        return [decode_response(tokenizer, g[0].token_ids) for g in gens]
+    policy = TurnPolicy(agent.max_turns, agent.max_total_tokens, max_new_tokens,
+                        marker_ids(tokenizer, agent.format))
+    env = make_environment(agent)
+    wrapping = None if agent.env.plain else chat_wrapping(tokenizer)  # as the environment role's
+    hists = [History() for _ in problems]
+    ends: list[str | None] = [None] * len(problems)
+    try:
+        for t in range(agent.max_turns):
+            live = [i for i, end in enumerate(ends) if end is None]
+            if not live:
+                break
+            gens = engine.generate([context_ids(prompts[i], hists[i]) for i in live], 1,
+                                   policy.params(greedy, [hists[i] for i in live]))
+            for i, gen in zip(live, gens, strict=True):
+                limit, budget_bound = policy.limit(hists[i])
+                turn = close_turn(gen[0], version=0, marker=policy.marker, limit=limit,
+                                  budget_bound=budget_bound)
+                hists[i] = hists[i].with_turn(turn)
+                ends[i] = turn_end(turn, t, agent.max_turns)
+                if ends[i] is None:  # a tool call: the environment answers it
+                    _, ids, ends[i] = observe(
+                        env, tokenizer, problems[i].prompt, problems[i].answer, hists[i],
+                        plain=agent.env.plain, max_observation_tokens=agent.max_observation_tokens,
+                        max_total_tokens=agent.max_total_tokens, allowed=agent.env.tools,
+                        wrapping=wrapping)
+                    if ends[i] is None:
+                        hists[i] = hists[i].with_observation(ids)
+    finally:
+        close = getattr(env, "close", None)
+        if close is not None:
+            close()
+    return [decode_response(tokenizer, assemble(h, "").response_ids) for h in hists]

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from workers.agent.toolcall import PLAIN_CALL_END, TOOL_RESPONSE_END
+
 RewardFn = Callable[..., float]  # (completion, answer) or (completion, answer, trajectory)
 _START_TIMEOUT_S = 60.0  # for the child to import the verifier and answer "ready"
 
@@ -145,6 +147,26 @@ def brevity(completion: str, answer: str) -> float:
     """1 / (1 + characters in the completion), ignoring the answer: prefers short answers, and a
     dense signal for smoke tests (an untrained model's random outputs still score differently)."""
     return 1.0 / (1.0 + len(completion.strip()))
+
+
+@register_reward("final_answer")
+def final_answer(completion: str, answer: str) -> float:
+    """``exact_match`` of the model's final words in a tool-using trajectory: what follows the
+    last tool answer (the plain form's ``(=expr=)OBS `` or ``</tool_response>``); a completion
+    with no call is scored whole. A trajectory that stops at a tool answer scores 0: copying the
+    answer is the model's job, the observation alone is not its answer. (A plain observation is
+    one word; an error observation with spaces can only lose a point, never give one.)"""
+    return exact_match(final_words(completion), answer)
+
+
+def final_words(completion: str) -> str:
+    """The text of ``completion`` after its last tool answer (the whole text without a call)."""
+    if TOOL_RESPONSE_END in completion:
+        return completion.rpartition(TOOL_RESPONSE_END)[2]
+    if PLAIN_CALL_END in completion:
+        _observation, space, rest = completion.rpartition(PLAIN_CALL_END)[2].partition(" ")
+        return rest if space else ""
+    return completion
 
 
 _BUILTINS = frozenset(_REGISTRY.values())  # pure and fast: they run in-process
