@@ -120,3 +120,16 @@ def test_single_turn_evaluation_is_one_generation() -> None:
     for agent in (None, one_turn):
         assert greedy_completions(engine, TOK, PROBLEMS[:1], max_new_tokens=12,
                                   agent=agent) == ["(=123*456=)1"]  # cut at 12 tokens, no tool
+
+
+def test_the_saved_character_tokenizer_loads_back_with_its_spaces(tmp_path) -> None:
+    # (loaded through AutoTokenizer it became a Qwen2 tokenizer that dropped every space, so an
+    # observation "56088 " read "56088" and the final answer ran into it)
+    from workers.models.local import load_tokenizer, save_model
+
+    model = build_tiny_model(TinyModelSpec(hidden_size=16, num_layers=1, num_heads=2,
+                                           num_kv_heads=1, intermediate_size=32), TOK)
+    loaded = load_tokenizer(save_model(model, TOK, tmp_path / "m"))
+    text = "12*34=(=12*34=)408 408"
+    assert loaded(text)["input_ids"] == TOK(text)["input_ids"]
+    assert loaded.decode(TOK(text, add_special_tokens=False)["input_ids"]) == text

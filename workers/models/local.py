@@ -4,6 +4,7 @@ directory (local files only, never a download). See docs/engines.md, "Models".
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -15,6 +16,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -64,7 +66,22 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"tokenizer directory {str(p)!r} does not exist")
+    if _generic_tokenizer(p):
+        # AutoTokenizer would read the model's config (qwen2) and make a Qwen2 tokenizer whose own
+        # pre-tokenizer replaces the saved one and drops spaces ("56088 " -> "56088"): the
+        # built-in character tokenizer loads as the generic class it was saved as
+        return PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+
+
+def _generic_tokenizer(path: Path) -> bool:
+    """Whether the directory's tokenizer was saved as the generic fast tokenizer (the built-in
+    character tokenizer), not a model family's own class."""
+    try:
+        saved = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return False
+    return saved in ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def save_model(
