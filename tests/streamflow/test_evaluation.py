@@ -128,3 +128,24 @@ def test_published_weights_load_strictly(tiny_config, tmp_path: Path) -> None:
     save_file(extra, str(weights_path(plan.weights_dir, 3)))
     with pytest.raises(ValueError, match=r"unexpected keys \['value_head.weight'\]"):
         Evaluator(plan).accuracy(3)
+
+
+def test_a_multi_turn_run_is_evaluated_on_trajectories_with_its_environment(
+        tiny_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import streamflow.plan as plan_module
+
+    seen: list[object] = []
+
+    def spy(*args, agent=None, **kwargs):  # noqa: ANN001, ANN202
+        seen.append(agent)
+        return 0.5
+
+    monkeypatch.setattr(plan_module, "greedy_accuracy", spy)
+    for turns in (1, 2):
+        (tmp_path / str(turns)).mkdir()
+        plan = _plan(tiny_config, tmp_path / str(turns), f"rollout.max_turns={turns}",
+                     "env.fn=calculator")
+        assert Evaluator(plan).accuracy(0) == 0.5
+    single, multi = seen
+    assert single is None  # single-turn: one generation, as always
+    assert (multi.max_turns, multi.fn, multi.format) == (2, "calculator", "plain")
