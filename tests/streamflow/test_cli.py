@@ -63,11 +63,14 @@ def test_dry_run_does_not_import_the_engine():
     # The early checks (streamflow/preflight.py) resolve reward.fn with workers.tasks.verifiers, which
     # is standard-library only as well, and so is workers.settings (the knobs the config embeds).
     # The task checks build the arithmetic task and its held-out split (pyarrow only for files).
-    # workers.settings takes env.sandbox.*'s defaults from workers.agent.sandbox (stdlib only).
+    # workers.settings takes env.sandbox.*'s defaults from workers.agent.sandbox (stdlib only);
+    # the verifiers read tool-call markers (workers.agent.toolcall) and run user functions in a
+    # child (workers.runtime.child): both standard-library only.
     light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.tasks",
              "workers.tasks.verifiers", "workers.tasks.arithmetic", "workers.tasks.heldout",
              "workers.tasks.problem", "workers.tasks.prompt_file", "workers.settings",
-             "workers.models", "workers.models.spec", "workers.agent", "workers.agent.sandbox")
+             "workers.models", "workers.models.spec", "workers.agent", "workers.agent.sandbox",
+             "workers.agent.toolcall", "workers.runtime", "workers.runtime.child")
     code = (
         "import sys; from streamflow.cli import main; "
         f"rc = main(['run', {TINY!r}, '--dry-run']); "

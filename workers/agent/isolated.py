@@ -17,14 +17,11 @@ the sandbox (``workers.agent.sandbox``).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from multiprocessing.connection import Connection
-from typing import Any
 
 from workers.agent.environments import Observation, StepContext, load_environment
 from workers.agent.toolcall import ToolCall
-
-_START_TIMEOUT_S = 60.0  # a spawned child imports the user's module before it answers
+from workers.runtime.child import ChildDied, ChildLink, ChildStartError, ChildTimeout
 
 
 class EnvironmentRaised(Exception):  # noqa: N818 - the user's exception, as text
@@ -61,54 +58,27 @@ class IsolatedEnvironment:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.spec, self.timeout_s = spec, float(timeout_s)
-        self._ctx = mp.get_context("spawn")
-        self._proc: Any = None
-        self._conn: Connection | None = None
-        self.restarts = 0  # children killed after a timeout or found dead
-        self._tools = self._start()
+        self._child = ChildLink(_child_main, spec, "environment")
+        try:
+            self._tools: tuple[str, ...] = self._child.start()
+        except ChildStartError as exc:  # load_environment's message names env.fn
+            raise ValueError(exc.detail or f"environment {spec!r}: the child did not start") \
+                from None
 
-    def _start(self) -> tuple[str, ...]:
-        parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_child_main, args=(self.spec, child), daemon=True,
-                                 name="environment")
-        proc.start()
-        child.close()
-        if not parent.poll(_START_TIMEOUT_S):
-            proc.kill()
-            proc.join()
-            raise ValueError(f"environment {self.spec!r}: the child did not start")
-        kind, detail = parent.recv()
-        if kind != "ready":
-            proc.join()
-            raise ValueError(detail)  # load_environment's message, naming env.fn
-        self._proc, self._conn = proc, parent
-        return detail
-
-    def _kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join()
-        if self._conn is not None:
-            self._conn.close()
-        self._proc, self._conn = None, None
-        self.restarts += 1
+    @property
+    def restarts(self) -> int:  # children killed after a timeout or found dead
+        return self._child.restarts
 
     def tools(self) -> tuple[str, ...]:
         return self._tools
 
     def step(self, call: ToolCall, context: StepContext) -> Observation:
-        if self._conn is None:
-            self._start()
-        assert self._conn is not None
         try:
-            self._conn.send((call, context))
-            if not self._conn.poll(self.timeout_s):
-                self._kill()
-                return Observation(f"the environment did not answer within {self.timeout_s:g}s",
-                                   "timeout")
-            kind, detail = self._conn.recv()
-        except (EOFError, OSError):  # the child died mid-step
-            self._kill()
+            kind, detail = self._child.ask((call, context), self.timeout_s)
+        except ChildTimeout:
+            return Observation(f"the environment did not answer within {self.timeout_s:g}s",
+                               "timeout")
+        except (ChildDied, ChildStartError):  # died mid-step, or could not come back
             return Observation("the environment crashed", "crashed")
         if kind == "raised":
             raise EnvironmentRaised(detail)
@@ -120,15 +90,4 @@ class IsolatedEnvironment:
 
     def close(self) -> None:
         """Stop the child (a later step starts another)."""
-        if self._conn is not None and self._proc is not None and self._proc.is_alive():
-            try:
-                self._conn.send(None)
-                self._proc.join(timeout=2.0)
-            except (OSError, BrokenPipeError):
-                pass
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
-        if self._conn is not None:
-            self._conn.close()
-        self._proc, self._conn = None, None
+        self._child.close()

@@ -16,18 +16,16 @@ import functools
 import importlib
 import inspect
 import math
-import multiprocessing as mp
 import re
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from workers.agent.toolcall import PLAIN_CALL_END, TOOL_RESPONSE_END
+from workers.runtime.child import ChildDied, ChildLink, ChildStartError, ChildTimeout
 
 RewardFn = Callable[..., float]  # (completion, answer) or (completion, answer, trajectory)
-_START_TIMEOUT_S = 60.0  # for the child to import the verifier and answer "ready"
 
 _REGISTRY: dict[str, RewardFn] = {}
 
@@ -246,45 +244,15 @@ class RewardRunner:
                     f"reward {self.fn!r} cannot run in a child process: it has no import path "
                     "(use a module-level function of an importable module)"
                 )
-        self._ctx = mp.get_context("spawn")
-        self._proc: Any = None
-        self._conn: Connection | None = None
-        self.restarts = 0  # children killed after a timeout or a crash
+        self._child = ChildLink(_child_main, self.import_path or "", "reward-fn")
 
-    # -- child lifecycle -----------------------------------------------------------------------
-    def _start(self) -> None:
-        parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_child_main, args=(self.import_path, child), daemon=True,
-                                 name="reward-fn")
-        proc.start()
-        child.close()
-        if not parent.poll(_START_TIMEOUT_S):
-            proc.kill()
-            proc.join()
-            raise RewardError(f"reward child for {self.import_path!r} did not start")
-        kind, detail = parent.recv()
-        if kind != "ready":
-            proc.join()
-            raise RewardError(f"reward {self.import_path!r} failed to load in the child: {detail}")
-        self._proc, self._conn = proc, parent
-
-    def _kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join()
-        if self._conn is not None:
-            self._conn.close()
-        self._proc, self._conn = None, None
+    @property
+    def restarts(self) -> int:  # children killed after a timeout or a crash
+        return self._child.restarts
 
     def close(self) -> None:
         """Stop the child process (if any); the runner restarts one if used again."""
-        if self._conn is not None and self._proc is not None and self._proc.is_alive():
-            try:
-                self._conn.send(None)
-                self._proc.join(timeout=2.0)
-            except (OSError, BrokenPipeError):
-                pass
-        self._kill()
+        self._child.close()
 
     def __enter__(self) -> RewardRunner:
         return self
@@ -311,18 +279,17 @@ class RewardRunner:
 
     def _score_isolated(self, completion: str, answer: str,
                         trajectory: Trajectory | None = None) -> RewardResult:
-        if self._conn is None:
-            self._start()
-        assert self._conn is not None
-        deadline = time.monotonic() + self.timeout_s
+        self._child.arg = self.import_path or ""  # a (re)started child loads the current path
         try:
-            self._conn.send((completion, answer, trajectory))
-            if self._conn.poll(max(0.0, deadline - time.monotonic())):
-                score, ok, error = self._conn.recv()
-                return RewardResult(float(score), bool(ok), error)
+            score, ok, error = self._child.ask((completion, answer, trajectory), self.timeout_s)
+            return RewardResult(float(score), bool(ok), error)
+        except ChildStartError as exc:
+            if exc.detail is None:
+                raise RewardError(f"reward child for {self.import_path!r} did not start") from None
+            raise RewardError(f"reward {self.import_path!r} failed to load in the child: "
+                              f"{exc.detail}") from None
+        except ChildTimeout:
             reason = f"timeout after {self.timeout_s:g}s"
-        except (EOFError, OSError, BrokenPipeError) as exc:
-            reason = f"reward process died: {type(exc).__name__}"
-        self._kill()
-        self.restarts += 1
+        except ChildDied as exc:
+            reason = f"reward process died: {exc}"
         return RewardResult(0.0, False, reason)
