@@ -10,14 +10,13 @@ import typing
 from pathlib import Path
 
 import pytest
+from testkit import worker_plan
 
 from storage.schema import TableSpec
 from storage.server import ServerConfig
 from streamflow.cli import main as cli_main
 from streamflow.config import RunConfig, StoreSection, load_config
 from streamflow.config.convert import section_keys
-from streamflow.devices import resolve_devices
-from streamflow.plan import RunPlan, _worker_records
 from workers import config as records
 from workers.settings import Checked, embedded
 
@@ -129,15 +128,6 @@ def test_the_settings_objects_default_as_the_run_config_does():
                 "with defaults of its own (the worker records would use the class's)"
 
 
-def _plan(cfg: RunConfig, tmp_path: Path) -> RunPlan:
-    plan = RunPlan(cfg=cfg, run_dir=tmp_path, model_path=tmp_path / "model",
-                   weights_dir=tmp_path / "weights", tokenizer=None, train_problems=None,
-                   task=None, eval_problems=[])
-    plan.devices = resolve_devices(cfg, 0)
-    _worker_records(plan, None, None, None)
-    return plan
-
-
 # record (role, field) -> the YAML key the plan fills it from
 FILLED = {
     ("rollout", "groups_per_claim"): "rollout.groups_per_claim",
@@ -164,7 +154,7 @@ CHANGED = ["reward.rows_per_claim=7", "reference.rows_per_claim=9", "trainer.row
 @pytest.mark.parametrize("overrides", [[], CHANGED], ids=["defaults", "changed"])
 def test_the_plan_fills_each_record_from_its_yaml_key(overrides, tmp_path):
     cfg = load_config(None, overrides)
-    plan = _plan(cfg, tmp_path)
+    plan = worker_plan(cfg, tmp_path)
     for (role, field), key in FILLED.items():
         section, name = key.split(".")
         assert getattr(getattr(plan, role), field) == getattr(getattr(cfg, section), name), key
@@ -183,7 +173,7 @@ def test_the_stores_limits_are_declared_once_in_storage():
     assert shared == {"capacity_rows", "lease_seconds", "max_deliveries", "fsync"}
     for name in shared - {"fsync"}:  # (store.fsync: true = "always", false = "never")
         assert getattr(StoreSection(), name) == getattr(TableSpec, name), name
-    plan = _plan(RunConfig(), Path("/nonexistent"))
+    plan = worker_plan(RunConfig(), Path("/nonexistent"))
     spec = plan.table_spec
     assert (spec.capacity_rows, spec.lease_seconds, spec.max_deliveries) == (
         TableSpec.capacity_rows, TableSpec.lease_seconds, TableSpec.max_deliveries)

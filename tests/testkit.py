@@ -1,7 +1,8 @@
 """What tests share: ``wait_until`` (a bounded wait on a condition, instead of a ``sleep`` used as
 synchronisation), ``no_children_left`` (a run left no process behind) and ``free_port`` (the
 project's own pick, below the ephemeral range: see ``storage/ports.py`` for why ``bind(0)`` is not
-used for a port a child process binds later).
+used for a port a child process binds later) and ``worker_plan`` (a run's worker records without a
+model, for tests of what the plan hands each worker).
 
 Importable from every test as ``from testkit import wait_until, free_port``: ``tests/conftest.py``
 sits in this directory, and pytest puts a conftest's directory on ``sys.path``.
@@ -15,7 +16,7 @@ from typing import TypeVar
 
 from storage.ports import free_port
 
-__all__ = ["free_port", "no_children_left", "wait_until"]
+__all__ = ["free_port", "no_children_left", "wait_until", "worker_plan"]
 
 T = TypeVar("T")
 
@@ -53,3 +54,17 @@ def no_children_left(timeout: float = 10.0) -> None:
         wait_until(none_left, timeout=timeout, what="every child process to exit")
     except AssertionError as timed_out:
         raise AssertionError(f"{timed_out}; left: {left}") from None
+
+
+def worker_plan(cfg, run_dir):  # noqa: ANN001, ANN201 - RunConfig, Path -> streamflow.plan.RunPlan
+    """The worker records ``cfg`` gives, with no model built or loaded (imports kept local: most
+    tests never need the engine's modules)."""
+    from streamflow.devices import resolve_devices
+    from streamflow.plan import RunPlan, _worker_records
+
+    plan = RunPlan(cfg=cfg, run_dir=run_dir, model_path=run_dir / "model",
+                   weights_dir=run_dir / "weights", tokenizer=None, train_problems=None,
+                   task=None, eval_problems=[])
+    plan.devices = resolve_devices(cfg, 0)
+    _worker_records(plan, None, None, None)
+    return plan

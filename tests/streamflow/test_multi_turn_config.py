@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
+from testkit import worker_plan
 
 from streamflow import preflight
 from streamflow.cli import main
 from streamflow.config import ConfigError, EnvSection, RolloutSection, config_warnings, load_config
 from streamflow.controller import _turn_order
-from streamflow.devices import resolve_devices
 from streamflow.launch import worker_nodes
 from streamflow.metrics import ControllerMetrics
-from streamflow.plan import RunPlan, _worker_records
 from streamflow.rundir import IterationRecord
 from workers.agent.sandbox import SandboxLimits
 from workers.roles.trainer import turn_counts
@@ -146,19 +145,10 @@ def test_the_python_tool_needs_a_working_sandbox(monkeypatch, capsys, tmp_path):
     assert err.startswith("error: env.fn: 'python' needs the sandbox") and err.count("\n") == 1
 
 
-def _plan(cfg, tmp_path: Path) -> RunPlan:
-    plan = RunPlan(cfg=cfg, run_dir=tmp_path, model_path=tmp_path / "model",
-                   weights_dir=tmp_path / "weights", tokenizer=None, train_problems=None,
-                   task=None, eval_problems=[])
-    plan.devices = resolve_devices(cfg, 0)
-    _worker_records(plan, None, None, None)
-    return plan
-
-
 def test_the_plan_builds_the_turn_table_and_the_environment_workers(tmp_path) -> None:
     cfg = _cfg("rollout.max_turns=3", "env.num_workers=2", "env.rows_per_claim=5",
                "env.fn=python", "env.sandbox.cpu_s=1")
-    plan = _plan(cfg, tmp_path)
+    plan = worker_plan(cfg, tmp_path)
     want = AgentSettings(turns=cfg.rollout.turns,
                          env=dataclasses.replace(cfg.env.settings, format="plain"))
     assert plan.rollout.agent == want and plan.environment is not None
@@ -176,7 +166,7 @@ def test_the_plan_builds_the_turn_table_and_the_environment_workers(tmp_path) ->
 
 
 def test_a_single_turn_plan_is_todays(tmp_path) -> None:
-    plan = _plan(_cfg("env.num_workers=3"), tmp_path)
+    plan = worker_plan(_cfg("env.num_workers=3"), tmp_path)
     assert plan.rollout.agent is None and plan.environment is None and plan.reward.agent is None
     assert "env.0" not in [t.name for t in plan.table_spec.tasks]
     assert all(role != "environment" for _, role, _, _ in plan.workers(["tcp://h:1"], None))
