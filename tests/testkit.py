@@ -41,13 +41,21 @@ def wait_until(
 
 def no_children_left(timeout: float = 10.0) -> None:
     """Wait until this process has no child processes left (a run stopped everything it started);
-    the AssertionError lists the ones still there."""
+    the AssertionError lists the ones still there. Python's multiprocessing resource tracker is
+    not counted: the first ``spawn`` in this process (a reward runner or a user environment's
+    child, workers.runtime.child) starts it, and it lives as long as this process does."""
     import psutil
 
     left: list[psutil.Process] = []
 
+    def ours(child: psutil.Process) -> bool:
+        try:
+            return "multiprocessing.resource_tracker" not in " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            return False
+
     def none_left() -> bool:
-        left[:] = psutil.Process().children(recursive=True)
+        left[:] = [c for c in psutil.Process().children(recursive=True) if ours(c)]
         return not left
 
     try:

@@ -60,7 +60,7 @@ def test_periodic_equals_sync_through_processes(tiny_config) -> None:
     common = ("run.iterations=2", "rollout.groups_per_claim=1", "run.eval_every=0")
     sync = tiny_config("run.mode=sync", "run.name=sync", *common)
     periodic = tiny_config("run.mode=periodic", "run.name=periodic", *common,
-                           f"run.output_dir={Path(sync.run.output_dir).parent / 'periodic'}")
+                           f"run.output_dir={sync.run.output_dir}-periodic")
     s1 = run(sync)
     s2 = run(periodic)
     no_children_left()

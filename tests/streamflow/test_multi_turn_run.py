@@ -61,7 +61,7 @@ def _params(cfg) -> dict:
 def test_multi_turn_periodic_equals_sync(tiny_config) -> None:
     sync = tiny_config("run.mode=sync", "run.name=sync", *TURNS)
     periodic = tiny_config("run.mode=periodic", "run.name=periodic", *TURNS,
-                           f"run.output_dir={Path(sync.run.output_dir).parent / 'periodic'}")
+                           f"run.output_dir={sync.run.output_dir}-periodic")
     run(sync)
     run(periodic)
     no_children_left()
