@@ -1,4 +1,5 @@
-"""``streamflow bench simulate --quick --json``: the documented JSON, every efficiency sane."""
+"""``streamflow bench simulate --json``: the documented JSON of every case, every efficiency
+under its bound (``--small``: every sweep at reduced size), and ``--modes``."""
 
 from __future__ import annotations
 
@@ -7,30 +8,6 @@ import json
 import pytest
 
 from streamflow.cli import available_benches, main
-
-
-@pytest.mark.slow
-def test_bench_simulate_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert "simulate" in available_benches()
-    assert "_simulate_plots" not in available_benches()
-    assert main(["bench", "simulate", "--quick", "--json", "--no-plots"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    cases = result["cases"]
-    assert {(c["mode"], c["staleness"]) for c in cases} == {
-        ("sync", 0),
-        ("periodic", 0),
-        ("async", 1),
-        ("async", 2),
-    }
-    for c in cases:
-        assert {"mode", "workers", "throughput", "bound", "efficiency"} <= set(c)
-        assert c["workers"] == 8
-        assert 0 < c["efficiency"] <= 1.0
-        assert c["throughput"] > 0 and c["bound"] > 0
-        assert c["efficiency"] == pytest.approx(c["throughput"] / c["bound"])
-        assert c["controller_cpu_ms_per_micro_batch"] >= 0
-        assert set(c["utilisation"]) >= {"rollout", "trainer"}
-    assert result["targets"]["min_efficiency_up_to_64"] == min(c["efficiency"] for c in cases)
 
 
 @pytest.mark.slow
@@ -51,17 +28,31 @@ def test_no_case_of_any_sweep_beats_its_bound(capsys: pytest.CaptureFixture[str]
     time is never below the lower bound, and the reference schedule is reported beside it. A
     high time scale shortens every case (the real overheads then weigh more, which only lowers
     efficiency): the bound must hold all the same."""
+    assert "simulate" in available_benches()
+    assert "_simulate_plots" not in available_benches()
     assert main(["bench", "simulate", "--small", "--time-scale", "400", "--json",
                  "--no-plots"]) == 0
-    cases = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cases"]
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cases = result["cases"]
     assert {c["sweep"] for c in cases} == {"scaling", "control", "skew", "equal", "balance"}
     assert {c["label"] for c in cases} >= {"sync", "sync-split", "periodic", "async(s=1)",
                                            "async(s=2)"}
+    scaling = {(c["mode"], c["staleness"]) for c in cases if c["sweep"] == "scaling"}
+    assert scaling == {("sync", 0), ("periodic", 0), ("async", 1), ("async", 2)}
     for c in cases:
         assert 0 < c["efficiency"] <= 1.0, c
         assert c["bound_seconds"] <= c["sim_seconds"]
         assert c["bound_seconds"] <= c["reference_seconds"]  # a schedule: never below the bound
         assert c["reference_ratio"] == pytest.approx(c["reference_seconds"] / c["sim_seconds"])
+        # the documented JSON of every case
+        assert {"mode", "workers", "throughput", "bound", "efficiency"} <= set(c)
+        assert c["throughput"] > 0 and c["bound"] > 0
+        assert c["efficiency"] == pytest.approx(c["throughput"] / c["bound"])
+        assert c["controller_cpu_ms_per_micro_batch"] >= 0
+        assert set(c["utilisation"]) >= {"rollout", "trainer"}
+    assert all(c["workers"] == 8 for c in cases if c["sweep"] in ("scaling", "skew"))
+    assert result["targets"]["min_efficiency_up_to_64"] == min(
+        c["efficiency"] for c in cases if c["sweep"] != "balance")
 
 
 def test_bench_simulate_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
