@@ -37,7 +37,7 @@ $(FULL): $(BASE)
 
 test: $(FULL)
 	$(BIN)/ruff check streamflow storage workers bench tests
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 	$(MAKE) compose-test
 
 # The unit tests alone (no real processes, sockets between processes, or engines): minutes.

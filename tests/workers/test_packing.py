@@ -6,7 +6,14 @@ import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    Qwen2Config,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from workers.rl import packing
 from workers.rl.packing import (
@@ -236,11 +243,11 @@ def test_self_check_rejects_an_inexact_attention(monkeypatch):
 
     def leaky(module, q, k, v, mask, dropout=0.0, scaling=None, sliding_window=None, **kw):
         kw.pop(packing.LAYOUT_KWARG)  # ignores the layout: plain causal over the whole row
-        return packing.sdpa_attention_forward(
+        return sdpa_attention_forward(
             module, q, k, v, None, dropout=dropout, scaling=scaling, **kw
         )
 
-    mapping = packing.AttentionInterface._global_mapping
+    mapping = AttentionInterface._global_mapping
     monkeypatch.setitem(mapping, packing.ATTENTION_NAME, leaky)
     with pytest.warns(PackingFallbackWarning, match="differ"):
         assert "differ" in packing_unsupported_reason(broken)

@@ -9,20 +9,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from workers.models.spec import TinyModelSpec
+
+if TYPE_CHECKING:  # annotations only: the modeling stack takes seconds to import
+    from transformers import PreTrainedModel
 
 DEFAULT_ATTN = "eager"
 
@@ -33,6 +29,8 @@ def _quiet_transformers() -> None:
 
 def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     """A freshly initialised ``Qwen2ForCausalLM`` sized by ``spec``; same seed -> same weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # (the modeling stack: seconds)
+
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
@@ -56,6 +54,8 @@ def load_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float
     p = Path(path)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(p)!r} has no config.json")
+    from transformers import AutoModelForCausalLM  # (the modeling stack: seconds)
+
     _quiet_transformers()
     return AutoModelForCausalLM.from_pretrained(
         str(p), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation).eval()
@@ -71,6 +71,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
         # pre-tokenizer replaces the saved one and drops spaces ("56088 " -> "56088"): the
         # built-in character tokenizer loads as the generic class it was saved as
         return PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
 
 

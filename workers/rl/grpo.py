@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # an annotation only: the modeling stack takes seconds to import
+    from transformers import PreTrainedModel
 
 
 class IncompleteGroupError(ValueError):

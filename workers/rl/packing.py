@@ -22,8 +22,6 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from workers.rl.packing_layout import (
     DEFAULT_MIN_SAVING,
@@ -104,6 +102,8 @@ def shared_prompt_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function for the packed layout; plain SDPA when no layout is given."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
     layout: SharedPromptLayout | None = kwargs.pop(LAYOUT_KWARG, None)
     if layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -159,12 +159,21 @@ def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: PackC
     return [prompt[0], *(outs[s] for s in sorted(outs))]
 
 
-AttentionInterface.register(ATTENTION_NAME, shared_prompt_attention)
+def register_attention() -> None:
+    """Register ``shared_prompt_attention`` with transformers under ``ATTENTION_NAME`` (once;
+    here rather than at import, so a process that never loads a model, a reward or simulated
+    worker, does not import the transformers modeling stack)."""
+    from transformers import AttentionInterface
+
+    if ATTENTION_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION_NAME, shared_prompt_attention)
 
 
 @contextlib.contextmanager
 def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
     """Switch the model's attention function for one call (the config is read at every forward)."""
+    if name == ATTENTION_NAME:
+        register_attention()
     config = model.config
     before = config._attn_implementation
     config._attn_implementation = name
