@@ -123,7 +123,8 @@ class Controller:
                 status = "interrupted"
                 error = f"interrupted by {stop.signal_name}" if stop.signal_name else "interrupted"
             finally:
-                summary = st.finish(cfg.run.mode, cfg.run.name, status, error, stop.signal_name)
+                summary = st.finish(cfg.run.mode, cfg.run.name, status, error, stop.signal_name,
+                                   plots=cfg.run.plots)
                 cores.install(None)
                 self.plan.cleanup()
                 if self.metrics is not None:

@@ -121,8 +121,8 @@ class RunState:
         }
 
     def finish(self, mode: str, name: str, status: str, error: str | None,
-               stopped_by: str | None) -> RunSummary:
-        """The run's summary, written with its plots; the run directory is closed."""
+               stopped_by: str | None, *, plots: bool = True) -> RunSummary:
+        """The run's summary, written with its plots (``plots``); the run directory is closed."""
         wall = (self.loop_ended or time.time()) - self.loop_started
         if self.startup_seconds is None:  # stopped or failed before the loop began
             self.startup_seconds, wall = time.time() - self.created, 0.0
@@ -134,7 +134,8 @@ class RunState:
         summary.weight_sync_count = len(self.syncs)  # version loads by rollout engines
         self.rundir.write_summary(summary)
         try:
-            self.rundir.write_plots(self.records[-1].iteration if self.records else None)
+            if plots:
+                self.rundir.write_plots(self.records[-1].iteration if self.records else None)
         except Exception as exc:  # plots are a convenience; never mask the run's own outcome
             log.warning("could not draw plots: %s", exc)
         self.rundir.close()

@@ -115,6 +115,7 @@ def run_config(cfg: SimConfig, out: Path) -> RunConfig:
         f"trainer.whole_iterations={str(cfg.mode == 'sync-split').lower()}",
         f"run.iterations={w.iterations}", f"run.max_staleness={max(cfg.staleness, 1)}",
         f"run.seed={w.seed}", "run.eval_every=0", "run.progress=false", "run.max_restarts=0",
+        "run.plots=false",  # the run directory is deleted once read
         f"run.stall_timeout_s={cfg.timeout_s}", f"run.startup_timeout_s={cfg.timeout_s}",
         "run.log_level=WARNING", "model.warmstart_steps=0",
         f"data.prompts_per_iteration={w.prompts_per_iteration}",

@@ -81,6 +81,9 @@ class RunSection(Checked):
     host_threads: int = bounded(0, ge=0, le=1024)
     progress: bool = True  # live display on a TTY; otherwise one log line per iteration
     log_level: LogLevel = "INFO"  # logging level of every process of the run
+    # draw plots/rewards.png and plots/timeline.png when the run ends (off: sweeps of throwaway
+    # runs; `streamflow report RUN` draws missing plots later from the files)
+    plots: bool = True
 
     def check(self) -> None:
         require(bool(self.name.strip()), "name", "must be a non-empty string")

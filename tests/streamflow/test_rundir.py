@@ -324,3 +324,20 @@ def test_summary_reward_windows_average_first_and_last_iterations():
     assert s.reward_mean_first_window == 4.5 and s.reward_mean_last_window == 24.5
     short = RunSummary.from_records("periodic", records[:3], wall_seconds=1.0)
     assert short.reward_window == 1 and short.reward_mean_last_window == 2.0
+
+
+@pytest.mark.parametrize("plots", [True, False])
+def test_run_plots_decides_whether_the_end_of_a_run_draws_its_plots(tmp_path, plots):
+    from streamflow.runstate import RunState
+
+    assert load_config(None, [f"run.plots={str(plots).lower()}"]).run.plots is plots
+    run_dir = RunDir(tmp_path / "run")
+    state = RunState.begin(time.time(), run_dir, 0, None)
+    for rec in _records(2):  # iterations 0 and 1, as the spans
+        run_dir.append_metrics(rec)
+        state.records.append(rec)
+    run_dir.append_spans(_spans())
+    summary = state.finish("sync", "t", "ok", None, None, plots=plots)
+    assert summary.iterations == 2 and run_dir.summary_path.is_file()  # the summary either way
+    drawn = sorted(p.name for p in run_dir.plots.glob("*.png"))
+    assert drawn == (["rewards.png", "timeline.png"] if plots else [])
