@@ -216,14 +216,22 @@ def test_ended_trajectories_pass_through_and_every_row_is_freed() -> None:
         for th in threads:
             th.start()
         try:
-            wait_until(lambda: client.stats(TABLE).task_total("reward").ready == G * len(prompts),
-                       timeout=30, what="every trajectory ended")
+            # An ended row is ready for ``reward`` before the later turn tasks ack its NULL
+            # cells, so wait for both: every trajectory ended, every turn task drained.
+            chain = ("rollout", "env.0", "rollout.1", "env.1", "rollout.2")
+
+            def drained() -> bool:
+                stats = client.stats(TABLE)
+                return (stats.task_total("reward").ready == G * len(prompts)
+                        and all(stats.task_total(t).consumed == G * len(prompts) for t in chain))
+
+            wait_until(drained, timeout=30, what="every trajectory ended and every turn acked")
         finally:
             stop.set()
             for th in threads:
                 th.join(timeout=30)
         stats = client.stats(TABLE)
-        for task in ("rollout", "env.0", "rollout.1", "env.1", "rollout.2"):
+        for task in chain:
             t = stats.task_total(task)
             assert (t.consumed, t.ready, t.in_flight, t.pending) == (G * len(prompts), 0, 0, 0), task
         by_prompt = {}
