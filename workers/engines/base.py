@@ -1,4 +1,5 @@
-"""The rollout engine contract: ``SamplingParams``, ``Generation``, the ``RolloutEngine`` protocol.
+"""The rollout engine contract: ``SamplingParams``, ``Generation``, the ``RolloutEngine`` protocol,
+and the optional ``Interruptible`` capability partial rollout cuts generations through.
 
 The invariants an engine keeps (behaviour log-probs over the full vocabulary before top-p, stop
 tokens included, per-prompt seeds): docs/engines.md, "The rollout engine contract".
@@ -7,7 +8,8 @@ tokens included, per-prompt seeds): docs/engines.md, "The rollout engine contrac
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -16,6 +18,7 @@ if TYPE_CHECKING:  # annotations only: the records and the protocol need no torc
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+FINISH_CUT = "cut"  # partial rollout: cut at a token boundary by a newer policy version
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     prompt_seeds: tuple[int, ...] = ()  # per-prompt seeds (override ``seed``; docs/engines.md)
+    # Partial rollout: per prompt (``n == 1``), tokens a cut generation of it already produced.
+    # The prompt passed is the original prompt + those tokens, its seed the cut row's own seed;
+    # the engine skips that many draws of the row's random stream, so a continuation under
+    # unchanged weights draws what the uncut generation would have drawn.
+    done_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -39,6 +47,9 @@ class SamplingParams:
                 f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "prompt_seeds", tuple(int(s) for s in self.prompt_seeds))
+        object.__setattr__(self, "done_tokens", tuple(int(d) for d in self.done_tokens))
+        if any(d < 0 for d in self.done_tokens):
+            raise ValueError(f"SamplingParams.done_tokens must be >= 0, got {self.done_tokens}")
 
 
 def prompt_seeds_of(params: SamplingParams, num_prompts: int, n: int) -> list[int] | None:
@@ -71,7 +82,7 @@ class Generation:
 
     token_ids: list[int] = field(default_factory=list)  # [L] response tokens (stop token included)
     logprobs: list[float] = field(default_factory=list)  # [L] behaviour log-probs (docs/engines.md)
-    finish_reason: str = FINISH_LENGTH  # "stop" | "length"
+    finish_reason: str = FINISH_LENGTH  # "stop" | "length" | "cut" (``Interruptible`` only)
 
 
 @runtime_checkable
@@ -98,4 +109,24 @@ class LoadsWeightsFile(Protocol):
 
     def load_weights_file(self, path: str | os.PathLike[str], version: int) -> None:
         """Load the HF-named tensors of ``path`` and set ``policy_version = version``."""
+        ...
+
+
+@runtime_checkable
+class Interruptible(Protocol):
+    """Optional capability: a generate call that a newer policy version can cut (partial rollout).
+
+    Same results as ``generate`` while ``cut`` stays clear. Once ``cut`` is set, the call returns
+    at the next token boundary at which every unfinished row has produced at least one token in
+    this call: finished rows as usual, unfinished ones with the tokens so far (and their
+    behaviour log-probs) and ``finish_reason == FINISH_CUT``. ``on_done(index, generation)`` is
+    called (from the generating thread) as row ``index = i * n + j`` finishes, before the call
+    returns, so a caller may write finished rows while the others still generate.
+    """
+
+    def generate_until(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
+        cut: threading.Event,
+        on_done: Callable[[int, Generation], None] | None = None,
+    ) -> list[list[Generation]]:
         ...
