@@ -49,6 +49,10 @@ _SERIES: tuple[tuple[str, Any, str, str, tuple[str, ...]], ...] = (
      "Mean staleness of the last iteration's samples.", ()),
     ("staleness_max", Gauge, "staleness_max_versions",
      "Largest staleness of the last iteration's samples.", ()),
+    ("staleness_token_mean", Gauge, "staleness_token_mean_versions",
+     "Token-weighted staleness of the last iteration (each token by its own version).", ()),
+    ("partial_resumes", Gauge, "partial_resumes",
+     "Trajectories of the last iteration continued with newer weights after a cut.", ()),
     ("weight_sync", Gauge, "weight_sync_seconds",
      "Weight-sync cost of the last iteration (trainer publish + rollout loads).", ()),
     ("queue_depth", Gauge, "queue_depth_rows",
@@ -98,6 +102,8 @@ class ControllerMetrics(HttpEndpoint):
         self.tool_calls_mean.set(rec.tool_calls_mean)
         self.staleness_mean.set(rec.staleness_mean)
         self.staleness_max.set(rec.staleness_max)
+        self.staleness_token_mean.set(rec.staleness_token_mean)
+        self.partial_resumes.set(rec.partial_resumes)
         self.weight_sync.set(rec.weight_sync_seconds)
         self.last_iteration.set(rec.timestamp)
 

@@ -122,7 +122,8 @@ class RunPlan:
             reference_worker=self.cfg.reference_worker,
             reference_in_rollout=self.cfg.reference_in_rollout, capacity_rows=s.capacity_rows,
             lease_seconds=s.lease_seconds, max_deliveries=s.max_deliveries,
-            fsync="always" if s.fsync else "never", max_turns=self.cfg.rollout.max_turns)
+            fsync="always" if s.fsync else "never", max_turns=self.cfg.rollout.max_turns,
+            partial_cuts=self.cfg.rollout.partial_max_cuts if self.cfg.partial else 0)
 
     def problems(self, iteration: int) -> list[Problem]:
         n = self.cfg.data.prompts_per_iteration
@@ -271,7 +272,8 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
         device=devices.rollout[0], dtype=devices.rollout_dtype,
         weights_group=group and replace(group, rank=1),
         reference_path=model if cfg.reference_in_rollout else None,
-        reference_dtype=devices.reference_dtype, reference_pack=t.pack, agent=agent)
+        reference_dtype=devices.reference_dtype, reference_pack=t.pack, agent=agent,
+        cuts=r.cuts)
     plan.environment = EnvironmentWorkerConfig(
         common=_named(blank, "environment", 1), model_path=model,
         rows_per_claim=cfg.env.rows_per_claim, agent=agent) if agent is not None else None
@@ -289,7 +291,7 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
         rows_per_iteration=d.prompts_per_iteration * d.group_size, iterations=cfg.run.iterations,
         group_size=d.group_size, reference_in_store=cfg.reference_in_store,
         optim=t.optim, loss=t.loss,
-        sampling=r.sampling, pack=t.pack, rows_per_claim=t.rows_per_claim,
+        sampling=r.sampling, pack=t.pack, cuts=r.cuts, rows_per_claim=t.rows_per_claim,
         reference_dtype=devices.reference_dtype, checkpoint_dir=str(plan.run_dir / "checkpoints"),
         checkpoint_every=cfg.run.checkpoint_every, engine=t.engine, num_ranks=t.num_ranks,
         deterministic=t.deterministic, whole_iterations=t.whole_iterations,

@@ -57,6 +57,12 @@ class IterationRecord:
     # (rollout.max_turns > 1; single-turn: 1 and 0)
     turns_mean: float = 1.0
     tool_calls_mean: float = 0.0
+    # partial rollout (docs/partial.md): trained trajectories whose tokens span more than one
+    # policy version, mean tokens per run of one version, and token-weighted staleness (step -
+    # the version that sampled each token; staleness_mean counts each row by its oldest token)
+    partial_resumes: int = 0
+    tokens_per_version_span: float = 0.0
+    staleness_token_mean: float = 0.0
     wall_seconds: float = 0.0  # wall time of the iteration
     stage_busy_seconds: dict[str, float] = field(default_factory=dict)  # stage -> busy seconds
     queue_depths: dict[str, int] = field(default_factory=dict)  # task -> rows waiting at the end

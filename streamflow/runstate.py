@@ -21,7 +21,8 @@ log = logging.getLogger("streamflow.controller")
 # StepReport fields an IterationRecord carries unchanged
 _STEP_FIELDS = ("reward_mean", "reward_std", "samples", "loss", "clip_fraction", "grad_norm",
                 "ratio_mean", "ratio_min", "ratio_max", "importance_weight_mean", "staleness_mean",
-                "staleness_max", "reward_failures", "turns_mean", "tool_calls_mean")
+                "staleness_max", "reward_failures", "turns_mean", "tool_calls_mean",
+                "partial_resumes", "tokens_per_version_span", "staleness_token_mean")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from workers.settings import (
     GrpoSettings,
     OptimizerSettings,
     PackingSettings,
+    PartialSettings,
     RewardSettings,
     SamplingSettings,
     SimulatedDevice,
@@ -110,6 +111,8 @@ class RolloutWorkerConfig:
     agent: AgentSettings | None = None
 
 
+    # partial rollout (workers.roles.resume): partial, partial_max_cuts
+    cuts: PartialSettings = embed(PartialSettings)
 @flat
 @dataclass
 class RewardWorkerConfig:
@@ -172,6 +175,8 @@ class TrainerWorkerConfig:
     pack: PackingSettings = embed(PackingSettings)
     checkpoint_dir: str | None = None
     start_iteration: int = 0  # first iteration to train (overridden by resume_from's step)
+    # partial rollout: the trainer claims response_version_runs (its per-token staleness)
+    cuts: PartialSettings = embed(PartialSettings)
     resume_from: str | None = None  # checkpoint directory (workers.models.checkpoint) to continue from
     checkpoint_keep: int = 2  # complete checkpoints kept (the newest ones)
     weights_keep: int = 4  # published versions kept on disk (older ones are unlinked)

@@ -65,6 +65,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
         return WorkerStatus(common.name, common.role, "ready", metrics_address=metrics_address)
 
     session: Any = None  # storage.coordinator_session.ConsumerSession of a stage worker
+    stages: list[Any] = []
     try:
         if isinstance(cfg, TrainerWorkerConfig):
             trainer = build_trainer(cfg, client, events, keeper, metrics)
@@ -79,7 +80,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
             trainer.stop_followers()
         else:
             if isinstance(cfg, RolloutWorkerConfig):
-                stages: list[Any] = rollout_stages(build_rollout(cfg, events))
+                stages = rollout_stages(build_rollout(cfg, events))
             elif isinstance(cfg, EnvironmentWorkerConfig):
                 stages = build_environment(cfg, metrics.tool_call if metrics else None)
             elif isinstance(cfg, RewardWorkerConfig):
@@ -87,7 +88,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
             else:
                 stages = [build_reference(cfg)]
             events.send(ready())
-            if len(stages) > 1:  # the turn tasks of a multi-turn run (no balancer session yet)
+            if len(stages) > 1:  # turn or resume tasks beside rollout (no balancer session yet)
                 serve_stages(client, common.table, stages, stop, worker=common.name,
                              role=common.role, events=events, timeout_s=common.claim_timeout_s,
                              keeper=keeper)
@@ -115,6 +116,10 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
     finally:
         if session is not None:
             session.close()  # leave the group: its shards go to the others at once
+        for stage in stages:  # e.g. a rollout's VersionWatch thread
+            close = getattr(stage, "close", None)
+            if close is not None:
+                close()
         keeper.close()
         client.close()
         events.close()

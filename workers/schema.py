@@ -71,6 +71,37 @@ def turn_columns(max_turns: int) -> list[pa.Field]:
     return fields
 
 
+def part_columns(max_cuts: int) -> list[pa.Field]:
+    """The columns of partial rollout (``rollout.partial``; docs/partial.md), in the order a
+    trajectory writes them: ``part_seed`` with part0, then part1, ..., part{R-1}, then the
+    assembled response with ``response_version_runs``. Invariant (the turn chain's): the written
+    part cells of a row are a prefix, since whoever ends a trajectory writes every later part
+    cell as NULL in the same write as the assembled columns."""
+    fields = [
+        # the cut row's own sampling seed (the group's seed + the sample's index in the group),
+        # written with part0: every resume of the row draws on from the same random stream;
+        # NULL: never cut
+        pa.field("part_seed", pa.int64()),
+    ]
+    for j in range(max_cuts):
+        fields += [
+            # tokens of segment j of a cut trajectory (the generation before cut j+1); NULL:
+            # the trajectory ended before this segment was cut [L_j]
+            pa.field(f"part{j}_ids", pa.list_(pa.int32())),
+            pa.field(f"part{j}_logprobs", pa.list_(pa.float32())),  # behaviour log-probs [L_j]
+            pa.field(f"part{j}_version", pa.int64()),  # policy version that generated segment j
+        ]
+    return fields
+
+
+# per-token policy versions of response_ids, run-length: run i covers tokens [start_i,
+# start_{i+1}) (the last one to the end), sampled by ``version``; versions grow along the
+# response, so the first run's is ``policy_version`` (the oldest token's). Partial runs only,
+# written with the assembled response columns
+VERSION_RUNS_FIELD = pa.field("response_version_runs", pa.list_(pa.struct([
+    pa.field("start", pa.int32()), pa.field("version", pa.int64())])))
+
+
 # multi-turn only: the environment's reward of the trajectory (Observation.reward of the
 # observation that ended it), written with the assembled columns by whoever ends it; NULL: none
 # (the reward role reads it, reward.env_reward)
@@ -110,19 +141,27 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
                        capacity_rows: int = TableSpec.capacity_rows,
                        lease_seconds: float = TableSpec.lease_seconds,
                        max_deliveries: int = TableSpec.max_deliveries,
-                       fsync: str = TableSpec.fsync, max_turns: int = 1) -> TableSpec:
+                       fsync: str = TableSpec.fsync, max_turns: int = 1,
+                       partial_cuts: int = 0) -> TableSpec:
     """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
     wait for ``ref_logprobs`` (off when the KL term is off or the reference is fused into the
     trainer); ``reference_in_rollout``: the rollout writes them with its responses, so the trainer
     waits for them without a reference task. ``max_turns`` > 1 adds the ``turn_columns``,
     ``env_reward`` and the turn tasks: ``env.{t}`` (needs ``turn{t}_ids``, t < T-1) and ``rollout.{t}`` (needs
-    ``obs{t-1}_ids``, t >= 1); 1 is the single-turn table exactly."""
+    ``obs{t-1}_ids``, t >= 1); 1 is the single-turn table exactly. ``partial_cuts`` = R > 0
+    (partial rollout, single-turn only) adds the ``part_columns``, ``response_version_runs`` and
+    the resume tasks ``resume.{j}`` (needs ``part{j-1}_ids``, j = 1..R); 0: no partial rollout."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if partial_cuts < 0 or (partial_cuts and max_turns > 1):
+        raise ValueError(f"partial_cuts must be >= 0 and single-turn, got {partial_cuts} "
+                         f"with max_turns={max_turns}")
     tasks = [TaskSpec("rollout", ("prompt_ids",), whole_groups=True)]
     for t in range(max_turns - 1):
         tasks.append(TaskSpec(f"env.{t}", (f"turn{t}_ids",)))
         tasks.append(TaskSpec(f"rollout.{t + 1}", (f"obs{t}_ids",)))
+    # a cut row goes on in resume.1, .., resume.R (rows one by one: a group's rows are cut apart)
+    tasks += [TaskSpec(f"resume.{j}", (f"part{j - 1}_ids",)) for j in range(1, partial_cuts + 1)]
     tasks.append(TaskSpec("reward", ("response_ids",)))
     trainer_needs: tuple[str, ...] = ("response_ids", "reward")
     if reference_worker:
@@ -130,17 +169,25 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
     if reference_worker or reference_in_rollout:
         trainer_needs += REFERENCE_COLUMNS
     tasks.append(TaskSpec("trainer", trainer_needs, whole_groups=True))
+    schema = SAMPLES_SCHEMA
+    if max_turns > 1:
+        schema = pa.schema([*SAMPLES_SCHEMA, *turn_columns(max_turns), ENV_REWARD_FIELD])
+    elif partial_cuts:
+        schema = partial_schema(partial_cuts)
     return TableSpec(
-        name=name, tasks=tuple(tasks),
-        schema=pa.schema([*SAMPLES_SCHEMA, *turn_columns(max_turns), ENV_REWARD_FIELD])
-        if max_turns > 1
-        else SAMPLES_SCHEMA, group_column="group_id",
+        name=name, tasks=tuple(tasks), schema=schema, group_column="group_id",
         group_size=group_size, capacity_rows=capacity_rows, lease_seconds=lease_seconds,
         max_deliveries=max_deliveries, fsync=fsync,
     )
 
 
-def trainer_columns(reference_in_store: bool) -> tuple[str, ...]:
+def partial_schema(max_cuts: int) -> pa.Schema:
+    """The table schema of a partial run with ``max_cuts`` = R."""
+    return pa.schema([*SAMPLES_SCHEMA, VERSION_RUNS_FIELD, *part_columns(max_cuts)])
+
+
+def trainer_columns(reference_in_store: bool, partial: bool = False) -> tuple[str, ...]:
     """What the trainer claims: ``ref_logprobs`` too when another role (the reference worker or
-    the rollout) writes them to the store."""
-    return TRAINER_READS + (REFERENCE_COLUMNS if reference_in_store else ())
+    the rollout) writes them to the store; ``response_version_runs`` in a partial run."""
+    return (TRAINER_READS + (REFERENCE_COLUMNS if reference_in_store else ())
+            + ((VERSION_RUNS_FIELD.name,) if partial else ()))

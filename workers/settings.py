@@ -244,6 +244,17 @@ class TurnSettings(Checked):
 
 
 @dataclass(frozen=True)
+class PartialSettings(Checked):
+    """Partial rollout (``rollout.*``; docs/partial.md): a generation still running when a newer
+    policy version is published is cut at a token boundary and continued with the newer weights
+    by whichever rollout worker claims it next. run.mode async and single-turn only."""
+
+    partial: bool = False  # cut running generations at each newer policy version (async only)
+    # most cuts of one trajectory: its segment after the last cut runs to the end, uncut
+    partial_max_cuts: int = bounded(4, ge=1)
+
+
+@dataclass(frozen=True)
 class SandboxSettings(Checked):
     """The python tool's sandbox (``env.sandbox.*``); the defaults are the sandbox's own
     (``workers.agent.sandbox.SandboxLimits``), declared there once."""

@@ -139,6 +139,19 @@ def _check_turns(cfg: RunConfig) -> None:
             "token counts, not text a tool call can be parsed from): use 1")
 
 
+def _check_partial(cfg: RunConfig) -> None:
+    """Partial rollout continues a cut generation with newer weights: only async admits a
+    version newer than the rows' own, and a cut is not a turn (multi-turn is not cut)."""
+    if not cfg.rollout.partial:
+        return
+    require(cfg.run.mode == "async", "rollout.partial",
+            f"needs run.mode async (got {cfg.run.mode!r}): a cut generation is continued with "
+            "newer weights, which only async admits")
+    require(not cfg.multi_turn, "rollout.partial",
+            f"cannot cut multi-turn trajectories (rollout.max_turns={cfg.rollout.max_turns}): "
+            "use rollout.max_turns=1 or rollout.partial=false")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)  # the loop: mode, iterations, outputs
@@ -174,6 +187,7 @@ class RunConfig:
                 "trainer.engine", f"'{self.trainer.engine}' trains in its own ranks: use run.mode "
                 "periodic or async (sync keeps the trainer inside the controller process)")
         _check_turns(self)
+        _check_partial(self)
         _check_placement(self)
         _check_weights(self)
 
@@ -182,6 +196,12 @@ class RunConfig:
         """Trajectories of several model turns with tool calls between them: the env.* workers
         run and the table has the turn tasks (workers.schema.samples_table_spec)."""
         return self.rollout.max_turns > 1
+
+    @property
+    def partial(self) -> bool:
+        """Partial rollout: cut generations continue with newer weights (the table has the part
+        columns and the resume tasks, workers.schema.samples_table_spec)."""
+        return self.rollout.partial
 
     @property
     def tool_format(self) -> str:

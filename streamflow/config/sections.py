@@ -19,6 +19,7 @@ from workers.settings import (
     GrpoSettings,
     OptimizerSettings,
     PackingSettings,
+    PartialSettings,
     RewardSettings,
     SamplingSettings,
     SimulatedDevice,
@@ -169,6 +170,8 @@ class RolloutSection(Checked):
     sampling: SamplingSettings = embed(SamplingSettings)  # temperature, top_p, max_new_tokens
     # max_turns, max_total_tokens: multi-turn tool use (> 1 turn: the env.* section answers)
     turns: TurnSettings = embed(TurnSettings)
+    # partial, partial_max_cuts: partial rollout across weight updates (docs/partial.md)
+    cuts: PartialSettings = embed(PartialSettings)
     groups_per_claim: int = bounded(4, ge=1)  # prompt groups claimed from the store per micro-batch
     threads: int = bounded(1, ge=1)  # torch threads per rollout worker
     # torch engine only: attn_implementation, rows_per_generate

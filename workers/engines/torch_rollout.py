@@ -7,8 +7,9 @@ engine: how one generate call runs".
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from workers.engines.base import (
+    FINISH_CUT,
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
@@ -105,14 +107,26 @@ def row_seeds(params: SamplingParams, num_prompts: int, n: int) -> list[int] | N
     return None if bases is None else [b + j for b in bases for j in range(n)]
 
 
-def _uniforms(seeds: list[int] | None, batch: int, max_new: int, dev: torch.device) -> torch.Tensor:
-    """One uniform in [0, 1) per row and step, each row from its own generator."""
+def _uniforms(seeds: list[int] | None, batch: int, max_new: int, dev: torch.device,
+              skip: Sequence[int] = ()) -> torch.Tensor:
+    """One uniform in [0, 1) per row and step, each row from its own generator. ``skip``: per
+    row, draws to drop first (a resumed row: the tokens it already has), so the row goes on
+    where its stream stopped. Exact on the CPU generator (a longer draw starts with a shorter
+    one's values); on CUDA when skip + max_new is the original call's max_new_tokens."""
     if seeds is None:
         return torch.rand((batch, max_new), device=dev)
-    u = torch.empty((batch, max_new), device=dev)
-    for row, seed in zip(u, seeds, strict=True):
-        row.uniform_(generator=torch.Generator(device=dev).manual_seed(seed))
-    return u
+    skip = list(skip) or [0] * batch
+    if not any(skip):
+        u = torch.empty((batch, max_new), device=dev)
+        for row, seed in zip(u, seeds, strict=True):
+            row.uniform_(generator=torch.Generator(device=dev).manual_seed(seed))
+        return u
+    rows = []
+    for seed, done in zip(seeds, skip, strict=True):
+        full = torch.empty(done + max_new, device=dev)
+        full.uniform_(generator=torch.Generator(device=dev).manual_seed(seed))
+        rows.append(full[done:])
+    return torch.stack(rows)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -200,7 +214,20 @@ class TorchRolloutEngine:
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Generation]]:
         """``n`` samples per prompt, in prompt order (docs/engines.md)."""
+        return self.generate_until(prompts, n, params, None)
+
+    def generate_until(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
+        cut: threading.Event | None, on_done: Callable[[int, Generation], None] | None = None,
+    ) -> list[list[Generation]]:
+        """``generate`` that ``cut`` stops at the next decode step (``Interruptible``,
+        docs/partial.md): each chunk checks it after sampling a step, so every unfinished row
+        has at least one new token; ``params.done_tokens`` skips each row's draws already used."""
         check_generate(prompts, n)
+        done = list(params.done_tokens)
+        if done and (n != 1 or len(done) != len(prompts)):
+            raise ValueError(f"generate: done_tokens needs n == 1 and one entry per prompt, got "
+                             f"n={n} and {len(done)} entries for {len(prompts)} prompts")
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         seeds = row_seeds(params, len(prompts), n)
         stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
@@ -213,14 +240,21 @@ class TorchRolloutEngine:
             for start in range(0, len(rows), step):
                 chunk = rows[start : start + step]
                 chunk_seeds = None if seeds is None else seeds[start : start + step]
-                flat.extend(self._generate_chunk(chunk, params, stop_ids, chunk_seeds))
+                report = None if on_done is None else (
+                    lambda i, g, base=start: on_done(base + i, g))
+                flat.extend(self._generate_chunk(chunk, params, stop_ids, chunk_seeds, cut=cut,
+                                                 skip=done[start : start + step],
+                                                 on_done=report))
         self.generate_seconds_total += time.perf_counter() - t0
         self.generated_tokens_total += sum(len(g.token_ids) for g in flat)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.inference_mode()
     def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, stop_ids: torch.Tensor,
-                        seeds: list[int] | None) -> list[Generation]:
+                        seeds: list[int] | None, *, cut: threading.Event | None = None,
+                        skip: Sequence[int] = (),
+                        on_done: Callable[[int, Generation], None] | None = None
+                        ) -> list[Generation]:
         dev = self.device
         batch = len(rows)
         width = max(len(r) for r in rows)
@@ -242,12 +276,13 @@ class TorchRolloutEngine:
                          logits_to_keep=1)
         logits = out.logits[:, -1, :].float()
         next_pos = position_ids[:, -1:] + 1  # [B, 1]
-        uniforms = _uniforms(seeds, batch, max_new, dev)
+        uniforms = _uniforms(seeds, batch, max_new, dev, skip)
 
         tokens = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=dev)
         logps = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)
         lengths = torch.full((batch,), max_new, dtype=torch.long, device=dev)
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        was_cut = False
         for step in range(max_new):
             token, logp = _sample(logits, params, uniforms[:, step])
             token = token.masked_fill(finished, self.pad_token_id)
@@ -256,7 +291,15 @@ class TorchRolloutEngine:
             stopped = torch.isin(token, stop_ids) & ~finished
             lengths = torch.where(stopped, step + 1, lengths)
             finished |= stopped
+            if on_done is not None:
+                for i in stopped.nonzero().flatten().tolist():
+                    on_done(i, Generation(tokens[i, : step + 1].tolist(),
+                                          logps[i, : step + 1].tolist(), FINISH_STOP))
             if step == max_new - 1 or bool(finished.all()):
+                break
+            if cut is not None and cut.is_set():  # a token boundary: every live row has one
+                lengths = torch.where(finished, lengths, step + 1)
+                was_cut = True
                 break
             out = self.model(input_ids=token[:, None], position_ids=next_pos, use_cache=True,
                              attention_mask=full_mask[:, : width + step + 1], past_key_values=cache)
@@ -265,5 +308,11 @@ class TorchRolloutEngine:
 
         tokens_l, logps_l = tokens.tolist(), logps.tolist()
         lengths_l, finished_l = lengths.tolist(), finished.tolist()
-        return [Generation(tokens_l[i][: lengths_l[i]], logps_l[i][: lengths_l[i]],
-                           FINISH_STOP if finished_l[i] else FINISH_LENGTH) for i in range(batch)]
+        unfinished = FINISH_CUT if was_cut else FINISH_LENGTH
+        out = [Generation(tokens_l[i][: lengths_l[i]], logps_l[i][: lengths_l[i]],
+                          FINISH_STOP if finished_l[i] else unfinished) for i in range(batch)]
+        if on_done is not None and not was_cut:  # rows that ran to max_new_tokens
+            for i in range(batch):
+                if not finished_l[i]:
+                    on_done(i, out[i])
+        return out

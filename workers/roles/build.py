@@ -27,6 +27,7 @@ from workers.rl.reference import ReferenceScorer
 from workers.rl.trimodel import TriModel
 from workers.roles.loop import LeaseKeeper
 from workers.roles.reference import ReferenceStage
+from workers.roles.resume import resume_stages
 from workers.roles.reward import RewardStage
 from workers.roles.rollout import RolloutStage
 from workers.roles.trainer import Trainer
@@ -37,6 +38,7 @@ from workers.runtime.events import EventSender, WeightSyncReport
 from workers.runtime.metrics import WorkerMetrics
 from workers.settings import PackingSettings
 from workers.weights.file_sync import WeightPublisher, WeightSubscriber
+from workers.weights.watch import VersionWatch
 
 
 def make_rollout_engine(cfg: RolloutWorkerConfig, device: str) -> Any:
@@ -90,6 +92,14 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
         from workers.weights.collective import CollectiveSubscriber
 
         weights = CollectiveSubscriber(files, spec, device, on_sync, worker=cfg.common.name)
+    watch = None  # partial rollout: what cuts a generation (workers.weights.watch)
+    if cfg.cuts.partial:
+        # a remote trainer's file comes only when fetched: its announcements tell first
+        watch = VersionWatch(cfg.weights_dir,
+                             announce=cfg.weights_announce if cfg.weights_fetch else None)
+        if spec is not None:
+            weights.on_announce = watch.notify
+    if spec is not None:
         weights.start(engine)
     reference = None
     # reference.placement=rollout: score the responses here, on our device. Loaded after the
@@ -106,12 +116,17 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
     return RolloutStage(engine, weights, params, worker=cfg.common.name,
                         group_size=cfg.group_size, groups_per_claim=cfg.groups_per_claim,
                         seed=cfg.common.seed, weight_wait_s=cfg.weight_wait_s, on_sync=on_sync,
-                        reference=reference, agent=agent)
+                        reference=reference, agent=agent,
+                        max_cuts=cfg.cuts.partial_max_cuts if cfg.cuts.partial else 0,
+                        watch=watch)
 
 
 def rollout_stages(stage: RolloutStage) -> list[Any]:
-    """The stages a rollout worker serves: ``stage`` (turn 0) and, multi-turn, turns 1..T-1
-    (one continuation per row, so a claim takes as many rows as a turn-0 claim generates)."""
+    """The stages a rollout worker serves: ``stage`` (turn 0 / segment 0) and, multi-turn,
+    turns 1..T-1, or, partial rollout, the resumes 1..R (one continuation per row, so a claim
+    takes as many rows as a turn-0 claim generates)."""
+    if stage.max_cuts:
+        return [stage, *resume_stages(stage, max_rows=stage.max_rows)]
     if stage.agent is None:
         return [stage]
     return [stage, *turn_stages(stage, stage.agent, max_rows=stage.max_rows)]

@@ -29,6 +29,7 @@ from workers.rl.packing_layout import forward_slices, steps_within
 from workers.rl.reference import rows_to_groups
 from workers.rl.trimodel import TriModel
 from workers.roles.loop import LeaseKeeper
+from workers.rl.staleness import TokenStaleness
 from workers.runtime import cores
 from workers.runtime.distributed import Op, RankGroup, first_group
 from workers.runtime.events import Span, StepReport, WorkerStatus
@@ -74,7 +75,7 @@ class Trainer:
         self.keeper = keeper
         self.ranks = ranks  # several trainer ranks (workers.runtime.distributed); None: this process alone
         self.step = start_iteration  # = policy version of the current weights
-        self.columns = trainer_columns(settings.reference_in_store)
+        self.columns = trainer_columns(settings.reference_in_store, settings.cuts.partial)
         self._parked: dict[int, list[Piece]] = {}
         self._held: dict[int, _Held] = {}
         self._seen: dict[int, set[int]] = {}  # iteration (>= step) -> row ids accepted for training
@@ -250,7 +251,11 @@ class Trainer:
         self._sums = self._sums + sums
         rows = piece.rows
         self._rows_in += rows.num_rows
-        self._staleness += [self.step - v for v in rows.column("policy_version").to_pylist()]
+        versions = rows.column("policy_version").to_pylist()
+        self._staleness += [self.step - v for v in versions]
+        self._tokens.add(self.step, pc.list_value_length(rows.column("response_ids")).to_pylist(),
+                         versions, rows.column("response_version_runs").to_pylist()
+                         if "response_version_runs" in rows.schema.names else None)
         self._rewards += rows.column("reward").to_pylist()
         self._turns += turn_counts(_loss_masks(rows) or [None] * rows.num_rows)
         self._failures += sum(1 for ok in rows.column("reward_ok").to_pylist() if not ok)
@@ -315,6 +320,9 @@ class Trainer:
         """Ack every lease whose rows are all trained (or held only to be acked)."""
         for piece in self._done + self._ack_only:
             assert piece.lease is not None  # the leader's pieces always come with their lease
+            partial_resumes=self._tokens.rows_resumed,
+            tokens_per_version_span=self._tokens.tokens_per_version_span,
+            staleness_token_mean=self._tokens.staleness_token_mean,
             held = self._held.get(piece.lease.lease_id)
             if held is None:
                 continue
@@ -362,6 +370,7 @@ class Trainer:
         if self.ranks is None or self.ranks.is_leader:
             raise RuntimeError("follow() is for ranks > 0 of a multi-rank trainer")
         while True:
+        self._tokens = TokenStaleness()  # per-token versions (workers.rl.staleness)
             command = self.ranks.receive()
             if command.op is Op.STOP:
                 return

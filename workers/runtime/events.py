@@ -58,6 +58,11 @@ class StepReport:
     # from response_loss_mask: a single-turn run reports 1 and 0)
     turns_mean: float = 1.0
     tool_calls_mean: float = 0.0
+    # per-token versions (workers.rl.staleness): trained trajectories continued with newer
+    # weights after a cut, mean tokens per run of one version, token-weighted staleness
+    partial_resumes: int = 0
+    tokens_per_version_span: float = 0.0
+    staleness_token_mean: float = 0.0
 
 
 @dataclass

@@ -51,6 +51,10 @@ _METRICS: tuple[tuple[str, Any, str, tuple[str, ...], str], ...] = (
      "Mean staleness (step - sample's policy version) of the last step's samples."),
     ("staleness_max", Gauge, "streamflow_trainer_staleness_max_versions", (),
      "Largest staleness of the last step's samples."),
+    ("staleness_token_mean", Gauge, "streamflow_trainer_staleness_token_mean_versions", (),
+     "Token-weighted staleness of the last step (each token by the version that sampled it)."),
+    ("partial_resumes", Gauge, "streamflow_trainer_partial_resumes", (),
+     "Trajectories of the last step continued with newer weights after a cut."),
     ("reward_mean", Gauge, "streamflow_trainer_reward_mean", (),
      "Mean reward of the last step's samples."),
     # The PPO/IS health of the last step, token-weighted over all its passes (StepReport).
@@ -127,6 +131,8 @@ class WorkerMetrics(HttpEndpoint):
         self.trainer_step_duration.observe(rep.step_seconds)
         self.staleness_mean.set(rep.staleness_mean)
         self.staleness_max.set(rep.staleness_max)
+        self.staleness_token_mean.set(rep.staleness_token_mean)
+        self.partial_resumes.set(rep.partial_resumes)
         self.reward_mean.set(rep.reward_mean)
         self.clip_fraction.set(rep.clip_fraction)
         for stat, value in (("mean", rep.ratio_mean), ("min", rep.ratio_min),

@@ -124,6 +124,9 @@ class CollectiveSubscriber:
         self._reports: list[WeightSyncReport] = []
         self.received = 0
         self.failures = 0
+        # partial rollout (workers.weights.watch): told of each announced version before its
+        # apply waits for the engine lock, so the generation holding the lock is cut
+        self.on_announce: Callable[[int], None] | None = None
 
     def __getattr__(self, name: str) -> Any:
         """The WeightSubscriber interface the rollout stage uses for file loads (``directory``,
@@ -166,6 +169,8 @@ class CollectiveSubscriber:
             if ann is None:
                 continue
             seq += 1
+            if self.on_announce is not None:
+                self.on_announce(int(ann["version"]))
             with self._changed:
                 self._receiving = int(ann["version"])
             failed = None
