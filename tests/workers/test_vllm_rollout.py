@@ -8,15 +8,24 @@ mean 1.5e-7 at T=1 and T=0.7 (top_p=1); the tolerance asserted is 1e-4.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
 
-from workers.engines.base import FINISH_LENGTH, FINISH_STOP, LoadsWeightsFile, SamplingParams
+from workers.engines.base import (
+    FINISH_CUT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Interruptible,
+    LoadsWeightsFile,
+    SamplingParams,
+)
 from workers.models.local import TinyModelSpec, build_tiny_model, save_model
 from workers.models.tokenizer import build_char_tokenizer, encode_prompt
 from workers.rl.grpo import response_logprobs
@@ -368,3 +377,99 @@ def test_vllm_runs_a_multi_turn_trajectory_from_token_ids(setup):
         turns.append(turn1)
     assert len(seeds) == group  # each row draws its own tokens
     print(f"vLLM turn 1 of the two rows: {turns}")
+
+
+# -- cutting a generation (partial rollout: docs/engines.md, "Cutting a generation") ---------------
+class CutAfter(threading.Event):
+    """Reads as set from its ``k``-th look on (the engine looks once before each engine step)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k, self.looks = k, 0
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.k
+
+
+def _rows(groups) -> list[tuple[list[int], list[float], str]]:
+    return [(g.token_ids, g.logprobs, g.finish_reason) for group in groups for g in group]
+
+
+@pytest.mark.slow  # a real vLLM engine (module fixture `setup`: 12-50 s to start)
+def test_generate_until_never_cut_is_vllms_own_generate(setup):
+    # Breaks if stepping the engine ourselves changes the samples, their log-probs or their
+    # order (vs LLM.generate with the same requests), or if on_done misses or repeats a row.
+    engine, _, tok = setup
+    assert isinstance(engine, Interruptible)
+    prompts = _prompts(tok)
+    stop = (tok.convert_tokens_to_ids("5"), tok.convert_tokens_to_ids("7"))
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=stop, seed=3)
+    reported: dict[int, tuple] = {}
+    ours = engine.generate_until(prompts, 4, params, threading.Event(),
+                                 on_done=lambda r, g: reported.setdefault(r, _rows([[g]])[0]))
+    sps = [engine._sampling_params(4, params, 3 + i * 4) for i in range(len(prompts))]
+    theirs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    want = [[(list(c.token_ids),
+              [float(s[t].logprob) for s, t in zip(c.logprobs, c.token_ids, strict=True)])
+             for c in sorted(out.outputs, key=lambda c: c.index)] for out in theirs]
+    assert [(ids, lps) for ids, lps, _ in _rows(ours)] == [r for group in want for r in group]
+    assert {reason for *_, reason in _rows(ours)} == {FINISH_STOP, FINISH_LENGTH}
+    assert [reported[r] for r in range(len(reported))] == _rows(ours)
+    assert engine.generate(prompts, 4, params) == ours
+
+
+@pytest.mark.slow  # a real vLLM engine (module fixture `setup`: 12-50 s to start)
+def test_a_cut_returns_the_uncut_prefix_and_a_resume_continues_it(setup):
+    # Breaks if the cut is not honoured at the next step (rows run on or stop unevenly), if a cut
+    # row's tokens or log-probs are not the uncut generation's prefix, or if a resume ignores
+    # the tokens already done (greedy: the continuation is the uncut suffix, exactly).
+    engine, model, tok = setup
+    prompts = _prompts(tok)
+    stop = (tok.convert_tokens_to_ids("5"), tok.convert_tokens_to_ids("7"))
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=stop, seed=3)
+    uncut = _rows(engine.generate(prompts, 4, params))
+    cut, first = threading.Event(), []
+
+    def on_done(row, gen):  # the first finished row cuts the others
+        first.append(len(gen.token_ids))
+        cut.set()
+
+    got = _rows(engine.generate_until(prompts, 4, params, cut, on_done=on_done))
+    cuts = [(g, u) for g, u in zip(got, uncut, strict=True) if g[2] == FINISH_CUT]
+    assert cuts and len(cuts) < len(got)
+    for (ids, lps, _), (uids, ulps, _) in cuts:
+        assert len(ids) == first[0] < len(uids)  # every live row stopped at the same step
+        assert (ids, lps) == (uids[: len(ids)], ulps[: len(ids)])
+    assert [g for g in got if g[2] != FINISH_CUT] == [
+        u for g, u in zip(got, uncut, strict=True) if g[2] != FINISH_CUT]
+    # Greedy: cut after a few steps, then resume each row from its tokens.
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, seed=8)
+    whole = _rows(engine.generate(prompts, 1, greedy))
+    part = _rows(engine.generate_until(prompts, 1, greedy, CutAfter(4)))
+    assert all(r == FINISH_CUT and 1 <= len(ids) < 12 for ids, _, r in part)
+    already = threading.Event()
+    already.set()  # set before the call: still no empty segment, exactly one token per row
+    first_only = _rows(engine.generate_until(prompts, 2, greedy, already))
+    assert [(len(ids), r) for ids, _, r in first_only] == [(1, FINISH_CUT)] * 6
+    done = tuple(len(ids) for ids, *_ in part)
+    assert len(set(done)) == 1  # cut together
+    rest = _rows(engine.generate_until(
+        [p + ids for p, (ids, *_) in zip(prompts, part, strict=True)], 1,
+        dataclasses.replace(greedy, max_new_tokens=12 - done[0], seed=None,
+                            prompt_seeds=(8, 9, 10), done_tokens=done), None))
+    for (ids, lps, _), (rids, rlps, reason), (wids, wlps, wreason) in zip(part, rest, whole,
+                                                                          strict=True):
+        assert (ids + rids, reason) == (wids, wreason)
+        assert lps + rlps == pytest.approx(wlps, abs=LOGPROB_TOL)
+    # Sampled: a resume draws from its own stream (vLLM cannot skip the draws already used), the
+    # same for a redelivery, with each token's log-prob given prompt + done tokens.
+    sampled = dataclasses.replace(params, stop_token_ids=(), seed=None, prompt_seeds=(5,),
+                                  max_new_tokens=6, done_tokens=(3,))
+    context = prompts[0] + list(uncut[0][0][:3])
+    once = engine.generate([context], 1, sampled)[0][0]
+    assert engine.generate([context], 1, sampled)[0][0] == once and len(once.token_ids) >= 1
+    diff = torch.tensor(once.logprobs) - _recompute(model, context, once.token_ids, 1.0)
+    assert diff.abs().max().item() < LOGPROB_TOL
+    replay = dataclasses.replace(sampled, done_tokens=())
+    assert engine.generate([context], 1, replay)[0][0].token_ids != once.token_ids

@@ -2,21 +2,26 @@
 
 Owns ``VllmRolloutEngine`` and ``WeightSyncExtension`` (runs inside vLLM's worker process).
 Importing this module never imports vLLM; constructing the engine does (``VllmNotInstalled``
-without it). Mapping, log-prob mode and weight reloads: docs/engines.md, "The vLLM adapter".
+without it). Mapping, log-prob mode and weight reloads: docs/engines.md, "The vLLM adapter";
+cutting a generation (``generate_until``, partial rollout): docs/engines.md, "Cutting a
+generation".
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from workers.engines.base import (
+    FINISH_CUT,
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
@@ -32,6 +37,26 @@ INSTALL_HINT = (
 # vLLM treats temperatures below this as greedy; so do we (workers.engines.torch_rollout agrees).
 GREEDY_TEMPERATURE = 1e-5
 LOGPROBS_MODE = "processed_logprobs"
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def resume_seed(seed: int, done: int) -> int:
+    """The seed of a row continued after ``done`` tokens (``SamplingParams.done_tokens``).
+
+    vLLM cannot skip the draws a seeded request already used, and restarting the row's own
+    stream would reuse the noise that chose the first ``done`` tokens for the next ones (the
+    continuation would then depend on its prefix through the noise, not only through the model).
+    So a continuation draws from a fresh stream, a deterministic function of (row seed, done): a
+    redelivered resume draws the same tokens, and the tokens follow the model's distribution given
+    the prefix, though not the draws the uncut generation would have made. A splitmix64 finaliser,
+    kept to 63 bits (a non-negative int64 for torch's generator).
+    """
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(done)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
 
 
 class VllmNotInstalled(ImportError):
@@ -165,9 +190,12 @@ class VllmRolloutEngine:
         self.sync_bytes_total = 0
         self.last_sync_seconds = 0.0
         self.logprob_mode = "exact"  # "exact" | "nucleus-renormalised" (last generate call)
+        self._calls = itertools.count()  # request-id prefix: one call's ids never meet another's
 
     # -- sampling ------------------------------------------------------------------------------
     def _sampling_params(self, n: int, params: SamplingParams, seed: int | None) -> Any:
+        from vllm.sampling_params import RequestOutputKind
+
         greedy = params.temperature <= GREEDY_TEMPERATURE
         return self._vllm.SamplingParams(
             n=1 if greedy else n,  # vLLM refuses n > 1 when greedy; generate() copies the one
@@ -178,45 +206,125 @@ class VllmRolloutEngine:
             seed=seed,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
+            # Each engine step reports its new tokens (generate_until); read by vLLM's output
+            # processor only, so the samples are those of LLM.generate (which asks FINAL_ONLY).
+            output_kind=RequestOutputKind.DELTA,
         )
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Generation]]:
         """``n`` samples per prompt, in prompt order (docs/engines.md)."""
+        return self.generate_until(prompts, n, params, None)
+
+    def generate_until(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
+        cut: threading.Event | None, on_done: Callable[[int, Generation], None] | None = None,
+    ) -> list[list[Generation]]:
+        """``generate`` that ``cut`` stops between engine steps (``Interruptible``; docs/engines.md,
+        "Cutting a generation"). The requests are added and stepped as ``LLM.generate`` does
+        (same rendering, seeds and order), except that each step reports its new tokens."""
         check_generate(prompts, n)
+        done = list(params.done_tokens)
+        if done and (n != 1 or len(done) != len(prompts)):
+            raise ValueError(f"generate: done_tokens needs n == 1 and one entry per prompt, got "
+                             f"n={n} and {len(done)} entries for {len(prompts)} prompts")
         if not prompts:
             return []
         # One SamplingParams per prompt: vLLM seeds child j of a request with seed + j. Prompt i's
         # seed is params.prompt_seeds[i] (its group's own seed) or seed + i*n: either way a
         # request's samples never depend on the other requests of the call.
         seeds = prompt_seeds_of(params, len(prompts), n)
+        if seeds is not None and done:
+            seeds = [resume_seed(s, d) if d else s for s, d in zip(seeds, done, strict=True)]
         sps = [self._sampling_params(n, params, None if seeds is None else seeds[i])
                for i in range(len(prompts))]
         greedy = params.temperature <= GREEDY_TEMPERATURE
         self.logprob_mode = "exact" if greedy or params.top_p >= 1.0 else "nucleus-renormalised"
-        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         t0 = time.perf_counter()
-        outputs = self.llm.generate(requests, sps, use_tqdm=False)
-        self.generate_seconds_total += time.perf_counter() - t0
+        try:
+            flat = self._step_requests(prompts, sps, cut, on_done, copies=n if greedy else 1)
+        finally:
+            self.generate_seconds_total += time.perf_counter() - t0
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _step_requests(
+        self, prompts: Sequence[Sequence[int]], sps: list[Any], cut: threading.Event | None,
+        on_done: Callable[[int, Generation], None] | None, copies: int,
+    ) -> list[Generation]:
+        """Add one request per prompt and step vLLM's engine until every sample finished, or
+        ``cut`` is set and every unfinished sample has a token. ``copies`` > 1: greedy, the one
+        sample of each request stands for ``copies`` rows (vLLM refuses ``n > 1`` when greedy)."""
+        engine = self.llm.llm_engine
+        samples = sps[0].n  # per request: n, or 1 when greedy (copies = n)
+        rows = samples * copies
+        tag = f"streamflow-{next(self._calls)}"
+        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        # LLM.generate renders each prompt with its private _preprocess_cmpl before adding it; a
+        # raw prompt takes the same rendering inside add_request (with a deprecation warning).
+        render = getattr(self.llm, "_preprocess_cmpl", None)
+        inputs = list(render(requests)) if render is not None else requests
         stops = set(sps[0].stop_token_ids)
-        result: list[list[Generation]] = []
-        for out in outputs:
-            samples = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = [int(t) for t in c.token_ids]
-                if c.logprobs is None or len(c.logprobs) != len(ids):
-                    got = 0 if c.logprobs is None else len(c.logprobs)
-                    raise RuntimeError(f"vLLM returned {got} log-probs for {len(ids)} tokens")
-                logps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
-                stopped = c.finish_reason == "stop" and bool(ids) and ids[-1] in stops
-                samples.append(Generation(ids, logps, FINISH_STOP if stopped else FINISH_LENGTH))
-                self.generated_tokens_total += len(ids)
-            if greedy:  # deterministic: the n samples are n copies of the one greedy answer
-                samples = [Generation(list(s.token_ids), list(s.logprobs), s.finish_reason)
-                           for s in samples * n]
-            result.append(samples)
-        return result
+        ids: dict[tuple[int, int], list[int]] = {}
+        logps: dict[tuple[int, int], list[float]] = {}
+        result: dict[int, Generation] = {}  # flat row index i * rows + j -> its generation
+        live: set[tuple[int, int]] = set()  # (prompt, sample) not finished yet
+        added: dict[int, str] = {}  # prompt -> vLLM's internal request id (an n > 1 parent's)
+        try:
+            for i, (inp, sp) in enumerate(zip(inputs, sps, strict=True)):
+                added[i] = engine.add_request(f"{tag}-{i}", inp, sp)
+                for j in range(samples):
+                    ids[i, j], logps[i, j] = [], []
+                    live.add((i, j))
+            while live:
+                if cut is not None and cut.is_set() and all(ids[k] for k in live):
+                    break  # a token boundary with a new token in every unfinished sample
+                outputs = engine.step()
+                if not outputs and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM finished with {len(live)} samples unreported")
+                for out in outputs:
+                    head, _, index = out.request_id.rpartition("-")
+                    if head != tag:
+                        continue  # another caller's request (none is expected: calls hold the engine lock)
+                    i = int(index)
+                    for c in out.outputs:
+                        key = (i, c.index)
+                        new = [int(t) for t in c.token_ids]
+                        if c.logprobs is None or len(c.logprobs) != len(new):
+                            got = 0 if c.logprobs is None else len(c.logprobs)
+                            raise RuntimeError(f"vLLM returned {got} log-probs for {len(new)} "
+                                               f"tokens")
+                        ids[key].extend(new)
+                        logps[key].extend(float(step[t].logprob)
+                                          for step, t in zip(c.logprobs, new, strict=True))
+                        if c.finish_reason is None:
+                            continue
+                        live.discard(key)
+                        tokens = ids[key]
+                        stopped = c.finish_reason == "stop" and bool(tokens) and tokens[-1] in stops
+                        self._report(i * rows + c.index * copies, copies, Generation(
+                            tokens, logps[key], FINISH_STOP if stopped else FINISH_LENGTH),
+                            result, on_done)
+            for i, j in sorted(live):  # cut: the tokens so far, as generate reported them
+                self._report(i * rows + j * copies, copies,
+                             Generation(ids[i, j], logps[i, j], FINISH_CUT), result, None)
+        finally:
+            # A cut (or an error) leaves requests in vLLM: abort them (their KV blocks are freed;
+            # a token vLLM computed past the last step we read is dropped, never reported).
+            unfinished = sorted({added[i] for i, _ in live if i in added})
+            if unfinished:
+                engine.abort_request(unfinished, internal=True)
+        self.generated_tokens_total += sum(len(t) for t in ids.values())
+        return [result[r] for r in range(len(prompts) * rows)]
+
+    @staticmethod
+    def _report(first: int, copies: int, gen: Generation, result: dict[int, Generation],
+                on_done: Callable[[int, Generation], None] | None) -> None:
+        for r in range(first, first + copies):  # greedy: n copies of the one answer
+            result[r] = gen if r == first else Generation(
+                list(gen.token_ids), list(gen.logprobs), gen.finish_reason)
+            if on_done is not None:
+                on_done(r, result[r])
 
     # -- weights -------------------------------------------------------------------------------
     def load_weights_file(self, path: str | os.PathLike[str], version: int) -> None:
