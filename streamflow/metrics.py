@@ -51,8 +51,8 @@ _SERIES: tuple[tuple[str, Any, str, str, tuple[str, ...]], ...] = (
      "Largest staleness of the last iteration's samples.", ()),
     ("staleness_token_mean", Gauge, "staleness_token_mean_versions",
      "Token-weighted staleness of the last iteration (each token by its own version).", ()),
-    ("partial_resumes", Gauge, "partial_resumes",
-     "Trajectories of the last iteration continued with newer weights after a cut.", ()),
+    ("partial_resumes", Counter, "partial_resumes_total",
+     "Trained trajectories continued with newer weights after a cut (partial rollout).", ()),
     ("weight_sync", Gauge, "weight_sync_seconds",
      "Weight-sync cost of the last iteration (trainer publish + rollout loads).", ()),
     ("queue_depth", Gauge, "queue_depth_rows",
@@ -103,7 +103,7 @@ class ControllerMetrics(HttpEndpoint):
         self.staleness_mean.set(rec.staleness_mean)
         self.staleness_max.set(rec.staleness_max)
         self.staleness_token_mean.set(rec.staleness_token_mean)
-        self.partial_resumes.set(rec.partial_resumes)
+        self.partial_resumes.inc(rec.partial_resumes)
         self.weight_sync.set(rec.weight_sync_seconds)
         self.last_iteration.set(rec.timestamp)
 

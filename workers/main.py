@@ -81,6 +81,9 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
         else:
             if isinstance(cfg, RolloutWorkerConfig):
                 stages = rollout_stages(build_rollout(cfg, events))
+                if metrics is not None and stages[0].max_cuts:  # partial rollout's counters
+                    first = stages[0]
+                    metrics.follow_partial(lambda: (first.cuts_total, first.resumed_tokens_total))
             elif isinstance(cfg, EnvironmentWorkerConfig):
                 stages = build_environment(cfg, metrics.tool_call if metrics else None)
             elif isinstance(cfg, RewardWorkerConfig):

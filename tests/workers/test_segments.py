@@ -166,3 +166,15 @@ def _cut_at(k: int) -> threading.Event:
             Cut.looks += 1
             return Cut.looks >= k
     return Cut()
+
+
+def test_a_rollout_workers_partial_counters_are_served_from_its_stage():
+    # Breaks if the counters are not registered or read a stale value.
+    from workers.runtime.metrics import WorkerMetrics
+
+    totals = [3, 40]
+    metrics = WorkerMetrics()
+    metrics.follow_partial(lambda: (totals[0], totals[1]))
+    totals[0] += 1
+    assert metrics.registry.get_sample_value("streamflow_rollout_cuts_total") == 4
+    assert metrics.registry.get_sample_value("streamflow_rollout_resumed_tokens_total") == 40

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily
 
 from storage.metrics import HttpEndpoint
 from workers.runtime.events import Record, Span, StepReport, WeightSyncReport
@@ -53,8 +55,8 @@ _METRICS: tuple[tuple[str, Any, str, tuple[str, ...], str], ...] = (
      "Largest staleness of the last step's samples."),
     ("staleness_token_mean", Gauge, "streamflow_trainer_staleness_token_mean_versions", (),
      "Token-weighted staleness of the last step (each token by the version that sampled it)."),
-    ("partial_resumes", Gauge, "streamflow_trainer_partial_resumes", (),
-     "Trajectories of the last step continued with newer weights after a cut."),
+    ("partial_resumes", Counter, "streamflow_trainer_partial_resumes_total", (),
+     "Trained trajectories continued with newer weights after a cut (partial rollout)."),
     ("reward_mean", Gauge, "streamflow_trainer_reward_mean", (),
      "Mean reward of the last step's samples."),
     # The PPO/IS health of the last step, token-weighted over all its passes (StepReport).
@@ -79,6 +81,23 @@ _METRICS: tuple[tuple[str, Any, str, tuple[str, ...], str], ...] = (
 )
 
 
+class _PartialRollout:
+    """Partial rollout's counters of a rollout worker, read from its stage at each scrape (the
+    generating thread only adds to plain integers)."""
+
+    def __init__(self, totals: Callable[[], tuple[int, int]]) -> None:
+        self.totals = totals
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        cuts, resumed = self.totals()
+        yield CounterMetricFamily("streamflow_rollout_cuts",
+                                  "Generations cut by a newer policy version (partial rollout).",
+                                  value=cuts)
+        yield CounterMetricFamily("streamflow_rollout_resumed_tokens",
+                                  "Tokens generated continuing cut generations (resume.{j}).",
+                                  value=resumed)
+
+
 class WorkerMetrics(HttpEndpoint):
     """The metric objects of one worker process (attributes named in ``_METRICS``); ``observe``
     takes the worker's own reports."""
@@ -92,6 +111,11 @@ class WorkerMetrics(HttpEndpoint):
             setattr(self, attr, kind(name, doc, labels, registry=self.registry))
         self._children: dict[tuple[int, str], Any] = {}
         self._http: Any = None
+
+    def follow_partial(self, totals: Callable[[], tuple[int, int]]) -> None:
+        """Serve a rollout worker's partial-rollout counters: ``totals()`` = (rows cut, tokens
+        resumed) so far (``RolloutStage.cuts_total``, ``resumed_tokens_total``)."""
+        self.registry.register(_PartialRollout(totals))  # type: ignore[arg-type]
 
     def _child(self, metric: Any, label: str) -> Any:
         key = (id(metric), label)
@@ -132,7 +156,7 @@ class WorkerMetrics(HttpEndpoint):
         self.staleness_mean.set(rep.staleness_mean)
         self.staleness_max.set(rep.staleness_max)
         self.staleness_token_mean.set(rep.staleness_token_mean)
-        self.partial_resumes.set(rep.partial_resumes)
+        self.partial_resumes.inc(rep.partial_resumes)
         self.reward_mean.set(rep.reward_mean)
         self.clip_fraction.set(rep.clip_fraction)
         for stat, value in (("mean", rep.ratio_mean), ("min", rep.ratio_min),

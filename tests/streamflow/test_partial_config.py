@@ -1,0 +1,46 @@
+"""Partial rollout wired into a run, below the processes: rollout.partial's one-line errors
+through the CLI, and what the plan makes of it (the table's resume tasks, the records)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from testkit import worker_plan
+
+from streamflow.cli import main
+from streamflow.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["run.mode=periodic"], "rollout.partial: needs run.mode async (got 'periodic')"),
+    (["run.mode=sync"], "rollout.partial: needs run.mode async (got 'sync')"),
+    (["run.mode=async", "rollout.max_turns=2"],
+     "rollout.partial: cannot cut multi-turn trajectories (rollout.max_turns=2)"),
+    (["run.mode=async", "rollout.partial_max_cuts=0"], "rollout.partial_max_cuts: must be >= 1"),
+])
+def test_bad_partial_settings_are_one_line_exit_2(capsys, tmp_path, overrides, needle) -> None:
+    # Breaks if a bad combination starts a run, or fails with a traceback or an unnamed key.
+    code = main(["run", TINY, "rollout.partial=true", *overrides, f"run.output_dir={tmp_path}",
+                 "--dry-run"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and "\n" not in err, err
+
+
+def test_the_plan_adds_the_resume_tasks_and_carries_the_cuts(tmp_path) -> None:
+    # Breaks if the table lacks resume.1..R or the rollout/trainer records lose rollout.partial
+    # (the trainer would not claim response_version_runs).
+    cfg = load_config(TINY, ["run.mode=async", "rollout.partial=true",
+                             "rollout.partial_max_cuts=2", f"run.output_dir={tmp_path}"])
+    plan = worker_plan(cfg, tmp_path)
+    tasks = [t.name for t in plan.table_spec.tasks]
+    assert tasks[:3] == ["rollout", "resume.1", "resume.2"]
+    assert "response_version_runs" in plan.table_spec.schema.names
+    assert plan.rollout.cuts.partial and plan.rollout.partial_max_cuts == 2
+    assert plan.trainer.cuts.partial
+    off = worker_plan(load_config(TINY, ["run.mode=async", f"run.output_dir={tmp_path}"]),
+                      tmp_path / "off")
+    assert [t.name for t in off.table_spec.tasks if t.name.startswith("resume")] == []
