@@ -178,3 +178,50 @@ def test_a_rollout_workers_partial_counters_are_served_from_its_stage():
     totals[0] += 1
     assert metrics.registry.get_sample_value("streamflow_rollout_cuts_total") == 4
     assert metrics.registry.get_sample_value("streamflow_rollout_resumed_tokens_total") == 40
+
+
+class _Scripted:
+    """An Interruptible engine returning scripted generations (one group of two rows)."""
+
+    policy_version = 7
+
+    def __init__(self, gens):
+        self.gens = gens
+
+    def generate(self, prompts, n, params):
+        raise AssertionError("a partial stage calls generate_until")
+
+    def generate_until(self, prompts, n, params, cut, on_done=None):
+        return [self.gens]
+
+    def load_weights(self, weights, version):
+        pass
+
+
+class _Reference:
+    def score(self, batch):
+        return pa.array([[-1.0] * len(r) for r in batch.column("response_ids").to_pylist()],
+                        pa.list_(pa.float32()))
+
+
+def test_with_the_reference_in_rollout_only_ended_rows_carry_ref_logprobs_in_their_write():
+    # Breaks if a cut row is scored (it has no response yet) or an ended row's ref_logprobs go
+    # in a separate write (the trainer could claim the row before them).
+    from workers.engines.base import Generation
+    from workers.roles.rollout import RolloutStage
+
+    gens = [Generation([1, 2], [-0.1, -0.2], FINISH_CUT), Generation([3], [-0.3], "stop")]
+    stage = RolloutStage(_Scripted(gens), _Files(), SamplingParams(max_new_tokens=4),
+                         worker="r", group_size=2, groups_per_claim=1, seed=1,
+                         weight_wait_s=1.0, reference=_Reference(),  # type: ignore[arg-type]
+                         max_cuts=R, watch=type("W", (), {"arm": lambda s, v: threading.Event(),
+                                                          "close": lambda s: None})())
+    batch = pa.RecordBatch.from_pydict({
+        "group_id": pa.array([3, 3], pa.int64()), "iteration": pa.array([0, 0], pa.int64()),
+        "min_policy_version": pa.array([0, 0], pa.int64()),
+        "prompt_ids": pa.array([[5, 6], [5, 6]], pa.list_(pa.int32())),
+        ROW_ID: pa.array([0, 1], pa.uint64())})
+    cells = _cells(stage.process(Lease(1, "t", "rollout", 0, 0.0, batch)).batches)
+    assert "ref_logprobs" not in cells[0] and cells[0]["part0_ids"] == [1, 2]
+    assert cells[1]["ref_logprobs"] == [-1.0] and cells[1]["response_ids"] == [3]
+    assert cells[1]["policy_version"] == 7 and stage.cuts_total == 1

@@ -82,7 +82,7 @@ class ResumeStage:
         with stage.engine_lock:  # the version that generates is the version the segment records
             version = stage.engine.policy_version
             params = dataclasses.replace(
-                stage.params, max_new_tokens=limit - min(done), seed=seeds[0],
+                stage.params, max_new_tokens=max(limit - min(done), 1), seed=seeds[0],
                 prompt_seeds=seeds, done_tokens=tuple(done))
             contexts = [continuation_ids(row["prompt_ids"], segs) for row, segs in live]
             cut = stage.cut_event(version, cut=self.j < stage.max_cuts)
