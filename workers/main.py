@@ -36,6 +36,7 @@ from workers.roles.build import (
     build_trainer,
     rollout_stages,
 )
+from workers.roles.early import EarlyWrites
 from workers.roles.environment import build_environment
 from workers.roles.loop import LeaseKeeper, serve_stage, serve_stages
 from workers.runtime import cores, heap
@@ -49,7 +50,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
     torch.set_num_threads(max(common.threads, 1))
     if common.cores is not None:  # the host's budget, shared by phase (workers.runtime.cores)
         cores.install(cores.CoreShare(common.cores))
-    events: Any = EventSender(common.events_address)
+    events: Any = EventSender(common.events_address, trace=common.trace_rows)
     timeout = common.request_timeout_s
     client: Any = storage.connect(common.store_addresses, request_timeout=timeout)
     keeper = LeaseKeeper(lambda: storage.connect(common.store_addresses, request_timeout=timeout))
@@ -81,9 +82,12 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
         else:
             if isinstance(cfg, RolloutWorkerConfig):
                 stages = rollout_stages(build_rollout(cfg, events))
-                if metrics is not None and stages[0].max_cuts:  # partial rollout's counters
-                    first = stages[0]
-                    metrics.follow_partial(lambda: (first.cuts_total, first.resumed_tokens_total))
+                first = stages[0]
+                if first.max_cuts:  # partial rollout: rows written as they finish, counters
+                    first.early = EarlyWrites(client, common.table)
+                    if metrics is not None:
+                        metrics.follow_partial(
+                            lambda: (first.cuts_total, first.resumed_tokens_total))
             elif isinstance(cfg, EnvironmentWorkerConfig):
                 stages = build_environment(cfg, metrics.tool_call if metrics else None)
             elif isinstance(cfg, RewardWorkerConfig):

@@ -225,3 +225,51 @@ def test_with_the_reference_in_rollout_only_ended_rows_carry_ref_logprobs_in_the
     assert "ref_logprobs" not in cells[0] and cells[0]["part0_ids"] == [1, 2]
     assert cells[1]["ref_logprobs"] == [-1.0] and cells[1]["response_ids"] == [3]
     assert cells[1]["policy_version"] == 7 and stage.cuts_total == 1
+
+
+class _Client:
+    """Records the writes made under a lease."""
+
+    def __init__(self):
+        self.writes: list[pa.RecordBatch] = []
+
+    def write(self, table, lease, batch):
+        self.writes.append(batch)
+
+
+class _Finishing(_Scripted):
+    """Reports row 1 (sample 1 of the group) finished before the call returns."""
+
+    def generate_until(self, prompts, n, params, cut, on_done=None):
+        on_done(1, self.gens[1])
+        return [self.gens]
+
+
+def test_early_writes_end_finished_rows_under_the_lease_and_leave_the_rest_to_the_loop():
+    # Breaks if an early-written row is written again by the loop (CellAlreadyWritten, "kept"
+    # rows), or lost from both, or the early write differs from the loop's write of it.
+    from workers.engines.base import Generation
+    from workers.roles.early import EarlyWrites
+    from workers.roles.rollout import RolloutStage
+
+    gens = [Generation([1, 2], [-0.1, -0.2], FINISH_CUT), Generation([3], [-0.3], "stop")]
+    watch = type("W", (), {"arm": lambda s, v: threading.Event(), "close": lambda s: None})()
+    batch = pa.RecordBatch.from_pydict({
+        "group_id": pa.array([3, 3], pa.int64()), "iteration": pa.array([0, 0], pa.int64()),
+        "min_policy_version": pa.array([0, 0], pa.int64()),
+        "prompt_ids": pa.array([[5, 6], [5, 6]], pa.list_(pa.int32())),
+        ROW_ID: pa.array([10, 11], pa.uint64())})
+    lease = Lease(1, "t", "rollout", 0, 0.0, batch)
+
+    def stage(engine):
+        return RolloutStage(engine, _Files(), SamplingParams(max_new_tokens=4), worker="r",
+                            group_size=2, groups_per_claim=1, seed=1, weight_wait_s=1.0,
+                            max_cuts=R, watch=watch)
+
+    alone = _cells(stage(_Scripted(gens)).process(lease).batches)
+    early = stage(_Finishing(gens))
+    client = _Client()
+    early.early = EarlyWrites(client, "t", every_s=0.0)
+    rest = _cells(early.process(lease).batches)
+    assert set(rest) == {10} and _cells(client.writes) == {11: alone[11]}
+    assert rest[10] == alone[10]

@@ -26,6 +26,7 @@ rollout device's generations at once: the long tails of a step decode together.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from storage.schema import ROW_ID, Lease
 from workers.agent.segments import (
@@ -86,17 +87,30 @@ class ResumeStage:
                 prompt_seeds=seeds, done_tokens=tuple(done))
             contexts = [continuation_ids(row["prompt_ids"], segs) for row, segs in live]
             cut = stage.cut_event(version, cut=self.j < stage.max_cuts)
-            generations = [g[0] for g in stage.generate(contexts, 1, params, cut)]
-        items = []
-        for (_, segs), gen, d in zip(live, generations, done, strict=True):
-            seg, finish = close_segment(gen, limit - d, version)
-            items.append((segs, seg, finish))
-            self.last_tokens += len(seg.ids)
+            early = None if stage.early is None else stage.early.call(
+                lease, lambda got: self._writes(live, done, version, got))
+            generations = [g[0] for g in stage.generate(
+                contexts, 1, params, cut, early.on_done if early is not None else None)]
+        self.last_tokens = sum(min(len(g.token_ids), limit - d)
+                               for g, d in zip(generations, done, strict=True))
         stage.resumed_tokens_total += self.last_tokens
-        row_ids = [row[ROW_ID] for row, _ in live]
-        writes = part_writes(row_ids, self.j, stage.max_cuts, items)
-        return stage.parts(writes, {row[ROW_ID]: row["prompt_ids"] for row, _ in live},
-                           {row[ROW_ID]: row["group_id"] for row, _ in live})
+        written = early.written if early is not None else set()
+        return self._writes(live, done, version,
+                            [(i, g) for i, g in enumerate(generations) if i not in written])
+
+    def _writes(self, live: list[tuple[dict[str, Any], tuple[Segment, ...]]], done: list[int],
+                version: int, got: list[tuple[int, Generation]]) -> Parts:
+        """The writes of segment j for the live rows at positions ``got`` (their continuation
+        each): cut again, or ended."""
+        if not got:
+            return Parts()
+        stage = self.rollout
+        items = [(live[i][1], *close_segment(g, stage.params.max_new_tokens - done[i], version))
+                 for i, g in got]
+        rows = [live[i][0] for i, _ in got]
+        writes = part_writes([r[ROW_ID] for r in rows], self.j, stage.max_cuts, items)
+        return stage.parts(writes, {r[ROW_ID]: r["prompt_ids"] for r in rows},
+                           {r[ROW_ID]: r["group_id"] for r in rows})
 
 
 def resume_stages(rollout: RolloutStage, *, max_rows: int) -> list[ResumeStage]:
