@@ -1,4 +1,4 @@
-"""The ``streamflow`` command line: run, store serve, bench, report, model, config keys.
+"""The ``streamflow`` command line: run, store serve, bench, report, trace, model, config keys.
 
 Argument parsing and the lazy wiring of each subcommand to its module (no torch for ``--dry-run``
 or ``report``). Exit codes: 0 ok, 1 failed, 2 usage/config error, 128 + signal when stopped
@@ -106,6 +106,17 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", help="run directory")
     report.add_argument("run_dir_b", nargs="?", help="second run directory to compare with")
     report.set_defaults(handler=_cmd_report)
+
+    trace = sub.add_parser("trace", help="follow rows through a run (its RUN/trace): a summary, "
+                           "one row's or group's events, or the slowest rows")
+    trace.add_argument("run_dir", help="run directory")
+    which = trace.add_mutually_exclusive_group()
+    which.add_argument("--row", type=int, help="every event of this row id")
+    which.add_argument("--group", type=int, help="every event of this group's rows")
+    which.add_argument("--slowest", type=int, metavar="N", help="the N rows with the longest "
+                       "put -> consumed")
+    trace.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    trace.set_defaults(handler=_cmd_trace)
 
     model = sub.add_parser("model", help="prepare models (offline conversions)")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
@@ -306,6 +317,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
         b = args.run_dir_b
         text = render_comparison(args.run_dir, b) if b else render_report(args.run_dir)
     except ReportError as err:
+        raise UsageError(str(err)) from None
+    sys.stdout.write(text)
+    return EXIT_OK
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from streamflow.trace import TraceError, render
+
+    try:
+        text = render(args.run_dir, group=args.group, row=args.row, slowest_n=args.slowest,
+                      as_json=args.json)
+    except TraceError as err:
         raise UsageError(str(err)) from None
     sys.stdout.write(text)
     return EXIT_OK

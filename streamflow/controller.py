@@ -49,7 +49,7 @@ import torch
 
 import storage
 from storage.errors import Unavailable, UnknownTable
-from streamflow import interrupt, preflight
+from streamflow import interrupt, preflight, tracefile
 from streamflow.admission import admissible
 from streamflow.cluster import Cluster, LocalCluster, WorkerFailed
 from streamflow.config import RunConfig, config_to_dict
@@ -69,8 +69,16 @@ from workers.roles.environment import build_environment
 from workers.roles.loop import LeaseKeeper, StageLoop
 from workers.runtime import cores, heap
 from workers.runtime.cores import CoreShareConfig
-from workers.runtime.events import EventReceiver, EventSender, Span, StepReport, WorkerStatus
+from workers.runtime.events import (
+    EventReceiver,
+    EventSender,
+    RowTrace,
+    Span,
+    StepReport,
+    WorkerStatus,
+)
 from workers.runtime.metrics import MeteredEvents, WorkerMetrics
+from workers.runtime.trace import put_trace
 
 log = logging.getLogger("streamflow.controller")
 ClusterFactory = Callable[[RunConfig, RunPlan], Cluster]
@@ -86,6 +94,10 @@ class Controller:
         previous = RunDir(cfg.run.output_dir).read_summary() if cfg.run.resume else None
         self.rundir = RunDir(cfg.run.output_dir)
         self.rundir.write_config(cfg)  # the resolved config is in the run dir from the start
+        # RUN/trace (streamflow.tracefile): started afresh; an older trace is removed either way
+        self.trace = tracefile.TraceWriter(self.rundir.trace) if cfg.run.trace else None
+        if self.trace is None:
+            tracefile.clear(self.rundir.trace)
         with StepProgress("warm start", enabled=cfg.run.progress) as warm:
             self.plan: RunPlan = build_plan(cfg, self.rundir.path, progress=warm)
         self.state = RunState.begin(created, self.rundir, self.plan.start_iteration,
@@ -123,6 +135,8 @@ class Controller:
                 status = "interrupted"
                 error = f"interrupted by {stop.signal_name}" if stop.signal_name else "interrupted"
             finally:
+                if self.trace is not None:
+                    self.trace.close()
                 summary = st.finish(cfg.run.mode, cfg.run.name, status, error, stop.signal_name,
                                    plots=cfg.run.plots)
                 cores.install(None)
@@ -136,7 +150,7 @@ class Controller:
         heap.keep_heap()  # its stages' freed activations are reused, not faulted in again
         torch.set_num_threads(
             self.cfg.run.host_threads or max(self.cfg.rollout.threads, self.cfg.trainer.threads))
-        events: Any = EventSender(None)  # reports stay in memory
+        events: Any = EventSender(None, trace=self.cfg.run.trace)  # reports stay in memory
         if self.metrics is not None:  # the workers' series, from this one process's endpoint
             events = MeteredEvents(events, WorkerMetrics(self.metrics.registry))
         with ColocatedLoop(self.plan, events, self._dispatch, self._check_stall,
@@ -181,6 +195,8 @@ class Controller:
             final = (lambda: st.read_store_totals(addresses, plan.table_spec, cluster.restarts())
                      ) if client is not None else None
             cluster.stop(final, None if exc is None else f"{type(exc).__name__}: {exc}")
+            if self.trace is not None:  # the workers' last records (their final acks)
+                self._dispatch([r for r in receiver.recv(0.1) if isinstance(r, RowTrace)])
             remove_force()
             if client is not None:
                 client.close()
@@ -248,8 +264,10 @@ class Controller:
         st = self.state
         while st.admitted < self.cfg.run.iterations and admissible(st.admitted, self.staleness,
                                                                    version):
-            client.put(self.plan.table, self.plan.prompt_rows(st.admitted, self.staleness),
-                       timeout=600.0)
+            rows = self.plan.prompt_rows(st.admitted, self.staleness)
+            ids = client.put(self.plan.table, rows, timeout=600.0)
+            if self.trace is not None:
+                self.trace.add(put_trace(ids, rows))
             st.admitted += 1
 
     def _dispatch(self, records: list) -> None:
@@ -261,6 +279,9 @@ class Controller:
                                           rec.rows, rec.tokens))
             elif isinstance(rec, StepReport):
                 self._on_step(rec)
+            elif isinstance(rec, RowTrace):
+                if self.trace is not None:
+                    self.trace.add(rec)
             elif not isinstance(rec, WorkerStatus):  # the one other record: a WeightSyncReport
                 st.syncs.append(rec)
             elif rec.state == "unrecoverable":  # the trainer's iteration can never be trained
@@ -277,6 +298,8 @@ class Controller:
         evaluate = every and (rep.policy_version % every == 0 or rep.iteration == iterations - 1)
         accuracy = self.evaluator.accuracy(rep.policy_version) if evaluate else None
         record = st.record(rep, accuracy, self.cfg.kl_active, iterations)
+        if self.trace is not None:  # the trainer sent the iteration's consume records before it
+            self.trace.flush()
         if self.metrics is not None:
             self.metrics.on_record(record)
         self.display.update(record)
@@ -356,7 +379,10 @@ class ColocatedLoop:
     def iteration(self, k: int, staleness: int = 0) -> StageSeconds:
         """Put iteration k, drain each stage in turn, wait for the trainer's step of k."""
         t0 = time.perf_counter()
-        self.client.put(self.plan.table, self.plan.prompt_rows(k, staleness), timeout=600.0)
+        rows = self.plan.prompt_rows(k, staleness)
+        ids = self.client.put(self.plan.table, rows, timeout=600.0)
+        if getattr(self.events, "trace", False):  # (run.trace: the stage loops trace too)
+            self.events.send(put_trace(ids, rows))
         seconds = {"reference": 0.0, "rollout": 0.0, "environment": 0.0}
         for loop in self.loops:  # each stage drains the whole batch before the next
             start = time.perf_counter()

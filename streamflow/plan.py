@@ -262,7 +262,8 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
     # every role on a simulated device with simulated engines (the config checks both)
     simulated = cfg.simulated.device if cfg.rollout.engine == "simulated" else None
     blank = WorkerCommon(name="", role="", store_addresses=[], table=TABLE, seed=cfg.run.seed,
-                         threads=1, simulated=simulated)  # (threads: each record sets its role's)
+                         threads=1, simulated=simulated,  # (threads: each record sets its role's)
+                         trace_rows=cfg.run.trace)
     r, t, d = cfg.rollout, cfg.trainer, cfg.data
     agent = agent_settings(cfg)
     plan.rollout = RolloutWorkerConfig(

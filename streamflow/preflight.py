@@ -22,7 +22,8 @@ from streamflow.config import ConfigError, RunConfig
 
 # What a run writes into run.output_dir (streamflow/rundir.py, controller, metrics, store persist).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "timeline.jsonl", "summary.json")
-RUN_DIRS = ("checkpoints", "plots", "logs", "workers", "prometheus", "store", "weights")
+RUN_DIRS = ("checkpoints", "plots", "logs", "workers", "prometheus", "store", "weights",
+            "trace")
 
 
 def existing_run(path: str | Path) -> list[str]:

@@ -211,6 +211,11 @@ class RunDir:
         self.checkpoints.mkdir(exist_ok=True)
         self._files: dict[Path, IO[str]] = {}  # the .jsonl files appended to
 
+    @property
+    def trace(self) -> Path:
+        """The row trace's directory (streamflow.tracefile; made by its writer)."""
+        return self.path / "trace"
+
     def write_config(self, cfg: RunConfig) -> Path:
         _atomic_write(self.config_path, dump_yaml(cfg))
         return self.config_path

@@ -34,6 +34,7 @@ WORKER_INTERNAL = {
     "WorkerCommon.coordinator_address": "the run's coordinator (None: claim from any shard)",
     "WorkerCommon.simulated": "None: a real engine (the plan sets simulated.* otherwise)",
     "WorkerCommon.cores": "None: own threads (the plan sets run.host_threads' share)",
+    "WorkerCommon.trace_rows": "False: no row trace (the plan sets it from run.trace)",
     "CoreShareConfig.max_threads": "0: no cap (the plan caps the rollout at its threads)",
     "WeightGroupConfig.transport": "derived by the plan from the members' devices",
     "WeightGroupConfig.shm_dir": "derived by the plan (the weights directory)",

@@ -57,6 +57,8 @@ class WorkerCommon:
     # not None: ``threads`` is ignored; the worker takes its share of the host's thread budget at
     # every compute phase (workers.runtime.cores)
     cores: CoreShareConfig | None = None
+    # run.trace: the worker reports what it did to each micro-batch (workers.runtime.trace)
+    trace_rows: bool = False
 
 
 @dataclass

@@ -85,6 +85,9 @@ class RunSection(Checked):
     # draw plots/rewards.png and plots/timeline.png when the run ends (off: sweeps of throwaway
     # runs; `streamflow report RUN` draws missing plots later from the files)
     plots: bool = True
+    # record who wrote each row's cells, when, with which policy version, and its tool calls, in
+    # RUN/trace/*.parquet (`streamflow trace RUN`; docs/partial.md "The trace")
+    trace: bool = True
 
     def check(self) -> None:
         require(bool(self.name.strip()), "name", "must be a non-empty string")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -107,6 +109,46 @@ def test_async_respects_staleness_bound(tiny_config) -> None:
     assert all(r["staleness_max"] <= 1 for r in lines)
     # No correction by default: the importance weight is exactly 1 even for stale samples.
     assert all(r["importance_weight_mean"] == 1.0 for r in lines)
+    _assert_traced(Path(cfg.run.output_dir), iterations=5, rows_per_iteration=4 * 2)
+
+
+def _assert_traced(run_dir: Path, iterations: int, rows_per_iteration: int) -> None:
+    """RUN/trace of a finished run (run.trace defaults on): pyarrow's readers load the directory
+    with TRACE_SCHEMA; every trained row was put, claimed and written by the rollout and the
+    reward, claimed and consumed (into the version after its iteration's step) by the trainer;
+    `streamflow trace` tells a row's, a group's and the slowest rows' stories. What breaks it: a
+    hook that sends nothing, a record the controller drops or writes late, a schema drift."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    from streamflow.cli import main as cli
+    from streamflow.tracefile import TRACE_SCHEMA
+
+    trace = run_dir / "trace"
+    assert ds.dataset(trace).schema == TRACE_SCHEMA
+    table = pq.read_table(trace)  # = pandas.read_parquet(trace) without the pandas frame
+    assert table.schema == TRACE_SCHEMA
+    events: dict[int, set[tuple[str, str]]] = {}
+    consumed: dict[int, tuple[int, int]] = {}
+    for e in table.to_pylist():
+        events.setdefault(e["row_id"], set()).add((e["task"], e["event"]))
+        if e["event"] == "consume":
+            consumed[e["row_id"]] = (e["iteration"], e["policy_version"])
+    assert len(consumed) == iterations * rows_per_iteration
+    needed = {("put", "put"), ("rollout", "claim"), ("rollout", "write"), ("reward", "claim"),
+              ("reward", "write"), ("trainer", "claim"), ("trainer", "consume")}
+    for row, (iteration, version) in consumed.items():
+        assert needed <= events[row], (row, needed - events[row])
+        assert version == iteration + 1, (row, iteration, version)
+    row = next(iter(consumed))
+    group = next(e["group_id"] for e in table.to_pylist() if e["row_id"] == row)
+    for args, shown in ((["--row", str(row)], f"row {row}: iteration"),
+                        (["--group", str(group)], f"group {group}, put->consumed"),
+                        (["--slowest", "3"], "rows by put -> consumed")):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli(["trace", str(run_dir), *args]) == 0
+        assert shown in out.getvalue(), out.getvalue()
 
 
 def test_updates_per_batch_reach_the_trainer_and_the_run_records(tiny_config) -> None:

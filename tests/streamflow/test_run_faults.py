@@ -284,11 +284,29 @@ def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(
     summary = _assert_trained_exactly_once(r, uninterrupted)
     assert summary["worker_restarts"] == {"reward-0": 1, "trainer-0": 1}
     assert summary["redelivered_rows"] > 0
+    _assert_redelivery_traced(r.out)
     logs = r.out / "logs"
     assert "fenced off" in (logs / "reward-0.log").read_text()
     assert "restart 1 of reward-0" in (logs / "reward-0.log").read_text()
     controller_log = r.stderr(tail=1_000_000)
     assert f"restarting the trainer from {newest}" in controller_log, controller_log
+
+
+def _assert_redelivery_traced(out: Path) -> None:
+    """The run's trace shows a redelivery as the store made it: a reward claim with delivery 2 of
+    a row whose delivery-1 claim was never acked (the frozen worker's result was fenced off, or
+    the killed one never sent it). What breaks it: deliveries not read from the lease, an ack
+    recorded for a refused result."""
+    from streamflow.tracefile import read_trace
+
+    events = read_trace(out / "trace").to_pylist()  # in time order within a part file
+    events.sort(key=lambda e: e["t"])
+    again = [e for e in events if (e["task"], e["event"], e["delivery"]) == ("reward", "claim", 2)]
+    assert again, "no reward claim with delivery 2 in the trace"
+    for second in again:
+        before = [e["event"] for e in events if e["row_id"] == second["row_id"]
+                  and e["task"] == "reward" and e["t"] <= second["t"] and e is not second]
+        assert before and before[0] == "claim" and "ack" not in before, before
 
 
 def _assignments(log_text: str, worker: str) -> list[list[int]]:

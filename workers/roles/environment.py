@@ -21,7 +21,8 @@ wrapping is never cut: the model must go on as the assistant). Then either
 
 A row whose turn t did not call a tool (the trajectory ended at or before turn t: ``turn{t}_finish``
 is not "tool", or NULL) is acked without work. A redelivered lease keeps the cells its predecessor
-wrote (``workers.roles.loop.Parts``).
+wrote (``workers.roles.loop.Parts``). The tool, latency and error kind of each call are kept
+per row (``last_calls``) for the run's trace (``workers.runtime.trace``).
 """
 
 from __future__ import annotations
@@ -79,19 +80,31 @@ class EnvironmentStage:
         self.columns = (*ENV_READS, *turn_reads(turn + 1, turn))
         self.max_rows = max_rows
         self.last_tokens = 0
+        # row id -> (tool, seconds, error kind or None) of the calls of the last lease (its trace)
+        self.last_calls: dict[int, tuple[str, float, str | None]] = {}
         # (seconds, error kind or None) of each call executed: the worker's metrics
         self.on_call = on_call or (lambda seconds, error: None)
 
     def process(self, lease: Lease) -> Parts:
         row_ids, items, rewards = [], [], []
+        self.last_calls = {}
         for row in lease.batch.to_pylist():
             hist = read_history(row, self.turn + 1, self.turn)
             if hist is None or hist.turns[-1].finish != FINISH_TOOL:
                 continue  # ended at or before this turn: its later cells are written (NULL)
+            call = parse_tool_call(decode_response(self.tokenizer, hist.turns[-1].ids),
+                                   plain=self.plain)
+            tool = call.name if isinstance(call, ToolCall) else "(malformed call)"
+
+            def timed(seconds: float, error: str | None, row_id: int = row[ROW_ID],
+                      tool: str = tool) -> None:
+                self.last_calls[row_id] = (tool, seconds, error)
+                self.on_call(seconds, error)
+
             obs, ids, end = observe(self.env, self.tokenizer, decode_response(
                 self.tokenizer, row["prompt_ids"]), row["answer"] or "", hist, plain=self.plain,
                 max_observation_tokens=self.max_observation_tokens,
-                max_total_tokens=self.max_total_tokens, on_call=self.on_call,
+                max_total_tokens=self.max_total_tokens, on_call=timed,
                 allowed=self.tools, wrapping=self.wrapping)
             row_ids.append(row[ROW_ID])
             items.append((hist, ids, obs.error, end))

@@ -4,8 +4,9 @@ Each claim carries the previous turn's write+ack (one round trip per micro-batch
 raises hands its rows back as a failed delivery, ``HandBack`` hands them back and goes on; a store
 node down is waited out. A stage whose rows write different column sets returns ``Parts``: written
 under the lease at once (a predecessor's cells kept), acked with the next claim. ``serve_stages``
-runs one worker over several tasks. Lease lifecycle and shutdown: docs/training.md "The stage
-loop"; ``Parts``: "Multi-turn trajectories".
+runs one worker over several tasks. Each turn leaves its trace (``workers.runtime.trace``: claim,
+writes, kept, ack, release/fail, fenced) when the run traces rows. Lease lifecycle and shutdown:
+docs/training.md "The stage loop"; ``Parts``: "Multi-turn trajectories".
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from storage.schema import ROW_ID, Lease
 from workers.runtime import cores
 from workers.runtime.events import EventSender, Span
 from workers.runtime.faults import failure_reason
+from workers.runtime.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -118,22 +120,26 @@ class Stage(Protocol):
         ...
 
 
-def write_parts(client: Any, table: str, lease: Lease, parts: Parts) -> int:
+def write_parts(client: Any, table: str, lease: Lease, parts: Parts,
+                on_write: Callable[[pa.RecordBatch, list[int]], None] | None = None) -> int:
     """Write each batch under ``lease`` (no ack); returns the rows whose cells a predecessor had
     written already (kept). A batch refused with CellAlreadyWritten (all or nothing) is written
-    again one row at a time, skipping exactly the rows already written."""
+    again one row at a time, skipping exactly the rows already written. ``on_write(batch,
+    kept)`` after each batch: the indexes of its rows kept (the trace)."""
     kept = 0
     for batch in parts.batches:
+        skipped: list[int] = []
         try:
             client.write(table, lease, batch)
-            continue
         except CellAlreadyWritten:
-            pass
-        for i in range(batch.num_rows):
-            try:
-                client.write(table, lease, batch.slice(i, 1))
-            except CellAlreadyWritten:
-                kept += 1
+            for i in range(batch.num_rows):
+                try:
+                    client.write(table, lease, batch.slice(i, 1))
+                except CellAlreadyWritten:
+                    skipped.append(i)
+        kept += len(skipped)
+        if on_write is not None:
+            on_write(batch, skipped)
     if kept:
         log.warning("lease %s: %d rows were written by a predecessor; kept its cells",
                     lease.lease_id, kept)
@@ -166,11 +172,17 @@ class StageLoop:
         # report throughput for the balancer; None: claim from any shard.
         self.session = session
         self._prev: tuple[Lease, pa.RecordBatch | None] | None = None
+        self.tracer = Tracer.of(events, worker)
+        self._prev_seconds = 0.0  # the carried result's compute time, and tool calls (its trace)
+        self._prev_calls: Any = None
 
     def turn(self, timeout_s: float) -> int:
         """Ack the previous result, claim and process the next rows; returns rows processed
         (-1: the stage handed its rows back, see ``HandBack``; more are waiting)."""
         prev, self._prev = self._prev, None
+        sent = time.time()  # a carried write+ack is applied when this claim arrives
+        if prev is not None and prev[1] is not None:  # traced before the claim's long wait (a
+            self._trace_write(prev[0], prev[1], sent)  # kill in it must not lose the write)
         columns, kw = list(self.stage.columns), {
             "whole_groups": self.stage.whole_groups, "timeout": timeout_s,
             "ack": prev[0] if prev else None, "write": prev[1] if prev else None}
@@ -185,14 +197,19 @@ class StageLoop:
                 raise
             log.warning("%s: result for lease %s fenced off (%s); its rows go to another consumer",
                         self.worker, prev[0].lease_id if prev else None, exc)
+            if prev is not None:
+                self.tracer.lease_event("fenced", prev[0], t=sent, error=str(exc))
             return 0
         except (Unavailable, UnknownTable) as exc:
             # node down or restarting: the carried result was applied or its rows come back
             log.warning("%s: store unavailable (%s); retrying", self.worker, exc)
             time.sleep(0.5)
             return 0
+        if prev is not None:
+            self.tracer.lease_event("ack", prev[0], t=sent)
         if lease.num_rows == 0:
             return 0
+        self.tracer.claim(lease)
         start = time.time()
         try:
             keep = self.keeper.keep(lease) if self.keeper is not None else contextlib.nullcontext()
@@ -201,23 +218,32 @@ class StageLoop:
         except HandBack as back:
             reason = failure_reason(lease.batch, back.error) if back.error else None
             self.client.release(lease, error=reason[:500] if reason else None)
+            self.tracer.lease_event("fail" if reason else "release", lease, error=reason or "")
             return -1  # nothing processed, but rows are waiting: a draining caller goes on
         except BaseException as exc:
             try:
                 reason = failure_reason(lease.batch, f"{self.role}: {type(exc).__name__}: {exc}")
                 self.client.release(lease, error=reason[:500])
+                self.tracer.lease_event("fail", lease, error=reason)
             finally:
                 raise
+        seconds, calls = time.time() - start, getattr(self.stage, "last_calls", None)
         if isinstance(out, Parts):  # written now; the ack rides on the next claim
+            def traced(batch: pa.RecordBatch, kept: list[int]) -> None:
+                self.tracer.write(lease, batch, seconds=seconds, kept=kept, calls=calls)
+
             try:
-                write_parts(self.client, self.table, lease, out)
+                write_parts(self.client, self.table, lease, out,
+                            traced if self.tracer.enabled else None)
             except (LeaseExpired, UnknownLease) as exc:
                 log.warning("%s: parts of lease %s fenced off (%s)", self.worker,
                             lease.lease_id, exc)
+                self.tracer.lease_event("fenced", lease, error=str(exc))
                 return 0
             self._prev = (lease, None)
         else:
             self._prev = (lease, out)
+        self._prev_seconds, self._prev_calls = seconds, calls
         if self.session is not None:
             self.session.record(lease.num_rows, time.time() - start)
         tokens = int(getattr(self.stage, "last_tokens", 0))
@@ -225,15 +251,22 @@ class StageLoop:
                               iteration_of(lease.batch), lease.num_rows, tokens))
         return lease.num_rows
 
+    def _trace_write(self, lease: Lease, out: pa.RecordBatch, t: float) -> None:
+        """The carried result, sent at ``t`` (a refused one is followed by "fenced", not "ack")."""
+        self.tracer.write(lease, out, seconds=self._prev_seconds, t=t, calls=self._prev_calls)
+
     def flush(self) -> None:
         """Write+ack the last result (clean stop): a stop causes no redelivery."""
         if self._prev is not None:
-            lease, out = self._prev
-            self._prev = None
+            prev, self._prev = self._prev, None
+            lease, out = prev
+            t = time.time()
             if out is None:
                 self.client.ack(lease)
             else:
+                self._trace_write(lease, out, t)
                 self.client.write(self.table, lease, out, ack=True)
+            self.tracer.lease_event("ack", lease, t=t)
 
 
 def serve_stage(client: Any, table: str, stage: Stage, stop: threading.Event, *, worker: str,

@@ -3,7 +3,9 @@
 Claims whole groups, trains the current iteration's rows as they come (parks later ones), steps
 when all are in, then publishes -> reports -> checkpoints -> acks (acks only after the step, so a
 dead trainer's rows come back). The ledger, the fault rules, loss normalisation, old policy,
-staleness and the multi-rank protocol: docs/training.md "The trainer".
+staleness and the multi-rank protocol: docs/training.md "The trainer". Its trace: a claim per
+lease, a consume (with the version trained into) per trained piece, an ack of rows held only to
+be acked (``workers.runtime.trace``).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from workers.engines.torch_trainer import TrainerEngine
 from workers.rl.grpo import LossSums, apply_loss_masks, group_advantages, grpo_loss_sums
 from workers.rl.packing_layout import forward_slices, steps_within
 from workers.rl.reference import rows_to_groups
+from workers.rl.staleness import TokenStaleness
 from workers.rl.trimodel import TriModel
 from workers.roles.loop import LeaseKeeper
-from workers.rl.staleness import TokenStaleness
 from workers.runtime import cores
 from workers.runtime.distributed import Op, RankGroup, first_group
 from workers.runtime.events import Span, StepReport, WorkerStatus
 from workers.runtime.faults import dead_iteration
+from workers.runtime.trace import Tracer
 from workers.schema import trainer_columns
 from workers.weights.file_sync import WeightPublisher
 
@@ -74,6 +77,8 @@ class Trainer:
         # them from its own thread, so a long step or a slow poller never lets one expire.
         self.keeper = keeper
         self.ranks = ranks  # several trainer ranks (workers.runtime.distributed); None: this process alone
+        self.tracer = Tracer(send, worker, enabled=settings.common.trace_rows
+                             and (ranks is None or ranks.is_leader))
         self.step = start_iteration  # = policy version of the current weights
         self.columns = trainer_columns(settings.reference_in_store, settings.cuts.partial)
         self._parked: dict[int, list[Piece]] = {}
@@ -138,6 +143,7 @@ class Trainer:
             self.send(WorkerStatus(self.worker, "trainer", "unrecoverable", cause))
 
     def _accept(self, lease: Lease) -> None:
+        self.tracer.claim(lease)
         iterations = lease.batch.column("iteration").to_numpy()
         self._held[lease.lease_id] = _Held(lease, lease.num_rows)
         self.keeper.hold(lease)
@@ -296,6 +302,9 @@ class Trainer:
         means = report.means()
         rewards = torch.tensor(self._rewards) if self._rewards else torch.zeros(1)
         self.send(Span("trainer", self.worker, start, end, self.step - 1, 0, 0))
+        for piece in self._done:  # before the report: the controller writes them with its record
+            if piece.lease is not None:
+                self.tracer.consume(piece.lease, piece.rows, self.step, columns=("advantage",))
         self.send(StepReport(
             iteration=self.step - 1, policy_version=self.step, samples=self._rows_in,
             response_tokens=self._sums.num_tokens, loss=means["loss"], kl=means["kl"],
@@ -311,6 +320,9 @@ class Trainer:
             publish_bytes=published.bytes, busy_seconds=self._busy,
             turns_mean=sum(t for t, _ in self._turns) / max(len(self._turns), 1),
             tool_calls_mean=sum(c for _, c in self._turns) / max(len(self._turns), 1),
+            partial_resumes=self._tokens.rows_resumed,
+            tokens_per_version_span=self._tokens.tokens_per_version_span,
+            staleness_token_mean=self._tokens.staleness_token_mean,
         ))
         self.on_step(self.step)  # the checkpoint, before any ack (docs/training.md)
         self._ack_done()
@@ -320,9 +332,6 @@ class Trainer:
         """Ack every lease whose rows are all trained (or held only to be acked)."""
         for piece in self._done + self._ack_only:
             assert piece.lease is not None  # the leader's pieces always come with their lease
-            partial_resumes=self._tokens.rows_resumed,
-            tokens_per_version_span=self._tokens.tokens_per_version_span,
-            staleness_token_mean=self._tokens.staleness_token_mean,
             held = self._held.get(piece.lease.lease_id)
             if held is None:
                 continue
@@ -334,6 +343,9 @@ class Trainer:
                 except (LeaseExpired, Unavailable, UnknownTable) as exc:  # rows come back
                     log.warning("ack of lease %s refused (%s)", held.lease.lease_id, exc)
                 del self._held[piece.lease.lease_id]
+        for piece in self._ack_only:  # duplicates and rows of trained iterations: acked only
+            if piece.lease is not None:
+                self.tracer.lease_event("ack", piece.lease, piece.rows)
         self._ack_only = []
 
     def _ack(self, held: _Held) -> None:
@@ -358,6 +370,7 @@ class Trainer:
         self._done: list[Piece] = []
         self._rows_in, self._sums = 0, LossSums()
         self._staleness: list[int] = []
+        self._tokens = TokenStaleness()  # per-token versions (workers.rl.staleness)
         self._rewards: list[float] = []
         self._turns: list[tuple[int, int]] = []  # per trained row: (model turns, tool answers)
         self._failures = 0
@@ -370,7 +383,6 @@ class Trainer:
         if self.ranks is None or self.ranks.is_leader:
             raise RuntimeError("follow() is for ranks > 0 of a multi-rank trainer")
         while True:
-        self._tokens = TokenStaleness()  # per-token versions (workers.rl.staleness)
             command = self.ranks.receive()
             if command.op is Op.STOP:
                 return

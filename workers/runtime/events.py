@@ -1,8 +1,8 @@
 """Reports from workers to the controller: typed records over ZeroMQ PUSH/PULL.
 
-Control-plane records only (spans, step reports, weight syncs, status), one msgpack map
-``{"kind": <record name>, **fields}`` each, decoded only into the dataclasses below. A report is
-lost only when the controller is gone (docs/training.md "Reports").
+Control-plane records only (spans, step reports, weight syncs, status, row traces), one msgpack
+map ``{"kind": <record name>, **fields}`` each, decoded only into the dataclasses below (never
+unpickled). A report is lost only when the controller is gone (docs/training.md "Reports").
 """
 
 from __future__ import annotations
@@ -88,12 +88,67 @@ class WorkerStatus:
     metrics_address: str = ""  # "host:port" of this worker's /metrics ("" when metrics are off)
 
 
-Record = Span | StepReport | WeightSyncReport | WorkerStatus
+@dataclass
+class RowTrace:
+    """What one worker did to one micro-batch of rows: a line of the run's trace (built by
+    ``workers.runtime.trace.Tracer``, written by ``streamflow.tracefile``). One record per event
+    and batch, never per row. Invariant (``check``): every per-row list is empty (not known for
+    this event) or holds one entry per ``row_ids`` entry; -1 in an int list = not known."""
+
+    # put | claim | write (cells sent: then ack, or fenced) | kept (a predecessor had written the
+    # cells) | ack | release | fail | fenced (the write or ack was refused: the lease had expired)
+    # | consume (trained)
+    event: str
+    task: str  # the store task ("put": the controller's put)
+    worker: str  # e.g. "reward-0" ("controller" for put)
+    t: float  # wall-clock seconds (a write or ack carried by the next claim: when it was sent)
+    row_ids: list[int]
+    lease_id: int = 0  # 0: no lease (put)
+    deliveries: list[int] = field(default_factory=list)  # per row: this lease's delivery count
+    groups: list[int] = field(default_factory=list)  # per row: group_id, when the batch has it
+    iterations: list[int] = field(default_factory=list)  # per row: iteration, likewise
+    seconds: float = 0.0  # write: claim to result (the stage's compute)
+    columns: list[str] = field(default_factory=list)  # write / kept: the columns written
+    # per row: write: the policy version of what it wrote; consume: the version trained into
+    versions: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # per row: response (or segment) length
+    runs: list[list[int]] = field(default_factory=list)  # per row: start, version, start, ...
+    tools: list[str] = field(default_factory=list)  # per row: the tool called ("" none)
+    tool_seconds: list[float] = field(default_factory=list)  # per row: the call's latency
+    tool_errors: list[str] = field(default_factory=list)  # per row: its error kind ("" none)
+    error: str = ""  # fail: the reason; fenced: why
+
+    def check(self) -> None:
+        """Raise ValueError unless every field has its type and every list its length."""
+        n = len(self.row_ids) if isinstance(self.row_ids, list) else -1
+        typed = {"event": str, "task": str, "worker": str, "error": str, "lease_id": int}
+        for name, tp in typed.items():
+            if not isinstance(getattr(self, name), tp):
+                raise ValueError(f"RowTrace.{name}: expected {tp.__name__}")
+        if not isinstance(self.t, (int, float)) or not isinstance(self.seconds, (int, float)):
+            raise ValueError("RowTrace.t / seconds: expected numbers")
+        per_row = {"row_ids": int, "deliveries": int, "groups": int, "iterations": int,
+                   "versions": int, "tokens": int, "runs": list, "tools": str,
+                   "tool_seconds": (int, float), "tool_errors": str}
+        for name, tp in per_row.items():
+            value = getattr(self, name)
+            if not isinstance(value, list) or len(value) not in (0, n) or not all(
+                    isinstance(v, tp) for v in value):
+                raise ValueError(f"RowTrace.{name}: expected [] or {n} entries of {tp}")
+        if not all(isinstance(c, str) for c in self.columns) or not all(
+                isinstance(x, int) for run in self.runs for x in run):
+            raise ValueError("RowTrace.columns / runs: expected strings / ints")
+
+
+Record = Span | StepReport | WeightSyncReport | WorkerStatus | RowTrace
 RECORDS: dict[str, type] = {c.__name__: c for c in Record.__args__}
 
 
 def encode(record: Record) -> bytes:
-    return msgpack.packb({"kind": type(record).__name__, **dataclasses.asdict(record)})
+    # fields read as they are (records hold no dataclasses): asdict's deep copy of a row trace's
+    # lists would cost more than the packing
+    fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    return msgpack.packb({"kind": type(record).__name__, **fields})
 
 
 def decode(payload: bytes) -> Record:
@@ -109,13 +164,22 @@ def decode(payload: bytes) -> Record:
     unknown = set(obj) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
-    return cls(**obj)
+    try:
+        record = cls(**obj)
+        if isinstance(record, RowTrace):  # lists a worker built: checked before they are written
+            record.check()
+    except TypeError as exc:  # a required field missing
+        raise ValueError(f"{cls.__name__}: {exc}") from exc
+    return record
 
 
 class EventSender:
-    """A worker's PUSH socket to the controller. Not thread-safe: one per thread."""
+    """A worker's PUSH socket to the controller. Not thread-safe: one per thread. ``trace``:
+    whether the worker's stages send ``RowTrace`` records (run.trace)."""
 
-    def __init__(self, address: str | None, *, send_timeout_ms: int = 2000) -> None:
+    def __init__(self, address: str | None, *, send_timeout_ms: int = 2000,
+                 trace: bool = False) -> None:
+        self.trace = trace
         self._socket: zmq.Socket | None = None
         if address:
             self._socket = zmq.Context.instance().socket(zmq.PUSH)

@@ -151,6 +151,17 @@ def test_env_tools_narrow_what_the_model_may_call():
     assert every[0]["obs0_error"] is None and "HI" in tok.decode(every[0]["obs0_ids"])
 
 
+def test_each_calls_tool_latency_and_error_are_kept_for_the_trace():
+    """``last_calls``: what the stage loop's trace writes per row (workers.runtime.trace). What
+    breaks it: a row credited with another row's call, a call that is not timed."""
+    tok = chat_tokenizer(None)
+    env = stage(tok, tools=("calculator",))
+    env.process(lease(tok, [call("shout", text="hi"), call("calculator", expression="1+2")]))
+    assert {row: (tool, error) for row, (tool, _, error) in env.last_calls.items()} == {
+        0: ("shout", "unknown_tool"), 1: ("calculator", None)}
+    assert all(seconds >= 0.0 for _, seconds, _ in env.last_calls.values())
+
+
 def test_the_environments_final_reward_is_written_when_it_ends_the_trajectory():
     tok = chat_tokenizer(QWEN)
     got = rows(stage(tok).process(lease(tok, [call("shout", text="done"),
