@@ -320,6 +320,9 @@ class SimulatedDevice(Checked):
     # response lengths: lognormal with this median and sigma, capped at rollout.max_new_tokens
     median_response_tokens: int = bounded(600, ge=1)
     skew: float = bounded(1.0, ge=0, le=4)
+    # the long tail: this fraction of responses is median x tail_factor long (jittered, capped)
+    tail_fraction: float = bounded(0.0, ge=0, le=1)
+    tail_factor: float = bounded(10.0, ge=1)
     # run.mode sync: the colocated devices the rollout, reward and reference batches are spread
     # over (the trainer's devices are trainer.num_ranks); streaming modes: 1 per worker
     devices: int = bounded(1, ge=1)

@@ -56,6 +56,8 @@ class SimConfig:
     rebalance: bool = True  # with balancer: False = the first shard ownership stays
     slowdown: dict[str, float] = field(default_factory=dict)  # worker name -> cost factor
     timeout_s: float = 300.0  # the run fails when no worker reports for this long
+    partial: bool = False  # rollout.partial (async only): cut generations at each publication
+    overrides: tuple[str, ...] = ()  # further ``key=value`` config overrides, applied last
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "sync-split", "periodic", "async"):
@@ -65,6 +67,8 @@ class SimConfig:
             self.staleness = 0
         elif self.staleness < 1:
             raise ValueError("SimConfig.staleness must be >= 1 in async mode")
+        if self.partial and self.mode != "async":
+            raise ValueError("SimConfig.partial needs mode async")
         lay = self.layout
         if self.mode == "sync" and lay.devices < 1:
             raise ValueError("sync needs layout.devices >= 1 (colocated devices)")
@@ -133,8 +137,10 @@ def run_config(cfg: SimConfig, out: Path) -> RunConfig:
         f"simulated.cost={cfg.cost}", f"simulated.time_scale={cfg.time_scale}",
         f"simulated.median_response_tokens={w.median_response_tokens}",
         f"simulated.skew={w.skew}", f"simulated.devices={d}",
+        f"simulated.tail_fraction={w.tail_fraction}", f"simulated.tail_factor={w.tail_factor}",
+        *(["rollout.partial=true"] if cfg.partial else []),
         f"store.num_shards={cfg.shards}", f"store.balancer={str(cfg.balancer).lower()}",
-        "metrics.enabled=false",
+        "metrics.enabled=false", *cfg.overrides,
     ])
 
 
@@ -149,7 +155,7 @@ def run_lengths(w: Workload, staleness: int) -> Lengths:
         out: list[int] = []
         for group in range(k * p, (k + 1) * p):
             draws = [drawn_lengths(sampling_seed(w.seed, group, v), g, w.median_response_tokens,
-                                   w.skew, w.max_response_tokens)
+                                   w.skew, w.max_response_tokens, w.tail_fraction, w.tail_factor)
                      for v in range(max(k - staleness, 0), k + 1)]
             out += [min(d[i] for d in draws) for i in range(g)]
         return out

@@ -58,6 +58,23 @@ class CostModel:
         return (self.prefill_s_per_token * prompt_tokens * len(lengths)
                 + self.decode_base_s * max(lengths) + self.decode_per_seq_s * sum(lengths))
 
+    def step_times(self, prompt_tokens: int, lengths: Sequence[int]) -> list[float]:
+        """``t[s - 1]``: the simulated seconds from the start of a ``generate_s`` call to the end of
+        its decode step s (1 <= s <= max(lengths)): the prefill, then per step ``decode_base_s +
+        decode_per_seq_s * live(s)``, live(s) = rows with length >= s. ``t[-1] ==
+        generate_s(prompt_tokens, lengths)``: the call's time when nothing cuts it."""
+        import numpy as np
+
+        if not lengths:
+            return []
+        longest = max(lengths)
+        # live(s) for s = 1..longest: rows whose length is at least s (a reverse cumulative count)
+        ends = np.bincount(np.asarray(lengths, np.int64), minlength=longest + 1)[1:]
+        live = np.cumsum(ends[::-1])[::-1]
+        steps = self.decode_base_s + self.decode_per_seq_s * live
+        prefill = self.prefill_s_per_token * prompt_tokens * len(lengths)
+        return (prefill + np.cumsum(steps)).tolist()
+
     def reward_s(self, rows: int) -> float:
         return self.reward_s_per_sample * rows
 
@@ -108,6 +125,9 @@ class Workload:
     median_response_tokens: int = 600
     skew: float = 1.0  # sigma of the lognormal; 0 = every response has the median length
     max_response_tokens: int = 4096
+    # the long tail: this fraction of responses is median x tail_factor long (``drawn_lengths``)
+    tail_fraction: float = 0.0
+    tail_factor: float = 10.0
     # Rollout micro-batch = 32 x 8 = 256 sequences: vLLM's default max_num_seqs, the batch the
     # 7b-1acc preset's decode cost was calibrated at (docs/engines.md).
     groups_per_rollout_batch: int = 32
@@ -118,11 +138,16 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in [f.name for f in dataclasses.fields(self) if f.name not in ("skew", "seed")]:
+        reals = ("skew", "seed", "tail_fraction", "tail_factor")
+        for name in [f.name for f in dataclasses.fields(self) if f.name not in reals]:
             if getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.skew <= 4.0:
             raise ValueError(f"Workload.skew must be in [0, 4], got {self.skew}")
+        if not 0.0 <= self.tail_fraction <= 1.0:
+            raise ValueError(f"Workload.tail_fraction must be in [0, 1], got {self.tail_fraction}")
+        if not self.tail_factor >= 1.0:
+            raise ValueError(f"Workload.tail_factor must be >= 1, got {self.tail_factor}")
         if self.rows_per_trainer_batch % self.group_size:
             raise ValueError("Workload.rows_per_trainer_batch must be a multiple of group_size "
                              f"({self.rows_per_trainer_batch} % {self.group_size} != 0)")
@@ -139,8 +164,17 @@ def group_lengths(w: Workload, group_id: int) -> list[int]:
     """The response lengths of the ``group_size`` samples of group ``group_id`` (deterministic)."""
     rng = random.Random(w.seed * 1_000_003 + group_id * 7_919 + 17)
     mu = math.log(w.median_response_tokens)
-    return [max(1, min(w.max_response_tokens, int(round(rng.lognormvariate(mu, w.skew)))))
+    body = [max(1, min(w.max_response_tokens, int(round(rng.lognormvariate(mu, w.skew)))))
             for _ in range(w.group_size)]
+    if w.tail_fraction <= 0:
+        return body
+    tails = random.Random(w.seed * 1_000_003 + group_id * 7_919 + 18)  # its own stream
+    out = []
+    for n in body:
+        tail, jitter = tails.random() < w.tail_fraction, tails.lognormvariate(0.0, TAIL_JITTER)
+        out.append(_tail_length(w.median_response_tokens, w.tail_factor, jitter,
+                                w.max_response_tokens) if tail else n)
+    return out
 
 
 def iteration_lengths(w: Workload, k: int) -> list[int]:
@@ -149,11 +183,40 @@ def iteration_lengths(w: Workload, k: int) -> list[int]:
     return [n for g in range(k * p, (k + 1) * p) for n in group_lengths(w, g)]
 
 
-def drawn_lengths(seed: int, n: int, median: int, skew: float, cap: int) -> list[int]:
+TAIL_JITTER = 0.1  # sigma of a tail length's lognormal jitter around median x tail_factor
+
+
+def _tail_length(median: int, factor: float, jitter: float, cap: int) -> int:
+    return max(1, min(cap, int(round(median * factor * jitter))))
+
+
+def drawn_lengths(seed: int, n: int, median: int, skew: float, cap: int,
+                  tail_fraction: float = 0.0, tail_factor: float = 10.0) -> list[int]:
     """The response lengths the simulated rollout engine draws for one prompt of sampling seed
     ``seed`` (its ``n`` samples): lognormal of median ``median`` and sigma ``skew``, in
-    [1, ``cap``]. A pure function, so a bound can recompute a run's lengths (bench.sim)."""
+    [1, ``cap``]; each one, with probability ``tail_fraction``, replaced by a tail of ``median x
+    tail_factor`` (times a lognormal jitter of sigma ``TAIL_JITTER``), capped. A pure function,
+    so a bound can recompute a run's lengths (bench.sim). The tails come from a second stream of
+    ``seed``, so ``tail_fraction == 0`` draws exactly the plain lognormal, and sample j's length
+    is the same for every ``n > j`` (a resumed row redraws its own: workers/engines/simulated)."""
     import numpy as np
 
     drawn = np.random.default_rng(seed).lognormal(math.log(median), skew, size=n)
-    return np.clip(np.rint(drawn), 1, cap).astype(np.int64).tolist()
+    out = np.clip(np.rint(drawn), 1, cap).astype(np.int64).tolist()
+    if tail_fraction <= 0:
+        return out
+    tails = np.random.default_rng([seed, 1])
+    draws = tails.random(size=(n, 2))  # per sample: (is it a tail, its jitter's uniform)
+    for j in range(n):
+        if draws[j, 0] < tail_fraction:
+            jitter = math.exp(TAIL_JITTER * _normal(draws[j, 1]))
+            out[j] = _tail_length(median, tail_factor, jitter, cap)
+    return out
+
+
+def _normal(u: float) -> float:
+    """The standard normal quantile of ``u`` in (0, 1) (a per-sample draw that keeps sample j's
+    value independent of n, which a sized ``normal`` draw would not be for two interleaved draws)."""
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(min(max(u, 1e-12), 1 - 1e-12))

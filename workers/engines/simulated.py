@@ -7,10 +7,12 @@ docs/engines.md, "The simulated engine inside a real run".
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,10 +23,12 @@ import pyarrow.compute as pc
 from storage.schema import Lease
 from workers.config import SimulatedDevice
 from workers.engines.base import (
+    FINISH_CUT,
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
     SamplingParams,
+    check_generate,
     prompt_seeds_of,
 )
 from workers.engines.sim_cost import CostModel, drawn_lengths, preset
@@ -101,7 +105,14 @@ def spread_generate_s(cost: CostModel, prompts: Sequence[int], lengths: Sequence
 
 
 class SimulatedRolloutEngine:
-    """A ``RolloutEngine`` that draws responses instead of generating them (docs/engines.md)."""
+    """A ``RolloutEngine`` (and ``Interruptible``) that draws responses instead of generating them
+    (docs/engines.md).
+
+    The tokens are random ids, except the first token of every response: the sample's index j in
+    its prompt's call (when ``n <= vocab_size``). A resumed row (``params.done_tokens``) reads it
+    back at ``len(prompt) - done`` and redraws its own length, ``drawn_lengths(seed - j, j + 1,
+    ...)[j]``: a cut row continues to exactly the length it would have had uncut, whoever resumes
+    it, so runs with and without partial rollout face the same workload."""
 
     def __init__(self, spec: SimulatedDevice, vocab_size: int, eos_ids: Sequence[int] = ()) -> None:
         self.device = Device(spec)
@@ -109,31 +120,112 @@ class SimulatedRolloutEngine:
         self.eos_ids = tuple(eos_ids)
         self.policy_version = 0
 
+    def _drawn(self, seed: int, n: int, cap: int) -> list[int]:
+        spec = self.device.spec
+        return drawn_lengths(seed, n, spec.median_response_tokens, spec.skew, cap,
+                             spec.tail_fraction, spec.tail_factor)
+
     def lengths(self, num_prompts: int, n: int, params: SamplingParams) -> list[int]:
         """Each prompt's ``n`` lengths from its own seed (``prompt_seeds_of``): a group's lengths
         do not depend on the batch it was claimed in (``sim_cost.drawn_lengths``)."""
-        spec = self.device.spec
         seeds = prompt_seeds_of(params, num_prompts, n) or [0] * num_prompts
-        return [length for seed in seeds for length in drawn_lengths(
-            seed, n, spec.median_response_tokens, spec.skew, params.max_new_tokens)]
+        return [length for seed in seeds for length in self._drawn(seed, n, params.max_new_tokens)]
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
-    ) -> list[list[Generation]]:
-        lengths = self.lengths(len(prompts), n, params)
+    def _remaining(self, prompts: Sequence[Sequence[int]], n: int,
+                   params: SamplingParams) -> list[int]:
+        """Each row's tokens to generate in this call: its drawn length, less the tokens a resumed
+        row already has (its total is the one drawn for the uncut generation, whose cap was this
+        call's ``max_new_tokens + done``), at most ``max_new_tokens``."""
+        if not params.done_tokens:
+            return self.lengths(len(prompts), n, params)
+        if n != 1 or len(params.done_tokens) != len(prompts):
+            raise ValueError(f"generate: done_tokens needs n == 1 and one entry per prompt (n={n}, "
+                             f"{len(params.done_tokens)} entries for {len(prompts)} prompts)")
+        seeds = prompt_seeds_of(params, len(prompts), 1) or [0] * len(prompts)
+        out = []
+        for prompt, seed, done in zip(prompts, seeds, params.done_tokens, strict=True):
+            if done == 0:
+                out.append(self._drawn(seed, 1, params.max_new_tokens)[0])
+                continue
+            if done > len(prompt):
+                raise ValueError(f"generate: done_tokens {done} exceeds its prompt ({len(prompt)})")
+            j = int(prompt[len(prompt) - done])  # the first response token: the sample index
+            total = self._drawn(seed - j, j + 1, params.max_new_tokens + done)[j]
+            out.append(min(max(total - done, 1), params.max_new_tokens))
+        return out
+
+    def _responses(self, lengths: Sequence[int], n: int,
+                   params: SamplingParams) -> list[Generation]:
         rng = np.random.default_rng((params.seed or 0) + 1)
         stops = params.stop_token_ids + self.eos_ids
         flat: list[Generation] = []
-        for length in lengths:  # prompt i's samples are rows i * n .. i * n + n - 1
+        for index, length in enumerate(lengths):  # prompt i's samples: rows i * n .. i * n + n - 1
             tokens = rng.integers(0, self.vocab_size, size=length).tolist()
+            fresh = not params.done_tokens or params.done_tokens[index] == 0
+            if fresh and n <= self.vocab_size:
+                tokens[0] = index % n  # the sample index a resume reads back (class docstring)
             stopped = length < params.max_new_tokens
             if stopped and stops:  # a response that ended early ends with a stop token
                 tokens[-1] = stops[0]
             flat.append(Generation(tokens, [-math.log(self.vocab_size)] * length,
                                    FINISH_STOP if stopped else FINISH_LENGTH))
+        return flat
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[Generation]]:
+        lengths = self._remaining(prompts, n, params)
+        flat = self._responses(lengths, n, params)
         self.device.hold(spread_generate_s(
             self.device.cost, [len(p) for p in prompts],
             [lengths[i * n : (i + 1) * n] for i in range(len(prompts))], self.device.spec.devices))
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def generate_until(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
+        cut: threading.Event, on_done: Callable[[int, Generation], None] | None = None,
+    ) -> list[list[Generation]]:
+        """``generate`` on one device, decode step by decode step in simulated time
+        (``CostModel.step_times``): the hold sleeps from one row's end to the next, waking early
+        when ``cut`` is set; then it ends the step in progress (at least step 1) and cuts the
+        unfinished rows there. ``busy_s`` counts the simulated seconds held."""
+        if self.device.spec.devices != 1:
+            raise ValueError("generate_until: a simulated rollout cut runs on one device "
+                             f"(simulated.devices = {self.device.spec.devices})")
+        check_generate(prompts, n)
+        if n > self.vocab_size:
+            raise ValueError(f"generate_until: n={n} samples exceed the vocabulary "
+                             f"({self.vocab_size}): the sample index is a token")
+        lengths = self._remaining(prompts, n, params)
+        flat = self._responses(lengths, n, params)
+        times = self.device.cost.step_times(_prompt_tokens([len(p) for p in prompts]), lengths)
+        scale = self.device.spec.time_scale
+        by_step: dict[int, list[int]] = {}
+        for row, length in enumerate(lengths):
+            by_step.setdefault(length, []).append(row)
+        start, steps, reported = time.monotonic(), len(times), 0
+        for step in sorted(by_step):  # sleep to each row's end, unless cut first
+            if cut.wait(max(times[step - 1] / scale - (time.monotonic() - start), 0.0)):
+                # the decode step in progress (the first one ending at or after now) ends first
+                elapsed = (time.monotonic() - start) * scale
+                steps = min(bisect.bisect_left(times, elapsed) + 1, len(times))
+                left = times[steps - 1] / scale - (time.monotonic() - start)
+                if left > 0:
+                    time.sleep(left)  # the device's hold, not a wait for a condition
+                break
+            reported = step
+            for row in by_step[step]:
+                if on_done is not None:
+                    on_done(row, flat[row])
+        self.device.busy_s += times[steps - 1] if times else 0.0
+        for step in sorted(by_step):  # rows that ended in the stretch a cut interrupted
+            if reported < step <= steps and on_done is not None:
+                for row in by_step[step]:
+                    on_done(row, flat[row])
+        for row, length in enumerate(lengths):
+            if length > steps:  # unfinished: cut after the steps done
+                g = flat[row]
+                flat[row] = Generation(g.token_ids[:steps], g.logprobs[:steps], FINISH_CUT)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
