@@ -17,7 +17,7 @@ from testkit import no_children_left
 from streamflow.controller import run
 
 COMMON = ("run.mode=async", "run.max_staleness=0", "run.iterations=2", "run.eval_every=0",
-          "rollout.groups_per_claim=1", "rollout.max_new_tokens=8")
+          "rollout.groups_per_claim=1", "rollout.max_new_tokens=8", "trainer.kl_coef=0")
 
 
 def _params(cfg) -> dict:
