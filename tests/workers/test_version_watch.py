@@ -51,3 +51,27 @@ def test_a_collective_announcement_cuts_before_its_apply_takes_the_engine_lock(m
         assert seen == [True]
     finally:
         watch.close()
+
+
+def test_a_remote_trainers_announcement_sets_the_event_before_any_file_is_here(tmp_path):
+    # weights_fetch: the file reaches this host only when fetched, so the announcement must
+    # cut. Breaks if the watch reads only its own directory.
+    import torch
+
+    from workers.weights.file_sync import WeightPublisher
+
+    publisher = WeightPublisher(tmp_path / "trainer", "tcp://127.0.0.1:0")
+    watch = VersionWatch(tmp_path / "here", announce=publisher.endpoint, poll_s=0.01)
+    try:
+        event = watch.arm(0)
+        state = {"w": torch.zeros(1)}
+
+        def announced() -> bool:  # (re-sent: a SUB socket misses what precedes its connect)
+            publisher.publish(state, 1)
+            return event.wait(0.05)
+
+        wait_until(announced, timeout=10, what="the announcement of version 1")
+        assert not (tmp_path / "here" / "policy-v000001.safetensors").exists()
+    finally:
+        watch.close()
+        publisher.close()
