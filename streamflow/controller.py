@@ -96,6 +96,7 @@ class Controller:
         self.rundir.write_config(cfg)  # the resolved config is in the run dir from the start
         # RUN/trace (streamflow.tracefile): started afresh; an older trace is removed either way
         self.trace = tracefile.TraceWriter(self.rundir.trace) if cfg.run.trace else None
+        self._trace_due = False  # an iteration was recorded: write its part file (_flush_trace)
         if self.trace is None:
             tracefile.clear(self.rundir.trace)
         with StepProgress("warm start", enabled=cfg.run.progress) as warm:
@@ -158,6 +159,7 @@ class Controller:
             self.display.start_loop(self.state.begin_loop())
             for k in range(self.plan.start_iteration, self.cfg.run.iterations):
                 loop.iteration(k, self.staleness)
+                self._flush_trace()
             self.state.loop_ended = self.state.loop_ended or time.time()
 
     def _run_streaming(self, stop: interrupt.StopSignals) -> None:
@@ -228,6 +230,7 @@ class Controller:
             store_up = cluster.stores_up()
             if store_up:  # a put whose reply was lost could not be told from a lost put
                 self._admit(client, st.version())
+            self._flush_trace()  # after the put: the next iteration does not wait for the file
             if cluster.trainer_exit_code() == 0:
                 # The trainer can exit before its last step report was read: read it, bounded.
                 deadline = time.monotonic() + 10.0
@@ -298,11 +301,17 @@ class Controller:
         evaluate = every and (rep.policy_version % every == 0 or rep.iteration == iterations - 1)
         accuracy = self.evaluator.accuracy(rep.policy_version) if evaluate else None
         record = st.record(rep, accuracy, self.cfg.kl_active, iterations)
-        if self.trace is not None:  # the trainer sent the iteration's consume records before it
-            self.trace.flush()
+        # the trainer sent the iteration's consume records before its report: they are in
+        self._trace_due = self.trace is not None
         if self.metrics is not None:
             self.metrics.on_record(record)
         self.display.update(record)
+
+    def _flush_trace(self) -> None:
+        """The trace's next part file, once per recorded iteration (streamflow.tracefile)."""
+        if self._trace_due and self.trace is not None:
+            self._trace_due = False
+            self.trace.flush()
 
     def _refresh_depths(self, client: storage.Client) -> None:
         st = self.state

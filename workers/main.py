@@ -42,6 +42,7 @@ from workers.roles.loop import LeaseKeeper, serve_stage, serve_stages
 from workers.runtime import cores, heap
 from workers.runtime.events import EventSender, WorkerStatus
 from workers.runtime.metrics import MeteredClient, MeteredEvents, WorkerMetrics
+from workers.runtime.trace import Tracer
 
 
 def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
@@ -84,7 +85,8 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
                 stages = rollout_stages(build_rollout(cfg, events))
                 first = stages[0]
                 if first.max_cuts:  # partial rollout: rows written as they finish, counters
-                    first.early = EarlyWrites(client, common.table)
+                    first.early = EarlyWrites(client, common.table,
+                                              tracer=Tracer.of(events, common.name))
                     if metrics is not None:
                         metrics.follow_partial(
                             lambda: (first.cuts_total, first.resumed_tokens_total))

@@ -156,3 +156,28 @@ def test_write_parts_reports_the_rows_a_predecessor_had_written():
         kept = write_parts(client, "t", lease, Parts((first,)),
                            lambda batch, k: seen.append((batch.num_rows, k)))
         assert kept == 1 and seen == [(3, [1])]
+
+
+def test_early_writes_are_traced_as_writes():
+    """Partial rollout's early writes (workers.roles.early) bypass the loop's result: they are
+    traced by the tracer they are given. What breaks it: an early write left out of the trace."""
+    from workers.roles.early import EarlyWrites
+
+    spec = TableSpec("t", pa.schema([("x", pa.int64()), ("y", pa.int64())]),
+                     (TaskSpec("double", ("x",)), TaskSpec("check", ("y",))), lease_seconds=30)
+    with storage.embedded() as store:
+        client = store.client()
+        client.create_table(spec)
+        ids = client.put("t", pa.table({"x": [1, 2]})).tolist()
+        lease = client.claim("t", "double", ["x"], 2)
+        sent: list[RowTrace] = []
+        early = EarlyWrites(client, "t", every_s=0.0, tracer=Tracer(sent.append, "rollout-0"))
+
+        def rows(got: list) -> Parts:
+            picked = [p for p, _ in got]
+            return Parts((pa.RecordBatch.from_pydict({
+                ROW_ID: pa.array([ids[p] for p in picked], pa.uint64()),
+                "y": pa.array([2 * (p + 1) for p in picked], pa.int64())}),))
+
+        early.call(lease, rows).on_done(1, None)
+        assert [(r.event, r.row_ids, r.columns) for r in sent] == [("write", [ids[1]], ["y"])]

@@ -42,7 +42,14 @@ class EarlyCall:
         if not self.pending:
             return
         got, self.pending = self.pending, []
-        write_parts(self.owner.client, self.owner.table, self.lease, self.rows(got))
+        tracer = self.owner.tracer  # the run's trace (workers.runtime.trace): written rows, kept
+
+        def traced(batch: Any, kept: list[int]) -> None:
+            assert tracer is not None
+            tracer.write(self.lease, batch, kept=kept)
+
+        write_parts(self.owner.client, self.owner.table, self.lease, self.rows(got),
+                    traced if tracer is not None and tracer.enabled else None)
         self.written.update(p for p, _ in got)
         self.owner.rows_total += len(got)
         self.last = self.owner.clock()
@@ -50,8 +57,9 @@ class EarlyCall:
 
 class EarlyWrites:
     def __init__(self, client: Any, table: str, *, every_s: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tracer: Any = None) -> None:
         self.client, self.table, self.every_s, self.clock = client, table, every_s, clock
+        self.tracer = tracer  # workers.runtime.trace.Tracer (None: no trace)
         self.rows_total = 0  # rows written early (a worker's counter)
 
     def call(self, lease: Lease, rows: Callable[[list[tuple[int, Generation]]], Parts]
