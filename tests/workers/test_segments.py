@@ -273,3 +273,23 @@ def test_early_writes_end_finished_rows_under_the_lease_and_leave_the_rest_to_th
     rest = _cells(early.process(lease).batches)
     assert set(rest) == {10} and _cells(client.writes) == {11: alone[11]}
     assert rest[10] == alone[10]
+
+
+def test_an_early_write_is_traced_as_a_write_of_its_lease():
+    # Breaks if rows written early are missing from the row trace (no write event).
+    from workers.engines.base import Generation
+    from workers.roles.early import EarlyWrites
+    from workers.runtime.trace import Tracer
+
+    sent: list = []
+    batch = pa.RecordBatch.from_pydict({"group_id": pa.array([3], pa.int64()),
+                                        "iteration": pa.array([0], pa.int64()),
+                                        ROW_ID: pa.array([11], pa.uint64())})
+    lease = Lease(1, "t", "rollout", 0, 0.0, batch)
+    early = EarlyWrites(_Client(), "t", every_s=0.0, tracer=Tracer(sent.append, "r"))
+    ended = part_writes([11], 0, R, [((), Segment([3], [-0.3], 2), "stop")], seeds=[5])
+    call = early.call(lease, lambda got: __import__("workers.roles.loop").roles.loop.Parts(
+        tuple(ended)))
+    call.on_done(0, Generation([3], [-0.3], "stop"))
+    assert call.written == {0} and [r.event for r in sent] == ["write"]
+    assert sent[0].row_ids == [11] and sent[0].task == "rollout"
