@@ -51,6 +51,8 @@ _SERIES: tuple[tuple[str, Any, str, str, tuple[str, ...]], ...] = (
      "Largest staleness of the last iteration's samples.", ()),
     ("staleness_token_mean", Gauge, "staleness_token_mean_versions",
      "Token-weighted staleness of the last iteration (each token by its own version).", ()),
+    ("version_span", Gauge, "version_span_mean_tokens",
+     "Mean tokens per run of one policy version in the last iteration's responses.", ()),
     ("partial_resumes", Counter, "partial_resumes_total",
      "Trained trajectories continued with newer weights after a cut (partial rollout).", ()),
     ("weight_sync", Gauge, "weight_sync_seconds",
@@ -104,6 +106,7 @@ class ControllerMetrics(HttpEndpoint):
         self.staleness_max.set(rec.staleness_max)
         self.staleness_token_mean.set(rec.staleness_token_mean)
         self.partial_resumes.inc(rec.partial_resumes)
+        self.version_span.set(rec.tokens_per_version_span)
         self.weight_sync.set(rec.weight_sync_seconds)
         self.last_iteration.set(rec.timestamp)
 

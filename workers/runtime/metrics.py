@@ -55,6 +55,8 @@ _METRICS: tuple[tuple[str, Any, str, tuple[str, ...], str], ...] = (
      "Largest staleness of the last step's samples."),
     ("staleness_token_mean", Gauge, "streamflow_trainer_staleness_token_mean_versions", (),
      "Token-weighted staleness of the last step (each token by the version that sampled it)."),
+    ("version_span", Gauge, "streamflow_trainer_version_span_mean_tokens", (),
+     "Mean tokens per run of one policy version in the last step's responses."),
     ("partial_resumes", Counter, "streamflow_trainer_partial_resumes_total", (),
      "Trained trajectories continued with newer weights after a cut (partial rollout)."),
     ("reward_mean", Gauge, "streamflow_trainer_reward_mean", (),
@@ -157,6 +159,7 @@ class WorkerMetrics(HttpEndpoint):
         self.staleness_max.set(rep.staleness_max)
         self.staleness_token_mean.set(rep.staleness_token_mean)
         self.partial_resumes.inc(rep.partial_resumes)
+        self.version_span.set(rep.tokens_per_version_span)
         self.reward_mean.set(rep.reward_mean)
         self.clip_fraction.set(rep.clip_fraction)
         for stat, value in (("mean", rep.ratio_mean), ("min", rep.ratio_min),
