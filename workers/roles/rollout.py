@@ -92,7 +92,11 @@ class RolloutStage:
 
     def ensure_version(self, required: int) -> None:
         """Load the newest published version if it is newer than the engine's, waiting (bounded)
-        until one >= ``required`` exists (broadcast, or as a file)."""
+        until one >= ``required`` exists (broadcast, or as a file). Partial rollout: at least the
+        newest its watch knows of, so a generation does not start with weights a broadcast
+        still being applied would cut at its first token."""
+        if self.max_cuts and self.watch is not None:
+            required = max(required, getattr(self.watch, "seen", -1))
         wait_engine = getattr(self.weights, "wait_engine", None)
         if wait_engine is not None and wait_engine(self.engine, required, self.weight_wait_s):
             return
