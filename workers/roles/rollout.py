@@ -130,7 +130,7 @@ class RolloutStage:
             if self.max_cuts and self.early is not None:
                 early = self.early.call(lease, lambda got: self._segment0(lease, version, seeds,
                                                                           got))
-            generations, _ = self._generate(lease, version, early)
+            generations = self._generate(lease, version, early)
         if self.max_cuts:  # segment 0: cut rows go on in resume.1, the others end here
             written = early.written if early is not None else set()
             return self._segment0(lease, version, seeds, [
@@ -209,10 +209,10 @@ class RolloutStage:
         return out
 
     def _generate(self, lease: Lease, version: int, early: EarlyCall | None = None
-                  ) -> tuple[list[Generation], list[int]]:
-        """One generation per row of the lease (G per group, in one call), in row order, and
-        each row's own seed (its group's + its index in the group); ``early`` takes each row as
-        it finishes."""
+                  ) -> list[Generation]:
+        """One generation per row of the lease (G per group, in one call), in row order;
+        ``early`` takes each row as it finishes (sample j of a group is seeded with the group's
+        seed + j: ``_row_seeds``)."""
         batch = lease.batch
         group_ids = batch.column("group_id").to_pylist()
         prompts = batch.column("prompt_ids").to_pylist()
@@ -240,13 +240,11 @@ class RolloutStage:
         generations = self.generate([prompts[i] for i in order], self.group_size, params,
                                     self.cut_event(version), on_done)
         out: list[Generation] = [Generation() for _ in range(batch.num_rows)]
-        row_seeds = [0] * batch.num_rows
-        for first, seed, samples in zip(order, seeds, generations, strict=True):
-            for j, (row, sample) in enumerate(zip(rows_of[group_ids[first]], samples,
-                                                  strict=True)):
-                out[row], row_seeds[row] = sample, seed + j
+        for first, samples in zip(order, generations, strict=True):
+            for row, sample in zip(rows_of[group_ids[first]], samples, strict=True):
+                out[row] = sample
         self.last_tokens = sum(len(g.token_ids) for g in out)
-        return out, row_seeds
+        return out
 
 
 def single_turn_columns(generations: list[Generation], version: int) -> dict[str, pa.Array]:
