@@ -74,13 +74,22 @@ def test_periodic_equals_sync_through_processes(tiny_config) -> None:
     b = _final_params(Path(periodic.run.output_dir), 2)
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= 1e-6, worst
-    # async with max_staleness=0 reduces to on-policy: the same parameters again.
+    # async with max_staleness=0 reduces to on-policy: the same parameters again. With partial
+    # rollout on, too: s = 0 never has an update in flight while rollout generates (k + 1 is
+    # admitted once version k + 1 is out), so nothing is cut and every sample is what a run
+    # without it generates (broken by a cut with no newer version, an uncut sample that differs
+    # in seed, tokens, log-probs or version, or a trainer claim that partial changes).
     on_policy_async = tiny_config("run.mode=async", "run.max_staleness=0", *common,
+                                  "rollout.partial=true",
                                   f"run.output_dir={Path(sync.run.output_dir).parent / 'async0'}")
     s3 = run(on_policy_async)
     assert s3.max_staleness_observed == 0
     c = _final_params(Path(on_policy_async.run.output_dir), 2)
     assert max(float((a[k] - c[k]).abs().max()) for k in a) <= 1e-6
+    records = [json.loads(x) for x in (Path(on_policy_async.run.output_dir) / "metrics.jsonl")
+               .read_text().splitlines()]
+    assert [r["partial_resumes"] for r in records] == [0, 0]
+    assert [r["staleness_token_mean"] for r in records] == [0, 0]
     _assert_trained(sync, a)
 
 
