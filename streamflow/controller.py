@@ -308,10 +308,11 @@ class Controller:
         self.display.update(record)
 
     def _flush_trace(self) -> None:
-        """The trace's next part file, once per recorded iteration (streamflow.tracefile)."""
+        """The trace's next part file when one is due, looked at once per recorded iteration
+        (streamflow.tracefile.TraceWriter.flush_due)."""
         if self._trace_due and self.trace is not None:
             self._trace_due = False
-            self.trace.flush()
+            self.trace.flush_due()
 
     def _refresh_depths(self, client: storage.Client) -> None:
         st = self.state

@@ -11,6 +11,7 @@ docs/partial.md "The trace".
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -106,13 +107,20 @@ def clear(path: Path) -> None:
 
 
 class TraceWriter:
-    """Buffers ``RowTrace`` records and writes them as the next part file at each ``flush``.
+    """Buffers ``RowTrace`` records and writes them as the next part file at each ``flush``;
+    ``flush_due`` flushes only once the buffer holds ``flush_rows`` event rows or ``flush_s`` have
+    passed since the last part file: a part file carries a fixed cost of footer and schema, so
+    one per iteration of a small run would cost more than its rows, while a crash loses at most
+    the buffer of ``flush_s`` seconds.
 
     Rows whose records carry no group or iteration (a stage that does not claim them) take the
     values of the row's put, kept until the row is consumed."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, flush_rows: int = 65_536, flush_s: float = 30.0) -> None:
         self.path = path
+        self.flush_rows, self.flush_s = flush_rows, flush_s
+        self._buffered_rows = 0  # event rows in the buffer: one per (row, event)
+        self._flushed_at = time.monotonic()
         clear(path)
         path.mkdir(parents=True, exist_ok=True)
         self._buffer: list[RowTrace] = []
@@ -133,13 +141,22 @@ class TraceWriter:
             for row in rec.row_ids:
                 self._put.pop(row, None)
         self._buffer.append(rec)
+        self._buffered_rows += len(rec.row_ids)
+
+    def flush_due(self) -> Path | None:
+        """``flush`` when the buffer is big or old enough (see the class docstring)."""
+        if (self._buffered_rows >= self.flush_rows
+                or time.monotonic() - self._flushed_at >= self.flush_s):
+            return self.flush()
+        return None
 
     def flush(self) -> Path | None:
         """Write the buffer as the next part file (none when empty); never raises (the trace is a
         diagnostic: a full disk must not fail the run)."""
         if not self._buffer:
             return None
-        records, self._buffer = self._buffer, []
+        records, self._buffer, self._buffered_rows = self._buffer, [], 0
+        self._flushed_at = time.monotonic()
         target = self.path / f"part-{self._parts:06d}.parquet"
         try:
             table = to_table(records)

@@ -63,6 +63,22 @@ def run_dir(tmp_path: Path) -> Path:
     return run
 
 
+def test_a_part_file_is_written_once_the_buffer_is_big_or_old_enough(tmp_path: Path):
+    # what breaks it: a part file per look (the fixed footer cost per iteration), or a buffer
+    # that is never written before the end (a crash would lose the whole trace)
+    writer = TraceWriter(tmp_path / "trace", flush_rows=4, flush_s=3600.0)
+    records = _records()
+    writer.add(records[0])
+    writer.add(records[1])  # 2 + 2 event rows: due
+    assert writer.flush_due() is not None and writer.flush_due() is None
+    writer.add(records[2])
+    assert writer.flush_due() is None  # 1 row, and not old
+    writer.flush_s = 0.0
+    assert writer.flush_due() is not None
+    writer.close()
+    assert len(list((tmp_path / "trace").glob("part-*.parquet"))) == 2
+
+
 def test_the_trace_directory_loads_with_its_explicit_schema(run_dir: Path):
     parts = sorted((run_dir / "trace").glob("*.parquet"))
     assert [p.name for p in parts] == ["part-000000.parquet", "part-000001.parquet"]
