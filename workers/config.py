@@ -111,10 +111,10 @@ class RolloutWorkerConfig:
     reference_pack: PackingSettings = field(default_factory=PackingSettings)  # trainer.pack
     # multi-turn tool use (workers.roles.turns): None = single-turn, today's table exactly
     agent: AgentSettings | None = None
-
-
     # partial rollout (workers.roles.resume): partial, partial_max_cuts
     cuts: PartialSettings = embed(PartialSettings)
+
+
 @flat
 @dataclass
 class RewardWorkerConfig:
@@ -175,10 +175,10 @@ class TrainerWorkerConfig:
     loss: GrpoSettings = embed(GrpoSettings)
     sampling: SamplingSettings = embed(SamplingSettings)  # its temperature: the rollout's
     pack: PackingSettings = embed(PackingSettings)
-    checkpoint_dir: str | None = None
-    start_iteration: int = 0  # first iteration to train (overridden by resume_from's step)
     # partial rollout: the trainer claims response_version_runs (its per-token staleness)
     cuts: PartialSettings = embed(PartialSettings)
+    checkpoint_dir: str | None = None
+    start_iteration: int = 0  # first iteration to train (overridden by resume_from's step)
     resume_from: str | None = None  # checkpoint directory (workers.models.checkpoint) to continue from
     checkpoint_keep: int = 2  # complete checkpoints kept (the newest ones)
     weights_keep: int = 4  # published versions kept on disk (older ones are unlinked)
