@@ -252,6 +252,11 @@ class PartialSettings(Checked):
     partial: bool = False  # cut running generations at each newer policy version (async only)
     # most cuts of one trajectory: its segment after the last cut runs to the end, uncut
     partial_max_cuts: int = bounded(4, ge=1)
+    # a newer version cuts a torch generate call only once its unfinished rows are at most this
+    # fraction of the rows it decodes: the engine decodes every row of its batch each step, so a
+    # cut pays when the batch is mostly finished rows (a tail); cutting a batch of live rows only
+    # adds a re-prefill and a resume pass per row. 1: every cut is honoured
+    partial_cut_live_fraction: float = bounded(0.25, gt=0, le=1)
 
 
 @dataclass(frozen=True)

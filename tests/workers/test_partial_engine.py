@@ -135,3 +135,26 @@ def test_each_token_logprob_comes_from_the_version_that_sampled_it(tok):
     assert (by_version - expected).abs().max().item() <= 1e-5
     # and the two versions really differ on the resumed tokens (the test can tell them apart)
     assert (recomputed[0][k:] - expected[k:]).abs().max() > 1e-3
+
+
+def test_a_cut_waits_until_the_live_rows_are_a_small_fraction_of_the_batch(tok):
+    # rollout.partial_cut_live_fraction: with the cut set from the first step, the call goes on
+    # until at most a quarter of its rows are unfinished, then cuts them; the rows it finished
+    # are the uncut call's. Breaks if the gate is ignored (cut at step 1) or never opens.
+    eos = tok.eos_token_id
+    engine = TorchRolloutEngine(_model(tok, scale=0.3), [eos], cut_live_fraction=0.25)
+    params = SamplingParams(temperature=1.5, max_new_tokens=40, seed=11)
+    prompts = _prompts(tok)
+    uncut = _flat(engine.generate(prompts, 4, params))
+    lengths = sorted(len(g.token_ids) for g in uncut)
+    assert lengths[0] < lengths[-1]  # rows end at different steps: the gate has work to do
+    cut = _flat(engine.generate_until(prompts, 4, params, CutAfter(1)))
+    live = [c for c in cut if c.finish_reason == FINISH_CUT]
+    assert live and len(live) <= 0.25 * len(cut)  # cut once a quarter at most were live
+    assert min(len(c.token_ids) for c in live) > 1  # not at the first step, where all were
+    for c, u in zip(cut, uncut, strict=True):
+        assert c.token_ids == u.token_ids[: len(c.token_ids)]
+        if c.finish_reason != FINISH_CUT:
+            assert c.token_ids == u.token_ids
+    with pytest.raises(ValueError, match="cut_live_fraction"):
+        TorchRolloutEngine(_model(tok), [], cut_live_fraction=0.0)

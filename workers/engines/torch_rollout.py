@@ -166,9 +166,15 @@ class TorchRolloutEngine:
         self, model: PreTrainedModel, tokenizer_or_eos_ids: PreTrainedTokenizerBase | Sequence[int],
         *, device: str | torch.device = "cpu", max_batch_size: int | None = None,
         pad_token_id: int | None = None, policy_version: int = 0,
+        cut_live_fraction: float = 1.0,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be None or >= 1, got {max_batch_size}")
+        if not 0 < cut_live_fraction <= 1:
+            raise ValueError(f"cut_live_fraction must be in (0, 1], got {cut_live_fraction}")
+        # ``generate_until`` honours a set ``cut`` only at a step where the unfinished rows are
+        # at most this fraction of the chunk's rows (rollout.partial_cut_live_fraction)
+        self.cut_live_fraction = cut_live_fraction
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         if isinstance(tokenizer_or_eos_ids, PreTrainedTokenizerBase):
@@ -222,7 +228,9 @@ class TorchRolloutEngine:
     ) -> list[list[Generation]]:
         """``generate`` that ``cut`` stops at the next decode step (``Interruptible``,
         docs/partial.md): each chunk checks it after sampling a step, so every unfinished row
-        has at least one new token; ``params.done_tokens`` skips each row's draws already used."""
+        has at least one new token, and honours it at the first such step where its unfinished
+        rows are at most ``cut_live_fraction`` of its rows (1.0: the next step);
+        ``params.done_tokens`` skips each row's draws already used."""
         check_generate(prompts, n)
         done = list(params.done_tokens)
         if done and (n != 1 or len(done) != len(prompts)):
@@ -248,6 +256,14 @@ class TorchRolloutEngine:
         self.generate_seconds_total += time.perf_counter() - t0
         self.generated_tokens_total += sum(len(g.token_ids) for g in flat)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _cut_pays(self, finished: torch.Tensor) -> bool:
+        """Whether a set cut is honoured now: the chunk's unfinished rows are at most
+        ``cut_live_fraction`` of its rows (every row is decoded each step, finished or not)."""
+        if self.cut_live_fraction >= 1.0:
+            return True
+        live = finished.numel() - int(finished.sum())
+        return live <= self.cut_live_fraction * finished.numel()
 
     @torch.inference_mode()
     def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, stop_ids: torch.Tensor,
@@ -297,7 +313,8 @@ class TorchRolloutEngine:
                                           logps[i, : step + 1].tolist(), FINISH_STOP))
             if step == max_new - 1 or bool(finished.all()):
                 break
-            if cut is not None and cut.is_set():  # a token boundary: every live row has one
+            if cut is not None and cut.is_set() and self._cut_pays(finished):
+                # a token boundary: every live row has one
                 lengths = torch.where(finished, lengths, step + 1)
                 was_cut = True
                 break

@@ -60,7 +60,8 @@ def make_rollout_engine(cfg: RolloutWorkerConfig, device: str) -> Any:
     model = load_model(cfg.model_path, dtype=dtype_of(cfg.dtype),
                        attn_implementation=cfg.generate.attn_implementation)
     return TorchRolloutEngine(model, tokenizer, device=torch_device(device),
-                              max_batch_size=cfg.generate.rows_per_generate or None)
+                              max_batch_size=cfg.generate.rows_per_generate or None,
+                              cut_live_fraction=cfg.cuts.partial_cut_live_fraction)
 
 
 def load_reference(path: str, *, dtype: str, device: str, temperature: float,
