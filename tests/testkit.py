@@ -10,6 +10,7 @@ sits in this directory, and pytest puts a conftest's directory on ``sys.path``.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -76,3 +77,16 @@ def worker_plan(cfg, run_dir):  # noqa: ANN001, ANN201 - RunConfig, Path -> stre
     plan.devices = resolve_devices(cfg, 0)
     _worker_records(plan, None, None, None)
     return plan
+
+
+class CutAfter(threading.Event):
+    """A partial rollout ``cut`` event that reads as set from its ``k``-th look on (an engine
+    looks once per decode or engine step), so a test cuts a generation at a known step."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k, self.looks = k, 0
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.k

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from testkit import CutAfter
 
 from workers.agent.segments import Segment, assemble_segments, version_runs
 from workers.engines.base import FINISH_CUT, Interruptible, SamplingParams
@@ -21,19 +22,6 @@ SPEC = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      intermediate_size=64)
 PROMPTS = ["12+34=", "7+5=", "99+99="]
 MAX_NEW = 12
-
-
-class CutAfter(threading.Event):
-    """Reads as set from its ``k``-th look on: the engine looks once per decode step, after
-    sampling it, so the call is cut with ``k`` tokens in every live row."""
-
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        self.k, self.looks = k, 0
-
-    def is_set(self) -> bool:
-        self.looks += 1
-        return self.looks >= self.k
 
 
 @pytest.fixture(scope="module")

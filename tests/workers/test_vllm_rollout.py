@@ -17,6 +17,7 @@ import threading
 
 import pytest
 import torch
+from testkit import CutAfter
 
 from workers.engines.base import (
     FINISH_CUT,
@@ -380,18 +381,6 @@ def test_vllm_runs_a_multi_turn_trajectory_from_token_ids(setup):
 
 
 # -- cutting a generation (partial rollout: docs/engines.md, "Cutting a generation") ---------------
-class CutAfter(threading.Event):
-    """Reads as set from its ``k``-th look on (the engine looks once before each engine step)."""
-
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        self.k, self.looks = k, 0
-
-    def is_set(self) -> bool:
-        self.looks += 1
-        return self.looks >= self.k
-
-
 def _rows(groups) -> list[tuple[list[int], list[float], str]]:
     return [(g.token_ids, g.logprobs, g.finish_reason) for group in groups for g in group]
 
