@@ -47,6 +47,10 @@ def validate_spec(spec: TableSpec) -> None:
                 raise BadRequest(f"tasks[{t.name}].needs: unknown column {c!r}")
         if t.whole_groups and spec.group_column is None:
             raise BadRequest(f"tasks[{t.name}].whole_groups: the table has no group_column")
+        if t.skip_null is not None and t.skip_null not in t.needs:
+            raise BadRequest(f"tasks[{t.name}].skip_null: {t.skip_null!r} is not one of its needs")
+        if t.skip_null is not None and t.whole_groups:
+            raise BadRequest(f"tasks[{t.name}].skip_null: not with whole_groups")
     if (spec.group_column is None) != (spec.group_size is None):
         raise BadRequest("group_column and group_size: set both or neither")
     if spec.group_column is not None:

@@ -52,6 +52,7 @@ class WireTask(Struct, forbid_unknown_fields=True, kw_only=True):
     name: Name
     needs: Names
     whole_groups: bool = False
+    skip_null: Name | None = None
 
 
 class WireSpec(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -106,7 +106,7 @@ def remove_owned(path: str) -> None:
 def spec_doc(spec: TableSpec) -> dict:
     doc = {
         "schema": base64.b64encode(spec.schema.serialize().to_pybytes()).decode(),
-        "tasks": [[t.name, list(t.needs), t.whole_groups] for t in spec.tasks],
+        "tasks": [[t.name, list(t.needs), t.whole_groups, t.skip_null] for t in spec.tasks],
         "group_column": spec.group_column, "group_size": spec.group_size,
     }
     doc.update({key: getattr(spec, key) for key in _LIMIT_KEYS})
@@ -116,7 +116,9 @@ def spec_doc(spec: TableSpec) -> dict:
 def spec_from_doc(name: str, doc: dict) -> TableSpec:
     """The TableSpec a ``table.json`` describes (limits missing from older files: defaults)."""
     schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(doc["schema"])))
-    tasks = tuple(TaskSpec(str(n), tuple(needs), bool(w)) for n, needs, w in doc["tasks"])
+    # [name, needs, whole_groups, skip_null]; files written before skip_null have three entries
+    tasks = tuple(TaskSpec(str(t[0]), tuple(t[1]), bool(t[2]), t[3] if len(t) > 3 else None)
+                  for t in doc["tasks"])
     limits = {key: doc[key] for key in _LIMIT_KEYS if key in doc}
     return TableSpec(name, schema, tasks, group_column=doc.get("group_column"),
                      group_size=doc.get("group_size"), **limits)

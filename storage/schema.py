@@ -37,8 +37,9 @@ class RowState(enum.IntEnum):
     """The per-(row, task) state (more: docs/store-protocol.md)::
 
         PENDING --(last needed column written)--> READY --claim--> LEASED --ack--> CONSUMED
-                                                    ^                 |
-                                                    +--expire/release-+--(deliveries > max)--> DEAD
+           |                                        ^                 |                ^
+           |                                        +--expire/release-+--(deliveries > max)--> DEAD
+           +--(needs written, the task's ``skip_null`` cell NULL)-------------------------+
 
     A row is freed once every task has CONSUMED it; DEAD rows are kept until ``clear``."""
 
@@ -57,6 +58,10 @@ class TaskSpec:
     needs: tuple[str, ...]
     # If True, claims hand out only complete groups, never split across leases.
     whole_groups: bool = False
+    # A needed column whose cell, written NULL, says the row is no work for this task: such a row
+    # goes from PENDING straight to CONSUMED (never claimed) when its needs are written. None: every
+    # ready row is delivered. Not with whole_groups (a group would be split by its NULLs).
+    skip_null: str | None = None
 
 
 @dataclass(frozen=True)

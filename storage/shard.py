@@ -47,6 +47,8 @@ class Shard:
         self.needs = [np.array([col_index[c] for c in t.needs], dtype=np.int64) for t in spec.tasks]
         self._needs_sets = [set(n.tolist()) for n in self.needs]
         self.whole = [t.whole_groups for t in spec.tasks]
+        # per task: the column whose NULL cell skips the row (TaskSpec.skip_null), -1: none
+        self.skip_col = [col_index[t.skip_null] if t.skip_null else -1 for t in spec.tasks]
         self.group_size = spec.group_size or 1
         num_cols, num_tasks = len(self.columns), len(spec.tasks)
         self.n = 0  # dense slots in use (live + freed-not-yet-compacted)
@@ -223,23 +225,44 @@ class Shard:
         self.refresh_ready(idx, list(arrays))
 
     def refresh_ready(self, idx: np.ndarray, cols: Sequence[int], *, fresh: bool = False) -> None:
-        """PENDING rows among idx whose needs are now all written become READY. ``fresh``: the
-        rows were just created with exactly ``cols`` written (a put), so a task's rows are all
-        ready iff it needs nothing else, with no per-row check."""
+        """PENDING rows among idx whose needs are now all written become READY, or CONSUMED for a
+        task whose ``skip_null`` cell they wrote NULL. ``fresh``: the rows were just created with
+        exactly ``cols`` written (a put), so a task's rows are all ready iff it needs nothing
+        else, with no per-row check. Rows a skip leaves CONSUMED by every task are freed last,
+        once no task's candidates can be moved by a compaction."""
         written = set(cols)
+        skipped: list[np.ndarray] = []
         for t, need_set in enumerate(self._needs_sets):
             if need_set and written.isdisjoint(need_set):
                 continue  # nothing this task waits for was written
             if fresh:
                 if need_set <= written:
-                    self._make_ready(t, idx, PENDING)
+                    self._ready_or_skip(t, idx, skipped)
                 continue
             cand = idx[self.state[t, idx] == PENDING]
             rest = [c for c in need_set if c not in written]  # needs written earlier, maybe
             if rest and len(cand):
                 cand = cand[(self.src[np.ix_(rest, cand)] >= 0).all(axis=0)]
             if len(cand):
-                self._make_ready(t, cand, PENDING)
+                self._ready_or_skip(t, cand, skipped)
+        if skipped:
+            rows = np.unique(np.concatenate(skipped))
+            self.free(rows[(self.state[:, rows] == CONSUMED).all(axis=0)], consumed=True)
+
+    def _ready_or_skip(self, t: int, idx: np.ndarray, skipped: list[np.ndarray]) -> None:
+        """PENDING rows idx (every need written) -> READY, or CONSUMED where the task's
+        ``skip_null`` cell is NULL (appended to ``skipped``; the caller frees)."""
+        c = self.skip_col[t]
+        if c >= 0:
+            null = self.cells(idx, c).is_null().to_numpy(zero_copy_only=False)
+            if bool(null.any()):
+                skip = idx[null]
+                self._transition(t, skip, CONSUMED, PENDING)
+                self.consumed_total[t] += len(skip)
+                skipped.append(skip)
+                idx = idx[~null]
+        if len(idx):
+            self._make_ready(t, idx, PENDING)
 
     # ----------------------------------------------------------------------------- transitions
     def _transition(self, t: int, idx: np.ndarray, new: int, old: int | None = None) -> None:

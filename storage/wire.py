@@ -279,7 +279,8 @@ def row_ids_from_bytes(data: bytes) -> np.ndarray:
 # -- TableSpec and TableStats as msgpack maps -----------------------------------------------------
 
 def spec_to_wire(spec: TableSpec) -> dict[str, Any]:
-    tasks = [headers.WireTask(name=t.name, needs=list(t.needs), whole_groups=t.whole_groups)
+    tasks = [headers.WireTask(name=t.name, needs=list(t.needs), whole_groups=t.whole_groups,
+                              skip_null=t.skip_null)
              for t in spec.tasks]
     scalars = {key: getattr(spec, key) for key in headers.SPEC_SCALARS}
     schema = spec.schema.serialize().to_pybytes()
@@ -299,7 +300,7 @@ def spec_from_wire(data: dict[str, Any] | headers.WireSpec) -> TableSpec:
         schema = pa.ipc.read_schema(pa.py_buffer(data.schema))
     except (pa.ArrowException, ValueError, OSError) as exc:
         raise BadRequest(f"spec.schema is not an Arrow IPC schema: {exc}") from None
-    tasks = tuple(TaskSpec(t.name, tuple(t.needs), t.whole_groups) for t in data.tasks)
+    tasks = tuple(TaskSpec(t.name, tuple(t.needs), t.whole_groups, t.skip_null) for t in data.tasks)
     scalars = {key: getattr(data, key) for key in headers.SPEC_SCALARS}
     return TableSpec(name=data.name, schema=schema, tasks=tasks, **scalars)
 

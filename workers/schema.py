@@ -150,7 +150,9 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
     ``env_reward`` and the turn tasks: ``env.{t}`` (needs ``turn{t}_ids``, t < T-1) and ``rollout.{t}`` (needs
     ``obs{t-1}_ids``, t >= 1); 1 is the single-turn table exactly. ``partial_cuts`` = R > 0
     (partial rollout, single-turn only) adds the ``part_columns``, ``response_version_runs`` and
-    the resume tasks ``resume.{j}`` (needs ``part{j-1}_ids``, j = 1..R); 0: no partial rollout."""
+    the resume tasks ``resume.{j}`` (needs ``part{j-1}_ids``, j = 1..R); 0: no partial rollout.
+    A turn or resume task skips (``TaskSpec.skip_null``) a row whose needed cell its trajectory's
+    end wrote NULL: the store consumes it for that task, and no worker claims it."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if partial_cuts < 0 or (partial_cuts and max_turns > 1):
@@ -158,10 +160,11 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
                          f"with max_turns={max_turns}")
     tasks = [TaskSpec("rollout", ("prompt_ids",), whole_groups=True)]
     for t in range(max_turns - 1):
-        tasks.append(TaskSpec(f"env.{t}", (f"turn{t}_ids",)))
-        tasks.append(TaskSpec(f"rollout.{t + 1}", (f"obs{t}_ids",)))
+        tasks.append(TaskSpec(f"env.{t}", (f"turn{t}_ids",), skip_null=f"turn{t}_ids"))
+        tasks.append(TaskSpec(f"rollout.{t + 1}", (f"obs{t}_ids",), skip_null=f"obs{t}_ids"))
     # a cut row goes on in resume.1, .., resume.R (rows one by one: a group's rows are cut apart)
-    tasks += [TaskSpec(f"resume.{j}", (f"part{j - 1}_ids",)) for j in range(1, partial_cuts + 1)]
+    tasks += [TaskSpec(f"resume.{j}", (f"part{j - 1}_ids",), skip_null=f"part{j - 1}_ids")
+              for j in range(1, partial_cuts + 1)]
     tasks.append(TaskSpec("reward", ("response_ids",)))
     trainer_needs: tuple[str, ...] = ("response_ids", "reward")
     if reference_worker:
