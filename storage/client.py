@@ -157,17 +157,20 @@ class Client:
         self, table: str, task: str, columns: Sequence[str], max_rows: int, *, min_rows: int = 1,
         whole_groups: bool = False, timeout: float = 0.0, lease_seconds: float | None = None,
         ack: Lease | None = None, write: pa.RecordBatch | pa.Table | None = None,
-        shards: Sequence[int] | None = None,
+        shards: Sequence[int] | None = None, wake: Sequence[str] = (),
     ) -> Lease:
         """Lease up to ``max_rows`` rows ready for ``task``, waiting server-side up to ``timeout``
         s for ``min_rows`` (then whatever is ready: maybe an empty lease). ``ack`` (+ ``write``):
-        the previous lease, acked in the same round trip; ``shards``: only those shard ids.
+        the previous lease, acked in the same round trip; ``shards``: only those shard ids;
+        ``wake``: other tasks whose ready rows end the wait early (with an empty lease).
         Rules and usage: docs/store-protocol.md ("Client: claim")."""
         args = {
             "table": table, "task": task, "columns": list(columns), "max_rows": int(max_rows),
             "min_rows": int(min_rows), "whole_groups": bool(whole_groups),
             "lease_seconds": lease_seconds,
         }
+        if wake:
+            args["wake"] = list(wake)
         piggy: tuple[Lease, list[Any]] | None = None
         if write is not None and (ack is None or not ack.lease_id):
             raise ValueError("claim(write=...) needs the lease to write under as ack=")

@@ -117,6 +117,9 @@ class Claim(_OfTable, tag="claim"):
     shards: Annotated[list[ShardId], Meta(min_length=1, max_length=MAX_LIST_LEN)] | None = None
     # Piggybacked ack: a lease of the table to ack (after writing the body) before the claim.
     ack_lease_id: U64 | None = None
+    # Other tasks of the table: a waiting claim ends (empty lease) once any has ready rows, so a
+    # consumer of several tasks waits on all of them with one request.
+    wake: Names | None = None
 
 
 class Write(_OfTable, tag="write"):

@@ -193,6 +193,10 @@ class ParkedRequests:
         dry: set[tuple[str, bool, tuple[int, ...] | None]] = set()
         for p in claims:
             a = p.req.args
+            if a["wake"] and self._wake_ready(a):  # another task it waits on has rows: end the wait
+                self._unpark(p)
+                self._reply_lease(p.ident, p.req, None, p.t_recv)
+                continue
             shards = a["shards"]
             key = (a["task"], a["whole_groups"], None if shards is None else tuple(shards))
             if key in dry:

@@ -82,10 +82,12 @@ class StoreVerbs:
 
     def _v_claim(self, ident: bytes, req: wire.Request, t: float) -> None:
         a = req.args
+        if a.wake:  # unknown task names fail before the piggybacked ack, like the claim's own
+            self._wake_ready(a)
         if a.ack_lease_id is not None:
             self._piggybacked_ack(req)
         lease = self._try_claim(req, a.min_rows)
-        if lease is None and a.timeout > 0:
+        if lease is None and a.timeout > 0 and not (a.wake and self._wake_ready(a)):
             parked = ParkedRequest(ident, req, t, time.monotonic() + a.timeout)
             self._park(parked, "claim")
             self._claims.setdefault(a.table, []).append(parked)
@@ -109,6 +111,10 @@ class StoreVerbs:
         req.acked = True
         self._dirty.add(a.table)  # written columns may make rows ready for other tasks
         self._note_mutation(a.table)
+
+    def _wake_ready(self, a: Any) -> bool:
+        """Whether one of a claim's ``wake`` tasks has ready rows (on the claim's shards)."""
+        return any(self.node.ready_count(a.table, task, shards=a.shards) > 0 for task in a.wake)
 
     @staticmethod
     def _claim_options(a: Any, min_rows: int | None = None) -> dict[str, Any]:

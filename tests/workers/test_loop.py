@@ -121,3 +121,45 @@ def test_a_lease_held_across_turns_is_renewed_until_its_late_ack() -> None:
             keeper.close()
         assert _results(client) == {1: 2, 2: 4, 3: 6}
         assert client.stats("t").task_total("double").redelivered_total == 0
+
+
+class Checker:
+    """Stage of task "check": records the y values it saw (acks them, writes nothing)."""
+
+    task = "check"
+    columns = ("y",)
+    whole_groups = False
+    max_rows = 100
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def process(self, lease):
+        from workers.roles.loop import Parts
+
+        self.seen += lease.batch.column("y").to_pylist()
+        return Parts()
+
+
+def test_an_idle_worker_of_several_stages_wakes_for_any_of_them() -> None:
+    """serve_stages waits on its first stage's claim with the others as ``wake`` tasks: rows of
+    the second stage are served at once, not after the first stage's wait (60 s here)."""
+    import threading
+
+    from workers.roles.loop import serve_stages
+
+    with storage.embedded() as store:
+        client = store.client()
+        client.create_table(_table(30.0))
+        check, stop = Checker(), threading.Event()
+        worker = threading.Thread(target=serve_stages, daemon=True, args=(
+            store.client(), "t", [Doubler(), check], stop),
+            kwargs={"worker": "w", "role": "r", "events": EventSender(None), "timeout_s": 60.0})
+        worker.start()
+        wait_until(lambda: store.parked()["claims"] == 1, what="the worker waiting")
+        client.put("t", pa.table({"y": [5, 6]}))  # ready for "check" only
+        wait_until(lambda: sorted(check.seen) == [5, 6], timeout=20.0, what="check served")
+        stop.set()
+        client.put("t", pa.table({"x": [3]}))  # wakes the waiting claim so the worker stops
+        worker.join(20.0)
+        assert not worker.is_alive()

@@ -176,9 +176,10 @@ class StageLoop:
         self._prev_seconds = 0.0  # the carried result's compute time, and tool calls (its trace)
         self._prev_calls: Any = None
 
-    def turn(self, timeout_s: float) -> int:
+    def turn(self, timeout_s: float, wake: Sequence[str] = ()) -> int:
         """Ack the previous result, claim and process the next rows; returns rows processed
-        (-1: the stage handed its rows back, see ``HandBack``; more are waiting)."""
+        (-1: the stage handed its rows back, see ``HandBack``; more are waiting). ``wake``:
+        other tasks whose ready rows end the claim's wait (an empty turn)."""
         prev, self._prev = self._prev, None
         sent = time.time()  # a carried write+ack is applied when this claim arrives
         if prev is not None and prev[1] is not None:  # traced before the claim's long wait (a
@@ -186,6 +187,8 @@ class StageLoop:
         columns, kw = list(self.stage.columns), {
             "whole_groups": self.stage.whole_groups, "timeout": timeout_s,
             "ack": prev[0] if prev else None, "write": prev[1] if prev else None}
+        if wake:
+            kw["wake"] = list(wake)
         try:
             if self.session is not None:
                 lease = self.session.claim(self.client, columns, self.stage.max_rows, **kw)
@@ -285,19 +288,23 @@ def serve_stage(client: Any, table: str, stage: Stage, stop: threading.Event, *,
 def serve_stages(client: Any, table: str, stages: Sequence[Stage], stop: threading.Event, *,
                  worker: str, role: str, events: EventSender, timeout_s: float = 1.0,
                  keeper: LeaseKeeper | None = None) -> int:
-    """One worker serving several tasks (the turn tasks of a multi-turn run): one ``StageLoop``
-    per stage, taken in turn. A round looks without waiting; a round that found nothing waits
-    ``timeout_s`` split over the stages, so an idle worker neither spins nor sits on one task's
-    wait while another has rows. Stops and flushes like ``serve_stage``."""
+    """One worker serving several tasks (the turn tasks of a multi-turn run, the resume tasks of
+    partial rollout): one ``StageLoop`` per stage, taken in turn. A round looks at every stage
+    without waiting. After a round that found nothing, the next one starts with a claim that
+    waits up to ``timeout_s`` for its stage's rows OR any other stage's (the claim's ``wake``),
+    so an idle worker neither spins nor sits on one task's wait while another has rows. Stops
+    and flushes like ``serve_stage``."""
     loops = [StageLoop(client, table, s, worker=worker, role=role, events=events, keeper=keeper)
              for s in stages]
+    others = [[o.task for o in stages if o is not s] for s in stages]
     total, wait = 0, 0.0
     while not stop.is_set():
         got = 0
-        for loop in loops:
-            got += max(loop.turn(wait), 0)
+        for i, loop in enumerate(loops):
+            # only a round's first claim waits: a later one would hold up rows found before it
+            got += max(loop.turn(wait, others[i]) if i == 0 and wait else loop.turn(0.0), 0)
         total += got
-        wait = 0.0 if got else timeout_s / len(loops)
+        wait = 0.0 if got else timeout_s
     for loop in loops:
         loop.flush()
     return total
