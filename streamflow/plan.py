@@ -291,7 +291,9 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
         weights_dir=str(plan.weights_dir), weights_bind=announce,
         rows_per_iteration=d.prompts_per_iteration * d.group_size, iterations=cfg.run.iterations,
         group_size=d.group_size, reference_in_store=cfg.reference_in_store,
-        optim=t.optim, loss=t.loss,
+        optim=t.optim, grpo=t.grpo.resolved(cfg.run.mode),
+        max_response_tokens=(cfg.rollout.max_total_tokens if cfg.multi_turn
+                             else cfg.rollout.max_new_tokens),
         sampling=r.sampling, pack=t.pack, cuts=r.cuts, rows_per_claim=t.rows_per_claim,
         reference_dtype=devices.reference_dtype, checkpoint_dir=str(plan.run_dir / "checkpoints"),
         checkpoint_every=cfg.run.checkpoint_every, engine=t.engine, num_ranks=t.num_ranks,

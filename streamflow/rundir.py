@@ -39,15 +39,20 @@ class IterationRecord:
     generated_tokens: int = 0  # response tokens generated for them
     loss: float | None = None  # GRPO loss of the update
     kl: float | None = None  # mean k3 KL to the reference (None when the reference is off)
-    # loss, kl, clip fraction and the ratio/importance stats are token-weighted over every pass of
-    # the step (trainer.updates_per_batch passes over the batch)
-    clip_fraction: float | None = None  # fraction of tokens whose ratio was clipped
-    grad_norm: float | None = None  # gradient norm before clipping (mean over the step's updates)
+    # loss, kl, clip fractions, grad_norm and the ratio/importance stats are the step's FIRST
+    # pass (token-weighted); each pass of trainer.updates_per_batch > 1: ``passes``
+    clip_fraction: float | None = None  # fraction of tokens (gspo: responses) clipped
+    grad_norm: float | None = None  # gradient norm before clipping
     ratio_mean: float | None = None  # policy / old-policy ratio (exactly 1 with one update/batch)
     ratio_min: float | None = None  # smallest ratio of any token
     ratio_max: float | None = None  # largest ratio of any token
-    # truncated importance weight min(exp(old - behaviour), is_cap); 1 when correction is off
+    # the off-policy weight (trainer.importance_correction); 1 when the correction is off
     importance_weight_mean: float | None = None
+    clip_low_fraction: float = 0.0  # clipped at 1 - clip_eps_low (share of clip_fraction)
+    clip_high_fraction: float = 0.0  # clipped at 1 + clip_eps_high
+    sequence_ratio_mean: float = 1.0  # exp(mean token log-ratio) per response (gspo's ratio)
+    importance_capped_fraction: float = 0.0  # tokens whose weight is_cap truncated or dropped
+    passes: list[dict[str, float]] = field(default_factory=list)  # per pass, when several
     staleness_mean: float = 0.0  # mean (trainer version - behaviour version) of trained samples
     staleness_max: int = 0  # max of the same
     weight_sync_seconds: float = 0.0  # time spent publishing/loading weights this iteration

@@ -22,7 +22,9 @@ log = logging.getLogger("streamflow.controller")
 _STEP_FIELDS = ("reward_mean", "reward_std", "samples", "loss", "clip_fraction", "grad_norm",
                 "ratio_mean", "ratio_min", "ratio_max", "importance_weight_mean", "staleness_mean",
                 "staleness_max", "reward_failures", "turns_mean", "tool_calls_mean",
-                "partial_resumes", "tokens_per_version_span", "staleness_token_mean")
+                "partial_resumes", "tokens_per_version_span", "staleness_token_mean",
+                "clip_low_fraction", "clip_high_fraction", "sequence_ratio_mean",
+                "importance_capped_fraction", "passes")
 
 
 @dataclass

@@ -163,8 +163,9 @@ def test_the_plan_fills_each_record_from_its_yaml_key(overrides, tmp_path):
         assert getattr(plan, role).common.threads == getattr(cfg, role).threads
         assert getattr(plan, role).common.seed == cfg.run.seed
     t, r = plan.trainer, plan.rollout
-    assert (t.optim, t.loss, t.pack, t.sampling) == (cfg.trainer.optim, cfg.trainer.loss,
-                                                    cfg.trainer.pack, cfg.rollout.sampling)
+    assert (t.optim, t.grpo, t.pack, t.sampling) == (
+        cfg.trainer.optim, cfg.trainer.grpo.resolved(cfg.run.mode), cfg.trainer.pack,
+        cfg.rollout.sampling)
     assert r.reference_pack == cfg.trainer.pack and plan.reward.verifier == cfg.reward.verifier
 
 

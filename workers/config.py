@@ -170,9 +170,12 @@ class TrainerWorkerConfig:
     zero_stage: int  # deepspeed: ZeRO stage 1 or 2
     device: str  # cpu | cuda:N: rank 0's device (deepspeed rank r: cuda:N+r)
     dtype: str  # compute dtype: bfloat16 = forward under autocast, fp32 master weights
+    # the most tokens of one response: rollout.max_new_tokens (multi-turn: max_total_tokens);
+    # dr_grpo's constant normaliser and the overlong shaping's budget
+    max_response_tokens: int
     optim: OptimizerSettings = embed(OptimizerSettings)
     # kl_coef is the run's trainer.kl_coef, the KL term's one switch (0: no reference anywhere)
-    loss: GrpoSettings = embed(GrpoSettings)
+    grpo: GrpoSettings = embed(GrpoSettings)  # the objective (its keys are trainer.*)
     sampling: SamplingSettings = embed(SamplingSettings)  # its temperature: the rollout's
     pack: PackingSettings = embed(PackingSettings)
     # partial rollout: the trainer claims response_version_runs (its per-token staleness)
@@ -184,11 +187,10 @@ class TrainerWorkerConfig:
     weights_keep: int = 4  # published versions kept on disk (older ones are unlinked)
     weights_serve: str | None = None  # serve published versions to other hosts (ROUTER bind)
     weights_group: WeightGroupConfig | None = None  # collective weight sync (None: files)
-
     def __post_init__(self) -> None:
         # A KL term without reference log-probs would fail mid-step: refuse the record instead.
-        if self.loss.kl_coef > 0 and not (self.reference_path or self.reference_in_store):
-            raise ValueError(f"kl_coef={self.loss.kl_coef} needs a reference (reference_path or "
+        if self.grpo.kl_coef > 0 and not (self.reference_path or self.reference_in_store):
+            raise ValueError(f"kl_coef={self.grpo.kl_coef} needs a reference (reference_path or "
                              "reference_in_store); set kl_coef=0 to train without one")
 
 

@@ -175,17 +175,87 @@ class OptimizerSettings(Checked):
                 f"must be in [0, 1), got {self.betas}")
 
 
+# each objective's paper bounds where the config leaves clip_eps_low / clip_eps_high unset:
+# (low, high), None = trainer.clip_eps (docs/training.md "Objectives")
+PAPER_CLIP: dict[str, tuple[float | None, float | None]] = {
+    "grpo": (None, None), "dr_grpo": (None, None),
+    "dapo": (None, 0.28),  # clip-higher: room for unlikely tokens to grow (DAPO)
+    "gspo": (3e-4, 4e-4),  # a sequence ratio (a geometric mean) moves far less than a token's
+    "cispo": (1.0, None),  # no lower bound: the weight only caps a token's step (MiniMax-M1)
+}
+
+
 @dataclass(frozen=True)
 class GrpoSettings(Checked):
-    """The GRPO objective (``trainer.*``; ``workers.rl.grpo``)."""
+    """The objective of the trainer's step (``trainer.*``; ``workers.rl.objectives`` and
+    ``workers.rl.advantages``; what each choice trades: docs/training.md "Objectives")."""
 
-    clip_eps: float = bounded(0.2, gt=0)  # ratio clip epsilon
+    # the policy loss: grpo (clipped, token mean) | dr_grpo (constant normaliser, no std) | dapo
+    # (clip-higher, token-level, overlong shaping, dynamic sampling) | gspo (sequence ratio and
+    # clip) | cispo (clipped stop-gradient IS weight on a REINFORCE loss)
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = "grpo"
+    # the advantage: grpo (group-normalised) | rloo (leave-one-out baseline) | reinforce_pp
+    # (group baseline, std over the whole step's batch: the trainer waits for every row)
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    clip_eps: float = bounded(0.2, gt=0, le=1)  # ratio clip epsilon, both sides
+    # the ratio's bounds 1 - clip_eps_low and 1 + clip_eps_high; unset (null): the loss's paper
+    # value (dapo high 0.28; gspo 3e-4 / 4e-4; cispo low 1 = no lower bound), else clip_eps
+    clip_eps_low: float | None = bounded(None, gt=0, le=1)
+    clip_eps_high: float | None = bounded(None, gt=0)
     kl_coef: float = bounded(0.02, ge=0)  # beta of the k3 KL-to-reference term (0 = no reference)
-    std_normalize: bool = True  # divide group-centred rewards by the group std (+eps)
+    # divide group-centred rewards by the group std (+eps); advantage grpo only, and never with
+    # loss dr_grpo (whose point is not to)
+    std_normalize: bool = True
     # optimizer steps per iteration's batch (1: the ratio is exactly 1 when on-policy)
     updates_per_batch: int = bounded(1, ge=1)
-    importance_correction: bool = False  # async: correct the ratio by behaviour log-probs
-    is_cap: float = bounded(2.0, ge=1)  # cap of the truncated importance weight
+    # off-policy correction against the behaviour log-probs: auto = tis in run.mode async, off
+    # in sync/periodic; tis (truncated token weight) | masked (tokens over is_cap dropped) |
+    # sequence (truncated sequence weight) | decoupled (AReaL: exact weight, over is_cap
+    # dropped) | off. true / false (the former switch) read as tis / off
+    importance_correction: bool | Literal["auto", "off", "tis", "masked", "sequence",
+                                          "decoupled"] = "auto"
+    is_cap: float = bounded(2.0, ge=1)  # cap of the importance weight (truncate or drop above)
+    # DAPO's soft overlong shaping: the last overlong_buffer tokens before the generation budget
+    # add a penalty to the reward growing linearly to -overlong_penalty. null: a fifth of the
+    # budget with loss dapo, else 0 (= off)
+    overlong_buffer: int | None = bounded(None, ge=0)
+    overlong_penalty: float = bounded(1.0, ge=0)  # the penalty at the budget
+
+    def check(self) -> None:
+        if isinstance(self.importance_correction, bool):  # the former switch
+            object.__setattr__(self, "importance_correction",
+                               "tis" if self.importance_correction else "off")
+
+    def clip_bounds(self) -> tuple[float, float]:
+        """(low, high): the ratio is clipped to [1 - low, 1 + high] (``PAPER_CLIP``)."""
+        paper_low, paper_high = PAPER_CLIP[self.loss]
+        low = self.clip_eps_low if self.clip_eps_low is not None else paper_low
+        high = self.clip_eps_high if self.clip_eps_high is not None else paper_high
+        return (self.clip_eps if low is None else low, self.clip_eps if high is None else high)
+
+    def resolved(self, mode: str) -> GrpoSettings:
+        """These settings with ``auto`` resolved for run.mode ``mode`` (what the trainer gets)."""
+        if self.importance_correction != "auto":
+            return self
+        return dataclasses.replace(self,
+                                   importance_correction="tis" if mode == "async" else "off")
+
+    @property
+    def correction(self) -> str:
+        """The correction the trainer applies ("auto" unresolved: off, the on-policy default)."""
+        value = self.importance_correction
+        return "off" if value == "auto" else str(value)
+
+    @property
+    def group_std(self) -> bool:
+        """Whether grpo advantages divide by the group std (never with dr_grpo)."""
+        return self.std_normalize and self.loss != "dr_grpo"
+
+    def overlong_tokens(self, max_tokens: int) -> int:
+        """The overlong buffer for a generation budget of ``max_tokens`` (0: no shaping)."""
+        if self.overlong_buffer is not None:
+            return self.overlong_buffer
+        return max_tokens // 5 if self.loss == "dapo" else 0
 
 
 _REWARD_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")

@@ -152,6 +152,26 @@ def _check_partial(cfg: RunConfig) -> None:
             "use rollout.max_turns=1 or rollout.partial=false")
 
 
+def _check_objective(cfg: RunConfig) -> None:
+    """Combinations of trainer.loss / trainer.advantage and their knobs that contradict each
+    other or the generation budget (docs/training.md "Objectives")."""
+    t = cfg.trainer
+    require(not (t.loss == "dr_grpo" and t.advantage == "reinforce_pp"), "trainer.advantage",
+            "'reinforce_pp' divides advantages by the batch's reward std, which loss 'dr_grpo' "
+            "exists to remove: use advantage grpo or rloo with dr_grpo")
+    correction = t.grpo.resolved(cfg.run.mode).correction
+    require(cfg.rollout.top_p >= 1.0 or correction == "off" or cfg.rollout.engine == "simulated",
+            "rollout.top_p", f"{cfg.rollout.top_p} < 1 with trainer.importance_correction "
+            f"{correction!r} (run.mode {cfg.run.mode}): behaviour log-probs are not those of the "
+            "truncated distribution on every engine (docs/engines.md); use rollout.top_p 1 or "
+            "trainer.importance_correction off")
+    budget, key = ((cfg.rollout.max_total_tokens, "rollout.max_total_tokens") if cfg.multi_turn
+                   else (cfg.rollout.max_new_tokens, "rollout.max_new_tokens"))
+    require(t.overlong_buffer is None or t.overlong_buffer <= budget, "trainer.overlong_buffer",
+            f"{t.overlong_buffer} is longer than the generation budget ({key}={budget}): the "
+            "penalty would start before any response could be long")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)  # the loop: mode, iterations, outputs
@@ -188,6 +208,7 @@ class RunConfig:
                 "periodic or async (sync keeps the trainer inside the controller process)")
         _check_turns(self)
         _check_partial(self)
+        _check_objective(self)
         _check_placement(self)
         _check_weights(self)
 
@@ -244,9 +265,6 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     if cfg.run.mode != "async" and cfg.run.max_staleness != RunSection.max_staleness:
         notes.append(f"run.max_staleness={cfg.run.max_staleness} is ignored in mode "
                      f"'{cfg.run.mode}' (on-policy: staleness is always 0)")
-    if cfg.run.mode != "async" and cfg.trainer.importance_correction:
-        notes.append(f"trainer.importance_correction has no effect in mode '{cfg.run.mode}' "
-                     "(behaviour and trained policy are the same version)")
     # the default (the demo's cap) and 0 (the way to say "none") are silent with a model.path
     if cfg.model.path is not None and cfg.model.warmstart_steps not in (
             0, ModelSection.warmstart_steps):

@@ -239,8 +239,9 @@ class TrainerSection(Checked):
     engine: Literal["torch", "deepspeed", "simulated"] = "torch"
     # lr, warmup_steps, weight_decay, betas, max_grad_norm
     optim: OptimizerSettings = embed(OptimizerSettings)
-    # clip_eps, kl_coef, std_normalize, updates_per_batch, importance_correction, is_cap
-    loss: GrpoSettings = embed(GrpoSettings)
+    # loss, advantage, clip_eps(_low/_high), kl_coef, std_normalize, updates_per_batch,
+    # importance_correction, is_cap, overlong_buffer/_penalty (the keys: GrpoSettings's fields)
+    grpo: GrpoSettings = embed(GrpoSettings)
     rows_per_claim: int = bounded(16, ge=1)  # rows per trainer micro-batch
     # attn_implementation, packing, packing_min_saving, token_budget (trainer and reference
     # forwards)

@@ -325,15 +325,15 @@ def test_embedded_worker_settings_are_flat_keys_of_their_section():
 
     cfg = load_config(None, ["trainer.lr=0.5", "trainer.is_cap=3", "rollout.temperature=0.7"])
     assert cfg.trainer.optim == OptimizerSettings(lr=0.5) and cfg.trainer.lr == 0.5
-    assert cfg.trainer.loss == GrpoSettings(is_cap=3.0)
+    assert cfg.trainer.grpo == GrpoSettings(is_cap=3.0)
     assert cfg.rollout.sampling == SamplingSettings(temperature=0.7)
     tree = config_to_dict(cfg)
     assert tree["trainer"]["lr"] == 0.5 and tree["rollout"]["temperature"] == 0.7
-    assert not {"optim", "loss", "pack", "sampling", "vllm", "generate", "verifier"} & {
+    assert not {"optim", "grpo", "pack", "sampling", "vllm", "generate", "verifier"} & {
         key for section in tree.values() if isinstance(section, dict) for key in section}
     # Built or replaced with flat keys too, and checked where the field is declared.
-    assert dataclasses.replace(cfg.trainer, kl_coef=0.0).loss.kl_coef == 0.0
-    assert TrainerSection(clip_eps=0.1).loss.clip_eps == 0.1
+    assert dataclasses.replace(cfg.trainer, kl_coef=0.0).grpo.kl_coef == 0.0
+    assert TrainerSection(clip_eps=0.1).grpo.clip_eps == 0.1
     with pytest.raises(ConfigValueError) as info:
         load_config(None, ["rollout.top_p=2"])
     assert info.value.key == "rollout.top_p"

@@ -19,7 +19,7 @@ def test_worker_records_carry_the_configs_settings_objects(tiny_config, tmp_path
     plan.cleanup()
     t, r = cfg.trainer, cfg.rollout
     assert plan.trainer.optim is t.optim and plan.trainer.optim.lr == 0.003
-    assert plan.trainer.loss is t.loss and plan.trainer.pack is t.pack and not t.pack.packing
+    assert plan.trainer.grpo == t.grpo.resolved(cfg.run.mode) and plan.trainer.pack is t.pack and not t.pack.packing
     assert plan.trainer.sampling is r.sampling is plan.rollout.sampling
     assert plan.rollout.sampling.temperature == 0.7
     assert plan.rollout.vllm is r.vllm and plan.rollout.generate is r.generate
@@ -35,12 +35,13 @@ def test_kl_coef_reaches_the_trainer_only_in_the_loss_settings(tiny_config, tmp_
     on = tiny_config("trainer.kl_coef=0.05", "reference.placement=trainer")
     plan = build_plan(on, tmp_path / "on")
     plan.cleanup()
-    assert plan.trainer.loss is on.trainer.loss and plan.trainer.kl_coef == 0.05
+    assert plan.trainer.grpo == on.trainer.grpo.resolved(on.run.mode)
+    assert plan.trainer.kl_coef == 0.05
     assert plan.trainer.reference_path == str(plan.model_path) and plan.reference is None
     off = tiny_config("trainer.kl_coef=0")  # tiny.yaml: reference.placement worker
     plan = build_plan(off, tmp_path / "off")
     plan.cleanup()
-    assert plan.trainer.loss is off.trainer.loss and plan.trainer.loss.kl_coef == 0.0
+    assert plan.trainer.grpo.kl_coef == 0.0
     assert plan.reference is None and plan.trainer.reference_path is None
     assert not plan.trainer.reference_in_store and plan.rollout.reference_path is None
     assert "reference" not in {t.name for t in plan.table_spec.tasks}

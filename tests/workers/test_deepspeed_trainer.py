@@ -159,7 +159,7 @@ def _trainer_config(model_dir: Path, weights: Path, addresses: list[str], *, eng
     common = WorkerCommon(name="trainer-0", role="trainer", store_addresses=addresses,
                           table="samples", seed=3, threads=1, claim_timeout_s=0.2)
     fields = dict(checkpoint_every=0, deterministic=False, whole_iterations=False, num_ranks=1,
-                  zero_stage=2,
+                  zero_stage=2, max_response_tokens=4,  # the rollout's max_new_tokens
                   device="cpu", dtype="float32", reference_dtype="float32", kl_coef=0.0)
     return TrainerWorkerConfig(
         common=common, model_path=str(model_dir), reference_path=None, weights_dir=str(weights),
@@ -387,7 +387,7 @@ def _rank_group_main(rank: int, port: int, out: str) -> None:
     """One of two gloo ranks whose RankGroup uses a group of its own (as under NCCL)."""
     import torch.distributed as dist
 
-    from workers.rl.grpo import LossSums
+    from workers.rl.objectives import LossSums
     from workers.runtime.distributed import Op, RankGroup
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -15,10 +15,10 @@ from tests.workers.test_trainer import ROWS as STORE_ROWS
 from tests.workers.test_trainer import _replica, _train
 from workers.models.local import TinyModelSpec, build_tiny_model, save_model
 from workers.models.tokenizer import build_char_tokenizer
-from workers.rl.grpo import (
+from workers.rl.objectives import Objective, loss_sums
+from workers.rl.tokens import (
     apply_loss_masks,
     build_token_batch,
-    grpo_loss_sums,
     response_logprobs,
     to_token_tensor,
 )
@@ -59,8 +59,8 @@ def _capture_logits(model: torch.nn.Module) -> list[torch.Tensor]:
 def _loss(logp: torch.Tensor, mask: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
     """Every term of the loss on: ratio != 1 (clipping live), k3 KL, truncated IS weights."""
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2])
-    loss, _ = grpo_loss_sums(logp, logp.detach() - 0.05, logp.detach() + 0.1, adv, mask,
-                             kl_coef=0.05, behaviour_logp=behaviour, is_correction=True)
+    loss, _ = loss_sums(Objective(kl_coef=0.05, correction="tis"), logp, logp.detach() - 0.05,
+                        adv, mask, ref_logp=logp.detach() + 0.1, behaviour_logp=behaviour)
     return loss
 
 
@@ -107,8 +107,9 @@ def test_token_count_and_sums_cover_model_tokens_only() -> None:
     batch = build_token_batch([(p, r) for p, r, _ in ROWS], loss_masks=[m for _, _, m in ROWS])
     assert torch.equal(batch.response_positions.sum(1), torch.tensor([6.0, 4.0, 3.0, 5.0]))
     logp = -torch.rand(batch.response_mask.shape) * batch.response_positions
-    _, sums = grpo_loss_sums(logp, logp - 0.3, logp + 0.2, torch.ones(4), batch.response_mask,
-                             kl_coef=0.1, behaviour_logp=logp - 5.0, is_correction=True)
+    _, sums = loss_sums(Objective(kl_coef=0.1, correction="tis"), logp, logp - 0.3,
+                        torch.ones(4), batch.response_mask, ref_logp=logp + 0.2,
+                        behaviour_logp=logp - 5.0)
     assert sums.num_tokens == 12
     assert sums.is_capped_tokens == 12  # exp(5) > is_cap at every model token, and only there
     assert sums.ratio_sum == pytest.approx(12 * torch.exp(torch.tensor(0.3)).item(), rel=1e-5)

@@ -15,7 +15,7 @@ from workers.engines.base import FINISH_CUT, Interruptible, SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models.local import TinyModelSpec, build_tiny_model
 from workers.models.tokenizer import build_char_tokenizer, encode_prompt
-from workers.rl.grpo import build_token_batch, response_logprobs, to_token_tensor
+from workers.rl.tokens import build_token_batch, response_logprobs, to_token_tensor
 
 torch.set_num_threads(1)
 SPEC = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -9,7 +9,7 @@ from workers.engines.base import RolloutEngine, SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models.local import TinyModelSpec, build_tiny_model
 from workers.models.tokenizer import build_char_tokenizer, encode_prompt
-from workers.rl.grpo import build_token_batch, response_logprobs, to_token_tensor
+from workers.rl.tokens import build_token_batch, response_logprobs, to_token_tensor
 
 torch.set_num_threads(1)
 SPEC = TinyModelSpec(

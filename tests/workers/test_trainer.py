@@ -26,13 +26,9 @@ from workers.config import RolloutWorkerConfig, TrainerWorkerConfig, WorkerCommo
 from workers.engines.torch_trainer import TorchTrainerEngine
 from workers.models.local import TinyModelSpec, build_tiny_model, load_model, save_model
 from workers.models.tokenizer import build_char_tokenizer, encode_prompt
-from workers.rl.grpo import (
-    LossSums,
-    build_token_batch,
-    group_advantages,
-    grpo_loss_sums,
-    response_logprobs,
-)
+from workers.rl.advantages import group_advantages
+from workers.rl.objectives import LossSums, Objective, loss_sums
+from workers.rl.tokens import build_token_batch, response_logprobs
 from workers.roles.build import build_rollout, build_trainer
 from workers.roles.loop import LeaseKeeper, StageLoop
 from workers.runtime.events import EventSender, StepReport
@@ -71,7 +67,7 @@ def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: in
         rows_per_iteration=ROWS, iterations=iterations, group_size=G, reference_in_store=False,
         lr=1e-2, kl_coef=0.0, rows_per_claim=rows_per_claim, checkpoint_dir=None,
         checkpoint_every=0, engine="torch", deterministic=deterministic, num_ranks=1,
-        whole_iterations=False,
+        whole_iterations=False, max_response_tokens=4,  # the rollout's max_new_tokens
         zero_stage=2, **cpu,
     )
     return rollout, replace(trainer, **trainer_over)
@@ -191,7 +187,7 @@ def test_scoring_attention_is_configurable_and_sdpa_trains_like_eager(
     for impl in ("eager", "sdpa"):
         pack = PackingSettings(attn_implementation=impl, packing=False)
         cfg = replace(trainer_cfg, pack=pack, reference_path=str(model_dir),
-                      loss=replace(trainer_cfg.loss, kl_coef=0.1))
+                      grpo=replace(trainer_cfg.grpo, kl_coef=0.1))
         with storage.embedded(1) as store, closing(LeaseKeeper(store.client)) as keeper:
             trainer = build_trainer(cfg, store.client(), EventSender(None), keeper)
             assert trainer.tri.policy.config._attn_implementation == impl
@@ -274,14 +270,45 @@ def test_a_claim_over_the_token_budget_trains_in_several_forwards_to_the_same_st
     assert worst <= 1e-5, f"pieces trained apart from one forward: max abs diff {worst}"
 
 
-def test_ratio_is_exactly_one_and_versions_match(model_dir: Path, tmp_path: Path) -> None:
-    _, reports, _ = _train(model_dir, tmp_path, iterations=2, order_seed=5, rows_per_claim=G)
-    assert [r.iteration for r in reports] == [0, 1]
-    for r in reports:
-        assert r.ratio_mean == 1.0 and r.ratio_max == 1.0 and r.ratio_min == 1.0
-        assert r.clip_fraction == 0.0 and r.importance_weight_mean == 1.0
-        assert r.staleness_max == 0  # every sample's version equals the trainer's step
-        assert r.samples == ROWS
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo", "cispo"])
+def test_the_step_loss_and_gradient_norm_equal_a_hand_replica(
+    model_dir: Path, tmp_path: Path, loss: str
+) -> None:
+    """Pins the global loss scale: on the first (on-policy) pass every objective's gradient is
+    that of -sum_i A_i x (sum over i's tokens of log pi) / N, N its normaliser (the step's
+    tokens; dr_grpo: rows x max_new_tokens; gspo: per-response token means over the rows). The
+    reported loss and pre-clip grad norm must equal that written out here by hand on the unpacked
+    batch; a wrong normaliser, sign or advantage scale moves them by a factor."""
+    _, reports, batch = _train(model_dir, tmp_path, iterations=1, order_seed=5, rows_per_claim=G,
+                               audit=True, loss=loss, max_grad_norm=0.0)
+    (rep,) = reports
+    assert batch is not None and rep.samples == ROWS and rep.staleness_max == 0
+    rows = batch.to_pylist()
+    model = load_model(model_dir)
+    tb = build_token_batch([(r["prompt_ids"], r["response_ids"]) for r in rows])
+    logp = response_logprobs(model, tb.input_ids, tb.attention_mask, tb.response_mask)
+    adv = []
+    for r in rows:  # by hand: (r - group mean) / (unbiased group std + 1e-6); dr_grpo: no std
+        group = [o["reward"] for o in rows if o["group_id"] == r["group_id"]]
+        mean = sum(group) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (G - 1))
+        adv.append((r["reward"] - mean) / (1.0 if loss == "dr_grpo" else std + 1e-6))
+    lengths = tb.response_mask.sum(1)
+    per_row = (logp * tb.response_mask).sum(1)
+    if loss == "gspo":
+        total, norm = -(torch.tensor(adv) * per_row / lengths).sum(), ROWS
+    else:
+        norm = ROWS * 4 if loss == "dr_grpo" else int(lengths.sum())  # max_new_tokens=4
+        total = -(torch.tensor(adv) * per_row).sum()
+    (total / norm).backward()
+    grad_norm = math.sqrt(sum(float((p.grad ** 2).sum()) for p in model.parameters()
+                              if p.grad is not None))
+    assert grad_norm > 1e-3  # a step with a signal
+    assert rep.grad_norm == pytest.approx(grad_norm, rel=1e-4)
+    # the value on the first pass: -sum_i A_i x (its tokens; gspo: 1) / N
+    weight = torch.ones(ROWS) if loss == "gspo" else lengths
+    assert rep.loss == pytest.approx(float(-(torch.tensor(adv) * weight).sum() / norm), abs=1e-5)
+    assert (rep.ratio_mean, rep.clip_fraction, rep.importance_weight_mean) == (1.0, 0.0, 1.0)
 
 
 def test_rows_claimed_ahead_are_trained_without_waiting_on_the_store(
@@ -427,10 +454,35 @@ def test_group_integrity_under_random_completion(model_dir: Path, tmp_path: Path
         assert torch.allclose(got, expected, atol=1e-5), f"group {gid}: {got} vs {expected}"
 
 
+@pytest.mark.parametrize("advantage", ["rloo", "reinforce_pp"])
+def test_advantage_estimators_write_their_hand_computed_advantages(
+    model_dir: Path, tmp_path: Path, advantage: str
+) -> None:
+    """Groups complete one by one (streaming): rloo trains each as it comes; reinforce_pp's one
+    scale is the std over the whole step's batch, so it must wait for the last group (a scale
+    from the groups seen so far gives other advantages)."""
+    _, _, batch = _train(model_dir, tmp_path, iterations=1, order_seed=7, rows_per_claim=G,
+                         audit=True, advantage=advantage, reward_of=lambda resp: sum(resp) % 3)
+    assert batch is not None
+    rows = batch.to_pylist()
+    centred = []
+    for r in rows:
+        group = [o["reward"] for o in rows if o["group_id"] == r["group_id"]]
+        if advantage == "rloo":
+            centred.append(r["reward"] - (sum(group) - r["reward"]) / (G - 1))
+        else:
+            centred.append(r["reward"] - sum(group) / G)
+    if advantage == "reinforce_pp":
+        std = float(torch.tensor(centred, dtype=torch.float64).std())
+        centred = [c / (std + 1e-6) for c in centred]
+    assert any(abs(c) > 0.1 for c in centred)
+    assert [r["advantage"] for r in rows] == pytest.approx(centred, abs=1e-5)
+
+
 def _replica(model_dir: Path, batch: pa.RecordBatch, iterations: int, lr: float,
              updates: int, refresh_old: bool = False,
              loss_mask_of=None) -> tuple[dict, list[LossSums]]:
-    """GRPO with ``updates`` passes per batch written out with workers.rl.grpo alone (whole batch,
+    """GRPO with ``updates`` passes per batch written out with workers.rl alone (whole batch,
     unpacked): the old policy of every pass is the policy at the start of the iteration;
     ``loss_mask_of(response_ids)``: each row's loss mask (None: all ones)."""
     torch.manual_seed(3)
@@ -450,7 +502,7 @@ def _replica(model_dir: Path, batch: pa.RecordBatch, iterations: int, lr: float,
                                      tb.response_mask)
             if old is None or refresh_old:  # recorded once per iteration (mutant: every pass)
                 old = logp.detach()
-            loss, sums = grpo_loss_sums(logp, old, None, adv, tb.response_mask)
+            loss, sums = loss_sums(Objective(), logp, old, adv, tb.response_mask)
             engine.backward(loss)
             engine.step(1.0 / sums.num_tokens)
             per_pass.append(sums)
@@ -461,8 +513,9 @@ def test_two_updates_per_batch_score_the_second_pass_against_the_iteration_start
     model_dir: Path, tmp_path: Path
 ) -> None:
     """trainer.updates_per_batch=2 through build_trainer: the second pass's ratio moves away from 1
-    and clips, the report aggregates both passes, and the parameters equal a whole-batch replica
-    whose old policy is the policy at the start of each iteration."""
+    and clips, the report gives the first pass and each pass apart (never a mix), and the
+    parameters equal a whole-batch replica whose old policy is the policy at the start of each
+    iteration."""
     lr = 1e-2
     params, reports, batch = _train(model_dir, tmp_path, iterations=2, order_seed=11,
                                     rows_per_claim=G, audit=True, updates_per_batch=2, lr=lr,
@@ -471,16 +524,22 @@ def test_two_updates_per_batch_score_the_second_pass_against_the_iteration_start
     want, passes = _replica(model_dir, batch, iterations=2, lr=lr, updates=2)
     for k, rep in enumerate(reports):
         first, second = passes[2 * k], passes[2 * k + 1]
-        assert first.clipped_tokens == 0 and first.ratio_max == pytest.approx(1.0, abs=1e-6)
-        assert second.clipped_tokens > 0 and second.ratio_max > 1.0 + 1e-3  # a real second pass
-        both = first + second
+        assert first.clipped_low + first.clipped_high == 0
+        assert first.ratio_max == pytest.approx(1.0, abs=1e-6)
+        assert second.clipped_low + second.clipped_high > 0  # a real second pass
+        assert second.ratio_max > 1.0 + 1e-3
         assert rep.response_tokens == first.num_tokens  # the batch's tokens, counted once
-        assert rep.clip_fraction == pytest.approx(both.clipped_tokens / both.num_tokens, abs=0.02)
-        assert rep.clip_fraction > 0.0
-        assert rep.ratio_max == pytest.approx(second.ratio_max, rel=1e-3)
-        assert rep.ratio_min == pytest.approx(second.ratio_min, rel=1e-3) and rep.ratio_min < 1.0
-        assert rep.ratio_mean == pytest.approx(both.ratio_sum / both.num_tokens, rel=1e-4)
-        assert rep.loss == pytest.approx(both.loss_sum / both.num_tokens, rel=1e-3)
+        assert (rep.clip_fraction, rep.ratio_max, rep.ratio_min) == (0.0, 1.0, 1.0)  # pass 1
+        assert rep.loss == pytest.approx(first.loss_sum / first.num_tokens, rel=1e-4)
+        assert len(rep.passes) == 2 and rep.passes[0]["loss"] == rep.loss
+        two = rep.passes[1]
+        assert two["clip_fraction"] == pytest.approx(second.means()["clip_fraction"], abs=0.02)
+        assert two["clip_fraction"] > 0.0
+        assert two["ratio_max"] == pytest.approx(second.ratio_max, rel=1e-3)
+        assert two["ratio_min"] == pytest.approx(second.ratio_min, rel=1e-3) and two["ratio_min"] < 1
+        assert two["ratio_mean"] == pytest.approx(second.means()["ratio_mean"], rel=1e-4)
+        assert two["loss"] == pytest.approx(second.loss_sum / second.num_tokens, rel=1e-3)
+        assert rep.grad_norm == rep.passes[0]["grad_norm"] != two["grad_norm"]
     # Parameters: Adam's first steps turn float noise in near-zero gradients (packed vs unpacked
     # forwards) into up to ~lr/100 per element, while a wrong old policy moves them by ~lr.
     worst = max(float((params[k] - want[k]).abs().max()) for k in want)
@@ -490,22 +549,24 @@ def test_two_updates_per_batch_score_the_second_pass_against_the_iteration_start
     assert max(float((params[k] - refreshed[k]).abs().max()) for k in want) > lr / 2
 
 
-@pytest.mark.parametrize(("shift", "cap", "weight"), [(math.log(1.5), 2.0, 1.5),
-                                                       (math.log(3.0), 2.0, 2.0)])
+@pytest.mark.parametrize(("correction", "shift", "weight"), [
+    ("tis", math.log(1.5), 1.5), ("tis", math.log(3.0), 2.0),  # truncated at the cap
+    ("decoupled", math.log(1.5), 1.5), ("masked", math.log(3.0), 0.0)])  # past it: dropped
 def test_importance_correction_weights_stale_samples(
-    model_dir: Path, tmp_path: Path, shift: float, cap: float, weight: float
+    model_dir: Path, tmp_path: Path, correction: str, shift: float, weight: float
 ) -> None:
     """Behaviour log-probs lowered by ``shift`` (samples of a policy that gave each token
     exp(-shift) of the trainer's probability): trainer.importance_correction multiplies every
-    token's term by min(exp(old - behaviour), is_cap) = min(exp(shift), cap), so with ratio 1 and
-    no KL the loss and the pre-clip gradient norm scale by exactly that weight."""
+    token's term by its weight of q = exp(old - behaviour) = exp(shift), is_cap 2, so with ratio
+    1 and no KL the loss and the pre-clip gradient norm scale by exactly that weight."""
     run = dict(iterations=1, order_seed=None, rows_per_claim=ROWS, behaviour_shift=shift,
-               is_cap=cap, max_grad_norm=0.0)
-    _, off, _ = _train(model_dir, tmp_path, importance_correction=False, **run)
-    _, on, _ = _train(model_dir, tmp_path, importance_correction=True, **run)
+               is_cap=2.0, max_grad_norm=0.0)
+    _, off, _ = _train(model_dir, tmp_path, importance_correction="off", **run)
+    _, on, _ = _train(model_dir, tmp_path, importance_correction=correction, **run)
     assert off[0].importance_weight_mean == 1.0
     assert on[0].importance_weight_mean == pytest.approx(weight, rel=1e-4)
+    assert on[0].importance_capped_fraction == (1.0 if shift > math.log(2.0) else 0.0)
     assert abs(off[0].loss) > 1e-4  # a loss that can show the weight
-    assert on[0].loss == pytest.approx(weight * off[0].loss, rel=1e-4)
-    assert on[0].grad_norm == pytest.approx(weight * off[0].grad_norm, rel=1e-4)
+    assert on[0].loss == pytest.approx(weight * off[0].loss, rel=1e-4, abs=1e-9)
+    assert on[0].grad_norm == pytest.approx(weight * off[0].grad_norm, rel=1e-4, abs=1e-9)
     assert on[0].ratio_mean == off[0].ratio_mean == 1.0  # the ratio itself is untouched

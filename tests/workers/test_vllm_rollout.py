@@ -29,7 +29,7 @@ from workers.engines.base import (
 )
 from workers.models.local import TinyModelSpec, build_tiny_model, save_model
 from workers.models.tokenizer import build_char_tokenizer, encode_prompt
-from workers.rl.grpo import response_logprobs
+from workers.rl.tokens import response_logprobs
 from workers.roles.rollout import RolloutStage
 from workers.weights.file_sync import WeightPublisher, WeightSubscriber
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from workers.engines.torch_trainer import publishable
-from workers.rl.grpo import apply_warmup, make_optimizer
+from workers.engines.optim import apply_warmup, make_optimizer
 from workers.runtime.distributed import RankGroup, rank_env
 from workers.settings import OptimizerSettings, embed, flat
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from workers.rl.grpo import make_optimizer, optimizer_step, scale_gradients
+from workers.engines.optim import make_optimizer, optimizer_step, scale_gradients
 
 
 class TrainerEngine(Protocol):

@@ -33,7 +33,7 @@ from workers.agent.toolcall import (
 )
 from workers.models.local import TinyModelSpec, build_tiny_model, save_model
 from workers.models.tokenizer import build_char_tokenizer, encode_answer, encode_prompt
-from workers.rl.grpo import build_token_batch, response_logprobs
+from workers.rl.tokens import build_token_batch, response_logprobs
 from workers.runtime import heap
 from workers.tasks.arithmetic import ArithmeticTask
 from workers.tasks.evaluate import greedy_accuracy

@@ -4,7 +4,7 @@ The reference is frozen at construction and scored by ``workers.rl.reference`` (
 reference log-probs) on the layout the policy runs (``choose_layout``: the one packing decision);
 the old policy is never a held model (the trainer keeps the first pass's detached log-probs). See
 docs/engines.md, "The tri-model". Both models score every response token, environment tokens
-included; the ``response_loss_mask`` is the loss's (``workers.rl.grpo.apply_loss_masks``).
+included; the ``response_loss_mask`` is the loss's (``workers.rl.tokens.apply_loss_masks``).
 """
 
 from __future__ import annotations

@@ -204,7 +204,7 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
         restore_rng(cfg.resume_from)
         start_iteration = read_state(cfg.resume_from).step
     reference = None
-    if cfg.reference_path and cfg.loss.kl_coef > 0 and not cfg.reference_in_store:
+    if cfg.reference_path and cfg.grpo.kl_coef > 0 and not cfg.reference_in_store:
         reference = load_model(cfg.reference_path, dtype=DTYPES[cfg.reference_dtype],
                                attn_implementation=attn)
         cores.refresh_between_layers(reference)

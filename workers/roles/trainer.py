@@ -1,4 +1,6 @@
-"""The trainer role: GRPO over streamed micro-batches, one optimizer step per iteration.
+"""The trainer role: a GRPO-family objective over streamed micro-batches, one optimizer step per
+iteration. The step's math is ``workers.rl.objectives`` / ``workers.rl.advantages`` (pure); this
+role feeds it, applies its result and keeps the lease ledger.
 
 Claims whole groups, trains the current iteration's rows as they come (parks later ones), steps
 when all are in, then publishes -> reports -> checkpoints -> acks (acks only after the step, so a
@@ -26,10 +28,12 @@ from storage.errors import CellAlreadyWritten, LeaseExpired, Unavailable, Unknow
 from storage.schema import ROW_ID, Lease
 from workers.config import TrainerWorkerConfig
 from workers.engines.torch_trainer import TrainerEngine
-from workers.rl.grpo import LossSums, apply_loss_masks, group_advantages, grpo_loss_sums
+from workers.rl.advantages import advantages, centred_std, overlong_penalty
+from workers.rl.objectives import LossSums, Objective, loss_sums
 from workers.rl.packing_layout import forward_slices, steps_within
 from workers.rl.reference import rows_to_groups
 from workers.rl.staleness import TokenStaleness
+from workers.rl.tokens import apply_loss_masks
 from workers.rl.trimodel import TriModel
 from workers.roles.loop import LeaseKeeper
 from workers.runtime import cores
@@ -41,6 +45,7 @@ from workers.schema import trainer_columns
 from workers.weights.file_sync import WeightPublisher
 
 log = logging.getLogger(__name__)
+ADVANTAGE = "advantage"  # the column each piece's rows carry from their first pass (float32)
 
 
 @dataclass
@@ -81,6 +86,13 @@ class Trainer:
                              and (ranks is None or ranks.is_leader))
         self.step = start_iteration  # = policy version of the current weights
         self.columns = trainer_columns(settings.reference_in_store, settings.cuts.partial)
+        loss = settings.grpo
+        low, high = loss.clip_bounds()
+        self.objective = Objective(loss.loss, low, high, loss.kl_coef, loss.correction,
+                                   loss.is_cap, settings.max_response_tokens)
+        # reinforce_pp scales by the std over the whole step's batch: train it whole
+        self._whole = settings.whole_iterations or loss.advantage == "reinforce_pp"
+        self._rows_of: dict[int, list[pa.RecordBatch]] = {}  # iteration -> rows accepted (whole)
         self._parked: dict[int, list[Piece]] = {}
         self._held: dict[int, _Held] = {}
         self._seen: dict[int, set[int]] = {}  # iteration (>= step) -> row ids accepted for training
@@ -124,7 +136,7 @@ class Trainer:
         """Whether rows of the current iteration may be trained now: at once when streaming, and
         only once every expected row is in hand with ``whole_iterations`` (the separate-pools
         baseline that takes turns: training of k starts when all of k is ready)."""
-        return (not self.s.whole_iterations
+        return (not self._whole
                 or len(self._seen.get(self.step, ())) >= self._expected())
 
     def _check_dead(self) -> None:
@@ -159,9 +171,11 @@ class Trainer:
                 self._ack_only.append(Piece(lease, int(it), rows.filter(again)))
                 rows = rows.filter(pc.invert(again))
             seen.update(int(r) for r in rows.column(ROW_ID).to_numpy().tolist())
+            if self._whole and rows.num_rows:
+                self._rows_of.setdefault(int(it), []).append(rows)
             for part in self._split(rows) if rows.num_rows else []:
                 piece = Piece(lease, int(it), part)
-                if it == self.step and not self.s.whole_iterations:
+                if it == self.step and not self._whole:
                     self._train_first_pass(piece)
                 else:
                     self._parked.setdefault(int(it), []).append(piece)
@@ -211,35 +225,56 @@ class Trainer:
             piece.old_logp = [x.detach() for x in logp_rows]
         old = pad_sequence(piece.old_logp, batch_first=True)
         ref = None
-        loss = self.s.loss
+        loss = self.s.grpo
         if loss.kl_coef > 0:
             if self.s.reference_in_store:
                 ref = _padded(rows.column("ref_logprobs")).to(dev)
             else:
                 ref = pad_sequence([out.ref[g][r] for g, r in where], batch_first=True)
-        behaviour = _padded(rows.column("response_logprobs")).to(dev)
-        adv = self._advantages(rows)
-        loss_sum, sums = grpo_loss_sums(
-            logp, old, ref, adv.to(dev), mask, clip_eps=loss.clip_eps, kl_coef=loss.kl_coef,
-            behaviour_logp=behaviour, is_correction=loss.importance_correction, is_cap=loss.is_cap,
-        )
+        behaviour = (_padded(rows.column("response_logprobs")).to(dev)
+                     if self.objective.correction != "off" else None)
+        adv = torch.from_numpy(rows.column(ADVANTAGE).to_numpy(zero_copy_only=False).copy())
+        loss_sum, sums = loss_sums(self.objective, logp, old, adv.to(dev), mask, ref_logp=ref,
+                                   behaviour_logp=behaviour)
         if first_pass and (self.ranks is None or self.ranks.is_leader):
-            if rows is not piece.rows:  # several ranks: the leader writes every row's advantage
-                adv = self._advantages(piece.rows)
             assert piece.lease is not None  # the leader's pieces come with their lease
             # recorded for inspection: written with the ack after the step
             self._held[piece.lease.lease_id].advantages.append(
-                (piece.rows.column(ROW_ID), pa.array(adv.tolist(), pa.float32())))
+                (piece.rows.column(ROW_ID), piece.rows.column(ADVANTAGE)))
         if idle:  # same graph as the other ranks (ZeRO-2 reduces in backward), zero gradient
             return loss_sum * 0.0, LossSums()
         return loss_sum, sums
 
-    def _advantages(self, rows: pa.RecordBatch) -> torch.Tensor:
-        return group_advantages(
-            torch.tensor(rows.column("reward").to_pylist(), dtype=torch.float32),
-            torch.tensor(rows.column("group_id").to_pylist(), dtype=torch.int64),
-            group_size=self.s.group_size, std_normalize=self.s.loss.std_normalize,
-        )
+    def _with_advantages(self, rows: pa.RecordBatch) -> pa.RecordBatch:
+        """``rows`` (whole groups) with their ``advantage`` column: computed once, by the leader,
+        from the shaped rewards (follower ranks receive it with the rows)."""
+        if ADVANTAGE in rows.schema.names:
+            return rows
+        s = self.s.grpo
+        rewards, groups = self._shaped_rewards(rows)
+        batch_std = None
+        if s.advantage == "reinforce_pp":  # one scale for the step: from all of its rows
+            if self._batch_std is None:
+                every = [self._shaped_rewards(r) for r in self._rows_of.get(self.step, [rows])]
+                self._batch_std = centred_std(torch.cat([r for r, _ in every]),
+                                              torch.cat([g for _, g in every]),
+                                              group_size=self.s.group_size)
+            batch_std = self._batch_std
+        adv = advantages(s.advantage, rewards, groups, group_size=self.s.group_size,
+                         std_normalize=s.group_std, batch_std=batch_std)
+        return rows.append_column(ADVANTAGE, pa.array(adv.numpy(), pa.float32()))
+
+    def _shaped_rewards(self, rows: pa.RecordBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rewards with any overlong penalty, group ids) of ``rows``."""
+        rewards = torch.tensor(rows.column("reward").to_pylist(), dtype=torch.float32)
+        budget = self.s.max_response_tokens
+        buffer = self.s.grpo.overlong_tokens(budget)
+        if buffer:
+            lengths = torch.from_numpy(
+                pc.list_value_length(rows.column("response_ids")).to_numpy().astype(np.int64))
+            rewards = rewards + overlong_penalty(lengths, max_tokens=budget, buffer=buffer,
+                                                 penalty=self.s.grpo.overlong_penalty)
+        return rewards, torch.tensor(rows.column("group_id").to_pylist(), dtype=torch.int64)
 
     def _train_first_pass(self, piece: Piece) -> None:
         with cores.busy():  # re-taken per piece: a share freed by another process is used at once
@@ -248,6 +283,7 @@ class Trainer:
     def _train_piece(self, piece: Piece) -> None:
         start = time.time()
         self._first_at = self._first_at or start
+        piece.rows = self._with_advantages(piece.rows)
         if self.ranks is not None:
             if self.ranks.is_leader:
                 self.ranks.send_micro_batch(piece.rows, piece.iteration)
@@ -277,10 +313,10 @@ class Trainer:
             if self.ranks.is_leader:
                 self.ranks.send_step(self.step)
             self._sums = self.ranks.all_reduce_sums(self._sums)
-        num_tokens = max(self._sums.num_tokens, 1)
-        grad_norms = [self.engine.step(1.0 / num_tokens)]
-        report = self._sums
-        for _ in range(self.s.loss.updates_per_batch - 1):  # extra passes, old = iteration start
+        # the objective's normaliser of the whole step (tokens, responses or a constant)
+        grad_norm = self.engine.step(1.0 / (self._sums.norm or 1.0))
+        passes = [_pass_metrics(self._sums, grad_norm)]
+        for _ in range(self.s.grpo.updates_per_batch - 1):  # extra passes, old = iteration start
             total = LossSums()
             for piece in self._done:
                 loss_sum, sums = self._forward(piece, first_pass=False)
@@ -288,9 +324,7 @@ class Trainer:
                 total = total + sums
             if self.ranks is not None:
                 total = self.ranks.all_reduce_sums(total)
-            grad_norms.append(self.engine.step(1.0 / max(total.num_tokens, 1)))
-            report = report + total
-        grad_norm = sum(grad_norms) / len(grad_norms)
+            passes.append(_pass_metrics(total, self.engine.step(1.0 / (total.norm or 1.0))))
         self.step += 1
         if self.ranks is not None and not self.ranks.is_leader:
             self._reset_iteration()
@@ -299,7 +333,7 @@ class Trainer:
         published = self.publisher.publish(self.engine.state_dict(), self.step)
         end = time.time()
         self._busy += end - start
-        means = report.means()
+        means = self._sums.means()  # the first pass: every run has one (per pass: ``passes``)
         rewards = torch.tensor(self._rewards) if self._rewards else torch.zeros(1)
         self.send(Span("trainer", self.worker, start, end, self.step - 1, 0, 0))
         for piece in self._done:  # before the report: the controller writes them with its record
@@ -315,6 +349,11 @@ class Trainer:
             staleness_mean=sum(self._staleness) / max(len(self._staleness), 1),
             staleness_max=max(self._staleness, default=0),
             importance_weight_mean=means["is_weight_mean"], ratio_mean=means["ratio_mean"],
+            clip_low_fraction=means["clip_low_fraction"],
+            clip_high_fraction=means["clip_high_fraction"],
+            sequence_ratio_mean=means["sequence_ratio_mean"],
+            importance_capped_fraction=means["is_capped_fraction"],
+            passes=passes if len(passes) > 1 else [],
             ratio_max=means["ratio_max"], ratio_min=means["ratio_min"],
             step_seconds=end - (self._first_at or start), publish_seconds=published.seconds,
             publish_bytes=published.bytes, busy_seconds=self._busy,
@@ -369,6 +408,8 @@ class Trainer:
         self._dead_checked = 0.0
         self._done: list[Piece] = []
         self._rows_in, self._sums = 0, LossSums()
+        self._rows_of = {it: rows for it, rows in self._rows_of.items() if it >= self.step}
+        self._batch_std: float | None = None  # reinforce_pp's scale of the current step
         self._staleness: list[int] = []
         self._tokens = TokenStaleness()  # per-token versions (workers.rl.staleness)
         self._rewards: list[float] = []
@@ -408,6 +449,14 @@ class Trainer:
             self.keeper.drop(held.lease.lease_id)
             self.client.release(held.lease)
         self._held.clear()
+
+
+def _pass_metrics(sums: LossSums, grad_norm: float) -> dict[str, float]:
+    """One optimizer pass of a step, as reported in ``StepReport.passes``."""
+    means = sums.means()
+    keys = ("loss", "kl", "clip_fraction", "clip_low_fraction", "clip_high_fraction",
+            "ratio_mean", "ratio_min", "ratio_max", "sequence_ratio_mean", "is_weight_mean")
+    return {**{k: means[k] for k in keys}, "grad_norm": grad_norm}
 
 
 def _loss_masks(rows: pa.RecordBatch) -> list[list[int] | None] | None:

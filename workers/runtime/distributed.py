@@ -16,7 +16,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from workers.rl.grpo import LossSums
+from workers.rl.objectives import LossSums
 
 _CONTROL_LEN = 3  # [op, iteration, payload bytes]
 log = logging.getLogger(__name__)

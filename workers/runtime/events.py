@@ -36,17 +36,17 @@ class StepReport:
     policy_version: int  # version published after this step (= iteration + 1)
     samples: int
     response_tokens: int  # the tokens trained on: response tokens whose loss mask is 1
-    # token-weighted over every pass of the step; grad_norm: the mean pre-clip norm of its updates
+    # the step's first pass (each pass: ``passes``), token-weighted; grad_norm: pre-clip
     loss: float
     kl: float
-    clip_fraction: float  # fraction of token-passes where the clipped term was the active one
+    clip_fraction: float  # fraction of tokens (gspo: responses) whose clipped term was active
     grad_norm: float
     reward_mean: float
     reward_std: float
     reward_failures: int  # samples whose verifier failed (scored 0)
     staleness_mean: float  # trainer step minus sample policy version, over the step's samples
     staleness_max: int
-    importance_weight_mean: float  # truncated IS weight min(exp(old - behaviour), is_cap); 1 off
+    importance_weight_mean: float  # off-policy weight (trainer.importance_correction); 1 off
     ratio_mean: float  # policy/old ratio over the step's tokens (exactly 1 with one update/batch)
     ratio_max: float
     ratio_min: float
@@ -63,6 +63,15 @@ class StepReport:
     partial_resumes: int = 0
     tokens_per_version_span: float = 0.0
     staleness_token_mean: float = 0.0
+    # the objective's (workers.rl.objectives), of the step's first pass like loss and the
+    # ratios: tokens (responses for gspo) clipped at the low / high bound, gspo's sequence
+    # ratio, tokens whose importance weight the cap truncated or dropped
+    clip_low_fraction: float = 0.0
+    clip_high_fraction: float = 0.0
+    sequence_ratio_mean: float = 1.0
+    importance_capped_fraction: float = 0.0
+    # trainer.updates_per_batch > 1: each pass's loss, ratios, clip fractions and grad_norm
+    passes: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass
