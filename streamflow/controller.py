@@ -56,6 +56,7 @@ from streamflow.config import RunConfig, config_to_dict
 from streamflow.metrics import ControllerMetrics, write_targets
 from streamflow.plan import Evaluator, RunPlan, build_plan
 from streamflow.progress import ProgressDisplay, StepProgress, describe_run
+from streamflow.provision import PromptsSolved, Provisioner
 from streamflow.rundir import RunDir, RunSummary, StageSpan
 from streamflow.runstate import RunState
 from workers.roles.build import (
@@ -73,10 +74,12 @@ from workers.runtime.events import (
     EventReceiver,
     EventSender,
     RowTrace,
+    SamplingReport,
     Span,
     StepReport,
     WorkerStatus,
 )
+from workers.runtime.faults import dead_groups
 from workers.runtime.metrics import MeteredEvents, WorkerMetrics
 from workers.runtime.trace import put_trace
 
@@ -105,6 +108,7 @@ class Controller:
                                     previous and previous.accuracy_before)
         self.staleness = cfg.max_staleness  # 0 unless async
         self.evaluator = Evaluator(self.plan)
+        self.provision = Provisioner(self.plan)  # the prompt rows of each put (dynamic sampling)
         self.metrics = (ControllerMetrics(cfg.run.mode, cfg.run.iterations)  # Prometheus
                         if cfg.metrics.enabled else None)
         self.display = ProgressDisplay(cfg.run.iterations, cfg.run.mode, enabled=cfg.run.progress)
@@ -127,6 +131,9 @@ class Controller:
                         self._run_colocated()
                     else:
                         self._run_streaming(stop)
+            except PromptsSolved as exc:  # nothing left to train on: a stop, with its one line
+                status, error = "solved", str(exc)
+                log.warning("stopping: %s", exc)
             except BaseException as exc:
                 if not stop.caused(exc):
                     status, error = "failed", f"{type(exc).__name__}: {exc}"
@@ -155,7 +162,7 @@ class Controller:
         if self.metrics is not None:  # the workers' series, from this one process's endpoint
             events = MeteredEvents(events, WorkerMetrics(self.metrics.registry))
         with ColocatedLoop(self.plan, events, self._dispatch, self._check_stall,
-                           persist=True) as loop:
+                           persist=True, provision=self.provision) as loop:
             self.display.start_loop(self.state.begin_loop())
             for k in range(self.plan.start_iteration, self.cfg.run.iterations):
                 loop.iteration(k, self.staleness)
@@ -267,11 +274,15 @@ class Controller:
         st = self.state
         while st.admitted < self.cfg.run.iterations and admissible(st.admitted, self.staleness,
                                                                    version):
-            rows = self.plan.prompt_rows(st.admitted, self.staleness)
-            ids = client.put(self.plan.table, rows, timeout=600.0)
-            if self.trace is not None:
-                self.trace.add(put_trace(ids, rows))
+            self._put(client, self.provision.first_put(st.admitted, self.staleness))
             st.admitted += 1
+        for rows in self.provision.top_ups(self.staleness):  # dynamic sampling: short iterations
+            self._put(client, rows)
+
+    def _put(self, client: storage.Client, rows: Any) -> None:
+        ids = client.put(self.plan.table, rows, timeout=600.0)
+        if self.trace is not None:
+            self.trace.add(put_trace(ids, rows))
 
     def _dispatch(self, records: list) -> None:
         st = self.state
@@ -282,6 +293,8 @@ class Controller:
                                           rec.rows, rec.tokens))
             elif isinstance(rec, StepReport):
                 self._on_step(rec)
+            elif isinstance(rec, SamplingReport):
+                self.provision.observe([rec])
             elif isinstance(rec, RowTrace):
                 if self.trace is not None:
                     self.trace.add(rec)
@@ -300,7 +313,9 @@ class Controller:
         every = self.cfg.run.eval_every
         evaluate = every and (rep.policy_version % every == 0 or rep.iteration == iterations - 1)
         accuracy = self.evaluator.accuracy(rep.policy_version) if evaluate else None
-        record = st.record(rep, accuracy, self.cfg.kl_active, iterations)
+        record = st.record(rep, accuracy, self.cfg.kl_active, iterations,
+                           self.provision.step_fields(rep.iteration))
+        self.provision.observe([rep])
         # the trainer sent the iteration's consume records before its report: they are in
         self._trace_due = self.trace is not None
         if self.metrics is not None:
@@ -322,6 +337,8 @@ class Controller:
         except (Unavailable, UnknownTable):  # the store node restarts: the cluster handles it
             return
         st.depths = {t.name: stats.task_total(t.name).ready for t in self.plan.table_spec.tasks}
+        if self.provision.enabled:  # dead groups never reach the trainer: they count as back
+            self.provision.observe_dead(dead_groups(stats, list(st.depths))[0])
         if self.metrics is not None:
             self.metrics.set_queue_depths(st.depths)
         self.display.set_queue_depths(st.depths)
@@ -352,12 +369,15 @@ class ColocatedLoop:
     ``Controller`` runs it to the last iteration; ``bench phases`` times its iterations one by
     one (the same code, no copy). ``dispatch`` gets the reports the workers sent after each
     stage and while the trainer finishes its step; ``check`` runs while it waits (stall rule).
-    Invariant: ``iteration(k)`` returns once the trainer reported the step of k.
+    Invariant: ``iteration(k)`` returns once the trainer reported the step of k. ``provision``:
+    the prompt rows of each put (the controller's, so its records carry the same numbers).
     """
 
     def __init__(self, plan: RunPlan, events: Any, dispatch: Callable[[list], None],
-                 check: Callable[[], None] = lambda: None, *, persist: bool = False) -> None:
+                 check: Callable[[], None] = lambda: None, *, persist: bool = False,
+                 provision: Provisioner | None = None) -> None:
         self.plan, self.events, self.dispatch, self.check = plan, events, dispatch, check
+        self.provision = provision or Provisioner(plan)
         self._stack = contextlib.ExitStack()
         try:
             self._open(persist)
@@ -387,31 +407,52 @@ class ColocatedLoop:
                                 events=events, keeper=self.keeper) for role, stage in stages]
 
     def iteration(self, k: int, staleness: int = 0) -> StageSeconds:
-        """Put iteration k, drain each stage in turn, wait for the trainer's step of k."""
+        """Put iteration k, drain each stage in turn, wait for the trainer's step of k (with
+        dynamic sampling: put more prompts and drain again while k is short of groups)."""
         t0 = time.perf_counter()
-        rows = self.plan.prompt_rows(k, staleness)
-        ids = self.client.put(self.plan.table, rows, timeout=600.0)
-        if getattr(self.events, "trace", False):  # (run.trace: the stage loops trace too)
-            self.events.send(put_trace(ids, rows))
-        seconds = {"reference": 0.0, "rollout": 0.0, "environment": 0.0}
-        for loop in self.loops:  # each stage drains the whole batch before the next
+        seconds = {"reference": 0.0, "rollout": 0.0, "environment": 0.0, "trainer": 0.0}
+        puts = [self.provision.first_put(k, staleness)]
+        while puts:
+            for rows in puts:
+                ids = self.client.put(self.plan.table, rows, timeout=600.0)
+                if getattr(self.events, "trace", False):  # (run.trace: the stage loops trace too)
+                    self.events.send(put_trace(ids, rows))
+            for loop in self.loops:  # each stage drains the whole batch before the next
+                start = time.perf_counter()
+                while loop.turn(0.0):  # the last (empty) claim carries the last write+ack
+                    pass
+                seconds[loop.role] = seconds.get(loop.role, 0.0) + time.perf_counter() - start
+                self._reports()
             start = time.perf_counter()
-            while loop.turn(0.0):  # the last (empty) claim carries the last write+ack
-                pass
-            seconds[loop.role] = seconds.get(loop.role, 0.0) + time.perf_counter() - start
-            self._reports()
-        start = time.perf_counter()
+            puts = self._train(staleness)
+            seconds["trainer"] += time.perf_counter() - start
+        self._reports()
+        return StageSeconds(**seconds, total=time.perf_counter() - t0)
+
+    def _train(self, staleness: int) -> list:
+        """Poll the trainer until its step ([]), or until the iteration is short of groups with
+        variance and every one put came back: the rows of the next put (``top_ups``)."""
+        dead_read = time.monotonic()
         while not self.trainer.poll(0.0):
             self._reports()  # an "unrecoverable" iteration fails the run here
             self.check()
-        seconds["trainer"] = time.perf_counter() - start
-        self._reports()
-        return StageSeconds(**seconds, total=time.perf_counter() - t0)
+            if not self.provision.enabled:
+                continue
+            if time.monotonic() - dead_read > 1.0:  # DEAD groups never reach the trainer
+                dead_read = time.monotonic()
+                tasks = [t.name for t in self.plan.table_spec.tasks]
+                self.provision.observe_dead(dead_groups(self.client.stats(self.plan.table),
+                                                        tasks)[0])
+            more = self.provision.top_ups(staleness)
+            if more:
+                return more
+        return []
 
     def _reports(self) -> None:
         sent = list(self.events.sent)
         self.events.sent.clear()
         self.dispatch(sent)
+        self.provision.observe(sent)  # (idempotent: the controller's dispatch may have too)
 
     def __enter__(self) -> ColocatedLoop:
         return self
@@ -444,4 +485,6 @@ def run(cfg: RunConfig, cluster: ClusterFactory = LocalCluster) -> RunSummary:
     summary = Controller(cfg, cluster).run()
     if summary.status == "failed":
         raise WorkerFailed(summary.error or summary.status)
-    return summary  # "ok", or "interrupted": a clean, requested stop (resume with resume=auto)
+    # "ok"; "interrupted": a clean, requested stop (resume with resume=auto); "solved": dynamic
+    # sampling found nothing left to train on (streamflow.provision.PromptsSolved)
+    return summary

@@ -55,6 +55,13 @@ _SERIES: tuple[tuple[str, Any, str, str, tuple[str, ...]], ...] = (
      "Mean tokens per run of one policy version in the last iteration's responses.", ()),
     ("partial_resumes", Counter, "partial_resumes_total",
      "Trained trajectories continued with newer weights after a cut (partial rollout).", ()),
+    ("filtered_groups", Counter, "filtered_groups_total",
+     "Groups acked untrained by dynamic sampling for zero reward variance.", ()),
+    ("zero_variance", Gauge, "zero_variance_ratio",
+     "Zero-reward-variance fraction of the last iteration's groups that reached the trainer.", ()),
+    ("oversample_factor", Gauge, "oversample_ratio",
+     "Prompts put per prompt a step needs, at the last iteration's first put (1: no over-"
+     "provisioning).", ()),
     ("weight_sync", Gauge, "weight_sync_seconds",
      "Weight-sync cost of the last iteration (trainer publish + rollout loads).", ()),
     ("queue_depth", Gauge, "queue_depth_rows",
@@ -107,6 +114,9 @@ class ControllerMetrics(HttpEndpoint):
         self.staleness_token_mean.set(rec.staleness_token_mean)
         self.partial_resumes.inc(rec.partial_resumes)
         self.version_span.set(rec.tokens_per_version_span)
+        self.filtered_groups.inc(rec.filtered_groups)
+        self.zero_variance.set(rec.zero_variance_rate)
+        self.oversample_factor.set(rec.oversample_factor)
         self.weight_sync.set(rec.weight_sync_seconds)
         self.last_iteration.set(rec.timestamp)
 

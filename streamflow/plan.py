@@ -8,6 +8,7 @@ split, evaluation and the resume rules: docs/controller.md "The plan" and "Resum
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import torch
 
 from storage.ports import free_port
@@ -127,21 +130,37 @@ class RunPlan:
 
     def problems(self, iteration: int) -> list[Problem]:
         n = self.cfg.data.prompts_per_iteration
+        return self.problems_at(iteration * n, n)
+
+    def problems_at(self, first: int, count: int) -> list[Problem]:
+        """Prompts ``first`` .. ``first + count - 1`` of the training stream (a file cycles)."""
         if self.task is not None:
-            return self.task.train_problems(n, epoch_or_offset=iteration)
+            return list(itertools.islice(self.task.iterate(), first, first + count))
         items = self.train_problems or []
-        return [items[(iteration * n + i) % len(items)] for i in range(n)]
+        return [items[(first + i) % len(items)] for i in range(count)]
 
     def encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
-    def prompt_rows(self, iteration: int, staleness: int):  # noqa: ANN201 - pa.RecordBatch
+    def prompt_rows(self, iteration: int, staleness: int, first: int | None = None,
+                    count: int | None = None) -> pa.RecordBatch:
         """The rows to put for ``iteration`` (``workers.schema.prompt_rows``); ``staleness``: the
-        bound that sets their ``min_policy_version`` (``streamflow.admission``)."""
-        problems = self.problems(iteration)
-        return prompt_rows(iteration, [self.encode(p.prompt) for p in problems],
-                           [p.answer for p in problems], group_size=self.cfg.data.group_size,
+        bound that sets their ``min_policy_version`` (``streamflow.admission``). ``first`` /
+        ``count``: prompts of the training stream other than iteration's own block (dynamic
+        sampling, ``streamflow.provision``); each group's id is its prompt's index in the stream
+        either way, so ids never collide across iterations and puts."""
+        n = self.cfg.data.prompts_per_iteration
+        first, count = iteration * n if first is None else first, n if count is None else count
+        problems = self.problems_at(first, count)
+        g = self.cfg.data.group_size
+        rows = prompt_rows(iteration, [self.encode(p.prompt) for p in problems],
+                           [p.answer for p in problems], group_size=g,
                            min_policy_version=min_policy_version(iteration, staleness))
+        if first != iteration * count:  # (prompt_rows numbers iteration's own block)
+            ids = pa.array(np.repeat(np.arange(first, first + count, dtype=np.int64), g))
+            at = rows.schema.get_field_index("group_id")
+            rows = rows.set_column(at, rows.schema.field(at), ids)
+        return rows
 
     def workers(self, store_addresses: list[str], events_address: str | None,  # noqa: ANN201
                 coordinator_address: str | None = None):

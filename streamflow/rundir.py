@@ -68,6 +68,15 @@ class IterationRecord:
     partial_resumes: int = 0
     tokens_per_version_span: float = 0.0
     staleness_token_mean: float = 0.0
+    # dynamic sampling (docs/training.md "Dynamic sampling"): zero-variance groups acked
+    # untrained, groups with variance past the step's need acked untrained, the zero-variance
+    # fraction of the groups that reached the trainer (measured with it off too), the
+    # over-provisioning factor of the iteration's first put and the prompts put for it in all
+    filtered_groups: int = 0
+    surplus_groups: int = 0
+    zero_variance_rate: float = 0.0
+    oversample_factor: float = 1.0
+    prompts_put: int = 0
     wall_seconds: float = 0.0  # wall time of the iteration
     stage_busy_seconds: dict[str, float] = field(default_factory=dict)  # stage -> busy seconds
     queue_depths: dict[str, int] = field(default_factory=dict)  # task -> rows waiting at the end
@@ -121,7 +130,7 @@ class RunSummary:
     stage_busy_seconds: dict[str, float] = field(default_factory=dict)  # stage -> busy seconds
     final_policy_version: int = 0
     name: str = ""  # run.name
-    status: str = "ok"  # ok | failed | interrupted
+    status: str = "ok"  # ok | failed | interrupted | solved (dynamic sampling: nothing to train)
     error: str | None = None  # the failure, when status != ok
     # "task: reason" -> rows; the reward windows and the fields below: docs/controller.md
     accuracy_before: float | None = None

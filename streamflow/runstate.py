@@ -24,7 +24,8 @@ _STEP_FIELDS = ("reward_mean", "reward_std", "samples", "loss", "clip_fraction",
                 "staleness_max", "reward_failures", "turns_mean", "tool_calls_mean",
                 "partial_resumes", "tokens_per_version_span", "staleness_token_mean",
                 "clip_low_fraction", "clip_high_fraction", "sequence_ratio_mean",
-                "importance_capped_fraction", "passes")
+                "importance_capped_fraction", "passes", "filtered_groups", "surplus_groups",
+                "zero_variance_rate")
 
 
 @dataclass
@@ -75,8 +76,9 @@ class RunState:
         return self.loop_started
 
     def record(self, rep: StepReport, accuracy: float | None, kl_active: bool,
-               last_version: int) -> IterationRecord:
-        """The iteration ``rep`` ended: its record, appended with its spans to the run's files."""
+               last_version: int, provisioned: dict[str, Any] | None = None) -> IterationRecord:
+        """The iteration ``rep`` ended: its record, appended with its spans to the run's files.
+        ``provisioned``: the controller's own fields of it (``Provisioner.step_fields``)."""
         now, k = time.time(), rep.iteration
         mine = [s for s in self.spans if s.iteration == k]
         busy: dict[str, float] = {}
@@ -92,7 +94,7 @@ class RunState:
             weight_sync_seconds=rep.publish_seconds + sum(s.seconds for s in syncs),
             weight_sync_bytes=sum(s.bytes for s in syncs),
             wall_seconds=now - self.iteration_started, stage_busy_seconds=busy,
-            queue_depths=dict(self.depths), timestamp=now,
+            queue_depths=dict(self.depths), timestamp=now, **(provisioned or {}),
             **{name: getattr(rep, name) for name in _STEP_FIELDS})
         self.iteration_started = now
         if rep.policy_version >= last_version:

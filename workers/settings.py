@@ -220,6 +220,18 @@ class GrpoSettings(Checked):
     # budget with loss dapo, else 0 (= off)
     overlong_buffer: int | None = bounded(None, ge=0)
     overlong_penalty: float = bounded(1.0, ge=0)  # the penalty at the budget
+    # groups whose rewards are all equal are acked untrained, and the controller puts more
+    # prompts so each step still trains data.prompts_per_iteration groups (docs/training.md
+    # "Dynamic sampling"); auto = on with loss dapo (workers.rl.dynamic.dynamic_sampling_on).
+    # true / false (how YAML reads a bare on / off) mean on / off
+    dynamic_sampling: bool | Literal["auto", "on", "off"] = "auto"
+    # dynamic sampling: most prompts one put may hold, as a multiple of prompts_per_iteration
+    # (the over-provisioning factor 1 / (1 - zero-variance rate) is capped here: near rate 1 it
+    # diverges, and every prompt put costs group_size generations and rows of store capacity)
+    oversample_cap: float = bounded(4.0, ge=1)
+    # dynamic sampling: consecutive prompt batches whose every group had zero reward variance
+    # (all solved or all failed) before the run stops with status "solved"
+    solved_patience: int = bounded(3, ge=1)
 
     def check(self) -> None:
         if isinstance(self.importance_correction, bool):  # the former switch

@@ -8,6 +8,7 @@ key. Invariants: docs/controller.md "Configuration".
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,23 @@ def _check_partial(cfg: RunConfig) -> None:
             "use rollout.max_turns=1 or rollout.partial=false")
 
 
+def _check_dynamic(cfg: RunConfig) -> None:
+    """Dynamic sampling (workers.rl.dynamic): its largest put (prompts_per_iteration x
+    trainer.oversample_cap prompts) must fit the store (a put over a table's capacity is
+    refused). A group of one sample, which never has reward variance, is refused by
+    data.group_size's own bound."""
+    from workers.rl.dynamic import dynamic_sampling_on
+
+    if not dynamic_sampling_on(cfg.trainer):
+        return
+    d = cfg.data
+    rows = math.ceil(d.prompts_per_iteration * cfg.trainer.oversample_cap - 1e-9) * d.group_size
+    require(cfg.store.capacity_rows >= rows, "trainer.oversample_cap",
+            f"{cfg.trainer.oversample_cap} makes puts of up to {rows} rows (data."
+            f"prompts_per_iteration x it x data.group_size), over store.capacity_rows="
+            f"{cfg.store.capacity_rows}")
+
+
 def _check_objective(cfg: RunConfig) -> None:
     """Combinations of trainer.loss / trainer.advantage and their knobs that contradict each
     other or the generation budget (docs/training.md "Objectives")."""
@@ -211,6 +229,7 @@ class RunConfig:
         _check_objective(self)
         _check_placement(self)
         _check_weights(self)
+        _check_dynamic(self)
 
     @property
     def multi_turn(self) -> bool:

@@ -29,6 +29,7 @@ from storage.schema import ROW_ID, Lease
 from workers.config import TrainerWorkerConfig
 from workers.engines.torch_trainer import TrainerEngine
 from workers.rl.advantages import advantages, centred_std, overlong_penalty
+from workers.rl.dynamic import GroupFilter
 from workers.rl.objectives import LossSums, Objective, loss_sums
 from workers.rl.packing_layout import forward_slices, steps_within
 from workers.rl.reference import rows_to_groups
@@ -86,6 +87,7 @@ class Trainer:
                              and (ranks is None or ranks.is_leader))
         self.step = start_iteration  # = policy version of the current weights
         self.columns = trainer_columns(settings.reference_in_store, settings.cuts.partial)
+        self.sampling = GroupFilter.for_trainer(settings, send)  # dynamic sampling's filter
         loss = settings.grpo
         low, high = loss.clip_bounds()
         self.objective = Objective(loss.loss, low, high, loss.kl_coef, loss.correction,
@@ -170,6 +172,9 @@ class Trainer:
             if again.true_count:  # delivered again after a lost lease: hold, never retrain
                 self._ack_only.append(Piece(lease, int(it), rows.filter(again)))
                 rows = rows.filter(pc.invert(again))
+            rows, dropped = self.sampling.split(int(it), rows)  # workers.rl.dynamic
+            if dropped is not None:  # zero variance or surplus: acked after the step, untrained
+                self._ack_only.append(Piece(lease, int(it), dropped))
             seen.update(int(r) for r in rows.column(ROW_ID).to_numpy().tolist())
             if self._whole and rows.num_rows:
                 self._rows_of.setdefault(int(it), []).append(rows)
@@ -362,6 +367,7 @@ class Trainer:
             partial_resumes=self._tokens.rows_resumed,
             tokens_per_version_span=self._tokens.tokens_per_version_span,
             staleness_token_mean=self._tokens.staleness_token_mean,
+            **self.sampling.step_fields(self.step - 1),
         ))
         self.on_step(self.step)  # the checkpoint, before any ack (docs/training.md)
         self._ack_done()

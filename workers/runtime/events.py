@@ -1,8 +1,9 @@
 """Reports from workers to the controller: typed records over ZeroMQ PUSH/PULL.
 
-Control-plane records only (spans, step reports, weight syncs, status, row traces), one msgpack
-map ``{"kind": <record name>, **fields}`` each, decoded only into the dataclasses below (never
-unpickled). A report is lost only when the controller is gone (docs/training.md "Reports").
+Control-plane records only (spans, step reports, sampling counts, weight syncs, status, row
+traces), one msgpack map ``{"kind": <record name>, **fields}`` each, decoded only into the
+dataclasses below (never unpickled). A report is lost only when the controller is gone
+(docs/training.md "Reports").
 """
 
 from __future__ import annotations
@@ -72,6 +73,23 @@ class StepReport:
     importance_capped_fraction: float = 0.0
     # trainer.updates_per_batch > 1: each pass's loss, ratios, clip fractions and grad_norm
     passes: list[dict[str, float]] = field(default_factory=list)
+    # dynamic sampling (workers.rl.dynamic): zero-variance groups acked untrained, groups with
+    # variance past the step's need acked untrained, and the zero-variance fraction of the
+    # iteration's groups that reached the trainer (measured with dynamic sampling off too)
+    filtered_groups: int = 0
+    surplus_groups: int = 0
+    zero_variance_rate: float = 0.0
+
+
+@dataclass
+class SamplingReport:
+    """Dynamic sampling: the trainer's counts of one iteration's groups so far, sent whenever they
+    change (cumulative per trainer process): the controller's cue for more prompts."""
+
+    iteration: int
+    informative: int  # groups with reward variance kept for the step
+    filtered: int  # zero-variance groups acked untrained
+    surplus: int  # groups with variance past the step's need, acked untrained
 
 
 @dataclass
@@ -149,7 +167,7 @@ class RowTrace:
             raise ValueError("RowTrace.columns / runs: expected strings / ints")
 
 
-Record = Span | StepReport | WeightSyncReport | WorkerStatus | RowTrace
+Record = Span | StepReport | WeightSyncReport | WorkerStatus | RowTrace | SamplingReport
 RECORDS: dict[str, type] = {c.__name__: c for c in Record.__args__}
 
 

@@ -1,0 +1,124 @@
+"""Dynamic sampling's controller side (streamflow.provision): how many prompts each put holds, when
+a short iteration is topped up, the all-solved stop, and the bad input of its keys."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from streamflow.cli import main as cli_main
+from streamflow.config import load_config
+from streamflow.provision import RATE_WEIGHT, PromptsSolved, Provisioner
+from workers.runtime.events import SamplingReport, StepReport
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+class _Plan:
+    """The two things a Provisioner reads of a plan: its config and prompt_rows (recorded)."""
+
+    def __init__(self, *overrides: str) -> None:
+        self.cfg = load_config(TINY, ["data.prompts_per_iteration=4", *overrides])
+        self.start_iteration = 0
+        self.puts: list[tuple] = []
+
+    def prompt_rows(self, iteration: int, staleness: int, first: int | None = None,
+                    count: int | None = None) -> tuple:
+        self.puts.append((iteration, first, count))
+        return (iteration, first, count)
+
+
+def _step(iteration: int, rate: float) -> StepReport:
+    return StepReport(iteration, iteration + 1, 8, 1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0,
+                      1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0, 0.0, zero_variance_rate=rate)
+
+
+def test_off_puts_each_iteration_block_once() -> None:
+    plan = _Plan("trainer.dynamic_sampling=off")
+    p = Provisioner(plan)
+    assert p.first_put(0, 0) == (0, None, None)  # the iteration's own block, as before
+    p.observe([SamplingReport(0, 0, 4, 0)])  # (a trainer never sends these with it off)
+    assert p.top_ups(0) == []
+    assert p.step_fields(0) == {"oversample_factor": 1.0, "prompts_put": 4}
+
+
+def test_on_tops_up_short_iterations_and_adapts_the_factor() -> None:
+    """P = 4. Iteration 0 puts 4 (no evidence yet); 2 have variance, 2 not: once all 4 are back,
+    a top-up of ceil(2 / (1 - 0.5)) = 4, with fresh group ids (the cursor). Nothing while a
+    batch is still out or once the trainer has enough. The step's rate moves the estimate, so
+    iteration 1 puts ceil(4 x factor). Broken by topping up early, by sizing without the rate,
+    by reusing prompts, or by a factor that ignores the cap."""
+    plan = _Plan("trainer.dynamic_sampling=on", "trainer.oversample_cap=3")
+    p = Provisioner(plan)
+    assert p.first_put(0, 0) == (0, 0, 4)
+    p.observe([SamplingReport(0, 2, 1, 0)])
+    assert p.top_ups(0) == []  # one group still out
+    p.observe([SamplingReport(0, 2, 2, 0)])
+    assert p.top_ups(0) == [(0, 4, 4)]
+    assert p.top_ups(0) == []  # the top-up is out now
+    p.observe([SamplingReport(0, 4, 3, 1)])  # enough: the trainer steps
+    assert p.top_ups(0) == []
+    assert p.step_fields(0) == {"oversample_factor": 1.0, "prompts_put": 8}
+    p.observe([_step(0, 0.5), _step(0, 0.5)])  # (the same report twice counts once)
+    assert p.rate == pytest.approx(RATE_WEIGHT * 0.5)
+    assert p.first_put(1, 0) == (1, 8, math.ceil(4 / (1 - RATE_WEIGHT * 0.5)))
+    p.rate = 0.99
+    assert p.factor == 3  # the cap, never 1 / (1 - rate) near rate 1
+    p.rate = 1.0
+    assert p.factor == 3
+
+
+def test_dead_groups_count_as_back_and_lower_the_need() -> None:
+    plan = _Plan("trainer.dynamic_sampling=on")
+    p = Provisioner(plan)
+    p.first_put(0, 0)
+    p.observe([SamplingReport(0, 2, 1, 0)])
+    assert p.top_ups(0) == []  # 3 of 4 back
+    p.observe_dead({0: {1}})
+    assert p.top_ups(0) == [(0, 4, 2)]  # all back, 4 - 1 dead - 2 = 1 short: x 1 / (1 - 1/3)
+    p.observe([SamplingReport(0, 3, 1, 0)])
+    p.observe_dead({0: {1, 5}})  # one of the top-up has variance, one died: it steps on 3
+    assert p.top_ups(0) == []
+
+
+def test_all_solved_stops_after_patience_batches_without_variance() -> None:
+    """Patience 2: a batch with one group with variance resets the count; two batches in a row
+    without one stop the run with one line naming the key. Broken by counting groups instead of
+    batches, by never resetting, or by stopping at the first empty batch."""
+    plan = _Plan("trainer.dynamic_sampling=on", "trainer.solved_patience=2")
+    p = Provisioner(plan)
+    p.first_put(0, 0)
+    p.observe([SamplingReport(0, 0, 4, 0)])
+    assert p.top_ups(0) == [(0, 4, 16)]  # rate 1: the cap (4 x 4)
+    p.observe([SamplingReport(0, 1, 19, 0)])
+    assert p.top_ups(0) == [(0, 20, 12)]  # it had variance: count reset; 3 short x cap
+    p.observe([SamplingReport(0, 1, 31, 0)])
+    assert len(p.top_ups(0)) == 1  # first empty batch
+    p.observe([SamplingReport(0, 1, 43, 0)])
+    with pytest.raises(PromptsSolved, match=r"last 2 prompt batches \(24 groups.*"
+                       r"trainer.solved_patience") as err:
+        p.top_ups(0)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["trainer.dynamic_sampling=on", "data.group_size=1"], "data.group_size"),
+    (["trainer.loss=dapo", "store.capacity_rows=16"], "trainer.oversample_cap")])
+def test_dry_run_refuses_dynamic_sampling_without_a_group_or_room(capsys, overrides,
+                                                                  key) -> None:
+    """Bad input at --dry-run: one line naming the key, exit 2 (group_size 1 has no variance;
+    a put over the store's capacity would be refused mid-run). The second passes without
+    dynamic sampling (loss dapo turns it on)."""
+    assert cli_main(["run", str(TINY), *overrides, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {key}:") and err.count("\n") == 1, err
+    assert cli_main(["run", str(TINY), "store.capacity_rows=16", "--dry-run"]) == 0
+
+
+def test_a_resumed_run_starts_at_its_iteration_block() -> None:
+    plan = SimpleNamespace(cfg=_Plan().cfg, start_iteration=3, prompt_rows=None)
+    assert Provisioner(plan).cursor == 3 * 4
