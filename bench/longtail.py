@@ -23,7 +23,7 @@ engines in the same invocation:
   geometric length (V = 21: median about 15, the longest of a thousand rows about 10x that,
   ``max_new_tokens`` 320). Rewards are ``exact_match`` (a uniform random response all but never
   is the answer): all-zero advantages leave the weights as they are, so every iteration faces the
-  same lengths. ``max_staleness`` 2, 16 prompts x 8 per iteration, 6 iterations, 4 groups per
+  same lengths. ``max_staleness`` 2, 16 prompts x 8 per iteration, 12 iterations, 4 groups per
   rollout claim. Throughput: samples per second (wall).
 
 Without partial, a batch holding one tail keeps its device decoding one or two sequences alone
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rollout.max_new_tokens of the simulated cluster")
     parser.add_argument("--time-scale", type=float, default=5.0,
                         help="simulated seconds per real second")
-    parser.add_argument("--real-iterations", type=int, default=6)
+    parser.add_argument("--real-iterations", type=int, default=12)
     parser.add_argument("--real-prompts", type=int, default=16, help="prompts per iteration")
     parser.add_argument("--real-groups-per-claim", type=int, default=4)
     parser.add_argument("--real-max-new-tokens", type=int, default=320)
