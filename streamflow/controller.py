@@ -108,7 +108,8 @@ class Controller:
                                     previous and previous.accuracy_before)
         self.staleness = cfg.max_staleness  # 0 unless async
         self.evaluator = Evaluator(self.plan)
-        self.provision = Provisioner(self.plan)  # the prompt rows of each put (dynamic sampling)
+        # the prompt rows of each put (dynamic sampling), going on from a resumed run's records
+        self.provision = Provisioner(self.plan, self.state.records)
         self.metrics = (ControllerMetrics(cfg.run.mode, cfg.run.iterations)  # Prometheus
                         if cfg.metrics.enabled else None)
         self.display = ProgressDisplay(cfg.run.iterations, cfg.run.mode, enabled=cfg.run.progress)

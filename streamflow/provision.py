@@ -52,16 +52,23 @@ class Provisioner:
     reports were read (raises ``PromptsSolved``), ``observe(records)`` with the trainer's
     reports (idempotent: the colocated loop and the controller may both pass the same ones)."""
 
-    def __init__(self, plan: RunPlan) -> None:
+    def __init__(self, plan: RunPlan, history: list | None = None) -> None:
         cfg = plan.cfg
         self.plan = plan
         self.enabled = dynamic_sampling_on(cfg.trainer)
         self.per_step = cfg.data.prompts_per_iteration
         self.cap, self.patience = cfg.trainer.oversample_cap, cfg.trainer.solved_patience
-        # the next prompt of the training stream; a resumed run starts at its iteration's own
-        # block (the store is fresh, so ids cannot collide; earlier prompts may come again)
-        self.cursor = plan.start_iteration * self.per_step
+        self.cursor = plan.start_iteration * self.per_step  # the next prompt of the stream
         self.rate = 0.0  # running estimate of the zero-variance rate (0: no evidence yet)
+        # A resumed run goes on from the records it keeps (``IterationRecord``s of iterations
+        # before its start): the rate as it was, and the cursor past every prompt put (exact
+        # when iterations are put one after another: sync, periodic; in async a few prompts may
+        # come again, harmless: the store is fresh, so ids cannot collide)
+        if self.enabled and history and [r.iteration for r in history] == list(
+                range(plan.start_iteration)):
+            for record in history:
+                self.rate += RATE_WEIGHT * (record.zero_variance_rate - self.rate)
+            self.cursor = sum(r.prompts_put or self.per_step for r in history)
         self._open: dict[int, _Open] = {}
         self._first: dict[int, tuple[float, int]] = {}  # iteration -> (its factor, prompts put)
         self._empty, self._empty_groups = 0, 0  # consecutive batches without variance, groups
@@ -111,6 +118,7 @@ class Provisioner:
             short = self.per_step - it.dead - it.informative
             if it.resolved < it.put or short <= 0:
                 continue  # its batch is still out, or the trainer steps on what it has
+            # (a batch that only died ended the shortfall above: batch >= short)
             gained = it.informative + it.surplus - it.kept_before
             self._empty = 0 if gained else self._empty + 1
             self._empty_groups = 0 if gained else self._empty_groups + it.batch

@@ -119,6 +119,15 @@ def test_dry_run_refuses_dynamic_sampling_without_a_group_or_room(capsys, overri
     assert cli_main(["run", str(TINY), "store.capacity_rows=16", "--dry-run"]) == 0
 
 
-def test_a_resumed_run_starts_at_its_iteration_block() -> None:
-    plan = SimpleNamespace(cfg=_Plan().cfg, start_iteration=3, prompt_rows=None)
-    assert Provisioner(plan).cursor == 3 * 4
+def test_a_resumed_run_goes_on_from_its_records() -> None:
+    """Resumed at iteration 2 from records of 0 and 1: the cursor past the 7 + 5 prompts they
+    put, the rate as their steps moved it; without whole records (or with dynamic sampling off)
+    iteration 2's own block and no evidence. Broken by reusing group ids or forgetting the rate."""
+    on = _Plan("trainer.dynamic_sampling=on").cfg
+    records = [SimpleNamespace(iteration=0, zero_variance_rate=0.5, prompts_put=7),
+               SimpleNamespace(iteration=1, zero_variance_rate=0.0, prompts_put=5)]
+    p = Provisioner(SimpleNamespace(cfg=on, start_iteration=2), records)
+    assert p.cursor == 12 and p.rate == pytest.approx(RATE_WEIGHT * 0.5 * (1 - RATE_WEIGHT))
+    for cfg, kept in ((on, records[1:]), (_Plan().cfg, records)):
+        p = Provisioner(SimpleNamespace(cfg=cfg, start_iteration=2), kept)
+        assert (p.cursor, p.rate) == (2 * 4, 0.0)
