@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamflow.plan import RunPlan
-from workers.rl.dynamic import dynamic_sampling_on
 from workers.runtime.events import SamplingReport, StepReport
 
 # weight of the newest step's measured zero-variance rate in the running estimate: a few steps
@@ -55,7 +54,7 @@ class Provisioner:
     def __init__(self, plan: RunPlan, history: list | None = None) -> None:
         cfg = plan.cfg
         self.plan = plan
-        self.enabled = dynamic_sampling_on(cfg.trainer)
+        self.enabled = cfg.trainer.grpo.dynamic
         self.per_step = cfg.data.prompts_per_iteration
         self.cap, self.patience = cfg.trainer.oversample_cap, cfg.trainer.solved_patience
         self.cursor = plan.start_iteration * self.per_step  # the next prompt of the stream

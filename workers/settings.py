@@ -222,7 +222,7 @@ class GrpoSettings(Checked):
     overlong_penalty: float = bounded(1.0, ge=0)  # the penalty at the budget
     # groups whose rewards are all equal are acked untrained, and the controller puts more
     # prompts so each step still trains data.prompts_per_iteration groups (docs/training.md
-    # "Dynamic sampling"); auto = on with loss dapo (workers.rl.dynamic.dynamic_sampling_on).
+    # "Dynamic sampling"); auto = on with loss dapo (resolved: ``dynamic``).
     # true / false (how YAML reads a bare on / off) mean on / off
     dynamic_sampling: bool | Literal["auto", "on", "off"] = "auto"
     # dynamic sampling: most prompts one put may hold, as a multiple of prompts_per_iteration
@@ -262,6 +262,13 @@ class GrpoSettings(Checked):
     def group_std(self) -> bool:
         """Whether grpo advantages divide by the group std (never with dr_grpo)."""
         return self.std_normalize and self.loss != "dr_grpo"
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether dynamic sampling is on: ``dynamic_sampling`` resolved, here only (auto = on
+        exactly with loss dapo; a bool is YAML's reading of a bare on / off)."""
+        mode = self.dynamic_sampling
+        return mode in ("on", True) or (mode == "auto" and self.loss == "dapo")
 
     def overlong_tokens(self, max_tokens: int) -> int:
         """The overlong buffer for a generation budget of ``max_tokens`` (0: no shaping)."""

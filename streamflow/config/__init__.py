@@ -158,9 +158,7 @@ def _check_dynamic(cfg: RunConfig) -> None:
     trainer.oversample_cap prompts) must fit the store (a put over a table's capacity is
     refused). A group of one sample, which never has reward variance, is refused by
     data.group_size's own bound."""
-    from workers.rl.dynamic import dynamic_sampling_on
-
-    if not dynamic_sampling_on(cfg.trainer):
+    if not cfg.trainer.grpo.dynamic:
         return
     d = cfg.data
     rows = math.ceil(d.prompts_per_iteration * cfg.trainer.oversample_cap - 1e-9) * d.group_size

@@ -2,10 +2,10 @@
 
 A group whose rewards are all equal carries no learning signal: its group-relative advantages
 are zero, so with dynamic sampling on it is acked untrained (consumed, never redelivered) and the
-controller puts more prompts (``streamflow.provision``). Owns the one resolution of
-``trainer.dynamic_sampling`` (``dynamic_sampling_on``), the zero-variance test
+controller puts more prompts (``streamflow.provision``). Owns the zero-variance test
 (``zero_variance_groups``, pure) and ``GroupFilter``, the trainer's per-iteration tally of kept,
-filtered and surplus groups (docs/training.md "Dynamic sampling").
+filtered and surplus groups; whether it is on: ``GrpoSettings.dynamic`` (docs/training.md
+"Dynamic sampling").
 """
 
 from __future__ import annotations
@@ -18,20 +18,6 @@ import numpy as np
 import pyarrow as pa
 
 from workers.runtime.events import SamplingReport
-from workers.settings import GrpoSettings
-
-
-def dynamic_sampling_on(settings: Any) -> bool:
-    """``trainer.dynamic_sampling`` resolved, here only: on, off, or (auto) on exactly with loss
-    dapo. ``settings``: a ``GrpoSettings``, or what embeds one (the run's trainer section, the
-    trainer's worker record)."""
-    for name in ("grpo", "loss"):
-        inner = getattr(settings, name, None)
-        if isinstance(inner, GrpoSettings):
-            settings = inner
-            break
-    mode = settings.dynamic_sampling  # (a bool: YAML's reading of a bare on / off)
-    return mode in ("on", True) or (mode == "auto" and settings.loss == "dapo")
 
 
 def zero_variance_groups(rewards: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -78,7 +64,7 @@ class GroupFilter:
     @classmethod
     def for_trainer(cls, settings: Any, send: Callable[[Any], None]) -> GroupFilter:
         """The filter of a trainer worker's record (``workers.config.TrainerWorkerConfig``)."""
-        return cls(dynamic_sampling_on(settings),
+        return cls(settings.grpo.dynamic,
                    settings.rows_per_iteration // settings.group_size, send)
 
     def split(self, iteration: int, rows: pa.RecordBatch) -> tuple[pa.RecordBatch,

@@ -1,5 +1,6 @@
 """Dynamic sampling's trainer side (workers.rl.dynamic): the zero-variance test, the resolution
-of trainer.dynamic_sampling, and the filter that splits a claim into rows to train and to ack."""
+of trainer.dynamic_sampling (GrpoSettings.dynamic), and the filter that splits a claim into rows
+to train and to ack."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from workers.rl.dynamic import GroupFilter, dynamic_sampling_on, zero_variance_groups
+from workers.rl.dynamic import GroupFilter, zero_variance_groups
 from workers.runtime.events import SamplingReport
 from workers.settings import GrpoSettings
 
@@ -26,13 +27,7 @@ def test_zero_variance_groups_are_exactly_the_all_equal_ones() -> None:
     ("auto", "grpo", False), ("auto", "dapo", True), ("on", "grpo", True),
     ("off", "dapo", False), (True, "grpo", True), (False, "dapo", False)])
 def test_dynamic_sampling_resolves_auto_by_the_loss(mode, loss, on) -> None:
-    settings = GrpoSettings(loss=loss, dynamic_sampling=mode)
-    assert dynamic_sampling_on(settings) is on
-
-    class Record:  # a worker record embedding it, as the trainer's is
-        grpo = settings
-
-    assert dynamic_sampling_on(Record()) is on
+    assert GrpoSettings(loss=loss, dynamic_sampling=mode).dynamic is on
 
 
 def _rows(rewards: dict[int, list[float]]) -> pa.RecordBatch:
