@@ -223,10 +223,10 @@ def _check_against_torch(got: dict, out: str, torch_result: tuple, label: str) -
         assert a == pytest.approx(b, rel=1e-5), f"{label}: grad norm {a} vs torch {b}"
 
 
-def _assert_ranks_in_sync(out: str) -> None:
+def _assert_ranks_in_sync(out: str, steps: int = ITERATIONS) -> None:
     """After every step each rank hashed its parameters (bitwise); the digests were equal."""
     synced = re.findall(r"in sync after step (\d+): digests \[(\d+), (\d+)\]", out)
-    assert [int(s) for s, _, _ in synced] == list(range(1, ITERATIONS + 1)), out[-3000:]
+    assert [int(s) for s, _, _ in synced] == list(range(1, steps + 1)), out[-3000:]
     assert all(a == b for _, a, b in synced)
 
 
@@ -307,6 +307,25 @@ def test_lr_warmup_applies_on_both_engines_alike(
                                    checkpoint_dir=str(tmp_path / "ckpt2"))
     diff = _max_diff(resumed, got)
     assert diff <= 1e-6, f"resumed with a warm-up, DeepSpeed diverged by {diff}"
+
+
+@pytest.mark.slow  # ranks launched by torchrun: 20-40 s each
+def test_two_ranks_equal_torch_with_a_sequence_loss_batch_advantages_and_correction(
+    model_dir: Path, tmp_path: Path, warm_deepspeed: float
+) -> None:
+    """The objective's multi-rank paths against the torch engine: gspo (normaliser: responses,
+    summed over ranks), reinforce_pp (one batch std, computed by rank 0 and sent with the rows:
+    a rank scaling by its own share's std trains elsewhere), the decoupled correction (iteration
+    1's rows are one version stale) and two passes per batch (clipping at gspo's bounds)."""
+    objective = dict(loss="gspo", advantage="reinforce_pp", importance_correction="decoupled",
+                     updates_per_batch=2)
+    want = _run_torch(model_dir, tmp_path / "torch", **objective)
+    got, out, _ = _run_deepspeed(model_dir, tmp_path / "ds", nproc=2, zero_stage=2, **objective)
+    want_norms = [n for n in want[1]]  # the first pass's norm of each step (StepReport.grad_norm)
+    norms = [float(x) for x in re.findall(r"step \d+: grad_norm (\S+)", out)]
+    assert norms[::2] == pytest.approx(want_norms, rel=1e-5), (norms, want_norms)
+    assert _max_diff(got, want[0]) <= TOLERANCE
+    _assert_ranks_in_sync(out, steps=2 * ITERATIONS)
 
 
 # --------------------------------------------------------------------------- unit pieces
