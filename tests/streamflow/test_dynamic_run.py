@@ -16,7 +16,8 @@ from workers.tasks.arithmetic import ArithmeticTask
 
 P, G = 4, 2  # configs/tiny.yaml: data.prompts_per_iteration, data.group_size
 ON = ("trainer.dynamic_sampling=on", "run.eval_every=0", "run.trace=true", "run.iterations=1",
-      "run.plots=false", "rollout.groups_per_claim=1")
+      "run.plots=false", "rollout.groups_per_claim=1", "trainer.kl_coef=0",
+      "metrics.enabled=false")
 
 
 def _records(cfg) -> list[dict]:
