@@ -116,8 +116,11 @@ def test_async_respects_staleness_bound(tiny_config) -> None:
              .splitlines()]
     assert max(r["staleness_max"] for r in lines) == 1
     assert all(r["staleness_max"] <= 1 for r in lines)
-    # No correction by default: the importance weight is exactly 1 even for stale samples.
-    assert all(r["importance_weight_mean"] == 1.0 for r in lines)
+    # Corrected by default in async (trainer.importance_correction auto = tis): a stale sample's
+    # tokens are weighted by min(pi_old / behaviour, is_cap), never exactly 1 on every token.
+    stale = [r for r in lines if r["staleness_max"] == 1]
+    assert any(r["importance_weight_mean"] != 1.0 for r in stale), stale
+    assert all(0.0 < r["importance_weight_mean"] <= 2.0 for r in lines)
     _assert_traced(Path(cfg.run.output_dir), iterations=5, rows_per_iteration=4 * 2)
 
 
@@ -161,21 +164,24 @@ def _assert_traced(run_dir: Path, iterations: int, rows_per_iteration: int) -> N
 
 
 def test_updates_per_batch_reach_the_trainer_and_the_run_records(tiny_config) -> None:
-    """trainer.updates_per_batch=2 from the run config: every iteration's record shows the
-    second pass (ratio off 1, some tokens clipped); with the default 1 the ratio is exactly 1."""
+    """trainer.updates_per_batch=2 from the run config: every iteration's record shows each pass
+    apart, the second one with its ratio off 1 and some tokens clipped; with the default 1 the
+    record has no passes and the ratio is exactly 1."""
     common = ("run.mode=sync", "run.iterations=2", "run.eval_every=0", "trainer.lr=0.01")
     two = tiny_config(*common, "trainer.updates_per_batch=2")
     run(two)
     for line in (Path(two.run.output_dir) / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        assert rec["ratio_min"] < 1.0 < rec["ratio_max"], rec
-        assert rec["clip_fraction"] > 0.0, rec
+        first, second = rec["passes"]
+        assert first["ratio_min"] == first["ratio_max"] == rec["ratio_max"] == 1.0, rec
+        assert second["ratio_min"] < 1.0 < second["ratio_max"], rec
+        assert second["clip_fraction"] > 0.0, rec
     one = tiny_config(*common, f"run.output_dir={Path(two.run.output_dir).parent / 'one'}")
     run(one)
     for line in (Path(one.run.output_dir) / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         assert rec["ratio_min"] == rec["ratio_mean"] == rec["ratio_max"] == 1.0
-        assert rec["clip_fraction"] == 0.0
+        assert rec["clip_fraction"] == 0.0 and rec["passes"] == []
 
 
 @pytest.mark.slow
