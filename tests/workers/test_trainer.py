@@ -455,21 +455,31 @@ def test_group_integrity_under_random_completion(model_dir: Path, tmp_path: Path
         assert torch.allclose(got, expected, atol=1e-5), f"group {gid}: {got} vs {expected}"
 
 
-@pytest.mark.parametrize("advantage", ["rloo", "reinforce_pp"])
+@pytest.mark.parametrize("advantage", ["rloo", "reinforce_pp", "overlong"])
 def test_advantage_estimators_write_their_hand_computed_advantages(
     model_dir: Path, tmp_path: Path, advantage: str
 ) -> None:
     """Groups complete one by one (streaming): rloo trains each as it comes; reinforce_pp's one
     scale is the std over the whole step's batch, so it must wait for the last group (a scale
-    from the groups seen so far gives other advantages)."""
+    from the groups seen so far gives other advantages); "overlong": grpo advantages of rewards
+    shaped by trainer.overlong_buffer 2 (of the 4-token budget) and overlong_penalty 0.5."""
+    over = (dict(overlong_buffer=2, overlong_penalty=0.5) if advantage == "overlong"
+            else dict(advantage=advantage))
     _, _, batch = _train(model_dir, tmp_path, iterations=1, order_seed=7, rows_per_claim=G,
-                         audit=True, advantage=advantage, reward_of=lambda resp: sum(resp) % 3)
+                         audit=True, reward_of=lambda resp: sum(resp) % 3, **over)
     assert batch is not None
     rows = batch.to_pylist()
+    for r in rows:  # by hand: 0 up to 2 tokens, then -0.25 per token, -0.5 at 4
+        r["reward"] -= 0.5 * min(max(len(r["response_ids"]) - 2, 0), 2) / 2 if over.get(
+            "overlong_buffer") else 0.0
+    assert advantage != "overlong" or len({len(r["response_ids"]) for r in rows}) > 1
     centred = []
     for r in rows:
         group = [o["reward"] for o in rows if o["group_id"] == r["group_id"]]
-        if advantage == "rloo":
+        if advantage == "overlong":
+            std = float(torch.tensor(group, dtype=torch.float64).std())
+            centred.append((r["reward"] - sum(group) / G) / (std + 1e-6))
+        elif advantage == "rloo":
             centred.append(r["reward"] - (sum(group) - r["reward"]) / (G - 1))
         else:
             centred.append(r["reward"] - sum(group) / G)

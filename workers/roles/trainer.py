@@ -137,7 +137,8 @@ class Trainer:
     def _may_train(self) -> bool:
         """Whether rows of the current iteration may be trained now: at once when streaming, and
         only once every expected row is in hand with ``whole_iterations`` (the separate-pools
-        baseline that takes turns: training of k starts when all of k is ready)."""
+        baseline that takes turns: training of k starts when all of k is ready) or with advantage
+        reinforce_pp (its scale is the whole step's)."""
         return (not self._whole
                 or len(self._seen.get(self.step, ())) >= self._expected())
 
@@ -256,30 +257,22 @@ class Trainer:
         if ADVANTAGE in rows.schema.names:
             return rows
         s = self.s.grpo
-        rewards, groups = self._shaped_rewards(rows)
-        batch_std = None
-        if s.advantage == "reinforce_pp":  # one scale for the step: from all of its rows
-            if self._batch_std is None:
-                every = [self._shaped_rewards(r) for r in self._rows_of.get(self.step, [rows])]
-                self._batch_std = centred_std(torch.cat([r for r, _ in every]),
-                                              torch.cat([g for _, g in every]),
-                                              group_size=self.s.group_size)
-            batch_std = self._batch_std
-        adv = advantages(s.advantage, rewards, groups, group_size=self.s.group_size,
-                         std_normalize=s.group_std, batch_std=batch_std)
+        if s.advantage == "reinforce_pp" and self._batch_std is None:  # one scale for the step
+            every = [self._shaped_rewards(r) for r in self._rows_of.get(self.step, [rows])]
+            self._batch_std = centred_std(*(torch.cat(x) for x in zip(*every, strict=True)),
+                                          group_size=self.s.group_size)
+        adv = advantages(s.advantage, *self._shaped_rewards(rows), group_size=self.s.group_size,
+                         std_normalize=s.group_std, batch_std=self._batch_std)
         return rows.append_column(ADVANTAGE, pa.array(adv.numpy(), pa.float32()))
 
     def _shaped_rewards(self, rows: pa.RecordBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rewards with any overlong penalty, group ids) of ``rows``."""
-        rewards = torch.tensor(rows.column("reward").to_pylist(), dtype=torch.float32)
-        budget = self.s.max_response_tokens
-        buffer = self.s.grpo.overlong_tokens(budget)
-        if buffer:
-            lengths = torch.from_numpy(
-                pc.list_value_length(rows.column("response_ids")).to_numpy().astype(np.int64))
-            rewards = rewards + overlong_penalty(lengths, max_tokens=budget, buffer=buffer,
-                                                 penalty=self.s.grpo.overlong_penalty)
-        return rewards, torch.tensor(rows.column("group_id").to_pylist(), dtype=torch.int64)
+        """(rewards plus any overlong penalty, group ids) of ``rows``."""
+        budget, s = self.s.max_response_tokens, self.s.grpo
+        lengths = pc.list_value_length(rows.column("response_ids")).to_numpy().astype(np.int64)
+        penalty = overlong_penalty(torch.from_numpy(lengths), max_tokens=budget,
+                                   buffer=s.overlong_tokens(budget), penalty=s.overlong_penalty)
+        return (torch.tensor(rows.column("reward").to_pylist(), dtype=torch.float32) + penalty,
+                torch.tensor(rows.column("group_id").to_pylist(), dtype=torch.int64))
 
     def _train_first_pass(self, piece: Piece) -> None:
         with cores.busy():  # re-taken per piece: a share freed by another process is used at once
