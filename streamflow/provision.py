@@ -24,8 +24,8 @@ RATE_WEIGHT = 0.25
 
 
 class PromptsSolved(Exception):  # noqa: N818 - a stop, not an error of the code
-    """Consecutive prompt batches came back without a group with reward variance: the run stops
-    (status "solved") instead of putting prompts forever. The message is one line."""
+    """trainer.solved_patience x P prompts in a row came back without a group with reward
+    variance: the run stops (status "solved") instead of putting prompts forever. One line."""
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Provisioner:
             self.cursor = sum(r.prompts_put or self.per_step for r in history)
         self._open: dict[int, _Open] = {}
         self._first: dict[int, tuple[float, int]] = {}  # iteration -> (its factor, prompts put)
-        self._empty, self._empty_groups = 0, 0  # consecutive batches without variance, groups
+        self._empty, self._empty_groups = 0, 0  # puts in a row without variance, their prompts
 
     @property
     def factor(self) -> float:
@@ -83,7 +83,7 @@ class Provisioner:
         if not self.enabled:
             return self.plan.prompt_rows(iteration, staleness)
         factor = self.factor
-        count = math.ceil(self.per_step * factor - 1e-9)
+        count = self._size(self.per_step, self.rate)
         self._open[iteration] = _Open(put=count, batch=count)
         self._first[iteration] = (factor, count)
         return self._take(iteration, staleness, count)
@@ -110,8 +110,8 @@ class Provisioner:
 
     def top_ups(self, staleness: int) -> list[Any]:
         """Rows to put now: for each open iteration whose groups have all come back with fewer
-        than P (less its dead groups) with variance, ceil(short x factor) more prompts, the factor
-        from that iteration's own measured rate. Raises ``PromptsSolved`` at the patience."""
+        than P (less its dead groups) with variance, short / (1 - rate) more prompts, the rate
+        that iteration's own measured one. Raises ``PromptsSolved`` at the patience."""
         out = []
         for iteration, it in sorted(self._open.items()):
             short = self.per_step - it.dead - it.informative
@@ -121,16 +121,15 @@ class Provisioner:
             gained = it.informative + it.surplus - it.kept_before
             self._empty = 0 if gained else self._empty + 1
             self._empty_groups = 0 if gained else self._empty_groups + it.batch
-            if self._empty >= self.patience:
+            if self._empty_groups >= self.patience * self.per_step:
                 raise PromptsSolved(
-                    f"dynamic sampling: the last {self._empty} prompt batches "
-                    f"({self._empty_groups} groups, through iteration {iteration}) had no group "
-                    "with reward variance: every sample of a prompt scored the same (all solved "
-                    "or all failed), so nothing is left to train on (trainer.solved_patience)")
+                    f"dynamic sampling: the last {self._empty_groups} prompts put (in "
+                    f"{self._empty} put{'s' * (self._empty > 1)}, through iteration {iteration}) "
+                    "had no group with reward variance: "
+                    "every sample of a prompt scored the same (all solved or all failed), so "
+                    "nothing is left to train on (trainer.solved_patience)")
             seen = it.informative + it.filtered + it.surplus
-            own = it.filtered / seen if seen else self.rate
-            count = min(math.ceil(short * _factor(own, self.cap) - 1e-9),
-                        math.ceil(self.per_step * self.cap - 1e-9))
+            count = self._size(short, it.filtered / seen if seen else self.rate)
             it.put, it.batch, it.kept_before = it.put + count, count, it.informative + it.surplus
             first = self._first.get(iteration)
             if first is not None:
@@ -143,6 +142,12 @@ class Provisioner:
         first put and the prompts put for it in all (P and 1.0 with dynamic sampling off)."""
         factor, put = self._first.pop(iteration, (1.0, self.per_step))
         return {"oversample_factor": factor, "prompts_put": put}
+
+    def _size(self, needed: int, rate: float) -> int:
+        """Prompts to put for ``needed`` groups with variance at zero-variance ``rate``: needed /
+        (1 - rate), at most P x ``trainer.oversample_cap`` (rate 1: that many)."""
+        most = math.ceil(self.per_step * self.cap - 1e-9)
+        return most if rate >= 1.0 else min(math.ceil(needed / (1.0 - rate) - 1e-9), most)
 
     def _take(self, iteration: int, staleness: int, count: int) -> Any:
         rows = self.plan.prompt_rows(iteration, staleness, first=self.cursor, count=count)

@@ -226,12 +226,14 @@ class GrpoSettings(Checked):
     # true / false (how YAML reads a bare on / off) mean on / off
     dynamic_sampling: bool | Literal["auto", "on", "off"] = "auto"
     # dynamic sampling: most prompts one put may hold, as a multiple of prompts_per_iteration
-    # (the over-provisioning factor 1 / (1 - zero-variance rate) is capped here: near rate 1 it
-    # diverges, and every prompt put costs group_size generations and rows of store capacity)
+    # (a put is sized needed / (1 - zero-variance rate), capped here: near rate 1 it diverges,
+    # and every prompt put costs group_size generations and rows of store capacity)
     oversample_cap: float = bounded(4.0, ge=1)
-    # dynamic sampling: consecutive prompt batches whose every group had zero reward variance
-    # (all solved or all failed) before the run stops with status "solved"
-    solved_patience: int = bounded(3, ge=1)
+    # dynamic sampling: the run stops with status "solved" once this many x prompts_per_iteration
+    # prompts in a row came back without reward variance (all solved or all failed). Counted in
+    # prompts, not puts: a top-up for a small shortfall is small, and at a high rate a small put
+    # with no variance is common; at rate r a false stop has odds r ** (this x P)
+    solved_patience: int = bounded(8, ge=1)
 
     def check(self) -> None:
         if isinstance(self.importance_correction, bool):  # the former switch

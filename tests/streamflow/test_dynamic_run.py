@@ -79,10 +79,10 @@ def test_dynamic_sampling_trains_only_groups_with_variance(tiny_config) -> None:
 
 
 def test_all_solved_prompts_stop_the_run(tiny_config) -> None:
-    """Every sample scores 1.0: no group ever has variance, so after trainer.solved_patience
-    prompt batches (the first put and one top-up, sync's colocated loop) the run stops with
-    status "solved" and its one line, having trained nothing. Broken by a run that spins (the
-    test would time out), by no top-up, or by one that trains on no signal."""
+    """Every sample scores 1.0: no group ever has variance, so after trainer.solved_patience x
+    P prompts (here 8: the first put's 4 and a top-up of 16, sync's colocated loop) the run stops
+    with status "solved" and its one line, having trained nothing. Broken by a run that spins
+    (the test would time out), by no top-up, or by one that trains on no signal."""
     cfg = tiny_config("run.mode=sync", *ON, "trainer.solved_patience=2",
                       "reward.fn=tests.streamflow.solved_rewards:all_solved")
     summary = run(cfg)

@@ -85,22 +85,21 @@ def test_dead_groups_count_as_back_and_lower_the_need() -> None:
     assert p.top_ups(0) == []
 
 
-def test_all_solved_stops_after_patience_batches_without_variance() -> None:
-    """Patience 2: a batch with one group with variance resets the count; two batches in a row
-    without one stop the run with one line naming the key. Broken by counting groups instead of
-    batches, by never resetting, or by stopping at the first empty batch."""
+def test_all_solved_stops_after_patience_prompts_without_variance() -> None:
+    """Patience 2 = 8 prompts (P = 4) in a row without variance. The first put's 4 are not
+    enough; a top-up with one group with variance resets the count; the next 16 are. Broken by
+    counting puts instead of prompts (a small put without variance is common at a high rate),
+    by never resetting, or by stopping at the first empty put."""
     plan = _Plan("trainer.dynamic_sampling=on", "trainer.solved_patience=2")
     p = Provisioner(plan)
     p.first_put(0, 0)
     p.observe([SamplingReport(0, 0, 4, 0)])
-    assert p.top_ups(0) == [(0, 4, 16)]  # rate 1: the cap (4 x 4)
+    assert p.top_ups(0) == [(0, 4, 16)]  # 4 < 8; rate 1: the cap (4 x 4)
     p.observe([SamplingReport(0, 1, 19, 0)])
-    assert p.top_ups(0) == [(0, 20, 12)]  # it had variance: count reset; 3 short x cap
-    p.observe([SamplingReport(0, 1, 31, 0)])
-    assert len(p.top_ups(0)) == 1  # first empty batch
-    p.observe([SamplingReport(0, 1, 43, 0)])
-    with pytest.raises(PromptsSolved, match=r"last 2 prompt batches \(24 groups.*"
-                       r"trainer.solved_patience") as err:
+    assert p.top_ups(0) == [(0, 20, 16)]  # it had variance: reset; 3 short at 19/20: the cap
+    p.observe([SamplingReport(0, 1, 35, 0)])
+    with pytest.raises(PromptsSolved, match=r"last 16 prompts put \(in 1 put, through "
+                       r"iteration 0\).*trainer.solved_patience") as err:
         p.top_ups(0)
     assert "\n" not in str(err.value)
 
