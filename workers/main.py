@@ -39,6 +39,7 @@ from workers.roles.build import (
 from workers.roles.early import EarlyWrites
 from workers.roles.environment import build_environment
 from workers.roles.loop import LeaseKeeper, serve_stage, serve_stages
+from workers.roles.riders import Riders
 from workers.runtime import cores, heap
 from workers.runtime.events import EventSender, WorkerStatus
 from workers.runtime.metrics import MeteredClient, MeteredEvents, WorkerMetrics
@@ -87,6 +88,9 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
                 if first.max_cuts:  # partial rollout: rows written as they finish, counters
                     first.early = EarlyWrites(client, common.table,
                                               tracer=Tracer.of(events, common.name))
+                    first.riders = Riders(client, common.table, stages[1:], keeper=keeper,
+                                          max_rows=first.max_rows,
+                                          tracer=Tracer.of(events, common.name))
                     if metrics is not None:
                         metrics.follow_partial(
                             lambda: (first.cuts_total, first.resumed_tokens_total))
