@@ -104,7 +104,8 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
             if len(stages) > 1:  # turn or resume tasks beside rollout (no balancer session yet)
                 serve_stages(client, common.table, stages, stop, worker=common.name,
                              role=common.role, events=events, timeout_s=common.claim_timeout_s,
-                             keeper=keeper)
+                             keeper=keeper,
+                             first_first=getattr(stages[0], "riders", None) is not None)
             else:
                 if common.coordinator_address:  # the balancer: claim from the shards we own
                     from storage.coordinator_session import ConsumerSession

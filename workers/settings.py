@@ -348,6 +348,11 @@ class PartialSettings(Checked):
     # cut pays when the batch is mostly finished rows (a tail); cutting a batch of live rows only
     # adds a re-prefill and a resume pass per row. 1: every cut is honoured
     partial_cut_live_fraction: float = bounded(0.25, gt=0, le=1)
+    # also cut a torch generate call at its tail (its unfinished rows at most the fraction above)
+    # with no newer version out: the cut rows ride the next rollout call (workers.roles.riders),
+    # so a tail decodes in another batch's steps instead of alone. Engines without the fraction
+    # gate (vLLM, simulated) are cut at newer versions only
+    partial_tail_cut: bool = True
 
 
 @dataclass(frozen=True)

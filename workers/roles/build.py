@@ -119,7 +119,7 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
                         seed=cfg.common.seed, weight_wait_s=cfg.weight_wait_s, on_sync=on_sync,
                         reference=reference, agent=agent,
                         max_cuts=cfg.cuts.partial_max_cuts if cfg.cuts.partial else 0,
-                        watch=watch)
+                        watch=watch, tail_cut=cfg.cuts.partial and cfg.cuts.partial_tail_cut)
 
 
 def rollout_stages(stage: RolloutStage) -> list[Any]:

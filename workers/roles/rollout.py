@@ -61,7 +61,7 @@ class RolloutStage:
                  on_sync: Callable[[WeightSyncReport], None] = lambda r: None,
                  reference: ReferenceScorer | None = None,
                  agent: TurnPolicy | None = None, max_cuts: int = 0,
-                 watch: VersionWatch | None = None) -> None:
+                 watch: VersionWatch | None = None, tail_cut: bool = False) -> None:
         self.engine = engine
         self.weights = weights
         self.params = params
@@ -80,6 +80,10 @@ class RolloutStage:
                              "multi-turn run scores them with a reference worker")
         # partial rollout: R (0 = off) and what tells a generation a newer version is out
         self.max_cuts, self.watch = max_cuts, watch
+        # cut at the tail too, newer version or not, where the engine gates a cut by its live
+        # rows (rollout.partial_tail_cut): the tail then rides the next call
+        gate = getattr(engine, "cut_live_fraction", 1.0)
+        self.tail_cut = bool(tail_cut and max_cuts and gate < 1.0)
         if max_cuts and (watch is None or agent is not None):
             raise ValueError("partial rollout needs a VersionWatch and single-turn rollouts")
         # partial rollout: rows a call finished are written while the others generate (set by
@@ -181,7 +185,10 @@ class RolloutStage:
         """The event that cuts a generation with ``version`` (None: never cut)."""
         if not (self.max_cuts and cut and self.watch is not None):
             return None
-        return self.watch.arm(version)
+        event = self.watch.arm(version)
+        if self.tail_cut:  # the engine's gate holds it until the tail (rollout.partial_tail_cut)
+            event.set()
+        return event
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  cut: threading.Event | None,
