@@ -74,7 +74,9 @@ def test_a_resume_killed_mid_lease_loses_no_acknowledged_token(tiny_config, stor
                                                                 tmp_path) -> None:
     # Breaks if a resumer regenerates or drops acked tokens, attributes them to the wrong
     # version, leaves a row unfinished after the kill, or the kill happened outside the lease.
+    # no tail cuts: the resume after the kill must end its row (segment 1 is the last one)
     cfg = tiny_config("run.mode=async", "rollout.partial=true", "rollout.partial_max_cuts=2",
+                      "rollout.partial_tail_cut=false",
                       f"rollout.max_new_tokens={MAX_NEW}", "rollout.temperature=2.0")
     model_path = resolve_model(cfg, Path(cfg.run.output_dir).parent / ".cache")
     address, _ = store_serve(1)
