@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-import pyarrow as pa
 import torch
+from testkit import CutAfter
 
 import storage
 from workers.engines.base import SamplingParams
@@ -35,18 +35,6 @@ class _Watch:
 
     def close(self) -> None:
         pass
-
-
-class _CutAt(threading.Event):
-    """Set from its k-th look on: the engine cuts after k decode steps' checks."""
-
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        self.k, self.looks = k, 0
-
-    def is_set(self) -> bool:
-        self.looks += 1
-        return self.looks >= self.k
 
 
 def test_cut_rows_ride_the_next_rollout_call_and_end_as_if_never_cut():
@@ -84,7 +72,7 @@ def test_cut_rows_ride_the_next_rollout_call_and_end_as_if_never_cut():
                          for _ in range(2))
         plain = {lease.batch.column("group_id")[0].as_py(): stage(0).process(lease).to_pylist()
                  for lease in (first, second)}
-        partial = stage(R, _Watch(_CutAt(3)))
+        partial = stage(R, _Watch(CutAfter(3)))
         write_parts(client, "t", first, partial.process(first))  # cut: segment 0 only
         client.ack(first)
         assert partial.cuts_total == 2
