@@ -16,13 +16,13 @@ from tests.workers.test_trainer import _replica, _train
 from workers.models.local import TinyModelSpec, build_tiny_model, save_model
 from workers.models.tokenizer import build_char_tokenizer
 from workers.rl.objectives import Objective, loss_sums
+from workers.rl.packing import PackGroup, batch_logprobs, pack_groups, unpacked_rows
 from workers.rl.tokens import (
     apply_loss_masks,
     build_token_batch,
     response_logprobs,
     to_token_tensor,
 )
-from workers.rl.packing import PackGroup, batch_logprobs, pack_groups, unpacked_rows
 from workers.runtime.events import StepReport
 from workers.schema import SAMPLES_SCHEMA
 from workers.settings import PackingSettings

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
+from workers.engines.optim import make_optimizer, optimizer_step, scale_gradients
 from workers.models.local import TinyModelSpec, build_tiny_model
 from workers.models.tokenizer import build_char_tokenizer
-from workers.engines.optim import make_optimizer, optimizer_step, scale_gradients
 from workers.rl.objectives import LossSums, Objective, loss_sums
 from workers.rl.tokens import build_token_batch, response_logprobs
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from workers.engines.torch_trainer import publishable
 from workers.engines.optim import apply_warmup, make_optimizer
+from workers.engines.torch_trainer import publishable
 from workers.runtime.distributed import RankGroup, rank_env
 from workers.settings import OptimizerSettings, embed, flat
 
