@@ -39,7 +39,7 @@ from workers.roles.build import (
 from workers.roles.early import EarlyWrites
 from workers.roles.environment import build_environment
 from workers.roles.loop import LeaseKeeper, serve_stage, serve_stages
-from workers.roles.riders import Riders
+from workers.roles.riders import Riders, riding_tasks
 from workers.runtime import cores, heap
 from workers.runtime.events import EventSender, WorkerStatus
 from workers.runtime.metrics import MeteredClient, MeteredEvents, WorkerMetrics
@@ -105,7 +105,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
                 serve_stages(client, common.table, stages, stop, worker=common.name,
                              role=common.role, events=events, timeout_s=common.claim_timeout_s,
                              keeper=keeper,
-                             first_first=getattr(stages[0], "riders", None) is not None)
+                             taken_along=riding_tasks(stages[0]))
             else:
                 if common.coordinator_address:  # the balancer: claim from the shards we own
                     from storage.coordinator_session import ConsumerSession

@@ -163,3 +163,40 @@ def test_an_idle_worker_of_several_stages_wakes_for_any_of_them() -> None:
         client.put("t", pa.table({"x": [3]}))  # wakes the waiting claim so the worker stops
         worker.join(20.0)
         assert not worker.is_alive()
+
+
+def test_stages_taken_along_wait_until_the_first_stage_has_no_rows() -> None:
+    """``taken_along``: while the first stage finds rows, the stages it takes along are not
+    claimed (partial rollout's riders ride the next rollout call instead); once it finds none,
+    they are served. Breaks if a round claims them after the first stage got rows."""
+    import threading
+
+    from workers.roles.loop import serve_stages
+
+    order: list[str] = []
+
+    class Logged(Doubler):
+        def process(self, lease):
+            order.append("double")
+            return super().process(lease)
+
+    class LoggedCheck(Checker):
+        def process(self, lease):
+            order.append("check")
+            return super().process(lease)
+
+    with storage.embedded() as store:
+        client = store.client()
+        client.create_table(_table(30.0))
+        client.put("t", pa.table({"x": list(range(12))}))  # ready for "double"
+        client.put("t", pa.table({"y": list(range(12))}))  # ready for "check"
+        check, stop = LoggedCheck(), threading.Event()
+        worker = threading.Thread(target=serve_stages, daemon=True, args=(
+            store.client(), "t", [Logged(), check], stop),
+            kwargs={"worker": "w", "role": "r", "events": EventSender(None), "timeout_s": 0.2,
+                    "taken_along": ("check",)})
+        worker.start()
+        wait_until(lambda: len(check.seen) == 24, timeout=20.0, what="check served")
+        stop.set()
+        worker.join(20.0)
+    assert order[:3] == ["double"] * 3 and "double" not in order[3:]  # 12 rows, 4 per claim

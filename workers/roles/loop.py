@@ -287,28 +287,30 @@ def serve_stage(client: Any, table: str, stage: Stage, stop: threading.Event, *,
 
 def serve_stages(client: Any, table: str, stages: Sequence[Stage], stop: threading.Event, *,
                  worker: str, role: str, events: EventSender, timeout_s: float = 1.0,
-                 keeper: LeaseKeeper | None = None, first_first: bool = False) -> int:
+                 keeper: LeaseKeeper | None = None, taken_along: Sequence[str] = ()) -> int:
     """One worker serving several tasks (the turn tasks of a multi-turn run, the resume tasks of
     partial rollout): one ``StageLoop`` per stage, taken in turn. A round looks at every stage
     without waiting. After a round that found nothing, the next one starts with a claim that
     waits up to ``timeout_s`` for its stage's rows OR any other stage's (the claim's ``wake``),
     so an idle worker neither spins nor sits on one task's wait while another has rows.
-    ``first_first``: a round ends as soon as the first stage found rows, so the later stages get
-    only rows the first left (partial rollout's riders: a cut row waits for the next rollout
-    call to take it along, unless no rollout rows are there). Stops and flushes like
-    ``serve_stage``."""
+    ``taken_along``: tasks whose rows the first stage takes along when it found rows of its own
+    (partial rollout's riders): in such a round they are not claimed, so a cut row waits for the
+    next rollout call rather than being resumed alone, unless no rollout rows are waiting. The
+    other stages are served every round. Stops and flushes like ``serve_stage``."""
     loops = [StageLoop(client, table, s, worker=worker, role=role, events=events, keeper=keeper)
              for s in stages]
     others = [[o.task for o in stages if o is not s] for s in stages]
     total, wait = 0, 0.0
     while not stop.is_set():
-        got = 0
+        got = first = 0
         for i, loop in enumerate(loops):
             # only a round's first claim waits: a later one would hold up rows found before it
+            if i > 0 and first and loop.stage.task in taken_along:
+                continue
             n = max(loop.turn(wait, others[i]) if i == 0 and wait else loop.turn(0.0), 0)
             got += n
-            if first_first and i == 0 and n:
-                break
+            if i == 0:
+                first = n
         total += got
         wait = 0.0 if got else timeout_s
     for loop in loops:

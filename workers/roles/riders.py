@@ -137,3 +137,9 @@ class Riders:
             self.keeper.drop(ride.lease.lease_id)
         if self.tracer is not None:
             self.tracer.lease_event(event, ride.lease, error=error)
+
+
+def riding_tasks(stage: Any) -> tuple[str, ...]:
+    """The tasks whose rows ``stage`` (a rollout stage) takes along: none without riders."""
+    riders = getattr(stage, "riders", None)
+    return tuple(s.task for s in riders.stages) if riders is not None else ()
