@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 BASE   := $(VENV)/.installed-base
 FULL   := $(VENV)/.installed-test
 
-.PHONY: demo test test-fast compose-test lint bench clean venv gpu-smollm2
+.PHONY: demo test test-fast compose-test lint bench clean venv gpu-smollm2 gpu-check gpu-wheels
 
 venv: $(BASE)
 
@@ -62,6 +62,25 @@ gpu-smollm2: $(BASE)
 	test -f runs/data/word_problems.jsonl || \
 		$(BIN)/python -m workers.tasks.word runs/data/word_problems.jsonl --model $(GPU_MODEL)
 	$(BIN)/streamflow run configs/gpu-smollm2.yaml
+
+# The GPU check (docs/gpu.md): phases and host overhead for G1 and a 150 M Qwen2, the collective
+# weight sync of 0.5 B parameters, the gpu tests; one JSON in runs/gpu-check.json. Runs on the
+# python that has torch (a GPU box's own, no venv); the extra wheels come from gpu-wheels/ when
+# that folder travels with the checkout (`make gpu-wheels` fills it on a machine with internet).
+GPU_WHEELS := gpu-wheels
+GPU_PKGS := pyzmq msgpack msgspec prometheus-client rich markdown-it-py mdurl pygments psutil \
+	matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil six pillow \
+	pytest pytest-timeout pluggy iniconfig
+gpu-check:
+	if [ -d $(GPU_WHEELS) ]; then $(PYTHON) -m pip install -q --no-index \
+		--find-links $(GPU_WHEELS) $(GPU_PKGS); fi
+	mkdir -p runs
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m streamflow bench gpu --json --out runs/gpu-check.json
+
+gpu-wheels:
+	for v in 3.11 3.12 3.13; do $(BIN)/pip download -q --no-deps --only-binary=:all: \
+		--python-version $$v --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+		-d $(GPU_WHEELS) $(GPU_PKGS); done
 
 lint: $(FULL)
 	$(BIN)/ruff check streamflow storage workers bench tests

