@@ -60,7 +60,7 @@ TARGET_G1, TARGET_150M, TARGET_WEIGHTS = 1.0, 1.3, 0.5
 def _sizes(size: str) -> dict[str, Any]:
     """What each size runs: the two models' shapes, iterations, modes, state dict parameters."""
     if size == "full":
-        return {"models": {"g1": G1, "qwen2_150m": Q150}, "iterations": 3, "modes": MODES,
+        return {"models": {"g1": G1, "qwen2_150m": Q150}, "iterations": 2, "modes": MODES,
                 "params": 5e8, "repeats": 2}
     return {"models": {"g1": QUICK, "qwen2_150m": QUICK}, "iterations": 1,
             "modes": () if size == "smoke" else MODES,

@@ -13,6 +13,10 @@ Measured in one invocation, with ``bench phases``' own machinery (no second copy
   bench._plain``) and real ``streamflow run`` jobs in ``sync``, ``periodic`` and ``async``
   (``phases.run_mode``: steady-state seconds per iteration from the trainer's step spans), all over
   the same model directory and the same prompt rows;
+- ``interleaved``: ``bench phases``' in-process pairs (``phases.measure_phases``): StreamFlow's
+  sync iteration and the plain loop's, alternating in this process, medians of ``--iterations``
+  after a warm-up. The modes above are child processes one after another, so load that comes and
+  goes on a shared host moves their ratios; this one it hits on both sides alike;
 - ``breakdown``: one ``sync`` iteration taken apart in this process (``phases.StreamFlowSync``,
   the controller's own colocated loop, every role in one thread), two parts:
 
@@ -35,7 +39,8 @@ asserted: ``sync`` >= 0.9x and the best mode >= 1.0x the plain loop.
 
 Output: a table, then one JSON line (with ``--json`` the table goes to stderr): ``{"modes": {MODE:
 {"seconds_per_iteration", "ratio_to_plain"}}, "plain_seconds_per_iteration",
-"sync_ratio_to_plain", "best_ratio_to_plain", "breakdown": {"breakdown_method", "instrumented",
+"sync_ratio_to_plain", "best_ratio_to_plain", "interleaved": {"sync_seconds_per_iteration",
+"plain_seconds_per_iteration", "sync_ratio_to_plain", "phases"}, "breakdown": {"breakdown_method", "instrumented",
 "profiled_iteration_s", "attributed_s", "categories": {NAME: {"seconds", "fraction"}},
 "other_top"}, "shape", "targets"}`` and, with ``--rounds`` > 1, ``"rounds": [{"plain", MODE:
 seconds}]``.
@@ -57,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._g1 import G1, QUICK, G1Shape, build_model_dir, run_config
-from bench.phases import MODES, StreamFlowSync, run_mode, run_plain
+from bench.phases import MODES, StreamFlowSync, measure_phases, run_mode, run_plain
 
 # G1's batch and vocabulary over a model whose compute is negligible next to the framework's.
 MICRO = replace(G1, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64)
@@ -84,7 +89,7 @@ CATEGORIES: dict[str, Callable[[str], bool]] = {
     # on a GPU each of these is a copy that waits for the device; on the CPU they are cheap
     "host_device_copies": _has("Tensor.to", "Tensor.cpu", "Tensor.cuda", "Tensor.item",
                                "Tensor.copy_", "Tensor.numpy"),
-    "waits": _has("time.sleep", "lock.acquire", "/threading.py", "zmq/sugar/poll",
+    "waits": _has("time.sleep", "lock.acquire", "/threading.py", "zmq/sugar/poll", "select.",
                   "selectors.py"),
     # the model itself (for scale): generate, forward, backward
     "model_compute": _has("transformers/generation/", "torch/nn/modules/", "run_backward",
@@ -117,7 +122,8 @@ class CategoryProfiler:
     override its caller's (``_OVERRIDES``), else the caller's. The categories sum to the whole
     profiled time, with nothing counted twice."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
         self.seconds: dict[str | None, float] = {}
         self.other: dict[str, float] = {}  # time in no category, by the function running it
         self._stack: list[str | None] = [None]
@@ -131,7 +137,7 @@ class CategoryProfiler:
         return self._names[key]
 
     def _event(self, frame: Any, event: str, arg: Any) -> None:
-        now = time.perf_counter()
+        now = self._clock()
         top = self._stack[-1]
         self.seconds[top] = self.seconds.get(top, 0.0) + now - self._last
         if top is None:
@@ -149,21 +155,21 @@ class CategoryProfiler:
             if len(self._stack) > 1:
                 self._stack.pop()
                 self._funcs.pop()
-            self._last = time.perf_counter()
+            self._last = self._clock()
             return
         self._stack.append(own if own is not None and own in _OVERRIDES[top] else top)
         self._funcs.append(name)
-        self._last = time.perf_counter()
+        self._last = self._clock()
 
     def __enter__(self) -> CategoryProfiler:
-        self._last = time.perf_counter()
+        self._last = self._clock()
         sys.setprofile(self._event)
         return self
 
     def __exit__(self, *exc: object) -> None:
         sys.setprofile(None)
         top = self._stack[-1]
-        self.seconds[top] = self.seconds.get(top, 0.0) + time.perf_counter() - self._last
+        self.seconds[top] = self.seconds.get(top, 0.0) + self._clock() - self._last
 
 
 def breakdown(
@@ -243,6 +249,11 @@ def table(report: dict[str, Any], header: str) -> str:
     for name, m in report["modes"].items():
         lines.append(f"{name:<12} {m['seconds_per_iteration']:>12.4f} {m['ratio_to_plain']:>11.2f}")
     lines.append(f"{'plain loop':<12} {report['plain_seconds_per_iteration']:>12.4f}")
+    i = report["interleaved"]
+    lines.append(f"interleaved in one process (medians): sync {i['sync_seconds_per_iteration']:.4f}"
+                 f" s, plain {i['plain_seconds_per_iteration']:.4f} s, plain/sync "
+                 f"{i['sync_ratio_to_plain']:.2f}; phase ratios " + ", ".join(
+                     f"{k} {v['ratio']:.2f}" for k, v in i["phases"].items()))
     b = report["breakdown"]
     lines.append("one sync iteration, instrumented: " + ", ".join(
         f"{k} {v:.4f}" for k, v in b["instrumented"].items()))
@@ -269,6 +280,16 @@ def measure_model(
     figure is the median over rounds (on a shared host, load moves between children)."""
     report: dict[str, Any] = {}
     if modes:
+        # sync against the plain loop in this process, iteration by iteration: load that moves
+        # between the child processes below hits both sides of this ratio alike
+        phases, plain_in, extras = measure_phases(shape, model_dir, work / "interleaved",
+                                                  iterations=iterations, threads=threads,
+                                                  device=device)
+        sync_in = extras["streamflow_sync_iteration_s"]
+        report["interleaved"] = {
+            "sync_seconds_per_iteration": round(sync_in, 6),
+            "plain_seconds_per_iteration": round(plain_in, 6),
+            "sync_ratio_to_plain": round(plain_in / sync_in, 4), "phases": phases}
         kw = dict(iterations=iterations, threads=threads, device=device)
         plains: list[float] = []
         runs: dict[str, list[float]] = {m: [] for m in modes}
