@@ -286,7 +286,7 @@ def measure_model(
                                                   iterations=iterations, threads=threads,
                                                   device=device)
         sync_in = extras["streamflow_sync_iteration_s"]
-        report["interleaved"] = {
+        interleaved = {
             "sync_seconds_per_iteration": round(sync_in, 6),
             "plain_seconds_per_iteration": round(plain_in, 6),
             "sync_ratio_to_plain": round(plain_in / sync_in, 4), "phases": phases}
@@ -302,6 +302,7 @@ def measure_model(
                 plains.append(run_plain(shape, model_dir, work, **kw))
         report = summarize({m: statistics.median(v) for m, v in runs.items()},
                            statistics.median(plains))
+        report["interleaved"] = interleaved
         if rounds > 1:  # each round's seconds: the spread behind the medians
             report["rounds"] = [{"plain": round(plains[r], 6),
                                  **{m: round(runs[m][r], 6) for m in modes}}

@@ -64,3 +64,34 @@ def test_bad_flags_fail_with_one_line(capsys):
     with pytest.raises(SystemExit):
         overhead.main(["--rounds", "0"])
     assert "--rounds must be >= 1" in capsys.readouterr().err
+
+
+def test_report_has_every_part_and_the_table_prints_it(monkeypatch, tmp_path):
+    """The JSON's shape from ``measure_model`` with its measurements stubbed (the real ones run
+    in test_bench_gpu.py): breaks when a part is dropped or overwritten (the interleaved figures
+    were once lost to the modes' summary) or the table no longer reads one."""
+    from bench import phases
+
+    pair = {"streamflow_s": 1.0, "baseline_s": 2.0, "ratio": 2.0}
+    monkeypatch.setattr(overhead, "measure_phases", lambda *a, **k: (
+        {n: pair for n in phases.PHASES}, 4.0, {"streamflow_sync_iteration_s": 2.0}))
+    monkeypatch.setattr(overhead, "run_plain", lambda *a, **k: 3.0)
+    monkeypatch.setattr(overhead, "run_mode", lambda *a, mode, **k: {
+        "sync": 4.0, "periodic": 2.0, "async": 3.0}[mode])
+    monkeypatch.setattr(overhead, "breakdown", lambda *a, **k: {
+        "instrumented": {"iteration_s": 1.0}, "profiled_iteration_s": 1.0, "attributed_s": 1.0,
+        "categories": {"other": {"seconds": 1.0, "fraction": 1.0}}, "other_top": []})
+    report = overhead.measure_model(_g1_quick(), tmp_path, tmp_path, iterations=1, threads=1,
+                                    device="cpu", rounds=2)
+    assert {"modes", "plain_seconds_per_iteration", "sync_ratio_to_plain", "best_ratio_to_plain",
+            "interleaved", "breakdown", "rounds"} <= set(report)
+    assert report["interleaved"]["sync_ratio_to_plain"] == 2.0  # plain 4.0 s / sync 2.0 s
+    assert report["rounds"] == [{"plain": 3.0, "sync": 4.0, "periodic": 2.0, "async": 3.0}] * 2
+    text = overhead.table(report, "header")
+    assert "interleaved in one process" in text and "target sync >= 0.9x" in text
+
+
+def _g1_quick():
+    from bench import _g1
+
+    return _g1.QUICK
