@@ -82,6 +82,7 @@ def overhead_step(shape: G1Shape, model_dir: Path, work: Path, *, iterations: in
                   device: str, modes: tuple[str, ...]) -> dict[str, Any]:
     from bench.overhead import measure_model
 
+    work.mkdir(parents=True, exist_ok=True)  # the modes' and the plain loop's configs go here
     return measure_model(shape, model_dir, work, iterations=iterations, threads=threads,
                          device=device, modes=modes)
 
