@@ -62,7 +62,14 @@ from pathlib import Path
 from typing import Any
 
 from bench._g1 import G1, QUICK, G1Shape, build_model_dir, run_config
-from bench.phases import MODES, StreamFlowSync, measure_phases, run_mode, run_plain
+from bench.phases import (
+    MODES,
+    StreamFlowSync,
+    check_run_args,
+    measure_phases,
+    run_mode,
+    run_plain,
+)
 
 # G1's batch and vocabulary over a model whose compute is negligible next to the framework's.
 MICRO = replace(G1, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64)
@@ -345,12 +352,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--json", action="store_true", help="stdout holds only the JSON line")
     args = parser.parse_args(argv)
-    if args.iterations is None:
-        args.iterations = 1 if args.quick else 4
-    if args.iterations < 1 or args.threads < 1 or args.rounds < 1:
-        parser.error("--iterations, --threads and --rounds must be >= 1")
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        parser.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    check_run_args(parser, args, quick_iterations=1)
     modes = tuple(m for m in args.modes.split(",") if m)
     if "sync" not in modes or not set(modes) <= set(MODES):
         parser.error(f"--modes must include sync and name only {', '.join(MODES)}, "

@@ -316,6 +316,18 @@ def table(report: dict[str, Any], extras: dict[str, float], header: str) -> str:
     return "\n".join(lines)
 
 
+def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+                   quick_iterations: int) -> None:
+    """The checks of ``--iterations`` (default 4, ``quick_iterations`` with --quick),
+    ``--threads``, ``--rounds`` and ``--device`` that bench phases and bench overhead share."""
+    if args.iterations is None:
+        args.iterations = quick_iterations if args.quick else 4
+    if args.iterations < 1 or args.threads < 1 or args.rounds < 1:
+        parser.error("--iterations, --threads and --rounds must be >= 1")
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        parser.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+
+
 def main(argv: list[str]) -> int:
     """Run the benchmark; prints the table then one JSON line. Returns the exit status."""
     parser = argparse.ArgumentParser(prog="streamflow bench phases",
@@ -330,12 +342,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--json", action="store_true", help="stdout holds only the JSON line")
     args = parser.parse_args(argv)
-    if args.iterations is None:
-        args.iterations = 2 if args.quick else 4
-    if args.iterations < 1 or args.threads < 1 or args.rounds < 1:
-        parser.error("--iterations, --threads and --rounds must be >= 1")
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        parser.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    check_run_args(parser, args, quick_iterations=2)
     shape = QUICK if args.quick else G1
     try:  # a --device this build cannot place the roles on fails here, before any work
         run_config(shape, Path("g1"), Path("."), mode="sync", iterations=1, threads=args.threads,
