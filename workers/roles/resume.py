@@ -88,17 +88,17 @@ class ResumeStage:
             contexts = [continuation_ids(row["prompt_ids"], segs) for row, segs in live]
             cut = stage.cut_event(version, cut=self.j < stage.max_cuts)
             early = None if stage.early is None else stage.early.call(
-                lease, lambda got: self._writes(live, done, version, got))
+                lease, lambda got: self.segment_writes(live, done, version, got))
             generations = [g[0] for g in stage.generate(
                 contexts, 1, params, cut, early.on_done if early is not None else None)]
         self.last_tokens = sum(min(len(g.token_ids), limit - d)
                                for g, d in zip(generations, done, strict=True))
         stage.resumed_tokens_total += self.last_tokens
         written = early.written if early is not None else set()
-        return self._writes(live, done, version,
+        return self.segment_writes(live, done, version,
                             [(i, g) for i, g in enumerate(generations) if i not in written])
 
-    def _writes(self, live: list[tuple[dict[str, Any], tuple[Segment, ...]]], done: list[int],
+    def segment_writes(self, live: list[tuple[dict[str, Any], tuple[Segment, ...]]], done: list[int],
                 version: int, got: list[tuple[int, Generation]]) -> Parts:
         """The writes of segment j for the live rows at positions ``got`` (their continuation
         each): cut again, or ended."""

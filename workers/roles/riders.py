@@ -106,7 +106,7 @@ class Riders:
             tokens += sum(min(len(g.token_ids), limit - d) for g, d in zip(gens, ride.done,
                                                                            strict=True))
             written = ride.early.written if ride.early is not None else set()
-            parts = ride.stage._writes(ride.live, ride.done, version,
+            parts = ride.stage.segment_writes(ride.live, ride.done, version,
                                        [(i, g) for i, g in enumerate(gens) if i not in written])
             traced = None
             if self.tracer is not None and self.tracer.enabled:

@@ -252,7 +252,7 @@ class RolloutStage:
             owners: list[tuple[EarlyCall, int]] = [(early, i) for i in range(n)]
             for r in rides:
                 r.early = self.early.call(
-                    r.lease, lambda got, r=r: r.stage._writes(r.live, r.done, version, got))
+                    r.lease, lambda got, r=r: r.stage.segment_writes(r.live, r.done, version, got))
                 owners += [(r.early, i) for i in range(len(r.live))]
             on_done = lambda k, g: owners[k][0].on_done(owners[k][1], g)  # noqa: E731
         gens = [g[0] for g in self.generate(contexts, 1, params, self.cut_event(version), on_done)]
