@@ -124,7 +124,7 @@ def build_model_dir(path: Path, shape: G1Shape, seed: int = 0) -> Path:
 
 def run_config(
     shape: G1Shape, model_dir: Path, out_dir: Path, *, mode: str, iterations: int, threads: int,
-    device: str,
+    device: str, shared_threads: bool = True,
 ) -> dict[str, Any]:
     """The raw config tree of one G1 run (``streamflow.config.config_from_dict`` / YAML).
 
@@ -147,6 +147,10 @@ def run_config(
       third process (two processes share two cores better than three: ``async`` 2.93 against
       3.17 s per iteration, ``periodic`` 3.36 against 3.49 s), but fused into the trainer in
       ``periodic`` and run by the rollout worker in ``async`` (docs/performance.md).
+
+    ``shared_threads=False`` gives the streaming modes fixed threads instead (``run.host_threads
+    = 0``): the budget split in halves between the rollout worker and the trainer, the layout
+    ``bench phases`` compares the shared default with.
     """
     rows = shape.prompts * shape.group_size
     streaming = mode != "sync"
@@ -154,7 +158,7 @@ def run_config(
         "run": {"name": f"g1-{mode}", "mode": mode, "iterations": iterations, "seed": 0,
                 "output_dir": str(out_dir / "{name}"), "eval_every": 0, "eval_prompts": 0,
                 "progress": False, "log_level": "WARNING",
-                "host_threads": threads if streaming else 0},
+                "host_threads": threads if streaming and shared_threads else 0},
         "model": {"path": str(model_dir), "warmstart_steps": 0},
         "data": {"task": "arithmetic", "digits": 2, "operations": ["+"],
                  "prompts_per_iteration": shape.prompts, "group_size": shape.group_size},
@@ -164,7 +168,9 @@ def run_config(
                     else shape.prompts},
         "reward": {"fn": "exact_match", "rows_per_claim": rows},
         "reference": {"placement": REFERENCE_PLACEMENT[mode], "rows_per_claim": rows},
-        "trainer": {"engine": "torch", "lr": LR, "kl_coef": KL_COEF, "threads": threads,
+        "trainer": {"engine": "torch", "lr": LR, "kl_coef": KL_COEF,
+                    "threads": threads if shared_threads or not streaming
+                    else max(threads // 2, 1),
                     "rows_per_claim": 32 if streaming else rows},
         "metrics": {"enabled": False},
     }

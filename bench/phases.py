@@ -22,6 +22,10 @@ per iteration (no eos: every response runs to 64 tokens on both sides), KL coeff
   spans): from the end of the first optimizer step to the end of the last but one, divided by
   ``--iterations``, so start-up, pipeline fill, the drain (a last iteration generated ahead) and
   the final checkpoint are left out;
+- with ``--threads`` of 2 or more, ``periodic`` and ``async`` once more with fixed threads
+  (``run.host_threads=0``, half the budget each for the rollout worker and the trainer), so the
+  shared default is measured against the layout it replaced (``"fixed_threads"``: seconds per
+  iteration and ``shared_speedup`` = fixed ÷ shared seconds, > 1: sharing is faster);
 - the plain loop's seconds per iteration: the loop alone in a process of its own
   (``python -m bench._plain``), measured like the modes (a fresh process, its first iteration
   left out, the mean of ``--iterations``), run before the modes in odd rounds and after them in
@@ -38,7 +42,7 @@ Output: a table, then one JSON line (with ``--json`` the table goes to stderr an
 the JSON line): ``{"phases": {NAME: {"streamflow_s", "baseline_s", "ratio"}}, "modes": {MODE:
 {"seconds_per_iteration", "ratio_to_plain"}}, "plain_seconds_per_iteration", "worst_phase_ratio",
 "best_ratio_to_plain", "best_streaming_ratio_to_sync",
-"plain_in_process_seconds_per_iteration"}``.
+"plain_in_process_seconds_per_iteration", "fixed_threads"}``.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from bench._g1 import G1, KL_COEF, QUICK, G1Shape, build_model_dir, run_config
 
 PHASES = ("generation", "reference", "train_step")
 MODES = ("sync", "periodic", "async")
+FIXED_MODES = ("periodic", "async")  # also run with fixed threads when --threads >= 2
 TARGET_PHASE, TARGET_PLAIN, TARGET_STREAMING = 1.0, 1.3, 1.0
 HEADLINES = ("worst_phase_ratio", "best_ratio_to_plain", "best_streaming_ratio_to_sync")
 
@@ -170,14 +175,16 @@ def _pair(streamflow_s: float, baseline_s: float) -> dict[str, float]:
 
 def run_mode(
     shape: G1Shape, model_dir: Path, work: Path, *, mode: str, iterations: int, threads: int,
-    device: str,
+    device: str, shared_threads: bool = True,
 ) -> float:
     """Steady-state seconds per iteration of a real ``streamflow run`` job of ``mode``."""
     from streamflow.rundir import RunDir
 
+    label = mode if shared_threads else f"{mode}-fixed-threads"
     tree, config = _write_config(shape, model_dir, work, mode=mode, iterations=iterations + 2,
-                                 threads=threads, device=device)
-    _child(["-m", "streamflow", "run", str(config)], f"streamflow run ({mode})")
+                                 threads=threads, device=device, label=label,
+                                 shared_threads=shared_threads)
+    _child(["-m", "streamflow", "run", str(config)], f"streamflow run ({label})")
     run_dir = RunDir(tree["run"]["output_dir"].replace("{name}", tree["run"]["name"]))
     # The trainer's own clock: the end of each optimizer step (its step span, rows == 0). The
     # iteration records' timestamps are taken when the controller gets around to the report, and
@@ -190,7 +197,7 @@ def run_mode(
         raise RuntimeError(f"streamflow run ({mode}): {len(stamps)} trainer steps in its "
                            f"timeline, expected {iterations + 2}")
     seconds = (stamps[-2] - stamps[0]) / iterations
-    _progress(f"mode {mode}: {seconds:.2f} s per iteration")
+    _progress(f"mode {label}: {seconds:.2f} s per iteration")
     return seconds
 
 
@@ -211,13 +218,13 @@ def run_plain(
 
 def _write_config(
     shape: G1Shape, model_dir: Path, work: Path, *, mode: str, iterations: int, threads: int,
-    device: str, label: str | None = None,
+    device: str, label: str | None = None, shared_threads: bool = True,
 ) -> tuple[dict[str, Any], Path]:
     """The run config tree of ``mode`` and its YAML file ``LABEL.yaml`` (label: the mode), the
     previous round's run directory of that label removed."""
     label = label or mode
     tree = run_config(shape, model_dir, work / "runs", mode=mode, iterations=iterations,
-                      threads=threads, device=device)
+                      threads=threads, device=device, shared_threads=shared_threads)
     tree["run"]["name"] = f"g1-{label}"
     shutil.rmtree(tree["run"]["output_dir"].replace("{name}", tree["run"]["name"]),
                   ignore_errors=True)  # the previous round's run of this label
@@ -287,6 +294,18 @@ def combine(
     return report, extras
 
 
+def fixed_threads(report: dict[str, Any], extras: dict[str, float]) -> dict[str, Any] | None:
+    """The streaming modes with fixed threads beside the shared default (None: not measured)."""
+    if f"{FIXED_MODES[0]}_fixed_s" not in extras:
+        return None
+    out = {}
+    for m in FIXED_MODES:
+        fixed = round(extras[f"{m}_fixed_s"], 6)
+        shared = report["modes"][m]["seconds_per_iteration"]
+        out[m] = {"seconds_per_iteration": fixed, "shared_speedup": round(fixed / shared, 4)}
+    return out
+
+
 def _mark(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
@@ -306,6 +325,9 @@ def table(report: dict[str, Any], extras: dict[str, float], header: str) -> str:
         lines.append(f"{name:<12} {m['seconds_per_iteration']:>12.4f} {m['ratio_to_plain']:>11.2f}")
     lines.append(f"{'plain loop':<12} {report['plain_seconds_per_iteration']:>12.4f}  "
                  "(alone in its own process)")
+    for name, m in (report.get("fixed_threads") or {}).items():
+        lines.append(f"{name + ' fixed':<12} {m['seconds_per_iteration']:>12.4f}  (fixed threads; "
+                     f"shared by phase is {m['shared_speedup']:.2f}x faster)")
     w, b, s = (report[k] for k in HEADLINES)
     lines.append(f"target every phase >= {TARGET_PHASE}x: worst {w:.2f}x "
                  f"({_mark(w >= TARGET_PHASE)})")
@@ -371,6 +393,10 @@ def main(argv: list[str]) -> int:
                 if r % 2 == 0:
                     plain_s = run_plain(shape, model_dir, work, **kw)
                 modes = {m: run_mode(shape, model_dir, work, mode=m, **kw) for m in MODES}
+                if args.threads >= 2:  # the default's shared threads against fixed ones
+                    for m in FIXED_MODES:
+                        extras[f"{m}_fixed_s"] = run_mode(shape, model_dir, work, mode=m,
+                                                          shared_threads=False, **kw)
                 if r % 2 == 1:
                     plain_s = run_plain(shape, model_dir, work, **kw)
                 rounds.append((phases, modes, plain_s, extras))
@@ -379,6 +405,7 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(work, ignore_errors=True)
     report, extras = combine(rounds)
     report["plain_in_process_seconds_per_iteration"] = round(extras["plain_in_process_s"], 6)
+    report["fixed_threads"] = fixed_threads(report, extras)
     header = (f"G1{' (quick shapes)' if args.quick else ''}: Qwen2 hidden={shape.hidden} "
               f"layers={shape.layers} vocab={shape.vocab}, {shape.prompts} prompts x G="
               f"{shape.group_size} x {shape.new_tokens} tokens, beta={KL_COEF}, {args.threads} "

@@ -158,7 +158,7 @@ class Controller:
         # Colocated: this one process holds every model and gets the largest thread budget.
         heap.keep_heap()  # its stages' freed activations are reused, not faulted in again
         torch.set_num_threads(
-            self.cfg.run.host_threads or max(self.cfg.rollout.threads, self.cfg.trainer.threads))
+            self.plan.host_threads or max(self.cfg.rollout.threads, self.cfg.trainer.threads))
         events: Any = EventSender(None, trace=self.cfg.run.trace)  # reports stay in memory
         if self.metrics is not None:  # the workers' series, from this one process's endpoint
             events = MeteredEvents(events, WorkerMetrics(self.metrics.registry))
@@ -192,7 +192,7 @@ class Controller:
                 write_targets(self.rundir.path, st.endpoints, cfg.run.name)
             if plan.cores_path is not None:  # evaluation takes slot 0 of the host's budget
                 cores.install(cores.CoreShare(CoreShareConfig(
-                    str(plan.cores_path), 0, cfg.run.host_threads)))
+                    str(plan.cores_path), 0, plan.host_threads)))
             workers = plan.workers(addresses, receiver.endpoint, coordinator)
             cluster.start_workers(workers, receiver.endpoint)
             self._wait_ready(cluster, receiver, {name for name, *_ in workers})

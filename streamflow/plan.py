@@ -97,6 +97,7 @@ class RunPlan:
     start_iteration: int = 0
     # the host's thread-budget table (workers.runtime.cores); None: each role keeps its own threads
     cores_path: Path | None = None
+    host_threads: int = 0  # run.host_threads resolved on this host (0 = fixed threads per role)
     rollout: RolloutWorkerConfig = field(init=False)
     reward: RewardWorkerConfig = field(init=False)
     reference: ReferenceWorkerConfig | None = field(init=False)
@@ -176,8 +177,8 @@ class RunPlan:
                              threads=threads, coordinator_address=coordinator_address)
             if role not in ("reward", "environment") and self.cores_path is not None:  # the host's shared budget
                 cap = threads if role == "rollout" else 0  # see CoreShareConfig.max_threads
-                share = CoreShareConfig(str(self.cores_path), next(slots), c.run.host_threads, cap)
-                common = replace(common, threads=cap or c.run.host_threads, cores=share)
+                share = CoreShareConfig(str(self.cores_path), next(slots), self.host_threads, cap)
+                common = replace(common, threads=cap or self.host_threads, cores=share)
             out.append((common.name, role, replace(record, common=common, **extra), common.threads))
 
         group = self.rollout.weights_group
@@ -186,7 +187,8 @@ class RunPlan:
                 device=self.devices.rollout[i] if self.devices else self.rollout.device,
                 weights_group=group and replace(group, rank=i + 1))
         for i in range(c.reward.num_workers):
-            add("reward", self.reward, i, 1)
+            add("reward", self.reward, i, 1,
+                model_device=self.devices.reward[i] if self.devices else self.reward.model_device)
         if self.environment is not None:  # CPU only: tool calls, observations, no model
             for i in range(c.env.num_workers):
                 add("environment", self.environment, i, 1)
@@ -224,7 +226,8 @@ def build_plan(cfg: RunConfig, run_dir: Path,
     plan = RunPlan(cfg, run_dir, model_path, _weights_dir(run_dir), load_tokenizer(model_path),
                    train, task, evals)
     # streaming workers share run.host_threads by phase (workers.runtime.cores)
-    if cfg.run.host_threads > 0 and not cfg.trainer.deterministic and cfg.run.mode != "sync":
+    plan.host_threads = cfg.run.host_thread_budget(cfg.trainer.deterministic)
+    if plan.host_threads > 0 and cfg.run.mode != "sync":
         cores_path = plan.weights_dir.with_name(f"{plan.weights_dir.name}.cores")
         plan.cores_path = create_core_table(cores_path)
     resume_from = find_resume(cfg, run_dir)
@@ -299,7 +302,10 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
         rows_per_claim=cfg.env.rows_per_claim, agent=agent) if agent is not None else None
     plan.reward = RewardWorkerConfig(common=_named(blank, "reward", 1), model_path=model,
                                      verifier=cfg.reward.verifier,
-                                     rows_per_claim=cfg.reward.rows_per_claim, agent=agent)
+                                     rows_per_claim=cfg.reward.rows_per_claim, agent=agent,
+                                     scorer=cfg.reward.scorer,
+                                     model_device=devices.reward[0] if devices.reward else "cpu",
+                                     model_dtype=devices.reward_dtype)
     plan.reference = ReferenceWorkerConfig(
         common=_named(blank, "reference", cfg.reference.threads), model_path=model,
         sampling=r.sampling, rows_per_claim=cfg.reference.rows_per_claim, pack=t.pack,

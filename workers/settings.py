@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -48,10 +49,11 @@ def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
 
 
 def check_bounds(obj: Any) -> None:
-    """Check every ``bounded`` field of a dataclass instance (None always passes)."""
+    """Check every ``bounded`` field of a dataclass instance (None and the strings of a field
+    that also takes a choice, such as 'auto', always pass: the converter checked those)."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if value is None or "ge" not in f.metadata:
+        if value is None or isinstance(value, str) or "ge" not in f.metadata:
             continue
         ge, gt, le = f.metadata["ge"], f.metadata["gt"], f.metadata["le"]
         ok = (ge is None or value >= ge) and (gt is None or value > gt)
@@ -297,6 +299,64 @@ class RewardSettings(Checked):
     def check(self) -> None:
         require(bool(_REWARD_FN.match(self.fn)), "fn",
                 f"must be a registry name or 'module.path:function', got {self.fn!r}")
+
+
+_TEMPLATE_FIELDS = ("prompt", "response", "answer")
+
+
+def template_fields(template: str) -> list[str]:
+    """The ``{field}`` names of a reward-model template; ConfigValueError (key ``template``)
+    for a malformed one or a field other than prompt, response, answer."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as err:
+        raise ConfigValueError("template", f"is not a valid template ({err}; write a literal "
+                               "brace as {{ or }})") from None
+    bad = sorted({n for n in names if n not in _TEMPLATE_FIELDS})
+    require(not bad, "template", f"has unknown field(s) {bad}: the fields are {{prompt}}, "
+            "{response}, {answer}")
+    return names
+
+
+@dataclass(frozen=True)
+class RewardModelSettings(Checked):
+    """A model that scores responses (``reward.*``; workers/engines/reward_model.py,
+    docs/rewards.md). Held-out accuracy stays the verifier's (``reward.fn``) either way."""
+
+    # local Hugging Face directory: a sequence classifier (AutoModelForSequenceClassification,
+    # one logit = the score) or a causal LM used as a judge (needs ``template``); None = the
+    # verifier reward.fn alone scores
+    model: str | None = None
+    # the text the model reads, with {prompt}, {response}, {answer}; "" = a classifier reads the
+    # prompt and the response (as a user and an assistant turn when it ships a chat template)
+    template: str = ""
+    chat_template: bool = True  # wrap the text in the chat template the model ships, if any
+    # judge: "tokens" = the score is P(judge_tokens[0]) / P(any of judge_tokens) as the next
+    # token; "parse" = the first number of a greedy answer of judge_max_tokens tokens
+    judge: Literal["tokens", "parse"] = "tokens"
+    judge_tokens: tuple[str, ...] = ("Yes", "No")  # each one token of the judge's tokenizer
+    judge_max_tokens: int = bounded(8, ge=1)  # judge=parse: tokens of its greedy answer
+    # with the verifier reward.fn: "model" = the model's score alone (the verifier is not run),
+    # "sum" = model_weight x model + verifier_weight x verifier, "gate" = the model's score where
+    # the verifier scores > 0, else 0
+    combine: Literal["model", "sum", "gate"] = "model"
+    model_weight: float = 1.0  # combine=sum: weight of the model's score
+    verifier_weight: float = 1.0  # combine=sum: weight of the verifier's score
+    # the model's score before combining: "none", "group" (z-score within each prompt's group:
+    # the reward workers then claim whole groups), "running" (z-score by the worker's running
+    # mean and std of every score it has made)
+    normalize: Literal["none", "group", "running"] = "none"
+    rows_per_forward: int = bounded(64, ge=1)  # rows per batched forward of the reward model
+
+    def check(self) -> None:
+        object.__setattr__(self, "judge_tokens", tuple(self.judge_tokens))  # (JSON: a list)
+        if self.model is not None:
+            require(bool(self.model.strip()), "model", "must be a directory path or null")
+        if self.template:
+            require("response" in template_fields(self.template), "template",
+                    "must contain {response} (the text being scored)")
+        require(len(self.judge_tokens) >= 1 and all(self.judge_tokens), "judge_tokens",
+                f"must list at least one non-empty token, got {list(self.judge_tokens)}")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ in ``streamflow.config``; how to add a knob: docs/controller.md "Configuration".
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -20,6 +21,7 @@ from workers.settings import (
     OptimizerSettings,
     PackingSettings,
     PartialSettings,
+    RewardModelSettings,
     RewardSettings,
     SamplingSettings,
     SimulatedDevice,
@@ -77,9 +79,19 @@ class RunSection(Checked):
     max_restarts: int = bounded(3, ge=0)
     # torch threads this host's compute processes (rollout, reference, trainer, evaluation) share
     # in the streaming modes, handed back and forth by phase: one process at work gets them all,
-    # two split them (workers/runtime/cores.py). sync uses them all in its one process. 0 = off: each
-    # role keeps its own `threads`. Ignored (fixed threads) with trainer.deterministic.
-    host_threads: int = bounded(0, ge=0, le=1024)
+    # two split them (workers/runtime/cores.py). sync uses them all in its one process. 'auto' =
+    # the CPUs this process may run on; 0 = off: each role keeps its own `threads`. Ignored
+    # (fixed threads) with trainer.deterministic.
+    host_threads: int | Literal["auto"] = bounded("auto", ge=0, le=1024)
+
+    def host_thread_budget(self, deterministic: bool) -> int:
+        """``host_threads`` as a count (0 = off): 'auto' resolved on this host."""
+        if deterministic:  # thread counts that move by phase would move the last bits
+            return 0
+        if self.host_threads == "auto":
+            return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else os.cpu_count() or 1
+        return self.host_threads
     progress: bool = True  # live display on a TTY; otherwise one log line per iteration
     log_level: LogLevel = "INFO"  # logging level of every process of the run
     # draw plots/rewards.png and plots/timeline.png when the run ends (off: sweeps of throwaway
@@ -193,11 +205,20 @@ class RolloutSection(Checked):
 @dataclass(frozen=True)
 class RewardSection(Checked):
     verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error
+    # model, template, judge*, combine, *_weight, normalize: a reward model (docs/rewards.md)
+    scorer: RewardModelSettings = embed(RewardModelSettings)
     num_workers: int = bounded(1, ge=1)  # reward worker processes
     rows_per_claim: int = bounded(32, ge=1)  # rows claimed per micro-batch
     # held-out accuracy counts a prompt as solved when the reward of its greedy response is >= this
     # (1.0: the full score of a 0/1 verifier such as exact_match)
     success_threshold: float = 1.0
+    # with reward.model: where the reward model runs (auto | cpu | cuda | cuda:N; placed by the
+    # devices.placement rules like the other roles) and its dtype (auto: model.dtype)
+    device: str = "auto"
+    dtype: RoleDType = "auto"
+
+    def check(self) -> None:
+        _check_device(self.device)
 
 
 @flat

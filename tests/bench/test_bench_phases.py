@@ -31,7 +31,8 @@ def test_quick_run_prints_one_json_line_with_consistent_figures(capsys):
     report = json.loads(captured.out.strip().splitlines()[-1])
     assert set(report) == {"phases", "modes", "plain_seconds_per_iteration", "worst_phase_ratio",
                            "best_ratio_to_plain", "best_streaming_ratio_to_sync",
-                           "plain_in_process_seconds_per_iteration"}
+                           "plain_in_process_seconds_per_iteration", "fixed_threads"}
+    assert report["fixed_threads"] is None  # one thread: nothing to share
     # the plain loop alone in its own process, the one the modes are compared with
     assert "plain loop (own process):" in captured.err
     assert _positive(report["plain_in_process_seconds_per_iteration"])
@@ -101,6 +102,11 @@ def test_run_config_gives_each_mode_its_layout_and_is_a_valid_config(tmp_path):
             # async runs an iteration ahead: a whole one a claim (one larger decode batch)
             assert cfg.rollout.groups_per_claim == {"periodic": 8, "async": 16}[mode]
             assert cfg.trainer.rows_per_claim == 32
+            fixed = config_from_dict(_g1.run_config(
+                _g1.G1, tmp_path, tmp_path, mode=mode, iterations=3, threads=2, device="cpu",
+                shared_threads=False))  # what bench phases compares the shared default with
+            assert fixed.run.host_threads == 0
+            assert fixed.rollout.threads == fixed.trainer.threads == 1
 
 
 def test_summary_ratios_are_plain_over_streamflow():
@@ -172,9 +178,9 @@ def test_the_plain_loop_runs_alone_beside_the_modes_first_then_last(monkeypatch,
         calls.append("phases")
         return phases, 9.0, dict(extras)
 
-    def fake_mode(*args, mode, **kwargs):
-        calls.append(mode)
-        return {"sync": 4.0, "periodic": 5.0, "async": 2.5}[mode]
+    def fake_mode(*args, mode, shared_threads=True, **kwargs):
+        calls.append(mode if shared_threads else f"{mode}-fixed")
+        return {"sync": 4.0, "periodic": 5.0, "async": 2.5}[mode] * (1 if shared_threads else 2)
 
     def fake_plain(*args, **kwargs):
         calls.append("plain")
@@ -185,14 +191,19 @@ def test_the_plain_loop_runs_alone_beside_the_modes_first_then_last(monkeypatch,
     monkeypatch.setattr(bench, "run_mode", fake_mode)
     monkeypatch.setattr(bench, "run_plain", fake_plain)
     assert bench.main(["--quick", "--json", "--iterations", "1", "--rounds", "3"]) == 0
-    round_ = ["phases", "plain", "sync", "periodic", "async"]
-    flipped = ["phases", "sync", "periodic", "async", "plain"]
+    # two threads (the default): the streaming modes once more with fixed threads, each round
+    fixed = ["periodic-fixed", "async-fixed"]
+    round_ = ["phases", "plain", "sync", "periodic", "async", *fixed]
+    flipped = ["phases", "sync", "periodic", "async", *fixed, "plain"]
     assert calls == round_ + flipped + round_
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["plain_seconds_per_iteration"] == 5.0  # the median of the lone runs
     assert report["plain_in_process_seconds_per_iteration"] == 9.0  # not the one compared with
     assert report["modes"]["async"]["ratio_to_plain"] == 2.0
     assert [r["plain_seconds_per_iteration"] for r in report["rounds"]] == [4.0, 6.0, 5.0]
+    assert report["fixed_threads"] == {
+        "periodic": {"seconds_per_iteration": 10.0, "shared_speedup": 2.0},
+        "async": {"seconds_per_iteration": 5.0, "shared_speedup": 2.0}}
 
 
 @pytest.mark.slow

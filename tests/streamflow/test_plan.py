@@ -82,3 +82,32 @@ def test_placement_counts_every_reference_worker(tiny_config) -> None:
     assert sum(n.reference for n in cfg.placement.nodes) == 2
     with pytest.raises(ConfigError, match=r"places 1 reference .*reference.num_workers"):
         tiny_config("trainer.kl_coef=0.05", "reference.num_workers=2", nodes % 1)
+
+
+def test_host_threads_auto_shares_this_hosts_cpus_unless_deterministic(
+        tiny_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto' (the default) hands the streaming workers this host's CPUs by phase; a fixed count
+    is kept; trainer.deterministic and 0 keep each role's own threads. Breaks if 'auto' stops
+    being the default, or resolves to anything but the CPUs this process may use."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    cases = {("trainer.deterministic=false",): 3,
+             ("trainer.deterministic=false", "run.host_threads=2"): 2,
+             ("trainer.deterministic=false", "run.host_threads=0"): 0,
+             ("trainer.deterministic=true",): 0}
+    for i, (overrides, budget) in enumerate(cases.items()):
+        cfg = tiny_config("run.mode=periodic", *overrides)
+        assert cfg.run.host_threads == ("auto" if len(overrides) == 1 else cfg.run.host_threads)
+        plan = build_plan(cfg, tmp_path / f"run{i}")
+        try:
+            assert plan.host_threads == budget
+            assert (plan.cores_path is not None) == (budget > 0)
+            shares = {name: rec.common.cores for name, _, rec, _ in plan.workers(["tcp://x"], None)}
+            for name, share in shares.items():
+                if name.startswith(("trainer", "rollout")):
+                    assert (share is not None and share.total_threads == budget) == (budget > 0)
+        finally:
+            plan.cleanup()
+    with pytest.raises(ConfigError, match="run.host_threads"):
+        tiny_config("run.host_threads=many")
