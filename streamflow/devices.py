@@ -52,6 +52,9 @@ class RoleDevices:
     rollout_dtype: str
     reference_dtype: str
     trainer_dtype: str  # compute (autocast) dtype; master weights stay float32
+    # one per reward worker: the reward model's device ("cpu" without reward.model) and dtype
+    reward: tuple[str, ...] = ()
+    reward_dtype: str = "float32"
 
 
 def _dtype(choice: str, model: str, device: str) -> str:
@@ -77,20 +80,24 @@ def _check_index(key: str, device: str, gpus: int) -> None:
 def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
     """Every process's device for ``gpus`` visible GPUs (docs/controller.md "Devices")."""
     r, t, ref = cfg.rollout, cfg.trainer, cfg.reference
+    rew = cfg.reward
     for key, device in (("rollout.device", r.device), ("trainer.device", t.device),
-                        ("reference.device", ref.device)):
+                        ("reference.device", ref.device), ("reward.device", rew.device)):
         if device == "cuda":
             _check_index(key, device, gpus)
     streaming = cfg.run.mode != "sync"
     rollouts = r.num_workers if streaming else 1
     refs = int(cfg.reference_worker and streaming)
-    need = t.num_ranks + refs + rollouts
+    # reward workers hold a model only with reward.model (a verifier needs no GPU)
+    scorers = (rew.num_workers if streaming else 1) if rew.model is not None else 0
+    need = t.num_ranks + refs + rollouts + scorers
     placement = cfg.devices.placement
     if placement == "separate" and gpus < need:
         raise ConfigValueError(
             "devices.placement",
             f"'separate' needs {need} GPUs (trainer {t.num_ranks} + reference {refs} + rollout "
-            f"{rollouts}), {gpus} visible (use 'colocated' or 'auto')")
+            f"{rollouts}{f' + reward model {scorers}' if scorers else ''}), {gpus} visible "
+            "(use 'colocated' or 'auto')")
     separate = gpus >= need and (placement == "separate" or (placement == "auto" and streaming))
 
     def pick(device: str, slot: int) -> str:
@@ -108,18 +115,24 @@ def resolve_devices(cfg: RunConfig, gpus: int) -> RoleDevices:
                 f"{gpus} visible")
     reference = pick(ref.device, t.num_ranks)
     rollout = tuple(pick(r.device, t.num_ranks + refs + i) for i in range(r.num_workers))
+    first = t.num_ranks + refs + rollouts
+    reward = tuple(pick(rew.device, first + i) if scorers else "cpu"
+                   for i in range(rew.num_workers))
     for key, device in (("trainer.device", trainer), ("reference.device", reference),
-                        *(("rollout.device", d) for d in rollout)):
+                        *(("rollout.device", d) for d in rollout),
+                        *(("reward.device", d) for d in reward)):
         _check_index(key, device, gpus)
     if cfg.reference_in_rollout:  # each rollout worker holds the reference on its own device
         reference = rollout[0]
     if r.engine == "simulated":  # simulated roles hold no model: nothing to place
         rollout = tuple("cpu" for _ in rollout)
         trainer = reference = "cpu"
+        reward = tuple("cpu" for _ in reward)
     return RoleDevices(gpus=gpus, rollout=rollout, reference=reference, trainer=trainer,
                        rollout_dtype=_dtype(r.dtype, cfg.model.dtype, rollout[0]),
                        reference_dtype=_dtype(ref.dtype, cfg.model.dtype, reference),
-                       trainer_dtype=_dtype(t.dtype, cfg.model.dtype, trainer))
+                       trainer_dtype=_dtype(t.dtype, cfg.model.dtype, trainer),
+                       reward=reward, reward_dtype=_dtype(rew.dtype, cfg.model.dtype, reward[0]))
 
 
 def weight_sync_path(cfg: RunConfig, devices: RoleDevices) -> str:

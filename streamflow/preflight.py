@@ -72,6 +72,8 @@ def check_inputs(cfg: RunConfig) -> None:
     elif cfg.data.task == "arithmetic":
         _check_arithmetic(cfg)
     _check_reward(cfg.reward.fn)
+    if cfg.reward.model is not None:
+        _check_reward_model(cfg)
     if cfg.multi_turn:
         _check_env(cfg.env.fn)
         _check_tools(cfg.env.fn, cfg.env.tools, cfg.env.timeout_s)
@@ -163,6 +165,17 @@ def _check_reward(fn: str) -> None:
     except Exception as err:  # the user's module raised while being imported
         why = f"importing {fn!r} raised {type(err).__name__}: {err}".replace("\n", " ")
         raise ConfigError("reward.fn", why) from None
+
+
+def _check_reward_model(cfg: RunConfig) -> None:
+    """reward.model is a classifier or a judge with a template (no torch: its config.json)."""
+    from workers.engines.reward_model import model_kind
+    from workers.settings import ConfigValueError
+
+    try:
+        model_kind(cfg.reward.scorer)
+    except ConfigValueError as err:
+        raise err.with_prefix("reward") from None
 
 
 def _check_env(fn: str) -> None:

@@ -43,6 +43,8 @@ WORKER_INTERNAL = {
     "RolloutWorkerConfig.weights_group": "None: weights by file (the plan sets the group)",
     "RolloutWorkerConfig.reference_path": "None: no reference here (derived from kl_coef and "
                                           "reference.placement)",
+    "RewardWorkerConfig.model_device": "derived by the plan from reward.device",
+    "RewardWorkerConfig.model_dtype": "derived by the plan from reward.dtype",
     "TrainerWorkerConfig.checkpoint_dir": "derived from the run directory",
     "TrainerWorkerConfig.start_iteration": "derived from the resumed checkpoint",
     "TrainerWorkerConfig.resume_from": "derived from run.resume",

@@ -22,6 +22,7 @@ from workers.settings import (
     OptimizerSettings,
     PackingSettings,
     PartialSettings,
+    RewardModelSettings,
     RewardSettings,
     SamplingSettings,
     SimulatedDevice,
@@ -123,6 +124,12 @@ class RewardWorkerConfig:
     rows_per_claim: int
     verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error, env_reward
     agent: AgentSettings | None = None  # multi-turn: the trajectory columns it reads
+    # reward.model and how its score is read and combined (model None: the verifier alone)
+    scorer: RewardModelSettings = embed(RewardModelSettings)
+    # the reward model's device and dtype, reward.device / reward.dtype resolved by the plan
+    # (streamflow/devices.py)
+    model_device: str = "cpu"
+    model_dtype: str = "float32"
 
 
 @dataclass

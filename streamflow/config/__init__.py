@@ -188,6 +188,22 @@ def _check_objective(cfg: RunConfig) -> None:
             "penalty would start before any response could be long")
 
 
+def _check_reward_model(cfg: RunConfig) -> None:
+    """A reward model scores single-turn text from real engines; group normalisation claims
+    whole groups (docs/rewards.md). Its directory and template are preflight's (it reads files)."""
+    w = cfg.reward
+    if w.model is None:
+        return
+    require(cfg.rollout.engine != "simulated", "reward.model",
+            "needs real engines (simulated engines draw token counts, not text to score)")
+    require(not cfg.multi_turn, "reward.model",
+            f"scores single-turn responses (rollout.max_turns={cfg.rollout.max_turns}): use "
+            "rollout.max_turns=1 or a verifier (reward.fn)")
+    require(w.normalize != "group" or w.rows_per_claim >= cfg.data.group_size,
+            "reward.rows_per_claim", f"{w.rows_per_claim} is smaller than a group "
+            f"(data.group_size={cfg.data.group_size}): reward.normalize=group claims whole groups")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)  # the loop: mode, iterations, outputs
@@ -228,6 +244,7 @@ class RunConfig:
         _check_placement(self)
         _check_weights(self)
         _check_dynamic(self)
+        _check_reward_model(self)
 
     @property
     def multi_turn(self) -> bool:
@@ -294,6 +311,11 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     if cfg.multi_turn and cfg.run.mode == "sync" and cfg.env.num_workers != EnvSection.num_workers:
         notes.append("env.num_workers is ignored in mode 'sync' (the controller's process "
                      "answers the tool calls)")
+    if cfg.reward.model is None and cfg.reward.scorer != type(cfg.reward.scorer)():
+        notes.append("reward.template, reward.judge*, reward.combine, reward.*_weight and "
+                     "reward.normalize have no effect without reward.model")
+    if cfg.reward.model is None and (cfg.reward.device, cfg.reward.dtype) != ("auto", "auto"):
+        notes.append("reward.device and reward.dtype apply to a reward model (reward.model)")
     if not cfg.kl_active and cfg.reference != ReferenceSection():
         notes.append("reference.* has no effect with trainer.kl_coef 0 (no reference runs)")
     if cfg.reference_in_rollout and (cfg.reference.threads != ReferenceSection.threads

@@ -135,9 +135,14 @@ def rollout_stages(stage: RolloutStage) -> list[Any]:
 
 def build_reward(cfg: RewardWorkerConfig) -> Any:
     r = cfg.verifier
+    scorer = None
+    if cfg.scorer.model is not None:  # reward.model: scored in batched forwards on its device
+        from workers.engines.reward_model import load_reward_model
+
+        scorer = load_reward_model(cfg.scorer, device=cfg.model_device, dtype=cfg.model_dtype)
     stage = RewardStage(load_tokenizer(cfg.model_path), r.fn, timeout_s=r.timeout_s,
                         max_rows=cfg.rows_per_claim, on_error=r.on_error, agent=cfg.agent,
-                        env_reward=r.env_reward)
+                        env_reward=r.env_reward, scorer=scorer, scoring=cfg.scorer)
     if cfg.common.simulated is not None:  # the real verifier, plus the cost model's time
         from workers.engines.simulated import SimulatedRewardStage
 
@@ -163,7 +168,9 @@ def make_trainer_engine(cfg: TrainerWorkerConfig, model: torch.nn.Module) -> tup
         o = cfg.optim
         return TorchTrainerEngine(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
                                   max_grad_norm=o.max_grad_norm, warmup_steps=o.warmup_steps,
-                                  fp64_accumulation=cfg.deterministic), None
+                                  fp64_accumulation=cfg.deterministic,
+                                  # the reference loop where runs are compared bitwise
+                                  optimizer_impl="single" if cfg.deterministic else "fused"), None
     if cfg.engine == "deepspeed":  # needs the [deepspeed] extra (clear error if missing)
         if cfg.device.startswith("cuda"):  # rank r on the GPU after the trainer's first + r
             torch.cuda.set_device(torch_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0))))

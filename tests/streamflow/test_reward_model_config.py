@@ -1,0 +1,73 @@
+"""reward.model in a run config: the --dry-run's one-line errors, the cross-section rules, the
+device placement of reward-model workers, and what the plan hands the reward workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streamflow.cli import main
+from streamflow.config import ConfigValueError, config_warnings, load_config
+from streamflow.devices import resolve_devices
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def _dry_run(capsys, *overrides: str) -> tuple[int, str]:
+    rc = main(["run", TINY, "--dry-run", "run.output_dir=/nonexistent/rm", *overrides])
+    return rc, capsys.readouterr().err.strip()
+
+
+def _fake_model(path: Path, arch: str, **config) -> str:
+    path.mkdir()
+    import json
+
+    (path / "config.json").write_text(json.dumps({"architectures": [arch], **config}))
+    (path / "model.safetensors").write_bytes(b"")
+    return str(path)
+
+
+def test_missing_models_and_bad_templates_are_one_line_errors_at_dry_run(capsys, tmp_path):
+    # each breaks if the check moved past the dry run (the run would fail after its warm start)
+    rc, err = _dry_run(capsys, f"reward.model={tmp_path / 'absent'}")
+    assert rc == 2 and err == f"error: reward.model: {tmp_path / 'absent'} is not a directory"
+    rc, err = _dry_run(capsys, "reward.model=" + _fake_model(tmp_path / "j", "Qwen2ForCausalLM"))
+    assert rc == 2 and err.startswith("error: reward.template: a judge (Qwen2ForCausalLM")
+    assert "\n" not in err
+    rc, err = _dry_run(capsys, "reward.template='{prompt} {reply}'")
+    assert rc == 2 and err.startswith("error: reward.template: has unknown field(s) ['reply']")
+    two = _fake_model(tmp_path / "c2", "Qwen2ForSequenceClassification", num_labels=2)
+    rc, err = _dry_run(capsys, f"reward.model={two}")
+    assert rc == 2 and "2 labels; a reward model has one" in err
+    ok = _fake_model(tmp_path / "c1", "Qwen2ForSequenceClassification", num_labels=1)
+    rc, err = _dry_run(capsys, f"reward.model={ok}", "reward.combine=gate")
+    assert rc == 0, err
+
+
+def test_rules_across_sections():
+    with pytest.raises(ConfigValueError, match="^reward.model: needs real engines"):
+        load_config(str(ROOT / "configs" / "simulated.yaml"), ["reward.model=/m"])
+    with pytest.raises(ConfigValueError, match="^reward.model: scores single-turn"):
+        load_config(TINY, ["reward.model=/m", "rollout.max_turns=2"])
+    with pytest.raises(ConfigValueError, match="^reward.rows_per_claim: 2 is smaller"):
+        load_config(TINY, ["reward.model=/m", "reward.normalize=group",
+                           "reward.rows_per_claim=2", "data.group_size=4"])
+    notes = config_warnings(load_config(TINY, ["reward.combine=sum"]))
+    assert any("without reward.model" in n for n in notes)
+
+
+def test_reward_model_workers_are_placed_by_the_devices_rules():
+    base = ["reward.model=/m", "reward.num_workers=2", "run.mode=periodic", "trainer.kl_coef=0"]
+    d = resolve_devices(load_config(TINY, base), gpus=8)  # separate: after trainer and rollout
+    assert d.reward == ("cuda:2", "cuda:3") and d.rollout == ("cuda:1",)
+    assert d.reward_dtype == "bfloat16"
+    d = resolve_devices(load_config(TINY, base), gpus=2)  # too few: colocated on GPU 0
+    assert d.reward == ("cuda:0", "cuda:0") and d.trainer == "cuda:0"
+    with pytest.raises(ConfigValueError, match=r"\+ reward model 2\), 3 visible"):
+        resolve_devices(load_config(TINY, [*base, "devices.placement=separate"]), gpus=3)
+    d = resolve_devices(load_config(TINY, ["reward.num_workers=2"]), gpus=8)  # a verifier
+    assert d.reward == ("cpu", "cpu")
+    d = resolve_devices(load_config(TINY, [*base, "reward.device=cpu"]), gpus=8)
+    assert d.reward == ("cpu", "cpu") and d.reward_dtype == "float32"
