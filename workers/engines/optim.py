@@ -5,28 +5,46 @@ clip-then-step of the torch engine (docs/engines.md).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+
+# How AdamW walks the parameters: "single" one tensor at a time (torch's reference loop),
+# "foreach" one multi-tensor kernel per operation, "fused" one kernel for the whole update. Each
+# updates every element from that element's own state alone, so none depends on the order or
+# grouping of the parameters; "fused" is the fastest and rounds differently in the last bits.
+OptimizerImpl = Literal["single", "foreach", "fused"]
 
 
 def scale_gradients(model: torch.nn.Module, factor: float) -> None:
     """Multiply every accumulated gradient by ``factor`` (e.g. 1 / batch token count)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:  # one multi-tensor kernel; elementwise, so bitwise what a loop of mul_ gives
+        with torch.no_grad():
+            torch._foreach_mul_(grads, factor)
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
                    betas: tuple[float, float] = (0.9, 0.999), *,
-                   warmup_steps: int = 0) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters (foreach off: same update whatever the param order);
-    ``warmup_steps`` > 0 ramps the lr linearly (applied by ``optimizer_step``; docs/engines.md)."""
+                   warmup_steps: int = 0, impl: OptimizerImpl = "single") -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, walked as ``impl`` says (``OptimizerImpl``);
+    ``warmup_steps`` > 0 ramps the lr linearly (applied by ``optimizer_step``; docs/engines.md).
+    "fused" falls back to "foreach" where this torch has no fused kernel for the parameters."""
     if lr <= 0:
         raise ValueError(f"make_optimizer: lr must be > 0, got {lr}")
     if warmup_steps < 0:
         raise ValueError(f"make_optimizer: warmup_steps must be >= 0, got {warmup_steps}")
+    if impl not in ("single", "foreach", "fused"):
+        raise ValueError(f"make_optimizer: impl must be single, foreach or fused, got {impl!r}")
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, foreach=False)
+    kw = dict(lr=lr, weight_decay=weight_decay, betas=betas)
+    if impl == "fused":
+        try:
+            opt = torch.optim.AdamW(params, fused=True, **kw)
+        except RuntimeError:  # a device or dtype without a fused kernel
+            opt = torch.optim.AdamW(params, foreach=True, **kw)
+    else:
+        opt = torch.optim.AdamW(params, foreach=impl == "foreach", **kw)
     for group in opt.param_groups:
         group["base_lr"] = lr
         group["warmup_steps"] = int(warmup_steps)

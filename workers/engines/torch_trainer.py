@@ -13,7 +13,12 @@ from typing import Protocol
 
 import torch
 
-from workers.engines.optim import make_optimizer, optimizer_step, scale_gradients
+from workers.engines.optim import (
+    OptimizerImpl,
+    make_optimizer,
+    optimizer_step,
+    scale_gradients,
+)
 
 
 class TrainerEngine(Protocol):
@@ -50,14 +55,18 @@ def publishable(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class TorchTrainerEngine:
-    """AdamW on a single process. ``foreach=False`` keeps the update independent of parameter
-    grouping, so two runs that accumulate the same gradients take bitwise-identical steps."""
+    """AdamW on a single process, walked as ``optimizer_impl`` says (``OptimizerImpl``: the
+    build picks "fused", or "single", torch's reference loop, with trainer.deterministic). Every
+    choice updates each element from its own state alone, so two runs that accumulate the same
+    gradients take bitwise-identical steps whatever the order of the parameters."""
 
     def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = 1.0,
-                 fp64_accumulation: bool = False, warmup_steps: int = 0) -> None:
+                 fp64_accumulation: bool = False, warmup_steps: int = 0,
+                 optimizer_impl: OptimizerImpl = "single") -> None:
         self.model = model.train()
-        self.optimizer = make_optimizer(model, lr, weight_decay, betas, warmup_steps=warmup_steps)
+        self.optimizer = make_optimizer(model, lr, weight_decay, betas, warmup_steps=warmup_steps,
+                                        impl=optimizer_impl)
         self.max_grad_norm = max_grad_norm
         # Float64 sums of the micro-batch gradients: addition is then order-independent to far
         # below fp32 resolution, so the same micro-batches in any arrival order give bitwise the
