@@ -143,19 +143,27 @@ def _sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token [B] and its behaviour log-prob [B] from float32 logits [B, V], uniforms u [B]."""
     if params.temperature <= GREEDY_TEMPERATURE:
-        logp = torch.log_softmax(logits, dim=-1)
-        token = logp.argmax(dim=-1, keepdim=True)
-        return token.squeeze(-1), logp.gather(-1, token).squeeze(-1)
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)  # [B, V], before truncation
-    if params.top_p < 1.0:
-        sorted_logp, order = logp.sort(dim=-1, descending=True)
-        probs = sorted_logp.exp()
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass BEFORE it is
-        # below top_p (the most likely token always stays).
-        drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
-        token = order.gather(-1, _inverse_cdf(probs.masked_fill(drop, 0.0), u))
-    else:
-        token = _inverse_cdf(logp.exp(), u)
+        token = logits.argmax(dim=-1, keepdim=True)
+        logz = torch.logsumexp(logits, dim=-1, keepdim=True)
+        return token.squeeze(-1), (logits.gather(-1, token) - logz).squeeze(-1)
+    z = logits if params.temperature == 1.0 else logits / params.temperature
+    if params.top_p >= 1.0:
+        # The whole distribution: one exp pass and its running sum, no [B, V] log-softmax. The
+        # draw is the inverse cdf of the unnormalised weights (u scaled by their mass), and the
+        # behaviour log-prob z - max - log(mass) is log_softmax's own formula at the token.
+        peak = z.amax(dim=-1, keepdim=True)
+        cdf = (z - peak).exp_().cumsum_(dim=-1)
+        mass = cdf[:, -1:]
+        # as _inverse_cdf: the first entry whose cdf exceeds u * mass, clamped
+        token = torch.searchsorted(cdf, u[:, None] * mass, right=True).clamp_(max=z.shape[-1] - 1)
+        return token.squeeze(-1), (z.gather(-1, token) - peak - mass.log()).squeeze(-1)
+    logp = torch.log_softmax(z, dim=-1)  # [B, V], before truncation
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    probs = sorted_logp.exp()
+    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass BEFORE it is
+    # below top_p (the most likely token always stays).
+    drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
+    token = order.gather(-1, _inverse_cdf(probs.masked_fill(drop, 0.0), u))
     return token.squeeze(-1), logp.gather(-1, token).squeeze(-1)
 
 
@@ -257,13 +265,11 @@ class TorchRolloutEngine:
         self.generated_tokens_total += sum(len(g.token_ids) for g in flat)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _cut_pays(self, finished: torch.Tensor) -> bool:
-        """Whether a set cut is honoured now: the chunk's unfinished rows are at most
-        ``cut_live_fraction`` of its rows (every row is decoded each step, finished or not)."""
-        if self.cut_live_fraction >= 1.0:
-            return True
-        live = finished.numel() - int(finished.sum())
-        return live <= self.cut_live_fraction * finished.numel()
+    def _cut_pays(self, live: int, batch: int) -> bool:
+        """Whether a set cut is honoured now: the chunk's ``live`` unfinished rows are at most
+        ``cut_live_fraction`` of its ``batch`` rows (every row is decoded each step, finished or
+        not)."""
+        return self.cut_live_fraction >= 1.0 or live <= self.cut_live_fraction * batch
 
     @torch.inference_mode()
     def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, stop_ids: torch.Tensor,
@@ -298,6 +304,7 @@ class TorchRolloutEngine:
         logps = torch.zeros((batch, max_new), dtype=torch.float32, device=dev)
         lengths = torch.full((batch,), max_new, dtype=torch.long, device=dev)
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        live = batch  # rows not finished, counted on the host
         was_cut = False
         for step in range(max_new):
             token, logp = _sample(logits, params, uniforms[:, step])
@@ -307,13 +314,17 @@ class TorchRolloutEngine:
             stopped = torch.isin(token, stop_ids) & ~finished
             lengths = torch.where(stopped, step + 1, lengths)
             finished |= stopped
+            # The step's one wait for the device: which rows stopped. The host's count of live
+            # rows then answers "all finished?" and the cut's gate without another.
+            done_rows = stopped.nonzero().flatten().tolist()
+            live -= len(done_rows)
             if on_done is not None:
-                for i in stopped.nonzero().flatten().tolist():
+                for i in done_rows:
                     on_done(i, Generation(tokens[i, : step + 1].tolist(),
                                           logps[i, : step + 1].tolist(), FINISH_STOP))
-            if step == max_new - 1 or bool(finished.all()):
+            if step == max_new - 1 or live == 0:
                 break
-            if cut is not None and cut.is_set() and self._cut_pays(finished):
+            if cut is not None and cut.is_set() and self._cut_pays(live, batch):
                 # a token boundary: every live row has one
                 lengths = torch.where(finished, lengths, step + 1)
                 was_cut = True
