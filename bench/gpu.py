@@ -10,6 +10,9 @@ recorded rather than fatal (a later step still runs):
 - ``overhead_g1`` / ``overhead_qwen2_150m``: ``bench overhead`` over the same model directory:
   the plain loop alone and ``streamflow run`` in ``sync``, ``periodic`` and ``async``, and the
   breakdown of one sync iteration;
+- ``warmup_g1``: ``bench warmup --profile`` in a fresh process (a fresh CUDA context): G1's first
+  ``sync`` iterations one by one, each profiled, with the caching allocator's counters, to tell
+  what makes the first iterations slow on a GPU (docs/gpu.md "First iterations");
 - ``weights_0.5b``: ``bench weights --params 5e8`` (in this process): one version of a 0.5 B-parameter bfloat16
   state dict into a rollout process, by file and by collective, against a device-to-device copy;
 - ``gpu_tests``: ``pytest -m gpu tests/workers/test_gpu.py`` (last and alone on a GPU; beside the
@@ -87,6 +90,20 @@ def overhead_step(shape: G1Shape, model_dir: Path, work: Path, *, iterations: in
                          device=device, modes=modes)
 
 
+def warmup_step(*, quick: bool, iterations: int, threads: int, device: str) -> dict[str, Any]:
+    """``bench warmup --profile`` in a child process: a cold start is what it measures."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    argv = [sys.executable, "-m", "bench.warmup", "--json", "--profile", "--iterations",
+            str(iterations), "--threads", str(threads), "--device", device,
+            *(["--quick"] if quick else [])]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench warmup: exit status {proc.returncode}: {proc.stderr[-1500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def weights_step(*, params: float, repeats: int, device: str) -> dict[str, Any]:
     """``bench weights --params`` in this process (its receiver is a child of its own)."""
     from bench import weights
@@ -155,6 +172,8 @@ def run_steps(size: str, device: str, threads: int) -> dict[str, dict[str, Any]]
                 s, model_dir(n, s), w / "phases", **kw))
             step(f"overhead_{name}", lambda n=name, s=shape, w=here: overhead_step(
                 s, model_dir(n, s), w / "overhead", modes=plan["modes"], **kw))
+        step("warmup_g1", lambda: warmup_step(quick=size != "full", iterations=3 if size == "smoke"
+                                              else 5, threads=threads, device=device))
         step("weights_0.5b", lambda: weights_step(params=plan["params"],
                                                   repeats=plan["repeats"], device=device))
         step("gpu_tests", lambda: gpu_tests_step(tests or _start_gpu_tests()))

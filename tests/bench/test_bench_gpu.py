@@ -12,11 +12,11 @@ import pytest
 
 from bench import gpu
 
-STEPS = ("phases_g1", "overhead_g1", "phases_qwen2_150m", "overhead_qwen2_150m", "weights_0.5b",
-         "gpu_tests")
+STEPS = ("phases_g1", "overhead_g1", "phases_qwen2_150m", "overhead_qwen2_150m", "warmup_g1",
+         "weights_0.5b", "gpu_tests")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_smoke_check_runs_every_step_on_the_cpu_and_writes_one_json(tmp_path, capsys):
     out = tmp_path / "gpu.json"
     assert gpu.main(["--smoke", "--json", "--out", str(out)]) == 0, capsys.readouterr().err
@@ -40,6 +40,13 @@ def test_smoke_check_runs_every_step_on_the_cpu_and_writes_one_json(tmp_path, ca
         assert sum(c["seconds"] for c in cats.values()) == pytest.approx(
             breakdown["attributed_s"], rel=1e-3, abs=1e-5)
         assert cats["store_round_trips"]["seconds"] > 0 and cats["optimizer"]["seconds"] > 0
+    # the cold start, iteration by iteration, each with its profile (no allocator on the CPU)
+    warm = steps["warmup_g1"]
+    assert [r["k"] for r in warm["iterations"]] == [0, 1, 2]
+    for r in warm["iterations"]:
+        assert r["generation_s"] > 0 and r["total_s"] >= r["generation_s"]
+        assert r["allocator"] is None and r["profile"]["host_self"]
+    assert len(warm["first_over_steady"]) == 2 and all(x > 0 for x in warm["first_over_steady"])
     cases = steps["weights_0.5b"]["cases"]
     assert {c["path"] for c in cases} == {"file", "collective"}
     assert all(c["bytes"] > 0 and c["ratio_to_copy"] > 0 for c in cases)
