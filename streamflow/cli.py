@@ -51,11 +51,20 @@ def _build_parser() -> argparse.ArgumentParser:
                             "section placement)")
     launch.add_argument("config", help="YAML config file with a placement section")
     launch.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    launch.add_argument("--node-rank", type=int, required=True, help="this host's index in "
+    launch.add_argument("--backend", choices=["own", "ray", "slurm"], default="own",
+                        help="own: one command per host (--node-rank/--nodes/--coordinator); "
+                        "ray: this command places every node on a Ray cluster; slurm: one "
+                        "command per allocated node under srun (docs/multihost.md)")
+    launch.add_argument("--node-rank", type=int, help="this host's index in "
                         "placement.nodes (0 also runs the coordinator and the controller)")
-    launch.add_argument("--nodes", type=int, required=True, help="number of hosts (= nodes listed)")
-    launch.add_argument("--coordinator", required=True, metavar="HOST:PORT",
+    launch.add_argument("--nodes", type=int, help="number of hosts (= nodes listed)")
+    launch.add_argument("--coordinator", metavar="HOST:PORT",
                         help="where node 0 serves the coordinator (its placement host)")
+    launch.add_argument("--address", default="auto", help="--backend ray: the cluster "
+                        "(auto, HOST:PORT of its head, or ray://HOST:PORT)")
+    launch.add_argument("--node-resources", action="append", default=[],
+                        metavar="RANK:NAME=AMOUNT[,...]", help="--backend ray: custom Ray "
+                        "resources placement node RANK asks for (repeatable)")
     launch.add_argument("--dry-run", action="store_true",
                         help="validate, print the resolved config, start nothing")
     launch.set_defaults(handler=_cmd_launch)
@@ -220,6 +229,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
+    own = (args.node_rank, args.nodes, args.coordinator)
+    if args.backend != "own":
+        if any(a is not None for a in own):
+            raise UsageError(f"--backend {args.backend} finds --node-rank, --nodes and "
+                             "--coordinator itself: drop them")
+        from streamflow.launch import LaunchError
+
+        backend = importlib.import_module(f"streamflow.launch_{args.backend}")
+        try:  # what is missing (ray, a reachable cluster, GPUs, nodes) before anything starts
+            return int(backend.main(args))
+        except LaunchError as err:
+            raise UsageError(str(err)) from None
+    if any(a is None for a in own):
+        raise UsageError("launch needs --node-rank, --nodes and --coordinator (or --backend "
+                         "ray|slurm)")
     host, sep, port = args.coordinator.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")

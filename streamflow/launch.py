@@ -97,6 +97,17 @@ def check_launch(cfg: RunConfig, rank: int, nodes: int) -> None:
         raise LaunchError(f"--node-rank {rank} is not in [0, {n})")
 
 
+def placement_override(cfg: RunConfig, hosts: list[str]) -> str:
+    """The ``placement.nodes=[...]`` override that puts node r on ``hosts[r]`` (how the Ray and
+    Slurm backends hand every launcher the addresses their engine chose)."""
+    nodes = []
+    for node, host in zip(cfg.placement.nodes, hosts, strict=True):
+        items = [f"host: {host}", *(f"{k}: {getattr(node, k)}" for k in (
+            "store_nodes", "rollout", "reward", "reference", "environment", "trainer"))]
+        nodes.append("{" + ", ".join(items) + "}")
+    return "placement.nodes=[" + ", ".join(nodes) + "]"
+
+
 class NodeRuntime:
     """What one node starts: its store nodes and workers, finished for this host."""
 
