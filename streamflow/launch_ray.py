@@ -354,8 +354,7 @@ class RayLaunch:
         node.actor, node.host, node.replaced = actor, ray.get(where), node.replaced + 1
         self.hosts[node.rank] = node.host
         self._start(node)
-        print(f"streamflow: node {node.rank}'s launcher placed again on {node.host}",
-              file=sys.stderr, flush=True)
+        log.warning("node %d's launcher placed again on %s", node.rank, node.host)
         return True
 
     def _interrupt(self, ray: Any, nodes: list[_Node]) -> int:

@@ -215,3 +215,11 @@ def test_bundles_count_processes_gpus_and_custom_resources(tiny_config) -> None:
         check_fits([{"CPU": 1.0}, bundles[1]], [{"CPU": 8.0, "ssd": 1.0}, {"CPU": 8.0, "fast": 2.0}])
     with pytest.raises(LaunchError, match="--node-resources"):
         parse_resources(["2:x=1"], 2)
+
+
+def test_no_ray_installed_is_one_line(monkeypatch) -> None:
+    from streamflow.launch_ray import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets without the package
+    with pytest.raises(LaunchError, match=r"^--backend ray needs the ray package: pip install"):
+        import_ray()
