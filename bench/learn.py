@@ -15,7 +15,12 @@ What it reports per case, from the run's ``summary.json`` and ``metrics.jsonl``:
 - ``seconds_to_plus_0_10``: RL wall seconds until the first evaluation at least 0.10 above
   ``accuracy_before`` (None if never reached);
 - ``tool_calls_per_trajectory``: tool calls answered per trained trajectory (the trainer's
-  ``tool_calls_mean``), averaged over the last window of iterations; 0 for a single-turn run.
+  ``tool_calls_mean``), averaged over the last window of iterations; 0 for a single-turn run;
+- ``reward_model_accuracy``: with a recipe that sets ``reward.model`` (configs/reward-model.yaml),
+  each seed's reward model is trained first by ``streamflow model train-reward`` from that seed's
+  warm-started policy (cached under ``OUTPUT/.cache``, so the command reproduces on a fresh
+  machine) and the case runs against it; this is its accuracy on held-out labelled responses
+  (None without a reward model).
 and, over the cases, ``worst_accuracy_gain`` and ``tool_calls_per_trajectory`` (the lowest).
 Target (printed, not asserted here): every case gains at least ``--target-gain`` (0.10), its last
 reward window beats its first, and it calls at least ``--min-tool-calls`` (0) tools per
@@ -38,6 +43,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from streamflow.config import load_config
 from streamflow.rundir import reward_window
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +64,7 @@ class Case:
     seconds_to_plus_0_10: float | None
     tool_calls_per_trajectory: float  # over the last window of iterations; 0: single turn
     wall_seconds: float  # the whole process, warm start and start-up included
+    reward_model_accuracy: float | None = None  # reward.model recipes: see the module docstring
 
     @property
     def gain(self) -> float:
@@ -90,11 +97,33 @@ def read_case(run_dir: Path, seed: int, threads: int, wall: float) -> Case:
     )
 
 
+def _subprocess(cmd: list[str], what: str) -> str:
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}): " + " | ".join(tail))
+    return proc.stdout
+
+
+def reward_model(config: Path, out: Path, seed: int, extra: list[str]) -> tuple[list[str], float]:
+    """A recipe with ``reward.model``: (the override naming this seed's reward model, its
+    held-out accuracy), trained by ``streamflow model train-reward`` unless cached."""
+    rm_dir = out / ".cache" / f"reward-model-seed{seed}"
+    cmd = [sys.executable, "-m", "streamflow", "model", "train-reward", str(rm_dir), "--config",
+           str(config), *extra, f"run.seed={seed}", f"run.output_dir={out / 'reward-model'}",
+           "run.log_level=WARNING", "--json"]
+    report = json.loads(_subprocess(cmd, f"train-reward seed={seed}").strip().splitlines()[-1])
+    return [f"reward.model={rm_dir}"], report["heldout_accuracy"]
+
+
 def run_case(config: Path, out: Path, seed: int, threads: int, extra: list[str]) -> Case:
     run_dir = out / f"seed{seed}-threads{threads}"
+    rm, rm_accuracy = [], None
+    if load_config(config, extra).reward.model is not None:
+        rm, rm_accuracy = reward_model(config, out, seed, extra)
     cmd = [sys.executable, "-m", "streamflow", "run", str(config),
            f"run.seed={seed}", f"run.host_threads={threads}", f"run.output_dir={run_dir}",
-           "run.progress=false", "run.log_level=WARNING", *extra]
+           "run.progress=false", "run.log_level=WARNING", *extra, *rm]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -102,7 +131,9 @@ def run_case(config: Path, out: Path, seed: int, threads: int, extra: list[str])
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         raise RuntimeError(f"case seed={seed} threads={threads} failed "
                            f"(exit {proc.returncode}): " + " | ".join(tail))
-    return read_case(run_dir, seed, threads, wall)
+    case = read_case(run_dir, seed, threads, wall)
+    case.reward_model_accuracy = rm_accuracy
+    return case
 
 
 def report(cases: list[Case], *, target_gain: float = TARGET_GAIN,
@@ -115,6 +146,8 @@ def report(cases: list[Case], *, target_gain: float = TARGET_GAIN,
         "worst_accuracy_gain": worst.gain,
         "worst_case": {"seed": worst.seed, "threads": worst.threads},
         "tool_calls_per_trajectory": min(c.tool_calls_per_trajectory for c in cases),
+        "reward_model_accuracy": min((c.reward_model_accuracy for c in cases
+                                      if c.reward_model_accuracy is not None), default=None),
         "target": {"accuracy_gain_at_least": target_gain, "last_reward_window_above_first": True,
                    "tool_calls_per_trajectory_at_least": min_tool_calls},
         "met": all(c.gain >= target_gain and c.reward_last_window > c.reward_first_window
@@ -148,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         table = Table(title=f"bench learn: {args.config.name} over seeds x threads")
         for col in ("seed", "threads", "accuracy before -> after", "gain", "reward windows",
-                    "RL s", "s to +0.10", "tool calls", "process s"):
+                    "RL s", "s to +0.10", "tool calls", "RM accuracy", "process s"):
             table.add_column(col)
         for c in cases:
             to = "-" if c.seconds_to_plus_0_10 is None else f"{c.seconds_to_plus_0_10:.1f}"
@@ -156,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{c.accuracy_before:.3f} -> {c.accuracy_after:.3f}", f"{c.gain:+.3f}",
                           f"{c.reward_first_window:.3f} -> {c.reward_last_window:.3f}",
                           f"{c.rl_seconds:.1f}", to, f"{c.tool_calls_per_trajectory:.2f}",
+                          "-" if c.reward_model_accuracy is None
+                          else f"{c.reward_model_accuracy:.3f}",
                           f"{c.wall_seconds:.0f}")
         Console(stderr=True).print(table)
     print(json.dumps(result))

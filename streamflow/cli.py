@@ -133,6 +133,21 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "package) -> HF directory")
     convert.add_argument("out_dir", help="directory to write (replaced if it exists)")
     convert.set_defaults(handler=_cmd_model_convert_smollm2)
+    reward = model_sub.add_parser("train-reward", help="train a reward model (a sequence "
+                                  "classifier) on the run's policy's responses, labelled by its "
+                                  "verifier (docs/rewards.md)")
+    reward.add_argument("out_dir", help="directory to write (an HF model directory)")
+    reward.add_argument("--config", required=True, help="the run's YAML config (its policy, "
+                        "prompts, verifier, rollout temperature)")
+    reward.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. run.seed=1")
+    reward.add_argument("--prompts", type=int, default=1024, help="training prompts (default "
+                        "1024)")
+    reward.add_argument("--samples", type=int, default=4, help="responses per prompt (default 4)")
+    reward.add_argument("--epochs", type=int, default=5, help="passes over them (default 5)")
+    reward.add_argument("--force", action="store_true", help="retrain even if OUT_DIR holds "
+                        "this recipe's model")
+    reward.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    reward.set_defaults(handler=_cmd_model_train_reward)
 
     config = sub.add_parser("config", help="the run configuration's reference")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -148,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         # `run CONFIG a=1 --dry-run b=2`: overrides after an option arrive as extras.
         overrides = all("=" in e and not e.startswith("-") for e in extra)
-        if extra and args.command in ("run", "launch") and overrides:
+        if extra and (args.command in ("run", "launch") or args.command == "model"
+                      and args.model_command == "train-reward") and overrides:
             args.overrides += extra
         elif extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -367,6 +383,29 @@ def _cmd_model_convert_smollm2(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     print(f"wrote {report.out_dir} ({report.num_parameters / 1e6:.1f} M parameters, "
           f"{report.bytes_on_disk / 1e6:.0f} MB) in {report.seconds:.1f}s")
+    return EXIT_OK
+
+
+def _cmd_model_train_reward(args: argparse.Namespace) -> int:
+    for flag in ("prompts", "samples", "epochs"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    cfg = load_config(args.config, args.overrides)
+    logging.basicConfig(level=cfg.run.log_level, format=LOG_FORMAT)
+    import dataclasses
+    import json
+
+    from streamflow.reward_model import train_for_run
+
+    report = train_for_run(cfg, args.out_dir, prompts=args.prompts, samples=args.samples,
+                           epochs=args.epochs, force=args.force)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report)))
+    else:
+        print(f"{'reused' if report.reused else 'wrote'} {report.out_dir}: held-out accuracy "
+              f"{report.heldout_accuracy:.3f} on {report.heldout_responses} responses "
+              f"({report.heldout_positive_fraction:.2f} correct), training accuracy "
+              f"{report.train_accuracy:.3f} on {report.train_responses}, {report.seconds:.0f}s")
     return EXIT_OK
 
 

@@ -47,8 +47,12 @@ def test_report_names_the_worst_case_and_whether_the_target_is_met(tmp_path):
     assert report([good])["met"] is True
     assert set(out["cases"][0]) == {"seed", "threads", "accuracy_before", "accuracy_after",
                                     "reward_first_window", "reward_last_window", "rl_seconds",
-                                    "seconds_to_plus_0_10", "tool_calls_per_trajectory"}
+                                    "seconds_to_plus_0_10", "tool_calls_per_trajectory",
+                                    "reward_model_accuracy"}
     assert out["tool_calls_per_trajectory"] == 0.0  # single-turn runs record no tool calls
+    assert out["reward_model_accuracy"] is None  # a verifier's recipe trains no reward model
+    weak.reward_model_accuracy, good.reward_model_accuracy = 0.8, 0.9
+    assert report([good, weak])["reward_model_accuracy"] == 0.8  # the worst seed's
 
 
 def test_tool_calls_are_the_last_window_mean_and_can_fail_the_target(tmp_path):

@@ -181,3 +181,30 @@ def test_group_and_running_normalisation():
     first = stage.process(_lease(stage, [0, 0])).column("reward").to_pylist()
     assert first == pytest.approx([-1.0, 1.0], abs=1e-5)
     assert stage.running.count == 2
+
+
+def test_train_reward_labels_the_policys_responses_and_saves_a_classifier(tmp_path_factory,
+                                                                          tmp_path):
+    # a random tiny policy, 6 prompts x 2 responses, one epoch: what is checked is the pipeline
+    # (labels from the verifier, a directory the reward role loads, the manifest's reuse), not
+    # the accuracy (docs/rewards.md measures that)
+    from workers.models.reward_train import RewardRecipe, read_manifest, train_reward_model
+    from workers.tasks.arithmetic import ArithmeticTask
+
+    policy = _tiny(tmp_path_factory, "Qwen2ForCausalLM")
+    task = ArithmeticTask(digits=1, operations=("+",), seed=0)
+    train, held = task.train_problems(6), task.eval_problems(3)
+    recipe = RewardRecipe(prompts=6, samples=2, epochs=1, batch_size=4, max_new_tokens=3)
+    settings = RewardModelSettings(template="{prompt}{response}={answer}")
+    # "brevity" scores every response above 0: all positive, whatever the random policy says
+    report = train_reward_model(tmp_path / "rm", policy, train, held, recipe=recipe,
+                                settings=settings, verifier="brevity", threshold=0.0)
+    assert (report.train_responses, report.heldout_responses) == (12, 6)
+    assert report.train_positive_fraction == 1.0 and not report.reused
+    rm = HFRewardModel(RewardModelSettings(model=str(tmp_path / "rm"),
+                                           template=settings.template))
+    assert rm.kind == "classifier" and len(rm.score(PROMPTS, RESPONSES, ANSWERS)) == 5
+    assert read_manifest(tmp_path / "rm")["report"]["heldout_accuracy"] == report.heldout_accuracy
+    again = train_reward_model(tmp_path / "rm", policy, train, held, recipe=recipe,
+                               settings=settings, verifier="brevity", threshold=0.0)
+    assert again.reused and again.heldout_accuracy == report.heldout_accuracy

@@ -1,0 +1,206 @@
+"""``streamflow model train-reward``: a reward model trained on this machine from labelled
+responses of the run's own policy (docs/rewards.md "A reward model of the demo").
+
+The policy (the run's warm-started built-in model, or ``model.path``) samples ``samples``
+responses to each of ``prompts`` training-split prompts at the rollout's temperature; the run's
+verifier (``reward.fn`` against ``reward.success_threshold``) labels each one correct or not. A
+sequence classifier is the policy's own backbone with a one-logit head
+(``AutoModelForSequenceClassification`` over the policy's directory: the head is new), trained
+with a class-balanced logistic loss on exactly the text the reward role gives it
+(``workers.engines.reward_model.render``). Its accuracy (logit > 0 = "correct") is measured on
+the responses to the held-out prompts, which neither the reward model nor the policy trains on.
+Everything is seeded and runs on one torch thread, so a recipe gives the same model on a machine
+with the same kernels. The directory is saved with ``save_pretrained`` plus a manifest
+(``reward_manifest.json``); ``train_reward_model`` reuses a directory whose manifest holds the
+same recipe and policy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from workers.engines.base import SamplingParams
+from workers.engines.reward_model import render
+from workers.models.local import load_model, load_tokenizer, save_model
+from workers.models.tokenizer import encode_prompt
+from workers.settings import RewardModelSettings
+from workers.tasks.problem import Problem
+from workers.tasks.verifiers import RewardRunner
+
+MANIFEST = "reward_manifest.json"
+
+
+@dataclass(frozen=True)
+class RewardRecipe:
+    """How a reward model is made (all of it goes into the manifest)."""
+
+    prompts: int = 1024  # training-split prompts whose responses are labelled
+    samples: int = 4  # responses per prompt
+    epochs: int = 5  # passes over the labelled responses
+    batch_size: int = 64
+    lr: float = 1e-3  # AdamW, constant after a 20-step warm-up
+    seed: int = 0  # sampling, head initialisation, batch order
+    temperature: float = 1.0  # the rollout's (rollout.temperature)
+    max_new_tokens: int = 16  # the rollout's (rollout.max_new_tokens)
+    threads: int = 1  # torch threads while training (same weights on any thread count)
+
+
+@dataclass
+class RewardReport:
+    """What ``train_reward_model`` made and how well it judges."""
+
+    out_dir: str
+    train_responses: int
+    train_positive_fraction: float
+    train_accuracy: float
+    heldout_responses: int
+    heldout_positive_fraction: float
+    heldout_accuracy: float  # logit > 0 agrees with the verifier on held-out prompts' responses
+    seconds: float
+    reused: bool = False
+
+
+def sample_labelled(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, problems: Sequence[Problem], *,
+                    samples: int, temperature: float, max_new_tokens: int, seed: int,
+                    verifier: str, threshold: float, timeout_s: float
+                    ) -> tuple[list[str], list[str], list[str], list[int]]:
+    """(prompts, responses, answers, labels): ``samples`` responses per problem, labelled 1 when
+    the verifier scores them ``>= threshold``."""
+    from workers.engines.torch_rollout import TorchRolloutEngine
+
+    engine = TorchRolloutEngine(model, tokenizer, max_batch_size=256)
+    stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
+                            stop_token_ids=stops, seed=seed)
+    gens = engine.generate([encode_prompt(tokenizer, p.prompt) for p in problems], samples, params)
+    prompts, responses, answers = [], [], []
+    for p, group in zip(problems, gens, strict=True):
+        for g in group:
+            prompts.append(p.prompt)
+            responses.append(tokenizer.decode(list(g.token_ids), skip_special_tokens=True))
+            answers.append(p.answer)
+    with RewardRunner(verifier, timeout_s=timeout_s) as runner:
+        scores = runner.score(responses, answers)
+    return prompts, responses, answers, [int(r.ok and r.score >= threshold) for r in scores]
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, settings: RewardModelSettings, rows: tuple[list[str], ...]
+            ) -> dict[str, torch.Tensor]:
+    """The rows (prompts, responses, answers, ...) as the reward role will encode them."""
+    texts = [render(settings, tokenizer, "classifier", p, r, a) for p, r, a in
+             zip(rows[0], rows[1], rows[2], strict=True)]
+    chat = settings.chat_template and getattr(tokenizer, "chat_template", None)
+    tokenizer.padding_side = "right"
+    return tokenizer(texts, add_special_tokens=not chat, padding=True, return_tensors="pt")
+
+
+def _logits(model: torch.nn.Module, enc: dict[str, torch.Tensor], rows: Sequence[int]
+            ) -> torch.Tensor:
+    idx = torch.as_tensor(list(rows))
+    return model(input_ids=enc["input_ids"][idx],
+                 attention_mask=enc["attention_mask"][idx]).logits[:, 0]
+
+
+def _accuracy(model: torch.nn.Module, enc: dict[str, torch.Tensor], labels: torch.Tensor) -> float:
+    model.eval()
+    with torch.no_grad():
+        logits = torch.cat([_logits(model, enc, range(i, min(i + 256, len(labels))))
+                            for i in range(0, len(labels), 256)])
+    return float(((logits > 0).long() == labels).float().mean())
+
+
+def read_manifest(path: str | Path) -> dict | None:
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def train_reward_model(out_dir: str | Path, policy_dir: str | Path,
+                       train_problems: Sequence[Problem], heldout_problems: Sequence[Problem], *,
+                       recipe: RewardRecipe, settings: RewardModelSettings,
+                       verifier: str = "exact_match",
+                       threshold: float = 1.0, timeout_s: float = 2.0,
+                       force: bool = False) -> RewardReport:
+    """Label the policy's responses, train the classifier, save it to ``out_dir``."""
+    from transformers import AutoModelForSequenceClassification
+
+    out = Path(out_dir)
+    key = {"recipe": asdict(recipe), "policy": str(Path(policy_dir).resolve()),
+           "verifier": verifier, "threshold": threshold, "template": settings.template,
+           "chat_template": settings.chat_template,
+           "train_prompts": [p.prompt for p in train_problems[:8]],
+           "heldout_prompts": len(heldout_problems)}
+    found = read_manifest(out)
+    if not force and found is not None and found.get("key") == key:
+        return RewardReport(**found["report"], reused=True)
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(policy_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.threads)
+    try:
+        policy = load_model(policy_dir)
+        sample = dict(samples=recipe.samples, temperature=recipe.temperature,
+                      max_new_tokens=recipe.max_new_tokens, verifier=verifier,
+                      threshold=threshold, timeout_s=timeout_s)
+        train = sample_labelled(policy, tokenizer, train_problems, seed=recipe.seed, **sample)
+        held = sample_labelled(policy, tokenizer, heldout_problems, seed=recipe.seed + 1,
+                               **sample)
+        del policy
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(recipe.seed)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                str(policy_dir), num_labels=1, local_files_only=True,
+                attn_implementation="eager")
+            model.config.pad_token_id = tokenizer.pad_token_id
+            enc, labels = _encode(tokenizer, settings, train), torch.tensor(train[3])
+            held_enc, held_labels = _encode(tokenizer, settings, held), torch.tensor(held[3])
+            _fit(model, enc, labels, recipe)
+        report = RewardReport(
+            out_dir=str(out), train_responses=len(labels),
+            train_positive_fraction=float(labels.float().mean()),
+            train_accuracy=_accuracy(model, enc, labels), heldout_responses=len(held_labels),
+            heldout_positive_fraction=float(held_labels.float().mean()),
+            heldout_accuracy=_accuracy(model, held_enc, held_labels),
+            seconds=round(time.perf_counter() - t0, 1))
+    finally:
+        torch.set_num_threads(threads)
+    save_model(model, tokenizer, out)
+    saved = asdict(report)
+    saved.pop("reused")
+    # written last: a directory without it is never reused
+    (out / MANIFEST).write_text(json.dumps({"key": key, "report": saved}, indent=2) + "\n")
+    return report
+
+
+def _fit(model: torch.nn.Module, enc: dict[str, torch.Tensor], labels: torch.Tensor,
+         recipe: RewardRecipe) -> None:
+    """Class-balanced logistic loss on the logit (positives weighted by negatives / positives:
+    a policy right a third of the time must not teach "always wrong")."""
+    positives = float(labels.sum())
+    weight = torch.tensor((len(labels) - positives) / max(positives, 1.0))
+    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=weight)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
+    order = torch.Generator().manual_seed(recipe.seed)
+    steps = itertools.count()
+    model.train()
+    for _ in range(recipe.epochs):
+        perm = torch.randperm(len(labels), generator=order).tolist()
+        for i in range(0, len(perm), recipe.batch_size):
+            rows = perm[i:i + recipe.batch_size]
+            for group in optimizer.param_groups:
+                group["lr"] = recipe.lr * min(1.0, (next(steps) + 1) / 20)
+            loss = loss_fn(_logits(model, enc, rows), labels[rows].float())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    model.eval()
