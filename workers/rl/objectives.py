@@ -186,27 +186,29 @@ def loss_sums(obj: Objective, logp: torch.Tensor, old_logp: torch.Tensor,
         unit_mask = m
     with torch.no_grad():
         on = active.to(m.dtype) * unit_mask
-        num_tokens = int(m.sum().round())
-        rows = int(has_tokens.sum())
+        ratio_d = ratio.detach()
+        none = m.numel() == 0  # no row at all: max/min of nothing
+        zero = m.new_zeros(())
+        # Every statistic in one tensor, brought to the host at once: one wait for the device
+        # per micro-batch, not one per figure. float64 holds each float32 sum and count exactly.
+        stats = torch.stack([t.to(torch.float64) for t in (
+            m.sum(), has_tokens.sum(), loss_sum.detach(),
+            (policy.detach() * (m if policy.ndim == 2 else 1.0)).sum(), (kl_tok.detach() * m).sum(),
+            unit_mask.sum(), (on * (unit_ratio.detach() < 1.0).to(m.dtype)).sum(),
+            (on * (unit_ratio.detach() > 1.0).to(m.dtype)).sum(), (ratio_d * m).sum(),
+            zero if none else (ratio_d * m).max(),
+            zero + math.inf if none else ratio_d.masked_fill(m == 0, math.inf).min(),
+            (seq_ratio.detach() * has_tokens).sum(), (weight * m).sum(), capped.sum())]).tolist()
+        (tokens_f, rows_f, loss_v, policy_v, kl_v, units_f, low_f, high_f, ratio_v, rmax, rmin,
+         seq_v, isw_v, capped_f) = stats
+        num_tokens, rows = round(tokens_f), round(rows_f)
         norm = {"gspo": float(rows),
                 "dr_grpo": float(logp.shape[0] * obj.max_tokens)}.get(obj.loss, float(num_tokens))
-        ratio_d = ratio.detach()
         sums = LossSums(
-            loss_sum=float(loss_sum.detach()),
-            policy_loss_sum=float((policy.detach() * (m if policy.ndim == 2 else 1.0)).sum()),
-            kl_sum=float((kl_tok.detach() * m).sum()),
-            num_tokens=num_tokens,
-            num_sequences=rows,
-            norm=norm,
-            clip_units=int(unit_mask.sum().round()),
-            clipped_low=int((on * (unit_ratio.detach() < 1.0).to(m.dtype)).sum()),
-            clipped_high=int((on * (unit_ratio.detach() > 1.0).to(m.dtype)).sum()),
-            ratio_sum=float((ratio_d * m).sum()),
-            ratio_max=float((ratio_d * m).max()) if num_tokens else 0.0,
-            ratio_min=float(ratio_d.masked_fill(m == 0, math.inf).min())
-            if num_tokens else math.inf,
-            seq_ratio_sum=float((seq_ratio.detach() * has_tokens).sum()),
-            is_weight_sum=float((weight * m).sum()),
-            is_capped_tokens=int(capped.sum().round()),
+            loss_sum=loss_v, policy_loss_sum=policy_v, kl_sum=kl_v, num_tokens=num_tokens,
+            num_sequences=rows, norm=norm, clip_units=round(units_f), clipped_low=round(low_f),
+            clipped_high=round(high_f), ratio_sum=ratio_v,
+            ratio_max=rmax if num_tokens else 0.0, ratio_min=rmin if num_tokens else math.inf,
+            seq_ratio_sum=seq_v, is_weight_sum=isw_v, is_capped_tokens=round(capped_f),
         )
     return loss_sum, sums
