@@ -138,9 +138,27 @@ def connect(ray: Any, address: str) -> None:
         kwargs["_node_ip_address"] = head  # a driver on the head's host joins the head's raylet
     try:
         ray.init(address=address, **kwargs)
+        _first_lines_of_cluster_errors(ray)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise LaunchError(f"could not join the Ray cluster at {address}: "
                           f"{str(exc).splitlines()[0]}") from None
+
+
+def _first_lines_of_cluster_errors(ray: Any) -> None:
+    """Ray prints every cluster error on the driver's terminal, a dead node's with its raylet's
+    state dump (hundreds of lines): keep the first line of each. Ray's own module attribute; left
+    alone when a Ray version lacks it."""
+    worker = getattr(getattr(ray, "_private", None), "worker", None)
+    original = getattr(worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "first_lines", False):
+        return
+
+    def first_lines(data: dict, ignore_prefix: bool) -> None:
+        lines = [str(line).splitlines()[0] if str(line) else line for line in data["lines"]]
+        original({**data, "lines": lines}, ignore_prefix)
+
+    first_lines.first_lines = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = first_lines
 
 
 def _is_local(host: str) -> bool:
