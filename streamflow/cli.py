@@ -140,10 +140,10 @@ def _build_parser() -> argparse.ArgumentParser:
     reward.add_argument("--config", required=True, help="the run's YAML config (its policy, "
                         "prompts, verifier, rollout temperature)")
     reward.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. run.seed=1")
-    reward.add_argument("--prompts", type=int, default=1024, help="training prompts (default "
-                        "1024)")
+    reward.add_argument("--prompts", type=int, default=512, help="training prompts (default "
+                        "512)")
     reward.add_argument("--samples", type=int, default=4, help="responses per prompt (default 4)")
-    reward.add_argument("--epochs", type=int, default=5, help="passes over them (default 5)")
+    reward.add_argument("--epochs", type=int, default=10, help="passes over them (default 10)")
     reward.add_argument("--force", action="store_true", help="retrain even if OUT_DIR holds "
                         "this recipe's model")
     reward.add_argument("--json", action="store_true", help="print the report as one JSON line")

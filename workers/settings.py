@@ -336,6 +336,9 @@ class RewardModelSettings(Checked):
     judge: Literal["tokens", "parse"] = "tokens"
     judge_tokens: tuple[str, ...] = ("Yes", "No")  # each one token of the judge's tokenizer
     judge_max_tokens: int = bounded(8, ge=1)  # judge=parse: tokens of its greedy answer
+    # classifier: the score is its "logit", or its "probability" (the logit's sigmoid, in [0, 1]:
+    # a 0/1 verifier's scale; wrong answers' scores no longer spread over the logit's range)
+    classifier_score: Literal["logit", "probability"] = "logit"
     # with the verifier reward.fn: "model" = the model's score alone (the verifier is not run),
     # "sum" = model_weight x model + verifier_weight x verifier, "gate" = the model's score where
     # the verifier scores > 0, else 0

@@ -60,6 +60,9 @@ def test_a_classifier_scores_a_batch_as_each_row_alone(classifier):
     assert all(r.ok for r in got)
     assert [r.score for r in got] == pytest.approx(want, abs=1e-5)
     assert len(set(want)) > 1  # the rows differ: a constant score would pass nothing
+    rm.settings = RewardModelSettings(model=classifier, classifier_score="probability")
+    probs = [r.score for r in rm.score(PROMPTS, RESPONSES, ANSWERS)]
+    assert probs == pytest.approx([1 / (1 + math.exp(-w)) for w in want], abs=1e-5)
 
 
 def test_a_judge_reads_the_probability_of_its_tokens(judge):

@@ -2,8 +2,9 @@
 
 Two kinds, told apart by the directory's ``config.json`` (``model_kind``, no torch: the preflight
 calls it at ``--dry-run``):
-- a **classifier** (``*ForSequenceClassification`` with one label): its one logit is the score,
-  read at the last token of the text (right padding, so every row's positions are its own);
+- a **classifier** (``*ForSequenceClassification`` with one label): its one logit is the score
+  (or its sigmoid, ``classifier_score``), read at the last token of the text (right padding, so
+  every row's positions are its own);
 - a **judge** (``*ForCausalLM``) reading ``reward.template``: ``judge="tokens"`` scores
   P(judge_tokens[0]) / P(any judge token) at the next position (left padding with explicit
   position ids); ``judge="parse"`` decodes a greedy answer and takes its first number (none: a
@@ -162,8 +163,10 @@ class HFRewardModel:
 
     def _classify(self, texts: list[str]) -> list[float]:
         ids, mask = self._encode(texts, "right")
-        logits = self.model(input_ids=ids, attention_mask=mask).logits
-        return [float(x) for x in logits[:, 0].float().cpu()]
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+        if self.settings.classifier_score == "probability":
+            logits = logits.sigmoid()
+        return [float(x) for x in logits.cpu()]
 
     def _positions(self, mask: torch.Tensor) -> torch.Tensor:
         return (mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -42,9 +43,12 @@ MANIFEST = "reward_manifest.json"
 class RewardRecipe:
     """How a reward model is made (all of it goes into the manifest)."""
 
-    prompts: int = 1024  # training-split prompts whose responses are labelled
+    prompts: int = 512  # training-split prompts whose responses are labelled
     samples: int = 4  # responses per prompt
-    epochs: int = 5  # passes over the labelled responses
+    # edits of the reference answer per prompt (a character added, dropped or replaced), plus
+    # the answer itself, labelled by the verifier beside the policy's responses (0: none)
+    edits: int = 0
+    epochs: int = 10  # passes over the labelled responses
     batch_size: int = 64
     lr: float = 1e-3  # AdamW, constant after a 20-step warm-up
     seed: int = 0  # sampling, head initialisation, batch order
@@ -68,12 +72,26 @@ class RewardReport:
     reused: bool = False
 
 
-def sample_labelled(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, problems: Sequence[Problem], *,
-                    samples: int, temperature: float, max_new_tokens: int, seed: int,
-                    verifier: str, threshold: float, timeout_s: float
+def edit(answer: str, draw: random.Random) -> str:
+    """The answer with one character appended, dropped or replaced by a digit: the near misses
+    a policy searching a reward model tries, rare among a warm-started policy's own samples."""
+    at = draw.randrange(len(answer) + 1)
+    digit = str(draw.randrange(10))
+    kind = draw.choice(("add", "drop", "swap")) if answer else "add"
+    if kind == "add":
+        return answer[:at] + digit + answer[at:]
+    at = min(at, len(answer) - 1)
+    return answer[:at] + (digit if kind == "swap" else "") + answer[at + 1:]
+
+
+def sample_labelled(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                    problems: Sequence[Problem], *, samples: int, temperature: float,
+                    max_new_tokens: int, seed: int, verifier: str, threshold: float,
+                    timeout_s: float, edits: int = 0
                     ) -> tuple[list[str], list[str], list[str], list[int]]:
-    """(prompts, responses, answers, labels): ``samples`` responses per problem, labelled 1 when
-    the verifier scores them ``>= threshold``."""
+    """(prompts, responses, answers, labels): ``samples`` responses per problem, then (``edits``
+    > 0) that many edits of its reference answer and the answer itself, each labelled 1 when the
+    verifier scores it ``>= threshold``."""
     from workers.engines.torch_rollout import TorchRolloutEngine
 
     engine = TorchRolloutEngine(model, tokenizer, max_batch_size=256)
@@ -82,11 +100,13 @@ def sample_labelled(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
                             stop_token_ids=stops, seed=seed)
     gens = engine.generate([encode_prompt(tokenizer, p.prompt) for p in problems], samples, params)
     prompts, responses, answers = [], [], []
+    draw = random.Random(f"reward-edits|{seed}")
     for p, group in zip(problems, gens, strict=True):
-        for g in group:
-            prompts.append(p.prompt)
-            responses.append(tokenizer.decode(list(g.token_ids), skip_special_tokens=True))
-            answers.append(p.answer)
+        texts = [tokenizer.decode(list(g.token_ids), skip_special_tokens=True) for g in group]
+        texts += [edit(p.answer, draw) for _ in range(edits)] + [p.answer] * bool(edits)
+        prompts += [p.prompt] * len(texts)
+        responses += texts
+        answers += [p.answer] * len(texts)
     with RewardRunner(verifier, timeout_s=timeout_s) as runner:
         scores = runner.score(responses, answers)
     return prompts, responses, answers, [int(r.ok and r.score >= threshold) for r in scores]
@@ -151,7 +171,9 @@ def train_reward_model(out_dir: str | Path, policy_dir: str | Path,
         sample = dict(samples=recipe.samples, temperature=recipe.temperature,
                       max_new_tokens=recipe.max_new_tokens, verifier=verifier,
                       threshold=threshold, timeout_s=timeout_s)
-        train = sample_labelled(policy, tokenizer, train_problems, seed=recipe.seed, **sample)
+        train = sample_labelled(policy, tokenizer, train_problems, seed=recipe.seed,
+                                edits=recipe.edits, **sample)
+        # held out: the policy's own responses only (what the reward model will be asked)
         held = sample_labelled(policy, tokenizer, heldout_problems, seed=recipe.seed + 1,
                                **sample)
         del policy
