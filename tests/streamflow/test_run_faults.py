@@ -464,3 +464,41 @@ def test_stop_all_reaps_every_child_even_when_cut_short(tmp_path):
         "rollout-0": True, "reward-0": True, "store-0": True}
 
 
+
+
+@pytest.mark.slow
+def test_a_killed_reward_model_worker_loses_no_row(model_cache, start_run, tmp_path):
+    """reward.model: a tiny sequence classifier built here scores beside the slow verifier
+    (combine=sum keeps the leases long enough to catch); its worker is SIGKILLed holding a lease,
+    is restarted, reloads the model and the run trains every row of every iteration once. Breaks
+    if the reward-model worker cannot start from the plan's record, if its lost lease's rows
+    were dropped or trained twice, or if the model's score did not reach the trainer."""
+    import transformers
+
+    from workers.models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    config = transformers.Qwen2Config(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+        pad_token_id=tok.pad_token_id)
+    transformers.Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    iterations = 3  # one before the kill, the one it hits, one after
+    r = start_run(model_cache / "faults-reward-model", f"reward.model={tmp_path / 'rm'}",
+                  "reward.combine=sum", "reward.verifier_weight=0.5",
+                  f"run.iterations={iterations}")
+    reward = r.process("reward-0")
+    r.freeze_leased("reward", reward, min_iteration_done=1)
+    reward.send_signal(signal.SIGKILL)  # restarted; its lease expires, the rows come back
+    assert r.wait() == 0, r.stderr()
+    summary = r.summary()
+    assert summary["status"] == "ok" and summary["iterations"] == iterations, summary
+    assert _samples_per_iteration(r.out) == [4 * 2] * iterations
+    assert summary["dead_rows"] == 0 and summary["in_flight_rows"] == 0
+    assert summary["redelivered_rows"] > 0
+    assert summary["worker_restarts"] == {"reward-0": 1}
+    # 0.5 x (0 or 1) + a random model's logit: a mean of 8 such rewards is no multiple of 1/16
+    metrics = (r.out / "metrics.jsonl").read_text().splitlines()
+    means = [json.loads(x)["reward_mean"] for x in metrics]
+    assert all(abs(m * 16 - round(m * 16)) > 1e-4 for m in means), means
