@@ -204,6 +204,18 @@ def test_ray_unreachable_address_fails_fast() -> None:
     assert time.monotonic() - t0 < 15
 
 
+def test_more_gpus_than_the_cluster_is_one_line_before_anything_starts(ray_cluster) -> None:
+    """Breaks if the driver places anything before it compares the config's GPUs with the
+    cluster's (the cluster has none: a placement group would wait for GPUs forever)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "streamflow", "launch", str(ROOT / "configs" / "tiny.yaml"),
+         "trainer.device=cuda", PLACEMENT, "--backend", "ray", "--address", ray_cluster.address],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "error: the config asks Ray for 1 GPUs in all, the cluster has 0"), done.stderr
+
+
 def test_bundles_count_processes_gpus_and_custom_resources(tiny_config) -> None:
     cfg = tiny_config("trainer.device=cuda", PLACEMENT.replace("127.0.0.1", "10.0.0.1"))
     bundles = node_bundles(cfg, 0, parse_resources(["1:ssd=1,fast=2"], 2))
