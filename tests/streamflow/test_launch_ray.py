@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,6 +132,7 @@ def ray_cluster():
         yield cluster
     finally:
         cluster.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # the nodes' sessions and logs
 
 
 def _launch(cluster: RayCluster, out: Path, *args: str) -> subprocess.Popen:

@@ -127,6 +127,7 @@ def slurm():
         yield cluster
     finally:
         cluster.stop()
+        shutil.rmtree(cluster.dir, ignore_errors=True)  # configs, state, spool, daemon logs
 
 
 @pytest.mark.slow
