@@ -39,7 +39,13 @@ ELSEWHERE = {
                  "test_a_shortened_demo_recipe_raises_held_out_accuracy",
     "make test": "Makefile:test",
     "make gpu-smollm2": "tests/workers/test_gpu.py::test_periodic_smollm2_run_on_one_gpu",
+    "make gpu-check": "tests/bench/test_bench_gpu.py::"
+                      "test_smoke_check_runs_every_step_on_the_cpu_and_writes_one_json",
     "docker compose": "Makefile:compose-test",
+    # a Ray cluster and a Slurm allocation, made by these tests (docs/multihost.md)
+    "streamflow launch job.yaml --backend ray": "tests/streamflow/test_launch_ray.py::"
+                                                "test_ray_two_nodes_equal_one_host_through_a_node_kill",
+    "sbatch": "tests/streamflow/test_launch_slurm.py::test_sbatch_runs_over_two_slurm_nodes",
     "prometheus": "tests/streamflow/test_prometheus.py::"
                   "test_every_dashboard_panel_returns_data_from_a_real_run",
 }
