@@ -127,7 +127,9 @@ class RunPlan:
             reference_in_rollout=self.cfg.reference_in_rollout, capacity_rows=s.capacity_rows,
             lease_seconds=s.lease_seconds, max_deliveries=s.max_deliveries,
             fsync="always" if s.fsync else "never", max_turns=self.cfg.rollout.max_turns,
-            partial_cuts=self.cfg.rollout.partial_max_cuts if self.cfg.partial else 0)
+            partial_cuts=self.cfg.rollout.partial_max_cuts if self.cfg.partial else 0,
+            reward_whole_groups=self.cfg.reward.model is not None
+            and self.cfg.reward.normalize == "group")
 
     def problems(self, iteration: int) -> list[Problem]:
         n = self.cfg.data.prompts_per_iteration

@@ -142,7 +142,7 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
                        lease_seconds: float = TableSpec.lease_seconds,
                        max_deliveries: int = TableSpec.max_deliveries,
                        fsync: str = TableSpec.fsync, max_turns: int = 1,
-                       partial_cuts: int = 0) -> TableSpec:
+                       partial_cuts: int = 0, reward_whole_groups: bool = False) -> TableSpec:
     """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
     wait for ``ref_logprobs`` (off when the KL term is off or the reference is fused into the
     trainer); ``reference_in_rollout``: the rollout writes them with its responses, so the trainer
@@ -152,7 +152,9 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
     (partial rollout, single-turn only) adds the ``part_columns``, ``response_version_runs`` and
     the resume tasks ``resume.{j}`` (needs ``part{j-1}_ids``, j = 1..R); 0: no partial rollout.
     A turn or resume task skips (``TaskSpec.skip_null``) a row whose needed cell its trajectory's
-    end wrote NULL: the store consumes it for that task, and no worker claims it."""
+    end wrote NULL: the store consumes it for that task, and no worker claims it.
+    ``reward_whole_groups``: the reward task is claimed by whole groups (a reward model's scores
+    normalised within each group, ``reward.normalize=group``)."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if partial_cuts < 0 or (partial_cuts and max_turns > 1):
@@ -165,7 +167,7 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
     # a cut row goes on in resume.1, .., resume.R (rows one by one: a group's rows are cut apart)
     tasks += [TaskSpec(f"resume.{j}", (f"part{j - 1}_ids",), skip_null=f"part{j - 1}_ids")
               for j in range(1, partial_cuts + 1)]
-    tasks.append(TaskSpec("reward", ("response_ids",)))
+    tasks.append(TaskSpec("reward", ("response_ids",), whole_groups=reward_whole_groups))
     trainer_needs: tuple[str, ...] = ("response_ids", "reward")
     if reference_worker:
         tasks.append(TaskSpec("reference", ("response_ids",)))

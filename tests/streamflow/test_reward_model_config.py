@@ -71,3 +71,22 @@ def test_reward_model_workers_are_placed_by_the_devices_rules():
     assert d.reward == ("cpu", "cpu")
     d = resolve_devices(load_config(TINY, [*base, "reward.device=cpu"]), gpus=8)
     assert d.reward == ("cpu", "cpu") and d.reward_dtype == "float32"
+
+
+def test_the_plan_hands_the_reward_model_to_every_reward_worker(tmp_path):
+    # breaks if a worker lost the model, its device, or the whole-group claims that
+    # normalize=group needs (the store refuses a whole-group claim of a task not declared so)
+    from testkit import worker_plan
+
+    cfg = load_config(TINY, ["reward.model=/m", "reward.normalize=group", "reward.num_workers=2",
+                             "reward.classifier_score=probability"])
+    plan = worker_plan(cfg, tmp_path)
+    records = [rec for _, role, rec, _ in plan.workers(["tcp://127.0.0.1:1"], None)
+               if role == "reward"]
+    assert [r.scorer.model for r in records] == ["/m", "/m"]
+    assert [r.model_device for r in records] == ["cpu", "cpu"]
+    assert records[0].classifier_score == "probability"
+    whole = {t.name: t.whole_groups for t in plan.table_spec.tasks}
+    assert whole["reward"] is True
+    plain = worker_plan(load_config(TINY, ["reward.model=/m"]), tmp_path / "b")
+    assert not {t.name: t.whole_groups for t in plain.table_spec.tasks}["reward"]
