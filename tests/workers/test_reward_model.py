@@ -211,3 +211,17 @@ def test_train_reward_labels_the_policys_responses_and_saves_a_classifier(tmp_pa
     again = train_reward_model(tmp_path / "rm", policy, train, held, recipe=recipe,
                                settings=settings, verifier="brevity", threshold=0.0)
     assert again.reused and again.heldout_accuracy == report.heldout_accuracy
+
+
+def test_an_edit_of_the_answer_is_one_character_away_from_it():
+    import random
+
+    from workers.models.reward_train import edit
+
+    draw = random.Random(0)
+    edits = [edit("46", draw) for _ in range(60)]
+    for e in edits:  # breaks if an edit changed the length by more than one character
+        assert abs(len(e) - 2) <= 1 and all(c.isdigit() for c in e)
+        # (a digit replaced by itself gives the answer back: the verifier labels it correct)
+    assert {len(e) for e in edits} == {1, 2, 3}  # added, dropped and replaced all drawn
+    assert edit("", random.Random(1)) != ""  # an empty answer can only grow
