@@ -51,7 +51,8 @@ def model_kind(settings: RewardModelSettings) -> str:
     ``model``, ``template``) when the directory or the template cannot work. No torch."""
     path = Path(str(settings.model))
     if not path.is_dir():
-        raise ConfigValueError("model", f"{path} is not a directory")
+        raise ConfigValueError("model", f"{path} is not a directory (`streamflow model "
+                               "train-reward DIR --config CONFIG` trains one)")
     try:
         config = json.loads((path / "config.json").read_text())
     except FileNotFoundError:
