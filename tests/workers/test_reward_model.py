@@ -197,12 +197,14 @@ def test_train_reward_labels_the_policys_responses_and_saves_a_classifier(tmp_pa
     policy = _tiny(tmp_path_factory, "Qwen2ForCausalLM")
     task = ArithmeticTask(digits=1, operations=("+",), seed=0)
     train, held = task.train_problems(6), task.eval_problems(3)
-    recipe = RewardRecipe(prompts=6, samples=2, epochs=1, batch_size=4, max_new_tokens=3)
+    recipe = RewardRecipe(prompts=6, samples=2, epochs=1, batch_size=4, max_new_tokens=3,
+                          edits=1)
     settings = RewardModelSettings(template="{prompt}{response}={answer}")
     # "brevity" scores every response above 0: all positive, whatever the random policy says
     report = train_reward_model(tmp_path / "rm", policy, train, held, recipe=recipe,
                                 settings=settings, verifier="brevity", threshold=0.0)
-    assert (report.train_responses, report.heldout_responses) == (12, 6)
+    # per training prompt: 2 responses, 1 edit of the answer, the answer; held out: responses
+    assert (report.train_responses, report.heldout_responses) == (6 * 4, 3 * 2)
     assert report.train_positive_fraction == 1.0 and not report.reused
     rm = HFRewardModel(RewardModelSettings(model=str(tmp_path / "rm"),
                                            template=settings.template))

@@ -47,7 +47,7 @@ class RewardRecipe:
     samples: int = 4  # responses per prompt
     # edits of the reference answer per prompt (a character added, dropped or replaced), plus
     # the answer itself, labelled by the verifier beside the policy's responses (0: none)
-    edits: int = 0
+    edits: int = 2
     epochs: int = 10  # passes over the labelled responses
     batch_size: int = 64
     lr: float = 1e-3  # AdamW, constant after a 20-step warm-up
