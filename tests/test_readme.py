@@ -55,6 +55,8 @@ RUN_AS_IS = {("config", "keys")}
 # what a user brings, or `make gpu-smollm2` writes: stand-ins the checks before a run accept
 MODEL_DIRS = ("models/my-model", "runs/models/SmolLM2-135M-Instruct")
 PROMPT_FILES = ("prompts.jsonl", "runs/data/word_problems.jsonl")
+# what `streamflow model train-reward` writes (its own test runs it: tests/workers/test_reward_model.py)
+REWARD_MODEL_DIRS = ("runs/reward-model",)
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,11 @@ def _scratch(tmp_path: Path) -> Path:
         for name in ("config.json", "tokenizer.json"):
             (model / name).write_text("{}")
         (model / "model.safetensors").write_bytes(b"")
+    for rel in REWARD_MODEL_DIRS:  # a one-logit sequence classifier, as the checks read it
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "config.json").write_text(json.dumps(
+            {"architectures": ["Qwen2ForSequenceClassification"], "num_labels": 1}))
+        (tmp_path / rel / "model.safetensors").write_bytes(b"")
     rows = "".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
                    for i in range(200))
     for rel in PROMPT_FILES:
