@@ -119,16 +119,19 @@ def _node_log(out: Path, rank: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_host(model_cache: Path) -> dict:
+def one_host(model_cache: Path, request: pytest.FixtureRequest) -> dict:
     """The reference: the same config on one host, 2 iterations. In-process `sync` (cheap: no
     child processes), which equals `periodic` bitwise with trainer.deterministic (tiny.yaml), as
-    test_controller.py::test_periodic_equals_sync_through_processes proves."""
+    test_controller.py::test_periodic_equals_sync_through_processes proves. One run directory
+    per module that uses it (test_launch_ray.py too): a second run into the first's would be
+    refused as an existing run."""
     from streamflow.config import load_config
 
+    out = model_cache / f"one-host-{request.module.__name__.rsplit('.', 1)[-1]}"
     cfg = load_config(
         ROOT / "configs" / "tiny.yaml",
         [
-            f"run.output_dir={model_cache / 'one-host'}",
+            f"run.output_dir={out}",
             *COMMON,
             "run.iterations=2",
             "run.mode=sync",
@@ -138,7 +141,7 @@ def one_host(model_cache: Path) -> dict:
     )
     summary = run(cfg)
     assert summary.status == "ok"
-    return _params(model_cache / "one-host", 2)
+    return _params(out, 2)
 
 
 @pytest.fixture
