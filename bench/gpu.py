@@ -92,13 +92,11 @@ def overhead_step(shape: G1Shape, model_dir: Path, work: Path, *, iterations: in
 
 def warmup_step(*, quick: bool, iterations: int, threads: int, device: str) -> dict[str, Any]:
     """``bench warmup --profile`` in a child process: a cold start is what it measures."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     argv = [sys.executable, "-m", "bench.warmup", "--json", "--profile", "--iterations",
             str(iterations), "--threads", str(threads), "--device", device,
             *(["--quick"] if quick else [])]
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
+    proc = subprocess.run(argv, cwd=ROOT, env=_child_env(), capture_output=True, text=True,
+                          timeout=600, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"bench warmup: exit status {proc.returncode}: {proc.stderr[-1500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -117,10 +115,14 @@ GPU_TESTS = ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs",
              "tests/workers/test_gpu.py"]
 
 
-def _start_gpu_tests() -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+def _child_env() -> dict[str, str]:
+    """This environment with this checkout first on PYTHONPATH (its packages, not another's)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    return subprocess.Popen([sys.executable, *GPU_TESTS], cwd=ROOT, env=env, text=True,
+
+
+def _start_gpu_tests() -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, *GPU_TESTS], cwd=ROOT, env=_child_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -131,11 +131,16 @@ def _uniforms(seeds: list[int] | None, batch: int, max_new: int, dev: torch.devi
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[B, 1] index drawn from the (unnormalised) rows of ``probs`` [B, V] with uniforms u [B]."""
-    cdf = probs.cumsum(dim=-1)
+    return _draw(probs.cumsum(dim=-1), u)
+
+
+def _draw(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B, 1] index drawn with uniforms u [B] from the running sums ``cdf`` [B, V] of unnormalised
+    weights."""
     # right=True: the first entry whose cdf exceeds u * mass, so a zero-probability entry (flat
     # cdf) is never picked; the clamp guards u * mass rounding up to the mass itself.
     idx = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    return idx.clamp_(max=cdf.shape[-1] - 1)
 
 
 def _sample(
@@ -153,10 +158,8 @@ def _sample(
         # behaviour log-prob z - max - log(mass) is log_softmax's own formula at the token.
         peak = z.amax(dim=-1, keepdim=True)
         cdf = (z - peak).exp_().cumsum_(dim=-1)
-        mass = cdf[:, -1:]
-        # as _inverse_cdf: the first entry whose cdf exceeds u * mass, clamped
-        token = torch.searchsorted(cdf, u[:, None] * mass, right=True).clamp_(max=z.shape[-1] - 1)
-        return token.squeeze(-1), (z.gather(-1, token) - peak - mass.log()).squeeze(-1)
+        token = _draw(cdf, u)
+        return token.squeeze(-1), (z.gather(-1, token) - peak - cdf[:, -1:].log()).squeeze(-1)
     logp = torch.log_softmax(z, dim=-1)  # [B, V], before truncation
     sorted_logp, order = logp.sort(dim=-1, descending=True)
     probs = sorted_logp.exp()
