@@ -78,7 +78,9 @@ def check_inputs(cfg: RunConfig) -> None:
         _check_env(cfg.env.fn)
         _check_tools(cfg.env.fn, cfg.env.tools, cfg.env.timeout_s)
         _check_context(cfg)
+    reward_engine = cfg.reward.engine if cfg.reward.model is not None else "torch"
     for key, engine, package in (("rollout.engine", cfg.rollout.engine, "vllm"),
+                                 ("reward.engine", reward_engine, "vllm"),
                                  ("trainer.engine", cfg.trainer.engine, "deepspeed")):
         if engine == package and importlib.util.find_spec(package) is None:
             raise ConfigError(key, f"{engine}: the {package} package is not installed in this "
@@ -169,8 +171,8 @@ def _check_reward(fn: str) -> None:
 
 def _check_reward_model(cfg: RunConfig) -> None:
     """reward.model is a classifier or a judge with a template (no torch: its config.json)."""
+    from workers.checked import ConfigValueError
     from workers.engines.reward_model import model_kind
-    from workers.settings import ConfigValueError
 
     try:
         model_kind(cfg.reward.scorer)

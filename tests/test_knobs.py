@@ -18,7 +18,7 @@ from streamflow.cli import main as cli_main
 from streamflow.config import RunConfig, StoreSection, load_config
 from streamflow.config.convert import section_keys
 from workers import config as records
-from workers.settings import Checked, embedded
+from workers.checked import Checked, embedded
 
 ROLE_RECORDS = {"rollout": records.RolloutWorkerConfig, "reward": records.RewardWorkerConfig,
                 "reference": records.ReferenceWorkerConfig,

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from workers.checked import embed, flat
 from workers.runtime.cores import CoreShareConfig
 from workers.settings import (
     AgentSettings,
@@ -28,8 +29,6 @@ from workers.settings import (
     SimulatedDevice,
     TorchGenerateSettings,
     VllmSettings,
-    embed,
-    flat,
 )
 
 

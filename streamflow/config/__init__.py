@@ -44,7 +44,7 @@ from streamflow.config.sections import (
     TrainerSection,
     WeightsSection,
 )
-from workers.settings import require
+from workers.checked import require
 
 __all__ = [  # (re-exported: the sections and errors callers import from here)
     "ConfigError", "ConfigTypeError", "ConfigValueError", "DataSection", "DevicesSection",

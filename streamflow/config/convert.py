@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from workers.settings import ConfigError, ConfigValueError, embedded
+from workers.checked import ConfigError, ConfigValueError, embedded
 
 
 class UnknownKeyError(ConfigError):
@@ -154,7 +154,7 @@ def from_dict(cls: type[Any], data: Any, section: str = "") -> Any:
             raise _unknown_key(cls, str(key), section)
         kwargs[key] = _convert(hints[key], value, f"{section}.{key}" if section else key)
     try:
-        return cls(**kwargs)  # (embedded settings take their keys: workers.settings.flat)
+        return cls(**kwargs)  # (embedded settings take their keys: workers.checked.flat)
     except ConfigError as err:
         # Section checks name the bare field; the top level's (section '') the full key.
         if section:

@@ -25,7 +25,7 @@ from typing import Any
 
 from streamflow.config import RunConfig
 from streamflow.config.convert import type_name
-from workers.settings import embedded
+from workers.checked import embedded
 
 HEADER = """\
 # Configuration: every key of a run

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from storage.schema import TableSpec
+from workers.checked import Checked, bounded, embed, flat, require
 from workers.models.spec import TinyModelSpec
 from workers.settings import (
-    Checked,
     EnvSettings,
     GrpoSettings,
     OptimizerSettings,
@@ -28,10 +28,6 @@ from workers.settings import (
     TorchGenerateSettings,
     TurnSettings,
     VllmSettings,
-    bounded,
-    embed,
-    flat,
-    require,
 )
 
 Mode = Literal["sync", "periodic", "async"]

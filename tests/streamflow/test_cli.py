@@ -61,7 +61,8 @@ def test_dry_run_does_not_import_the_engine():
     # The config checks the simulated cost preset's name against workers.engines.sim_cost, a
     # standard-library-only table of presets; anything else of workers (engines, torch) is heavy.
     # The early checks (streamflow/preflight.py) resolve reward.fn with workers.tasks.verifiers, which
-    # is standard-library only as well, and so is workers.settings (the knobs the config embeds).
+    # is standard-library only as well, and so are workers.settings (the knobs the config embeds)
+    # and workers.checked (their checks).
     # The task checks build the arithmetic task and its held-out split (pyarrow only for files).
     # workers.settings takes env.sandbox.*'s defaults from workers.agent.sandbox (stdlib only);
     # the verifiers read tool-call markers (workers.agent.toolcall) and run user functions in a
@@ -69,6 +70,7 @@ def test_dry_run_does_not_import_the_engine():
     light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.tasks",
              "workers.tasks.verifiers", "workers.tasks.arithmetic", "workers.tasks.heldout",
              "workers.tasks.problem", "workers.tasks.prompt_file", "workers.settings",
+             "workers.checked",
              "workers.models", "workers.models.spec", "workers.agent", "workers.agent.sandbox",
              "workers.agent.toolcall", "workers.runtime", "workers.runtime.child")
     code = (

@@ -9,7 +9,7 @@ from pathlib import Path
 from streamflow.cli import main
 from streamflow.config import RunConfig, config_to_dict, load_config
 from streamflow.config.keys import _comment_blocks, config_keys, render
-from workers.settings import bounded
+from workers.checked import bounded
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

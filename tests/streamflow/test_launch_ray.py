@@ -94,6 +94,10 @@ class RayCluster:
             return False
 
         wait_until(gcs_up, timeout=60, what="the Ray head's GCS")
+        self.start_b()
+
+    def start_b(self) -> None:
+        """Node B joins the head (again, after a test killed it: the driver waits for it)."""
         ports = {k: str(_port()) for k in (
             "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
             "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")}
@@ -146,6 +150,63 @@ def _launch(cluster: RayCluster, out: Path, *args: str) -> subprocess.Popen:
 
 PLACEMENT = ("placement.nodes=[{host: 127.0.0.1, store_nodes: 1, trainer: 1}, "
              "{host: 127.0.0.1, rollout: 1, reward: 1, reference: 1}]")
+
+
+def _run_family(out: Path) -> list[psutil.Process]:
+    """Every process of the run: the node launchers (their argv names the run directory, wherever
+    Ray started them) and everything below them."""
+    found: list[psutil.Process] = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(f"run.output_dir={out}" == a for a in p.info["cmdline"] or ()):
+            found.extend(_tree(p.pid))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_of_the_driver_stops_every_node_in_order(ray_cluster, model_cache: Path) -> None:
+    """What a terminal does on Ctrl-C: SIGINT to the driver's process group, mid-run. Breaks if:
+    the driver leaves the launchers to Ray's kill (a worker would die holding leases: rows in
+    flight or redelivered, restarts, no summary), node 0 is not told first (status not
+    `interrupted` by SIGTERM), the exit is not 130, or any process of the run outlives it on
+    either node."""
+    out = model_cache / "ray-ctrl-c"
+    if ray_cluster.nodes["b"].poll() is not None:  # a test before this one killed node B
+        ray_cluster.start_b()
+    driver = _launch(ray_cluster, out, *COMMON, "run.iterations=1000", "store.lease_seconds=60",
+                     PLACEMENT, "--node-resources", "0:node_a=1")
+    log = out.parent / f"{out.name}-driver.log"
+    metrics = out / "metrics.jsonl"
+    try:
+        def running() -> bool:  # an iteration done, and node B's workers up
+            assert driver.poll() is None, log.read_text()[-3000:]
+            b_pids = {p.pid for p in ray_cluster.snapshot("b")}
+            on_b = any(p.pid in b_pids and "rollout" in " ".join(p.cmdline())
+                       for p in _run_family(out) if p.is_running())
+            return on_b and metrics.exists() and bool(metrics.read_text().strip())
+
+        wait_until(running, timeout=150, what="an iteration over both Ray nodes")
+        family = _run_family(out)
+        assert len(family) >= 6, family  # 2 launchers; store, controller, trainer; rollout...
+        os.killpg(driver.pid, signal.SIGINT)
+        sent = time.monotonic()
+        code = driver.wait(120)
+        took = time.monotonic() - sent
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait(10)
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    assert "stopping the run" in text and "Traceback" not in text, text[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["stopped_by"] == "SIGTERM", summary
+    assert summary["in_flight_rows"] == 0 and summary["redelivered_rows"] == 0, summary
+    assert summary["worker_restarts"] == {}, summary["worker_restarts"]
+    _, alive = psutil.wait_procs(family, timeout=15)
+    assert alive == [], alive
+    assert _run_family(out) == []
+    print(f"Ctrl-C of the Ray driver to its exit: {took:.1f}s")
 
 
 @pytest.mark.slow

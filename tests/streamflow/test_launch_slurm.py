@@ -1,7 +1,8 @@
 """deploy/slurm/streamflow.sbatch on a real Slurm cluster: Debian's slurmctld, two slurmd (n1 at
 127.0.0.2, n2 at 127.0.0.3, both on this machine) and a munged of its own, all started here without
-systemd and stopped by pid. A short run over the two nodes ends the job with status 0; the
-backend's checks of the allocation are unit tests below.
+systemd and stopped by pid. A short run over the two nodes ends the job with status 0; a job
+requeued mid-run resumes from its checkpoint; the backend's checks of the allocation are unit
+tests below.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ SlurmctldPort={ctld_port}
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={dir}/munge/munge.socket
+AuthInfo=socket={dir}/munge/munge.socket,cred_expire=5
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -48,7 +49,7 @@ SlurmdParameters=config_overrides
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
-MinJobAge=4
+MinJobAge=300
 ReturnToService=2
 StateSaveLocation={dir}/state
 SlurmdSpoolDir={dir}/spool-%n
@@ -154,6 +155,67 @@ def test_sbatch_runs_over_two_slurm_nodes(slurm, model_cache: Path) -> None:
     worker = json.loads((out / "workers" / "node-1" / "rollout-0.json").read_text())
     assert "127.0.0.3" in json.dumps(worker), worker
     print(f"sbatch --wait of a 1-iteration run over 2 nodes: {took:.1f}s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_requeued_job_resumes_from_its_checkpoint(slurm, model_cache: Path) -> None:
+    """`scontrol requeue` mid-run (what a preemption does): the launchers get SIGTERM and stop
+    the run cleanly, Slurm starts the job again (after cred_expire, 5 s here) and run.resume=auto
+    continues from the newest checkpoint. Breaks if: the stop is not clean (no checkpoint to
+    resume, rows lost), the second attempt starts over (iterations repeated in metrics.jsonl) or
+    fails on the first's run directory, or the job's final status is not 0."""
+    out = model_cache / "slurm-requeue"
+    job_out = slurm.dir / "job.out"
+    env = {**slurm.env, "STREAMFLOW": f"{sys.executable} -m streamflow", "PYTHONUNBUFFERED": "1"}
+    iterations = 4
+    submit = subprocess.run(
+        ["sbatch", "--parsable", "-N", "2", f"--chdir={ROOT}", f"--output={job_out}",
+         str(SBATCH), str(ROOT / "configs" / "tiny.yaml"), f"run.output_dir={out}",
+         f"run.iterations={iterations}", "run.checkpoint_every=1", "run.eval_every=0",
+         "rollout.groups_per_claim=1", "trainer.kl_coef=0", PLACEMENT],
+        env=env, capture_output=True, text=True, timeout=60)
+    job_id = submit.stdout.strip()
+    assert submit.returncode == 0 and job_id.isdigit(), submit.stderr
+
+    def job() -> dict[str, str]:  # scontrol's one-line record (kept MinJobAge after the end)
+        line = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=slurm.env,
+                              capture_output=True, text=True, check=True, timeout=30).stdout
+        return dict(f.split("=", 1) for f in line.split() if "=" in f)
+
+    def ended() -> bool:
+        return job()["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+    try:
+        metrics = out / "metrics.jsonl"
+
+        def one_iteration_checkpointed() -> bool:
+            assert not ended(), job_out.read_text(errors="replace")[-3000:]
+            done = metrics.read_text().splitlines() if metrics.exists() else []
+            return len(done) >= 1 and (out / "checkpoints" / "step-000001").is_dir()
+
+        wait_until(one_iteration_checkpointed, timeout=180, what="step 1's checkpoint")
+        first_lines = metrics.read_text().splitlines()
+        done_before = len(first_lines)
+        assert done_before < iterations, "the run ended before the requeue"
+        subprocess.run(["scontrol", "requeue", job_id], env=slurm.env, check=True, timeout=30)
+        t0 = time.monotonic()
+        wait_until(lambda: job()["Restarts"] == "1" and ended(), timeout=240,
+                   what="the requeued job's end")
+        took = time.monotonic() - t0
+    finally:
+        if not ended():
+            subprocess.run(["scancel", job_id], env=slurm.env, timeout=30)
+    text = job_out.read_text(errors="replace")
+    final = job()
+    assert final["JobState"] == "COMPLETED" and final["ExitCode"] == "0:0", (final, text[-3000:])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["iterations"] == iterations, summary
+    assert summary["dead_rows"] == 0 and summary["in_flight_rows"] == 0, summary
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in lines] == list(range(iterations)), lines
+    assert lines[0] == first_lines[0]  # step 1 was resumed from, not done again
+    print(f"requeued after {done_before} iteration(s); requeue to the job's end: {took:.1f}s")
 
 
 def _node(nodes: int, rank: int = 0) -> SlurmNode:

@@ -46,6 +46,23 @@ def test_missing_models_and_bad_templates_are_one_line_errors_at_dry_run(capsys,
     ok = _fake_model(tmp_path / "c1", "Qwen2ForSequenceClassification", num_labels=1)
     rc, err = _dry_run(capsys, f"reward.model={ok}", "reward.combine=gate")
     assert rc == 0, err
+    rc, err = _dry_run(capsys, f"reward.model={ok}", "reward.engine=vllm")
+    assert rc == 2 and err.startswith("error: reward.engine: vllm serves a judge;"), err
+
+
+def test_a_vllm_judge_without_vllm_installed_is_refused_at_dry_run(capsys, tmp_path, monkeypatch):
+    import importlib.util
+
+    judge = _fake_model(tmp_path / "j", "Qwen2ForCausalLM")
+    ok = [f"reward.model={judge}", "reward.template={response}"]
+    assert _dry_run(capsys, *ok, "reward.engine=vllm")[0] == 0
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real(name, *a))
+    rc, err = _dry_run(capsys, *ok, "reward.engine=vllm")
+    assert rc == 2 and err.startswith("error: reward.engine: vllm: the vllm package is not "
+                                      "installed"), err
+    assert _dry_run(capsys, *ok)[0] == 0  # the torch judge needs no vllm
 
 
 def test_rules_across_sections():

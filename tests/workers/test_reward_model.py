@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from storage.schema import Lease
+from workers.checked import ConfigValueError
 from workers.engines.reward_model import HFRewardModel, model_kind, parse_score, render
 from workers.models.tokenizer import build_char_tokenizer
 from workers.roles.reward import RewardStage, RunningStats, group_normalized
-from workers.settings import ConfigValueError, RewardModelSettings
+from workers.settings import RewardModelSettings
 from workers.tasks.verifiers import RewardResult
 
 PROMPTS = ["12+34=", "7+8=", "99+1=", "3+4=", "50+50="]
@@ -118,6 +119,8 @@ def test_bad_directories_and_templates_name_their_key(tmp_path, classifier, judg
     with pytest.raises(ConfigValueError, match="^template: a judge"):
         model_kind(RewardModelSettings(model=judge))
     assert model_kind(RewardModelSettings(model=classifier)) == "classifier"
+    with pytest.raises(ConfigValueError, match="^engine: vllm serves a judge; .* classifier"):
+        model_kind(RewardModelSettings(model=classifier, engine="vllm"))
     with pytest.raises(ConfigValueError, match=r"^template: has unknown field\(s\) \['question'\]"):
         RewardModelSettings(template="{question}{response}")
     with pytest.raises(ConfigValueError, match="^template: must contain {response}"):

@@ -35,7 +35,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from workers.agent.toolcall import ToolCall, ToolCallError, parse_tool_call
-from workers.settings import ConfigValueError
+from workers.checked import ConfigValueError
 
 if TYPE_CHECKING:
     from workers.agent.sandbox import SandboxLimits, SandboxResult

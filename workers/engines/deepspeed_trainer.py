@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from workers.checked import embed, flat
 from workers.engines.optim import apply_warmup, make_optimizer
 from workers.engines.torch_trainer import publishable
 from workers.runtime.distributed import RankGroup, rank_env
-from workers.settings import OptimizerSettings, embed, flat
+from workers.settings import OptimizerSettings
 
 CHECKPOINT_TAG = "deepspeed"  # sub-directory of a trainer checkpoint holding DeepSpeed's files
 SUPPORTED_STAGES = (1, 2)

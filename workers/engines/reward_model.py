@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from workers.settings import ConfigValueError, RewardModelSettings
+from workers.checked import ConfigValueError
+from workers.settings import RewardModelSettings
 from workers.tasks.verifiers import RewardResult
 
 if TYPE_CHECKING:
@@ -75,6 +76,9 @@ def model_kind(settings: RewardModelSettings) -> str:
         if labels != 1:
             raise ConfigValueError("model", f"{path} classifies into {labels} labels; a reward "
                                    "model has one (its logit is the score)")
+        if settings.engine == "vllm":
+            raise ConfigValueError("engine", f"vllm serves a judge; {path} is a classifier "
+                                   f"({archs[0]}): use engine=torch")
     elif not settings.template:
         raise ConfigValueError("template", f"a judge ({archs[0]} at {path}) needs a template "
                                "with {response} (and {prompt}, {answer} as it likes)")
@@ -198,5 +202,13 @@ def parse_score(answer: str) -> RewardResult:
 
 def load_reward_model(settings: RewardModelSettings, *, device: str = "cpu",
                       dtype: str = "float32") -> RewardModel:
-    """The reward model of ``settings.model`` (``ValueError`` naming the key if unusable)."""
+    """The reward model of ``settings.model`` (``ValueError`` naming the key if unusable) on
+    ``settings.engine`` (vLLM takes the first GPU it sees: ``device`` cuda:N is made the only
+    one this process sees; on its CPU build it runs on the CPU)."""
+    if settings.engine == "vllm":
+        from workers.engines.reward_vllm import VllmJudge
+        from workers.runtime.devices import pin_visible_gpu
+
+        pin_visible_gpu(device)
+        return VllmJudge(settings, dtype=dtype)
     return HFRewardModel(settings, device=device, dtype=dtype)
