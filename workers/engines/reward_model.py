@@ -106,6 +106,21 @@ def _chunks(n: int, size: int) -> list[range]:
     return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def judge_token_ids(settings: RewardModelSettings, tokenizer: Any) -> list[int]:
+    """The ids of ``reward.judge_tokens`` (judge ``tokens`` mode; empty otherwise): one token
+    each in the judge's tokenizer, or the one-line error naming the token."""
+    if settings.judge != "tokens":
+        return []
+    out = []
+    for token in settings.judge_tokens:
+        ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(f"reward.judge_tokens: {token!r} is {len(ids)} tokens of the "
+                             f"judge's tokenizer, not one")
+        out.append(int(ids[0]))
+    return out
+
+
 class HFRewardModel:
     """A classifier or judge loaded from ``settings.model`` onto ``device`` in ``dtype``."""
 
@@ -128,14 +143,7 @@ class HFRewardModel:
         self.model = auto.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype],
                                           attn_implementation="eager").to(self.device).eval()
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.token_ids: list[int] = []
-        if self.kind == "judge" and settings.judge == "tokens":
-            for token in settings.judge_tokens:
-                ids = self.tokenizer(token, add_special_tokens=False)["input_ids"]
-                if len(ids) != 1:
-                    raise ValueError(f"reward.judge_tokens: {token!r} is {len(ids)} tokens of "
-                                     f"the judge's tokenizer, not one")
-                self.token_ids.append(int(ids[0]))
+        self.token_ids = judge_token_ids(settings, self.tokenizer) if self.kind == "judge" else []
         self._torch = torch
 
     def texts(self, prompts: Sequence[str], responses: Sequence[str],

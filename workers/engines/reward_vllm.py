@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from workers.engines.reward_model import model_kind, parse_score, render
+from workers.engines.reward_model import judge_token_ids, model_kind, parse_score, render
 from workers.engines.vllm_rollout import _import_vllm
 from workers.settings import RewardModelSettings
 from workers.tasks.verifiers import RewardResult
@@ -38,14 +38,7 @@ class VllmJudge:
         self.settings = settings
         path = str(settings.model)
         self.tokenizer = load_tokenizer(path)
-        self.token_ids: list[int] = []
-        if settings.judge == "tokens":
-            for token in settings.judge_tokens:
-                ids = self.tokenizer(token, add_special_tokens=False)["input_ids"]
-                if len(ids) != 1:
-                    raise ValueError(f"reward.judge_tokens: {token!r} is {len(ids)} tokens of "
-                                     f"the judge's tokenizer, not one")
-                self.token_ids.append(int(ids[0]))
+        self.token_ids = judge_token_ids(settings, self.tokenizer)
         vllm = _import_vllm()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the LLM is built
         args: dict[str, Any] = {
