@@ -45,7 +45,8 @@ ELSEWHERE = {
     # a Ray cluster and a Slurm allocation, made by these tests (docs/multihost.md)
     "streamflow launch job.yaml --backend ray": "tests/streamflow/test_launch_ray.py::"
                                                 "test_ray_two_nodes_equal_one_host_through_a_node_kill",
-    "sbatch": "tests/streamflow/test_launch_slurm.py::test_sbatch_runs_over_two_slurm_nodes",
+    "sbatch": "tests/streamflow/test_launch_slurm.py::"
+              "test_sbatch_runs_over_two_nodes_and_a_requeued_job_resumes",
     "prometheus": "tests/streamflow/test_prometheus.py::"
                   "test_every_dashboard_panel_returns_data_from_a_real_run",
 }

@@ -1,8 +1,8 @@
 """deploy/slurm/streamflow.sbatch on a real Slurm cluster: Debian's slurmctld, two slurmd (n1 at
 127.0.0.2, n2 at 127.0.0.3, both on this machine) and a munged of its own, all started here without
-systemd and stopped by pid. A short run over the two nodes ends the job with status 0; a job
-requeued mid-run resumes from its checkpoint; the backend's checks of the allocation are unit
-tests below.
+systemd and stopped by pid. A short run over the two nodes, requeued mid-run, resumes from its
+checkpoint and ends the job with status 0; the backend's checks of the allocation are unit tests
+below.
 """
 
 from __future__ import annotations
@@ -133,38 +133,14 @@ def slurm():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sbatch_runs_over_two_slurm_nodes(slurm, model_cache: Path) -> None:
-    """Breaks if: the script does not start one launcher per node (the run never gets its
-    rollout worker on n2 and fails), a launcher takes the wrong rank or address, or the job's
-    status is not the run's."""
-    out = model_cache / "slurm-two-nodes"
-    job_out = slurm.dir / "job.out"
-    env = {**slurm.env, "STREAMFLOW": f"{sys.executable} -m streamflow", "PYTHONUNBUFFERED": "1"}
-    t0 = time.monotonic()
-    done = subprocess.run(
-        ["sbatch", "--wait", "-N", "2", f"--chdir={ROOT}", f"--output={job_out}", str(SBATCH),
-         str(ROOT / "configs" / "tiny.yaml"), f"run.output_dir={out}", "run.iterations=1",
-         "run.eval_every=0", "rollout.groups_per_claim=1", "trainer.kl_coef=0", PLACEMENT],
-        env=env, capture_output=True, text=True, timeout=240)
-    took = time.monotonic() - t0
-    job = job_out.read_text(errors="replace") if job_out.exists() else ""
-    assert done.returncode == 0, done.stderr + job[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["iterations"] == 1, summary
-    # node 1 of the job (n2, 127.0.0.3) ran the rollout worker and bound its address
-    worker = json.loads((out / "workers" / "node-1" / "rollout-0.json").read_text())
-    assert "127.0.0.3" in json.dumps(worker), worker
-    print(f"sbatch --wait of a 1-iteration run over 2 nodes: {took:.1f}s")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_requeued_job_resumes_from_its_checkpoint(slurm, model_cache: Path) -> None:
-    """`scontrol requeue` mid-run (what a preemption does): the launchers get SIGTERM and stop
-    the run cleanly, Slurm starts the job again (after cred_expire, 5 s here) and run.resume=auto
-    continues from the newest checkpoint. Breaks if: the stop is not clean (no checkpoint to
-    resume, rows lost), the second attempt starts over (iterations repeated in metrics.jsonl) or
-    fails on the first's run directory, or the job's final status is not 0."""
+def test_sbatch_runs_over_two_nodes_and_a_requeued_job_resumes(slurm, model_cache: Path) -> None:
+    """A short run over two Slurm nodes, requeued mid-run by `scontrol requeue` (what a
+    preemption does): the launchers get SIGTERM and stop the run cleanly, Slurm starts the job
+    again (after cred_expire, 5 s here) and run.resume=auto continues from the newest checkpoint.
+    Breaks if: the script does not start one launcher per node (the run never gets its rollout
+    worker on n2 and fails), a launcher takes the wrong rank or address, the stop is not clean
+    (no checkpoint to resume, rows lost), the second attempt starts over (iterations repeated in
+    metrics.jsonl) or fails on the first's run directory, or the job's status is not the run's."""
     out = model_cache / "slurm-requeue"
     job_out = slurm.dir / "job.out"
     env = {**slurm.env, "STREAMFLOW": f"{sys.executable} -m streamflow", "PYTHONUNBUFFERED": "1"}
@@ -215,6 +191,9 @@ def test_a_requeued_job_resumes_from_its_checkpoint(slurm, model_cache: Path) ->
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["iteration"] for x in lines] == list(range(iterations)), lines
     assert lines[0] == first_lines[0]  # step 1 was resumed from, not done again
+    # node 1 of the job (n2, 127.0.0.3) ran the rollout worker and bound its address
+    worker = json.loads((out / "workers" / "node-1" / "rollout-0.json").read_text())
+    assert "127.0.0.3" in json.dumps(worker), worker
     print(f"requeued after {done_before} iteration(s); requeue to the job's end: {took:.1f}s")
 
 

@@ -35,15 +35,16 @@ def test_a_run_trains_on_the_scores_of_a_vllm_judge(tmp_path):
     cmd = [sys.executable, "-m", "streamflow", "run", str(ROOT / "configs" / "tiny.yaml"),
            f"run.output_dir={out}", f"reward.model={tmp_path / 'judge'}",
            "reward.template='{prompt}{response}='", 'reward.judge_tokens=["1","0"]',
-           "reward.engine=vllm", "reward.vllm_kv_cache_gib=0.25"]
+           "reward.engine=vllm", "reward.vllm_kv_cache_gib=0.25", "run.iterations=1",
+           "run.eval_every=0", "trainer.kl_coef=0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["iterations"] == 2, summary
+    assert summary["status"] == "ok" and summary["iterations"] == 1, summary
     assert summary["dead_rows"] == 0 and summary["in_flight_rows"] == 0
     means = [json.loads(x)["reward_mean"] for x in
              (out / "metrics.jsonl").read_text().splitlines()]
     # P("1") / P("1" or "0") of a random judge: strictly inside (0, 1) and off the grid of the
     # tiny config's verifier (brevity: a mean of 8 quarters), so the verifier did not score
-    assert len(means) == 2 and all(0 < m < 1 for m in means), means
+    assert len(means) == 1 and all(0 < m < 1 for m in means), means
     assert all(abs(m * 32 - round(m * 32)) > 1e-4 for m in means), means
