@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from workers.engines.reward_model import judge_token_ids, model_kind, parse_score, render
-from workers.engines.vllm_rollout import _import_vllm
+from workers.engines.vllm_rollout import import_vllm
 from workers.settings import RewardModelSettings
 from workers.tasks.verifiers import RewardResult
 
@@ -39,7 +39,7 @@ class VllmJudge:
         path = str(settings.model)
         self.tokenizer = load_tokenizer(path)
         self.token_ids = judge_token_ids(settings, self.tokenizer)
-        vllm = _import_vllm()
+        vllm = import_vllm("reward.engine=vllm")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the LLM is built
         args: dict[str, Any] = {
             "model": path, "dtype": dtype, "seed": 0, "enforce_eager": True,

@@ -63,12 +63,13 @@ class VllmNotInstalled(ImportError):
     """The ``vllm`` module is missing: ``rollout.engine=vllm`` without the extra installed."""
 
 
-def _import_vllm() -> Any:
+def import_vllm(user: str = "rollout engine 'vllm'") -> Any:
+    """The ``vllm`` module, or ``VllmNotInstalled`` naming ``user`` (what asked for it)."""
     try:
         import vllm
     except ImportError as exc:  # also covers a broken install (e.g. a CUDA wheel beside CPU torch)
-        raise VllmNotInstalled(f"rollout engine 'vllm' needs the vllm package ({exc}); install it "
-                               f"with {INSTALL_HINT}") from exc
+        raise VllmNotInstalled(f"{user} needs the vllm package ({exc}); install it with "
+                               f"{INSTALL_HINT}") from exc
     return vllm
 
 
@@ -150,7 +151,7 @@ class VllmRolloutEngine:
         self.model_path = Path(model_path)
         if not (self.model_path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {str(self.model_path)!r} has no config.json")
-        vllm = _import_vllm()
+        vllm = import_vllm()
         self.eos_token_ids = _eos_ids(self.model_path)
         args: dict[str, Any] = {
             "model": str(self.model_path),
