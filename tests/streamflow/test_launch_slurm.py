@@ -144,12 +144,15 @@ def test_sbatch_runs_over_two_nodes_and_a_requeued_job_resumes(slurm, model_cach
     out = model_cache / "slurm-requeue"
     job_out = slurm.dir / "job.out"
     env = {**slurm.env, "STREAMFLOW": f"{sys.executable} -m streamflow", "PYTHONUNBUFFERED": "1"}
-    iterations = 4
+    # 0.25 s per sample (8 per iteration): once step 1's checkpoint is seen, the iterations left
+    # take seconds, so the requeue lands mid-run (the tiny run alone ends within a second)
+    iterations = 5
     submit = subprocess.run(
         ["sbatch", "--parsable", "-N", "2", f"--chdir={ROOT}", f"--output={job_out}",
          str(SBATCH), str(ROOT / "configs" / "tiny.yaml"), f"run.output_dir={out}",
          f"run.iterations={iterations}", "run.checkpoint_every=1", "run.eval_every=0",
-         "rollout.groups_per_claim=1", "trainer.kl_coef=0", PLACEMENT],
+         "rollout.groups_per_claim=1", "trainer.kl_coef=0",
+         "reward.fn=tests.streamflow.slow_reward:score", PLACEMENT],
         env=env, capture_output=True, text=True, timeout=60)
     job_id = submit.stdout.strip()
     assert submit.returncode == 0 and job_id.isdigit(), submit.stderr
