@@ -201,23 +201,32 @@ def render_tool_call(call: ToolCall, plain: bool = False) -> str:
 _WHITESPACE = re.compile(r"\s+")
 
 
+def observation_markers(plain: bool = False,
+                        wrapping: tuple[str, str] | None = None) -> tuple[str, str]:
+    """(before, after) an observation's text: the chat template's tool-message turn when
+    ``wrapping`` (``chat_wrapping``) is given, else the bare ``<tool_response>`` block; in the
+    plain form nothing before and one space after (the text's whitespace is folded too)."""
+    if plain:
+        return "", " "
+    if wrapping is not None:
+        return wrapping
+    return f"{TOOL_RESPONSE_START}\n", f"\n{TOOL_RESPONSE_END}"
+
+
 def format_observation(text: str, plain: bool = False,
                        wrapping: tuple[str, str] | None = None) -> str:
-    """An environment's answer as it is appended to the conversation (loss mask 0): in the chat
-    template's tool-message turn when ``wrapping`` (``chat_wrapping``) is given."""
-    if plain:
-        return _WHITESPACE.sub(" ", text).strip() + " "
-    if wrapping is not None:
-        return wrapping[0] + text + wrapping[1]
-    return f"{TOOL_RESPONSE_START}\n{text}\n{TOOL_RESPONSE_END}"
+    """An environment's answer as it is appended to the conversation (loss mask 0), as text.
+    Its ids are ``workers.roles.environment.observation_ids``: the markers as the template's
+    tokens, the text as ordinary text (``workers.models.tokenizer.encode_text``)."""
+    before, after = observation_markers(plain, wrapping)
+    return before + (_WHITESPACE.sub(" ", text).strip() if plain else text) + after
 
 
 def observation_text(formatted: str, plain: bool = False,
                      wrapping: tuple[str, str] | None = None) -> str:
     """The text of an observation read back (decoded with its special tokens) from what
     ``format_observation`` appended: its wrapping removed where it is found whole."""
-    before, after = (("", " ") if plain else wrapping if wrapping is not None else
-                     (f"{TOOL_RESPONSE_START}\n", f"\n{TOOL_RESPONSE_END}"))
+    before, after = observation_markers(plain, wrapping)
     if formatted.startswith(before) and formatted.endswith(after) and (
             len(formatted) >= len(before) + len(after)):
         return formatted[len(before):len(formatted) - len(after)]

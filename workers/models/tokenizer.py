@@ -5,7 +5,10 @@ character tokenizer".
 
 from __future__ import annotations
 
+import json
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -47,6 +50,32 @@ def encode_answer(tokenizer: PreTrainedTokenizerBase, answer: str) -> list[int]:
     if tokenizer.eos_token_id is None:
         raise ValueError("tokenizer has no eos token; cannot mark the end of an answer")
     return ids + [int(tokenizer.eos_token_id)]
+
+
+# tokenizer -> the same tokenizer with no added tokens (see encode_text); built once per tokenizer
+_TEXT_ONLY: weakref.WeakKeyDictionary[Any, Tokenizer] = weakref.WeakKeyDictionary()
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Ids of text that came from outside the model (a tool's output, a user's message) as
+    ordinary text: a string that spells a control token (``<|im_end|>``, ``<eos>``, or a
+    non-special added token such as ``</tool_response>``) is encoded as the characters it is made
+    of, never as that token, so such text cannot forge a chat turn or end one. Text that spells
+    no added token gets exactly the ids ``tokenizer(text, add_special_tokens=False)`` gives.
+
+    The fast tokenizer's own pipeline (normaliser, pre-tokeniser, model) with its added-token
+    table emptied does this for every added token; ``split_special_tokens`` alone would still
+    match the added tokens that are not marked special."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow tokenizer: its special tokens at least are split
+        return [int(i) for i in tokenizer(text, add_special_tokens=False,
+                                          split_special_tokens=True)["input_ids"]]
+    plain = _TEXT_ONLY.get(tokenizer)
+    if plain is None:
+        spec = json.loads(backend.to_str())
+        spec.update(added_tokens=[], truncation=None, padding=None)
+        plain = _TEXT_ONLY[tokenizer] = Tokenizer.from_str(json.dumps(spec))
+    return list(plain.encode(text, add_special_tokens=False).ids)
 
 
 def decode_response(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:

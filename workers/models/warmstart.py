@@ -32,7 +32,12 @@ from workers.agent.toolcall import (
     render_tool_call,
 )
 from workers.models.local import TinyModelSpec, build_tiny_model, save_model
-from workers.models.tokenizer import build_char_tokenizer, encode_answer, encode_prompt
+from workers.models.tokenizer import (
+    build_char_tokenizer,
+    encode_answer,
+    encode_prompt,
+    encode_text,
+)
 from workers.rl.tokens import build_token_batch, response_logprobs
 from workers.runtime import heap
 from workers.tasks.arithmetic import ArithmeticTask
@@ -62,8 +67,7 @@ def tool_tape(tokenizer: PreTrainedTokenizerBase, problem: Problem
         raise ValueError(f"tool_tape: the calculator answers {problem.prompt!r} with "
                          f"{obs.text!r}, not {problem.answer!r}")
     call = list(tokenizer(call_text, add_special_tokens=False)["input_ids"])
-    seen = list(tokenizer(format_observation(obs.text, plain=True),
-                          add_special_tokens=False)["input_ids"])
+    seen = encode_text(tokenizer, format_observation(obs.text, plain=True))
     answer = encode_answer(tokenizer, problem.answer)
     return call + seen + answer, [1] * len(call) + [0] * len(seen) + [1] * len(answer)
 

@@ -42,7 +42,13 @@ from workers.agent.environments import (
     load_environment,
 )
 from workers.agent.isolated import IsolatedEnvironment
-from workers.agent.toolcall import ToolCall, chat_wrapping, format_observation, parse_tool_call
+from workers.agent.toolcall import (
+    ToolCall,
+    chat_wrapping,
+    format_observation,
+    observation_markers,
+    parse_tool_call,
+)
 from workers.agent.trajectory import (
     FINISH_BUDGET,
     FINISH_DONE,
@@ -53,7 +59,7 @@ from workers.agent.trajectory import (
 )
 from workers.agent.trajectory import history as read_history
 from workers.config import EnvironmentWorkerConfig
-from workers.models.tokenizer import decode_response
+from workers.models.tokenizer import decode_response, encode_text
 from workers.roles.loop import Parts
 from workers.settings import AgentSettings
 
@@ -144,16 +150,24 @@ def observe(env: Environment, tokenizer: Any, prompt: str, answer: str, hist: Hi
 
 def observation_ids(tokenizer: Any, text: str, plain: bool, wrapping: tuple[str, str] | None,
                     max_tokens: int) -> list[int]:
-    """The formatted observation's ids, cut to ``max_tokens``; with a chat template's
-    ``wrapping`` only the text is cut, the turn wrapping is kept whole."""
-    def encode(piece: str) -> list[int]:
-        return [int(i) for i in tokenizer(piece, add_special_tokens=False)["input_ids"]]
+    """The formatted observation's ids, cut to ``max_tokens``. The markers around it (the chat
+    template's tool-message turn, or the bare block) are the template's own tokens; the text is
+    a tool's output, so it is encoded as ordinary text (``encode_text``): whatever it spells, it
+    never becomes a control token, so it cannot end the tool message or open a forged turn. With
+    a chat template's ``wrapping`` only the text is cut, the turn wrapping is kept whole."""
+    if plain:  # no markers: the whole piece is text
+        return encode_text(tokenizer, format_observation(text, plain=True))[:max_tokens]
+    before, after = (encode_markers(tokenizer, m) for m in observation_markers(False, wrapping))
+    body = encode_text(tokenizer, text)
+    if wrapping is None:
+        return (before + body + after)[:max_tokens]
+    return before + body[:max(max_tokens - len(before) - len(after), 0)] + after
 
-    ids = encode(format_observation(text, plain, wrapping))
-    if len(ids) <= max_tokens or wrapping is None:
-        return ids[:max_tokens]
-    before, after = encode(wrapping[0]), encode(wrapping[1])
-    return before + encode(text)[:max(max_tokens - len(before) - len(after), 0)] + after
+
+def encode_markers(tokenizer: Any, markers: str) -> list[int]:
+    """Ids of the template's own markers (written by us, never by a tool): its control strings
+    become its control tokens."""
+    return [int(i) for i in tokenizer(markers, add_special_tokens=False)["input_ids"]]
 
 
 def make_environment(agent: AgentSettings) -> Environment:
