@@ -325,11 +325,12 @@ class SandboxSettings(Checked):
 
     wall_s: float = bounded(SandboxLimits.wall_s, gt=0)  # wall-clock limit of one snippet
     cpu_s: float = bounded(SandboxLimits.cpu_s, gt=0)  # CPU seconds of one snippet
-    # address space of one snippet in MiB (also the size of its /sandbox tmpfs)
+    # memory of one snippet in MiB, its processes' and its /sandbox tmpfs's together where a
+    # cgroup of its own caps them; elsewhere a per-process fallback (workers.agent.cgroup)
     memory_mb: int = bounded(SandboxLimits.memory_mb, ge=16)
     # most bytes of its stdout, and of its stderr (past it: an output_limit error)
     max_output_bytes: int = bounded(SandboxLimits.max_output_bytes, ge=1)
-    # most processes it may run at once (RLIMIT_NPROC: a fork bomb ends here)
+    # most processes it may run at once (RLIMIT_NPROC and pids.max: a fork bomb ends here)
     max_processes: int = bounded(SandboxLimits.max_processes, ge=1)
 
     def limits(self) -> SandboxLimits:

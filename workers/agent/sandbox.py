@@ -10,6 +10,10 @@ Isolation, all from Linux namespaces (no root needed where unprivileged user nam
 - a fresh mount namespace whose root holds only read-only /usr and the Python prefix, four device
   nodes and a private tmpfs at /sandbox (the working directory; gone with the namespace);
 - a fresh pid namespace whose init is the code itself: when it exits every descendant dies;
+- a cgroup of its own per call where the host lets the caller write one (`workers.agent.cgroup`):
+  the sum of its processes' memory and of its /sandbox tmpfs stays within ``memory_mb``, its
+  processes within ``max_processes`` (plus the launcher's three); elsewhere a per-process
+  fallback whose rlimits add up to ``memory_mb``. `memory_plan` says which holds here;
 - rlimits: RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_NPROC (fork bombs), RLIMIT_FSIZE, RLIMIT_NOFILE,
   RLIMIT_CORE=0; here a wall-clock deadline and the output cap.
 
@@ -18,7 +22,8 @@ Error values in `SandboxResult.error`:
   exception is exit 1 with the traceback on stderr, and still ``error=None``: the model reads it).
 - "timeout": wall clock past ``wall_s``, or CPU time past ``cpu_s`` (SIGXCPU, or the SIGKILL of the
   hard limit a second later when SIGXCPU is caught).
-- "memory": exit with a ``MemoryError`` traceback, i.e. an allocation refused by RLIMIT_AS.
+- "memory": exit with a ``MemoryError`` traceback, i.e. an allocation refused by RLIMIT_AS; or
+  killed while the call's cgroup's OOM killer ended one of its processes.
 - "output_limit": stdout or stderr went past ``max_output_bytes``; killed at once.
 - "crashed": ended by a signal other than the ones above (SIGSEGV, SIGABRT, ...).
 - "killed": SIGKILL not from the CPU limit, or the launcher died before reporting a status.
@@ -30,9 +35,8 @@ caller's own uid outside, and ``os.killpg(0, 9)`` can end the launcher: error "k
 
 Not protected against:
 - kernel bugs: the code shares the host kernel and no seccomp filter narrows its system calls;
-- total memory and CPU: RLIMIT_AS and RLIMIT_CPU hold per process, so up to ``max_processes``
-  times each, plus up to ``memory_mb`` of RAM in the /sandbox tmpfs; no cgroup caps the sum, and
-  the code competes with the worker for cores until ``wall_s``;
+- total CPU: RLIMIT_CPU holds per process, so up to ``max_processes`` times ``cpu_s``, and the
+  code competes with the worker for cores until ``wall_s`` (the cgroup has no cpu controller);
 - reading what is world-readable under /usr and the Python prefix (its site-packages included),
   and what the kernel tells anyone (uname, CPU model, clocks, timing side channels).
 The code sees the standard library and the base interpreter's own site-packages, never the
@@ -42,6 +46,7 @@ worker's virtualenv.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import selectors
@@ -54,6 +59,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from workers.agent import cgroup
+
+log = logging.getLogger(__name__)
 _EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_exec.py")
 _KILL_GRACE_S = 5.0  # after a kill: how long to wait for the tree to go and the pipes to close
 
@@ -62,9 +70,11 @@ _KILL_GRACE_S = 5.0  # after a kill: how long to wait for the tree to go and the
 class SandboxLimits:
     wall_s: float = 5.0  # wall-clock timeout
     cpu_s: float = 2.0  # RLIMIT_CPU (rounded up to whole seconds)
-    memory_mb: int = 256  # RLIMIT_AS; also the size of the /sandbox tmpfs and RLIMIT_FSIZE
+    # the call's memory, its tmpfs's included (cgroup); also RLIMIT_AS, the /sandbox tmpfs's size
+    # and RLIMIT_FSIZE (the per-process fallback lowers those three: `memory_plan`)
+    memory_mb: int = 256
     max_output_bytes: int = 4096  # stdout and stderr each; past it -> "output_limit", killed
-    max_processes: int = 16  # RLIMIT_NPROC: fork bombs end here
+    max_processes: int = 16  # RLIMIT_NPROC and the cgroup's pids.max: fork bombs end here
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,24 @@ def _probe() -> str | None:
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     detail = lines[-1] if lines else f"exit {res.exit_code}, error {res.error}"
     return f"sandbox probe failed: {detail}"
+
+
+def memory_plan(limits: SandboxLimits = SandboxLimits()) -> cgroup.MemoryPlan:
+    """What caps the sum of a call's memory on this host, and the limits a call runs under."""
+    return cgroup.plan(limits.memory_mb, limits.max_processes, cgroup.host())
+
+
+def _call_cgroup(limits: SandboxLimits) -> tuple[cgroup.MemoryPlan, cgroup.CallCgroup | None]:
+    host = cgroup.host()
+    if host.mode != cgroup.FALLBACK:
+        try:
+            made = cgroup.CallCgroup.create(host, limits.memory_mb,
+                                            limits.max_processes + cgroup.LAUNCHER_PROCESSES)
+            return cgroup.plan(limits.memory_mb, limits.max_processes, host), made
+        except OSError as exc:  # this call alone runs under the fallback's limits
+            log.warning("sandbox: cannot make the call's cgroup, per-process limits: %s", exc)
+            host = cgroup.Host(cgroup.FALLBACK, reason=f"cannot make the call's cgroup: {exc}")
+    return cgroup.plan(limits.memory_mb, limits.max_processes, host), None
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
@@ -178,13 +206,15 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 def _run(code: str, limits: SandboxLimits, start: float) -> SandboxResult:
     tmp = tempfile.mkdtemp(prefix="sandbox-")
     status_r, status_w = os.pipe()
-    proc = None
+    proc, cg = None, None
     try:
+        plan, cg = _call_cgroup(limits)
         with open(os.path.join(tmp, "code.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(code)
         spec = {"dir": tmp, "status_fd": status_w, "python": os.path.realpath(sys.executable),
                 "prefix": os.path.realpath(sys.base_prefix), "cpu_s": limits.cpu_s,
-                "memory_mb": limits.memory_mb, "max_processes": limits.max_processes}
+                "process_mb": plan.process_mb, "tmpfs_mb": plan.tmpfs_mb,
+                "processes": plan.processes, "cgroup_procs": cg.procs_files if cg else []}
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", _EXEC, json.dumps(spec)], stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
@@ -200,7 +230,8 @@ def _run(code: str, limits: SandboxLimits, start: float) -> SandboxResult:
         finally:
             out.close()
         proc.wait(timeout=_KILL_GRACE_S)
-        return _result(out, limits, timed_out, time.monotonic() - start)
+        oom_kills = cg.oom_kills() if cg else 0
+        return _result(out, limits, timed_out, oom_kills, time.monotonic() - start)
     finally:
         if proc is not None and proc.returncode is None:
             _kill_tree(proc)
@@ -211,10 +242,13 @@ def _run(code: str, limits: SandboxLimits, start: float) -> SandboxResult:
         if proc is not None:
             for pipe in (proc.stdout, proc.stderr):
                 pipe.close()
+        if cg is not None:
+            cg.close(_KILL_GRACE_S)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _result(out: _Outputs, limits: SandboxLimits, timed_out: bool, wall: float) -> SandboxResult:
+def _result(out: _Outputs, limits: SandboxLimits, timed_out: bool, oom_kills: int,
+            wall: float) -> SandboxResult:
     cap = limits.max_output_bytes
     stdout = bytes(out.data["stdout"][:cap]).decode("utf-8", errors="replace")
     stderr = bytes(out.data["stderr"][:cap]).decode("utf-8", errors="replace")
@@ -233,7 +267,10 @@ def _result(out: _Outputs, limits: SandboxLimits, timed_out: bool, wall: float) 
         return SandboxResult(stdout, stderr, exit_code, "timeout", wall)
     if setup is not None:  # only the launcher writes "setup": the code never ran
         return SandboxResult(stdout, f"sandbox setup failed: {setup}", None, "unavailable", wall)
-    return SandboxResult(stdout, stderr, exit_code, _classify(exit_code, stderr, cpu, limits), wall)
+    error = _classify(exit_code, stderr, cpu, limits)
+    if error == "killed" and oom_kills:  # SIGKILL from the cgroup's OOM killer
+        error = "memory"
+    return SandboxResult(stdout, stderr, exit_code, error, wall)
 
 
 def _classify(exit_code: int | None, stderr: str, cpu: float, limits: SandboxLimits) -> str | None:

@@ -12,6 +12,8 @@ Process tree (one job each)::
               └─ G  drops to uid 65534, sets rlimits and no_new_privs, execs Python on the code
 
 Invariants:
+- Where the call has a cgroup (``cgroup_procs``), L writes its own pid into it before anything
+  else, so C, I, G and whatever the code starts are all inside before the code runs.
 - The code runs as uid 65534 of a fresh user namespace; RLIMIT_NPROC counts per user namespace,
   so each sandbox has its own allowance. Under a root caller that uid maps to ``UID_BASE +
   pid(L)`` outside: never 0 (root is exempt from RLIMIT_NPROC and may signal anyone), unique
@@ -109,7 +111,7 @@ def _build_root(root: str, binds: list[str], spec: dict) -> None:
             _bind_ro(path, root + path, MS_NODEV)
     for name in DEVICES:
         _bind_ro(f"/dev/{name}", f"{root}/dev/{name}", MS_NOEXEC)
-    size = f"size={spec['memory_mb']}m,nr_inodes=4096,mode=700,uid={SANDBOX_UID},gid={SANDBOX_UID}"
+    size = f"size={spec['tmpfs_mb']}m,nr_inodes=4096,mode=700,uid={SANDBOX_UID},gid={SANDBOX_UID}"
     _mount("tmpfs", root + "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV, size)
     os.chdir(root)
     nr = SYS_PIVOT_ROOT[platform.machine()]
@@ -126,9 +128,9 @@ def _limit(spec: dict) -> None:
     cpu = max(1, math.ceil(spec["cpu_s"]))
     # soft CPU limit -> SIGXCPU; the hard one (a second later) -> SIGKILL if SIGXCPU is caught
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (spec["memory_mb"] * mib,) * 2)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (spec["memory_mb"] * mib,) * 2)
-    resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_processes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_AS, (spec["process_mb"] * mib,) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (spec["tmpfs_mb"] * mib,) * 2)
+    resource.setrlimit(resource.RLIMIT_NPROC, (spec["processes"],) * 2)
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
@@ -140,9 +142,13 @@ def _exec_payload(spec: dict, code: str) -> None:
     os.setresgid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
     os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
     argv = [spec["python"], "-I", "-X", "utf8"]
-    if "\x00" in code or len(code.encode()) > 100_000:  # argv strings are capped at 128 KiB
-        with open("/sandbox/main.py", "w", encoding="utf-8", errors="surrogatepass") as f:
-            f.write(code)
+    try:  # argv strings are capped at 128 KiB, and must encode
+        inline = "\x00" not in code and len(code.encode()) <= 100_000
+    except UnicodeEncodeError:  # a lone surrogate: its bytes make Python report it, as code
+        inline = False
+    if not inline:
+        with open("/sandbox/main.py", "wb") as f:
+            f.write(code.encode("utf-8", errors="surrogatepass"))
         argv.append("/sandbox/main.py")
     else:
         argv += ["-c", code]  # in argv, so /proc/PID/cmdline shows what a process runs
@@ -218,6 +224,9 @@ def main() -> int:
     spec["root_mode"] = os.geteuid() == 0
     os.set_inheritable(status_fd, False)  # closed by the payload's execve
     try:
+        for procs in spec["cgroup_procs"]:  # first: every process after this one starts inside
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
         with open(os.path.join(spec["dir"], "code.py"), encoding="utf-8",
                   errors="surrogatepass") as f:
             code = f.read()

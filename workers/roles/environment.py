@@ -27,6 +27,7 @@ per row (``last_calls``) for the run's trace (``workers.runtime.trace``).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +63,8 @@ from workers.config import EnvironmentWorkerConfig
 from workers.models.tokenizer import decode_response, encode_text
 from workers.roles.loop import Parts
 from workers.settings import AgentSettings
+
+log = logging.getLogger(__name__)
 
 ENV_READS = ("group_id", "iteration", "prompt_ids", "answer")
 
@@ -173,7 +176,11 @@ def encode_markers(tokenizer: Any, markers: str) -> list[int]:
 def make_environment(agent: AgentSettings) -> Environment:
     """The configured environment; the python tool with the configured sandbox limits."""
     if agent.fn == "python":
-        return PythonEnvironment(limits=agent.sandbox.limits())
+        from workers.agent.sandbox import memory_plan
+
+        limits = agent.sandbox.limits()
+        log.info("python tool sandbox: %s", memory_plan(limits).describe())
+        return PythonEnvironment(limits=limits)
     if agent.fn in BUILTIN_ENVIRONMENTS:  # pure and bounded: in-process
         return load_environment(agent.fn)
     return IsolatedEnvironment(agent.fn, agent.timeout_s)  # user code may hang

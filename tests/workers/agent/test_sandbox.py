@@ -15,7 +15,13 @@ import uuid
 import pytest
 
 from workers.agent import sandbox
-from workers.agent.sandbox import SandboxLimits, SandboxResult, check_sandbox, run_python
+from workers.agent.sandbox import (
+    SandboxLimits,
+    SandboxResult,
+    check_sandbox,
+    memory_plan,
+    run_python,
+)
 
 pytestmark = pytest.mark.slow  # every case starts real, isolated processes
 
@@ -160,10 +166,12 @@ def test_limits_are_applied_inside():
     code = ("import resource as r\n"
             "for n in ('CPU', 'AS', 'NPROC', 'FSIZE', 'NOFILE', 'CORE'):\n"
             "    print(n, r.getrlimit(getattr(r, 'RLIMIT_' + n)))")
-    res = run_python(code, SandboxLimits(cpu_s=2.0, memory_mb=64, max_processes=16))
-    mib = 64 * 1024 * 1024
+    limits = SandboxLimits(cpu_s=2.0, memory_mb=64, max_processes=16)
+    res = run_python(code, limits)
+    plan = memory_plan(limits)  # where a cgroup caps the call: 64 MiB, 64 MiB and 16
+    mib, fsize, nproc = plan.process_mb * 1024 * 1024, plan.tmpfs_mb * 1024 * 1024, plan.processes
     assert res.stdout.splitlines() == [
-        "CPU (2, 3)", f"AS ({mib}, {mib})", "NPROC (16, 16)", f"FSIZE ({mib}, {mib})",
+        "CPU (2, 3)", f"AS ({mib}, {mib})", f"NPROC ({nproc}, {nproc})", f"FSIZE ({fsize}, {fsize})",
         "NOFILE (64, 64)", "CORE (0, 0)"]
 
 
@@ -192,6 +200,20 @@ def test_killing_its_parents_leaves_the_caller_up():
 def test_non_utf8_output_is_replaced():
     res = run_python("import sys\nsys.stdout.buffer.write(b'ok\\xff\\xfe\\n')", FAST)
     assert res.stdout == "ok\ufffd\ufffd\n" and res.error is None
+
+
+@pytest.mark.parametrize("code", ["\ud800", "print('\ud800')", "x = 1\n# \udcff\nprint(x)"])
+def test_a_lone_surrogate_in_the_code_is_a_syntax_error_of_the_code(code):
+    # not encodable as UTF-8: the code's bytes (surrogatepass) reach Python, which refuses them
+    res = run_python(code, FAST)
+    assert res.error is None and res.exit_code == 1, res
+    assert "SyntaxError" in res.stderr and res.stdout == ""
+
+
+def test_a_surrogate_made_at_run_time_is_the_codes_own_error():
+    res = run_python("print('ok')\nprint('\\ud800')", FAST)
+    assert res.error is None and res.exit_code == 1 and res.stdout == "ok\n", res
+    assert "UnicodeEncodeError" in res.stderr
 
 
 def outer_uid(pid: int) -> int | None:
