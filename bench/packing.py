@@ -301,9 +301,9 @@ def main(argv: list[str]) -> int:
     if args.repeats < 0 or args.threads < 1:
         parser.error("--repeats must be >= 0 and --threads >= 1")
     if args.min_saving is None:
-        from workers.rl.packing import DEFAULT_MIN_SAVING
+        from workers.settings import PackingSettings
 
-        args.min_saving = DEFAULT_MIN_SAVING
+        args.min_saving = PackingSettings.packing_min_saving
     specs = QUICK_CASES if args.quick else FULL_CASES
     if args.cases:
         try:

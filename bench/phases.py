@@ -102,7 +102,9 @@ class StreamFlowSync:
             raise ValueError("bench phases: the StreamFlow side needs reference.placement=worker "
                              "and trainer.kl_coef > 0 (the reference forward is a phase)")
         self.sent: list[Any] = []  # the reports of the iteration being timed
-        self.loop = ColocatedLoop(plan, EventSender(None), self.sent.extend)
+        # the run's own row trace (run.trace), as `streamflow run` sync sends it
+        self.loop = ColocatedLoop(plan, EventSender(None, trace=cfg.run.trace), self.sent.extend,
+                                  persist=False)
 
     def iteration(self, k: int) -> StreamFlowTimes:
         from workers.runtime.events import StepReport, WeightSyncReport

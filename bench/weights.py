@@ -79,7 +79,7 @@ def _models(args: argparse.Namespace) -> tuple[list[tuple[str, dict[str, Any]]],
         except (ConversionError, ImportError, OSError) as exc:
             notes.append(f"smollm2-135m unavailable: {exc}")
             return models, notes
-    model = load_model(path)
+    model = load_model(path, dtype=torch.float32, attn_implementation="eager")
     models.append(("smollm2-135m", {k: v.to(device) for k, v in _trainer_state(model).items()}))
     return models, notes
 
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     backend = "nccl" if device.type == "cuda" and peer != str(device) else "gloo"
     # what a run uses first (nccl: broadcast; gloo: shared-memory buckets), then gloo over TCP
     transports = ["broadcast"] if backend == "nccl" else ["shm", "broadcast"]
-    rdv = Rendezvous()
+    rdv = Rendezvous("127.0.0.1", 0)
     bucket = int(args.bucket_mb * (1 << 20))
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     directory = tempfile.mkdtemp(prefix="streamflow-bench-weights-", dir=shm)

@@ -43,7 +43,7 @@ class HttpEndpoint:
     registry: CollectorRegistry
     _http: Any
 
-    def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
+    def start_http(self, host: str, port: int) -> int:
         """Serve /metrics on host:port (0 = pick a free port); returns the bound port."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         self._http = server

@@ -109,8 +109,8 @@ class StoreNode:
         self.child.before_restart, self.child.on_restarted = before, after
 
 
-def start_store_node(sup: Supervisor, name: str, *, bind: str, shards: int, node_index: int = 0,
-                     metrics: bool = False, persist_dir: str | None = None) -> StoreNode:
+def start_store_node(sup: Supervisor, name: str, *, bind: str, shards: int, metrics: bool,
+                     node_index: int = 0, persist_dir: str | None = None) -> StoreNode:
     """Start ``python -m storage.server`` as the supervised child ``name`` (not yet waited for)."""
     ready = Path(tempfile.mkdtemp(prefix="sf-store-")) / "ready.json"
     child = sup.start(name, "store", [
@@ -119,7 +119,7 @@ def start_store_node(sup: Supervisor, name: str, *, bind: str, shards: int, node
         "--ready-file", str(ready),
         *(["--metrics-port", "0"] if metrics else []),
         *(["--persist-dir", persist_dir] if persist_dir else []),  # recovered at its start
-    ])
+    ], threads=1)  # a store node computes no tensors
     return StoreNode(child, bind, ready)
 
 

@@ -372,10 +372,12 @@ class ColocatedLoop:
     stage and while the trainer finishes its step; ``check`` runs while it waits (stall rule).
     Invariant: ``iteration(k)`` returns once the trainer reported the step of k. ``provision``:
     the prompt rows of each put (the controller's, so its records carry the same numbers).
+    ``persist``: the embedded store logs to ``plan.store_persist_dir`` (store.persist); False:
+    never (a benchmark's throwaway iterations).
     """
 
     def __init__(self, plan: RunPlan, events: Any, dispatch: Callable[[list], None],
-                 check: Callable[[], None] = lambda: None, *, persist: bool = False,
+                 check: Callable[[], None] = lambda: None, *, persist: bool,
                  provision: Provisioner | None = None) -> None:
         self.plan, self.events, self.dispatch, self.check = plan, events, dispatch, check
         self.provision = provision or Provisioner(plan)

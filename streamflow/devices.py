@@ -53,8 +53,8 @@ class RoleDevices:
     reference_dtype: str
     trainer_dtype: str  # compute (autocast) dtype; master weights stay float32
     # one per reward worker: the reward model's device ("cpu" without reward.model) and dtype
-    reward: tuple[str, ...] = ()
-    reward_dtype: str = "float32"
+    reward: tuple[str, ...]
+    reward_dtype: str
 
 
 def _dtype(choice: str, model: str, device: str) -> str:

@@ -39,7 +39,7 @@ from streamflow.cluster import (
 )
 from streamflow.config import RunConfig
 from streamflow.metrics import Endpoint, with_metrics
-from streamflow.supervisor import Supervisor
+from streamflow.supervisor import RestartPolicy, Supervisor
 from workers.config import from_json, to_json
 
 if TYPE_CHECKING:
@@ -363,7 +363,9 @@ class RemoteNode:
         self.cfg, self.rank = cfg, rank
         self.coord = CoordinatorClient(f"tcp://{coordinator}", request_timeout=5.0)
         out = Path(cfg.run.output_dir)
-        self.sup = Supervisor(out / "logs" / f"node-{rank}")
+        # nothing is restarted here: ``tick`` fails the run on a child's abnormal exit (node 0's
+        # supervisor applies run.max_restarts)
+        self.sup = Supervisor(out / "logs" / f"node-{rank}", RestartPolicy(max_restarts=0))
         shm = Path("/dev/shm")  # this host's own weights directory (in memory when it can)
         base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
         prefix = f"streamflow-weights-node{rank}-"

@@ -93,11 +93,11 @@ class RunPlan:
     train_problems: list[Problem] | None  # None: procedural arithmetic
     task: ArithmeticTask | None
     eval_problems: list[Problem]
+    host_threads: int  # run.host_threads resolved on this host (0 = fixed threads per role)
     table: str = TABLE
     start_iteration: int = 0
     # the host's thread-budget table (workers.runtime.cores); None: each role keeps its own threads
     cores_path: Path | None = None
-    host_threads: int = 0  # run.host_threads resolved on this host (0 = fixed threads per role)
     rollout: RolloutWorkerConfig = field(init=False)
     reward: RewardWorkerConfig = field(init=False)
     reference: ReferenceWorkerConfig | None = field(init=False)
@@ -225,10 +225,10 @@ def build_plan(cfg: RunConfig, run_dir: Path,
     """Resolve everything a run needs before any process starts (docs/controller.md)."""
     train, task, evals = _problems(cfg)  # first: a bad split must fail before any warm start
     model_path = resolve_model(cfg, Path(cfg.run.output_dir).parent / ".cache", progress)
-    plan = RunPlan(cfg, run_dir, model_path, _weights_dir(run_dir), load_tokenizer(model_path),
-                   train, task, evals)
     # streaming workers share run.host_threads by phase (workers.runtime.cores)
-    plan.host_threads = cfg.run.host_thread_budget(cfg.trainer.deterministic)
+    plan = RunPlan(cfg, run_dir, model_path, _weights_dir(run_dir), load_tokenizer(model_path),
+                   train, task, evals,
+                   host_threads=cfg.run.host_thread_budget(cfg.trainer.deterministic))
     if plan.host_threads > 0 and cfg.run.mode != "sync":
         cores_path = plan.weights_dir.with_name(f"{plan.weights_dir.name}.cores")
         plan.cores_path = create_core_table(cores_path)
@@ -376,7 +376,10 @@ class Evaluator:
         if not plan.eval_problems:
             return None
         if self._model is None:
-            self._model = load_model(plan.model_path)
+            # decoded as the torch rollout engine decodes (its attention), on the controller's
+            # CPU (float32: what model.dtype auto means there)
+            self._model = load_model(plan.model_path, dtype=torch.float32,
+                                     attn_implementation=plan.cfg.rollout.attn_implementation)
         path = weights_path(plan.weights_dir, version)
         if not path.exists() and version != 0 and self.fetch is not None:
             self.fetch(version)

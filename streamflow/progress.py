@@ -76,7 +76,7 @@ class StepProgress:
     """A bar with elapsed time and ETA for one counted phase (``p(step, total)``), on stderr when
     it is a terminal; elsewhere one INFO line per 10 %. Shown only once it is called."""
 
-    def __init__(self, label: str, *, enabled: bool = True, stream: IO[str] | None = None) -> None:
+    def __init__(self, label: str, *, enabled: bool, stream: IO[str] | None = None) -> None:
         self.label = label
         self.console = Console(file=stream, stderr=stream is None)
         self.live_enabled = enabled and self.console.is_terminal
@@ -137,7 +137,7 @@ def format_line(record: IterationRecord, total_iterations: int, samples_per_seco
 class ProgressDisplay:
     """Shows iteration, reward, accuracy, samples/s, queue depths per task and staleness."""
 
-    def __init__(self, total_iterations: int, mode: str, *, enabled: bool = True,
+    def __init__(self, total_iterations: int, mode: str, *, enabled: bool,
                  stream: IO[str] | None = None) -> None:
         self.total_iterations = total_iterations
         self.mode = mode

@@ -126,7 +126,7 @@ class RunState:
         }
 
     def finish(self, mode: str, name: str, status: str, error: str | None,
-               stopped_by: str | None, *, plots: bool = True) -> RunSummary:
+               stopped_by: str | None, *, plots: bool) -> RunSummary:
         """The run's summary, written with its plots (``plots``); the run directory is closed."""
         wall = (self.loop_ended or time.time()) - self.loop_started
         if self.startup_seconds is None:  # stopped or failed before the loop began

@@ -33,7 +33,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class RestartPolicy:
     """How often a child that exits abnormally after becoming ready is started again."""
 
-    max_restarts: int = 0  # per child; 0 = any abnormal exit fails the run
+    max_restarts: int  # per child (run.max_restarts); 0 = any abnormal exit fails the run
     backoff_s: float = 0.5  # delay before the first restart; doubled for each further one
     backoff_max_s: float = 10.0  # cap of that delay
 
@@ -44,8 +44,8 @@ class Child:
     role: str
     popen: subprocess.Popen
     log_path: Path
-    argv: list[str] = field(default_factory=list)
-    threads: int = 1
+    argv: list[str]
+    threads: int  # OMP/MKL threads of its process (<role>.threads; 1 for a store node)
     restarts: int = 0  # times this child was started again
     ready: bool = False  # the current process reported ready (set by the owner)
     ever_ready: bool = False  # some process of this child reported ready: restarts allowed
@@ -77,17 +77,17 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, log_dir: str | os.PathLike, policy: RestartPolicy | None = None) -> None:
+    def __init__(self, log_dir: str | os.PathLike, policy: RestartPolicy) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ)
-        self.policy = policy or RestartPolicy()
+        self.policy = policy
         self.children: dict[str, Child] = {}
         self._spawned: list[subprocess.Popen] = []  # every process started, for stop_all to reap
         self.stopping = False  # stop_all began: no restart from now on
         self.forced = False  # kill_all was called: no grace period, no ``between``
 
-    def start(self, name: str, role: str, argv: list[str], *, threads: int = 1) -> Child:
+    def start(self, name: str, role: str, argv: list[str], *, threads: int) -> Child:
         if name in self.children:
             raise ValueError(f"a child named {name!r} already runs")
         log_path = self.log_dir / f"{name}.log"

@@ -1,9 +1,11 @@
 """Every knob of a run has one default. The worker records (workers.config) carry the run's
 settings objects or take the value from the plan with no default of their own; the store's limits
-are declared in storage and the run config takes its defaults from there."""
+are declared in storage and the run config takes its defaults from there; no constructor or
+function repeats a knob's default as a literal (read from the source)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import types
 import typing
@@ -34,7 +36,6 @@ WORKER_INTERNAL = {
     "WorkerCommon.coordinator_address": "the run's coordinator (None: claim from any shard)",
     "WorkerCommon.simulated": "None: a real engine (the plan sets simulated.* otherwise)",
     "WorkerCommon.cores": "None: own threads (the plan sets run.host_threads' share)",
-    "WorkerCommon.trace_rows": "False: no row trace (the plan sets it from run.trace)",
     "CoreShareConfig.max_threads": "0: no cap (the plan caps the rollout at its threads)",
     "WeightGroupConfig.transport": "derived by the plan from the members' devices",
     "WeightGroupConfig.shm_dir": "derived by the plan (the weights directory)",
@@ -43,8 +44,6 @@ WORKER_INTERNAL = {
     "RolloutWorkerConfig.weights_group": "None: weights by file (the plan sets the group)",
     "RolloutWorkerConfig.reference_path": "None: no reference here (derived from kl_coef and "
                                           "reference.placement)",
-    "RewardWorkerConfig.model_device": "derived by the plan from reward.device",
-    "RewardWorkerConfig.model_dtype": "derived by the plan from reward.dtype",
     "TrainerWorkerConfig.checkpoint_dir": "derived from the run directory",
     "TrainerWorkerConfig.start_iteration": "derived from the resumed checkpoint",
     "TrainerWorkerConfig.resume_from": "derived from run.resume",
@@ -195,3 +194,213 @@ def test_the_builtin_model_size_is_declared_once():
     run_default = dataclasses.asdict(TinyModelConfig())
     spec_default = dataclasses.asdict(TinyModelSpec())
     assert run_default == {k: spec_default[k] for k in run_default}
+
+
+# ---------------------------------------------------------------- constructors and functions
+# Every def and class body under these packages is read (AST: nothing is imported), except the
+# declarations themselves; a parameter or field named like a knob must take the value from its
+# caller (no default) or name the declaration (``= GrpoSettings.kl_coef``, ``= TableSpec.fsync``),
+# never carry a literal of its own (which may differ from the declaration, silently).
+SCANNED = ("streamflow", "workers", "storage")
+ROOT = Path(__file__).resolve().parents[1]
+# where a knob's default is declared: whole files, or the one class of a file that declares
+DECLARING_FILES = {"streamflow/config/sections.py", "workers/settings.py"}
+DECLARING_CLASSES = {
+    "storage/schema.py:TableSpec",  # store.lease_seconds, max_deliveries, capacity_rows
+    "workers/agent/sandbox.py:SandboxLimits",  # env.sandbox.*
+    "workers/models/spec.py:TinyModelSpec",  # model.builtin.*
+    # the store node's own config: `streamflow store serve` flags (store.num_shards is the run's
+    # own nodes' count, always passed to the nodes a run starts)
+    "storage/server.py:ServerConfig",
+}
+# parameter name -> the knob it carries under another name
+ALIASES = {
+    "trace": "run.trace", "trace_rows": "run.trace", "max_restarts": "run.max_restarts",
+    "cut_live_fraction": "rollout.partial_cut_live_fraction",
+    "tail_cut": "rollout.partial_tail_cut", "max_cuts": "rollout.partial_max_cuts",
+    "correction": "trainer.importance_correction", "min_saving": "trainer.packing_min_saving",
+    "fp64_accumulation": "trainer.deterministic", "shards": "store.num_shards",
+    "model_device": "reward.device", "model_dtype": "reward.dtype", "reward_dtype": "reward.dtype",
+    "tool_fraction": "model.warmstart_tool_fraction",
+    # VllmRolloutEngine's keywords: rollout.vllm_* without the prefix
+    "max_model_len": "rollout.vllm_max_model_len", "kv_cache_gib": "rollout.vllm_kv_cache_gib",
+    "gpu_memory_utilization": "rollout.vllm_gpu_memory_utilization",
+    "enforce_eager": "rollout.vllm_enforce_eager",
+}
+# "path:Qualname.param" -> why that parameter is not the knob its name says (or is storage's own)
+_STORAGE_SHARDS = ("storage's own node: one shard, as ServerConfig.num_shards (store serve); "
+                   "every node a run starts is given store.num_shards")
+_OVERWRITE = "a store write's overwrite flag (the verb's), not run.overwrite"
+_WORKLOAD = ("bench simulate's modelled cluster workload (set by bench/simulate.py's flags), not "
+             "a run's data.* / run.*")
+NOT_THE_KNOB: dict[str, str] = {
+    "storage/__init__.py:EmbeddedStore.__init__.num_shards": _STORAGE_SHARDS,
+    "storage/__init__.py:embedded.num_shards": _STORAGE_SHARDS,
+    "storage/node.py:StoreNode.__init__.num_shards": _STORAGE_SHARDS,
+    "storage/client.py:Client.write.overwrite": _OVERWRITE,
+    "storage/headers.py:Write.overwrite": _OVERWRITE,
+    "storage/node.py:StoreNode.write.overwrite": _OVERWRITE,
+    "storage/ports.py:_ephemeral_low.path": "a /proc file, not model.path",
+    "storage/ports.py:free_port.host": "the address a free port is looked for on (loopback unless "
+                                       "the caller names one), not store.host",
+    "storage/rpc.py:Channel.__init__.name": "the peer's name in error messages, not run.name",
+    "streamflow/cluster.py:StoreNode.wait.timeout_s": "how long a store node may take to write "
+                                                      "its ready file, not a verifier's timeout",
+    "streamflow/controller.py:StageSeconds.environment": "seconds the environment stages took in "
+                                                        "an iteration, not a node's worker count",
+    "streamflow/rundir.py:RunSummary.name": "the summary's record of run.name ('': unknown, e.g. a "
+                                            "summary rebuilt from metrics.jsonl by a report)",
+    "workers/engines/sim_cost.py:Workload.group_size": _WORKLOAD,
+    "workers/engines/sim_cost.py:Workload.iterations": _WORKLOAD,
+    "workers/engines/sim_cost.py:Workload.prompts_per_iteration": _WORKLOAD,
+    "workers/engines/sim_cost.py:Workload.seed": _WORKLOAD,
+    "workers/models/checkpoint.py:TrainerState.format": "a checkpoint's format version, not "
+                                                        "env.format",
+    "workers/models/reward_train.py:RewardRecipe.lr": "the reward model's own AdamW (model "
+                                                      "train-reward), not the policy's trainer.lr",
+    "workers/models/reward_train.py:RewardRecipe.threads": "torch threads of that offline "
+                                                           "training, not a role's threads",
+    "workers/models/warmstart.py:BuiltinRecipe.threads": "torch threads of the warm start (its "
+                                                         "weights do not depend on them), not a "
+                                                         "role's threads",
+    "workers/rl/trimodel.py:TriModel.__init__.reference": "where the frozen reference comes from "
+                                                          "('copy' of the policy, a module, a "
+                                                          "directory), not a placement count",
+    "workers/tasks/word.py:WordProblemTask.seed": "a task no run reaches (data.task is arithmetic "
+                                                  "or file); its own CLI sets the seed",
+    "workers/weights/net.py:WeightFetcher.__init__.timeout_s": "one fetch of a version across "
+                                                               "hosts, not weights.timeout_s (the "
+                                                               "collective's)",
+}
+
+
+def _leaf_keys(cls: type, prefix: str = "") -> dict[str, str]:
+    """Leaf name -> dotted key of every YAML key under section class ``cls``."""
+    out: dict[str, str] = {}
+    for key, tp in section_keys(cls).items():
+        args = typing.get_args(tp) if typing.get_origin(tp) is tuple else ()
+        inner = args[0] if args and dataclasses.is_dataclass(args[0]) else tp
+        if dataclasses.is_dataclass(inner):
+            out.update({k: v for k, v in _leaf_keys(inner, f"{prefix}{key}.").items()
+                        if k not in out})
+        else:
+            out.setdefault(key, f"{prefix}{key}")
+    return out
+
+
+def knob_names() -> dict[str, str]:
+    names: dict[str, str] = {}
+    for section in dataclasses.fields(RunConfig):
+        for leaf, key in _leaf_keys(section.type if isinstance(section.type, type) else type(
+                getattr(RunConfig(), section.name)), f"{section.name}.").items():
+            names.setdefault(leaf, key)
+    return {**names, **ALIASES}
+
+
+def _module_literals(tree: ast.Module) -> set[str]:
+    """Module-level names bound to a literal (``DEFAULT_ATTN = "eager"``): a default naming one
+    is a literal too."""
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and _is_literal(node.value, set()):
+            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and node.value is not None \
+                and isinstance(node.target, ast.Name) and _is_literal(node.value, set()):
+            out.add(node.target.id)
+    return out
+
+
+def _is_literal(node: ast.expr, constants: set[str]) -> bool:
+    """A value of the code's own: a constant other than None (None = "not given": the callee
+    then does without, it picks no value), a tuple or list of them, a module attribute
+    (``torch.float32``) or a module-level literal's name. ``SomeClass.field`` names a
+    declaration and is not one."""
+    if isinstance(node, ast.Constant):
+        return node.value is not None
+    if isinstance(node, ast.UnaryOp):
+        return _is_literal(node.operand, constants)
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return all(_is_literal(e, constants) for e in node.elts)
+    if isinstance(node, ast.Name):
+        return node.id in constants
+    if isinstance(node, ast.Attribute):
+        root = node
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return isinstance(root, ast.Name) and root.id[:1].islower()
+    if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("field", "bounded"):
+        value = node.args[0] if node.args else next(
+            (k.value for k in node.keywords if k.arg == "default"), None)
+        return value is not None and _is_literal(value, constants)
+    return False
+
+
+def _defaults(tree: ast.Module) -> typing.Iterator[tuple[str, str, ast.expr]]:
+    """(class name or "", qualified name.param, default) of every def parameter and class-body
+    field with a default."""
+
+    def walk(node: ast.AST, qual: str, cls: str) -> typing.Iterator[tuple[str, str, ast.expr]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                name = f"{qual}{child.name}"
+                for st in child.body:
+                    if isinstance(st, ast.AnnAssign) and st.value is not None \
+                            and isinstance(st.target, ast.Name):
+                        yield child.name, f"{name}.{st.target.id}", st.value
+                yield from walk(child, f"{name}.", child.name)
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                a, name = child.args, f"{qual}{child.name}"
+                pos = a.posonlyargs + a.args
+                given = zip(pos[len(pos) - len(a.defaults):], a.defaults, strict=True)
+                keyword = zip(a.kwonlyargs, a.kw_defaults, strict=True)
+                pairs = [*given, *((x, d) for x, d in keyword if d is not None)]
+                for arg, default in pairs:
+                    yield cls, f"{name}.{arg.arg}", default
+                yield from walk(child, f"{name}.", cls)
+            else:
+                yield from walk(child, qual, cls)
+
+    yield from walk(tree, "", "")
+
+
+def literal_knob_defaults() -> dict[str, str]:
+    """"path:Qualname.param" -> "default (knob)" for every parameter or field named like a knob
+    with a literal default, outside the declarations."""
+    names, found = knob_names(), {}
+    for package in SCANNED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel in DECLARING_FILES:
+                continue
+            tree = ast.parse(path.read_text())
+            constants = _module_literals(tree)
+            for cls, qual, default in _defaults(tree):
+                param = qual.rsplit(".", 1)[1]
+                if param in names and f"{rel}:{cls}" not in DECLARING_CLASSES \
+                        and _is_literal(default, constants):
+                    found[f"{rel}:{qual}"] = f"{ast.unparse(default)} ({names[param]})"
+    return found
+
+
+def test_no_constructor_or_function_declares_a_knobs_default_again():
+    found = literal_knob_defaults()
+    again = {k: v for k, v in found.items() if k not in NOT_THE_KNOB}
+    assert not again, (
+        "a parameter named like a knob has a literal default of its own (take the value from "
+        "the caller, or name the declaration, e.g. = GrpoSettings.kl_coef; if it is not the "
+        "knob, list it in NOT_THE_KNOB with why):\n" + "\n".join(
+            f"  {k} = {v}" for k, v in sorted(again.items())))
+    assert not set(NOT_THE_KNOB) - set(found), "stale NOT_THE_KNOB entries"
+
+
+def test_the_scan_sees_a_literal_default_and_not_a_named_declaration():
+    src = ("DEFAULT = 'eager'\n"
+           "def f(kl_coef=0.0, *, attn_implementation=DEFAULT, dtype=torch.float32,\n"
+           "      fsync=TableSpec.fsync, seed=None): ...\n"
+           "class C:\n    trace: bool = False\n")
+    tree = ast.parse(src)
+    constants = _module_literals(tree)
+    literal = {qual for _, qual, d in _defaults(tree) if _is_literal(d, constants)}
+    assert literal == {"f.kl_coef", "f.attn_implementation", "f.dtype", "C.trace"}
+    assert {"kl_coef", "attn_implementation", "dtype", "fsync", "trace", "num_shards",
+            "timeout_s", "max_restarts", "device"} <= set(knob_names())

@@ -73,10 +73,21 @@ def worker_plan(cfg, run_dir):  # noqa: ANN001, ANN201 - RunConfig, Path -> stre
 
     plan = RunPlan(cfg=cfg, run_dir=run_dir, model_path=run_dir / "model",
                    weights_dir=run_dir / "weights", tokenizer=None, train_problems=None,
-                   task=None, eval_problems=[])
+                   task=None, eval_problems=[],
+                   host_threads=cfg.run.host_thread_budget(cfg.trainer.deterministic))
     plan.devices = resolve_devices(cfg, 0)
     _worker_records(plan, None, None, None)
     return plan
+
+
+def objective(loss: str = "grpo", clip_low: float = 0.2, clip_high: float = 0.2,
+              **changes):  # noqa: ANN003, ANN201 - fields -> workers.rl.objectives.Objective
+    """An ``Objective`` on the tests' baseline (each test names what it varies): grpo's
+    symmetric clip 0.2, no KL term, no off-policy correction, cap 2, a normaliser of 1 token."""
+    from workers.rl.objectives import Objective
+
+    fields = {"kl_coef": 0.0, "correction": "off", "is_cap": 2.0, "max_tokens": 1, **changes}
+    return Objective(loss, clip_low, clip_high, **fields)
 
 
 class CutAfter(threading.Event):

@@ -42,6 +42,8 @@ class WorkerCommon:
     table: str  # the run's samples table
     seed: int  # run.seed
     threads: int  # torch intra-op threads of this process (<role>.threads; a reward worker: 1)
+    # run.trace: the worker reports what it did to each micro-batch (workers.runtime.trace)
+    trace_rows: bool
     events_address: str | None = None  # controller's PULL socket (None: keep reports in memory)
     claim_timeout_s: float = 1.0  # one server-side wait; the loop re-checks for shutdown after it
     metrics_host: str | None = None  # serve Prometheus /metrics on this address (None: off)
@@ -57,8 +59,6 @@ class WorkerCommon:
     # not None: ``threads`` is ignored; the worker takes its share of the host's thread budget at
     # every compute phase (workers.runtime.cores)
     cores: CoreShareConfig | None = None
-    # run.trace: the worker reports what it did to each micro-batch (workers.runtime.trace)
-    trace_rows: bool = False
 
 
 @dataclass
@@ -121,14 +121,14 @@ class RewardWorkerConfig:
     common: WorkerCommon
     model_path: str  # for the tokenizer (responses are decoded to text for the verifier)
     rows_per_claim: int
+    # the reward model's device and dtype, reward.device / reward.dtype resolved by the plan
+    # (streamflow/devices.py; "cpu" and the dtype resolved there without reward.model)
+    model_device: str
+    model_dtype: str
     verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error, env_reward
     agent: AgentSettings | None = None  # multi-turn: the trajectory columns it reads
     # reward.model and how its score is read and combined (model None: the verifier alone)
     scorer: RewardModelSettings = embed(RewardModelSettings)
-    # the reward model's device and dtype, reward.device / reward.dtype resolved by the plan
-    # (streamflow/devices.py)
-    model_device: str = "cpu"
-    model_dtype: str = "float32"
 
 
 @dataclass

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 
 from storage.schema import TableSpec, TaskSpec
+from workers.settings import TurnSettings
 
 SAMPLES_SCHEMA = pa.schema([  # who writes each column, and when: docs/training.md
     # the G samples of one prompt share it (the store's group column)
@@ -136,12 +137,12 @@ def prompt_rows(iteration: int, prompts: Sequence[Sequence[int]], answers: Seque
     }, schema=_PUT_SCHEMA)
 
 
-def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
+def samples_table_spec(name: str, *, group_size: int, reference_worker: bool, fsync: str,
                        reference_in_rollout: bool = False,
                        capacity_rows: int = TableSpec.capacity_rows,
                        lease_seconds: float = TableSpec.lease_seconds,
                        max_deliveries: int = TableSpec.max_deliveries,
-                       fsync: str = TableSpec.fsync, max_turns: int = 1,
+                       max_turns: int = TurnSettings.max_turns,
                        partial_cuts: int = 0, reward_whole_groups: bool = False) -> TableSpec:
     """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
     wait for ``ref_logprobs`` (off when the KL term is off or the reference is fused into the
@@ -154,7 +155,9 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool,
     A turn or resume task skips (``TaskSpec.skip_null``) a row whose needed cell its trajectory's
     end wrote NULL: the store consumes it for that task, and no worker claims it.
     ``reward_whole_groups``: the reward task is claimed by whole groups (a reward model's scores
-    normalised within each group, ``reward.normalize=group``)."""
+    normalised within each group, ``reward.normalize=group``). ``fsync``: the table's log policy,
+    the run's store.fsync ("always" | "never"; the store's own default differs); the other limits
+    default to the store's, which the run's store.* keys take too."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if partial_cuts < 0 or (partial_cuts and max_turns > 1):
@@ -191,7 +194,7 @@ def partial_schema(max_cuts: int) -> pa.Schema:
     return pa.schema([*SAMPLES_SCHEMA, VERSION_RUNS_FIELD, *part_columns(max_cuts)])
 
 
-def trainer_columns(reference_in_store: bool, partial: bool = False) -> tuple[str, ...]:
+def trainer_columns(reference_in_store: bool, partial: bool) -> tuple[str, ...]:
     """What the trainer claims: ``ref_logprobs`` too when another role (the reference worker or
     the rollout) writes them to the store; ``response_version_runs`` in a partial run."""
     return (TRAINER_READS + (REFERENCE_COLUMNS if reference_in_store else ())

@@ -272,7 +272,7 @@ class PackingSettings(Checked):
     # path differs
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     packing: bool = True  # pack a group as prompt + r1 + r2 + ... (shared-prompt attention; exact)
-    # ... a batch whose token saving reaches this (= workers.rl.packing.DEFAULT_MIN_SAVING)
+    # ... a batch whose token saving reaches this (workers.rl.packing.should_pack)
     packing_min_saving: float = bounded(0.25, ge=0, le=1)
     token_budget: int = bounded(4096, ge=1)  # max tokens per packed micro-batch
     # Most tokens (each row's prompt + response) one scoring forward takes: a larger batch is

@@ -292,7 +292,8 @@ def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path, store_
     worker = None
     try:
         client = storage.connect(address)
-        client.create_table(samples_table_spec("samples", group_size=2, reference_worker=False))
+        client.create_table(samples_table_spec("samples", group_size=2, reference_worker=False,
+                                               fsync="never"))
         answers, completions = ["12", "12", "7", "7"], ["12", "13", "7", " 7 "]
         row_ids = client.put("samples", pa.table({
             "group_id": np.array([0, 0, 1, 1]), "iteration": np.zeros(4, np.int64),
@@ -311,8 +312,10 @@ def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path, store_
         config = tmp_path / "reward-0.json"
         config.write_text(to_json(RewardWorkerConfig(
             common=WorkerCommon(name="reward-0", role="reward", store_addresses=[address],
-                                table="samples", seed=0, threads=1, claim_timeout_s=0.2),
-            model_path=str(tok_dir), fn="exact_match", rows_per_claim=2,
+                                table="samples", seed=0, threads=1, claim_timeout_s=0.2,
+                                trace_rows=False),
+            model_path=str(tok_dir), fn="exact_match", rows_per_claim=2, model_device="cpu",
+            model_dtype="float32",
         )))
         worker = subprocess.Popen(
             [sys.executable, "-m", "streamflow", "worker", "--role", "reward",

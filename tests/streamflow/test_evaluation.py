@@ -68,7 +68,8 @@ def test_a_split_holding_out_every_prompt_fails_before_the_warm_start(
 
 
 def _greedy(plan) -> dict[str, str]:
-    model = load_model(plan.model_path)
+    model = load_model(plan.model_path, dtype=torch.float32,  # as the evaluator loads it
+                       attn_implementation=plan.cfg.rollout.attn_implementation)
     engine = TorchRolloutEngine(model, plan.tokenizer, max_batch_size=256)
     problems = plan.eval_problems
     gens = engine.generate([encode_prompt(plan.tokenizer, p.prompt) for p in problems], 1,
@@ -83,7 +84,8 @@ def test_accuracy_scores_greedy_responses_with_the_configured_reward(
 ) -> None:
     # Answers: the initial model's own greedy output for even prompts, a wrong one for odd ones.
     cfg = tiny_config()
-    model = load_model(resolve_model(cfg, Path(cfg.run.output_dir).parent / ".cache"))
+    model = load_model(resolve_model(cfg, Path(cfg.run.output_dir).parent / ".cache"),
+                       dtype=torch.float32, attn_implementation=cfg.rollout.attn_implementation)
     tok = load_tokenizer(resolve_model(cfg, Path(cfg.run.output_dir).parent / ".cache"))
     engine = TorchRolloutEngine(model, tok, max_batch_size=256)
     gens = engine.generate([encode_prompt(tok, f"{a}+{a + 1}=") for a in range(ROWS)], 1,
@@ -114,7 +116,9 @@ def test_accuracy_scores_greedy_responses_with_the_configured_reward(
 def test_published_weights_load_strictly(tiny_config, tmp_path: Path) -> None:
     plan = _plan(tiny_config, tmp_path)
     plan.weights_dir = tmp_path / "weights"
-    engine = TorchTrainerEngine(load_model(plan.model_path), lr=1e-3)
+    engine = TorchTrainerEngine(load_model(plan.model_path, dtype=torch.float32,
+                                           attn_implementation="sdpa"), lr=1e-3,
+                                fp64_accumulation=False)
     WeightPublisher(plan.weights_dir).publish(engine.state_dict(), 1)  # tied names included
     assert Evaluator(plan).accuracy(1) is not None
     state = dict(engine.state_dict())

@@ -38,7 +38,7 @@ def _step(**over: float) -> StepReport:
 
 def test_metered_events_observe_every_report_and_forward_it() -> None:
     m = WorkerMetrics()
-    events = MeteredEvents(EventSender(None), m)
+    events = MeteredEvents(EventSender(None, trace=False), m)
     events.send(Span("rollout", "rollout-0", 10.0, 10.5, 0, rows=4, tokens=12))
     events.send(Span("rollout", "rollout-0", 11.0, 11.25, 0, rows=4, tokens=8))
     events.send(Span("trainer", "trainer-0", 12.0, 13.0, 0, rows=0, tokens=0))  # the step itself
@@ -200,8 +200,9 @@ def test_targets_file_and_worker_configs(tmp_path: Path) -> None:
         {"targets": ["127.0.0.1:2"],
          "labels": {"role": "trainer", "worker": "trainer-0", "run": "demo"}},
     ]
-    w = RewardWorkerConfig(WorkerCommon("reward-0", "reward", [], "t", seed=0, threads=1), "m",
-                           rows_per_claim=32, fn="exact_match")
+    w = RewardWorkerConfig(WorkerCommon("reward-0", "reward", [], "t", seed=0, threads=1,
+                                        trace_rows=False), "m", rows_per_claim=32,
+                           model_device="cpu", model_dtype="float32", fn="exact_match")
     assert with_metrics(w, MetricsSection(host="0.0.0.0")).common.metrics_host == "0.0.0.0"
     assert with_metrics(w, MetricsSection(enabled=False)).common.metrics_host is None
 

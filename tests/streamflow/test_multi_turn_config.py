@@ -207,7 +207,7 @@ def test_the_metrics_carry_turns_tool_calls_latency_and_errors() -> None:
                                          tool_calls_mean=0.5))
     assert _value(controller.registry, "streamflow_run_turns_mean") == 1.75
     assert _value(controller.registry, "streamflow_run_tool_calls_mean") == 0.5
-    events = MeteredEvents(EventSender(None), WorkerMetrics())
+    events = MeteredEvents(EventSender(None, trace=False), WorkerMetrics())
     events.metrics.tool_call(0.2, None)
     events.metrics.tool_call(0.4, "timeout")
     events.metrics.tool_call(0.1, "bad_call")

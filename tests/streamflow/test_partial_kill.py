@@ -84,20 +84,21 @@ def test_a_resume_killed_mid_lease_loses_no_acknowledged_token(tiny_config, stor
     procs: list[subprocess.Popen] = []
     try:
         client.create_table(samples_table_spec(TABLE, group_size=2, reference_worker=False,
-                                               lease_seconds=1.0, partial_cuts=2))
+                                               fsync="never", lease_seconds=1.0, partial_cuts=2))
         tok = load_tokenizer(str(model_path))
         prompts = [encode_prompt(tok, p) for p in ("12+34=", "7+5=")]
         client.put(TABLE, prompt_rows(0, prompts, ["46", "12"], group_size=2,
                                       min_policy_version=0))
         # segment 0, by the test: version 1 = perturbed weights, cut after K tokens
-        engine = TorchRolloutEngine(load_model(str(model_path)), tok)
+        model = load_model(str(model_path), dtype=torch.float32, attn_implementation="eager")
+        engine = TorchRolloutEngine(model, tok, cut_live_fraction=1.0)  # every cut honoured
         engine.load_weights(_perturbed(engine.model.state_dict(), 1), 1)
         weights = tmp_path / "weights"
         stage = RolloutStage(
             engine, WeightSubscriber(weights), SamplingParams(
                 temperature=2.0, max_new_tokens=MAX_NEW, stop_token_ids=(tok.eos_token_id,)),
             worker="test", group_size=2, groups_per_claim=2, seed=0, weight_wait_s=1.0,
-            max_cuts=2, watch=_CutAfterK())  # type: ignore[arg-type]
+            max_cuts=2, watch=_CutAfterK(), tail_cut=False)  # type: ignore[arg-type]
         lease = client.claim(TABLE, "rollout", list(ROLLOUT_READS), 4, whole_groups=True,
                              timeout=5.0)
         assert lease.num_rows == 4

@@ -28,7 +28,7 @@ from testkit import no_children_left, wait_until
 import storage
 from storage.errors import Unavailable
 from streamflow.controller import WorkerFailed, run
-from streamflow.supervisor import Supervisor
+from streamflow.supervisor import RestartPolicy, Supervisor
 from workers.models.checkpoint import latest_checkpoint, read_state
 from workers.tasks.arithmetic import ArithmeticTask
 
@@ -449,11 +449,12 @@ def test_stop_all_reaps_every_child_even_when_cut_short(tmp_path):
     """streamflow/supervisor.py: a second Ctrl-C (KeyboardInterrupt) while the controller reads
     the final counts between the two groups must not leave the last group (the store) running or
     unreaped: every process the supervisor started has been waited for when stop_all returns."""
-    sup = Supervisor(tmp_path)
+    sup = Supervisor(tmp_path, RestartPolicy(max_restarts=0))
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    sup.start("rollout-0", "rollout", sleep)
-    sup.start("reward-0", "reward", [sys.executable, "-c", "pass"])  # exited already, unreaped
-    sup.start("store-0", "store", sleep)
+    sup.start("rollout-0", "rollout", sleep, threads=1)
+    # exited already, unreaped
+    sup.start("reward-0", "reward", [sys.executable, "-c", "pass"], threads=1)
+    sup.start("store-0", "store", sleep, threads=1)
 
     def interrupted() -> None:
         raise KeyboardInterrupt

@@ -247,7 +247,7 @@ def test_eta_and_clock():
 def test_step_progress_off_a_terminal_logs_every_tenth_with_eta(caplog):
     stream = io.StringIO()
     with caplog.at_level(logging.INFO, logger="streamflow.progress"):
-        with StepProgress("warm start", stream=stream) as progress:
+        with StepProgress("warm start", enabled=True, stream=stream) as progress:
             for step in range(1, 101):
                 progress(step, 100)
     lines = [r.getMessage() for r in caplog.records if r.name == "streamflow.progress"]
@@ -259,7 +259,7 @@ def test_step_progress_off_a_terminal_logs_every_tenth_with_eta(caplog):
 
 def test_step_progress_draws_a_bar_on_a_terminal(monkeypatch):
     stream = io.StringIO()
-    progress = StepProgress("warm start", stream=stream)
+    progress = StepProgress("warm start", enabled=True, stream=stream)
     monkeypatch.setattr(progress, "live_enabled", True)  # as if stderr were a TTY
     with progress:
         for step in range(1, 5):

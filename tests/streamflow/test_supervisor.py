@@ -18,6 +18,8 @@ from storage import ports
 from storage.ports import _ephemeral_low, free_port
 from streamflow.supervisor import RestartPolicy, Supervisor
 
+NO_RESTARTS = RestartPolicy(max_restarts=0)
+
 
 def test_free_port_is_below_the_ephemeral_range_and_bindable() -> None:
     low = _ephemeral_low()
@@ -73,14 +75,14 @@ _IGNORE_TERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_I
 
 
 def _sleeper(sup: Supervisor, name: str, code: str = "import time; time.sleep(60)"):
-    child = sup.start(name, "rollout", [sys.executable, "-c", code])
+    child = sup.start(name, "rollout", [sys.executable, "-c", code], threads=1)
     child.mark_ready()
     return child
 
 
 def test_children_run_in_their_own_session(tmp_path) -> None:
     """The terminal's Ctrl-C goes to the foreground process group: children must not be in it."""
-    sup = Supervisor(tmp_path)
+    sup = Supervisor(tmp_path, NO_RESTARTS)
     try:
         child = _sleeper(sup, "rollout-0")
         assert os.getpgid(child.popen.pid) != os.getpgid(0)
@@ -102,9 +104,9 @@ def test_nothing_is_restarted_once_the_stop_began(tmp_path) -> None:
 
 def test_kill_all_cuts_the_grace_period_short(tmp_path) -> None:
     """A second Ctrl-C: children that would take the whole grace period are killed at once."""
-    sup = Supervisor(tmp_path)
+    sup = Supervisor(tmp_path, NO_RESTARTS)
     children = [_sleeper(sup, f"rollout-{i}", _IGNORE_TERM) for i in range(2)]
-    store = sup.start("store-0", "store", [sys.executable, "-c", _IGNORE_TERM])
+    store = sup.start("store-0", "store", [sys.executable, "-c", _IGNORE_TERM], threads=1)
     for child in [*children, store]:  # each has installed SIG_IGN (it says so in its log)
         wait_until(lambda c=child: "ignoring SIGTERM" in c.log_path.read_text(), timeout=30,
                    what=f"{child.name} to ignore SIGTERM")

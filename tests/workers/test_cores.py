@@ -99,9 +99,10 @@ def test_another_process_busy_halves_this_ones_share(tmp_path):
 
 def test_worker_config_carries_the_share_through_json(tmp_path):
     common = WorkerCommon(name="reward-0", role="reward", store_addresses=["tcp://127.0.0.1:1"],
-                          table="t", seed=0, threads=1,
+                          table="t", seed=0, threads=1, trace_rows=False,
                           cores=CoreShareConfig(str(tmp_path / "c"), 3, 2))
-    cfg = RewardWorkerConfig(common=common, model_path="m", rows_per_claim=32, fn="exact_match")
+    cfg = RewardWorkerConfig(common=common, model_path="m", rows_per_claim=32, fn="exact_match",
+                             model_device="cpu", model_dtype="float32")
     back = from_json("reward", to_json(cfg))
     assert back.common.cores == CoreShareConfig(str(tmp_path / "c"), 3, 2)
 

@@ -97,7 +97,7 @@ def _run_torch(model_dir: Path, tmp: Path, **kw) -> tuple[dict, list]:  # noqa: 
         client = store.client()
         _prepare(client, model_dir, tmp, range(ITERATIONS))
         cfg = _trainer_config(model_dir, tmp / "weights", [], engine="torch", **kw)
-        events = EventSender(None)
+        events = EventSender(None, trace=False)
         trainer = build_trainer(cfg, client, events, keeper)
         trainer.publish_current()
 
@@ -123,18 +123,19 @@ def _put(client, k: int) -> None:
 
 def _prepare(client, model_dir: Path, tmp: Path, iterations) -> list:
     """Put, generate (real rollout stage) and reward the rows of ``iterations``; returns them."""
-    client.create_table(samples_table_spec("samples", group_size=G, reference_worker=False))
+    client.create_table(samples_table_spec("samples", group_size=G, reference_worker=False,
+                                           fsync="never"))
     common = WorkerCommon(name="rollout-0", role="rollout", store_addresses=[], table="samples",
-                          seed=3, threads=1)
+                          seed=3, threads=1, trace_rows=False)
     rollout = build_rollout(RolloutWorkerConfig(
         common=common, model_path=str(model_dir), weights_dir=str(tmp / "rollout-weights"),
         weights_announce=None, group_size=G, groups_per_claim=1, engine="torch", device="cpu",
         dtype="float32", reference_dtype="float32", max_new_tokens=4,
-    ), EventSender(None))
+    ), EventSender(None, trace=False))
     for k in iterations:
         _put(client, k)
     loop = StageLoop(client, "samples", rollout, worker="r", role="rollout",
-                     events=EventSender(None))
+                     events=EventSender(None, trace=False))
     while loop.turn(0.0):  # the last, empty claim carries the last write+ack
         pass
     rewarded: list = []
@@ -157,7 +158,8 @@ def _prepare(client, model_dir: Path, tmp: Path, iterations) -> list:
 def _trainer_config(model_dir: Path, weights: Path, addresses: list[str], *, engine: str,
                     iterations: int = ITERATIONS, **kw) -> TrainerWorkerConfig:
     common = WorkerCommon(name="trainer-0", role="trainer", store_addresses=addresses,
-                          table="samples", seed=3, threads=1, claim_timeout_s=0.2)
+                          table="samples", seed=3, threads=1, claim_timeout_s=0.2,
+                          trace_rows=False)
     fields = dict(checkpoint_every=0, deterministic=False, whole_iterations=False, num_ranks=1,
                   zero_stage=2, max_response_tokens=4,  # the rollout's max_new_tokens
                   device="cpu", dtype="float32", reference_dtype="float32", kl_coef=0.0)
@@ -386,9 +388,9 @@ def test_settings_are_validated_and_build_the_deepspeed_config() -> None:
     with pytest.raises(ValueError, match="zero_stage"):
         DeepSpeedSettings(lr=1e-3, zero_stage=3)
     with pytest.raises(ValueError, match="lr"):
-        DeepSpeedSettings(lr=0.0)
+        DeepSpeedSettings(lr=0.0, zero_stage=2)
     with pytest.raises(ValueError, match="reduce_bucket_size"):
-        DeepSpeedSettings(lr=1e-3, reduce_bucket_size=0)
+        DeepSpeedSettings(lr=1e-3, zero_stage=2, reduce_bucket_size=0)
 
 
 def test_parameter_digest_sees_a_one_ulp_change() -> None:

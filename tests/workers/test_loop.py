@@ -48,7 +48,8 @@ def test_streaming_turns_write_every_row_once() -> None:
         client = store.client()
         client.create_table(_table(30.0))
         client.put("t", pa.table({"x": list(range(10))}))
-        loop = StageLoop(client, "t", Doubler(), worker="w", role="double", events=EventSender(None))
+        loop = StageLoop(client, "t", Doubler(), worker="w", role="double",
+                         events=EventSender(None, trace=False))
         total = 0
         while (n := loop.turn(0.0)):
             total += n
@@ -63,11 +64,11 @@ def test_a_frozen_workers_late_result_is_fenced_and_the_rows_come_back() -> None
         client.create_table(_table(0.3))
         client.put("t", pa.table({"x": [1, 2]}))
         slow = StageLoop(client, "t", Doubler(sleep_s=0.8), worker="slow", role="double",
-                         events=EventSender(None))
+                         events=EventSender(None, trace=False))
         assert slow.turn(0.0) == 2  # computed, but the lease expired meanwhile (no heartbeat)
         fast_client = store.client()
         fast = StageLoop(fast_client, "t", Doubler(), worker="fast", role="double",
-                         events=EventSender(None))
+                         events=EventSender(None, trace=False))
         assert fast.turn(1.0) == 2  # redelivered to the successor
         assert slow.turn(0.0) == 0  # the zombie's carried write is refused, and it carries on
         fast.flush()
@@ -83,7 +84,7 @@ def test_heartbeats_keep_long_work_alive() -> None:
         keeper = LeaseKeeper(store.client, tick_s=0.05)
         try:
             loop = StageLoop(client, "t", Doubler(sleep_s=1.0), worker="w", role="double",
-                             events=EventSender(None), keeper=keeper)
+                             events=EventSender(None, trace=False), keeper=keeper)
             assert loop.turn(0.0) == 1
             loop.flush()  # would raise LeaseExpired without the heartbeats
         finally:
@@ -104,7 +105,7 @@ def test_a_lease_held_across_turns_is_renewed_until_its_late_ack() -> None:
         try:
             keeper.hold(held)
             loop = StageLoop(client, "t", Doubler(), worker="w", role="double",
-                             events=EventSender(None), keeper=keeper)
+                             events=EventSender(None, trace=False), keeper=keeper)
 
             def turns_past_the_deadline() -> bool:  # the other rows go by meanwhile
                 loop.turn(0.0)
@@ -154,7 +155,8 @@ def test_an_idle_worker_of_several_stages_wakes_for_any_of_them() -> None:
         check, stop = Checker(), threading.Event()
         worker = threading.Thread(target=serve_stages, daemon=True, args=(
             store.client(), "t", [Doubler(), check], stop),
-            kwargs={"worker": "w", "role": "r", "events": EventSender(None), "timeout_s": 60.0})
+            kwargs={"worker": "w", "role": "r", "events": EventSender(None, trace=False),
+                    "timeout_s": 60.0})
         worker.start()
         wait_until(lambda: store.parked()["claims"] == 1, what="the worker waiting")
         client.put("t", pa.table({"y": [5, 6]}))  # ready for "check" only
@@ -193,7 +195,8 @@ def test_stages_taken_along_wait_until_the_first_stage_has_no_rows() -> None:
         check, stop = LoggedCheck(), threading.Event()
         worker = threading.Thread(target=serve_stages, daemon=True, args=(
             store.client(), "t", [Logged(), check], stop),
-            kwargs={"worker": "w", "role": "r", "events": EventSender(None), "timeout_s": 0.2,
+            kwargs={"worker": "w", "role": "r", "events": EventSender(None, trace=False),
+                    "timeout_s": 0.2,
                     "taken_along": ("check",)})
         worker.start()
         wait_until(lambda: len(check.seen) == 24, timeout=20.0, what="check served")

@@ -9,13 +9,14 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
+from testkit import objective
 from torch.nn.utils.rnn import pad_sequence
 
 from tests.workers.test_trainer import ROWS as STORE_ROWS
 from tests.workers.test_trainer import _replica, _train
 from workers.models.local import TinyModelSpec, build_tiny_model, save_model
 from workers.models.tokenizer import build_char_tokenizer
-from workers.rl.objectives import Objective, loss_sums
+from workers.rl.objectives import loss_sums
 from workers.rl.packing import PackGroup, batch_logprobs, pack_groups, unpacked_rows
 from workers.rl.tokens import (
     apply_loss_masks,
@@ -59,7 +60,7 @@ def _capture_logits(model: torch.nn.Module) -> list[torch.Tensor]:
 def _loss(logp: torch.Tensor, mask: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
     """Every term of the loss on: ratio != 1 (clipping live), k3 KL, truncated IS weights."""
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2])
-    loss, _ = loss_sums(Objective(kl_coef=0.05, correction="tis"), logp, logp.detach() - 0.05,
+    loss, _ = loss_sums(objective(kl_coef=0.05, correction="tis"), logp, logp.detach() - 0.05,
                         adv, mask, ref_logp=logp.detach() + 0.1, behaviour_logp=behaviour)
     return loss
 
@@ -107,7 +108,7 @@ def test_token_count_and_sums_cover_model_tokens_only() -> None:
     batch = build_token_batch([(p, r) for p, r, _ in ROWS], loss_masks=[m for _, _, m in ROWS])
     assert torch.equal(batch.response_positions.sum(1), torch.tensor([6.0, 4.0, 3.0, 5.0]))
     logp = -torch.rand(batch.response_mask.shape) * batch.response_positions
-    _, sums = loss_sums(Objective(kl_coef=0.1, correction="tis"), logp, logp - 0.3,
+    _, sums = loss_sums(objective(kl_coef=0.1, correction="tis"), logp, logp - 0.3,
                         torch.ones(4), batch.response_mask, ref_logp=logp + 0.2,
                         behaviour_logp=logp - 5.0)
     assert sums.num_tokens == 12

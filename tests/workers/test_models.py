@@ -72,7 +72,7 @@ def test_save_load_round_trip_is_an_hf_directory(tmp_path):
     names = {p.name for p in path.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen2"
-    loaded = load_model(path)
+    loaded = load_model(path, dtype=torch.float32, attn_implementation="eager")
     assert not loaded.training
     ids = torch.tensor([encode_prompt(tok, "12+34=")])
     with torch.no_grad():
@@ -86,7 +86,7 @@ def test_save_load_round_trip_is_an_hf_directory(tmp_path):
 
 def test_load_model_missing_dir_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        load_model(tmp_path / "nope")
+        load_model(tmp_path / "nope", dtype=torch.float32, attn_implementation="eager")
 
 
 def state_dict_bytes(model: torch.nn.Module) -> int:

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from testkit import objective
 
 from workers.rl.objectives import LossSums, Objective, importance_weights, loss_sums
 
@@ -89,7 +90,7 @@ def _close(got, want, tol=1e-9):
 @pytest.mark.parametrize(("loss", "low", "high"), [("grpo", 0.2, 0.2), ("dapo", 0.2, 0.28),
                                                    ("dr_grpo", 0.2, 0.2)])
 def test_clipped_losses_match_the_hand_reference(loss: str, low: float, high: float) -> None:
-    value, grad, sums = _run(Objective(loss, low, high, kl_coef=KL, max_tokens=16))
+    value, grad, sums = _run(objective(loss, low, high, kl_coef=KL, max_tokens=16))
     want_value, want_grad, (c_low, c_high) = _ppo_reference(low, high)
     _close(value, want_value)
     for row, want_row in zip(grad, want_grad, strict=True):
@@ -103,8 +104,8 @@ def test_clipped_losses_match_the_hand_reference(loss: str, low: float, high: fl
 
 def test_dapo_clip_higher_keeps_a_token_the_symmetric_clip_drops() -> None:
     """log r = 0.22 with A > 0: r = 1.246 is past 1.2 (clipped, zero gradient) but below 1.28."""
-    _, sym, s_sums = _run(Objective("grpo", 0.2, 0.2))
-    _, dapo, d_sums = _run(Objective("dapo", 0.2, 0.28))
+    _, sym, s_sums = _run(objective("grpo", 0.2, 0.2))
+    _, dapo, d_sums = _run(objective("dapo", 0.2, 0.28))
     assert sym[0][0] == 0.0 and dapo[0][0] == pytest.approx(-1.5 * math.exp(0.22))
     assert s_sums.clipped_high == d_sums.clipped_high + 1
 
@@ -113,7 +114,7 @@ def test_gspo_matches_the_hand_reference() -> None:
     """Per response: s = exp(mean_t log r), -w min(sA, clip(s)A) + KL mean_t k3; gradient per
     token -A s / L (unclipped) or 0, plus KL dk / L; normaliser: responses."""
     low, high = 0.02, 0.03  # row 0: s = e^0.0925 (clipped), row 1: e^0.045 (A<0: unclipped)
-    value, grad, sums = _run(Objective("gspo", low, high, kl_coef=KL))
+    value, grad, sums = _run(objective("gspo", low, high, kl_coef=KL))
     want, clipped = 0.0, 0
     for i in range(B):
         tokens = [t for t in range(T) if MASK[i][t]]
@@ -141,7 +142,7 @@ def test_cispo_matches_the_hand_reference() -> None:
     """Per token: value -sg(clip(r)) A, gradient -clip(r) A (never 0: the weight is detached,
     so a clipped token still gets its REINFORCE gradient); no lower bound with clip_low 1."""
     high = 0.2
-    value, grad, sums = _run(Objective("cispo", 1.0, high, kl_coef=KL))
+    value, grad, sums = _run(objective("cispo", 1.0, high, kl_coef=KL))
     want, n_high = 0.0, 0
     for i in range(B):
         for t in range(T):
@@ -163,7 +164,7 @@ def test_cispo_matches_the_hand_reference() -> None:
 def test_off_policy_weights_match_the_hand_reference(kind: str) -> None:
     """The weight multiplies each token's clipped term (detached: no gradient of its own)."""
     cap = 2.0
-    value, grad, sums = _run(Objective("grpo", 0.2, 0.2, kl_coef=KL, correction=kind,
+    value, grad, sums = _run(objective("grpo", 0.2, 0.2, kl_coef=KL, correction=kind,
                                        is_cap=cap))
     want_value, want_grad, _ = _ppo_reference(0.2, 0.2, kind, cap)
     _close(value, want_value)
@@ -193,7 +194,7 @@ def test_first_pass_ratio_is_one_and_the_gradient_is_minus_the_advantage() -> No
     logp, _, _, _, adv, mask = _tensors()
     for loss in ("grpo", "dapo", "dr_grpo", "cispo"):
         x = logp.detach().clone().requires_grad_()
-        value, sums = loss_sums(Objective(loss, 0.2, 0.28), x, x.detach(), adv, mask)
+        value, sums = loss_sums(objective(loss, 0.2, 0.28), x, x.detach(), adv, mask)
         value.backward()
         assert x.grad is not None
         assert torch.allclose(x.grad, -adv[:, None] * mask), loss
@@ -209,9 +210,9 @@ def test_loss_sums_add_up_and_objective_rejects_bad_input() -> None:
     assert c.means()["clip_fraction"] == pytest.approx(3 / 8)
     assert c.means()["loss"] == pytest.approx(3 / 8)
     with pytest.raises(ValueError, match="unknown loss"):
-        Objective("ppo")
+        objective("ppo")
     with pytest.raises(ValueError, match="clip bounds"):
-        Objective("grpo", 1.5, 0.2)
+        objective("grpo", 1.5, 0.2)
     logp, old, _, _, adv, mask = _tensors()
     with pytest.raises(ValueError, match="needs behaviour_logp"):
-        loss_sums(Objective(correction="tis"), logp, old, adv, mask)
+        loss_sums(objective(correction="tis"), logp, old, adv, mask)

@@ -131,7 +131,7 @@ def test_packed_logprobs_and_grads_equal_unpacked(model, name, attention):
     assert float((g_packed - g_ref).norm() / g_ref.norm()) <= 1e-5
     # the switch: unpacked rows give the same numbers
     unp = packed_response_logprobs(
-        model, groups, temperature=temperature, token_budget=budget, pack=False
+        model, groups, temperature=temperature, token_budget=budget, min_saving=0.0, pack=False
     )
     assert max_diff(unp, want) <= 1e-5
 
@@ -176,15 +176,15 @@ def test_max_responses_per_row_sets_the_chunks():
 
 def test_results_follow_input_order_not_layout(model):
     groups = make_groups([3, 6, 2], [[4, 2], [1, 6], [7, 5]], seed=3)
-    a = packed_response_logprobs(model, groups, token_budget=24)
-    b = packed_response_logprobs(model, groups[::-1], token_budget=24)
+    a = packed_response_logprobs(model, groups, token_budget=24, min_saving=0.0)
+    b = packed_response_logprobs(model, groups[::-1], token_budget=24, min_saving=0.0)
     assert max_diff(a, b[::-1]) == pytest.approx(0.0, abs=1e-6)
     assert pack_groups(groups, token_budget=24).group_ids == [100, 101, 102]
 
 
 def test_empty_response_gives_an_empty_tensor(model):
     groups = [PackGroup(1, [3, 4], [[5, 6], [], [7]])]
-    got = packed_response_logprobs(model, groups, token_budget=16)
+    got = packed_response_logprobs(model, groups, token_budget=16, min_saving=0.0)
     assert [len(t) for t in got[0]] == [2, 0, 1]
     want = reference_logprobs(model, [PackGroup(1, [3, 4], [[5, 6], [7]])])[0]
     assert max_diff([[got[0][0], got[0][2]]], [want]) <= 1e-5
@@ -229,13 +229,13 @@ def test_unsupported_model_falls_back_with_a_warning():
     gpt2.eval()  # GPT-2 has dropout
     groups = make_groups([4], [[3, 5]])
     with pytest.warns(PackingFallbackWarning, match="GPT2LMHeadModel"):
-        got = packed_response_logprobs(gpt2, groups, token_budget=32)
+        got = packed_response_logprobs(gpt2, groups, token_budget=32, min_saving=0.0)
     assert max_diff(got, reference_logprobs(gpt2, groups)) <= 1e-5
     with pytest.raises(PackingUnsupportedError):
         batch_logprobs(gpt2, pack_groups(groups, token_budget=32))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once per model, not on every call
-        packed_response_logprobs(gpt2, groups, token_budget=32)
+        packed_response_logprobs(gpt2, groups, token_budget=32, min_saving=0.0)
 
 
 def test_self_check_rejects_an_inexact_attention(monkeypatch):
@@ -267,7 +267,7 @@ def test_models_built_with_eager_attention(attention):
 
 def test_model_attention_setting_is_restored_after_a_packed_call(model):
     before = model.config._attn_implementation
-    packed_response_logprobs(model, make_groups([3], [[2, 2]]), token_budget=16)
+    packed_response_logprobs(model, make_groups([3], [[2, 2]]), token_budget=16, min_saving=0.0)
     assert model.config._attn_implementation == before
 
 
@@ -320,7 +320,8 @@ def test_forward_slices_are_near_equal_whole_groups_within_the_budget():
 
 
 def test_token_saving_and_the_auto_rule():
-    from workers.rl.packing import DEFAULT_MIN_SAVING, should_pack, token_saving
+    from workers.rl.packing import should_pack, token_saving
+    from workers.settings import PackingSettings
 
     short = PackGroup(0, [1] * 6, [[2] * 64 for _ in range(8)])  # 560 tokens unpacked, 518 packed
     assert token_saving([short]) == pytest.approx(1 - 518 / 560)
@@ -332,18 +333,7 @@ def test_token_saving_and_the_auto_rule():
     both = token_saving([short, long])
     assert both == pytest.approx(1 - (518 + 576) / (560 + 1024))
     assert token_saving([PackGroup(2, [1] * 9, [[], []])]) == 0.0
-    assert should_pack([short, long]) is (both >= DEFAULT_MIN_SAVING)
-
-
-def test_packing_threshold_defaults_agree():
-    from streamflow.config import TrainerSection
-    from workers.config import ReferenceWorkerConfig, TrainerWorkerConfig
-    from workers.rl.packing import DEFAULT_MIN_SAVING
-
-    assert TrainerSection().packing_min_saving == DEFAULT_MIN_SAVING
-    for cls in (ReferenceWorkerConfig, TrainerWorkerConfig):
-        assert cls.__dataclass_fields__["pack"].default_factory().packing_min_saving \
-            == DEFAULT_MIN_SAVING
+    assert should_pack([short, long]) is (both >= PackingSettings.packing_min_saving)
 
 
 def test_below_the_threshold_the_batch_runs_unpacked(model, monkeypatch):
@@ -352,7 +342,8 @@ def test_below_the_threshold_the_batch_runs_unpacked(model, monkeypatch):
     monkeypatch.setattr(packing, "batch_logprobs",
                         lambda m, b, **kw: seen.append(b.packed) or real(m, b, **kw))
     short = [PackGroup(0, [1, 2], [[3, 4, 5], [6, 7, 8]])]  # 1 - 8/10 = 20 % saved
-    packed = packed_response_logprobs(model, short, token_budget=64)  # min_saving 0: packs
+    packed = packed_response_logprobs(model, short, token_budget=64,
+                                      min_saving=0.0)  # min_saving 0: packs
     rows = packed_response_logprobs(model, short, token_budget=64, min_saving=0.5)
     assert seen[-2:] == [True, False]
     for a, b in zip(rows[0], packed[0], strict=True):

@@ -42,7 +42,7 @@ def train(model, pack: bool, steps: int = 3):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-5)
     for step in range(steps):
         groups, rewards = random_groups(step)
-        logps = packed_response_logprobs(model, groups, token_budget=48, pack=pack)
+        logps = packed_response_logprobs(model, groups, token_budget=48, min_saving=0.0, pack=pack)
         num_tokens = sum(len(t) for g in logps for t in g)
         opt.zero_grad(set_to_none=True)
         (grpo_loss_sum(logps, rewards) / num_tokens).backward()

@@ -41,8 +41,9 @@ def _model(tok, seed: int = 0, scale: float = 0.5):
 
 @pytest.fixture(scope="module")
 def engine(tok):
-    # eos ids none: every row runs to MAX_NEW unless cut, so the cut rows are known
-    return TorchRolloutEngine(_model(tok), [])
+    # eos ids none: every row runs to MAX_NEW unless cut, so the cut rows are known; every cut
+    # is honoured (a live fraction of 1)
+    return TorchRolloutEngine(_model(tok), [], cut_live_fraction=1.0)
 
 
 def _prompts(tok):
@@ -96,7 +97,7 @@ def test_each_token_logprob_comes_from_the_version_that_sampled_it(tok):
     # log-prob equals its recomputation under its own version's weights, and the runs say so.
     # Breaks if a token is attributed to the wrong version or a segment's log-probs are stale.
     v0, v1 = _model(tok, seed=0), _model(tok, seed=1)
-    engine = TorchRolloutEngine(_model(tok, seed=0), [])
+    engine = TorchRolloutEngine(_model(tok, seed=0), [], cut_live_fraction=1.0)
     prompt = _prompts(tok)[0]
     params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, prompt_seeds=(9,))
     k = 5

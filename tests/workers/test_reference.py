@@ -53,7 +53,7 @@ def test_each_row_gets_its_own_log_probs(packing: bool, tokens_per_forward: int,
     assert stage.last_tokens == sum(len(r) for _, r in rows)
     for (gid, response), values in zip(rows, got, strict=True):  # each row scored on its own
         alone = packed_response_logprobs(model, [PackGroup(gid, prompts[gid], [response])],
-                                         token_budget=256, pack=False)[0][0]
+                                         token_budget=256, min_saving=0.0, pack=False)[0][0]
         assert torch.allclose(torch.tensor(values), alone.float(), atol=1e-5), (gid, response)
 
 
@@ -90,7 +90,8 @@ def test_the_rollout_scores_its_responses_with_the_frozen_reference(tmp_path) ->
         TorchRolloutEngine(policy, tok), WeightSubscriber(tmp_path),
         SamplingParams(temperature=1.5, max_new_tokens=6), worker="r", group_size=2,
         groups_per_claim=2, seed=3, weight_wait_s=1.0,
-        reference=ReferenceScorer(copy.deepcopy(reference), temperature=1.5, pack=pack))
+        reference=ReferenceScorer(copy.deepcopy(reference), temperature=1.5,
+                                  pack=pack), max_cuts=0, tail_cut=False)
     out = stage.process(Lease(1, "samples", "rollout", 0, 0.0, batch))
     assert out.schema.field("ref_logprobs").type == pa.list_(pa.float32())
     assert out.column(ROW_ID).to_pylist() == [0, 1, 2, 3]
@@ -100,7 +101,8 @@ def test_the_rollout_scores_its_responses_with_the_frozen_reference(tmp_path) ->
                                              got["response_logprobs"], strict=True):
         assert len(ref) == len(response) > 0
         alone = packed_response_logprobs(reference, [PackGroup(gid, prompts[gid], [response])],
-                                         temperature=1.5, token_budget=256, pack=False)[0][0]
+                                         temperature=1.5, token_budget=256, min_saving=0.0,
+                                         pack=False)[0][0]
         assert torch.allclose(torch.tensor(ref), alone.float(), atol=1e-5), (gid, response)
         # the policy that generated is another model: its log-probs are not the reference's
         assert not torch.allclose(torch.tensor(ref), torch.tensor(behaviour), atol=1e-3)
@@ -139,9 +141,9 @@ def test_a_vllm_rollout_on_a_later_gpu_scores_on_the_gpu_it_pinned(tmp_path, mon
     save_model(model, tok, tmp_path / "m")
     cfg = RolloutWorkerConfig(
         common=WorkerCommon(name="rollout-1", role="rollout", store_addresses=[],
-                            table="samples", seed=0, threads=1),
+                            table="samples", seed=0, threads=1, trace_rows=False),
         model_path=str(tmp_path / "m"), weights_dir=str(tmp_path / "w"), weights_announce=None,
         group_size=2, groups_per_claim=1, engine="vllm", device="cuda:1", dtype="float32",
         reference_dtype="float32", reference_path=str(tmp_path / "m"))
-    main.build_rollout(cfg, EventSender(None))
+    main.build_rollout(cfg, EventSender(None, trace=False))
     assert placed == {"engine": "cuda:0", "reference": "cuda:0", "visible": "6"}

@@ -21,6 +21,7 @@ from workers.tasks.verifiers import RewardResult
 PROMPTS = ["12+34=", "7+8=", "99+1=", "3+4=", "50+50="]
 RESPONSES = ["46", "15", "1000", "8", "100"]
 ANSWERS = ["46", "15", "100", "7", "100"]
+CPU = {"device": "cpu", "dtype": "float32"}  # where and how the reward model runs here
 
 
 def _tiny(tmp_path_factory, cls_name: str, **extra) -> str:
@@ -52,7 +53,7 @@ def judge(tmp_path_factory) -> str:
 def test_a_classifier_scores_a_batch_as_each_row_alone(classifier):
     # rows of different lengths, 2 per forward: padding and chunking must not change a score
     # (breaks if the score were read at a pad position or rows were reordered)
-    rm = HFRewardModel(RewardModelSettings(model=classifier, rows_per_forward=2))
+    rm = HFRewardModel(RewardModelSettings(model=classifier, rows_per_forward=2), **CPU)
     got = rm.score(PROMPTS, RESPONSES, ANSWERS)
     tok = build_char_tokenizer()
     with torch.no_grad():
@@ -69,7 +70,7 @@ def test_a_classifier_scores_a_batch_as_each_row_alone(classifier):
 def test_a_judge_reads_the_probability_of_its_tokens(judge):
     s = RewardModelSettings(model=judge, template="{prompt}{response}={answer}=",
                             judge_tokens=("1", "0"), rows_per_forward=3)
-    rm = HFRewardModel(s)
+    rm = HFRewardModel(s, **CPU)
     got = rm.score(PROMPTS, RESPONSES, ANSWERS)
     tok = build_char_tokenizer()
     one, zero = (tok(t, add_special_tokens=False)["input_ids"][0] for t in ("1", "0"))
@@ -85,7 +86,7 @@ def test_a_judge_reads_the_probability_of_its_tokens(judge):
 def test_a_parsing_judge_takes_the_first_number_of_its_greedy_answer(judge):
     s = RewardModelSettings(model=judge, template="{prompt}{response}=", judge="parse",
                             judge_max_tokens=4, rows_per_forward=2)
-    rm = HFRewardModel(s)
+    rm = HFRewardModel(s, **CPU)
     got = rm.score(PROMPTS, RESPONSES, ANSWERS)
     tok = build_char_tokenizer()
     with torch.no_grad():
@@ -145,7 +146,8 @@ class _Fixed:
 def _stage(scores: list[float], **settings) -> tuple[RewardStage, _Fixed]:
     fixed = _Fixed(scores)
     stage = RewardStage(build_char_tokenizer(), "exact_match", timeout_s=2.0, max_rows=8,
-                        scorer=fixed, scoring=RewardModelSettings(model="m", **settings))
+                        on_error="retry", env_reward="replace", scorer=fixed,
+                        scoring=RewardModelSettings(model="m", **settings))
     return stage, fixed
 
 
@@ -200,21 +202,23 @@ def test_train_reward_labels_the_policys_responses_and_saves_a_classifier(tmp_pa
     policy = _tiny(tmp_path_factory, "Qwen2ForCausalLM")
     task = ArithmeticTask(digits=1, operations=("+",), seed=0)
     train, held = task.train_problems(6), task.eval_problems(3)
-    recipe = RewardRecipe(prompts=6, samples=2, epochs=1, batch_size=4, max_new_tokens=3,
-                          edits=1)
+    recipe = RewardRecipe(seed=0, temperature=1.0, max_new_tokens=3, prompts=6, samples=2,
+                          epochs=1, batch_size=4, edits=1)
     settings = RewardModelSettings(template="{prompt}{response}={answer}")
     # "brevity" scores every response above 0: all positive, whatever the random policy says
     report = train_reward_model(tmp_path / "rm", policy, train, held, recipe=recipe,
-                                settings=settings, verifier="brevity", threshold=0.0)
+                                settings=settings, verifier="brevity", threshold=0.0,
+                                timeout_s=2.0)
     # per training prompt: 2 responses, 1 edit of the answer, the answer; held out: responses
     assert (report.train_responses, report.heldout_responses) == (6 * 4, 3 * 2)
     assert report.train_positive_fraction == 1.0 and not report.reused
     rm = HFRewardModel(RewardModelSettings(model=str(tmp_path / "rm"),
-                                           template=settings.template))
+                                           template=settings.template), **CPU)
     assert rm.kind == "classifier" and len(rm.score(PROMPTS, RESPONSES, ANSWERS)) == 5
     assert read_manifest(tmp_path / "rm")["report"]["heldout_accuracy"] == report.heldout_accuracy
     again = train_reward_model(tmp_path / "rm", policy, train, held, recipe=recipe,
-                               settings=settings, verifier="brevity", threshold=0.0)
+                               settings=settings, verifier="brevity", threshold=0.0,
+                               timeout_s=2.0)
     assert again.reused and again.heldout_accuracy == report.heldout_accuracy
 
 

@@ -38,8 +38,9 @@ def judges(tmp_path_factory):
     settings = RewardModelSettings(model=str(out), template="{prompt}{response}={answer}=",
                                    judge_tokens=("1", "0"), engine="vllm",
                                    vllm_kv_cache_gib=0.25)
-    served = load_reward_model(settings)
-    yield served, HFRewardModel(dataclasses.replace(settings, engine="torch", rows_per_forward=2))
+    served = load_reward_model(settings, device="cpu", dtype="float32")
+    yield served, HFRewardModel(dataclasses.replace(settings, engine="torch", rows_per_forward=2),
+                                device="cpu", dtype="float32")
     served.close()
 
 

@@ -58,13 +58,15 @@ def test_cut_rows_ride_the_next_rollout_call_and_end_as_if_never_cut():
     prompts = [encode_prompt(tok, "1+2="), encode_prompt(tok, "3+4=")]
 
     def stage(max_cuts: int, watch=None) -> RolloutStage:
-        return RolloutStage(TorchRolloutEngine(model, []), _Files(), params, worker="r",
+        engine = TorchRolloutEngine(model, [], cut_live_fraction=1.0)  # every cut honoured
+        return RolloutStage(engine, _Files(), params, worker="r",
                             group_size=2, groups_per_claim=1, seed=1, weight_wait_s=1.0,
-                            max_cuts=max_cuts, watch=watch)
+                            max_cuts=max_cuts, watch=watch, tail_cut=False)
 
     with storage.embedded() as store:
         client = store.client()
         client.create_table(samples_table_spec("t", group_size=2, reference_worker=False,
+                                               fsync="never",
                                                partial_cuts=R))
         client.put("t", prompt_rows(0, prompts, ["3", "7"], group_size=2, min_policy_version=0))
         cols = list(RolloutStage.columns)

@@ -7,11 +7,12 @@ import random
 
 import pytest
 import torch
+from testkit import objective
 
 from workers.engines.optim import make_optimizer, optimizer_step, scale_gradients
 from workers.models.local import TinyModelSpec, build_tiny_model
 from workers.models.tokenizer import build_char_tokenizer
-from workers.rl.objectives import LossSums, Objective, loss_sums
+from workers.rl.objectives import LossSums, loss_sums
 from workers.rl.tokens import build_token_batch, response_logprobs
 
 torch.set_num_threads(1)
@@ -48,7 +49,7 @@ def test_microbatched_sums_equal_full_batch_token_mean_in_any_order():
         with torch.no_grad():
             ref = response_logprobs(ref_model, b.input_ids, b.attention_mask, b.response_mask)
         old = logp.detach() - 0.05  # ratio != 1 so clipping and the ratio path matter
-        return loss_sums(Objective(kl_coef=0.05), logp, old, adv[idx], b.response_mask,
+        return loss_sums(objective(kl_coef=0.05), logp, old, adv[idx], b.response_mask,
                          ref_logp=ref)
 
     loss, sums = loss_of(list(range(10)))

@@ -30,17 +30,18 @@ def test_prompt_rows_repeat_each_prompt_once_per_sample_of_its_group():
 
 def test_every_declared_column_is_in_the_table_and_tasks_wait_for_their_inputs():
     for reference in (False, True):
-        spec = samples_table_spec("t", group_size=2, reference_worker=reference)
+        spec = samples_table_spec("t", group_size=2, reference_worker=reference, fsync="never")
         names = set(SAMPLES_SCHEMA.names)
-        assert set(trainer_columns(reference)) <= names
+        assert set(trainer_columns(reference, False)) <= names
         trainer = next(t for t in spec.tasks if t.name == "trainer")
-        assert set(trainer.needs) <= set(trainer_columns(reference))
-    assert trainer_columns(True) == (*TRAINER_READS, "ref_logprobs")
+        assert set(trainer.needs) <= set(trainer_columns(reference, False))
+    assert trainer_columns(True, False) == (*TRAINER_READS, "ref_logprobs")
     # the store hands out written cells only: whatever the trainer claims, a task before it writes
     # (response_loss_mask too, NULL from single-turn rollouts)
     assert set(TRAINER_READS) <= {*PUT_COLUMNS, *ROLLOUT_COLUMNS, *REWARD_COLUMNS}
     assert SAMPLES_SCHEMA.field("response_loss_mask").type == pa.list_(pa.int8())
     # reference.placement=rollout: no reference task; the trainer waits for the rollout's column
-    spec = samples_table_spec("t", group_size=2, reference_worker=False, reference_in_rollout=True)
+    spec = samples_table_spec("t", group_size=2, reference_worker=False, fsync="never",
+                              reference_in_rollout=True)
     assert [t.name for t in spec.tasks] == ["rollout", "reward", "trainer"]
     assert "ref_logprobs" in next(t for t in spec.tasks if t.name == "trainer").needs

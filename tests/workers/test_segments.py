@@ -128,9 +128,10 @@ def test_rollout_and_resume_stages_cut_then_assemble_the_uncut_response(tmp_path
     lease = Lease(1, "t", "rollout", 0, 0.0, batch)
 
     def stage(max_cuts, watch=None):
-        return RolloutStage(TorchRolloutEngine(model, []), _Files(), params, worker="r",
+        engine = TorchRolloutEngine(model, [], cut_live_fraction=1.0)  # every cut honoured
+        return RolloutStage(engine, _Files(), params, worker="r",
                             group_size=2, groups_per_claim=1, seed=1, weight_wait_s=1.0,
-                            max_cuts=max_cuts, watch=watch)
+                            max_cuts=max_cuts, watch=watch, tail_cut=False)
 
     plain = stage(0).process(lease).to_pydict()
     watch = VersionWatch(tmp_path, poll_s=0.01)
@@ -214,8 +215,9 @@ def test_with_the_reference_in_rollout_only_ended_rows_carry_ref_logprobs_in_the
     stage = RolloutStage(_Scripted(gens), _Files(), SamplingParams(max_new_tokens=4),
                          worker="r", group_size=2, groups_per_claim=1, seed=1,
                          weight_wait_s=1.0, reference=_Reference(),  # type: ignore[arg-type]
-                         max_cuts=R, watch=type("W", (), {"arm": lambda s, v: threading.Event(),
-                                                          "close": lambda s: None})())
+                         max_cuts=R, tail_cut=False,
+                         watch=type("W", (), {"arm": lambda s, v: threading.Event(),
+                                              "close": lambda s: None})())
     batch = pa.RecordBatch.from_pydict({
         "group_id": pa.array([3, 3], pa.int64()), "iteration": pa.array([0, 0], pa.int64()),
         "min_policy_version": pa.array([0, 0], pa.int64()),
@@ -264,7 +266,7 @@ def test_early_writes_end_finished_rows_under_the_lease_and_leave_the_rest_to_th
     def stage(engine):
         return RolloutStage(engine, _Files(), SamplingParams(max_new_tokens=4), worker="r",
                             group_size=2, groups_per_claim=1, seed=1, weight_wait_s=1.0,
-                            max_cuts=R, watch=watch)
+                            max_cuts=R, watch=watch, tail_cut=False)
 
     alone = _cells(stage(_Scripted(gens)).process(lease).batches)
     early = stage(_Finishing(gens))
@@ -286,7 +288,7 @@ def test_an_early_write_is_traced_as_a_write_of_its_lease():
                                         "iteration": pa.array([0], pa.int64()),
                                         ROW_ID: pa.array([11], pa.uint64())})
     lease = Lease(1, "t", "rollout", 0, 0.0, batch)
-    early = EarlyWrites(_Client(), "t", every_s=0.0, tracer=Tracer(sent.append, "r"))
+    early = EarlyWrites(_Client(), "t", every_s=0.0, tracer=Tracer(sent.append, "r", enabled=True))
     ended = part_writes([11], 0, R, [((), Segment([3], [-0.3], 2), "stop")], seeds=[5])
     call = early.call(lease, lambda got: __import__("workers.roles.loop").roles.loop.Parts(
         tuple(ended)))

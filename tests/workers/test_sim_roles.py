@@ -117,15 +117,15 @@ def test_reward_stage_is_the_real_stage_plus_the_verifier_time():
 
 def test_training_engine_holds_train_and_step_times_and_publishes_the_version():
     device = Device(SPEC)
-    tri = SimulatedTriModel(device, reference=True)
+    tri = SimulatedTriModel(device, reference=True, devices=1)
     groups = [PackGroup(group_id=0, prompt_ids=[1, 2], responses=[[5], [5, 5, 5]]),
               PackGroup(group_id=1, prompt_ids=[1, 2, 3, 4], responses=[[6, 6]])]
     out = tri.forward(groups, temperature=1.0, token_budget=64, pack=False)
     assert [[len(t) for t in g] for g in out.policy] == [[1, 3], [2]]
     assert out.ref is not None and all(float(t.abs().sum()) == 0 for g in out.ref for t in g)
     assert device.busy_s == pytest.approx(COST.train_s(math.ceil(8 / 3), [1, 3, 2]))
-    assert SimulatedTriModel(device, reference=False).forward(groups).ref is None
-    engine = SimulatedTrainingEngine(Device(SPEC), updates_per_batch=2)
+    assert SimulatedTriModel(device, reference=False, devices=1).forward(groups).ref is None
+    engine = SimulatedTrainingEngine(Device(SPEC), updates_per_batch=2, devices=1)
     assert engine.step(1.0) == 0.0 and engine.step(1.0) == 0.0
     assert engine.device.busy_s == pytest.approx(2 * COST.step_s(1))
     assert engine.state_dict()[VERSION_TENSOR].tolist() == [1]  # two steps make one version
@@ -140,10 +140,10 @@ def test_data_parallel_devices_share_a_micro_batch_and_pay_the_all_reduce():
     groups = [PackGroup(group_id=g, prompt_ids=[1, 2], responses=[[5] * 10] * 4)
               for g in range(2)]  # 8 equal rows
     one, four = Device(SPEC), Device(SPEC)
-    SimulatedTriModel(one, reference=False).forward(groups)
+    SimulatedTriModel(one, reference=False, devices=1).forward(groups)
     SimulatedTriModel(four, reference=False, devices=4).forward(groups)
     assert four.busy_s == pytest.approx(one.busy_s / 4) and four.busy_s > 0
-    engine = SimulatedTrainingEngine(Device(SPEC), devices=4)
+    engine = SimulatedTrainingEngine(Device(SPEC), updates_per_batch=1, devices=4)
     engine.step(1.0)
     assert engine.device.busy_s == pytest.approx(COST.step_s(4))
     assert COST.step_s(4) != pytest.approx(COST.step_s(1))  # all-reduce in, optimizer sharded

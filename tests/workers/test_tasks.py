@@ -13,6 +13,8 @@ from workers.tasks.arithmetic import ArithmeticTask
 from workers.tasks.problem import Problem
 from workers.tasks.prompt_file import ProblemFileError, load_problem_file
 
+COLUMNS = ("prompt", "answer")  # the prompt and answer columns of the files written here
+
 
 def test_problems_are_correct_and_deterministic():
     task = ArithmeticTask(digits=2, operations=("+", "-", "*"), seed=3)
@@ -27,7 +29,7 @@ def test_problems_are_correct_and_deterministic():
 
 
 def test_offset_blocks_tile_the_stream():
-    task = ArithmeticTask()
+    task = ArithmeticTask(digits=2, operations=("+",), seed=0)
     it = task.iterate()
     first = [next(it) for _ in range(20)]
     assert (
@@ -38,18 +40,19 @@ def test_offset_blocks_tile_the_stream():
 
 
 def test_eval_is_disjoint_from_training_by_construction():
-    task = ArithmeticTask(digits=2)
+    task = ArithmeticTask(digits=2, operations=("+",), seed=0)
     held = task.eval_problems(100)
     assert len({p.prompt for p in held}) == 100
     assert all(task.is_held_out(p) for p in held)
     train = {p.prompt for p in task.train_problems(5000)}
     assert not train & {p.prompt for p in held}
-    assert held == ArithmeticTask(digits=2, seed=9).eval_problems(100)  # seed-independent
+    assert held == ArithmeticTask(digits=2, operations=("+",),
+                                  seed=9).eval_problems(100)  # seed-independent
 
 
 def test_no_held_out_sum_has_its_commuted_twin_in_training():
     # a+b and b+a are the same problem to a learner: both must sit on the same side of the split.
-    task = ArithmeticTask(digits=2, operations=("+", "*", "-"))
+    task = ArithmeticTask(digits=2, operations=("+", "*", "-"), seed=0)
     held = task.eval_problems(200)
     twins = 0
     for p in held:
@@ -68,9 +71,9 @@ def test_no_held_out_sum_has_its_commuted_twin_in_training():
 
 def test_bad_task_arguments_name_the_field():
     with pytest.raises(ValueError, match="operations"):
-        ArithmeticTask(operations=("/",))
+        ArithmeticTask(digits=2, operations=("/",), seed=0)
     with pytest.raises(ValueError, match="digits"):
-        ArithmeticTask(digits=0)
+        ArithmeticTask(digits=0, operations=("+",), seed=0)
 
 
 def test_load_jsonl_and_parquet(tmp_path):
@@ -81,17 +84,17 @@ def test_load_jsonl_and_parquet(tmp_path):
     assert load_problem_file(jl, prompt_column="q", answer_column="a") == expect
     pqf = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}), pqf)
-    assert load_problem_file(pqf) == expect
+    assert load_problem_file(pqf, *COLUMNS) == expect
 
 
 def test_problem_file_errors_name_the_problem(tmp_path):
     with pytest.raises(ProblemFileError, match="does not exist"):
-        load_problem_file(tmp_path / "missing.jsonl")
+        load_problem_file(tmp_path / "missing.jsonl", *COLUMNS)
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"prompt": "1+1="}) + "\n")
     with pytest.raises(ProblemFileError, match="missing column 'answer'"):
-        load_problem_file(f)
+        load_problem_file(f, *COLUMNS)
     bad = tmp_path / "p.csv"
     bad.write_text("a,b\n")
     with pytest.raises(ProblemFileError, match="unsupported"):
-        load_problem_file(bad)
+        load_problem_file(bad, *COLUMNS)

@@ -28,7 +28,8 @@ FRACTION = 0.4
 @settings(max_examples=500, deadline=None)
 @given(op=st.sampled_from(["+", "*"]), a=OPERANDS, b=OPERANDS)
 def test_commuted_arithmetic_twins_are_on_one_side(op, a, b):
-    task = ArithmeticTask(digits=7, operations=("+", "*"), held_out_fraction=FRACTION)
+    task = ArithmeticTask(digits=7, operations=("+", "*"), seed=0,
+                          held_out_fraction=FRACTION)
     assert task.is_held_out((op, a, b)) == task.is_held_out((op, b, a))
     assert task.is_held_out(task.make_problem(op, a, b)) == task.is_held_out((op, b, a))
 
@@ -47,8 +48,8 @@ def test_commuted_and_reworded_word_twins_are_on_one_side(a, b, kind):
     # and the arithmetic problem it re-words
     op = "*" if kind == "mul" else "+"
     assert word_key(kind, a, b) == arithmetic_key(op, a, b)
-    assert ArithmeticTask(digits=5, operations=(op,), held_out_fraction=FRACTION).is_held_out(
-        (op, b, a)) == side
+    twin = ArithmeticTask(digits=5, operations=(op,), seed=0, held_out_fraction=FRACTION)
+    assert twin.is_held_out((op, b, a)) == side
 
 
 def test_the_rule_is_not_blind_to_order_where_order_matters():
@@ -68,7 +69,7 @@ def test_the_arithmetic_split_is_the_one_it_always_was():
         digest = hashlib.blake2b(f"{op}|{a}|{b}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") / 2**64 < 0.1
 
-    task = ArithmeticTask(digits=2, operations=("+", "-", "*"))
+    task = ArithmeticTask(digits=2, operations=("+", "-", "*"), seed=0)
     assert all(task.is_held_out((op, a, b)) == before(op, a, b)
                for op in "+-*" for a in range(100) for b in range(100))
 
@@ -86,8 +87,8 @@ def test_the_held_out_fraction_is_the_configured_one(fraction):
 
 def test_the_split_does_not_depend_on_the_seed():
     for seed in (1, 7, 123):
-        assert (ArithmeticTask(digits=2, seed=seed).eval_problems(50)
-                == ArithmeticTask(digits=2).eval_problems(50))
+        assert (ArithmeticTask(digits=2, operations=("+",), seed=seed).eval_problems(50)
+                == ArithmeticTask(digits=2, operations=("+",), seed=0).eval_problems(50))
         assert (WordProblemTask(max_value=30, seed=seed).eval_problems(30)
                 == WordProblemTask(max_value=30).eval_problems(30))
 

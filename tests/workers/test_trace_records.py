@@ -77,7 +77,7 @@ def test_the_tracer_splits_kept_rows_and_carries_tool_calls():
     sent: list[RowTrace] = []
     lease = _lease("env.0", group_id=pa.array([0, 0, 1], pa.int64()),
                    iteration=pa.array([2, 2, 2], pa.int64()))
-    tracer = Tracer(sent.append, "environment-0")
+    tracer = Tracer(sent.append, "environment-0", enabled=True)
     batch = pa.RecordBatch.from_pydict({
         ROW_ID: pa.array([10, 12], pa.uint64()),
         "obs0_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32()))})
@@ -136,7 +136,7 @@ def test_a_stage_loop_traces_claim_fail_redelivery_write_and_ack():
         assert write.columns == ["y"] and write.seconds >= 0.0
         fail = [r for r in events.sent if isinstance(r, RowTrace) and r.event == "fail"][0]
         assert "flaky" in fail.error
-        quiet = EventSender(None)  # run.trace false: no RowTrace at all
+        quiet = EventSender(None, trace=False)  # run.trace false: no RowTrace at all
         client.put("t", pa.table({"x": [3]}))
         StageLoop(client, "t", FailsOnce(), worker="w-1", role="double", events=quiet).turn(0.0)
         assert not [r for r in quiet.sent if isinstance(r, RowTrace)]
@@ -171,7 +171,8 @@ def test_early_writes_are_traced_as_writes():
         ids = client.put("t", pa.table({"x": [1, 2]})).tolist()
         lease = client.claim("t", "double", ["x"], 2)
         sent: list[RowTrace] = []
-        early = EarlyWrites(client, "t", every_s=0.0, tracer=Tracer(sent.append, "rollout-0"))
+        tracer = Tracer(sent.append, "rollout-0", enabled=True)
+        early = EarlyWrites(client, "t", every_s=0.0, tracer=tracer)
 
         def rows(got: list) -> Parts:
             picked = [p for p, _ in got]

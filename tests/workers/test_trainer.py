@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-from testkit import wait_until
+from testkit import objective, wait_until
 
 import storage
 from storage.schema import TaskSpec
@@ -27,7 +27,7 @@ from workers.engines.torch_trainer import TorchTrainerEngine
 from workers.models.local import TinyModelSpec, build_tiny_model, load_model, save_model
 from workers.models.tokenizer import build_char_tokenizer, encode_prompt
 from workers.rl.advantages import group_advantages
-from workers.rl.objectives import LossSums, Objective, loss_sums
+from workers.rl.objectives import LossSums, loss_sums
 from workers.rl.tokens import build_token_batch, response_logprobs
 from workers.roles.build import build_rollout, build_trainer
 from workers.roles.loop import LeaseKeeper, StageLoop
@@ -54,7 +54,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: int,
              deterministic: bool = False, **trainer_over):
     common = WorkerCommon(name="t", role="t", store_addresses=[], table="samples", seed=3,
-                          threads=1)
+                          threads=1, trace_rows=False)
     cpu = dict(device="cpu", dtype="float32", reference_dtype="float32")
     rollout = RolloutWorkerConfig(
         common=replace(common, name="rollout-0", role="rollout"), model_path=str(model_dir),
@@ -74,7 +74,7 @@ def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: in
 
 
 def _spec(audit: bool):
-    spec = samples_table_spec("samples", group_size=G, reference_worker=False)
+    spec = samples_table_spec("samples", group_size=G, reference_worker=False, fsync="never")
     if audit:  # keeps rows alive after the trainer, so the test can read what it wrote
         spec = replace(spec, tasks=spec.tasks + (TaskSpec("audit", ("advantage",)),))
     return spec
@@ -130,7 +130,7 @@ def _train(model_dir: Path, tmp: Path, *, iterations: int, order_seed: int | Non
     weights = tmp / f"w-{next(_RUNS)}"
     rollout_cfg, trainer_cfg = _configs(model_dir, weights, iterations, rows_per_claim,
                                         deterministic, **trainer_over)
-    events = EventSender(None)
+    events = EventSender(None, trace=False)
     with storage.embedded(2) as store, closing(LeaseKeeper(store.client)) as keeper:
         client = store.client()
         client.create_table(_spec(audit))
@@ -183,13 +183,13 @@ def test_scoring_attention_is_configurable_and_sdpa_trains_like_eager(
 
     _, trainer_cfg = _configs(model_dir, tmp_path / "w-attn", 1, ROWS)
     common = WorkerCommon(name="reference-0", role="reference", store_addresses=[],
-                          table="samples", seed=0, threads=1)
+                          table="samples", seed=0, threads=1, trace_rows=False)
     for impl in ("eager", "sdpa"):
         pack = PackingSettings(attn_implementation=impl, packing=False)
         cfg = replace(trainer_cfg, pack=pack, reference_path=str(model_dir),
                       grpo=replace(trainer_cfg.grpo, kl_coef=0.1))
         with storage.embedded(1) as store, closing(LeaseKeeper(store.client)) as keeper:
-            trainer = build_trainer(cfg, store.client(), EventSender(None), keeper)
+            trainer = build_trainer(cfg, store.client(), EventSender(None, trace=False), keeper)
             assert trainer.tri.policy.config._attn_implementation == impl
             assert trainer.tri.reference.config._attn_implementation == impl
             # both re-take the host's thread share between layers (workers.runtime.cores)
@@ -285,7 +285,7 @@ def test_the_step_loss_and_gradient_norm_equal_a_hand_replica(
     (rep,) = reports
     assert batch is not None and rep.samples == ROWS and rep.staleness_max == 0
     rows = batch.to_pylist()
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype=torch.float32, attn_implementation="eager")
     tb = build_token_batch([(r["prompt_ids"], r["response_ids"]) for r in rows])
     logp = response_logprobs(model, tb.input_ids, tb.attention_mask, tb.response_mask)
     adv = []
@@ -318,7 +318,7 @@ def test_rows_claimed_ahead_are_trained_without_waiting_on_the_store(
     """Async: rows of the next iteration, claimed before the step, are parked; the next poll trains
     them at once, without first waiting (up to its timeout) on the store for rows still to come."""
     rollout_cfg, trainer_cfg = _configs(model_dir, tmp_path / "w", 2, rows_per_claim=2 * ROWS)
-    events = EventSender(None)
+    events = EventSender(None, trace=False)
     with storage.embedded(1) as store, closing(LeaseKeeper(store.client)) as keeper:
         client = store.client()
         client.create_table(_spec(False))
@@ -358,7 +358,7 @@ def test_whole_iterations_trains_nothing_until_every_row_is_ready(
     baseline) holds every row until the whole iteration is ready, then takes the same step."""
     rollout_cfg, trainer_cfg = _configs(model_dir, tmp_path / "w", 1, rows_per_claim=G,
                                         whole_iterations=whole)
-    events = EventSender(None)
+    events = EventSender(None, trace=False)
     with storage.embedded(1) as store, closing(LeaseKeeper(store.client)) as keeper:
         client = store.client()
         client.create_table(_spec(False))
@@ -410,7 +410,7 @@ def test_leases_held_across_polls_are_renewed_until_the_step_acks_them(
     renews it, so rows that wait past their lease for the rest of the iteration are acked once,
     never redelivered."""
     rollout_cfg, trainer_cfg = _configs(model_dir, tmp_path / "w", 1, rows_per_claim=G)
-    events = EventSender(None)
+    events = EventSender(None, trace=False)
     with storage.embedded(1) as store:
         renewals = _CountingClient(store.client)
         client = store.client()
@@ -497,7 +497,9 @@ def _replica(model_dir: Path, batch: pa.RecordBatch, iterations: int, lr: float,
     unpacked): the old policy of every pass is the policy at the start of the iteration;
     ``loss_mask_of(response_ids)``: each row's loss mask (None: all ones)."""
     torch.manual_seed(3)
-    engine = TorchTrainerEngine(load_model(model_dir), lr=lr)
+    engine = TorchTrainerEngine(load_model(model_dir, dtype=torch.float32,
+                                           attn_implementation="eager"), lr=lr,
+                                fp64_accumulation=False)
     rows = batch.to_pylist()
     per_pass: list[LossSums] = []
     for k in range(iterations):
@@ -513,7 +515,7 @@ def _replica(model_dir: Path, batch: pa.RecordBatch, iterations: int, lr: float,
                                      tb.response_mask)
             if old is None or refresh_old:  # recorded once per iteration (mutant: every pass)
                 old = logp.detach()
-            loss, sums = loss_sums(Objective(), logp, old, adv, tb.response_mask)
+            loss, sums = loss_sums(objective(), logp, old, adv, tb.response_mask)
             engine.backward(loss)
             engine.step(1.0 / sums.num_tokens)
             per_pass.append(sums)

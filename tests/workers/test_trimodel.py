@@ -58,7 +58,7 @@ def flat(nested):
 
 
 def sgd_step(tri, gs, lr=0.05):
-    out = tri.forward(gs, token_budget=64)
+    out = tri.forward(gs, token_budget=64, min_saving=0.0)
     (-flat_grad(out.policy)).backward()
     with torch.no_grad():
         for p in tri.policy.parameters():
@@ -76,7 +76,7 @@ def test_fused_reference_equals_a_standalone_frozen_reference(pack):
     initial = copy.deepcopy(policy).eval()
     tri = TriModel(policy, reference="copy")
     sgd_step(tri, groups(1))  # the policy moves; the reference must not
-    out = tri.forward(groups(), token_budget=64, pack=pack)
+    out = tri.forward(groups(), token_budget=64, min_saving=0.0, pack=pack)
     assert out.batch.packed is pack
     assert float((flat(out.ref) - flat(standalone(initial, groups()))).abs().max()) <= 1e-5
     assert float((flat(out.policy) - flat(out.ref)).abs().max()) > 1e-3  # it did move
@@ -87,7 +87,7 @@ def test_reference_loaded_from_a_model_directory(tmp_path):
     ref_model = tiny_policy(seed=5)
     ref_model.save_pretrained(tmp_path)
     tri = TriModel(tiny_policy(), reference=str(tmp_path))
-    out = tri.forward(groups(), token_budget=64)
+    out = tri.forward(groups(), token_budget=64, min_saving=0.0)
     assert float((flat(out.ref) - flat(standalone(ref_model.eval(), groups()))).abs().max()) <= 1e-5
 
 
@@ -96,7 +96,7 @@ def test_no_reference_holds_no_frozen_copy():
     tests/workers/test_trainer.py); without a reference nothing frozen is held at all."""
     tri = TriModel(tiny_policy(), reference=None)
     assert tri.reference is None and tri.extra_bytes() == 0
-    out = tri.forward(groups(), token_budget=64)
+    out = tri.forward(groups(), token_budget=64, min_saving=0.0)
     assert out.ref is None
     assert all(t.requires_grad for g in out.policy for t in g)
 
@@ -110,7 +110,7 @@ def test_bf16_frozen_reference_halves_the_extra_bytes():
     assert param_bytes <= full.extra_bytes() < 1.01 * param_bytes
     assert half.extra_bytes() < 0.6 * full.extra_bytes()
     assert next(half.reference.parameters()).dtype == torch.bfloat16
-    out = half.forward(groups(), token_budget=64)
+    out = half.forward(groups(), token_budget=64, min_saving=0.0)
     assert flat(out.ref).dtype == torch.float32
     want = flat(standalone(copy.deepcopy(policy).eval(), groups()))
     assert float((flat(out.ref) - want).abs().max()) < 0.1  # bf16 rounding only

@@ -38,7 +38,7 @@ def check_vllm_collective(tmp_path, device: str) -> None:
     pub = sub = None
     try:
         before = [g[0].token_ids for g in engine.generate(prompts, 1, greedy)]
-        rdv = Rendezvous()
+        rdv = Rendezvous("127.0.0.1", 0)
         spec = WeightGroupConfig(rdv.address, 0, 2, "gloo", 1 << 20, 60.0)
         pub = CollectivePublisher(WeightPublisher(tmp_path / "w"), spec, device)
         sub = CollectiveSubscriber(WeightSubscriber(tmp_path / "w"),

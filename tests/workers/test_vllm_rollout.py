@@ -184,8 +184,7 @@ def test_weight_update_changes_logprobs_and_reload_restores_them(setup, tmp_path
         groups_per_claim=1,
         seed=0,
         weight_wait_s=5.0,
-        on_sync=reports.append,
-    )
+        on_sync=reports.append, max_cuts=0, tail_cut=False)
     stage.ensure_version(8)
     assert engine.policy_version == 8
     assert reports and reports[0].bytes == published.bytes and reports[0].policy_version == 8
@@ -200,7 +199,7 @@ def test_importing_streamflow_without_vllm_works_and_names_the_extra(tmp_path):
         sys.modules["vllm"] = None  # as if the extra were not installed
         import streamflow.cli, workers.main, workers.engines.vllm_rollout as v
         try:
-            v.VllmRolloutEngine({str(tmp_path)!r})
+            v.VllmRolloutEngine({str(tmp_path)!r}, seed=0)
         except v.VllmNotInstalled as exc:
             print("ERR", exc)
     """)
@@ -260,7 +259,7 @@ def test_the_reference_in_the_rollout_scores_vllm_responses_with_the_frozen_mode
             engine, WeightSubscriber(tmp_path), SamplingParams(temperature=0.7, max_new_tokens=8),
             worker="rollout-test", group_size=2, groups_per_claim=2, seed=0, weight_wait_s=1.0,
             reference=ReferenceScorer(copy.deepcopy(model), temperature=0.7,
-                                      pack=PackingSettings()))
+                                      pack=PackingSettings()), max_cuts=0, tail_cut=False)
         out = stage.process(Lease(1, "samples", "rollout", 0, 0.0, batch)).to_pydict()
         assert out["policy_version"] == [3] * 4
         for gid, response, ref, behaviour in zip(gids, out["response_ids"], out["ref_logprobs"],
@@ -323,7 +322,8 @@ def test_vllm_runs_a_multi_turn_trajectory_from_token_ids(setup):
                             stop_token_ids=(tok.eos_token_id,))
     policy = TurnPolicy(2, agent.max_total_tokens, 12, marker_ids(tok, "plain"))
     r0 = RolloutStage(FirstTurnScripted(), NoWeights(), params, worker="r", group_size=group,
-                      groups_per_claim=1, seed=seed, weight_wait_s=1.0, agent=policy)
+                      groups_per_claim=1, seed=seed, weight_wait_s=1.0, agent=policy,
+                      max_cuts=0, tail_cut=False)
     (r1,) = turn_stages(r0, policy, max_rows=8)
     (e0,) = environment_stages(CalculatorEnvironment(), tok, agent, max_rows=8)
     prompt = encode_prompt(tok, "7*8=")
@@ -331,12 +331,13 @@ def test_vllm_runs_a_multi_turn_trajectory_from_token_ids(setup):
     with storage.embedded(1) as store:
         client = store.client()
         client.create_table(samples_table_spec(table, group_size=group, reference_worker=False,
+                                               fsync="never",
                                                max_turns=2))
         client.put(table, prompt_rows(0, [prompt], ["0"], group_size=group,
                                       min_policy_version=0))
         for stage in (r0, e0, r1):
             lp = StageLoop(client, table, stage, worker="w", role="agent",
-                           events=EventSender(None))
+                           events=EventSender(None, trace=False))
             assert lp.turn(0.0) == group
             lp.flush()
         cols = ["response_ids", "response_logprobs", "response_loss_mask", "policy_version",

@@ -17,16 +17,20 @@ torch.set_num_threads(1)
 SPEC = TinyModelSpec(
     hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
 )
-TASK = ArithmeticTask(digits=1)
+TASK = ArithmeticTask(digits=1, operations=("+",), seed=0)
+FP32 = {"dtype": torch.float32, "attn_implementation": "eager"}  # how a saved model is read back
 
 
 def test_warm_start_is_deterministic_and_learns():
     tok = build_char_tokenizer()
     a, b = build_tiny_model(SPEC, tok), build_tiny_model(SPEC, tok)
-    first = warm_start(a, tok, TASK, steps=1, batch_size=16, lr=3e-3, seed=0).loss
+    first = warm_start(a, tok, TASK, steps=1, batch_size=16, lr=3e-3, seed=0,
+                       tool_fraction=0.0).loss
     a = build_tiny_model(SPEC, tok)
-    loss_a = warm_start(a, tok, TASK, steps=40, batch_size=16, lr=3e-3, seed=0).loss
-    loss_b = warm_start(b, tok, TASK, steps=40, batch_size=16, lr=3e-3, seed=0).loss
+    loss_a = warm_start(a, tok, TASK, steps=40, batch_size=16, lr=3e-3, seed=0,
+                        tool_fraction=0.0).loss
+    loss_b = warm_start(b, tok, TASK, steps=40, batch_size=16, lr=3e-3, seed=0,
+                        tool_fraction=0.0).loss
     assert loss_a == loss_b
     sa, sb = a.state_dict(), b.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -108,8 +112,9 @@ def test_warm_start_stops_when_asked_and_reports_progress():
         asked.append(step)
         return step >= 20
 
-    result = warm_start(model, tok, TASK, steps=100, batch_size=4, lr=3e-3, stop=stop,
-                        check_every=5, progress=lambda i, n: seen.append((i, n)))
+    result = warm_start(model, tok, TASK, steps=100, batch_size=4, lr=3e-3, seed=0,
+                        tool_fraction=0.0, stop=stop, check_every=5,
+                        progress=lambda i, n: seen.append((i, n)))
     assert result.steps == 20 and asked == [5, 10, 15, 20]
     assert seen == [(i, 100) for i in range(1, 21)]
 
@@ -128,7 +133,7 @@ def test_prepare_builtin_stops_at_the_target_on_a_fixed_thread_count(tmp_path):
         torch.set_num_threads(1)
     one = prepare_builtin(tmp_path / "one", recipe=recipe)
     assert torch.get_num_threads() == 1  # restored
-    a, b = load_model(one).state_dict(), load_model(two).state_dict()
+    a, b = (load_model(p, **FP32).state_dict() for p in (one, two))
     assert all(torch.equal(a[k], b[k]) for k in a)
     manifest = json.loads((one / MANIFEST).read_text())
     assert manifest["torch_threads"] == 1
@@ -151,7 +156,7 @@ def test_prepare_builtin_is_reproducible_and_cached(tmp_path):
     assert prepare_builtin(tmp_path / "m", recipe=recipe) == path
     assert weights.stat().st_mtime_ns == stamp  # reused, not rebuilt
     other = prepare_builtin(tmp_path / "m2", recipe=recipe)
-    a, b = load_model(path).state_dict(), load_model(other).state_dict()
+    a, b = (load_model(p, **FP32).state_dict() for p in (path, other))
     assert all(torch.equal(a[k], b[k]) for k in a)  # same recipe -> same weights
     prepare_builtin(tmp_path / "m", recipe=recipe, warmstart_steps=5)  # recipe changed: rebuilt
     assert json.loads((path / MANIFEST).read_text())["recipe"]["warmstart_steps"] == 5

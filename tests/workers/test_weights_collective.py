@@ -64,7 +64,7 @@ def test_bucket_layout_keeps_order_and_puts_a_large_tensor_alone():
 
 
 def test_mixed_dtypes_round_trip_into_live_parameters(tmp_path: Path):
-    rdv = Rendezvous()
+    rdv = Rendezvous("127.0.0.1", 0)
     state = {"w": torch.randn(33, 7), "h": torch.randn(5).to(torch.bfloat16),
              "i": torch.arange(9, dtype=torch.int64)}
     meta = tensor_meta(state)
@@ -102,7 +102,7 @@ def test_unknown_names_or_shapes_are_refused_before_receiving():
 
 
 def test_publish_reaches_every_member_in_place_then_the_file(tmp_path: Path):
-    rdv = Rendezvous()
+    rdv = Rendezvous("127.0.0.1", 0)
     pub = CollectivePublisher(WeightPublisher(tmp_path / "t"), _spec(rdv.address, 0, 3), "cpu")
     engines = [Engine(), Engine(torch.bfloat16)]
     subs = []
@@ -133,7 +133,7 @@ def test_publish_reaches_every_member_in_place_then_the_file(tmp_path: Path):
 
 
 def test_a_missing_member_times_out_and_the_version_goes_by_file(tmp_path: Path):
-    rdv = Rendezvous()
+    rdv = Rendezvous("127.0.0.1", 0)
     pub = CollectivePublisher(WeightPublisher(tmp_path), _spec(rdv.address, 0, 3, timeout=2.0),
                               "cpu")
     engine = Engine()
@@ -177,7 +177,7 @@ class RemoteEngine(Engine):
 
 
 def test_a_version_in_flight_is_waited_for_although_its_file_already_exists(tmp_path: Path):
-    rdv = Rendezvous()
+    rdv = Rendezvous("127.0.0.1", 0)
     pub = CollectivePublisher(WeightPublisher(tmp_path), _spec(rdv.address, 0, 2), "cpu")
     engine = RemoteEngine()
     sub = CollectiveSubscriber(WeightSubscriber(tmp_path), _spec(rdv.address, 1, 2), "cpu")
@@ -237,7 +237,7 @@ def test_a_restarted_member_loads_files_then_rejoins_at_the_next_epoch(tmp_path:
     # may die holding it (its feeder thread releases it only after the test has read the report),
     # which would leave every other member's report stuck behind it.
     ctx = mp.get_context("spawn")
-    rdv = Rendezvous()
+    rdv = Rendezvous("127.0.0.1", 0)
     qa, qb, qb2 = ctx.Queue(), ctx.Queue(), ctx.Queue()
     done = ctx.Event()
     pub = CollectivePublisher(WeightPublisher(tmp_path), _spec(rdv.address, 0, 3, timeout=10.0),
@@ -287,7 +287,7 @@ def test_an_unreachable_rendezvous_is_a_clear_error():
 
 def test_shared_memory_buckets_over_gloo_signals(tmp_path: Path):
     """transport=shm: gloo carries the signals, the bytes go through two shared buckets."""
-    rdv = Rendezvous()
+    rdv = Rendezvous("127.0.0.1", 0)
     state = {f"t{i}": torch.randn(40 + i, 3) for i in range(7)}
     state["b"] = torch.randn(11).to(torch.bfloat16)
     meta = tensor_meta(state)

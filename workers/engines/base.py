@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from workers.settings import SamplingSettings
+
 if TYPE_CHECKING:  # annotations only: the records and the protocol need no torch at import
     import torch
 
@@ -25,9 +27,10 @@ FINISH_CUT = "cut"  # partial rollout: cut at a token boundary by a newer policy
 class SamplingParams:
     """How to sample. ``temperature == 0`` means greedy (argmax)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 16
+    # the run's rollout.* (declared in SamplingSettings)
+    temperature: float = SamplingSettings.temperature
+    top_p: float = SamplingSettings.top_p
+    max_new_tokens: int = SamplingSettings.max_new_tokens
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     prompt_seeds: tuple[int, ...] = ()  # per-prompt seeds (override ``seed``; docs/engines.md)

@@ -35,8 +35,8 @@ class MissingExtraError(ImportError):
 class DeepSpeedSettings:
     """Everything the DeepSpeed engine needs from the run config (typed, validated here)."""
 
+    zero_stage: int  # trainer.zero_stage
     optim: OptimizerSettings = embed(OptimizerSettings)  # lr, weight_decay, betas, max_grad_norm
-    zero_stage: int = 2
     reduce_bucket_size: int = 50_000_000  # elements per gradient-reduction bucket
     allgather_bucket_size: int = 50_000_000  # elements per parameter all-gather bucket
     backend: str | None = None  # None: the accelerator's default (gloo on CPU, nccl on CUDA)

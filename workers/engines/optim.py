@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 
+from workers.settings import OptimizerSettings
+
 # How AdamW walks the parameters: "single" one tensor at a time (torch's reference loop),
 # "foreach" one multi-tensor kernel per operation, "fused" one kernel for the whole update. Each
 # updates every element from that element's own state alone, so none depends on the order or
@@ -24,9 +26,11 @@ def scale_gradients(model: torch.nn.Module, factor: float) -> None:
             torch._foreach_mul_(grads, factor)
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
-                   betas: tuple[float, float] = (0.9, 0.999), *,
-                   warmup_steps: int = 0, impl: OptimizerImpl = "single") -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, lr: float,
+                   weight_decay: float = OptimizerSettings.weight_decay,
+                   betas: tuple[float, float] = OptimizerSettings.betas, *,
+                   warmup_steps: int = OptimizerSettings.warmup_steps,
+                   impl: OptimizerImpl = "single") -> torch.optim.AdamW:
     """AdamW over the trainable parameters, walked as ``impl`` says (``OptimizerImpl``);
     ``warmup_steps`` > 0 ramps the lr linearly (applied by ``optimizer_step``; docs/engines.md).
     "fused" falls back to "foreach" where this torch has no fused kernel for the parameters."""

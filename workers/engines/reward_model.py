@@ -124,8 +124,7 @@ def judge_token_ids(settings: RewardModelSettings, tokenizer: Any) -> list[int]:
 class HFRewardModel:
     """A classifier or judge loaded from ``settings.model`` onto ``device`` in ``dtype``."""
 
-    def __init__(self, settings: RewardModelSettings, *, device: str = "cpu",
-                 dtype: str = "float32") -> None:
+    def __init__(self, settings: RewardModelSettings, *, device: str, dtype: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -208,8 +207,7 @@ def parse_score(answer: str) -> RewardResult:
     return RewardResult(float(found.group()), True)
 
 
-def load_reward_model(settings: RewardModelSettings, *, device: str = "cpu",
-                      dtype: str = "float32") -> RewardModel:
+def load_reward_model(settings: RewardModelSettings, *, device: str, dtype: str) -> RewardModel:
     """The reward model of ``settings.model`` (``ValueError`` naming the key if unusable) on
     ``settings.engine`` (vLLM takes the first GPU it sees: ``device`` cuda:N is made the only
     one this process sees; on its CPU build it runs on the CPU)."""

@@ -31,7 +31,7 @@ class VllmJudge:
 
     kind = "judge"
 
-    def __init__(self, settings: RewardModelSettings, *, dtype: str = "float32") -> None:
+    def __init__(self, settings: RewardModelSettings, *, dtype: str) -> None:
         from workers.models.local import load_tokenizer
 
         model_kind(settings)  # a judge with a template, or the one-line error naming the key

@@ -13,6 +13,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from workers.settings import SimulatedDevice
+
 # H100 SXM, NVIDIA's datasheet (dense BF16 FLOP/s, HBM3 bytes/s): docs/engines.md
 H100_BF16_FLOPS = 989e12
 H100_HBM_BYTES_PER_S = 3.35e12
@@ -122,12 +124,14 @@ class Workload:
     prompts_per_iteration: int = 64
     group_size: int = 8
     prompt_tokens: int = 256  # a math prompt with its chat template
-    median_response_tokens: int = 600
-    skew: float = 1.0  # sigma of the lognormal; 0 = every response has the median length
+    # the response lengths, distributed as the simulated engine draws them (simulated.*)
+    median_response_tokens: int = SimulatedDevice.median_response_tokens
+    # sigma of the lognormal; 0 = every response has the median length
+    skew: float = SimulatedDevice.skew
     max_response_tokens: int = 4096
     # the long tail: this fraction of responses is median x tail_factor long (``drawn_lengths``)
-    tail_fraction: float = 0.0
-    tail_factor: float = 10.0
+    tail_fraction: float = SimulatedDevice.tail_fraction
+    tail_factor: float = SimulatedDevice.tail_factor
     # Rollout micro-batch = 32 x 8 = 256 sequences: vLLM's default max_num_seqs, the batch the
     # 7b-1acc preset's decode cost was calibrated at (docs/engines.md).
     groups_per_rollout_batch: int = 32
@@ -191,7 +195,8 @@ def _tail_length(median: int, factor: float, jitter: float, cap: int) -> int:
 
 
 def drawn_lengths(seed: int, n: int, median: int, skew: float, cap: int,
-                  tail_fraction: float = 0.0, tail_factor: float = 10.0) -> list[int]:
+                  tail_fraction: float = SimulatedDevice.tail_fraction,
+                  tail_factor: float = SimulatedDevice.tail_factor) -> list[int]:
     """The response lengths the simulated rollout engine draws for one prompt of sampling seed
     ``seed`` (its ``n`` samples): lognormal of median ``median`` and sigma ``skew``, in
     [1, ``cap``]; each one, with probability ``tail_fraction``, replaced by a tail of ``median x

@@ -295,7 +295,7 @@ class SimulatedTriModel:
     spread over ``devices`` data-parallel devices (``data_parallel_s``), and the log-probs are
     zeros of each response's length (ratio 1, no KL)."""
 
-    def __init__(self, device: Device, *, reference: bool, devices: int = 1) -> None:
+    def __init__(self, device: Device, *, reference: bool, devices: int) -> None:
         if devices < 1:
             raise ValueError(f"trainer.num_ranks (simulated devices) must be >= 1, got {devices}")
         self.device = device
@@ -323,7 +323,7 @@ class SimulatedTrainingEngine:
     ``cost.step_s(devices)`` (the all-reduce and the sharded optimizer of ``devices`` data-parallel
     devices), and the "weights" are one tensor, the policy version."""
 
-    def __init__(self, device: Device, *, updates_per_batch: int = 1, devices: int = 1) -> None:
+    def __init__(self, device: Device, *, updates_per_batch: int, devices: int) -> None:
         self.device = device
         self.updates_per_batch = updates_per_batch  # optimizer steps per version
         self.devices = devices

@@ -50,7 +50,9 @@ class SimulatedTrainer(Trainer):
         # the simulated forward prices rows, not a packed layout
         settings = dataclasses.replace(cfg, pack=dataclasses.replace(cfg.pack, packing=False))
         super().__init__(
-            client, cfg.common.table, SimulatedTrainingEngine(device, devices=cfg.num_ranks),
+            client, cfg.common.table,
+            SimulatedTrainingEngine(device, updates_per_batch=cfg.grpo.updates_per_batch,
+                                    devices=cfg.num_ranks),
             SimulatedTriModel(device, reference=not cfg.reference_in_store,  # type: ignore[arg-type]
                               devices=cfg.num_ranks),
             settings, SendingPublisher(publisher, device),  # type: ignore[arg-type]

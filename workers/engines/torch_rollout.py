@@ -29,6 +29,7 @@ from workers.engines.base import (
     prompt_seeds_of,
 )
 from workers.rl.packing import attention_implementation
+from workers.settings import PartialSettings
 
 GREEDY_TEMPERATURE = 1e-5
 DECODE_ATTENTION = "streamflow_decode_sdpa"
@@ -175,9 +176,9 @@ class TorchRolloutEngine:
 
     def __init__(
         self, model: PreTrainedModel, tokenizer_or_eos_ids: PreTrainedTokenizerBase | Sequence[int],
-        *, device: str | torch.device = "cpu", max_batch_size: int | None = None,
+        *, device: str | torch.device | None = None, max_batch_size: int | None = None,
         pad_token_id: int | None = None, policy_version: int = 0,
-        cut_live_fraction: float = 1.0,
+        cut_live_fraction: float = PartialSettings.partial_cut_live_fraction,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be None or >= 1, got {max_batch_size}")
@@ -186,7 +187,8 @@ class TorchRolloutEngine:
         # ``generate_until`` honours a set ``cut`` only at a step where the unfinished rows are
         # at most this fraction of the chunk's rows (rollout.partial_cut_live_fraction)
         self.cut_live_fraction = cut_live_fraction
-        self.device = torch.device(device)
+        # rollout.device resolved by the plan; None: where the model already is
+        self.device = next(model.parameters()).device if device is None else torch.device(device)
         self.model = model.to(self.device).eval()
         if isinstance(tokenizer_or_eos_ids, PreTrainedTokenizerBase):
             tok = tokenizer_or_eos_ids

@@ -19,6 +19,7 @@ from workers.engines.optim import (
     optimizer_step,
     scale_gradients,
 )
+from workers.settings import OptimizerSettings
 
 
 class TrainerEngine(Protocol):
@@ -60,9 +61,11 @@ class TorchTrainerEngine:
     choice updates each element from its own state alone, so two runs that accumulate the same
     gradients take bitwise-identical steps whatever the order of the parameters."""
 
-    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = 1.0,
-                 fp64_accumulation: bool = False, warmup_steps: int = 0,
+    def __init__(self, model: torch.nn.Module, *, lr: float, fp64_accumulation: bool,
+                 weight_decay: float = OptimizerSettings.weight_decay,
+                 betas: tuple[float, float] = OptimizerSettings.betas,
+                 max_grad_norm: float | None = OptimizerSettings.max_grad_norm,
+                 warmup_steps: int = OptimizerSettings.warmup_steps,
                  optimizer_impl: OptimizerImpl = "single") -> None:
         self.model = model.train()
         self.optimizer = make_optimizer(model, lr, weight_decay, betas, warmup_steps=warmup_steps,

@@ -29,6 +29,7 @@ from workers.engines.base import (
     check_generate,
     prompt_seeds_of,
 )
+from workers.settings import VllmSettings
 
 INSTALL_HINT = (
     "pip install 'streamflow[vllm]' (GPU: the official vllm wheel) or "
@@ -140,9 +141,13 @@ class VllmRolloutEngine:
     """``RolloutEngine`` on vLLM (log-probs and weight sync: docs/engines.md)."""
 
     def __init__(
-        self, model_path: str | os.PathLike[str], *, seed: int = 0, dtype: str = "auto",
-        max_model_len: int | None = None, kv_cache_gib: float | None = 1.0,
-        gpu_memory_utilization: float = 0.9, enforce_eager: bool = True, max_num_seqs: int = 256,
+        self, model_path: str | os.PathLike[str], *, seed: int,
+        # the run's rollout.vllm_* (VllmSettings.engine_kwargs: the names without the prefix)
+        dtype: str = VllmSettings.vllm_dtype,
+        max_model_len: int | None = VllmSettings.vllm_max_model_len,
+        kv_cache_gib: float | None = VllmSettings.vllm_kv_cache_gib,
+        gpu_memory_utilization: float = VllmSettings.vllm_gpu_memory_utilization,
+        enforce_eager: bool = VllmSettings.vllm_enforce_eager, max_num_seqs: int = 256,
         in_process: bool = True, chunked_prefill: bool | None = None, policy_version: int = 0,
         extra_args: Mapping[str, Any] | None = None,
     ) -> None:

@@ -20,7 +20,9 @@ from workers.models.spec import TinyModelSpec
 if TYPE_CHECKING:  # annotations only: the modeling stack takes seconds to import
     from transformers import PreTrainedModel
 
-DEFAULT_ATTN = "eager"
+# the attention the built-in model is built (and warm-started) with; a loaded model gets its
+# role's (load_model)
+BUILD_ATTN = "eager"
 
 
 def _quiet_transformers() -> None:
@@ -37,7 +39,7 @@ def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) ->
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, use_cache=True, attn_implementation=DEFAULT_ATTN)
+        eos_token_id=tokenizer.eos_token_id, use_cache=True, attn_implementation=BUILD_ATTN)
     # Initialisation draws from torch's global RNG: fork it so building a model neither depends
     # on nor disturbs the caller's random state.
     with torch.random.fork_rng(devices=[]):
@@ -48,9 +50,10 @@ def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) ->
     return model.float().eval()
 
 
-def load_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
-               attn_implementation: str = DEFAULT_ATTN) -> PreTrainedModel:
-    """Load any local HF causal-LM directory in eval mode (never downloads)."""
+def load_model(path: str | os.PathLike[str], *, dtype: torch.dtype,
+               attn_implementation: str) -> PreTrainedModel:
+    """Load any local HF causal-LM directory in eval mode (never downloads), in ``dtype``
+    with ``attn_implementation`` (the caller's role's: rollout.*, trainer.*, reference.dtype)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(p)!r} has no config.json")

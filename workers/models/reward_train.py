@@ -43,6 +43,12 @@ MANIFEST = "reward_manifest.json"
 class RewardRecipe:
     """How a reward model is made (all of it goes into the manifest)."""
 
+    # the run's (streamflow.reward_model): run.seed (sampling, head initialisation, batch
+    # order), rollout.temperature and rollout.max_new_tokens
+    seed: int
+    temperature: float
+    max_new_tokens: int
+    # the recipe's own
     prompts: int = 512  # training-split prompts whose responses are labelled
     samples: int = 4  # responses per prompt
     # edits of the reference answer per prompt (a character added, dropped or replaced), plus
@@ -51,9 +57,6 @@ class RewardRecipe:
     epochs: int = 10  # passes over the labelled responses
     batch_size: int = 64
     lr: float = 1e-3  # AdamW, constant after a 20-step warm-up
-    seed: int = 0  # sampling, head initialisation, batch order
-    temperature: float = 1.0  # the rollout's (rollout.temperature)
-    max_new_tokens: int = 16  # the rollout's (rollout.max_new_tokens)
     threads: int = 1  # torch threads while training (same weights on any thread count)
 
 
@@ -147,8 +150,7 @@ def read_manifest(path: str | Path) -> dict | None:
 def train_reward_model(out_dir: str | Path, policy_dir: str | Path,
                        train_problems: Sequence[Problem], heldout_problems: Sequence[Problem], *,
                        recipe: RewardRecipe, settings: RewardModelSettings,
-                       verifier: str = "exact_match",
-                       threshold: float = 1.0, timeout_s: float = 2.0,
+                       verifier: str, threshold: float, timeout_s: float,
                        force: bool = False) -> RewardReport:
     """Label the policy's responses, train the classifier, save it to ``out_dir``."""
     from transformers import AutoModelForSequenceClassification
@@ -167,7 +169,9 @@ def train_reward_model(out_dir: str | Path, policy_dir: str | Path,
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
     try:
-        policy = load_model(policy_dir)
+        # the labels' sampler: float32 and the eager attention, fixed here (not the run's
+        # rollout.*), so that one recipe (the manifest's key) gives the same labels
+        policy = load_model(policy_dir, dtype=torch.float32, attn_implementation="eager")
         sample = dict(samples=recipe.samples, temperature=recipe.temperature,
                       max_new_tokens=recipe.max_new_tokens, verifier=verifier,
                       threshold=threshold, timeout_s=timeout_s)

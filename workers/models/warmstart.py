@@ -88,13 +88,12 @@ def warm_start(
     steps: int,
     batch_size: int,
     lr: float,
-    seed: int = 0,
-    weight_decay: float = 0.0,
+    seed: int,  # run.seed
+    tool_fraction: float,  # model.warmstart_tool_fraction
     warmup: int = 20,
     stop: Callable[[int], bool] | None = None,
     check_every: int = 10,
     progress: Callable[[int, int], None] | None = None,
-    tool_fraction: float = 0.0,
 ) -> WarmStartResult:
     """Supervised fine-tuning for at most ``steps`` AdamW steps; ``stop(step)`` is asked every
     ``check_every`` steps (model in eval mode) and ends it on True; ``progress(step, steps)``
@@ -105,7 +104,8 @@ def warm_start(
     stream = task.iterate(seed)
     draw = random.Random(f"warmstart-tool|{seed}")  # which examples are tapes
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
+    # the warm start's own AdamW (no weight decay): trainer.* are the RL trainer's
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0,
                                   betas=(0.9, 0.98), foreach=False)
     losses: list[float] = []
     done = 0

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.settings import GrpoSettings
+
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
 
 
@@ -67,7 +69,8 @@ def _check(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, group_size: int,
-                     std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
+                     std_normalize: bool = GrpoSettings.std_normalize,
+                     eps: float = 1e-6) -> torch.Tensor:
     """GRPO: per-row advantage [N] = (r - mean of its group) [/ (unbiased std of its group + eps)]."""
     _check(rewards, group_ids)
     g = groups_of(group_ids, group_size)
@@ -109,7 +112,8 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, g
 
 
 def advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, *, group_size: int,
-               std_normalize: bool = True, batch_std: float | None = None) -> torch.Tensor:
+               std_normalize: bool = GrpoSettings.std_normalize,
+               batch_std: float | None = None) -> torch.Tensor:
     """The advantage [N] of estimator ``name`` (``ADVANTAGES``); ``batch_std`` for reinforce_pp."""
     if name == "grpo":
         return group_advantages(rewards, group_ids, group_size=group_size,

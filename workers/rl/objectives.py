@@ -37,15 +37,16 @@ CORRECTIONS = ("off", "tis", "masked", "sequence", "decoupled")
 
 @dataclass(frozen=True)
 class Objective:
-    """One step's objective, resolved (``workers.settings.GrpoSettings.objective``)."""
+    """One step's objective: the trainer's ``GrpoSettings`` resolved (``Trainer`` builds it; no
+    field has a default of its own: each is a trainer.* key's value)."""
 
-    loss: str = "grpo"  # one of LOSSES
-    clip_low: float = 0.2  # the ratio's lower bound is 1 - clip_low (1: none, as cispo's)
-    clip_high: float = 0.2  # its upper bound 1 + clip_high
-    kl_coef: float = 0.0  # beta of the k3 KL term (0: no reference)
-    correction: str = "off"  # one of CORRECTIONS
-    is_cap: float = 2.0  # the importance weight's cap
-    max_tokens: int = 1  # dr_grpo's constant per-response normaliser (the generation budget)
+    loss: str  # one of LOSSES
+    clip_low: float  # the ratio's lower bound is 1 - clip_low (1: none, as cispo's)
+    clip_high: float  # its upper bound 1 + clip_high
+    kl_coef: float  # beta of the k3 KL term (0: no reference)
+    correction: str  # one of CORRECTIONS (importance_correction resolved for run.mode)
+    is_cap: float  # the importance weight's cap
+    max_tokens: int  # dr_grpo's constant per-response normaliser (the generation budget)
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:

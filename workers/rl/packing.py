@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from workers.rl.packing_layout import (
-    DEFAULT_MIN_SAVING,
     PackChunk,
     PackedBatch,
     PackGroup,
@@ -36,10 +35,11 @@ from workers.rl.packing_layout import (
     token_saving,
     unpacked_rows,
 )
+from workers.settings import SamplingSettings
 
 # the layout's names are part of this module's API (callers import them from here)
 __all__ = [
-    "DEFAULT_MIN_SAVING", "PackChunk", "PackGroup", "PackedBatch", "PackingError",
+    "PackChunk", "PackGroup", "PackedBatch", "PackingError",
     "PackingFallbackWarning", "PackingUnsupportedError", "batch_logprobs", "choose_layout",
     "pack_groups",
     "packed_response_logprobs", "packing_unsupported_reason", "should_pack", "token_saving",
@@ -208,7 +208,7 @@ def batch_logprobs(
     model: torch.nn.Module,
     batch: PackedBatch,
     *,
-    temperature: float = 1.0,
+    temperature: float = SamplingSettings.temperature,
     attention: AttentionKind = "segments",
 ) -> list[list[torch.Tensor]]:
     """Per group and response, float32 ``log_softmax(logits / temperature)`` token log-probs
@@ -333,12 +333,12 @@ def packed_response_logprobs(
     model: torch.nn.Module,
     groups: Sequence[PackGroup],
     *,
-    temperature: float = 1.0,
+    temperature: float = SamplingSettings.temperature,
     token_budget: int,
+    min_saving: float,
     pack: bool = True,
     max_responses_per_row: int | None = None,
     pad_id: int = 0,
-    min_saving: float = 0.0,
 ) -> list[list[torch.Tensor]]:
     """Per group, per response: token log-probs ``[L_i]`` on ``choose_layout``'s layout."""
     batch = choose_layout(groups, [model], pack=pack, min_saving=min_saving,

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-# Token saving at or above which a batch is packed (docs/engines.md, "Shared-prompt packing").
-DEFAULT_MIN_SAVING = 0.25
+from workers.settings import PackingSettings
 
 
 class PackingError(ValueError):
@@ -122,8 +121,10 @@ def token_saving(groups: Sequence[PackGroup]) -> float:
     return 1.0 - packed / unpacked if unpacked else 0.0
 
 
-def should_pack(groups: Sequence[PackGroup], min_saving: float = DEFAULT_MIN_SAVING) -> bool:
-    """Whether packing ``groups`` pays: their token saving reaches ``min_saving`` (0: always)."""
+def should_pack(groups: Sequence[PackGroup],
+                min_saving: float = PackingSettings.packing_min_saving) -> bool:
+    """Whether packing ``groups`` pays: their token saving reaches ``min_saving`` (0: always;
+    trainer.packing_min_saving, docs/engines.md "Shared-prompt packing")."""
     return min_saving <= 0.0 or token_saving(groups) >= min_saving
 
 

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.settings import SamplingSettings
+
 if TYPE_CHECKING:  # an annotation only: the modeling stack takes seconds to import
     from transformers import PreTrainedModel
 
@@ -81,7 +83,7 @@ def apply_loss_masks(positions: torch.Tensor,
 
 def response_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
-                      temperature: float = 1.0) -> torch.Tensor:
+                      temperature: float = SamplingSettings.temperature) -> torch.Tensor:
     """Token log-probs [B, T] of right-padded rows (0 outside ``response_mask``), with graph."""
     if temperature <= 0:
         raise ValueError(f"response_logprobs: temperature must be > 0, got {temperature}")

@@ -20,6 +20,7 @@ import torch
 
 from workers.rl.packing import PackedBatch, PackGroup, batch_logprobs, choose_layout
 from workers.rl.reference import FrozenReference
+from workers.settings import PackingSettings, SamplingSettings
 
 ReferenceSource = Literal["copy"] | torch.nn.Module | str | os.PathLike[str] | None
 
@@ -88,8 +89,10 @@ class TriModel:
         return _module_bytes(self.reference) if self.reference is not None else 0
 
     def forward(
-        self, groups: Sequence[PackGroup], *, temperature: float = 1.0, token_budget: int = 4096,
-        pack: bool = True, max_responses_per_row: int | None = None, min_saving: float = 0.0,
+        self, groups: Sequence[PackGroup], *, min_saving: float,
+        temperature: float = SamplingSettings.temperature,
+        token_budget: int = PackingSettings.token_budget, pack: bool = True,
+        max_responses_per_row: int | None = None,
     ) -> TriLogprobs:
         """Lay ``groups`` out once (``choose_layout``: packed when ``pack``, the saving reaches
         ``min_saving`` and both models run it exactly), then score them with the policy and the

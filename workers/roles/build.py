@@ -200,7 +200,9 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
     start_iteration = cfg.start_iteration
     device = torch_device(cfg.device)
     attn = cfg.pack.attn_implementation
-    model = load_model(cfg.resume_from or cfg.model_path, attn_implementation=attn)  # fp32 master
+    # float32 master weights (trainer.dtype is the forward's autocast dtype)
+    model = load_model(cfg.resume_from or cfg.model_path, dtype=torch.float32,
+                       attn_implementation=attn)
     if cfg.engine == "torch":  # (DeepSpeed places the model on its rank's device itself)
         model = model.to(device)
     engine, ranks = make_trainer_engine(cfg, model)

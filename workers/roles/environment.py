@@ -76,8 +76,8 @@ class EnvironmentStage:
 
     def __init__(self, env: Environment, tokenizer: Any, turn: int, *, max_turns: int,
                  max_total_tokens: int, max_observation_tokens: int, plain: bool,
-                 max_rows: int, on_call: Callable[[float, str | None], None] | None = None,
-                 tools: tuple[str, ...] = ()) -> None:
+                 max_rows: int, tools: tuple[str, ...],
+                 on_call: Callable[[float, str | None], None] | None = None) -> None:
         if not 0 <= turn < max_turns - 1:
             raise ValueError(f"turn must be in [0, {max_turns - 1}), got {turn}")
         self.env, self.tokenizer, self.turn = env, tokenizer, turn

@@ -273,7 +273,7 @@ class StageLoop:
 
 
 def serve_stage(client: Any, table: str, stage: Stage, stop: threading.Event, *, worker: str,
-                role: str, events: EventSender, timeout_s: float = 1.0,
+                role: str, events: EventSender, timeout_s: float,
                 keeper: LeaseKeeper | None = None, session: Any = None) -> int:
     """Run turns until ``stop`` is set, then flush; returns the rows processed."""
     loop = StageLoop(client, table, stage, worker=worker, role=role, events=events,
@@ -286,7 +286,7 @@ def serve_stage(client: Any, table: str, stage: Stage, stop: threading.Event, *,
 
 
 def serve_stages(client: Any, table: str, stages: Sequence[Stage], stop: threading.Event, *,
-                 worker: str, role: str, events: EventSender, timeout_s: float = 1.0,
+                 worker: str, role: str, events: EventSender, timeout_s: float,
                  keeper: LeaseKeeper | None = None, taken_along: Sequence[str] = ()) -> int:
     """One worker serving several tasks (the turn tasks of a multi-turn run, the resume tasks of
     partial rollout): one ``StageLoop`` per stage, taken in turn. A round looks at every stage

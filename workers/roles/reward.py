@@ -49,9 +49,8 @@ class RewardStage:
     whole_groups = False
 
     def __init__(self, tokenizer: Any, reward_fn: str, *, timeout_s: float, max_rows: int,
-                 on_error: str = "retry", agent: AgentSettings | None = None,
-                 env_reward: str = "replace", scorer: Any = None,
-                 scoring: RewardModelSettings | None = None) -> None:
+                 on_error: str, env_reward: str, agent: AgentSettings | None = None,
+                 scorer: Any = None, scoring: RewardModelSettings | None = None) -> None:
         if on_error not in ("retry", "zero"):
             raise ValueError(f"reward on_error must be 'retry' or 'zero', got {on_error!r}")
         if env_reward not in ENV_REWARD_RULES:

@@ -57,11 +57,10 @@ class RolloutStage:
 
     def __init__(self, engine: RolloutEngine, weights: WeightSubscriber, params: SamplingParams, *,
                  worker: str, group_size: int, groups_per_claim: int, seed: int,
-                 weight_wait_s: float,
+                 weight_wait_s: float, max_cuts: int, tail_cut: bool,
                  on_sync: Callable[[WeightSyncReport], None] = lambda r: None,
                  reference: ReferenceScorer | None = None,
-                 agent: TurnPolicy | None = None, max_cuts: int = 0,
-                 watch: VersionWatch | None = None, tail_cut: bool = False) -> None:
+                 agent: TurnPolicy | None = None, watch: VersionWatch | None = None) -> None:
         self.engine = engine
         self.weights = weights
         self.params = params

@@ -204,8 +204,7 @@ class EventSender:
     """A worker's PUSH socket to the controller. Not thread-safe: one per thread. ``trace``:
     whether the worker's stages send ``RowTrace`` records (run.trace)."""
 
-    def __init__(self, address: str | None, *, send_timeout_ms: int = 2000,
-                 trace: bool = False) -> None:
+    def __init__(self, address: str | None, *, trace: bool, send_timeout_ms: int = 2000) -> None:
         self.trace = trace
         self._socket: zmq.Socket | None = None
         if address:

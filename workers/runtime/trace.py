@@ -109,7 +109,7 @@ class Tracer:
     Invariant: a record's per-row lists follow its ``row_ids`` (``RowTrace.check``)."""
 
     def __init__(self, send: Callable[[Any], None] | None, worker: str, *,
-                 enabled: bool = True) -> None:
+                 enabled: bool) -> None:  # enabled: run.trace
         self._send, self.worker = send, worker
         self.enabled = bool(enabled and send is not None)
 

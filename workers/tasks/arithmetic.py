@@ -31,9 +31,10 @@ _SOLVE = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 class ArithmeticTask(TrainingStream):
     """Problems ``"{a}{op}{b}="`` with answer ``str(a op b)`` (docs/training.md "Tasks")."""
 
-    digits: int = 2
-    operations: tuple[str, ...] = ("+",)
-    seed: int = 0
+    # the run's data.digits, data.operations and data.seed
+    digits: int
+    operations: tuple[str, ...]
+    seed: int
     held_out_fraction: float = 0.1
 
     def __post_init__(self) -> None:

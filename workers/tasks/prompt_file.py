@@ -53,9 +53,10 @@ def _read_table(path: Path) -> pa.Table:
 
 
 def load_problem_file(
-    path: str | os.PathLike[str], prompt_column: str = "prompt", answer_column: str = "answer"
+    path: str | os.PathLike[str], prompt_column: str, answer_column: str
 ) -> list[Problem]:
-    """Read problems from a JSONL or Parquet file with a prompt and an answer column."""
+    """Read problems from a JSONL or Parquet file with a prompt and an answer column (the run's
+    data.prompt_column and data.answer_column)."""
     import pyarrow as pa
 
     p = Path(path)

@@ -225,7 +225,7 @@ class RewardRunner:
     sample under ``timeout_s``. ``isolate=None``: built-ins in-process, the rest in the child,
     which needs an import path (a module-level function of an importable module)."""
 
-    def __init__(self, fn: RewardFn | str, timeout_s: float = 5.0, *,
+    def __init__(self, fn: RewardFn | str, timeout_s: float, *,
                  isolate: bool | None = None) -> None:
         if not timeout_s > 0:
             raise RewardError(f"RewardRunner: timeout_s must be > 0, got {timeout_s}")

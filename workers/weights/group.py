@@ -39,7 +39,7 @@ class CollectiveSyncError(RuntimeError):
 class Rendezvous:
     """The controller's TCP store (the group's rendezvous); it outlives trainer/rollout restarts."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str, port: int) -> None:  # weights.host, weights.port (0: free)
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=30))
         self.address = f"{host}:{self.store.port}"

@@ -94,7 +94,7 @@ class Shouter:
 
 def lease(tok, turns: list[str]) -> Lease:  # noqa: ANN001
     """Rows of the 3-turn table whose turn 0 said ``turns[i]`` and ended in a tool call."""
-    spec = samples_table_spec("s", group_size=1, reference_worker=False, max_turns=3)
+    spec = samples_table_spec("s", group_size=1, reference_worker=False, fsync="never", max_turns=3)
     names = (*ENV_READS, *turn_reads(1, 0))
     n = len(turns)
     values = {"group_id": list(range(n)), "iteration": [0] * n,
@@ -201,7 +201,7 @@ def reward_lease(tok) -> Lease:  # noqa: ANN001
     for ts, os in zip(turns, observations, strict=True):
         values["response_ids"].append([i for k, t in enumerate(ts)
                                        for i in t + (os[k] if k < len(os) else [])])
-    spec = samples_table_spec("s", group_size=1, reference_worker=False, max_turns=3)
+    spec = samples_table_spec("s", group_size=1, reference_worker=False, fsync="never", max_turns=3)
     arrays = {ROW_ID: pa.array(range(3), pa.uint64())}
     arrays.update({k: pa.array(v, spec.schema.field(k).type) for k, v in values.items()})
     return Lease(1, "s", "reward", 0, 0.0, pa.RecordBatch.from_pydict(arrays))
@@ -226,7 +226,7 @@ def test_the_reward_role_reads_the_whole_trajectory_and_the_environments_reward(
     scores = {}
     for rule in ("replace", "add", "ignore"):
         stage = RewardStage(tok, f"{rewards_module}:last_turn", timeout_s=5.0, max_rows=8,
-                            agent=agent, env_reward=rule)
+                            on_error="retry", agent=agent, env_reward=rule)
         try:
             assert stage.columns == (*REWARD_READS, *trajectory_reads(3))
             out = stage.process(lease_).to_pylist()
@@ -251,7 +251,8 @@ def test_a_classic_verifier_scores_a_trajectorys_whole_response():
 
     tok = chat_tokenizer(QWEN)
     stage = RewardStage(tok, "brevity", timeout_s=5.0, max_rows=8,
-                        agent=AgentSettings(max_turns=3, format="hermes"), env_reward="ignore")
+                        on_error="retry", env_reward="ignore",
+                        agent=AgentSettings(max_turns=3, format="hermes"))
     out = stage.process(reward_lease(tok)).to_pylist()
     texts = tok.batch_decode(reward_lease(tok).batch.column("response_ids").to_pylist(),
                              skip_special_tokens=True)

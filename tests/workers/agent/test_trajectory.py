@@ -31,10 +31,11 @@ OBS0 = (8, 9)
 
 
 def test_single_turn_table_is_unchanged_and_turn_tables_add_the_turn_tasks():
-    one = samples_table_spec("s", group_size=2, reference_worker=True)
+    one = samples_table_spec("s", group_size=2, reference_worker=True, fsync="never")
     assert one.schema == SAMPLES_SCHEMA
     assert [t.name for t in one.tasks] == ["rollout", "reward", "reference", "trainer"]
-    three = samples_table_spec("s", group_size=2, reference_worker=False, max_turns=3)
+    three = samples_table_spec("s", group_size=2, reference_worker=False, fsync="never",
+                               max_turns=3)
     tasks = {t.name: t for t in three.tasks}
     assert list(tasks) == ["rollout", "env.0", "rollout.1", "env.1", "rollout.2", "reward",
                            "trainer"]

@@ -90,7 +90,8 @@ def rollout_stages(engine, *, max_new_tokens: int = 40):  # noqa: ANN001, ANN201
     policy = TurnPolicy(AGENT.max_turns, AGENT.max_total_tokens, max_new_tokens,
                         marker_ids(TOK, "plain"))
     first = RolloutStage(engine, NoWeights(), params, worker="r", group_size=G,
-                         groups_per_claim=4, seed=3, weight_wait_s=1.0, agent=policy)
+                         groups_per_claim=4, seed=3, weight_wait_s=1.0, agent=policy,
+                         max_cuts=0, tail_cut=False)
     return [first, *turn_stages(first, policy, max_rows=8)]
 
 
@@ -104,7 +105,8 @@ def put(client, prompts: list[str]) -> None:  # noqa: ANN001
 
 
 def loop(client, stage) -> StageLoop:  # noqa: ANN001
-    return StageLoop(client, TABLE, stage, worker="w", role="agent", events=EventSender(None))
+    return StageLoop(client, TABLE, stage, worker="w", role="agent",
+                     events=EventSender(None, trace=False))
 
 
 def run(loops: list[StageLoop]) -> int:
@@ -146,6 +148,7 @@ def test_three_calculator_turns_assemble_exactly() -> None:
     with storage.embedded(2) as store:
         client = store.client()
         client.create_table(samples_table_spec(TABLE, group_size=G, reference_worker=False,
+                                               fsync="never",
                                                max_turns=3))
         put(client, ["12*34+5="])
         r0, r1, r2 = (loop(client, s) for s in rollout_stages(engine))
@@ -166,7 +169,8 @@ def test_a_turn_written_but_never_acked_is_kept_once() -> None:
     """The worker of turn 1 writes and dies before its ack; its lease expires, and the next
     worker's write is refused cell by cell: the predecessor's turn stands, written once."""
     engine = ScriptedEngine()
-    spec = replace(samples_table_spec(TABLE, group_size=G, reference_worker=False, max_turns=3),
+    spec = replace(samples_table_spec(TABLE, group_size=G, reference_worker=False, fsync="never",
+                                      max_turns=3),
                    lease_seconds=1.0)
     with storage.embedded(1) as store:
         client = store.client()
@@ -202,6 +206,7 @@ def test_ended_trajectories_pass_through_and_every_row_is_freed() -> None:
     with storage.embedded(2) as store:
         client = store.client()
         client.create_table(samples_table_spec(TABLE, group_size=G, reference_worker=False,
+                                               fsync="never",
                                                max_turns=3))
         put(client, prompts)
         stop = threading.Event()
@@ -209,7 +214,7 @@ def test_ended_trajectories_pass_through_and_every_row_is_freed() -> None:
         def worker(stages) -> None:  # noqa: ANN001
             with closing(store.client()) as own:  # a client per thread
                 serve_stages(own, TABLE, stages, stop, worker="w", role="agent",
-                             events=EventSender(None), timeout_s=0.2)
+                             events=EventSender(None, trace=False), timeout_s=0.2)
 
         threads = [threading.Thread(target=worker, args=(s,))
                    for s in (rollout_stages(engine), env_stages())]
@@ -292,12 +297,14 @@ def test_the_torch_engine_generates_turn_one_from_the_context(char_model) -> Non
     params = SamplingParams(max_new_tokens=12, stop_token_ids=(EOS,))
     policy = TurnPolicy(2, agent.max_total_tokens, 12, marker_ids(TOK, "plain"))
     r0 = RolloutStage(FirstTurnScripted(real), NoWeights(), params, worker="r", group_size=G,
-                      groups_per_claim=1, seed=3, weight_wait_s=1.0, agent=policy)
+                      groups_per_claim=1, seed=3, weight_wait_s=1.0, agent=policy,
+                      max_cuts=0, tail_cut=False)
     (r1,) = turn_stages(r0, policy, max_rows=8)
     (e0,) = environment_stages(CalculatorEnvironment(), TOK, agent, max_rows=8)
     with storage.embedded(1) as store:
         client = store.client()
         client.create_table(samples_table_spec(TABLE, group_size=G, reference_worker=False,
+                                               fsync="never",
                                                max_turns=2))
         put(client, ["7*8="])
         for stage in (r0, e0, r1):
@@ -332,7 +339,7 @@ def test_the_environment_record_round_trips_and_builds_a_stage_per_turn(tmp_path
 
     TOK.save_pretrained(tmp_path)
     common = WorkerCommon(name="env-0", role="environment", store_addresses=[], table=TABLE,
-                          seed=3, threads=1)
+                          seed=3, threads=1, trace_rows=False)
     cfg = EnvironmentWorkerConfig(common=common, model_path=str(tmp_path), rows_per_claim=8,
                                   agent=AGENT)
     back = from_json("environment", to_json(cfg))
