@@ -160,7 +160,7 @@ def _enable_v2(parent: str) -> None:
 
 
 def _probe(parents: tuple[str, ...], mode: str) -> None:
-    CallCgroup.create(Host(mode, parents), 64, 8).close()
+    CallCgroup.create(Host(mode, parents), 64, 8).close(grace_s=1.0)
 
 
 def _write(path: str, value: str) -> None:
@@ -204,7 +204,7 @@ class CallCgroup:
                     _write(os.path.join(mem, "memory.memsw.limit_in_bytes"), limit)
             _write(os.path.join(pids, "pids.max"), str(max_pids))
         except OSError:
-            cls(host_.mode, tuple(dirs)).close(timeout_s=1.0)
+            cls(host_.mode, tuple(dirs)).close(grace_s=1.0)
             raise
         return cls(host_.mode, tuple(dirs))
 
@@ -223,9 +223,10 @@ class CallCgroup:
                 return int(value)
         return 0
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Kills what is left inside, waits until it is empty, removes it (a warning if not)."""
-        deadline = time.monotonic() + timeout_s
+    def close(self, grace_s: float) -> None:
+        """Kills what is left inside, waits up to ``grace_s`` until it is empty, removes it (a
+        warning if not)."""
+        deadline = time.monotonic() + grace_s
         kill = os.path.join(self.dirs[0], "cgroup.kill") if self.dirs else ""
         if self.mode == V2 and os.path.exists(kill):
             try:
