@@ -147,6 +147,17 @@ class Run:
         # A short request timeout: a run that ended took its store node with it.
         return storage.connect(cfg["common"]["store_addresses"], request_timeout=5.0)
 
+    def wait_lease_expired(self, task: str, timeout: float = 60) -> None:
+        """Wait until the store shows no live lease of ``task``, whose only worker is stopped
+        holding one: the store expired it (nothing else could end it)."""
+        with self._store() as client:
+
+            def expired() -> bool:
+                assert self.proc.poll() is None, self.stderr()
+                return client.stats("samples").task_total(task).in_flight == 0
+
+            wait_until(expired, timeout=timeout, what=f"the stopped {task} worker's lease to expire")
+
     def freeze_leased(
         self, task: str, victim: psutil.Process, min_iteration_done: int = 1, timeout: float = 120
     ) -> int:
@@ -261,9 +272,9 @@ def test_frozen_and_killed_workers_rejoin_and_the_run_is_exact(
     r = start_run(model_cache / "faults-workers")
     reward = r.process("reward-0")
     r.freeze_leased("reward", reward, min_iteration_done=1)
-    # On purpose: the victim stays frozen past its 2 s lease (its keeper's renewals are frozen
-    # too), so the lease expires under it; the time is the fault under test.
-    time.sleep(2 * 2 + 1)
+    # The victim stays frozen until its 2 s lease expired under it (its keeper's renewals are
+    # frozen too): the fault under test.
+    r.wait_lease_expired("reward")
     reward.send_signal(signal.SIGCONT)  # its late write+ack is fenced; it goes on claiming
     r.freeze_leased("reward", reward, min_iteration_done=2)
     reward.send_signal(signal.SIGKILL)  # restarted; its lease expires, the rows come back
