@@ -37,8 +37,8 @@ def tiny_config(model_cache: Path, tmp_path: Path):
 
 
 # configs/tiny.yaml streamed through real processes: 2 iterations, every group its own claim, two
-# rollout workers, weights by file. test_controller.py compares it with sync, and
-# test_weight_sync_run.py with the same run on collective weight sync.
+# rollout workers, weights by file (and its plots drawn). test_controller.py compares it with
+# sync, and test_weight_sync_run.py with the same run on collective weight sync.
 PERIODIC = ("run.mode=periodic", "run.iterations=2", "run.eval_every=0",
             "rollout.groups_per_claim=1", "rollout.num_workers=2", "weights.timeout_s=60")
 
@@ -56,7 +56,7 @@ def periodic_run(model_cache: Path) -> SharedRun:
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
         f"run.output_dir={model_cache / 'periodic-file'}", "run.progress=false", *PERIODIC,
-        "weights.sync=file", "run.name=periodic"])
+        "weights.sync=file", "run.name=periodic", "run.plots=true"])
     return SharedRun(cfg, run(cfg), PERIODIC)
 
 

@@ -61,7 +61,7 @@ def test_periodic_equals_sync_through_processes(tiny_config, periodic_run) -> No
     """Same seed and config: the streaming on-policy mode gives the sync mode's parameters (the
     periodic run, two rollout workers, is the session's: test_weight_sync_run.py's file run)."""
     common = ("run.iterations=2", "rollout.groups_per_claim=1", "run.eval_every=0")
-    sync = tiny_config("run.mode=sync", "run.name=sync", *common)
+    sync = tiny_config("run.mode=sync", "run.name=sync", *common, "run.plots=true")
     periodic, s2 = periodic_run.cfg, periodic_run.summary
     s1 = run(sync)
     no_children_left()
@@ -106,7 +106,7 @@ def test_async_respects_staleness_bound(tiny_config) -> None:
     """Staleness stays within max_staleness AND reaches it: with rollout running ahead, some
     iteration trains samples generated max_staleness versions back (else the bound is untested)."""
     cfg = tiny_config("run.mode=async", "run.max_staleness=1", "run.iterations=5",
-                      "run.eval_every=0")
+                      "run.eval_every=0", "run.plots=true")
     summary = run(cfg)
     no_children_left()
     on_disk = _check_run_dir(Path(cfg.run.output_dir), 5)
