@@ -404,7 +404,9 @@ class ColocatedLoop:
         self._stack.callback(client.close)  # closed in the reverse order: keeper, reward, client
         self._stack.callback(reward.close)
         self._stack.callback(self.keeper.close)
-        self.trainer = build_trainer(plan.trainer, client, events, self.keeper)
+        # the checkpoint gauge: the worker metrics this process serves, if any
+        self.trainer = build_trainer(plan.trainer, client, events, self.keeper,
+                                     getattr(events, "metrics", None))
         self.trainer.publish_current()
         self.loops = [StageLoop(client, plan.table, stage, worker=f"{role}-0", role=role,
                                 events=events, keeper=self.keeper) for role, stage in stages]

@@ -36,7 +36,7 @@ LANGS = {"bash", "yaml", "python", "jsonl", "text"}
 # command prefix -> where it runs for real: "tests/FILE.py::test_name" or "Makefile:target"
 ELSEWHERE = {
     "make demo": "tests/bench/test_bench_learn.py::"
-                 "test_a_shortened_demo_recipe_raises_held_out_accuracy",
+                 "test_a_shortened_demo_recipe_raises_the_training_reward",
     "make test": "Makefile:test",
     "make gpu-smollm2": "tests/workers/test_gpu.py::test_periodic_smollm2_run_on_one_gpu",
     "make gpu-check": "tests/bench/test_bench_gpu.py::"

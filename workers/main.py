@@ -92,8 +92,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
                                           max_rows=first.max_rows,
                                           tracer=Tracer.of(events, common.name))
                     if metrics is not None:
-                        metrics.follow_partial(
-                            lambda: (first.cuts_total, first.resumed_tokens_total))
+                        metrics.follow_partial(first)
             elif isinstance(cfg, EnvironmentWorkerConfig):
                 stages = build_environment(cfg, metrics.tool_call if metrics else None)
             elif isinstance(cfg, RewardWorkerConfig):

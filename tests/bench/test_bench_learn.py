@@ -1,4 +1,5 @@
-"""``streamflow bench learn``: its figures from a run directory, and a shortened recipe that learns."""
+"""``streamflow bench learn``: its figures from a run directory, and a shortened recipe that learns
+(the demo's held-out accuracy gain, minutes per case, is the bench's: docs/learning.md)."""
 
 from __future__ import annotations
 
@@ -83,31 +84,30 @@ def test_a_failed_run_is_an_error_not_a_figure(tmp_path):
 
 # the run's own bound is the subprocess timeout below; the test's outlasts it
 @pytest.mark.slow
-@pytest.mark.timeout(1000)
-def test_a_shortened_demo_recipe_raises_held_out_accuracy(tmp_path):
-    # The demo's recipe (warm start to the target, then GRPO) cut to 30 iterations, on the demo's
-    # 200 held-out prompts. Why 30: held-out accuracy can dip in the first iterations (seed 0 went
-    # 0.37 -> 0.34 at iteration 4) and is 0.105-0.23 above its start by iteration 30 for seed 0 on
-    # both CPU kernel sets measured (docs/learning.md); 8 iterations tested noise, not learning.
-    # One thread: beside the rest of the suite a second OpenMP thread spin-waits on a core it does
-    # not get (docs/learning.md: 517 s with 2 threads in a loaded suite, 116 s with 1 on a quiet
-    # machine); the two thread counts learn alike.
+@pytest.mark.timeout(600)
+def test_a_shortened_demo_recipe_raises_the_training_reward(tmp_path):
+    # The suite's learning check: the demo's recipe (its model, warm start to the target, GRPO
+    # settings, 128 prompts x 8 per iteration) on 1-digit addition, whose warm start reaches the
+    # target in tens of steps, for 10 iterations in one process (sync equals the demo's periodic
+    # on-policy mode). Its last 5 iterations' mean reward beats its first 5's by 0.027-0.039 on
+    # seeds 0-2, about four times the windows' sampling noise (docs/learning.md). Held-out
+    # accuracy needs the 2-digit recipe and 30 iterations (minutes): `streamflow bench learn`
+    # measures it (docs/learning.md, "the shortened recipe").
     cmd = [sys.executable, "-m", "streamflow", "bench", "learn", "--json", "--seeds", "0",
            "--threads", "1", "--output", str(tmp_path),
-           "--set", "run.iterations=30", "--set", "run.eval_every=10"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+           *(x for kv in ("data.digits=1", "run.mode=sync", "run.iterations=10",
+                          "run.eval_every=10", "run.eval_prompts=14") for x in ("--set", kv))]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     (case,) = result["cases"]
     # The warm start reached its target before its step cap (with the earlier warm-start rate it
-    # ran all 1500 steps to a probe accuracy of 0.1 on AVX-512 hosts) and landed in its band.
+    # ran all its steps to a probe accuracy of 0.1 on AVX-512 hosts).
     (manifest,) = [json.loads(p.read_text())
                    for p in tmp_path.glob(".cache/builtin-*/streamflow_manifest.json")]
     recipe = manifest["recipe"]
     assert manifest["probe_accuracy"] >= recipe["target_accuracy"] > 0, manifest
     assert manifest["warmstart_steps_run"] < recipe["warmstart_steps"], manifest
-    assert 0.2 <= case["accuracy_before"] < 0.8, case
-    assert case["accuracy_after"] >= case["accuracy_before"] + 0.05, case
     assert case["reward_last_window"] > case["reward_first_window"], case
     assert case["rl_seconds"] > 0
 
@@ -116,15 +116,18 @@ def test_a_shortened_demo_recipe_raises_held_out_accuracy(tmp_path):
 @pytest.mark.timeout(1000)
 def test_the_agentic_recipe_reports_tool_calls_from_a_tiny_run(tmp_path):
     # The demo of tool use (configs/agentic.yaml) cut to a warm start of every example a
-    # calculator tape, 2 iterations and 40 held-out prompts: too short to learn (its learning is
-    # measured in docs/learning.md, minutes per case), long enough that the model calls the
-    # calculator and the bench reads the calls and the multi-turn evaluation back.
+    # calculator tape, 2 iterations in one process (sync: the environment stage takes its turn
+    # between the rollout's) and 20 held-out prompts evaluated before and after: too short to
+    # learn (its learning is measured in docs/learning.md, minutes per case), long enough that
+    # the model calls the calculator and the bench reads the calls and the multi-turn
+    # evaluation back.
     cmd = [sys.executable, "-m", "streamflow", "bench", "learn", "--json", "--seeds", "0",
            "--threads", "1", "--output", str(tmp_path), "--config",
            str(ROOT / "configs" / "agentic.yaml"), "--target-gain", "0.15",
            "--min-tool-calls", "0.5",
            *(x for kv in ("model.warmstart_steps=60", "model.warmstart_tool_fraction=1",
-                          "run.iterations=2", "run.eval_every=1", "run.eval_prompts=40",
+                          "run.mode=sync", "run.iterations=2", "run.eval_every=2",
+                          "run.eval_prompts=20",
                           "data.prompts_per_iteration=16") for x in ("--set", kv))]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]

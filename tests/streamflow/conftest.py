@@ -1,5 +1,6 @@
 """Shared fixtures for engine tests: the tiny config, with its built-in model cached per session,
-and store nodes started with `streamflow store serve` as a container would start them."""
+store nodes started with `streamflow store serve` as a container would start them, and the
+streaming run that several modules compare with (one real run per session, not one each)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 from testkit import wait_until
@@ -32,6 +34,30 @@ def tiny_config(model_cache: Path, tmp_path: Path):
         )
 
     return make
+
+
+# configs/tiny.yaml streamed through real processes: 2 iterations, every group its own claim, two
+# rollout workers, weights by file (and its plots drawn). test_controller.py compares it with
+# sync, and test_weight_sync_run.py with the same run on collective weight sync.
+PERIODIC = ("run.mode=periodic", "run.iterations=2", "run.eval_every=0",
+            "rollout.groups_per_claim=1", "rollout.num_workers=2", "weights.timeout_s=60")
+
+
+class SharedRun(NamedTuple):
+    cfg: RunConfig
+    summary: Any  # streamflow.rundir.RunSummary
+    overrides: tuple[str, ...]  # what a test adds to configs/tiny.yaml for a run like it
+
+
+@pytest.fixture(scope="session")
+def periodic_run(model_cache: Path) -> SharedRun:
+    """``PERIODIC`` with file weight sync, run once per session."""
+    from streamflow.controller import run
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [
+        f"run.output_dir={model_cache / 'periodic-file'}", "run.progress=false", *PERIODIC,
+        "weights.sync=file", "run.name=periodic", "run.plots=true"])
+    return SharedRun(cfg, run(cfg), PERIODIC)
 
 
 @pytest.fixture

@@ -57,14 +57,13 @@ def _wait_for_iterations(proc: subprocess.Popen, metrics: Path, n: int, timeout:
 
 
 @pytest.mark.slow
-def test_periodic_equals_sync_through_processes(tiny_config) -> None:
-    """Same seed and config: the streaming on-policy mode gives the sync mode's parameters."""
+def test_periodic_equals_sync_through_processes(tiny_config, periodic_run) -> None:
+    """Same seed and config: the streaming on-policy mode gives the sync mode's parameters (the
+    periodic run, two rollout workers, is the session's: test_weight_sync_run.py's file run)."""
     common = ("run.iterations=2", "rollout.groups_per_claim=1", "run.eval_every=0")
-    sync = tiny_config("run.mode=sync", "run.name=sync", *common)
-    periodic = tiny_config("run.mode=periodic", "run.name=periodic", *common,
-                           f"run.output_dir={sync.run.output_dir}-periodic")
+    sync = tiny_config("run.mode=sync", "run.name=sync", *common, "run.plots=true")
+    periodic, s2 = periodic_run.cfg, periodic_run.summary
     s1 = run(sync)
-    s2 = run(periodic)
     no_children_left()
     for cfg, s in ((sync, s1), (periodic, s2)):
         summary = _check_run_dir(Path(cfg.run.output_dir), 2)
@@ -107,7 +106,7 @@ def test_async_respects_staleness_bound(tiny_config) -> None:
     """Staleness stays within max_staleness AND reaches it: with rollout running ahead, some
     iteration trains samples generated max_staleness versions back (else the bound is untested)."""
     cfg = tiny_config("run.mode=async", "run.max_staleness=1", "run.iterations=5",
-                      "run.eval_every=0")
+                      "run.eval_every=0", "run.plots=true")
     summary = run(cfg)
     no_children_left()
     on_disk = _check_run_dir(Path(cfg.run.output_dir), 5)
@@ -276,12 +275,15 @@ def test_the_reference_in_the_rollout_gives_the_reference_workers_parameters(tin
 
 @pytest.mark.slow
 def test_deepspeed_two_ranks_match_the_torch_trainer(tiny_config) -> None:
-    """The same run with the trainer on DeepSpeed (ZeRO-2, 2 gloo ranks via torch's launcher)."""
-    common = ("run.mode=periodic", "run.iterations=2", "run.eval_every=0", "reward.fn=brevity",
-              "trainer.lr=0.01", "rollout.groups_per_claim=1")
-    torch_run = tiny_config(*common)
+    """The same run with the trainer on DeepSpeed (ZeRO-2, 2 gloo ranks via torch's launcher).
+    The torch trainer's run is in-process ``sync``, which periodic equals with
+    trainer.deterministic (test_periodic_equals_sync_through_processes)."""
+    common = ("run.iterations=2", "run.eval_every=0", "reward.fn=brevity", "trainer.lr=0.01",
+              "rollout.groups_per_claim=1")
+    torch_run = tiny_config("run.mode=sync", *common)
     run(torch_run)
-    ds_run = tiny_config(*common, "trainer.engine=deepspeed", "trainer.num_ranks=2",
+    ds_run = tiny_config("run.mode=periodic", *common, "trainer.engine=deepspeed",
+                         "trainer.num_ranks=2",
                          f"run.output_dir={Path(torch_run.run.output_dir).parent / 'ds'}")
     summary = run(ds_run)
     no_children_left()

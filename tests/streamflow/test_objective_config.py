@@ -4,25 +4,65 @@ as a one-line error naming the key at ``streamflow run --dry-run`` (exit 2)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+import torch
+from testkit import worker_plan
 
 from streamflow.cli import main
 from streamflow.config import load_config
+from workers.rl.objectives import Objective, loss_sums
+from workers.roles.trainer import Trainer
 from workers.settings import GrpoSettings
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 
 
-def test_clip_bounds_default_to_each_papers_and_explicit_ones_win() -> None:
-    assert GrpoSettings().clip_bounds() == (0.2, 0.2)
-    assert GrpoSettings(clip_eps=0.1, loss="dr_grpo").clip_bounds() == (0.1, 0.1)
-    assert GrpoSettings(loss="dapo").clip_bounds() == (0.2, 0.28)
-    assert GrpoSettings(loss="gspo").clip_bounds() == (3e-4, 4e-4)
-    assert GrpoSettings(loss="cispo").clip_bounds() == (1.0, 0.2)
-    assert GrpoSettings(loss="dapo", clip_eps_high=0.3, clip_eps_low=0.1).clip_bounds() == (0.1,
-                                                                                          0.3)
+def _trainer_objective(tmp_path: Path, *overrides: str) -> Objective:
+    """The objective a trainer built from ``configs/tiny.yaml`` + ``overrides`` steps with (the
+    real Trainer constructor over the plan's trainer record; no model, store or engine)."""
+    plan = worker_plan(load_config(TINY, [f"run.output_dir={tmp_path}", *overrides]), tmp_path)
+    return Trainer(None, "t", None, None, plan.trainer, None, keeper=None).objective
+
+
+def _clipped(obj: Objective, ratio: float) -> str | None:
+    """Where ``obj`` clips one token (one response for gspo) at ``ratio``: "low", "high", or None.
+    The advantage's sign is the one whose term the bound caps (+ above 1, - below)."""
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    logp = old + math.log(ratio)
+    adv = torch.tensor([1.0 if ratio > 1 else -1.0], dtype=torch.float64)
+    _, sums = loss_sums(obj, logp, old, adv, torch.ones(1, 1, dtype=torch.float64),
+                        ref_logp=logp, behaviour_logp=old)  # on-policy: a weight of 1
+    assert sums.clipped_low + sums.clipped_high <= 1
+    return "low" if sums.clipped_low else "high" if sums.clipped_high else None
+
+
+# (overrides, {ratio: where the trainer's objective clips it}) with clip_eps at its default 0.2
+CLIPS = [
+    (["trainer.loss=grpo"], {1.25: "high", 1.15: None, 0.75: "low", 0.85: None}),
+    (["trainer.loss=dr_grpo", "trainer.clip_eps=0.1"], {1.15: "high", 1.05: None, 0.85: "low"}),
+    # clip-higher: a token at 1.25 keeps its gradient, the lower bound stays at clip_eps
+    (["trainer.loss=dapo"], {1.25: None, 1.3: "high", 0.75: "low", 0.85: None}),
+    # a sequence ratio moves far less than a token's: its bounds are 1 - 3e-4 and 1 + 4e-4
+    (["trainer.loss=gspo"], {1.0005: "high", 1.00035: None, 0.9996: "low", 0.99975: None}),
+    # no lower bound: a weight that only caps a token's step never clips a small ratio
+    (["trainer.loss=cispo"], {1e-3: None, 0.5: None, 1.25: "high", 1.15: None}),
+    # explicit keys win over the loss's paper values
+    (["trainer.loss=dapo", "trainer.clip_eps_high=0.3", "trainer.clip_eps_low=0.1"],
+     {1.29: None, 1.31: "high", 0.85: "low", 0.95: None}),
+]
+
+
+@pytest.mark.parametrize(("overrides", "clips"), CLIPS, ids=[" ".join(o) for o, _ in CLIPS])
+def test_the_trainer_clips_ratios_at_each_losss_paper_bounds_unless_set(
+    tmp_path: Path, overrides: list[str], clips: dict[float, str | None]
+) -> None:
+    """Broken by a wrong paper value for a loss, swapped low/high bounds, a key that no longer
+    overrides, or a trainer that builds its objective from anything but the configured bounds."""
+    obj = _trainer_objective(tmp_path, *overrides)
+    assert {ratio: _clipped(obj, ratio) for ratio in clips} == clips
 
 
 def test_importance_correction_auto_is_tis_in_async_only_and_the_old_switch_loads() -> None:

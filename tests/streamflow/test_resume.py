@@ -34,12 +34,24 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.fixture(scope="module")
+def straight(model_cache: Path) -> Path:
+    """The uninterrupted run both modes' resumed runs must end at: in-process ``sync`` (no child
+    processes), which ``periodic`` equals with trainer.deterministic (tiny.yaml), as
+    test_controller.py::test_periodic_equals_sync_through_processes checks."""
+    from streamflow.config import load_config
+
+    out = model_cache / "resume-straight"
+    run(load_config(ROOT / "configs" / "tiny.yaml",
+                    [f"run.output_dir={out}", "run.progress=false", "run.mode=sync", *COMMON]))
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "periodic"])
-def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, mode: str) -> None:
-    straight = tiny_config(f"run.mode={mode}", *COMMON)
-    run(straight)
-    killed_dir = Path(straight.run.output_dir).parent / f"killed-{mode}"
+def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, straight: Path,
+                                                     mode: str) -> None:
+    killed_dir = Path(tiny_config().run.output_dir).parent / f"killed-{mode}"
     overrides = [f"run.mode={mode}", *COMMON, f"run.output_dir={killed_dir}", "run.progress=false"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamflow", "run", str(ROOT / "configs" / "tiny.yaml"), *overrides],
@@ -89,7 +101,7 @@ def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, mode: str) -> 
     iterations = [json.loads(x)["iteration"] for x in
                   (killed_dir / "metrics.jsonl").read_text().splitlines()]
     assert iterations == list(range(6)), iterations
-    worst = _max_diff(_params(Path(straight.run.output_dir), 6), _params(killed_dir, 6))
+    worst = _max_diff(_params(straight, 6), _params(killed_dir, 6))
     assert worst <= 1e-6, worst
     assert _max_diff(_params(killed_dir, 3), _params(killed_dir, 6)) > 1e-4, "nothing trained"
 

@@ -17,13 +17,10 @@ def _final(cfg) -> dict:
 
 
 @pytest.mark.slow
-def test_periodic_collective_equals_file(tiny_config) -> None:
-    common = ("run.mode=periodic", "run.iterations=2", "run.eval_every=0",
-              "rollout.groups_per_claim=1", "rollout.num_workers=2", "weights.timeout_s=60")
-    by_file = tiny_config(*common, "weights.sync=file", "run.name=file")
-    collective = tiny_config(*common, "weights.sync=collective", "run.name=collective",
+def test_periodic_collective_equals_file(tiny_config, periodic_run) -> None:
+    by_file = periodic_run.cfg  # the same run with weights.sync=file (shared with test_controller)
+    collective = tiny_config(*periodic_run.overrides, "weights.sync=collective", "run.name=collective",
                              f"run.output_dir={Path(by_file.run.output_dir).parent / 'coll'}")
-    run(by_file)
     summary = run(collective)
     assert summary.status == "ok"
     a, b = _final(by_file), _final(collective)

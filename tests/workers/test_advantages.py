@@ -19,7 +19,6 @@ from workers.rl.advantages import (
     group_advantages,
     overlong_penalty,
     rloo_advantages,
-    zero_variance_groups,
 )
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 3.0])
@@ -63,10 +62,6 @@ def test_reinforce_pp_scales_every_group_by_one_batch_std() -> None:
         advantages("reinforce_pp", REWARDS, GROUPS, group_size=4)
     with pytest.raises(ValueError, match="unknown estimator"):
         advantages("ppo", REWARDS, GROUPS, group_size=4)
-
-
-def test_zero_variance_groups_are_counted() -> None:
-    assert zero_variance_groups(REWARDS, GROUPS, group_size=4) == 1  # group 2: all ones
 
 
 def test_overlong_penalty_is_zero_then_linear_to_the_budget() -> None:

@@ -112,6 +112,7 @@ def test_rollout_and_resume_stages_cut_then_assemble_the_uncut_response(tmp_path
     from workers.models.tokenizer import build_char_tokenizer, encode_prompt
     from workers.roles.resume import ResumeStage
     from workers.roles.rollout import RolloutStage
+    from workers.runtime.metrics import WorkerMetrics
     from workers.weights.watch import VersionWatch
 
     torch.set_num_threads(1)
@@ -137,9 +138,13 @@ def test_rollout_and_resume_stages_cut_then_assemble_the_uncut_response(tmp_path
     watch = VersionWatch(tmp_path, poll_s=0.01)
     try:
         partial = stage(R, watch)
+        metrics = WorkerMetrics()  # what a rollout worker serves: read from its stage per scrape
+        metrics.follow_partial(partial)
+        served = metrics.registry.get_sample_value
+        assert served("streamflow_rollout_cuts_total") == 0
         watch.arm = lambda version: _cut_at(3)  # type: ignore[method-assign]
         cells = _cells(partial.process(lease).batches)
-        assert partial.cuts_total == 2
+        assert partial.cuts_total == 2 and served("streamflow_rollout_cuts_total") == 2
         row = {"group_id": 3, "iteration": 0, "min_policy_version": 0, "prompt_ids": prompt}
         resumed = ResumeStage(partial, 1, max_rows=4)
         watch.arm = lambda version: threading.Event()  # type: ignore[method-assign]
@@ -151,6 +156,10 @@ def test_rollout_and_resume_stages_cut_then_assemble_the_uncut_response(tmp_path
         out = _cells(resumed.process(dataclasses.replace(lease, batch=rows)).batches)
     finally:
         watch.close()
+    # the resume's tokens: each row's response past its 3-token segment 0 (the cut at step 3)
+    resumed_tokens = sum(len(plain["response_ids"][r]) - 3 for r in (0, 1))
+    assert served("streamflow_rollout_resumed_tokens_total") == resumed_tokens > 0
+    assert served("streamflow_rollout_cuts_total") == 2  # the resume ended both: no new cut
     for r in (0, 1):
         assert cells[r]["part0_ids"] == plain["response_ids"][r][:3]
         assert out[r]["response_ids"] == plain["response_ids"][r]
@@ -167,18 +176,6 @@ def _cut_at(k: int) -> threading.Event:
             Cut.looks += 1
             return Cut.looks >= k
     return Cut()
-
-
-def test_a_rollout_workers_partial_counters_are_served_from_its_stage():
-    # Breaks if the counters are not registered or read a stale value.
-    from workers.runtime.metrics import WorkerMetrics
-
-    totals = [3, 40]
-    metrics = WorkerMetrics()
-    metrics.follow_partial(lambda: (totals[0], totals[1]))
-    totals[0] += 1
-    assert metrics.registry.get_sample_value("streamflow_rollout_cuts_total") == 4
-    assert metrics.registry.get_sample_value("streamflow_rollout_resumed_tokens_total") == 40
 
 
 class _Scripted:

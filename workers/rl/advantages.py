@@ -128,16 +128,6 @@ def advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, *, gro
     raise ValueError(f"advantages: unknown estimator {name!r}; one of {ADVANTAGES}")
 
 
-def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor, *,
-                         group_size: int) -> int:
-    """Groups whose rewards are all equal: every estimator gives them advantage 0 (no signal)."""
-    g = groups_of(group_ids, group_size)
-    r = rewards.double()
-    spread = torch.zeros(g.count, dtype=torch.float64).index_add_(
-        0, g.inverse, (r - _group_mean(r, g)).abs())
-    return int((spread == 0).sum())
-
-
 def overlong_penalty(lengths: torch.Tensor, *, max_tokens: int, buffer: int,
                      penalty: float) -> torch.Tensor:
     """DAPO's soft overlong punishment [N] (<= 0), added to the reward: 0 up to ``max_tokens -

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -87,11 +87,11 @@ class _PartialRollout:
     """Partial rollout's counters of a rollout worker, read from its stage at each scrape (the
     generating thread only adds to plain integers)."""
 
-    def __init__(self, totals: Callable[[], tuple[int, int]]) -> None:
-        self.totals = totals
+    def __init__(self, stage: Any) -> None:
+        self.stage = stage
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        cuts, resumed = self.totals()
+        cuts, resumed = self.stage.cuts_total, self.stage.resumed_tokens_total
         yield CounterMetricFamily("streamflow_rollout_cuts",
                                   "Generations cut by a newer policy version (partial rollout).",
                                   value=cuts)
@@ -114,10 +114,10 @@ class WorkerMetrics(HttpEndpoint):
         self._children: dict[tuple[int, str], Any] = {}
         self._http: Any = None
 
-    def follow_partial(self, totals: Callable[[], tuple[int, int]]) -> None:
-        """Serve a rollout worker's partial-rollout counters: ``totals()`` = (rows cut, tokens
-        resumed) so far (``RolloutStage.cuts_total``, ``resumed_tokens_total``)."""
-        self.registry.register(_PartialRollout(totals))  # type: ignore[arg-type]
+    def follow_partial(self, stage: Any) -> None:
+        """Serve a rollout worker's partial-rollout counters, read from its ``RolloutStage``
+        (``cuts_total``, ``resumed_tokens_total``: rows cut, tokens resumed so far)."""
+        self.registry.register(_PartialRollout(stage))  # type: ignore[arg-type]
 
     def _child(self, metric: Any, label: str) -> Any:
         key = (id(metric), label)
