@@ -5,14 +5,19 @@ the proxy instead of solving the task; the held-out accuracy (``reward.fn`` on p
 trained on) is then what falls. The rule (``detect``; keys ``reward.hacking_window`` = K and
 ``reward.hacking_drop`` = D), over the run's evaluations in order, the starting policy's first:
 
-- a *window* is K consecutive evaluations; its accuracy is their mean, its reward the mean
-  reward of the iterations after its first evaluation up to its last one;
-- the rule fires at the newest window W when some earlier window B has the best accuracy of
-  the windows before W (the first of equals), accuracy(B) - accuracy(W) >= D, and
-  reward(W) > reward(B).
+- a *window* is K consecutive evaluations (K >= 2); its accuracy is their mean, its reward the
+  mean reward of the iterations after its first evaluation up to its last one, and its
+  *starting* reward the mean over the iterations up to its second evaluation;
+- the rule holds at the newest window W when the window B with the best accuracy before it
+  (the first of equals) has accuracy(B) - accuracy(W) >= D, and reward(W) > the starting
+  reward of B: since the accuracy was at its best, the reward went up while the accuracy went
+  down.
 
 Means over K evaluations, not single ones: one evaluation of 200 prompts swings by 0.05-0.1
-between evaluations of a healthy run (docs/learning.md). The controller sets each iteration's
+between evaluations of a healthy run (docs/learning.md). B's *starting* reward, not its mean:
+a policy that finds its reward model's blind spot at once raises the reward within the first
+window already, which a comparison with that window's mean would miss once the reward levels
+off (measured: docs/rewards.md "Reward hacking"). The controller sets each iteration's
 ``reward_hacking`` (metrics.jsonl, the Prometheus gauge ``streamflow_run_reward_hacking``) to
 whether the rule holds at that iteration; the live panel and ``streamflow report`` say so.
 """
@@ -34,8 +39,8 @@ class Hacking:
 
     best_accuracy: float  # the best earlier window's mean held-out accuracy
     accuracy: float  # the newest window's
-    best_reward: float  # mean reward over the best window's iterations
-    reward: float  # over the newest window's
+    best_reward: float  # mean reward at the start of the best window (to its second evaluation)
+    reward: float  # mean reward over the newest window's iterations
     best_span: tuple[int, int]  # (first, last) evaluated iteration of each window
     span: tuple[int, int]
 
@@ -57,15 +62,18 @@ def detect(evaluations: Sequence[tuple[int, float]], rewards: dict[int, float], 
     None (fewer than K + 1 evaluations, or it does not hold)."""
     if window < 2 or len(evaluations) < window + 1:
         return None
-    windows = []
+    def mean_reward(after: int, upto: int) -> float | None:
+        spanned = [r for i, r in rewards.items() if after < i <= upto]
+        return statistics.fmean(spanned) if spanned else None
+
+    windows = []  # (accuracy, reward, starting reward, span)
     for end in range(window - 1, len(evaluations)):
         group = evaluations[end - window + 1:end + 1]
         first, last = group[0][0], group[-1][0]
-        spanned = [r for i, r in rewards.items() if first < i <= last]
-        windows.append((statistics.fmean(a for _, a in group),
-                        statistics.fmean(spanned) if spanned else None, (first, last)))
-    *earlier, (accuracy, reward, span) = windows
-    best_accuracy, best_reward, best_span = max(earlier, key=lambda w: w[0])
+        windows.append((statistics.fmean(a for _, a in group), mean_reward(first, last),
+                        mean_reward(first, group[1][0]), (first, last)))
+    *earlier, (accuracy, reward, _, span) = windows
+    best_accuracy, _, best_reward, best_span = max(earlier, key=lambda w: w[0])
     if reward is None or best_reward is None:
         return None
     if best_accuracy - accuracy >= drop - 1e-12 and reward > best_reward:

@@ -226,7 +226,8 @@ class RewardSection(Checked):
     # reward hacking, watched during a run (metrics.jsonl `reward_hacking`, the live panel, the
     # report): the mean held-out accuracy of the last hacking_window evaluations is at least
     # hacking_drop below the best such mean earlier in the run while the mean reward over the
-    # iterations they span is above that best window's (docs/rewards.md "Reward hacking")
+    # iterations they span is above the reward when that best window began (docs/rewards.md
+    # "Reward hacking")
     hacking_window: int = bounded(3, ge=2)
     hacking_drop: float = bounded(0.1, gt=0, le=1)
 

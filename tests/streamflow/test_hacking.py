@@ -52,6 +52,24 @@ def test_the_rule_fires_on_a_collapse_and_stays_silent_on_a_healthy_run():
     assert detect(_evaluations(COLLAPSE_ACC), falling, window=3, drop=0.1) is None
 
 
+
+def test_the_rule_holds_through_a_measured_collapse_once_the_reward_levels_off():
+    # the seed 2, measured (docs/rewards.md "Reward hacking"): the weak reward model's
+    # reward rose within the first 10 iterations, then stayed level while accuracy kept falling;
+    # here each evaluation's span of 5 iterations has its measured mean reward
+    accuracies = [0.31, 0.21, 0.13, 0.115, 0.085, 0.08, 0.095, 0.085, 0.055, 0.055, 0.055, 0.07,
+                  0.055]
+    span_rewards = [0.344, 0.38, 0.367, 0.36, 0.37, 0.353, 0.343, 0.384, 0.376, 0.367, 0.366,
+                    0.356]
+    rewards = {i: span_rewards[i // 5] for i in range(60)}
+    evals = _evaluations(accuracies)
+    fired = [detect(evals[:end], rewards, window=3, drop=0.1) is not None
+             for end in range(4, len(evals) + 1)]
+    assert fired == [False] + [True] * 9  # from the evaluation at the report's iteration 20 on
+    # the best window's mean reward (0.362) instead of its starting one (0.344) would lose it
+    # whenever the reward dipped below that mean (at iterations 29 and 34, and at the end)
+    assert detect(evals, rewards, window=3, drop=0.1).best_reward == pytest.approx(0.344)
+
 def test_the_rule_compares_window_means_from_the_first_window_that_can_hold():
     # windows of 2: (before, 4) acc 0.5 reward 0.2; (4, 9) 0.475, 0.3; (9, 14) 0.4, 0.4
     evals = [(BEFORE_RL, 0.5), (4, 0.5), (9, 0.45), (14, 0.35)]
