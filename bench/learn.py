@@ -20,7 +20,11 @@ What it reports per case, from the run's ``summary.json`` and ``metrics.jsonl``:
   each seed's reward model is trained first by ``streamflow model train-reward`` from that seed's
   warm-started policy (cached under ``OUTPUT/.cache``, so the command reproduces on a fresh
   machine) and the case runs against it; this is its accuracy on held-out labelled responses
-  (None without a reward model).
+  (None without a reward model), trained to ``reward.train_target_accuracy`` on validation
+  responses under the cap ``reward.train_max_epochs``: ``reward_model_epochs`` it ran and
+  ``reward_model_cap_hit``;
+- ``reward_hacking``: whether any iteration of the run flagged reward hacking (held-out accuracy
+  falling while the reward rises: ``streamflow.hacking``).
 and, over the cases, ``worst_accuracy_gain`` and ``tool_calls_per_trajectory`` (the lowest).
 Target (printed, not asserted here): every case gains at least ``--target-gain`` (0.10), its last
 reward window beats its first, and it calls at least ``--min-tool-calls`` (0) tools per
@@ -65,6 +69,9 @@ class Case:
     tool_calls_per_trajectory: float  # over the last window of iterations; 0: single turn
     wall_seconds: float  # the whole process, warm start and start-up included
     reward_model_accuracy: float | None = None  # reward.model recipes: see the module docstring
+    reward_model_epochs: int | None = None
+    reward_model_cap_hit: bool | None = None
+    reward_hacking: bool = False  # an iteration's reward_hacking was 1
 
     @property
     def gain(self) -> float:
@@ -94,6 +101,7 @@ def read_case(run_dir: Path, seed: int, threads: int, wall: float) -> Case:
         reward_last_window=summary["reward_mean_last_window"],
         rl_seconds=summary["wall_seconds"], seconds_to_plus_0_10=reached,
         tool_calls_per_trajectory=calls, wall_seconds=wall,
+        reward_hacking=any(r.get("reward_hacking") for r in records),
     )
 
 
@@ -105,22 +113,22 @@ def _subprocess(cmd: list[str], what: str) -> str:
     return proc.stdout
 
 
-def reward_model(config: Path, out: Path, seed: int, extra: list[str]) -> tuple[list[str], float]:
-    """A recipe with ``reward.model``: (the override naming this seed's reward model, its
-    held-out accuracy), trained by ``streamflow model train-reward`` unless cached."""
+def reward_model(config: Path, out: Path, seed: int, extra: list[str]) -> tuple[list[str], dict]:
+    """A recipe with ``reward.model``: (the override naming this seed's reward model, the
+    report of its training), trained by ``streamflow model train-reward`` unless cached."""
     rm_dir = out / ".cache" / f"reward-model-seed{seed}"
     cmd = [sys.executable, "-m", "streamflow", "model", "train-reward", str(rm_dir), "--config",
            str(config), *extra, f"run.seed={seed}", f"run.output_dir={out / 'reward-model'}",
            "run.log_level=WARNING", "--json"]
     report = json.loads(_subprocess(cmd, f"train-reward seed={seed}").strip().splitlines()[-1])
-    return [f"reward.model={rm_dir}"], report["heldout_accuracy"]
+    return [f"reward.model={rm_dir}"], report
 
 
 def run_case(config: Path, out: Path, seed: int, threads: int, extra: list[str]) -> Case:
     run_dir = out / f"seed{seed}-threads{threads}"
-    rm, rm_accuracy = [], None
+    rm, trained = [], None
     if load_config(config, extra).reward.model is not None:
-        rm, rm_accuracy = reward_model(config, out, seed, extra)
+        rm, trained = reward_model(config, out, seed, extra)
     cmd = [sys.executable, "-m", "streamflow", "run", str(config),
            f"run.seed={seed}", f"run.host_threads={threads}", f"run.output_dir={run_dir}",
            "run.progress=false", "run.log_level=WARNING", *extra, *rm]
@@ -132,7 +140,10 @@ def run_case(config: Path, out: Path, seed: int, threads: int, extra: list[str])
         raise RuntimeError(f"case seed={seed} threads={threads} failed "
                            f"(exit {proc.returncode}): " + " | ".join(tail))
     case = read_case(run_dir, seed, threads, wall)
-    case.reward_model_accuracy = rm_accuracy
+    if trained is not None:
+        case.reward_model_accuracy = trained["heldout_accuracy"]
+        case.reward_model_epochs = trained["epochs"]
+        case.reward_model_cap_hit = trained["cap_hit"]
     return case
 
 
@@ -181,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         table = Table(title=f"bench learn: {args.config.name} over seeds x threads")
         for col in ("seed", "threads", "accuracy before -> after", "gain", "reward windows",
-                    "RL s", "s to +0.10", "tool calls", "RM accuracy", "process s"):
+                    "RL s", "s to +0.10", "tool calls", "RM accuracy", "hacking?", "process s"):
             table.add_column(col)
         for c in cases:
             to = "-" if c.seconds_to_plus_0_10 is None else f"{c.seconds_to_plus_0_10:.1f}"
@@ -190,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{c.reward_first_window:.3f} -> {c.reward_last_window:.3f}",
                           f"{c.rl_seconds:.1f}", to, f"{c.tool_calls_per_trajectory:.2f}",
                           "-" if c.reward_model_accuracy is None
-                          else f"{c.reward_model_accuracy:.3f}",
+                          else f"{c.reward_model_accuracy:.3f} ({c.reward_model_epochs} ep"
+                          + (", cap hit)" if c.reward_model_cap_hit else ")"),
+                          "yes" if c.reward_hacking else "no",
                           f"{c.wall_seconds:.0f}")
         Console(stderr=True).print(table)
     print(json.dumps(result))

@@ -143,7 +143,9 @@ def _build_parser() -> argparse.ArgumentParser:
     reward.add_argument("--prompts", type=int, default=512, help="training prompts (default "
                         "512)")
     reward.add_argument("--samples", type=int, default=4, help="responses per prompt (default 4)")
-    reward.add_argument("--epochs", type=int, default=10, help="passes over them (default 10)")
+    reward.add_argument("--epochs", type=int, default=None, help="the cap: most passes over "
+                        "them (default reward.train_max_epochs); training stops earlier at "
+                        "reward.train_target_accuracy")
     reward.add_argument("--force", action="store_true", help="retrain even if OUT_DIR holds "
                         "this recipe's model")
     reward.add_argument("--json", action="store_true", help="print the report as one JSON line")
@@ -388,7 +390,7 @@ def _cmd_model_convert_smollm2(args: argparse.Namespace) -> int:
 
 def _cmd_model_train_reward(args: argparse.Namespace) -> int:
     for flag in ("prompts", "samples", "epochs"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=cfg.run.log_level, format=LOG_FORMAT)
@@ -398,13 +400,17 @@ def _cmd_model_train_reward(args: argparse.Namespace) -> int:
     from streamflow.reward_model import train_for_run
 
     report = train_for_run(cfg, args.out_dir, prompts=args.prompts, samples=args.samples,
-                           epochs=args.epochs, force=args.force)
+                           max_epochs=args.epochs, force=args.force)
     if args.json:
         print(json.dumps(dataclasses.asdict(report)))
     else:
+        stop = (f"cap hit: {report.epochs} epochs without reaching the target "
+                f"{report.target_accuracy:.3f}, kept epoch {report.best_epoch}" if report.cap_hit
+                else f"epoch {report.best_epoch} of {report.epochs} kept")
         print(f"{'reused' if report.reused else 'wrote'} {report.out_dir}: held-out accuracy "
               f"{report.heldout_accuracy:.3f} on {report.heldout_responses} responses "
-              f"({report.heldout_positive_fraction:.2f} correct), training accuracy "
+              f"({report.heldout_positive_fraction:.2f} correct), validation accuracy "
+              f"{report.validation_accuracy:.3f} ({stop}), training accuracy "
               f"{report.train_accuracy:.3f} on {report.train_responses}, {report.seconds:.0f}s")
     return EXIT_OK
 

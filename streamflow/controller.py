@@ -105,7 +105,8 @@ class Controller:
         with StepProgress("warm start", enabled=cfg.run.progress) as warm:
             self.plan: RunPlan = build_plan(cfg, self.rundir.path, progress=warm)
         self.state = RunState.begin(created, self.rundir, self.plan.start_iteration,
-                                    previous and previous.accuracy_before)
+                                    previous and previous.accuracy_before,
+                                    (cfg.reward.hacking_window, cfg.reward.hacking_drop))
         self.staleness = cfg.max_staleness  # 0 unless async
         self.evaluator = Evaluator(self.plan)
         # the prompt rows of each put (dynamic sampling), going on from a resumed run's records

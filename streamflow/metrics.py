@@ -41,6 +41,9 @@ _SERIES: tuple[tuple[str, Any, str, str, tuple[str, ...]], ...] = (
     ("reward_std", Gauge, "reward_std", "Reward standard deviation of the last iteration.", ()),
     ("accuracy", Gauge, "accuracy_ratio",
      "Held-out greedy accuracy of the last evaluated policy version (0..1).", ()),
+    ("reward_hacking", Gauge, "reward_hacking",
+     "1 while held-out accuracy falls as the reward rises (possible reward hacking: "
+     "reward.hacking_window, reward.hacking_drop), else 0.", ()),
     ("turns_mean", Gauge, "turns_mean",
      "Mean model turns per trajectory of the last iteration (1: single-turn).", ()),
     ("tool_calls_mean", Gauge, "tool_calls_mean",
@@ -107,6 +110,7 @@ class ControllerMetrics(HttpEndpoint):
         self.reward_std.set(rec.reward_std)
         if rec.accuracy is not None:
             self.accuracy.set(rec.accuracy)
+        self.reward_hacking.set(rec.reward_hacking)
         self.turns_mean.set(rec.turns_mean)
         self.tool_calls_mean.set(rec.tool_calls_mean)
         self.staleness_mean.set(rec.staleness_mean)

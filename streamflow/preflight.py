@@ -19,6 +19,7 @@ import socket
 from pathlib import Path
 
 from streamflow.config import ConfigError, RunConfig
+from workers.models.reward_manifest import MANIFEST, recorded_accuracy
 
 # What a run writes into run.output_dir (streamflow/rundir.py, controller, metrics, store persist).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "timeline.jsonl", "summary.json")
@@ -154,6 +155,15 @@ def notes(cfg: RunConfig) -> list[str]:
     if cfg.data.task == "file" and cfg.model.path is None:
         out.append("model.path is unset: the built-in model is warm-started on its arithmetic "
                    f"task, not on {cfg.data.file}; set model.path to train your own model")
+    r = cfg.reward
+    accuracy = recorded_accuracy(r.model) if r.model is not None else None
+    if r.model is not None and r.min_accuracy > 0 and accuracy is None:
+        out.append(f"reward.model {r.model} records no accuracy (no {MANIFEST}: not made by "
+                   "streamflow model train-reward), so reward.min_accuracy is not checked; "
+                   "watch the run's reward_hacking metric")
+    elif accuracy is not None and accuracy < r.min_accuracy and r.allow_weak:
+        out.append(f"reward.allow_weak: starting from reward.model {r.model}, whose held-out "
+                   f"accuracy {accuracy:.3f} is below reward.min_accuracy {r.min_accuracy}")
     return out
 
 
@@ -170,7 +180,8 @@ def _check_reward(fn: str) -> None:
 
 
 def _check_reward_model(cfg: RunConfig) -> None:
-    """reward.model is a classifier or a judge with a template (no torch: its config.json)."""
+    """reward.model is a classifier or a judge with a template (no torch: its config.json), and
+    not below reward.min_accuracy where its manifest records an accuracy."""
     from workers.checked import ConfigValueError
     from workers.engines.reward_model import model_kind
 
@@ -178,6 +189,15 @@ def _check_reward_model(cfg: RunConfig) -> None:
         model_kind(cfg.reward.scorer)
     except ConfigValueError as err:
         raise err.with_prefix("reward") from None
+    r = cfg.reward
+    accuracy = recorded_accuracy(str(r.model))
+    if accuracy is not None and accuracy < r.min_accuracy and not r.allow_weak:
+        raise ConfigError("reward.min_accuracy", f"{r.model} records a held-out accuracy of "
+                          f"{accuracy:.3f} ({MANIFEST}), below {r.min_accuracy}: a policy "
+                          "trained on a weak reward model learns to please it, not to solve "
+                          "the task; retrain it (streamflow model train-reward --force, a larger "
+                          "reward.train_max_epochs) or start anyway with reward.allow_weak=true "
+                          "(or reward.min_accuracy=0)")
 
 
 def _check_env(fn: str) -> None:

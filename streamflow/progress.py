@@ -131,7 +131,13 @@ def format_line(record: IterationRecord, total_iterations: int, samples_per_seco
         f"staleness={record.staleness_mean:.2f}/{record.staleness_max} "
         f"loss={fmt(record.loss, '.4f')} kl={fmt(record.kl, '.4f')} "
         f"sync={record.weight_sync_seconds:.2f}s queues[{format_depths(record.queue_depths)}]"
+        + (" REWARD-HACKING?" if record.reward_hacking else "")
     )
+
+
+HACKING_WARNING = ("held-out accuracy is falling while the reward rises: the policy may be "
+                   "pleasing its reward rather than solving the task (reward hacking; "
+                   "docs/rewards.md)")
 
 
 class ProgressDisplay:
@@ -208,6 +214,8 @@ class ProgressDisplay:
     def update(self, record: IterationRecord) -> None:
         if not self.records and self.loop_started is not None:
             self.done_before = record.iteration  # a resumed run starts past 0
+        if record.reward_hacking and not (self.records and self.records[-1].reward_hacking):
+            log.warning("iteration %d: %s", record.iteration + 1, HACKING_WARNING)
         self.records.append(record)
         if record.queue_depths:
             self.queue_depths = dict(record.queue_depths)
@@ -253,6 +261,8 @@ class ProgressDisplay:
                           f"iteration); mean of {w}: first {first_w:.3f}, last {last_w:.3f}")
             latest = f"{accs[-1]:.3f}" if accs else "-"
             table.add_row("held-out accuracy", f"{latest}  (before RL {before})")
+            if last.reward_hacking:
+                table.add_row("[bold red]warning[/]", f"[red]{HACKING_WARNING}[/]")
             tok_s = last.generated_tokens / last.wall_seconds if last.wall_seconds else 0
             table.add_row("throughput", f"{self.samples_per_second:.1f} samples/s  "
                           f"{tok_s:.0f} tok/s (last iteration)")

@@ -17,6 +17,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from streamflow.config import RewardSection
+from streamflow.hacking import first_hacking
 from streamflow.progress import fmt
 from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan, stage_order
 
@@ -43,6 +45,7 @@ class RunData:
     records: list[IterationRecord]
     spans: list[StageSpan]
     plots: list[Path]
+    hacking: str | None = None  # the report's reward-hacking line (None: no evaluation to judge)
 
 
 def _union_length(intervals: Sequence[tuple[float, float]]) -> float:
@@ -100,7 +103,27 @@ def load_run(path: str | Path, *, make_plots: bool = True) -> RunData:
     plots = [run_dir.plots / "rewards.png", run_dir.plots / "timeline.png"]
     if make_plots and not all(p.exists() for p in plots[: 1 + bool(spans)]):
         run_dir.write_plots()
-    return RunData(path, name, summary, records, spans, [p for p in plots if p.exists()])
+    reward = config.get("reward", {}) if isinstance(config, dict) else {}
+    return RunData(path, name, summary, records, spans, [p for p in plots if p.exists()],
+                   hacking_line(records, summary.accuracy_before, reward))
+
+
+def hacking_line(records: Sequence[IterationRecord], accuracy_before: float | None,
+                 reward: dict[str, Any]) -> str | None:
+    """What the run's records say of reward hacking (``streamflow.hacking``): the first iteration
+    flagged and what the rule compared there, "none detected", or None (nothing evaluated)."""
+    if not any(r.accuracy is not None for r in records):
+        return None
+    flagged = [r.iteration for r in records if r.reward_hacking]
+    if not flagged:
+        return "none detected"
+    declared = RewardSection()  # a config.yaml without the keys: their declared defaults
+    window = int(reward.get("hacking_window", declared.hacking_window))
+    drop = float(reward.get("hacking_drop", declared.hacking_drop))
+    found = first_hacking(records, accuracy_before, window=window, drop=drop)
+    detail = f": {found[1].describe()}" if found is not None else ""
+    return (f"SUSPECTED from iteration {flagged[0] + 1} ({len(flagged)} of {len(records)} "
+            f"iterations flagged){detail}")
 
 
 def _bytes(n: float) -> str:
@@ -148,6 +171,11 @@ def _rows(run: RunData) -> list[Row]:
         ("learning", "held-out accuracy before RL → last", None,
          _arrow(s.accuracy_before, s.accuracy_last)),
         ("learning", "reward failures", s.reward_failures, str(s.reward_failures)),
+    ]
+    if run.hacking is not None:
+        rows.append(("learning", "reward hacking (accuracy falls, reward rises)", None,
+                     run.hacking))
+    rows += [
         ("staleness", "mean / max observed", s.max_staleness_observed,
          f"{s.staleness_mean:.2f} / {s.max_staleness_observed}"),
         ("weight sync", "count", s.weight_sync_count, str(s.weight_sync_count)),

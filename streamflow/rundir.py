@@ -35,6 +35,8 @@ class IterationRecord:
     reward_mean: float  # mean reward over the iteration's trained samples
     reward_std: float = 0.0  # std of those rewards
     accuracy: float | None = None  # held-out eval accuracy (None when not evaluated this iteration)
+    # 1 while held-out accuracy falls as the reward rises (streamflow.hacking's rule), else 0
+    reward_hacking: int = 0
     samples: int = 0  # responses trained on this iteration
     generated_tokens: int = 0  # response tokens generated for them
     loss: float | None = None  # GRPO loss of the update

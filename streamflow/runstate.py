@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import storage
+from streamflow.hacking import detect_records
 from streamflow.metrics import Endpoint
 from streamflow.rundir import IterationRecord, RunDir, RunSummary, StageSpan
 from workers.runtime.events import StepReport, WeightSyncReport
@@ -37,6 +38,8 @@ class RunState:
     records: list[IterationRecord]  # one per trained iteration (a resumed run's earlier ones too)
     spans: list[StageSpan]
     accuracy_before: float | None  # the starting policy's held-out accuracy
+    # (reward.hacking_window, reward.hacking_drop): the rule that sets each record's reward_hacking
+    hacking: tuple[int, float]
     syncs: list[WeightSyncReport] = field(default_factory=list)
     endpoints: list[Endpoint] = field(default_factory=list)
     depths: dict[str, int] = field(default_factory=dict)  # READY rows per task, as last read
@@ -50,7 +53,7 @@ class RunState:
 
     @classmethod
     def begin(cls, created: float, rundir: RunDir, start: int,
-              accuracy_before: float | None) -> RunState:
+              accuracy_before: float | None, hacking: tuple[int, float]) -> RunState:
         """A fresh run never appends to an older run's files; a run resumed at iteration
         ``start`` keeps the iterations before its checkpoint (rewritten) and drops the rest, and
         the first run's ``accuracy_before`` (the one "accuracy before RL")."""
@@ -62,7 +65,7 @@ class RunState:
             rundir.append_metrics(record)
         rundir.append_spans(spans)
         return cls(rundir, created, start, start, kept, spans, accuracy_before if start else None,
-                   loop_started=created)
+                   hacking, loop_started=created)
 
     def version(self) -> int:
         """The newest policy version the trainer reported (or resumed from)."""
@@ -97,6 +100,9 @@ class RunState:
             queue_depths=dict(self.depths), timestamp=now, **(provisioned or {}),
             **{name: getattr(rep, name) for name in _STEP_FIELDS})
         self.iteration_started = now
+        window, drop = self.hacking
+        record.reward_hacking = int(detect_records([*self.records, record], self.accuracy_before,
+                                                   window=window, drop=drop) is not None)
         if rep.policy_version >= last_version:
             # The loop ends with the last optimizer step: the final checkpoint and teardown that
             # follow are not RL time.

@@ -212,6 +212,24 @@ class RewardSection(Checked):
     # devices.placement rules like the other roles) and its dtype (auto: model.dtype)
     device: str = "auto"
     dtype: RoleDType = "auto"
+    # `streamflow model train-reward`: train until the accuracy on validation responses (to
+    # training-split prompts it does not train on) reaches this (0: no target, every epoch of
+    # the cap runs), at most train_max_epochs epochs (reaching the cap is reported: "cap hit");
+    # the best epoch's weights are kept either way
+    train_target_accuracy: float = bounded(0.93, ge=0, le=1)
+    train_max_epochs: int = bounded(40, ge=1)
+    # a run refuses a reward model whose manifest (reward_manifest.json, written by train-reward)
+    # records a held-out accuracy below this (0: never refuses), unless allow_weak; a model
+    # without a manifest (your own) is not checked, with a note
+    min_accuracy: float = bounded(0.85, ge=0, le=1)
+    allow_weak: bool = False  # start RL from a reward model below min_accuracy anyway
+    # reward hacking, watched during a run (metrics.jsonl `reward_hacking`, the live panel, the
+    # report): the mean held-out accuracy of the last hacking_window evaluations is at least
+    # hacking_drop below the best such mean earlier in the run while the mean reward over the
+    # iterations they span is above the reward when that best window began (docs/rewards.md
+    # "Reward hacking")
+    hacking_window: int = bounded(3, ge=2)
+    hacking_drop: float = bounded(0.1, gt=0, le=1)
 
     def check(self) -> None:
         _check_device(self.device)

@@ -49,11 +49,21 @@ def test_report_names_the_worst_case_and_whether_the_target_is_met(tmp_path):
     assert set(out["cases"][0]) == {"seed", "threads", "accuracy_before", "accuracy_after",
                                     "reward_first_window", "reward_last_window", "rl_seconds",
                                     "seconds_to_plus_0_10", "tool_calls_per_trajectory",
-                                    "reward_model_accuracy"}
+                                    "reward_model_accuracy", "reward_model_epochs",
+                                    "reward_model_cap_hit", "reward_hacking"}
+    assert good.reward_hacking is False  # no iteration flagged it
     assert out["tool_calls_per_trajectory"] == 0.0  # single-turn runs record no tool calls
     assert out["reward_model_accuracy"] is None  # a verifier's recipe trains no reward model
     weak.reward_model_accuracy, good.reward_model_accuracy = 0.8, 0.9
     assert report([good, weak])["reward_model_accuracy"] == 0.8  # the worst seed's
+
+
+def test_a_case_says_whether_any_iteration_flagged_reward_hacking(tmp_path):
+    run = _fake_run(tmp_path / "h", [0.3, None, 0.1], [1.0] * 3)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines[2]["reward_hacking"] = 1
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert read_case(run, 0, 1, 1.0).reward_hacking is True
 
 
 def test_tool_calls_are_the_last_window_mean_and_can_fail_the_target(tmp_path):

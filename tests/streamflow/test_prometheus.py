@@ -79,7 +79,7 @@ def test_promtool_accepts_shipped_config_and_rules() -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     proc = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True,
                           text=True, timeout=60)
-    assert "6 rules found" in proc.stdout
+    assert "7 rules found" in proc.stdout
 
 
 @pytest.mark.slow

@@ -50,6 +50,50 @@ def test_missing_models_and_bad_templates_are_one_line_errors_at_dry_run(capsys,
     assert rc == 2 and err.startswith("error: reward.engine: vllm serves a judge;"), err
 
 
+
+def _trained(path: Path, accuracy: float | None) -> str:
+    """A classifier directory as train-reward leaves it (a manifest recording ``accuracy``),
+    or without a manifest (``None``: a user's own reward model)."""
+    import json
+
+    model = _fake_model(path, "Qwen2ForSequenceClassification", num_labels=1)
+    if accuracy is not None:
+        (path / "reward_manifest.json").write_text(json.dumps(
+            {"key": {}, "report": {"heldout_accuracy": accuracy, "cap_hit": False}}))
+    return model
+
+
+def test_a_reward_model_below_min_accuracy_is_refused_unless_asked(capsys, tmp_path):
+    weak = _trained(tmp_path / "weak", 0.636)
+    rc, err = _dry_run(capsys, f"reward.model={weak}")
+    assert rc == 2 and "\n" not in err
+    assert err.startswith(f"error: reward.min_accuracy: {weak} records a held-out accuracy of "
+                          "0.636 (reward_manifest.json), below 0.85"), err
+    assert "reward.allow_weak=true" in err
+    # a run is refused the same way before anything is built (the check runs before the warm
+    # start; run.output_dir is never created)
+    assert main(["run", TINY, "run.output_dir=" + str(tmp_path / "never"),
+                 f"reward.model={weak}"]) == 2
+    assert capsys.readouterr().err.startswith("error: reward.min_accuracy:")
+    assert not (tmp_path / "never").exists()
+    # asked: allow_weak (with a note saying so), or no minimum, or a lower one
+    rc, err = _dry_run(capsys, f"reward.model={weak}", "reward.allow_weak=true")
+    assert rc == 0 and "note: reward.allow_weak: starting from reward.model" in err, err
+    assert _dry_run(capsys, f"reward.model={weak}", "reward.min_accuracy=0")[0] == 0
+    assert _dry_run(capsys, f"reward.model={weak}", "reward.min_accuracy=0.6")[0] == 0
+    good = _trained(tmp_path / "good", 0.95)
+    rc, err = _dry_run(capsys, f"reward.model={good}")
+    assert rc == 0 and "note:" not in err, err
+
+
+def test_a_reward_model_without_a_manifest_runs_with_a_note(capsys, tmp_path):
+    own = _trained(tmp_path / "own", None)
+    rc, err = _dry_run(capsys, f"reward.model={own}")
+    assert rc == 0, err
+    assert f"note: reward.model {own} records no accuracy" in err
+    assert "note:" not in _dry_run(capsys, f"reward.model={own}", "reward.min_accuracy=0")[1]
+
+
 def test_a_vllm_judge_without_vllm_installed_is_refused_at_dry_run(capsys, tmp_path, monkeypatch):
     import importlib.util
 
@@ -109,3 +153,19 @@ def test_the_plan_hands_the_reward_model_to_every_reward_worker(tmp_path):
     assert whole["reward"] is True
     plain = worker_plan(load_config(TINY, ["reward.model=/m"]), tmp_path / "b")
     assert not {t.name: t.whole_groups for t in plain.table_spec.tasks}["reward"]
+
+
+def test_train_reward_validates_on_training_split_prompts_it_does_not_train_on():
+    from streamflow.reward_model import split_validation
+    from workers.tasks.problem import Problem
+
+    pool = [Problem(f"{i % 7}+1=", str(i % 7 + 1)) for i in range(20)]  # repeats every 7
+    train, val = split_validation(pool, 5, 3)
+    assert [p.prompt for p in train] == [f"{i}+1=" for i in range(5)]
+    assert [p.prompt for p in val] == ["5+1=", "6+1="]  # the rest repeat training prompts
+    # a pool too short for both: validation takes its last fifth
+    train, val = split_validation(pool[:5], 5, 3)
+    assert (len(train), [p.prompt for p in val]) == (4, ["4+1="])
+    assert split_validation(pool[:1], 5, 3)[0] == []  # nothing left to train on
+    rc = main(["model", "train-reward", "/nonexistent/rm", "--config", TINY, "--epochs", "0"])
+    assert rc == 2

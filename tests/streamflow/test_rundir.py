@@ -332,7 +332,7 @@ def test_run_plots_decides_whether_the_end_of_a_run_draws_its_plots(tmp_path, pl
 
     assert load_config(None, [f"run.plots={str(plots).lower()}"]).run.plots is plots
     run_dir = RunDir(tmp_path / "run")
-    state = RunState.begin(time.time(), run_dir, 0, None)
+    state = RunState.begin(time.time(), run_dir, 0, None, (3, 0.1))
     for rec in _records(2):  # iterations 0 and 1, as the spans
         run_dir.append_metrics(rec)
         state.records.append(rec)

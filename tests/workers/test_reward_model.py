@@ -193,32 +193,39 @@ def test_group_and_running_normalisation():
 
 def test_train_reward_labels_the_policys_responses_and_saves_a_classifier(tmp_path_factory,
                                                                           tmp_path):
-    # a random tiny policy, 6 prompts x 2 responses, one epoch: what is checked is the pipeline
-    # (labels from the verifier, a directory the reward role loads, the manifest's reuse), not
-    # the accuracy (docs/rewards.md measures that)
+    # a random tiny policy, 6 prompts x 2 responses, two epochs and no target: what is checked
+    # is the pipeline (labels from the verifier, a directory the reward role loads, the
+    # manifest's reuse), not the accuracy (docs/rewards.md measures that)
     from workers.models.reward_train import RewardRecipe, read_manifest, train_reward_model
     from workers.tasks.arithmetic import ArithmeticTask
 
     policy = _tiny(tmp_path_factory, "Qwen2ForCausalLM")
     task = ArithmeticTask(digits=1, operations=("+",), seed=0)
     train, held = task.train_problems(6), task.eval_problems(3)
-    recipe = RewardRecipe(seed=0, temperature=1.0, max_new_tokens=3, prompts=6, samples=2,
-                          epochs=1, batch_size=4, edits=1)
+    val = [p for p in task.train_problems(12) if p not in train][:2]
+    recipe = RewardRecipe(seed=0, temperature=1.0, max_new_tokens=3, target_accuracy=0.0,
+                          max_epochs=2, prompts=6, samples=2, batch_size=4, edits=1)
     settings = RewardModelSettings(template="{prompt}{response}={answer}")
     # "brevity" scores every response above 0: all positive, whatever the random policy says
     report = train_reward_model(tmp_path / "rm", policy, train, held, recipe=recipe,
-                                settings=settings, verifier="brevity", threshold=0.0,
-                                timeout_s=2.0)
-    # per training prompt: 2 responses, 1 edit of the answer, the answer; held out: responses
+                                validation_problems=val, settings=settings, verifier="brevity",
+                                threshold=0.0, timeout_s=2.0)
+    # per training prompt: 2 responses, 1 edit of the answer, the answer; held out and
+    # validation: responses
     assert (report.train_responses, report.heldout_responses) == (6 * 4, 3 * 2)
+    assert report.validation_responses == 2 * 2
     assert report.train_positive_fraction == 1.0 and not report.reused
+    # no target: both epochs ran, the better one kept, no cap "hit"
+    assert (report.epochs, report.cap_hit) == (2, False) and report.best_epoch in (1, 2)
+    history = read_manifest(tmp_path / "rm")["validation_history"]
+    assert len(history) == 2 and report.validation_accuracy == max(history)
     rm = HFRewardModel(RewardModelSettings(model=str(tmp_path / "rm"),
                                            template=settings.template), **CPU)
     assert rm.kind == "classifier" and len(rm.score(PROMPTS, RESPONSES, ANSWERS)) == 5
     assert read_manifest(tmp_path / "rm")["report"]["heldout_accuracy"] == report.heldout_accuracy
     again = train_reward_model(tmp_path / "rm", policy, train, held, recipe=recipe,
-                               settings=settings, verifier="brevity", threshold=0.0,
-                               timeout_s=2.0)
+                               validation_problems=val, settings=settings, verifier="brevity",
+                               threshold=0.0, timeout_s=2.0)
     assert again.reused and again.heldout_accuracy == report.heldout_accuracy
 
 
@@ -234,3 +241,74 @@ def test_an_edit_of_the_answer_is_one_character_away_from_it():
         # (a digit replaced by itself gives the answer back: the verifier labels it correct)
     assert {len(e) for e in edits} == {1, 2, 3}  # added, dropped and replaced all drawn
     assert edit("", random.Random(1)) != ""  # an empty answer can only grow
+
+
+class _Scorer(torch.nn.Module):
+    """A stand-in classifier for ``_fit``: one logit per row from a learnt weight per token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, input_ids, attention_mask):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=(self.w[input_ids] * attention_mask).sum(1, keepdim=True))
+
+
+def _fit_run(scores: list[float], **recipe):
+    """``_fit`` with a scripted validation accuracy per epoch; the weights after each epoch."""
+    from workers.models.reward_train import RewardRecipe, _fit
+
+    model, seen = _Scorer(), []
+    enc = {"input_ids": torch.tensor([[1, 2], [3, 0]] * 4),
+           "attention_mask": torch.ones(8, 2, dtype=torch.long)}
+    labels = torch.tensor([1, 0] * 4)
+
+    def validate() -> float:
+        seen.append(model.w.detach().clone())
+        return scores[len(seen) - 1]
+
+    r = RewardRecipe(**{"seed": 0, "temperature": 1.0, "max_new_tokens": 3, "batch_size": 4,
+                        "lr": 0.1, **recipe})
+    return _fit(model, enc, labels, r, validate), model, seen
+
+
+def test_reward_training_stops_at_its_target_and_keeps_the_best_epoch():
+    fit, model, seen = _fit_run([0.5, 0.8, 0.7, 0.94, 0.99], target_accuracy=0.93, max_epochs=10)
+    assert fit.history == [0.5, 0.8, 0.7, 0.94] and not fit.cap_hit  # stopped at the target
+    assert (fit.best, fit.best_epoch) == (0.94, 4) and torch.equal(model.w, seen[3])
+
+
+def test_reward_training_reports_the_cap_and_keeps_its_best_epoch():
+    fit, model, seen = _fit_run([0.5, 0.8, 0.7, 0.75], target_accuracy=0.93, max_epochs=4)
+    assert fit.history == [0.5, 0.8, 0.7, 0.75] and fit.cap_hit
+    # the weights are epoch 2's (the best), not the last epoch's
+    assert fit.best_epoch == 2 and torch.equal(model.w, seen[1])
+    assert not torch.equal(model.w, seen[3])
+    # no target: every epoch of the cap runs, and nothing is "hit"
+    fit, _, _ = _fit_run([0.5, 0.99, 0.7], target_accuracy=0.0, max_epochs=3)
+    assert (len(fit.history), fit.best_epoch, fit.cap_hit) == (3, 2, False)
+
+
+def test_train_reward_records_and_logs_a_cap_hit(tmp_path_factory, tmp_path, monkeypatch,
+                                                caplog):
+    # a validation accuracy that never reaches the target (scripted: the model's own on a random
+    # policy's responses could reach it by luck): the manifest and the log say "cap hit"
+    from workers.models import reward_train
+    from workers.tasks.arithmetic import ArithmeticTask
+
+    policy = _tiny(tmp_path_factory, "Qwen2ForCausalLM")
+    task = ArithmeticTask(digits=1, operations=("+",), seed=0)
+    monkeypatch.setattr(reward_train, "_accuracy", lambda *a: 0.5)
+    recipe = reward_train.RewardRecipe(seed=0, temperature=1.0, max_new_tokens=2,
+                                       target_accuracy=0.9, max_epochs=2, prompts=4, samples=1,
+                                       batch_size=4, edits=0)
+    report = reward_train.train_reward_model(
+        tmp_path / "rm", policy, task.train_problems(4), task.eval_problems(2), recipe=recipe,
+        settings=RewardModelSettings(), verifier="brevity", threshold=0.0, timeout_s=2.0)
+    assert (report.cap_hit, report.epochs, report.best_epoch) == (True, 2, 1)
+    saved = reward_train.read_manifest(tmp_path / "rm")["report"]
+    assert saved["cap_hit"] is True and saved["validation_accuracy"] == 0.5
+    assert saved["heldout_accuracy"] == 0.5 and saved["target_accuracy"] == 0.9
+    assert any("cap hit" in r.getMessage() for r in caplog.records)

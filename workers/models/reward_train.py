@@ -7,21 +7,31 @@ verifier (``reward.fn`` against ``reward.success_threshold``) labels each one co
 sequence classifier is the policy's own backbone with a one-logit head
 (``AutoModelForSequenceClassification`` over the policy's directory: the head is new), trained
 with a class-balanced logistic loss on exactly the text the reward role gives it
-(``workers.engines.reward_model.render``). Its accuracy (logit > 0 = "correct") is measured on
-the responses to the held-out prompts, which neither the reward model nor the policy trains on.
-Everything is seeded and runs on one torch thread, so a recipe gives the same model on a machine
-with the same kernels. The directory is saved with ``save_pretrained`` plus a manifest
-(``reward_manifest.json``); ``train_reward_model`` reuses a directory whose manifest holds the
-same recipe and policy.
+(``workers.engines.reward_model.render``).
+
+Three sets of responses, on three sets of prompts: training (with edits of the answers), the
+**validation** responses to further training-split prompts the classifier does not train on,
+and the **held-out** responses to the run's evaluation prompts. Training goes on epoch by epoch
+until the validation accuracy (logit > 0 = "correct") reaches ``target_accuracy``, at most
+``max_epochs`` epochs (the cap; hitting it is reported), and keeps the epoch of the best
+validation accuracy: how many epochs a seed needs differs between machines (float kernels change
+the trajectory), so a fixed count made a model that was good on one machine and weak on another.
+The held-out accuracy is measured once, on the kept model: neither the classifier nor the choice
+of its epoch sees those responses, so it is the figure ``reward.min_accuracy`` is checked
+against. Everything is seeded and runs on one torch thread. The directory is saved with
+``save_pretrained`` plus a manifest (``reward_manifest.json``, ``workers.models.reward_manifest``);
+``train_reward_model`` reuses a directory whose manifest holds the same recipe and policy.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
+import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,12 +41,13 @@ from transformers import PreTrainedTokenizerBase
 from workers.engines.base import SamplingParams
 from workers.engines.reward_model import render
 from workers.models.local import load_model, load_tokenizer, save_model
+from workers.models.reward_manifest import MANIFEST, read_manifest
 from workers.models.tokenizer import encode_prompt
 from workers.settings import RewardModelSettings
 from workers.tasks.problem import Problem
 from workers.tasks.verifiers import RewardRunner
 
-MANIFEST = "reward_manifest.json"
+log = logging.getLogger("workers.models.reward_train")
 
 
 @dataclass(frozen=True)
@@ -48,15 +59,23 @@ class RewardRecipe:
     seed: int
     temperature: float
     max_new_tokens: int
+    # reward.train_target_accuracy and reward.train_max_epochs (streamflow.reward_model fills
+    # them): no default of their own
+    target_accuracy: float  # stop once the validation accuracy reaches this (0: no target)
+    max_epochs: int  # the cap: passes over the labelled responses at most
     # the recipe's own
     prompts: int = 512  # training-split prompts whose responses are labelled
     samples: int = 4  # responses per prompt
     # edits of the reference answer per prompt (a character added, dropped or replaced), plus
     # the answer itself, labelled by the verifier beside the policy's responses (0: none)
     edits: int = 2
-    epochs: int = 10  # passes over the labelled responses
+    validation_prompts: int = 128  # further training-split prompts: the stop rule's responses
     batch_size: int = 64
-    lr: float = 1e-3  # AdamW, constant after a 20-step warm-up
+    # AdamW, constant after a 20-step warm-up: nothing may depend on the total step count, which
+    # the target decides. Not halved on a plateau: a seed's validation accuracy often dips for
+    # epochs (towards "always correct") before the classifier learns to compare the response with
+    # the answer, and a smaller step there only stretches the dip (docs/rewards.md)
+    lr: float = 3e-4
     threads: int = 1  # torch threads while training (same weights on any thread count)
 
 
@@ -72,6 +91,12 @@ class RewardReport:
     heldout_positive_fraction: float
     heldout_accuracy: float  # logit > 0 agrees with the verifier on held-out prompts' responses
     seconds: float
+    validation_responses: int = 0
+    validation_accuracy: float = 0.0  # of the kept epoch (the best one)
+    target_accuracy: float = 0.0
+    epochs: int = 0  # epochs trained
+    best_epoch: int = 0  # the kept one (1-based)
+    cap_hit: bool = False  # the target was not reached within max_epochs
     reused: bool = False
 
 
@@ -140,19 +165,15 @@ def _accuracy(model: torch.nn.Module, enc: dict[str, torch.Tensor], labels: torc
     return float(((logits > 0).long() == labels).float().mean())
 
 
-def read_manifest(path: str | Path) -> dict | None:
-    try:
-        return json.loads((Path(path) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def train_reward_model(out_dir: str | Path, policy_dir: str | Path,
                        train_problems: Sequence[Problem], heldout_problems: Sequence[Problem], *,
                        recipe: RewardRecipe, settings: RewardModelSettings,
+                       validation_problems: Sequence[Problem] = (),
                        verifier: str, threshold: float, timeout_s: float,
                        force: bool = False) -> RewardReport:
-    """Label the policy's responses, train the classifier, save it to ``out_dir``."""
+    """Label the policy's responses, train the classifier to ``recipe.target_accuracy`` on the
+    responses to ``validation_problems`` (none: on the training responses themselves), save it
+    to ``out_dir``."""
     from transformers import AutoModelForSequenceClassification
 
     out = Path(out_dir)
@@ -160,6 +181,7 @@ def train_reward_model(out_dir: str | Path, policy_dir: str | Path,
            "verifier": verifier, "threshold": threshold, "template": settings.template,
            "chat_template": settings.chat_template,
            "train_prompts": [p.prompt for p in train_problems[:8]],
+           "validation_prompts": [p.prompt for p in validation_problems[:8]],
            "heldout_prompts": len(heldout_problems)}
     found = read_manifest(out)
     if not force and found is not None and found.get("key") == key:
@@ -177,9 +199,12 @@ def train_reward_model(out_dir: str | Path, policy_dir: str | Path,
                       threshold=threshold, timeout_s=timeout_s)
         train = sample_labelled(policy, tokenizer, train_problems, seed=recipe.seed,
                                 edits=recipe.edits, **sample)
-        # held out: the policy's own responses only (what the reward model will be asked)
+        # validation and held out: the policy's own responses only (what the reward model will
+        # be asked)
         held = sample_labelled(policy, tokenizer, heldout_problems, seed=recipe.seed + 1,
                                **sample)
+        val = sample_labelled(policy, tokenizer, validation_problems, seed=recipe.seed + 2,
+                              **sample) if validation_problems else train
         del policy
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(recipe.seed)
@@ -188,37 +213,61 @@ def train_reward_model(out_dir: str | Path, policy_dir: str | Path,
                 attn_implementation="eager")
             model.config.pad_token_id = tokenizer.pad_token_id
             enc, labels = _encode(tokenizer, settings, train), torch.tensor(train[3])
+            val_enc, val_labels = _encode(tokenizer, settings, val), torch.tensor(val[3])
             held_enc, held_labels = _encode(tokenizer, settings, held), torch.tensor(held[3])
-            _fit(model, enc, labels, recipe)
+            fit = _fit(model, enc, labels, recipe,
+                       validate=lambda: _accuracy(model, val_enc, val_labels))
         report = RewardReport(
             out_dir=str(out), train_responses=len(labels),
             train_positive_fraction=float(labels.float().mean()),
             train_accuracy=_accuracy(model, enc, labels), heldout_responses=len(held_labels),
             heldout_positive_fraction=float(held_labels.float().mean()),
             heldout_accuracy=_accuracy(model, held_enc, held_labels),
-            seconds=round(time.perf_counter() - t0, 1))
+            seconds=round(time.perf_counter() - t0, 1), validation_responses=len(val_labels),
+            validation_accuracy=fit.best, target_accuracy=recipe.target_accuracy,
+            epochs=len(fit.history), best_epoch=fit.best_epoch, cap_hit=fit.cap_hit)
     finally:
         torch.set_num_threads(threads)
+    if report.cap_hit:
+        log.warning("reward model: cap hit: validation accuracy %.3f after %d epochs (the cap, "
+                    "reward.train_max_epochs), below the target %.3f "
+                    "(reward.train_target_accuracy); kept epoch %d", report.validation_accuracy,
+                    report.epochs, recipe.target_accuracy, report.best_epoch)
     save_model(model, tokenizer, out)
     saved = asdict(report)
     saved.pop("reused")
     # written last: a directory without it is never reused
-    (out / MANIFEST).write_text(json.dumps({"key": key, "report": saved}, indent=2) + "\n")
+    (out / MANIFEST).write_text(json.dumps({"key": key, "report": saved, "validation_history":
+                                            fit.history}, indent=2) + "\n")
     return report
 
 
+@dataclass
+class FitResult:
+    """What ``_fit`` did: the validation accuracy after each epoch, and the kept epoch's."""
+
+    history: list[float]
+    best: float
+    best_epoch: int  # 1-based
+    cap_hit: bool
+
+
 def _fit(model: torch.nn.Module, enc: dict[str, torch.Tensor], labels: torch.Tensor,
-         recipe: RewardRecipe) -> None:
+         recipe: RewardRecipe, validate: Callable[[], float]) -> FitResult:
     """Class-balanced logistic loss on the logit (positives weighted by negatives / positives:
-    a policy right a third of the time must not teach "always wrong")."""
+    a policy right a third of the time must not teach "always wrong"), epoch by epoch until
+    ``validate()`` reaches the target or ``max_epochs`` ran; the model ends with the weights of
+    its best epoch (the first of equals)."""
     positives = float(labels.sum())
     weight = torch.tensor((len(labels) - positives) / max(positives, 1.0))
     loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=weight)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     order = torch.Generator().manual_seed(recipe.seed)
     steps = itertools.count()
-    model.train()
-    for _ in range(recipe.epochs):
+    history: list[float] = []
+    best, best_epoch, best_state = -1.0, 0, None
+    for epoch in range(1, recipe.max_epochs + 1):
+        model.train()
         perm = torch.randperm(len(labels), generator=order).tolist()
         for i in range(0, len(perm), recipe.batch_size):
             rows = perm[i:i + recipe.batch_size]
@@ -229,4 +278,16 @@ def _fit(model: torch.nn.Module, enc: dict[str, torch.Tensor], labels: torch.Ten
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        history.append(round(validate(), 4))  # (_accuracy leaves the model in eval mode)
+        log.info("reward model: epoch %d/%d, validation accuracy %.3f", epoch,
+                 recipe.max_epochs, history[-1])
+        if history[-1] > best:
+            best, best_epoch = history[-1], epoch
+            best_state = copy.deepcopy(model.state_dict())
+        if 0 < recipe.target_accuracy <= history[-1]:
+            break
+    if best_state is not None and best_epoch != len(history):
+        model.load_state_dict(best_state)
     model.eval()
+    return FitResult(history, best, best_epoch,
+                     cap_hit=0 < recipe.target_accuracy and best < recipe.target_accuracy)
