@@ -18,8 +18,8 @@ between evaluations of a healthy run (docs/learning.md). B's *starting* reward, 
 a policy that finds its reward model's blind spot at once raises the reward within the first
 window already, which a comparison with that window's mean would miss once the reward levels
 off (measured: docs/rewards.md "Reward hacking"). The controller sets each iteration's
-``reward_hacking`` (metrics.jsonl, the Prometheus gauge ``streamflow_run_reward_hacking``) to
-whether the rule holds at that iteration; the live panel and ``streamflow report`` say so.
+``reward_hacking`` (metrics.jsonl; the Prometheus gauge ``streamflow_run_reward_hacking_ratio``)
+to whether the rule holds at that iteration; the live panel and ``streamflow report`` say so.
 """
 
 from __future__ import annotations

@@ -41,9 +41,10 @@ _SERIES: tuple[tuple[str, Any, str, str, tuple[str, ...]], ...] = (
     ("reward_std", Gauge, "reward_std", "Reward standard deviation of the last iteration.", ()),
     ("accuracy", Gauge, "accuracy_ratio",
      "Held-out greedy accuracy of the last evaluated policy version (0..1).", ()),
-    ("reward_hacking", Gauge, "reward_hacking",
+    ("reward_hacking", Gauge, "reward_hacking_ratio",
      "1 while held-out accuracy falls as the reward rises (possible reward hacking: "
-     "reward.hacking_window, reward.hacking_drop), else 0.", ()),
+     "reward.hacking_window, reward.hacking_drop), else 0; averaged over time, the share of "
+     "the time it held.", ()),
     ("turns_mean", Gauge, "turns_mean",
      "Mean model turns per trajectory of the last iteration (1: single-turn).", ()),
     ("tool_calls_mean", Gauge, "tool_calls_mean",

@@ -19,7 +19,6 @@ import socket
 from pathlib import Path
 
 from streamflow.config import ConfigError, RunConfig
-from workers.models.reward_manifest import MANIFEST, recorded_accuracy
 
 # What a run writes into run.output_dir (streamflow/rundir.py, controller, metrics, store persist).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "timeline.jsonl", "summary.json")
@@ -156,8 +155,12 @@ def notes(cfg: RunConfig) -> list[str]:
         out.append("model.path is unset: the built-in model is warm-started on its arithmetic "
                    f"task, not on {cfg.data.file}; set model.path to train your own model")
     r = cfg.reward
-    accuracy = recorded_accuracy(r.model) if r.model is not None else None
-    if r.model is not None and r.min_accuracy > 0 and accuracy is None:
+    if r.model is None:
+        return out
+    from workers.models.reward_manifest import MANIFEST, recorded_accuracy
+
+    accuracy = recorded_accuracy(r.model)
+    if r.min_accuracy > 0 and accuracy is None:
         out.append(f"reward.model {r.model} records no accuracy (no {MANIFEST}: not made by "
                    "streamflow model train-reward), so reward.min_accuracy is not checked; "
                    "watch the run's reward_hacking metric")
@@ -184,6 +187,7 @@ def _check_reward_model(cfg: RunConfig) -> None:
     not below reward.min_accuracy where its manifest records an accuracy."""
     from workers.checked import ConfigValueError
     from workers.engines.reward_model import model_kind
+    from workers.models.reward_manifest import MANIFEST, recorded_accuracy
 
     try:
         model_kind(cfg.reward.scorer)

@@ -121,12 +121,12 @@ def test_the_flag_reaches_metrics_jsonl_the_gauge_the_panel_and_the_report(tmp_p
         gauge.on_record(record)
         display.update(record)
         if k == 28:  # the evaluation before the one the rule fires at
-            assert gauge.registry.get_sample_value("streamflow_run_reward_hacking") == 0
+            assert gauge.registry.get_sample_value("streamflow_run_reward_hacking_ratio") == 0
     state.finish("periodic", "hack", "ok", None, None, plots=False)
     flags = [json.loads(line)["reward_hacking"]
              for line in run_dir.metrics_path.read_text().splitlines()]
     assert flags == [0] * 29 + [1] * 31
-    assert gauge.registry.get_sample_value("streamflow_run_reward_hacking") == 1
+    assert gauge.registry.get_sample_value("streamflow_run_reward_hacking_ratio") == 1
     # one warning when it starts, not one per iteration; the panel says it while it holds
     warnings = [r.getMessage() for r in caplog.records if HACKING_WARNING in r.getMessage()]
     assert warnings == [f"iteration 30: {HACKING_WARNING}"]
