@@ -64,7 +64,8 @@ def test_dry_run_does_not_import_the_engine():
     # is standard-library only as well, and so are workers.settings (the knobs the config embeds)
     # and workers.checked (their checks).
     # The task checks build the arithmetic task and its held-out split (pyarrow only for files).
-    # workers.settings takes env.sandbox.*'s defaults from workers.agent.sandbox (stdlib only);
+    # workers.settings takes env.sandbox.*'s defaults from workers.agent.sandbox and its cgroup
+    # module (stdlib only);
     # the verifiers read tool-call markers (workers.agent.toolcall) and run user functions in a
     # child (workers.runtime.child): both standard-library only.
     light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.tasks",
@@ -72,6 +73,7 @@ def test_dry_run_does_not_import_the_engine():
              "workers.tasks.problem", "workers.tasks.prompt_file", "workers.settings",
              "workers.checked",
              "workers.models", "workers.models.spec", "workers.agent", "workers.agent.sandbox",
+                 "workers.agent.cgroup",
              "workers.agent.toolcall", "workers.runtime", "workers.runtime.child")
     code = (
         "import sys; from streamflow.cli import main; "
