@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -28,7 +29,9 @@ from streamflow.config import RunConfig, StoreSection
 from streamflow.devices import RoleDevices, resolve_devices, weight_sync_path
 from streamflow.rundir import read_jsonl
 from workers.config import (
+    AgentWorkerConfig,
     EnvironmentWorkerConfig,
+    GatewayWorkerConfig,
     ReferenceWorkerConfig,
     RewardWorkerConfig,
     RolloutWorkerConfig,
@@ -43,7 +46,7 @@ from workers.models.warmstart import BuiltinRecipe, prepare_builtin
 from workers.runtime import cores
 from workers.runtime.cores import MAX_SLOTS, CoreShareConfig
 from workers.runtime.cores import create as create_core_table
-from workers.schema import prompt_rows
+from workers.schema import agent_prompt_rows, prompt_rows
 from workers.settings import AgentSettings
 from workers.tasks.arithmetic import ArithmeticTask
 from workers.tasks.evaluate import greedy_accuracy, reward_scorer
@@ -101,8 +104,11 @@ class RunPlan:
     rollout: RolloutWorkerConfig = field(init=False)
     reward: RewardWorkerConfig = field(init=False)
     reference: ReferenceWorkerConfig | None = field(init=False)
-    # the environment workers' record (rollout.max_turns > 1; None: single-turn)
+    # the environment workers' record (rollout.max_turns > 1; None: single-turn or agent.fn)
     environment: EnvironmentWorkerConfig | None = field(init=False)
+    # a gateway run's (agent.fn) gateway and agent workers' records; None otherwise
+    gateway: GatewayWorkerConfig | None = field(init=False)
+    agent: AgentWorkerConfig | None = field(init=False)
     trainer: TrainerWorkerConfig = field(init=False)
     devices: RoleDevices | None = None
     rendezvous: object | None = None  # workers.weights.group.Rendezvous (collective only)
@@ -128,6 +134,7 @@ class RunPlan:
             lease_seconds=s.lease_seconds, max_deliveries=s.max_deliveries,
             fsync="always" if s.fsync else "never", max_turns=self.cfg.rollout.max_turns,
             partial_cuts=self.cfg.rollout.partial_max_cuts if self.cfg.partial else 0,
+            gateway=self.cfg.gateway,
             reward_whole_groups=self.cfg.reward.model is not None
             and self.cfg.reward.normalize == "group")
 
@@ -156,9 +163,14 @@ class RunPlan:
         first, count = iteration * n if first is None else first, n if count is None else count
         problems = self.problems_at(first, count)
         g = self.cfg.data.group_size
-        rows = prompt_rows(iteration, [self.encode(p.prompt) for p in problems],
-                           [p.answer for p in problems], group_size=g,
-                           min_policy_version=min_policy_version(iteration, staleness))
+        if self.cfg.gateway:  # the agents get the text; the gateway writes prompt_ids
+            rows = agent_prompt_rows(iteration, [p.prompt for p in problems],
+                                     [p.answer for p in problems], group_size=g,
+                                     min_policy_version=min_policy_version(iteration, staleness))
+        else:
+            rows = prompt_rows(iteration, [self.encode(p.prompt) for p in problems],
+                               [p.answer for p in problems], group_size=g,
+                               min_policy_version=min_policy_version(iteration, staleness))
         if first != iteration * count:  # (prompt_rows numbers iteration's own block)
             ids = pa.array(np.repeat(np.arange(first, first + count, dtype=np.int64), g))
             at = rows.schema.get_field_index("group_id")
@@ -177,7 +189,8 @@ class RunPlan:
             common = replace(self.rollout.common, name=f"{role}-{i}", role=role, table=self.table,
                              store_addresses=store_addresses, events_address=events_address,
                              threads=threads, coordinator_address=coordinator_address)
-            if role not in ("reward", "environment") and self.cores_path is not None:  # the host's shared budget
+            if role not in ("reward", "environment", "gateway", "agent") and (
+                    self.cores_path is not None):  # the host's shared budget
                 cap = threads if role == "rollout" else 0  # see CoreShareConfig.max_threads
                 share = CoreShareConfig(str(self.cores_path), next(slots), self.host_threads, cap)
                 common = replace(common, threads=cap or self.host_threads, cores=share)
@@ -194,6 +207,10 @@ class RunPlan:
         if self.environment is not None:  # CPU only: tool calls, observations, no model
             for i in range(c.env.num_workers):
                 add("environment", self.environment, i, 1)
+        if self.gateway is not None and self.agent is not None:  # CPU only, no model
+            add("gateway", self.gateway, 0, 1)
+            for i in range(c.agent.num_workers):
+                add("agent", self.agent, i, 1)
         if self.reference is not None:
             for i in range(c.reference.num_workers):
                 add("reference", self.reference, i, c.reference.threads)
@@ -298,10 +315,25 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
         weights_group=group and replace(group, rank=1),
         reference_path=model if cfg.reference_in_rollout else None,
         reference_dtype=devices.reference_dtype, reference_pack=t.pack, agent=agent,
-        cuts=r.cuts)
+        agent_driven=cfg.gateway, cuts=r.cuts)
     plan.environment = EnvironmentWorkerConfig(
         common=_named(blank, "environment", 1), model_path=model,
-        rows_per_claim=cfg.env.rows_per_claim, agent=agent) if agent is not None else None
+        rows_per_claim=cfg.env.rows_per_claim, agent=agent) if agent is not None and (
+            not cfg.gateway) else None
+    plan.gateway = plan.agent = None
+    if cfg.gateway and agent is not None:
+        a, secret = cfg.agent, secrets.token_hex(16)
+        port = a.port or free_port(a.host)  # fixed for the run: a restart binds the same
+        plan.gateway = GatewayWorkerConfig(
+            common=_named(blank, "gateway", 1), model_path=model, agent=agent, host=a.host,
+            port=port, secret=secret, call_timeout_s=a.call_timeout_s,
+            lease_seconds=cfg.store.lease_seconds,
+            served_log=str(plan.run_dir / "gateway-served.jsonl"))
+        host = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host
+        plan.agent = AgentWorkerConfig(
+            common=_named(blank, "agent", 1), fn=str(a.fn), gateway_url=f"http://{host}:{port}",
+            secret=secret, episodes=a.episodes_per_worker, timeout_s=a.timeout_s,
+            call_timeout_s=a.call_timeout_s, attempts=cfg.store.max_deliveries)
     plan.reward = RewardWorkerConfig(common=_named(blank, "reward", 1), model_path=model,
                                      verifier=cfg.reward.verifier,
                                      rows_per_claim=cfg.reward.rows_per_claim, agent=agent,

@@ -98,6 +98,9 @@ class RolloutWorkerConfig:
     device: str  # cpu | cuda:N (resolved by the controller, streamflow/devices.py)
     dtype: str  # torch engine's parameter dtype
     reference_dtype: str  # the reference copy's (used with reference_path only)
+    # the turns are an agent's calls through the gateway (agent.fn set): turn 0 row by row, and
+    # only the agent ends a trajectory (workers.roles.turns.TurnPolicy.agent_driven)
+    agent_driven: bool
     sampling: SamplingSettings = embed(SamplingSettings)
     weight_wait_s: float = 600.0  # longest wait for a required policy version
     generate: TorchGenerateSettings = embed(TorchGenerateSettings)  # torch engine only
@@ -200,14 +203,49 @@ class TrainerWorkerConfig:
                              "reference_in_store); set kl_coef=0 to train without one")
 
 
+@dataclass
+class GatewayWorkerConfig:
+    """The gateway (workers.gateway) of a gateway run (agent.fn): the OpenAI-compatible endpoint
+    whose calls are the turns of the episodes' rows."""
+
+    common: WorkerCommon
+    model_path: str  # for the tokenizer and its chat template
+    agent: AgentSettings  # max_turns, max_total_tokens, env.format (plain or chat template)
+    host: str  # agent.host
+    port: int  # agent.port, resolved: a restarted gateway takes the same one
+    secret: str  # the run's episode-key secret (hex), shared with the agent workers
+    call_timeout_s: float  # agent.call_timeout_s
+    lease_seconds: float  # store.lease_seconds
+    # JSON lines, one per answered call: what it fed the model and the turn it answered with
+    # (the exact-token check); None: not kept
+    served_log: str | None = None
+
+
+@dataclass
+class AgentWorkerConfig:
+    """An agent worker (workers.roles.agent): runs the user's agent once per episode."""
+
+    common: WorkerCommon
+    fn: str  # agent.fn
+    gateway_url: str  # http://host:port of the run's gateway
+    secret: str  # the run's episode-key secret (hex)
+    episodes: int  # agent.episodes_per_worker
+    timeout_s: float  # agent.timeout_s
+    call_timeout_s: float  # agent.call_timeout_s (how long an episode's end may wait)
+    attempts: int  # store.max_deliveries: runs of an agent that makes no call
+
+
 WorkerConfig = (RolloutWorkerConfig | RewardWorkerConfig | ReferenceWorkerConfig
-                | TrainerWorkerConfig | EnvironmentWorkerConfig)
+                | TrainerWorkerConfig | EnvironmentWorkerConfig | GatewayWorkerConfig
+                | AgentWorkerConfig)
 ROLE_CONFIGS: dict[str, type] = {
     "rollout": RolloutWorkerConfig,
     "reward": RewardWorkerConfig,
     "reference": ReferenceWorkerConfig,
     "trainer": TrainerWorkerConfig,
     "environment": EnvironmentWorkerConfig,
+    "gateway": GatewayWorkerConfig,
+    "agent": AgentWorkerConfig,
 }
 
 T = TypeVar("T")

@@ -22,7 +22,9 @@ import torch
 import storage
 from workers.config import (
     ROLE_CONFIGS,
+    AgentWorkerConfig,
     EnvironmentWorkerConfig,
+    GatewayWorkerConfig,
     RewardWorkerConfig,
     RolloutWorkerConfig,
     TrainerWorkerConfig,
@@ -70,7 +72,11 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
     session: Any = None  # storage.coordinator_session.ConsumerSession of a stage worker
     stages: list[Any] = []
     try:
-        if isinstance(cfg, TrainerWorkerConfig):
+        if isinstance(cfg, GatewayWorkerConfig):
+            from workers.gateway.worker import run_gateway
+
+            run_gateway(cfg, stop, lambda: events.send(ready()))
+        elif isinstance(cfg, TrainerWorkerConfig):
             trainer = build_trainer(cfg, client, events, keeper, metrics)
             if trainer.ranks is not None and not trainer.ranks.is_leader:
                 trainer.follow()  # rank > 0: rank 0 owns the store, the reports and the stop
@@ -95,6 +101,12 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
                         metrics.follow_partial(first)
             elif isinstance(cfg, EnvironmentWorkerConfig):
                 stages = build_environment(cfg, metrics.tool_call if metrics else None)
+            elif isinstance(cfg, AgentWorkerConfig):
+                from workers.roles.agent import AgentStage
+
+                stages = [AgentStage(cfg.fn, cfg.gateway_url, bytes.fromhex(cfg.secret),
+                                     episodes=cfg.episodes, timeout_s=cfg.timeout_s,
+                                     end_timeout_s=cfg.call_timeout_s, attempts=cfg.attempts)]
             elif isinstance(cfg, RewardWorkerConfig):
                 stages = [build_reward(cfg)]
             else:

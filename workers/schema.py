@@ -109,6 +109,21 @@ VERSION_RUNS_FIELD = pa.field("response_version_runs", pa.list_(pa.struct([
 ENV_REWARD_FIELD = pa.field("env_reward", pa.float32())
 
 
+# gateway runs (``agent.fn``; workers.gateway): the problem's prompt as text, handed to the user's
+# agent, which calls the gateway itself; ``prompt_ids`` is then its first call's rendered messages,
+# written by the gateway (docs/agents.md)
+AGENT_PROMPT_FIELD = pa.field("agent_prompt", pa.string())
+
+
+def call_columns(max_turns: int) -> list[pa.Field]:
+    """Gateway runs: per model turn t, the canonical JSON of the messages and tools of the call
+    that turn t answers, written with what that call fed the model (``prompt_ids`` for t = 0,
+    ``obs{t-1}_ids`` after). A later call is known to extend the episode, or to repeat call t
+    (an agent's retry or a redelivered agent), by comparing against these."""
+    # canonical JSON {"messages": [...], "tools": [...]} of the call turn t answers; NULL: none
+    return [pa.field(f"call{t}_messages", pa.string()) for t in range(max_turns)]
+
+
 PUT_COLUMNS = ("group_id", "iteration", "min_policy_version", "prompt_ids", "answer")
 ROLLOUT_READS = ("group_id", "iteration", "min_policy_version", "prompt_ids")
 ROLLOUT_COLUMNS = ("response_ids", "response_logprobs", "policy_version", "finish_reason",
@@ -121,6 +136,9 @@ TRAINER_READS = ("group_id", "iteration", "prompt_ids", "response_ids", "respons
                  "response_loss_mask", "policy_version", "reward", "reward_ok")
 TRAINER_COLUMNS = ("advantage",)
 _PUT_SCHEMA = pa.schema([SAMPLES_SCHEMA.field(c) for c in PUT_COLUMNS])
+AGENT_PUT_COLUMNS = ("group_id", "iteration", "min_policy_version", "answer", "agent_prompt")
+_AGENT_PUT_SCHEMA = pa.schema([*(SAMPLES_SCHEMA.field(c) for c in AGENT_PUT_COLUMNS[:-1]),
+                               AGENT_PROMPT_FIELD])
 
 
 def prompt_rows(iteration: int, prompts: Sequence[Sequence[int]], answers: Sequence[str], *,
@@ -137,13 +155,28 @@ def prompt_rows(iteration: int, prompts: Sequence[Sequence[int]], answers: Seque
     }, schema=_PUT_SCHEMA)
 
 
+def agent_prompt_rows(iteration: int, prompts: Sequence[str], answers: Sequence[str], *,
+                      group_size: int, min_policy_version: int) -> pa.RecordBatch:
+    """``prompt_rows`` of a gateway run: the prompts as text (``agent_prompt``), no
+    ``prompt_ids`` (the gateway writes them at each episode's first call)."""
+    n, g = len(prompts), group_size
+    return pa.RecordBatch.from_pydict({
+        "group_id": [iteration * n + i for i in range(n) for _ in range(g)],
+        "iteration": [iteration] * (n * g),
+        "min_policy_version": [min_policy_version] * (n * g),
+        "answer": [a for a in answers for _ in range(g)],
+        "agent_prompt": [p for p in prompts for _ in range(g)],
+    }, schema=_AGENT_PUT_SCHEMA)
+
+
 def samples_table_spec(name: str, *, group_size: int, reference_worker: bool, fsync: str,
                        reference_in_rollout: bool = False,
                        capacity_rows: int = TableSpec.capacity_rows,
                        lease_seconds: float = TableSpec.lease_seconds,
                        max_deliveries: int = TableSpec.max_deliveries,
                        max_turns: int = TurnSettings.max_turns,
-                       partial_cuts: int = 0, reward_whole_groups: bool = False) -> TableSpec:
+                       partial_cuts: int = 0, reward_whole_groups: bool = False,
+                       gateway: bool = False) -> TableSpec:
     """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
     wait for ``ref_logprobs`` (off when the KL term is off or the reference is fused into the
     trainer); ``reference_in_rollout``: the rollout writes them with its responses, so the trainer
@@ -154,6 +187,12 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool, fs
     the resume tasks ``resume.{j}`` (needs ``part{j-1}_ids``, j = 1..R); 0: no partial rollout.
     A turn or resume task skips (``TaskSpec.skip_null``) a row whose needed cell its trajectory's
     end wrote NULL: the store consumes it for that task, and no worker claims it.
+    ``gateway``: the turns are an agent's calls (workers.gateway, docs/agents.md): rows are put
+    with ``agent_prompt`` instead of ``prompt_ids``; task ``agent`` runs the user's agent, task
+    ``open`` is the gateway's wait for an episode's first call (it writes ``prompt_ids``), rollout
+    takes rows one by one (the episodes of a group open at different times), and ``env.{t}`` is
+    the gateway's wait for the next call after turn t for every t, the last turn's too: only the
+    agent ends an episode.
     ``reward_whole_groups``: the reward task is claimed by whole groups (a reward model's scores
     normalised within each group, ``reward.normalize=group``). ``fsync``: the table's log policy,
     the run's store.fsync ("always" | "never"; the store's own default differs); the other limits
@@ -163,10 +202,19 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool, fs
     if partial_cuts < 0 or (partial_cuts and max_turns > 1):
         raise ValueError(f"partial_cuts must be >= 0 and single-turn, got {partial_cuts} "
                          f"with max_turns={max_turns}")
-    tasks = [TaskSpec("rollout", ("prompt_ids",), whole_groups=True)]
+    if gateway and (max_turns < 2 or partial_cuts):
+        raise ValueError(f"a gateway run is multi-turn and not partial, got max_turns="
+                         f"{max_turns}, partial_cuts={partial_cuts}")
+    tasks = [TaskSpec("rollout", ("prompt_ids",), whole_groups=not gateway)]
+    if gateway:
+        tasks = [TaskSpec("agent", ("agent_prompt",)), TaskSpec("open", ("agent_prompt",)),
+                 *tasks]
     for t in range(max_turns - 1):
         tasks.append(TaskSpec(f"env.{t}", (f"turn{t}_ids",), skip_null=f"turn{t}_ids"))
         tasks.append(TaskSpec(f"rollout.{t + 1}", (f"obs{t}_ids",), skip_null=f"obs{t}_ids"))
+    if gateway:  # the last turn waits for the agent's end too
+        last = f"turn{max_turns - 1}_ids"
+        tasks.append(TaskSpec(f"env.{max_turns - 1}", (last,), skip_null=last))
     # a cut row goes on in resume.1, .., resume.R (rows one by one: a group's rows are cut apart)
     tasks += [TaskSpec(f"resume.{j}", (f"part{j - 1}_ids",), skip_null=f"part{j - 1}_ids")
               for j in range(1, partial_cuts + 1)]
@@ -180,6 +228,8 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool, fs
     schema = SAMPLES_SCHEMA
     if max_turns > 1:
         schema = pa.schema([*SAMPLES_SCHEMA, *turn_columns(max_turns), ENV_REWARD_FIELD])
+    if gateway:
+        schema = pa.schema([*schema, AGENT_PROMPT_FIELD, *call_columns(max_turns)])
     elif partial_cuts:
         schema = partial_schema(partial_cuts)
     return TableSpec(

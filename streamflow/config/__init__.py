@@ -27,6 +27,7 @@ from streamflow.config.convert import (
     to_dict,
 )
 from streamflow.config.sections import (
+    AgentSection,
     DataSection,
     DevicesSection,
     EnvSection,
@@ -47,7 +48,7 @@ from streamflow.config.sections import (
 from workers.checked import require
 
 __all__ = [  # (re-exported: the sections and errors callers import from here)
-    "ConfigError", "ConfigTypeError", "ConfigValueError", "DataSection", "DevicesSection",
+    "AgentSection", "ConfigError", "ConfigTypeError", "ConfigValueError", "DataSection", "DevicesSection",
     "EnvSection", "MetricsSection", "ModelSection", "OverrideSyntaxError", "PlacementNode", "PlacementSection",
     "ReferenceSection", "RewardSection", "RolloutSection", "RunConfig", "RunSection",
     "SimulatedSection", "StoreSection", "TinyModelConfig", "TrainerSection", "UnknownKeyError",
@@ -204,6 +205,20 @@ def _check_reward_model(cfg: RunConfig) -> None:
             f"(data.group_size={cfg.data.group_size}): reward.normalize=group claims whole groups")
 
 
+def _check_agent(cfg: RunConfig) -> None:
+    """A gateway run (agent.fn): the agent's calls are the turns of a streaming, one-host run."""
+    if cfg.agent.fn is None:
+        return
+    require(cfg.multi_turn, "rollout.max_turns",
+            "must be >= 2 with agent.fn (each of the agent's calls is a turn), got 1")
+    require(cfg.run.mode != "sync", "agent.fn",
+            "needs run.mode periodic or async (the agent and the gateway run as processes)")
+    require(not cfg.placement.nodes, "agent.fn",
+            "runs on one host for now (placement.nodes must be empty)")
+    require(not cfg.partial, "rollout.partial", "is not supported with agent.fn")
+    require(cfg.rollout.engine != "simulated", "agent.fn", "needs a real rollout engine")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)  # the loop: mode, iterations, outputs
@@ -215,6 +230,8 @@ class RunConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)  # GRPO update
     # the environment workers of multi-turn trajectories (rollout.max_turns > 1)
     env: EnvSection = field(default_factory=EnvSection)
+    # a user's agent driving the run through the OpenAI-compatible gateway (docs/agents.md)
+    agent: AgentSection = field(default_factory=AgentSection)
     store: StoreSection = field(default_factory=StoreSection)  # transfer queue nodes
     metrics: MetricsSection = field(default_factory=MetricsSection)  # Prometheus endpoints
     # hosts of a multi-host run (`streamflow launch`); empty: one host
@@ -245,12 +262,19 @@ class RunConfig:
         _check_weights(self)
         _check_dynamic(self)
         _check_reward_model(self)
+        _check_agent(self)
 
     @property
     def multi_turn(self) -> bool:
         """Trajectories of several model turns with tool calls between them: the env.* workers
         run and the table has the turn tasks (workers.schema.samples_table_spec)."""
         return self.rollout.max_turns > 1
+
+    @property
+    def gateway(self) -> bool:
+        """A user's agent drives the run (agent.fn): the gateway and agent workers run, the
+        env.* workers do not (workers.schema.samples_table_spec(gateway=True))."""
+        return self.agent.fn is not None
 
     @property
     def partial(self) -> bool:

@@ -247,6 +247,32 @@ class EnvSection(Checked):
     rows_per_claim: int = bounded(32, ge=1)  # rows claimed per micro-batch
 
 
+_AGENT_FN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class AgentSection(Checked):
+    """A user's agent that drives the run through the OpenAI-compatible gateway (docs/agents.md):
+    with ``fn`` set, each prompt is an episode of that agent; its calls are the trajectory's
+    turns (at most rollout.max_turns), the env.* workers do not run."""
+
+    # "package.module:function", called as fn(base_url, api_key, prompt, answer) -> reward
+    # (a number, or None: the run's verifier scores the trajectory); None: no agent
+    fn: str | None = None
+    num_workers: int = bounded(1, ge=1)  # agent worker processes
+    episodes_per_worker: int = bounded(16, ge=1)  # episodes one agent worker runs at once
+    timeout_s: float = bounded(300.0, gt=0)  # an episode's agent is killed past this
+    host: str = "127.0.0.1"  # the gateway's address
+    port: int = bounded(0, ge=0, le=65535)  # the gateway's port (0: a free one, fixed per run)
+    # a call waits this long for its turn (generation, admission and weight loads included)
+    call_timeout_s: float = bounded(600.0, gt=0)
+
+    def check(self) -> None:
+        require(self.fn is None or bool(_AGENT_FN.match(self.fn)), "fn",
+                f"must be 'package.module:function', got {self.fn!r}")
+        require(bool(self.host), "host", "must be a non-empty address")
+
+
 @dataclass(frozen=True)
 class ReferenceSection(Checked):
     """Where the frozen reference runs; whether one runs is trainer.kl_coef's (0: none anywhere)."""

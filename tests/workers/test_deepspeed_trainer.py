@@ -130,7 +130,7 @@ def _prepare(client, model_dir: Path, tmp: Path, iterations) -> list:
     rollout = build_rollout(RolloutWorkerConfig(
         common=common, model_path=str(model_dir), weights_dir=str(tmp / "rollout-weights"),
         weights_announce=None, group_size=G, groups_per_claim=1, engine="torch", device="cpu",
-        dtype="float32", reference_dtype="float32", max_new_tokens=4,
+        dtype="float32", reference_dtype="float32", agent_driven=False, max_new_tokens=4,
     ), EventSender(None, trace=False))
     for k in iterations:
         _put(client, k)

@@ -144,6 +144,6 @@ def test_a_vllm_rollout_on_a_later_gpu_scores_on_the_gpu_it_pinned(tmp_path, mon
                             table="samples", seed=0, threads=1, trace_rows=False),
         model_path=str(tmp_path / "m"), weights_dir=str(tmp_path / "w"), weights_announce=None,
         group_size=2, groups_per_claim=1, engine="vllm", device="cuda:1", dtype="float32",
-        reference_dtype="float32", reference_path=str(tmp_path / "m"))
+        reference_dtype="float32", agent_driven=False, reference_path=str(tmp_path / "m"))
     main.build_rollout(cfg, EventSender(None, trace=False))
     assert placed == {"engine": "cuda:0", "reference": "cuda:0", "visible": "6"}

@@ -59,7 +59,7 @@ def _configs(model_dir: Path, weights: Path, iterations: int, rows_per_claim: in
     rollout = RolloutWorkerConfig(
         common=replace(common, name="rollout-0", role="rollout"), model_path=str(model_dir),
         weights_dir=str(weights), weights_announce=None, group_size=G, groups_per_claim=1,
-        engine="torch", max_new_tokens=4, **cpu,
+        engine="torch", max_new_tokens=4, agent_driven=False, **cpu,
     )
     trainer = TrainerWorkerConfig(
         common=replace(common, name="trainer-0", role="trainer"), model_path=str(model_dir),

@@ -204,10 +204,13 @@ def _ended(max_turns: int, t: int, items: Sequence[tuple[History, str]],
 
 
 def turn_writes(row_ids: Sequence[int], t: int, max_turns: int,
-                items: Sequence[tuple[History, Turn]]) -> list[pa.RecordBatch]:
+                items: Sequence[tuple[History, Turn]], *, ends: bool = True
+                ) -> list[pa.RecordBatch]:
     """The writes of model turn ``t`` for rows ``row_ids`` (their history before the turn, and the
     turn): rows that go on write ``turn{t}_*``; rows the turn ends write it with the assembled
-    columns and the NULL fill. One batch per column set (a batch holds one set for all rows)."""
+    columns and the NULL fill. One batch per column set (a batch holds one set for all rows).
+    ``ends`` False (a gateway run): no turn ends its trajectory, the agent does
+    (``episode_end_writes``)."""
     types = _types(max_turns)
 
     def cells(turns: Sequence[Turn]) -> dict[str, list[Any]]:
@@ -218,7 +221,7 @@ def turn_writes(row_ids: Sequence[int], t: int, max_turns: int,
 
     going, ending = [], []
     for rid, (hist, turn) in zip(row_ids, items, strict=True):
-        reason = turn_end(turn, t, max_turns)
+        reason = turn_end(turn, t, max_turns) if ends else None
         (going if reason is None else ending).append((rid, hist.with_turn(turn), turn, reason))
     out = []
     if going:
@@ -254,3 +257,13 @@ def observation_writes(row_ids: Sequence[int], t: int, max_turns: int,
                          ENV_REWARD_FIELD.name: [e[2] for e in ending]})
         out.append(_batch([e[0] for e in ending], values, types))
     return out
+
+
+def episode_end_writes(row_id: int, t: int, max_turns: int, hist: History,
+                       reward: float | None) -> list[pa.RecordBatch]:
+    """A gateway run's end of a trajectory after model turn ``t`` (``hist`` through it), when its
+    agent returned: the assembled columns (finish_reason: the last turn's), ``env_reward`` =
+    the agent's reward (None: the run's verifier scores it) and NULL in every later cell."""
+    values = _ended(max_turns, t, [(hist, hist.turns[-1].finish)],
+                    {ENV_REWARD_FIELD.name: [reward]})
+    return [_batch([row_id], values, _types(max_turns))]

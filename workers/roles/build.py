@@ -113,7 +113,8 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
     agent = None  # multi-turn: turn 0 here, turns 1..T-1 by ``rollout_stages``
     if cfg.agent is not None and cfg.agent.max_turns > 1:
         agent = TurnPolicy(cfg.agent.max_turns, cfg.agent.max_total_tokens,
-                           sampling.max_new_tokens, marker_ids(tokenizer, cfg.agent.format))
+                           sampling.max_new_tokens, marker_ids(tokenizer, cfg.agent.format),
+                           agent_driven=cfg.agent_driven)
     return RolloutStage(engine, weights, params, worker=cfg.common.name,
                         group_size=cfg.group_size, groups_per_claim=cfg.groups_per_claim,
                         seed=cfg.common.seed, weight_wait_s=cfg.weight_wait_s, on_sync=on_sync,
@@ -130,7 +131,8 @@ def rollout_stages(stage: RolloutStage) -> list[Any]:
         return [stage, *resume_stages(stage, max_rows=stage.max_rows)]
     if stage.agent is None:
         return [stage]
-    return [stage, *turn_stages(stage, stage.agent, max_rows=stage.max_rows)]
+    turns = turn_stages(stage, stage.agent, max_rows=stage.max_rows)
+    return turns if stage.agent.agent_driven else [stage, *turns]
 
 
 def build_reward(cfg: RewardWorkerConfig) -> Any:

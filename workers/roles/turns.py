@@ -72,6 +72,9 @@ class TurnPolicy:
     max_total_tokens: int  # response tokens of a trajectory (turns + observations)
     max_new_tokens: int  # per turn
     marker: tuple[int, ...]  # the tool-call end marker's ids (``marker_ids``)
+    # a gateway run: the turns are an agent's calls, turn 0 too is generated row by row
+    # (``RolloutTurnStage`` with turn 0), and no turn ends a trajectory: the agent does
+    agent_driven: bool = False
 
     def limit(self, hist: History) -> tuple[int, bool]:
         return turn_limit(hist, self.max_new_tokens, self.max_total_tokens)
@@ -94,20 +97,23 @@ class TurnPolicy:
             limit, budget_bound = self.limit(hist)
             items.append((hist, close_turn(gen, version=version, marker=self.marker,
                                            limit=limit, budget_bound=budget_bound)))
-        return Parts(tuple(turn_writes(row_ids, t, self.max_turns, items)))
+        return Parts(tuple(turn_writes(row_ids, t, self.max_turns, items,
+                                       ends=not self.agent_driven)))
 
 
 class RolloutTurnStage:
     """Turn t >= 1 of every trajectory (task ``rollout.{t}``): see the module docstring."""
 
     whole_groups = False
+    max_cuts = 0  # (a rollout worker's first stage may be this one: a gateway run's turn 0)
 
     def __init__(self, rollout: RolloutStage, policy: TurnPolicy, turn: int, *,
                  max_rows: int) -> None:
-        if not 1 <= turn < policy.max_turns:
-            raise ValueError(f"turn must be in [1, {policy.max_turns}), got {turn}")
+        first = 0 if policy.agent_driven else 1
+        if not first <= turn < policy.max_turns:
+            raise ValueError(f"turn must be in [{first}, {policy.max_turns}), got {turn}")
         self.rollout, self.policy, self.turn = rollout, policy, turn
-        self.task = f"rollout.{turn}"
+        self.task = f"rollout.{turn}" if turn else "rollout"
         self.columns = (*TURN_READS, *turn_reads(turn, turn))
         self.max_rows = max_rows
         self.last_tokens = 0
@@ -134,8 +140,15 @@ class RolloutTurnStage:
                                  [h for _, h in live], generations, version)
 
 
+    def close(self) -> None:
+        if self.turn == 0:  # a gateway run's first stage stands in for ``rollout``'s own
+            self.rollout.close()
+
+
 def turn_stages(rollout: RolloutStage, policy: TurnPolicy, *, max_rows: int
                 ) -> list[RolloutTurnStage]:
-    """The stages of turns 1..T-1, which a rollout worker serves beside ``rollout``."""
+    """The stages of turns 1..T-1, which a rollout worker serves beside ``rollout``; a gateway
+    run's turn 0 too (its rows one by one), in place of ``rollout``'s own."""
+    first = 0 if policy.agent_driven else 1
     return [RolloutTurnStage(rollout, policy, t, max_rows=max_rows)
-            for t in range(1, policy.max_turns)]
+            for t in range(first, policy.max_turns)]

@@ -1,0 +1,1 @@
+"""Examples a user would write: agents for ``agent.fn`` (docs/agents.md)."""

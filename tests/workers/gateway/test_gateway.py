@@ -1,0 +1,260 @@
+"""The gateway over a real (embedded) store and a real HTTP server, driven by the official
+``openai`` SDK: a calculator agent's episode is two calls whose answers come from the rollout
+stages' written turns; the trajectory the trainer reads is exactly the ids the gateway fed and the
+engine generated; a repeated call is answered from the row without generating; bad requests get
+OpenAI's error JSON with the right status and write nothing; the agent's end writes the reward."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+
+import storage
+from storage.schema import ROW_ID
+from workers.engines.base import FINISH_STOP, Generation, SamplingParams
+from workers.gateway.app import GatewayServer
+from workers.gateway.book import EpisodeBook, Served, episode_key
+from workers.gateway.chat import ChatFormat
+from workers.models.tokenizer import build_char_tokenizer
+from workers.roles.loop import LeaseKeeper, serve_stages
+from workers.roles.rollout import RolloutStage
+from workers.roles.turns import TurnPolicy, marker_ids, turn_stages
+from workers.runtime.events import EventSender
+from workers.schema import agent_prompt_rows, samples_table_spec
+
+TOK = build_char_tokenizer()
+EOS = TOK.eos_token_id
+TABLE, G, T, SECRET = "samples", 2, 3, b"test-secret"
+CALCULATOR = [{"type": "function", "function": {
+    "name": "calculator", "description": "evaluate an arithmetic expression",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+class CalcEngine:
+    """Calls the calculator on a fresh problem, then answers with the tool's result."""
+
+    policy_version = 0
+
+    def __init__(self) -> None:
+        self.contexts: list[list[int]] = []
+
+    def generate(self, prompts, n, params):  # noqa: ANN001, ANN201
+        out = []
+        for context in prompts:
+            self.contexts.append(list(context))
+            text = TOK.decode(context, skip_special_tokens=True)
+            if "=)" not in text:
+                ids = list(TOK("(=" + text.rstrip("=") + "=)", add_special_tokens=False)[
+                    "input_ids"])
+            else:
+                ids = list(TOK(text.rsplit("=)", 1)[1].strip(), add_special_tokens=False)[
+                    "input_ids"]) + [EOS]
+            out.append([Generation(ids, [-0.5] * len(ids), FINISH_STOP)] * n)
+        return out
+
+    def load_weights(self, weights, version):  # noqa: ANN001, ANN201
+        raise AssertionError("no weights in this test")
+
+
+class NoWeights:
+    def newest(self) -> None:
+        return None
+
+
+@dataclass
+class Rig:
+    client: object
+    book: EpisodeBook
+    port: int
+    engine: CalcEngine
+    served: list[Served] = field(default_factory=list)
+
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def episodes(self) -> list[dict]:
+        """What an agent worker gets: the rows of task ``agent`` (acked here)."""
+        lease = self.client.claim(TABLE, "agent", ("agent_prompt", "answer"), 64, timeout=0.0)
+        self.client.ack(lease)
+        return lease.batch.to_pylist()
+
+    def trained(self) -> dict[int, dict]:
+        lease = self.client.claim(TABLE, "trainer", (
+            "prompt_ids", "response_ids", "response_loss_mask", "reward", "finish_reason"),
+            64, timeout=0.0)
+        self.client.ack(lease)
+        return {r[ROW_ID]: r for r in lease.batch.to_pylist()}
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    with storage.embedded(1) as store:
+        client = store.client()
+        client.create_table(samples_table_spec(TABLE, group_size=G, reference_worker=False,
+                                               fsync="never", max_turns=T, gateway=True,
+                                               lease_seconds=5.0))
+        client.put(TABLE, agent_prompt_rows(0, ["12*34=", "7*8="], ["408", "56"],
+                                            group_size=G, min_policy_version=0))
+        engine = CalcEngine()
+        policy = TurnPolicy(T, 64, 16, marker_ids(TOK, "plain"), agent_driven=True)
+        first = RolloutStage(engine, NoWeights(), SamplingParams(max_new_tokens=16,
+                             stop_token_ids=(EOS,)), worker="r", group_size=G,
+                             groups_per_claim=4, seed=3, weight_wait_s=1.0, agent=policy,
+                             max_cuts=0, tail_cut=False)
+        stages = turn_stages(first, policy, max_rows=8)
+        stop = threading.Event()
+        keeper = LeaseKeeper(store.client)
+        rollout = threading.Thread(target=serve_stages, args=(store.client(), TABLE, stages, stop),
+                                   kwargs=dict(worker="r", role="rollout", timeout_s=0.2,
+                                               events=EventSender(None, trace=False)))
+        rollout.start()
+        served: list[Served] = []
+        book = EpisodeBook(store.client, TABLE, ChatFormat(TOK, plain=True), max_turns=T,
+                           max_total_tokens=64, secret=SECRET, keeper=keeper, wait_s=20.0,
+                           lease_seconds=5.0, on_served=served.append)
+        book.start()
+        server = GatewayServer(book, "127.0.0.1", 0)
+        port = server.start()
+        try:
+            yield Rig(client, book, port, engine, served)
+        finally:
+            server.stop()
+            book.close()
+            stop.set()
+            rollout.join(timeout=10)
+            keeper.close()
+            client.close()
+
+
+def calc_agent(base_url: str, api_key: str, prompt: str) -> tuple[str, int]:
+    """What a user writes: the OpenAI SDK, a tool loop; (final answer, tool calls)."""
+    llm = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages: list[dict] = [{"role": "user", "content": prompt}]
+    calls = 0
+    for _ in range(4):
+        reply = llm.chat.completions.create(model="policy", messages=messages,
+                                            tools=CALCULATOR)
+        msg = reply.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            return msg.content or "", calls
+        for call in msg.tool_calls:
+            calls += 1
+            expr = json.loads(call.function.arguments)["expression"]
+            a, b = expr.split("*")
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": str(int(a) * int(b))})
+    return "", calls
+
+
+def end(rig: Rig, key: str, reward: float | None) -> str:
+    r = httpx.post(f"{rig.url()}/streamflow/end", json={"reward": reward},
+                   headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    r.raise_for_status()
+    return r.json()["state"]
+
+
+def test_an_openai_sdk_agent_trains_on_exactly_the_served_tokens(rig: Rig) -> None:
+    rows = rig.episodes()
+    assert len(rows) == 2 * G
+    results = {}
+
+    def episode(row: dict) -> None:
+        key = episode_key(SECRET, row[ROW_ID])
+        answer, calls = calc_agent(rig.url(), key, row["agent_prompt"])
+        results[row[ROW_ID]] = (answer, calls, end(rig, key, float(answer == row["answer"])))
+
+    threads = [threading.Thread(target=episode, args=(row,)) for row in rows]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert {r[ROW_ID]: r["answer"] for r in rows} == {k: v[0] for k, v in results.items()}
+    assert all(v[1] == 1 and v[2] == "ended" for v in results.values())
+
+    reward_rows = rig.client.claim(TABLE, "reward", ("prompt_ids", "response_ids",
+                                                     "response_loss_mask", "env_reward",
+                                                     "finish_reason"), 64, timeout=5.0)
+    got = {r[ROW_ID]: r for r in reward_rows.batch.to_pylist()}
+    assert len(got) == 2 * G
+    by_row: dict[int, dict[int, Served]] = {}
+    for s in rig.served:
+        by_row.setdefault(s.row_id, {})[s.call] = s
+    for row_id, row in got.items():
+        calls = by_row[row_id]
+        assert sorted(calls) == [0, 1]
+        assert row["prompt_ids"] == calls[0].fed
+        response = calls[0].turn + calls[1].fed + calls[1].turn
+        assert row["response_ids"] == response
+        assert row["response_loss_mask"] == ([1] * len(calls[0].turn) + [0] * len(calls[1].fed)
+                                             + [1] * len(calls[1].turn))
+        assert row["env_reward"] == 1.0 and row["finish_reason"] == "stop"
+    # the engine was fed exactly the stored contexts: the prompt, then prompt + turn + piece
+    fed = sorted(tuple(c) for c in rig.engine.contexts)
+    want = sorted([tuple(r["prompt_ids"]) for r in got.values()] + [
+        tuple(r["prompt_ids"] + by_row[i][0].turn + by_row[i][1].fed) for i, r in got.items()])
+    assert fed == want
+
+
+def test_a_repeated_call_is_answered_from_the_row(rig: Rig) -> None:
+    row = rig.episodes()[0]
+    key = episode_key(SECRET, row[ROW_ID])
+    llm = openai.OpenAI(base_url=rig.url(), api_key=key, max_retries=0)
+    messages = [{"role": "user", "content": row["agent_prompt"]}]
+    first = llm.chat.completions.create(model="m", messages=messages, tools=CALCULATOR)
+    generated = len(rig.engine.contexts)
+    again = llm.chat.completions.create(model="m", messages=messages, tools=CALCULATOR)
+    assert again.choices[0].message == first.choices[0].message
+    assert len(rig.engine.contexts) == generated  # nothing generated for the repeat
+
+
+@pytest.mark.parametrize(("body", "status", "code"), [
+    ({"messages": []}, 400, "invalid_messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_messages"),
+    ({"messages": [{"role": "user", "content": "1"}], "tools": [{"type": "x"}]}, 400,
+     "invalid_tools"),
+])
+def test_malformed_requests_get_openai_errors_and_write_nothing(rig: Rig, body: dict,
+                                                                status: int, code: str) -> None:
+    row = rig.episodes()[0]
+    key = episode_key(SECRET, row[ROW_ID])
+    r = httpx.post(f"{rig.url()}/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert r.status_code == status and r.json()["error"]["code"] == code
+    # the row still waits for its first call: a good call now opens it
+    llm = openai.OpenAI(base_url=rig.url(), api_key=key, max_retries=0)
+    ok = llm.chat.completions.create(model="m", messages=[{"role": "user",
+                                                           "content": row["agent_prompt"]}])
+    assert ok.choices[0].finish_reason == "tool_calls"
+
+
+def test_an_unknown_key_is_401() -> None:
+    with storage.embedded(1) as store:
+        client = store.client()
+        client.create_table(samples_table_spec(TABLE, group_size=G, reference_worker=False,
+                                               fsync="never", max_turns=T, gateway=True))
+        keeper = LeaseKeeper(store.client)
+        book = EpisodeBook(store.client, TABLE, ChatFormat(TOK, plain=True), max_turns=T,
+                           max_total_tokens=64, secret=SECRET, keeper=keeper, wait_s=1.0,
+                           lease_seconds=5.0)
+        book.start()
+        server = GatewayServer(book, "127.0.0.1", 0)
+        port = server.start()
+        try:
+            llm = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sf-1-bad",
+                                max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as err:
+                llm.chat.completions.create(model="m", messages=[{"role": "user",
+                                                                  "content": "1"}])
+            assert err.value.status_code == 401
+        finally:
+            server.stop()
+            book.close()
+            keeper.close()
+            client.close()

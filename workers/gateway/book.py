@@ -1,0 +1,342 @@
+"""The gateway's side of the store: the episodes it holds, and what a call writes into its row.
+
+An episode is one row of the samples table (``workers.schema.samples_table_spec(gateway=True)``).
+The gateway is the only consumer of two kinds of tasks, one row per lease, held (renewed by a
+``LeaseKeeper``) until the agent's next move:
+
+* ``open``: the episode has not called yet. Its first call writes ``prompt_ids`` (its rendered
+  messages) and ``call0_messages`` and acks, which makes the row ready for ``rollout``.
+* ``env.{t}``: model turn t is written. The next call either repeats an earlier one (the same
+  canonical messages: an agent's retry, or an agent re-run after its worker died) and is answered
+  from the row, or extends call t by the messages after the assistant message it was given:
+  those are rendered once (``ChatFormat.piece_ids``) and written as ``obs{t}_ids`` with
+  ``call{t+1}_messages``, acked, which makes the row ready for ``rollout.{t+1}``; the answer is
+  turn t+1, once the gateway holds ``env.{t+1}``. The agent's end writes the assembled
+  trajectory (``workers.agent.trajectory.episode_end_writes``) under the held lease.
+
+Crash safety comes from the store: every answer is read from a written turn, so a rollout worker
+killed mid-call leaves its lease to expire and another worker generates the turn once; a gateway
+killed at any point loses only leases, which come back to its restart, where a client's retry
+finds the row (a call already written is answered from it, never generated twice). The calls of
+one episode are served one at a time. Invariant: a row is in ``_held`` only while this process
+holds its lease, and a write under that lease is always also its ack.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from storage.errors import StoreError
+from storage.schema import ROW_ID, Lease
+from workers.agent.trajectory import History, episode_end_writes, history, turn_reads
+from workers.gateway.chat import (
+    ChatFormat,
+    RequestError,
+    assistant_message,
+    canonical_messages,
+    check_tools,
+    dumps,
+    same_assistant,
+)
+from workers.runtime.faults import failure_reason
+
+log = logging.getLogger(__name__)
+
+OPEN = "open"
+MAX_ENDED = 1 << 16  # ended rows remembered (a late call of one is refused at once)
+OPEN_READS = ("group_id", "iteration", "agent_prompt", "answer")
+
+
+def episode_key(secret: bytes, row_id: int) -> str:
+    """The api_key of row ``row_id``'s episode: the row and a MAC only this run can make."""
+    mac = hmac.new(secret, str(int(row_id)).encode(), hashlib.sha256).hexdigest()[:20]
+    return f"sf-{int(row_id):x}-{mac}"
+
+
+def key_row(secret: bytes, key: str) -> int:
+    """The row of an episode key; RequestError 401 for a key this run did not make."""
+    parts = key.split("-") if isinstance(key, str) else []
+    try:
+        row_id = int(parts[1], 16) if len(parts) == 3 and parts[0] == "sf" else -1
+    except ValueError:
+        row_id = -1
+    if row_id < 0 or not hmac.compare_digest(episode_key(secret, row_id), key):
+        raise RequestError(401, "invalid_api_key", "unknown episode key", "authentication_error")
+    return row_id
+
+
+@dataclass
+class Held:
+    """A row whose lease this gateway holds: ``turn`` -1 (``open``) or t (``env.{t}``)."""
+
+    lease: Lease
+    turn: int
+    row: dict[str, Any]
+
+    def hist(self) -> History:
+        got = history(self.row, self.turn + 1, self.turn)
+        assert got is not None  # env.{t} is never delivered for an ended row (skip_null)
+        return got
+
+    def calls(self) -> list[str]:
+        return [self.row[f"call{j}_messages"] for j in range(self.turn + 1)]
+
+
+@dataclass(frozen=True)
+class Served:
+    """What one call fed the model and what it answered (the exact-token check reads these)."""
+
+    row_id: int
+    call: int
+    fed: list[int]  # prompt_ids (call 0) or the observation piece before this turn
+    turn: list[int]  # the model turn it answered with
+
+
+class EpisodeBook:
+    """See the module docstring. ``connect()`` gives a store client (one per thread that needs
+    one); ``keeper``: a ``workers.roles.loop.LeaseKeeper``; ``wait_s``: how long a call waits for
+    its row (the model's turn being generated) before a 504."""
+
+    def __init__(self, connect: Callable[[], Any], table: str, fmt: ChatFormat, *,
+                 max_turns: int, max_total_tokens: int, secret: bytes, keeper: Any,
+                 wait_s: float, lease_seconds: float,
+                 on_served: Callable[[Served], None] | None = None) -> None:
+        self.table, self.fmt, self.secret, self.keeper = table, fmt, secret, keeper
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        self.wait_s, self.lease_seconds = wait_s, lease_seconds
+        self.on_served = on_served or (lambda served: None)
+        self._connect = connect
+        self._writer = connect()
+        self._write_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._held: dict[int, Held] = {}
+        self._busy: set[int] = set()  # rows with a call being served (one at a time)
+        # rows this process ended (bounded, oldest forgotten): their calls are refused at once
+        self._ended: OrderedDict[int, None] = OrderedDict()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._claim_loop, name="gateway-claims",
+                                        daemon=True)
+        self.tasks = (OPEN, *(f"env.{t}" for t in range(max_turns)))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop claiming and hand every held lease back (the next gateway gets them at once)."""
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+        with self._cond:
+            held, self._held = list(self._held.values()), {}
+        for h in held:
+            self.keeper.drop(h.lease.lease_id)
+            try:
+                with self._write_lock:
+                    self._writer.release(h.lease)
+            except StoreError:
+                pass  # expired or the store is gone: it comes back by itself
+        self._writer.close()
+
+    # -- claiming ----------------------------------------------------------------------------
+    def _columns(self, task: str) -> tuple[str, ...]:
+        if task == OPEN:
+            return OPEN_READS
+        t = int(task.split(".")[1])
+        return ("group_id", "prompt_ids", *turn_reads(t + 1, t),
+                *(f"call{j}_messages" for j in range(t + 1)))
+
+    def _claim_loop(self) -> None:
+        client = self._connect()
+        try:
+            while not self._stop.is_set():
+                found = False
+                for task in self.tasks:
+                    found |= self._claim(client, task, 0.0)
+                if not found:  # wait on the first task, woken by any other's rows
+                    self._claim(client, self.tasks[0], 0.5, wake=self.tasks[1:])
+        except Exception:  # the store is gone for good: calls time out with 504
+            log.exception("the gateway stopped claiming")
+        finally:
+            client.close()
+
+    def _claim(self, client: Any, task: str, timeout: float, wake: tuple[str, ...] = ()) -> bool:
+        try:
+            lease = client.claim(self.table, task, self._columns(task), 1, timeout=timeout,
+                                 wake=wake)
+        except StoreError as exc:
+            log.warning("claim %s: %s", task, exc)
+            self._stop.wait(0.2)
+            return False
+        if not lease.num_rows:
+            return False
+        row = lease.batch.to_pylist()[0]
+        turn = -1 if task == OPEN else int(task.split(".")[1])
+        self.keeper.hold(lease)
+        with self._cond:
+            self._held[int(row[ROW_ID])] = Held(lease, turn, row)
+            self._cond.notify_all()
+        return True
+
+    @contextmanager
+    def _episode(self, row_id: int) -> Iterator[None]:
+        """One call of an episode at a time (a retry waits for the call it repeats)."""
+        deadline = time.monotonic() + self.wait_s
+        with self._cond:
+            while row_id in self._busy:
+                if not self._cond.wait(max(deadline - time.monotonic(), 0.0)):
+                    raise RequestError(504, "timeout", "an earlier call of this episode is "
+                                       "still being served", "timeout_error")
+            self._busy.add(row_id)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy.discard(row_id)
+                self._cond.notify_all()
+
+    def _wait_held(self, row_id: int, at_least: int, wait_s: float) -> Held | None:
+        """The row's held lease once its turn is ``at_least`` (-1: any), or None after
+        ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                held = self._held.get(row_id)
+                if held is not None and held.turn >= at_least:
+                    return held
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return None
+                self._cond.wait(min(left, 1.0))
+
+    def _write(self, row_id: int, held: Held, batches: list[pa.RecordBatch]) -> None:
+        """Write ``batches`` under the row's lease and ack it; the row leaves ``_held``."""
+        with self._cond:
+            self._held.pop(row_id, None)
+        self.keeper.drop(held.lease.lease_id)
+        with self._write_lock:
+            for i, batch in enumerate(batches):
+                self._writer.write(self.table, held.lease, batch, ack=i == len(batches) - 1)
+
+    # -- calls -------------------------------------------------------------------------------
+    def chat(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One /v1/chat/completions call: the response JSON, or RequestError."""
+        row_id = key_row(self.secret, key)
+        messages = canonical_messages(body.get("messages"))
+        tools = check_tools(body.get("tools"))
+        call = dumps({"messages": messages, "tools": tools})
+        with self._episode(row_id):
+            if row_id in self._ended:
+                raise RequestError(409, "episode_ended", "this episode has ended")
+            held = self._wait_held(row_id, -1, self.wait_s)
+            if held is None:
+                raise RequestError(504, "timeout", "the episode's row did not come back in "
+                                   f"{self.wait_s:.0f} s", "timeout_error")
+            if held.turn < 0:  # the first call
+                fed = self.fmt.prompt_ids(messages, tools)
+                if len(fed) >= self.max_total_tokens * 64:
+                    raise RequestError(400, "context_length_exceeded",
+                                       f"the prompt is {len(fed)} tokens")
+                self._write(row_id, held, [_cells(row_id, {
+                    "prompt_ids": (fed, pa.list_(pa.int32())),
+                    "call0_messages": (call, pa.string())})])
+                return self._answer(row_id, 0, body, fed)
+            calls = held.calls()
+            if call in calls:  # a repeat: answered from the row, nothing generated
+                return self._respond(held, calls.index(call), body)
+            t = held.turn
+            hist = held.hist()
+            new = self._extension(json.loads(calls[t]), messages, tools, held)
+            if t + 1 >= self.max_turns:
+                raise RequestError(400, "turn_budget", f"the episode has had its {self.max_turns}"
+                                   " model turns (rollout.max_turns)")
+            fed = self.fmt.piece_ids(new, hist.turns[-1].ids, tools)
+            if hist.length() + len(fed) >= self.max_total_tokens:
+                raise RequestError(400, "context_length_exceeded",
+                                   f"the episode would pass rollout.max_total_tokens "
+                                   f"({self.max_total_tokens}) with this call")
+            self._write(row_id, held, [_cells(row_id, {
+                f"obs{t}_ids": (fed, pa.list_(pa.int32())), f"obs{t}_error": (None, pa.string()),
+                f"call{t + 1}_messages": (call, pa.string())})])
+            return self._answer(row_id, t + 1, body, fed)
+
+    def _extension(self, prev: dict[str, Any], messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]], held: Held) -> list[dict[str, Any]]:
+        """The messages a call adds after call t's and the turn it was answered with."""
+        n = len(prev["messages"])
+        given = assistant_message(self.fmt.tokenizer, held.hist().turns[-1].ids,
+                                  held.row[f"turn{held.turn}_finish"], plain=self.fmt.plain)
+        if (prev["tools"] != tools or messages[:n] != prev["messages"] or len(messages) <= n + 1
+                or not same_assistant(messages[n], given)):
+            raise RequestError(400, "context_rewritten", "the messages do not extend the "
+                               "episode's last call and the answer it was given")
+        return messages[n + 1:]
+
+    def _answer(self, row_id: int, turn: int, body: dict[str, Any],
+                fed: list[int]) -> dict[str, Any]:
+        held = self._wait_held(row_id, turn, self.wait_s)
+        if held is None:
+            raise RequestError(504, "timeout", f"turn {turn} was not generated in "
+                               f"{self.wait_s:.0f} s", "timeout_error")
+        self.on_served(Served(row_id, turn, fed, list(held.hist().turns[turn].ids)))
+        return self._respond(held, turn, body)
+
+    def _respond(self, held: Held, turn: int, body: dict[str, Any]) -> dict[str, Any]:
+        hist = held.hist()
+        ids = hist.turns[turn].ids
+        given = assistant_message(self.fmt.tokenizer, ids, hist.turns[turn].finish,
+                                  plain=self.fmt.plain)
+        row_id = int(held.row[ROW_ID])
+        before = len(held.row["prompt_ids"]) + sum(
+            len(x.ids) for x in hist.turns[:turn]) + sum(len(o) for o in hist.observations[:turn])
+        return {
+            "id": f"chatcmpl-{row_id:x}-{turn}", "object": "chat.completion",
+            "created": int(time.time()), "model": str(body.get("model") or "streamflow"),
+            "choices": [{"index": 0, "message": given.message(f"call_{row_id:x}_{turn}"),
+                         "finish_reason": given.finish_reason, "logprobs": None}],
+            "usage": {"prompt_tokens": before, "completion_tokens": len(ids),
+                      "total_tokens": before + len(ids)},
+        }
+
+    def end(self, key: str, reward: float | None) -> str:
+        """The agent returned: "ended" (the trajectory is written), "gone" (the row is not
+        held within a lease's lifetime: it ended before) or "no_call" (the agent never called:
+        the row is handed back as a failed delivery)."""
+        row_id = key_row(self.secret, key)
+        with self._episode(row_id):
+            if row_id in self._ended:
+                return "gone"
+            held = self._wait_held(row_id, -1, self.lease_seconds + 5.0)
+            if held is None:
+                return "gone"
+            if held.turn < 0:
+                with self._cond:
+                    self._held.pop(row_id, None)
+                self.keeper.drop(held.lease.lease_id)
+                with self._write_lock:
+                    self._writer.release(held.lease, error=failure_reason(
+                        held.lease.batch, "the agent made no call"))
+                return "no_call"
+            self._write(row_id, held, episode_end_writes(
+                row_id, held.turn, self.max_turns, held.hist(), reward))
+            with self._cond:
+                self._ended[row_id] = None
+                while len(self._ended) > MAX_ENDED:
+                    self._ended.popitem(last=False)
+            return "ended"
+
+
+def _cells(row_id: int, cells: dict[str, tuple[Any, pa.DataType]]) -> pa.RecordBatch:
+    arrays = {ROW_ID: pa.array([row_id], pa.uint64())}
+    arrays.update({name: pa.array([value], typ) for name, (value, typ) in cells.items()})
+    return pa.RecordBatch.from_pydict(arrays)
