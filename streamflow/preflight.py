@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import importlib
 import importlib.util
+import inspect
 import json
 import shutil
 import socket
@@ -74,6 +75,8 @@ def check_inputs(cfg: RunConfig) -> None:
     _check_reward(cfg.reward.fn)
     if cfg.reward.model is not None:
         _check_reward_model(cfg)
+    if cfg.gateway:
+        _check_agent(str(cfg.agent.fn))
     if cfg.multi_turn:
         _check_env(cfg.env.fn)
         _check_tools(cfg.env.fn, cfg.env.tools, cfg.env.timeout_s)
@@ -237,6 +240,24 @@ def _check_env(fn: str) -> None:
         raise ConfigError("env.fn", f"{fn!r} is not a class or factory")
 
 
+def _check_agent(fn: str) -> None:
+    """agent.fn is an importable function taking (base_url, api_key, prompt, answer) (imported
+    here, run only in the agent workers' child process)."""
+    module_name, _, attr = fn.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as err:  # ImportError, or the user's module raised while being imported
+        why = f"cannot import {module_name!r}: {type(err).__name__}: {err}".replace("\n", " ")
+        raise ConfigError("agent.fn", why) from None
+    if not callable(fn_obj := getattr(obj, attr, None)):
+        raise ConfigError("agent.fn", f"module {module_name!r} has no function {attr!r}")
+    try:
+        inspect.signature(fn_obj).bind("base_url", "api_key", "prompt", "answer")
+    except (TypeError, ValueError):
+        raise ConfigError("agent.fn", f"{fn!r} must take (base_url, api_key, prompt, answer)") \
+            from None
+
+
 def _check_tools(fn: str, tools: tuple[str, ...], timeout_s: float) -> None:
     """Each name of env.tools is served by the environment (its ``tools()``): a built-in is made
     here, a user's only in a child process (``workers.agent.isolated``), and only when env.tools
@@ -312,6 +333,9 @@ def check_ports(cfg: RunConfig) -> None:
         # sync runs keep the store in-process and bind nothing
         wanted.append(("store.port", cfg.store.host, cfg.store.port,
                        f"tcp://{cfg.store.host}:{cfg.store.port}"))
+    if cfg.gateway and cfg.agent.port:
+        wanted.append(("agent.port", cfg.agent.host, cfg.agent.port,
+                       f"{cfg.agent.host}:{cfg.agent.port}"))
     if cfg.metrics.enabled and cfg.metrics.port:
         wanted.append(("metrics.port", cfg.metrics.host, cfg.metrics.port,
                        f"{cfg.metrics.host}:{cfg.metrics.port}"))

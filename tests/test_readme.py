@@ -165,13 +165,26 @@ def test_the_readme_environment_answers_the_readme_call(tmp_path, monkeypatch):
     _forget_readme_modules(monkeypatch)
     from workers.agent.environments import StepContext, execute, load_environment
 
-    env = load_environment("my_env:GuessEnv")  # as env.fn names it in agent.yaml
-    assert "fn: my_env:GuessEnv" in files["agent.yaml"]
+    env = load_environment("my_env:GuessEnv")  # as env.fn names it in tools.yaml
+    assert "fn: my_env:GuessEnv" in files["tools.yaml"]
     call = re.search(r"`(<tool_call>.*?</tool_call>)`", MARKDOWN).group(1)  # the README's call
     answers = {target: execute(env, call, StepContext("guess", str(target), 0))
                for target in (3, 7, 9)}
     assert [(o.text, o.error, o.done) for o in answers.values()] == [
         ("lower", None, False), ("correct", None, True), ("higher", None, False)]
+
+
+def test_the_readme_agent_is_one_the_run_can_call(tmp_path, monkeypatch):
+    """my_agent.py takes what agent workers hand it (the dry run's own check), and the section's
+    config line names it so."""
+    from streamflow.preflight import _check_agent
+
+    files = readme_files(MARKDOWN)
+    (tmp_path / "my_agent.py").write_text(files["my_agent.py"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _forget_readme_modules(monkeypatch)
+    _check_agent("my_agent:run")
+    assert "`agent: {fn: my_agent:run}`" in MARKDOWN
 
 
 def _forget_readme_modules(monkeypatch) -> None:

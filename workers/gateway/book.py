@@ -30,7 +30,7 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -125,6 +125,9 @@ class EpisodeBook:
         self._busy: set[int] = set()  # rows with a call being served (one at a time)
         # rows this process ended (bounded, oldest forgotten): their calls are refused at once
         self._ended: OrderedDict[int, None] = OrderedDict()
+        # calls waiting per task: the claim loop waits on the most wanted one, so the row a call
+        # waits for comes back in the wait's own reply (not a wake, then a claim)
+        self._wanted: Counter[str] = Counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._claim_loop, name="gateway-claims",
                                         daemon=True)
@@ -160,11 +163,13 @@ class EpisodeBook:
         client = self._connect()
         try:
             while not self._stop.is_set():
+                with self._cond:
+                    order = sorted(self.tasks, key=lambda t: -self._wanted[t])
                 found = False
-                for task in self.tasks:
+                for task in order:
                     found |= self._claim(client, task, 0.0)
-                if not found:  # wait on the first task, woken by any other's rows
-                    self._claim(client, self.tasks[0], 0.5, wake=self.tasks[1:])
+                if not found:  # wait on the most wanted task, woken by any other's rows
+                    self._claim(client, order[0], 0.5, wake=tuple(order[1:]))
         except Exception:  # the store is gone for good: calls time out with 504
             log.exception("the gateway stopped claiming")
         finally:
@@ -209,15 +214,20 @@ class EpisodeBook:
         """The row's held lease once its turn is ``at_least`` (-1: any), or None after
         ``wait_s``."""
         deadline = time.monotonic() + wait_s
+        task = OPEN if at_least < 0 else f"env.{at_least}"
         with self._cond:
-            while True:
-                held = self._held.get(row_id)
-                if held is not None and held.turn >= at_least:
-                    return held
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stop.is_set():
-                    return None
-                self._cond.wait(min(left, 1.0))
+            self._wanted[task] += 1
+            try:
+                while True:
+                    held = self._held.get(row_id)
+                    if held is not None and held.turn >= at_least:
+                        return held
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._stop.is_set():
+                        return None
+                    self._cond.wait(min(left, 1.0))
+            finally:
+                self._wanted[task] -= 1
 
     def _write(self, row_id: int, held: Held, batches: list[pa.RecordBatch]) -> None:
         """Write ``batches`` under the row's lease and ack it; the row leaves ``_held``."""

@@ -5,6 +5,7 @@ gateway (same port: the plan fixes it) serves the same episodes at once."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from workers.gateway.app import GatewayServer
 from workers.gateway.book import EpisodeBook, Served
 from workers.gateway.chat import ChatFormat
 from workers.roles.loop import LeaseKeeper
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 class ServedLog:
@@ -53,6 +56,9 @@ def run_gateway(cfg: GatewayWorkerConfig, stop: threading.Event, ready: Any) -> 
 
     common = cfg.common
     timeout = common.request_timeout_s
+    # an I/O-bound process whose every call hops threads (server loop, call thread, claim
+    # thread): a thread woken by a reply should not wait out the default 5 ms GIL slice
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     def connect() -> Any:
         return storage.connect(common.store_addresses, request_timeout=timeout)
