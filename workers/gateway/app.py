@@ -1,7 +1,8 @@
 """The gateway's HTTP face: an OpenAI-compatible endpoint whose every call is a piece of a row.
 
 ``POST /v1/chat/completions`` (``tools`` / ``tool_calls``; ``stream: true`` sends the whole
-answer as one chunk then ``[DONE]``: the answer exists only once its turn is written), and
+answer as one chunk then ``[DONE]``: the answer exists only once its turn is written),
+``POST /v1/completions`` (a text prompt the caller formats itself; not streamed), and
 ``POST /v1/streamflow/end`` (the agent worker's "this episode returned, with this reward"). The
 episode is the ``api_key`` (``Authorization: Bearer``), so any client that takes a ``base_url``
 and an ``api_key`` works unmodified. Each call blocks a worker thread of the server while its
@@ -85,6 +86,15 @@ def make_app(book: EpisodeBook, *, max_calls: int) -> FastAPI:
         async def serve(key: str, body: dict[str, Any]) -> Any:
             answer = await anyio.to_thread.run_sync(book.chat, key, body)
             return _stream(answer) if body.get("stream") else answer
+        return await guarded(request, serve)
+
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> Any:
+        async def serve(key: str, body: dict[str, Any]) -> Any:
+            if body.get("stream"):
+                raise RequestError(400, "unsupported", "stream is not supported on "
+                                   "/v1/completions (chat completions stream)")
+            return await anyio.to_thread.run_sync(book.complete, key, body)
         return await guarded(request, serve)
 
     @app.post("/v1/streamflow/end")

@@ -42,14 +42,17 @@ from storage.errors import StoreError
 from storage.schema import ROW_ID, Lease
 from workers.agent.trajectory import History, episode_end_writes, history, turn_reads
 from workers.gateway.chat import (
+    Assistant,
     ChatFormat,
     RequestError,
     assistant_message,
     canonical_messages,
     check_tools,
+    completion_prompt,
     dumps,
     same_assistant,
 )
+from workers.models.tokenizer import decode_response
 from workers.runtime.faults import failure_reason
 
 log = logging.getLogger(__name__)
@@ -241,10 +244,42 @@ class EpisodeBook:
     # -- calls -------------------------------------------------------------------------------
     def chat(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
         """One /v1/chat/completions call: the response JSON, or RequestError."""
-        row_id = key_row(self.secret, key)
         messages = canonical_messages(body.get("messages"))
         tools = check_tools(body.get("tools"))
-        call = dumps({"messages": messages, "tools": tools})
+
+        def extension(prev: dict[str, Any], held: Held) -> list[int]:
+            n = len(prev["messages"])
+            given = self._assistant(held, held.turn)
+            if (prev.get("tools") != tools or prev.get("messages") != messages[:n]
+                    or len(messages) <= n + 1 or not same_assistant(messages[n], given)):
+                raise RequestError(400, "context_rewritten", "the messages do not extend the "
+                                   "episode's last call and the answer it was given")
+            return self.fmt.piece_ids(messages[n + 1:], held.hist().turns[-1].ids, tools)
+
+        return self._serve(key, body, Call(
+            dumps({"messages": messages, "tools": tools}),
+            lambda: self.fmt.prompt_ids(messages, tools), extension, self._chat_answer))
+
+    def complete(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One /v1/completions call (the text is the whole context so far, the caller's own
+        format): the response JSON, or RequestError."""
+        prompt = completion_prompt(body.get("prompt"))
+
+        def extension(prev: dict[str, Any], held: Held) -> list[int]:
+            said = prev["prompt"] + self._text(held, held.turn)
+            if not prompt.startswith(said) or len(prompt) == len(said):
+                raise RequestError(400, "context_rewritten", "the prompt does not extend the "
+                                   "episode's last prompt and the text it was given")
+            return self.fmt.text_ids(prompt[len(said):])
+
+        return self._serve(key, body, Call(
+            dumps({"prompt": prompt}), lambda: self.fmt.text_prompt_ids(prompt), extension,
+            self._text_answer))
+
+    def _serve(self, key: str, body: dict[str, Any], call: Call) -> dict[str, Any]:
+        """A call of either API: the first of its episode (writes ``prompt_ids``), a repeat
+        (answered from the row), or the next (writes the observation piece)."""
+        row_id = key_row(self.secret, key)
         with self._episode(row_id):
             if row_id in self._ended:
                 raise RequestError(409, "episode_ended", "this episode has ended")
@@ -253,70 +288,55 @@ class EpisodeBook:
                 raise RequestError(504, "timeout", "the episode's row did not come back in "
                                    f"{self.wait_s:.0f} s", "timeout_error")
             if held.turn < 0:  # the first call
-                fed = self.fmt.prompt_ids(messages, tools)
-                if len(fed) >= self.max_total_tokens * 64:
-                    raise RequestError(400, "context_length_exceeded",
-                                       f"the prompt is {len(fed)} tokens")
+                fed = call.first()
                 self._write(row_id, held, [_cells(row_id, {
                     "prompt_ids": (fed, pa.list_(pa.int32())),
-                    "call0_messages": (call, pa.string())})])
-                return self._answer(row_id, 0, body, fed)
+                    "call0_messages": (call.record, pa.string())})])
+                return self._answer(row_id, 0, body, fed, call)
             calls = held.calls()
-            if call in calls:  # a repeat: answered from the row, nothing generated
-                return self._respond(held, calls.index(call), body)
-            t = held.turn
-            hist = held.hist()
-            new = self._extension(json.loads(calls[t]), messages, tools, held)
+            if call.record in calls:  # a repeat: answered from the row, nothing generated
+                return call.respond(held, calls.index(call.record), body)
+            t, hist = held.turn, held.hist()
+            fed = call.extension(json.loads(calls[t]), held)
             if t + 1 >= self.max_turns:
                 raise RequestError(400, "turn_budget", f"the episode has had its {self.max_turns}"
                                    " model turns (rollout.max_turns)")
-            fed = self.fmt.piece_ids(new, hist.turns[-1].ids, tools)
             if hist.length() + len(fed) >= self.max_total_tokens:
                 raise RequestError(400, "context_length_exceeded",
                                    f"the episode would pass rollout.max_total_tokens "
                                    f"({self.max_total_tokens}) with this call")
             self._write(row_id, held, [_cells(row_id, {
                 f"obs{t}_ids": (fed, pa.list_(pa.int32())), f"obs{t}_error": (None, pa.string()),
-                f"call{t + 1}_messages": (call, pa.string())})])
-            return self._answer(row_id, t + 1, body, fed)
+                f"call{t + 1}_messages": (call.record, pa.string())})])
+            return self._answer(row_id, t + 1, body, fed, call)
 
-    def _extension(self, prev: dict[str, Any], messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]], held: Held) -> list[dict[str, Any]]:
-        """The messages a call adds after call t's and the turn it was answered with."""
-        n = len(prev["messages"])
-        given = assistant_message(self.fmt.tokenizer, held.hist().turns[-1].ids,
-                                  held.row[f"turn{held.turn}_finish"], plain=self.fmt.plain)
-        if (prev["tools"] != tools or messages[:n] != prev["messages"] or len(messages) <= n + 1
-                or not same_assistant(messages[n], given)):
-            raise RequestError(400, "context_rewritten", "the messages do not extend the "
-                               "episode's last call and the answer it was given")
-        return messages[n + 1:]
-
-    def _answer(self, row_id: int, turn: int, body: dict[str, Any],
-                fed: list[int]) -> dict[str, Any]:
+    def _answer(self, row_id: int, turn: int, body: dict[str, Any], fed: list[int],
+                call: Call) -> dict[str, Any]:
         held = self._wait_held(row_id, turn, self.wait_s)
         if held is None:
             raise RequestError(504, "timeout", f"turn {turn} was not generated in "
                                f"{self.wait_s:.0f} s", "timeout_error")
         self.on_served(Served(row_id, turn, fed, list(held.hist().turns[turn].ids)))
-        return self._respond(held, turn, body)
+        return call.respond(held, turn, body)
 
-    def _respond(self, held: Held, turn: int, body: dict[str, Any]) -> dict[str, Any]:
-        hist = held.hist()
-        ids = hist.turns[turn].ids
-        given = assistant_message(self.fmt.tokenizer, ids, hist.turns[turn].finish,
-                                  plain=self.fmt.plain)
-        row_id = int(held.row[ROW_ID])
-        before = len(held.row["prompt_ids"]) + sum(
-            len(x.ids) for x in hist.turns[:turn]) + sum(len(o) for o in hist.observations[:turn])
-        return {
-            "id": f"chatcmpl-{row_id:x}-{turn}", "object": "chat.completion",
-            "created": int(time.time()), "model": str(body.get("model") or "streamflow"),
-            "choices": [{"index": 0, "message": given.message(f"call_{row_id:x}_{turn}"),
-                         "finish_reason": given.finish_reason, "logprobs": None}],
-            "usage": {"prompt_tokens": before, "completion_tokens": len(ids),
-                      "total_tokens": before + len(ids)},
-        }
+    def _assistant(self, held: Held, turn: int) -> Assistant:
+        t = held.hist().turns[turn]
+        return assistant_message(self.fmt.tokenizer, t.ids, t.finish, plain=self.fmt.plain)
+
+    def _text(self, held: Held, turn: int) -> str:
+        return decode_response(self.fmt.tokenizer, held.hist().turns[turn].ids)
+
+    def _chat_answer(self, held: Held, turn: int, body: dict[str, Any]) -> dict[str, Any]:
+        given, row_id = self._assistant(held, turn), int(held.row[ROW_ID])
+        return {**_envelope(held, turn, body, "chat.completion"), "choices": [{
+            "index": 0, "message": given.message(f"call_{row_id:x}_{turn}"),
+            "finish_reason": given.finish_reason, "logprobs": None}]}
+
+    def _text_answer(self, held: Held, turn: int, body: dict[str, Any]) -> dict[str, Any]:
+        finish = "stop" if held.hist().turns[turn].finish in ("stop", "tool") else "length"
+        return {**_envelope(held, turn, body, "text_completion"), "choices": [{
+            "index": 0, "text": self._text(held, turn), "finish_reason": finish,
+            "logprobs": None}]}
 
     def end(self, key: str, reward: float | None) -> str:
         """The agent returned: "ended" (the trajectory is written), "gone" (the row is not
@@ -344,6 +364,31 @@ class EpisodeBook:
                 while len(self._ended) > MAX_ENDED:
                     self._ended.popitem(last=False)
             return "ended"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call as the API it came through shapes it: its canonical ``record`` (what
+    ``call{t}_messages`` stores and a repeat matches), the ids of a first call, the ids it adds
+    after the last turn (RequestError when it does not extend the episode), its response."""
+
+    record: str
+    first: Callable[[], list[int]]
+    extension: Callable[[dict[str, Any], Held], list[int]]
+    respond: Callable[[Held, int, dict[str, Any]], dict[str, Any]]
+
+
+def _envelope(held: Held, turn: int, body: dict[str, Any], kind: str) -> dict[str, Any]:
+    """What both APIs' responses share: ids, the model's name as asked, token usage."""
+    hist, row_id = held.hist(), int(held.row[ROW_ID])
+    before = len(held.row["prompt_ids"]) + sum(len(x.ids) for x in hist.turns[:turn]) + sum(
+        len(o) for o in hist.observations[:turn])
+    done = len(hist.turns[turn].ids)
+    return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{row_id:x}-{turn}",
+            "object": kind, "created": int(time.time()),
+            "model": str(body.get("model") or "streamflow"),
+            "usage": {"prompt_tokens": before, "completion_tokens": done,
+                      "total_tokens": before + done}}
 
 
 def _cells(row_id: int, cells: dict[str, tuple[Any, pa.DataType]]) -> pa.RecordBatch:

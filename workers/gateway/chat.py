@@ -123,6 +123,15 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
     return tools
 
 
+def completion_prompt(prompt: Any) -> str:
+    """A /v1/completions ``prompt``: one string (or a list of one)."""
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError(400, "invalid_prompt", "prompt must be one non-empty string")
+    return prompt
+
+
 def dumps(obj: Any) -> str:
     """Canonical JSON (what the row stores, and what replays compare)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -210,6 +219,16 @@ class ChatFormat:
         base = [{"role": "user", "content": "\x00"}, {"role": "assistant", "content": "\x00"}]
         return _markers(self.tokenizer, close) + self._render([*base, *new], tools,
                                                               first=len(base))
+
+    # -- /v1/completions: the caller formats the text itself ------------------------------------
+    def text_prompt_ids(self, text: str) -> list[int]:
+        """A first completions call: the text as the tokenizer reads a prompt (its special
+        tokens added; markup the caller wrote is the template's tokens)."""
+        return encode_prompt(self.tokenizer, text)
+
+    def text_ids(self, text: str) -> list[int]:
+        """What a later completions call adds (the caller's own markup, so read as written)."""
+        return _markers(self.tokenizer, text)
 
     # -- rendering ---------------------------------------------------------------------------
     def _template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],

@@ -149,3 +149,35 @@ def test_an_unknown_key_is_401() -> None:
             book.close()
             keeper.close()
             client.close()
+
+
+def test_completions_extend_the_text_and_a_rewrite_is_refused(rig: Rig) -> None:
+    row = rig.episodes()[0]
+    llm = openai.OpenAI(base_url=rig.url(), api_key=episode_key(SECRET, row[ROW_ID]),
+                        max_retries=0)
+    prompt = row["agent_prompt"]
+    first = llm.completions.create(model="m", prompt=prompt).choices[0]
+    assert first.text.startswith("(=") and first.finish_reason == "stop"
+    expr = first.text[2:-2]
+    a, b = expr.split("*")
+    with pytest.raises(openai.BadRequestError) as err:  # not what it was answered
+        llm.completions.create(model="m", prompt=prompt + "(=1*1=)1 ")
+    assert err.value.body["code"] == "context_rewritten"
+    second = llm.completions.create(model="m", prompt=f"{prompt}{first.text}{int(a) * int(b)} ")
+    assert second.choices[0].text == row["answer"]
+    (call0, call1) = sorted((s for s in rig.served if s.row_id == row[ROW_ID]),
+                            key=lambda s: s.call)
+    assert TOK.decode(call0.fed + call0.turn + call1.fed, skip_special_tokens=True) == \
+        f"{prompt}{first.text}{row['answer']} "
+
+
+def test_a_streamed_chat_answer_is_one_chunk(rig: Rig) -> None:
+    row = rig.episodes()[0]
+    llm = openai.OpenAI(base_url=rig.url(), api_key=episode_key(SECRET, row[ROW_ID]),
+                        max_retries=0)
+    chunks = list(llm.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": row["agent_prompt"]}],
+        tools=CALCULATOR, stream=True))
+    assert len(chunks) == 1 and chunks[0].choices[0].finish_reason == "tool_calls"
+    call = chunks[0].choices[0].delta.tool_calls[0]
+    assert call.function.name == "calculator" and call.index == 0
