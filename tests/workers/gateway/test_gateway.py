@@ -181,3 +181,30 @@ def test_a_streamed_chat_answer_is_one_chunk(rig: Rig) -> None:
     assert len(chunks) == 1 and chunks[0].choices[0].finish_reason == "tool_calls"
     call = chunks[0].choices[0].delta.tool_calls[0]
     assert call.function.name == "calculator" and call.index == 0
+
+
+def test_a_call_past_the_turn_budget_is_400_in_one_log_line_and_the_episode_keeps_its_turns(
+        rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    row = rig.episodes()[0]
+    key = episode_key(SECRET, row[ROW_ID])
+    llm = openai.OpenAI(base_url=rig.url(), api_key=key, max_retries=0)
+    messages: list[dict] = [{"role": "user", "content": row["agent_prompt"]}]
+    for _ in range(T):  # T calls: a tool call, then answers (a user message after each)
+        reply = llm.chat.completions.create(model="m", messages=messages, tools=CALCULATOR)
+        msg = reply.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        messages += ([{"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "1"}]
+                     if msg.tool_calls else [{"role": "user", "content": "="}])
+    with caplog.at_level("WARNING", logger="workers.gateway.app"):
+        with pytest.raises(openai.BadRequestError) as err:
+            llm.chat.completions.create(model="m", messages=messages, tools=CALCULATOR)
+    assert err.value.status_code == 400 and err.value.body["code"] == "turn_budget"
+    assert [r.getMessage() for r in caplog.records] == [
+        "gateway 400 turn_budget: the episode has had its 3 model turns (rollout.max_turns)"]
+    assert end(rig, key, 0.5) == "ended"
+    lease = rig.client.claim(TABLE, "reward", ("response_ids", "env_reward"), 64, timeout=5.0)
+    (got,) = [r for r in lease.batch.to_pylist() if r[ROW_ID] == row[ROW_ID]]
+    served = sorted((s for s in rig.served if s.row_id == row[ROW_ID]), key=lambda s: s.call)
+    assert [s.call for s in served] == [0, 1, 2]
+    assert got["response_ids"] == [i for s in served for i in (s.fed if s.call else []) + s.turn]
+    assert got["env_reward"] == 0.5
