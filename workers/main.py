@@ -75,7 +75,7 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
         if isinstance(cfg, GatewayWorkerConfig):
             from workers.gateway.worker import run_gateway
 
-            run_gateway(cfg, stop, lambda: events.send(ready()))
+            run_gateway(cfg, stop, lambda: events.send(ready()), events)
         elif isinstance(cfg, TrainerWorkerConfig):
             trainer = build_trainer(cfg, client, events, keeper, metrics)
             if trainer.ranks is not None and not trainer.ranks.is_leader:

@@ -15,6 +15,8 @@ import psutil
 import pytest
 from testkit import wait_until
 
+from streamflow.tracefile import read_trace
+
 ROOT = Path(__file__).resolve().parents[2]
 AGENT = ("rollout.max_turns=3", "agent.fn=tests.streamflow.gateway_agents:two_calls",
          "agent.episodes_per_worker=16", "run.eval_every=0", "rollout.max_new_tokens=6",
@@ -57,6 +59,15 @@ def test_an_openai_sdk_agent_drives_a_run_through_the_gateway(model_cache, tmp_p
     # two calls each, unless the first answer left no room for a second under the budget
     assert sum(1 for row, call in calls if call == 1) >= 16
     assert summary["stage_busy_seconds"].get("agent", 0.0) > 0.0
+    # the row trace holds the gateway's part: its claims, its writes of each call (tool
+    # "agent": the agent's seconds between answers) and acks, beside the rollout's turns
+    trace = read_trace(out / "trace").to_pylist()
+    gateway = [r for r in trace if r["worker"] == "gateway-0"]
+    assert {r["event"] for r in gateway} >= {"claim", "write", "ack"}
+    writes = [r for r in gateway if r["event"] == "write"]
+    assert {r["task"] for r in writes} >= {"open", "env.0"}
+    assert all(r["tool"] == "agent" and r["tool_seconds"] >= 0 for r in writes)
+    assert {r["row_id"] for r in writes if r["task"] == "open"} == rows
 
 
 def _worker(proc: subprocess.Popen, name: str) -> psutil.Process | None:

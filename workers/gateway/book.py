@@ -54,6 +54,7 @@ from workers.gateway.chat import (
 )
 from workers.models.tokenizer import decode_response
 from workers.runtime.faults import failure_reason
+from workers.runtime.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class Held:
     lease: Lease
     turn: int
     row: dict[str, Any]
+    since: float = 0.0  # monotonic time of the claim: the agent's time until its next call
 
     def hist(self) -> History:
         got = history(self.row, self.turn + 1, self.turn)
@@ -115,11 +117,15 @@ class EpisodeBook:
     def __init__(self, connect: Callable[[], Any], table: str, fmt: ChatFormat, *,
                  max_turns: int, max_total_tokens: int, secret: bytes, keeper: Any,
                  wait_s: float, lease_seconds: float,
-                 on_served: Callable[[Served], None] | None = None) -> None:
+                 on_served: Callable[[Served], None] | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.table, self.fmt, self.secret, self.keeper = table, fmt, secret, keeper
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.wait_s, self.lease_seconds = wait_s, lease_seconds
         self.on_served = on_served or (lambda served: None)
+        # the row trace: the gateway's claims, its writes (tool "agent": the agent's seconds
+        # between an answer and its next call) and acks
+        self.tracer = tracer or Tracer(None, "gateway", enabled=False)
         self._connect = connect
         self._writer = connect()
         self._write_lock = threading.Lock()
@@ -191,8 +197,9 @@ class EpisodeBook:
         row = lease.batch.to_pylist()[0]
         turn = -1 if task == OPEN else int(task.split(".")[1])
         self.keeper.hold(lease)
+        self.tracer.claim(lease)
         with self._cond:
-            self._held[int(row[ROW_ID])] = Held(lease, turn, row)
+            self._held[int(row[ROW_ID])] = Held(lease, turn, row, time.monotonic())
             self._cond.notify_all()
         return True
 
@@ -237,9 +244,13 @@ class EpisodeBook:
         with self._cond:
             self._held.pop(row_id, None)
         self.keeper.drop(held.lease.lease_id)
+        waited = time.monotonic() - held.since
         with self._write_lock:
             for i, batch in enumerate(batches):
                 self._writer.write(self.table, held.lease, batch, ack=i == len(batches) - 1)
+        for batch in batches:
+            self.tracer.write(held.lease, batch, calls={row_id: ("agent", waited, None)})
+        self.tracer.lease_event("ack", held.lease)
 
     # -- calls -------------------------------------------------------------------------------
     def chat(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -353,9 +364,10 @@ class EpisodeBook:
                 with self._cond:
                     self._held.pop(row_id, None)
                 self.keeper.drop(held.lease.lease_id)
+                reason = failure_reason(held.lease.batch, "the agent made no call")
                 with self._write_lock:
-                    self._writer.release(held.lease, error=failure_reason(
-                        held.lease.batch, "the agent made no call"))
+                    self._writer.release(held.lease, error=reason)
+                self.tracer.lease_event("fail", held.lease, error=reason)
                 return "no_call"
             self._write(row_id, held, episode_end_writes(
                 row_id, held.turn, self.max_turns, held.hist(), reward))

@@ -16,6 +16,7 @@ from workers.gateway.app import GatewayServer
 from workers.gateway.book import EpisodeBook, Served
 from workers.gateway.chat import ChatFormat
 from workers.roles.loop import LeaseKeeper
+from workers.runtime.trace import Tracer
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -50,8 +51,10 @@ def read_served(path: str | Path) -> list[Served]:
     return out
 
 
-def run_gateway(cfg: GatewayWorkerConfig, stop: threading.Event, ready: Any) -> None:
-    """Serve until ``stop``; ``ready()`` once the port is bound."""
+def run_gateway(cfg: GatewayWorkerConfig, stop: threading.Event, ready: Any,
+                events: Any = None) -> None:
+    """Serve until ``stop``; ``ready()`` once the port is bound; ``events``: the worker's report
+    sender (the row trace)."""
     from workers.models.local import load_tokenizer  # (transformers: a real worker needs it)
 
     common = cfg.common
@@ -70,7 +73,8 @@ def run_gateway(cfg: GatewayWorkerConfig, stop: threading.Event, ready: Any) -> 
                        max_total_tokens=cfg.agent.max_total_tokens,
                        secret=bytes.fromhex(cfg.secret), keeper=keeper,
                        wait_s=cfg.call_timeout_s, lease_seconds=cfg.lease_seconds,
-                       on_served=log)
+                       on_served=log,
+                       tracer=Tracer.of(events, common.name) if events is not None else None)
     server = GatewayServer(book, cfg.host, cfg.port)
     book.start()
     try:
