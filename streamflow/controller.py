@@ -396,9 +396,9 @@ class ColocatedLoop:
         self.client = client = store.client()
         client.create_table(plan.table_spec)
         self.keeper = LeaseKeeper(store.client)
-        stages = _turn_order(rollout_stages(build_rollout(plan.rollout, events)),
-                             build_environment(plan.environment, _tool_tap(events))
-                             if plan.environment else [])
+        envs = build_environment(plan.environment, _tool_tap(events)) if plan.environment else []
+        self._stack.callback(lambda: [s.close() for s in envs])  # an MCP server, a user's child
+        stages = _turn_order(rollout_stages(build_rollout(plan.rollout, events)), envs)
         stages.append(("reward", reward := build_reward(plan.reward)))
         if plan.reference:
             stages.append(("reference", build_reference(plan.reference)))

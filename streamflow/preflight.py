@@ -18,8 +18,10 @@ import json
 import shutil
 import socket
 from pathlib import Path
+from typing import Any
 
 from streamflow.config import ConfigError, RunConfig
+from workers.settings import EnvSettings
 
 # What a run writes into run.output_dir (streamflow/rundir.py, controller, metrics, store persist).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "timeline.jsonl", "summary.json")
@@ -78,8 +80,11 @@ def check_inputs(cfg: RunConfig) -> None:
     if cfg.gateway:
         _check_agent(str(cfg.agent.fn))
     if cfg.multi_turn:
-        _check_env(cfg.env.fn)
-        _check_tools(cfg.env.fn, cfg.env.tools, cfg.env.timeout_s)
+        if cfg.env.fn == "mcp":
+            _check_mcp(cfg.env.mcp_command)
+        else:
+            _check_env(cfg.env.fn)
+        _check_tools(cfg.env.settings)
         _check_context(cfg)
     reward_engine = cfg.reward.engine if cfg.reward.model is not None else "torch"
     for key, engine, package in (("rollout.engine", cfg.rollout.engine, "vllm"),
@@ -258,10 +263,22 @@ def _check_agent(fn: str) -> None:
             from None
 
 
-def _check_tools(fn: str, tools: tuple[str, ...], timeout_s: float) -> None:
+def _check_mcp(command: tuple[str, ...]) -> None:
+    """env.fn 'mcp' needs the mcp SDK, and a stdio server's command an executable (the server
+    itself is only started by _check_tools, when env.tools names tools)."""
+    if importlib.util.find_spec("mcp") is None:
+        raise ConfigError("env.fn", "'mcp' needs the mcp package, which is not installed in this "
+                          "Python environment (pip install 'streamflow[mcp]')")
+    if command and shutil.which(command[0]) is None:
+        raise ConfigError("env.mcp_command", f"{command[0]!r} is not an executable file or a "
+                          "command on PATH")
+
+
+def _check_tools(env: EnvSettings) -> None:
     """Each name of env.tools is served by the environment (its ``tools()``): a built-in is made
-    here, a user's only in a child process (``workers.agent.isolated``), and only when env.tools
-    names any."""
+    here, a user's only in a child process (``workers.agent.isolated``), an MCP server is started
+    and asked, and only when env.tools names any."""
+    fn, tools = env.fn, env.tools
     if not tools:
         return
     from workers.agent.environments import BUILTIN_ENVIRONMENTS
@@ -269,15 +286,23 @@ def _check_tools(fn: str, tools: tuple[str, ...], timeout_s: float) -> None:
     if fn in BUILTIN_ENVIRONMENTS:
         served = tuple(BUILTIN_ENVIRONMENTS[fn]().tools())
     else:
-        from workers.agent.isolated import IsolatedEnvironment
-
         try:
-            env = IsolatedEnvironment(fn, timeout_s)
-        except ValueError as err:  # load_environment's message, naming env.fn
-            why = str(err).removeprefix("env.fn: ").replace("\n", " ")
-            raise ConfigError("env.fn", why) from None
-        served = env.tools()
-        env.close()
+            if fn == "mcp":
+                from workers.agent.mcp_tools import McpEnvironment
+
+                made: Any = McpEnvironment(command=env.mcp_command, url=env.mcp_url,
+                                           timeout_s=env.timeout_s)
+            else:
+                from workers.agent.isolated import IsolatedEnvironment
+
+                made = IsolatedEnvironment(fn, env.timeout_s)
+        except ValueError as err:  # the message names its key (env.fn, env.mcp_*)
+            key, _, why = str(err).partition(": ")
+            if not key.startswith("env."):
+                key, why = "env.fn", str(err)
+            raise ConfigError(key, why.replace("\n", " ")) from None
+        served = made.tools()
+        made.close()
     unknown = [t for t in tools if t not in served]
     if unknown:
         raise ConfigError("env.tools", f"{unknown[0]!r} is not a tool of env.fn={fn}, which "

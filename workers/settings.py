@@ -341,7 +341,8 @@ class SandboxSettings(Checked):
 class EnvSettings(Checked):
     """The environment that answers a turn's tool call (``env.*``; workers.roles.environment)."""
 
-    fn: str = "calculator"  # built-in ("calculator", "python") or "package.module:Class"
+    # built-in ("calculator", "python"), "mcp" (an MCP server's tools) or "package.module:Class"
+    fn: str = "calculator"
     # the tools the model may call, each served by the environment (its tools()); a call to any
     # other is an "unknown_tool" observation. Empty: every tool the environment serves
     tools: tuple[str, ...] = ()
@@ -349,8 +350,13 @@ class EnvSettings(Checked):
     # plain for the built-in character model, hermes for a model.path (the plan resolves it)
     format: Literal["auto", "plain", "hermes"] = "auto"
     max_observation_tokens: int = bounded(64, ge=1)  # an observation's tokens past this are cut
-    # a user's environment steps in a child process, killed past this (workers.agent.isolated)
+    # a user's environment steps in a child process, killed past this (workers.agent.isolated);
+    # an MCP tool call waits this long (workers.agent.mcp_tools)
     timeout_s: float = bounded(10.0, gt=0)
+    # fn "mcp": the server, exactly one of: the command that starts it over stdio (once per
+    # environment worker) or the URL of a running one (streamable HTTP); docs/agents.md
+    mcp_command: tuple[str, ...] = ()
+    mcp_url: str | None = None
     sandbox: SandboxSettings = field(default_factory=SandboxSettings)  # env=python only
 
     def check(self) -> None:
@@ -358,6 +364,16 @@ class EnvSettings(Checked):
                 f"must be a built-in name or 'module.path:Class', got {self.fn!r}")
         require(all(self.tools) and len(set(self.tools)) == len(self.tools), "tools",
                 f"must be distinct non-empty tool names, got {list(self.tools)}")
+        object.__setattr__(self, "mcp_command", tuple(self.mcp_command))
+        servers = [k for k in ("mcp_command", "mcp_url") if getattr(self, k)]
+        require(len(servers) == (self.fn == "mcp"), (servers or ["mcp_command"])[-1],
+                "fn 'mcp' needs its server: mcp_command (a stdio server's argv) or mcp_url (a "
+                "streamable HTTP endpoint), exactly one" if self.fn == "mcp" else
+                f"only used with fn 'mcp', got fn {self.fn!r}")
+        require(all(isinstance(a, str) and a for a in self.mcp_command), "mcp_command",
+                f"must be non-empty strings, got {list(self.mcp_command)}")
+        require(self.mcp_url is None or self.mcp_url.startswith(("http://", "https://")),
+                "mcp_url", f"must be an http:// or https:// URL, got {self.mcp_url!r}")
 
     @property
     def plain(self) -> bool:

@@ -241,7 +241,7 @@ class EnvSection(Checked):
     """The environment workers of a multi-turn run (rollout.max_turns > 1; no effect otherwise):
     they answer the tool call that ended a model turn (tasks env.{t})."""
 
-    # fn, tools, format, max_observation_tokens, timeout_s (a user's environment), sandbox.*
+    # fn, tools, format, max_observation_tokens, timeout_s, mcp_command / mcp_url, sandbox.*
     settings: EnvSettings = embed(EnvSettings)
     num_workers: int = bounded(1, ge=1)  # environment worker processes (CPU only)
     rows_per_claim: int = bounded(32, ge=1)  # rows claimed per micro-batch

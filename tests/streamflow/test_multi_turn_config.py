@@ -5,6 +5,7 @@ and environment workers, the launch placement, sync's drain order and the turn m
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,17 @@ def test_env_settings_without_turns_are_a_warning() -> None:
     (["rollout.max_total_tokens=256"],
      "error: rollout.max_total_tokens: 256 leaves no room for a prompt in the context of the "
      "built-in model (256 tokens)"),
+    (["env.fn=mcp"], "error: env.mcp_command: fn 'mcp' needs its server: mcp_command (a stdio "
+                     "server's argv) or mcp_url (a streamable HTTP endpoint), exactly one"),
+    (["env.fn=mcp", "env.mcp_command=[python3]", "env.mcp_url=http://127.0.0.1:1/mcp"],
+     "error: env.mcp_url: fn 'mcp' needs its server"),
+    (["env.mcp_url=http://127.0.0.1:1/mcp"],
+     "error: env.mcp_url: only used with fn 'mcp', got fn 'calculator'"),
+    (["env.fn=mcp", "env.mcp_url=ftp://127.0.0.1/mcp"],
+     "error: env.mcp_url: must be an http:// or https:// URL, got 'ftp://127.0.0.1/mcp'"),
+    (["env.fn=mcp", "env.mcp_command=[/nonexistent/python3, -m, server]"],
+     "error: env.mcp_command: '/nonexistent/python3' is not an executable file or a command on "
+     "PATH"),
 ])
 def test_dry_run_refuses_a_bad_environment_in_one_line(capsys, tmp_path, overrides, needle):
     out = tmp_path / "run"
@@ -126,6 +138,24 @@ def test_env_tools_are_checked_against_a_users_environment_in_a_child(capsys, tm
     assert main([*ok[:3], "env.fn=agent_envs:Broken", *ok[4:], "env.tools=[say]"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: env.fn: environment 'agent_envs:Broken' raised when made") and (
+        err.count("\n") == 1), err
+
+
+def test_env_tools_are_checked_against_an_mcp_servers_tools(capsys, tmp_path):
+    """The dry run starts the server (tests/workers/agent/mcp_calculator.py) to ask its tools."""
+    server = ROOT / "tests" / "workers" / "agent" / "mcp_calculator.py"
+    ok = ["run", TINY, TWO, "env.fn=mcp", f"env.mcp_command=[{sys.executable}, {server}]",
+          f"run.output_dir={tmp_path}", "--dry-run"]
+    assert main(ok) == 0  # (not started: env.tools names none)
+    assert main([*ok, "env.tools=[calculator]"]) == 0
+    assert main([*ok, "env.tools=[calculator, search]"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: env.tools: 'search' is not a tool of env.fn=mcp, which serves: "
+                          "calculator, fail, hang\n") and err.count("\n") == 1, err
+    assert main([*ok[:4], f"env.mcp_command=[{sys.executable}, -c, 'import sys']", *ok[5:],
+                 "env.tools=[calculator]"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: env.mcp_command: the MCP server did not start: ") and (
         err.count("\n") == 1), err
 
 

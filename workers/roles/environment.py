@@ -6,7 +6,8 @@ decodes the turn, builds the ``StepContext`` from the row (prompt, answer, turn,
 earlier turns: the environment keeps no state, the row does), runs ``execute`` (which turns every
 failure of the call or of a user's environment into an error observation; the python tool runs in
 the sandbox, the calculator in-process and bounded, a user's environment in a child process killed
-past ``env.timeout_s``: ``workers.agent.isolated``; a call to a tool outside ``env.tools`` is an
+past ``env.timeout_s``: ``workers.agent.isolated``, an MCP server's tools through the one server
+the worker started: ``workers.agent.mcp_tools``; a call to a tool outside ``env.tools`` is an
 "unknown_tool" observation), formats the observation (hermes form with a chat template: in the
 template's tool-message turn, ``workers.agent.toolcall.chat_wrapping``), tokenises it with the
 model's tokenizer and cuts its text so that the whole fits ``max_observation_tokens`` (the turn
@@ -122,6 +123,13 @@ class EnvironmentStage:
         return Parts(tuple(observation_writes(row_ids, self.turn, self.max_turns, items,
                                               rewards)))
 
+    def close(self) -> None:
+        """Close the environment (a user's child, an MCP server); the stages of a worker share
+        one, so each may close it: an environment's ``close`` is idempotent."""
+        close = getattr(self.env, "close", None)
+        if close is not None:
+            close()
+
 
 def observe(env: Environment, tokenizer: Any, prompt: str, answer: str, hist: History, *,
             plain: bool, max_observation_tokens: int, max_total_tokens: int,
@@ -174,7 +182,13 @@ def encode_markers(tokenizer: Any, markers: str) -> list[int]:
 
 
 def make_environment(agent: AgentSettings) -> Environment:
-    """The configured environment; the python tool with the configured sandbox limits."""
+    """The configured environment; the python tool with the configured sandbox limits; "mcp":
+    the MCP server's tools (its server started here, once: ``workers.agent.mcp_tools``)."""
+    if agent.fn == "mcp":
+        from workers.agent.mcp_tools import McpEnvironment  # the mcp SDK: only where it is used
+
+        return McpEnvironment(command=agent.env.mcp_command, url=agent.env.mcp_url,
+                              timeout_s=agent.timeout_s)
     if agent.fn == "python":
         from workers.agent.sandbox import memory_plan
 

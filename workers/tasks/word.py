@@ -12,6 +12,7 @@ import random
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -98,23 +99,30 @@ class WordProblemTask(TrainingStream):
 # --------------------------------------------------------------------------- chat prompts
 def chat_prompt_text(tokenizer: PreTrainedTokenizerBase, question: str, *,
                      instruction: str | None = DEFAULT_INSTRUCTION,
-                     system: str | None = None) -> str:
+                     system: str | None = None,
+                     tools: Sequence[dict[str, Any]] | None = None) -> str:
     """``question`` (plus ``instruction``) as one user turn in the tokenizer's chat template,
-    ending with the assistant's turn opener (the model continues from there)."""
+    ending with the assistant's turn opener (the model continues from there). ``tools``: the
+    function schemas the template renders where its tool list goes (an environment's
+    ``tool_schemas()``, e.g. ``workers.agent.mcp_tools.McpEnvironment``'s)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("tokenizer has no chat template; use plain prompts for this model")
     content = f"{question} {instruction}" if instruction else question
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": content})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": list(tools)} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **extra)
     return str(text)
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, question: str, *,
                     instruction: str | None = DEFAULT_INSTRUCTION,
-                    system: str | None = None) -> list[int]:
+                    system: str | None = None,
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of ``chat_prompt_text``; no special token is added again (no second BOS)."""
-    text = chat_prompt_text(tokenizer, question, instruction=instruction, system=system)
+    text = chat_prompt_text(tokenizer, question, instruction=instruction, system=system,
+                            tools=tools)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
