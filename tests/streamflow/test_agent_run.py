@@ -87,14 +87,15 @@ def test_killing_gateway_rollout_and_agent_workers_loses_no_turn(model_cache, tm
     run trains every iteration with every sample: no call was answered two ways (a repeat is
     answered from the row), no row is dead, none left in flight."""
     out = model_cache / f"{tmp_path.name}-agent-kills"
-    proc = _run(out, "run.iterations=6", "store.lease_seconds=2", "run.max_restarts=2")
+    proc = _run(out, "run.iterations=4", "store.lease_seconds=2", "run.max_restarts=2")
     try:
         def served() -> int:
             assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
             path = out / "gateway-served.jsonl"
             return len(path.read_text().splitlines()) if path.exists() else 0
 
-        for victim, after in (("gateway-0", 20), ("rollout-0", 50), ("agent-0", 80)):
+        # (about 32 calls an iteration: each kill lands in its own iteration)
+        for victim, after in (("gateway-0", 16), ("rollout-0", 40), ("agent-0", 64)):
             wait_until(lambda n=after: served() >= n, timeout=240, what=f"{after} calls served")
             wait_until(lambda v=victim: _worker(proc, v), timeout=60, what=victim).kill()
         _, err = proc.communicate(timeout=400)
@@ -104,8 +105,8 @@ def test_killing_gateway_rollout_and_agent_workers_loses_no_turn(model_cache, tm
             proc.kill()
             proc.wait()
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["iterations"] == 6, summary
+    assert summary["status"] == "ok" and summary["iterations"] == 4, summary
     assert summary["worker_restarts"] == {"gateway-0": 1, "rollout-0": 1, "agent-0": 1}
     assert summary["dead_rows"] == 0 and summary["in_flight_rows"] == 0
-    assert [r["samples"] for r in _lines(out / "metrics.jsonl")] == [16] * 6
+    assert [r["samples"] for r in _lines(out / "metrics.jsonl")] == [16] * 4
     _served_calls(out)
