@@ -71,12 +71,13 @@ def check_inputs(cfg: RunConfig) -> None:
         _check_problem_file(cfg)
     elif cfg.data.task == "arithmetic":
         _check_arithmetic(cfg)
-    _check_reward(cfg.reward.fn)
+    hub = _check_hub(cfg)
+    _check_reward(hub if cfg.reward.fn == "hub" else cfg.reward.fn)
     if cfg.reward.model is not None:
         _check_reward_model(cfg)
     if cfg.multi_turn:
         _check_env(cfg.env.fn)
-        _check_tools(cfg.env.fn, cfg.env.tools, cfg.env.timeout_s)
+        _check_tools(hub if cfg.env.fn == "hub" else cfg.env.fn, cfg.env.tools, cfg.env.timeout_s)
         _check_context(cfg)
     reward_engine = cfg.reward.engine if cfg.reward.model is not None else "torch"
     for key, engine, package in (("rollout.engine", cfg.rollout.engine, "vllm"),
@@ -151,9 +152,10 @@ def notes(cfg: RunConfig) -> list[str]:
     """What a valid config does that its user may not expect (the CLI prints them at start and
     with ``--dry-run``)."""
     out = []
-    if cfg.data.task == "file" and cfg.model.path is None:
+    if cfg.data.task != "arithmetic" and cfg.model.path is None:
+        source = cfg.data.file if cfg.data.task == "file" else f"env.hub={cfg.env.hub}"
         out.append("model.path is unset: the built-in model is warm-started on its arithmetic "
-                   f"task, not on {cfg.data.file}; set model.path to train your own model")
+                   f"task, not on {source}; set model.path to train your own model")
     r = cfg.reward
     if r.model is None:
         return out
@@ -204,6 +206,25 @@ def _check_reward_model(cfg: RunConfig) -> None:
                           "(or reward.min_accuracy=0)")
 
 
+def _check_hub(cfg: RunConfig) -> str:
+    """Where data.task, env.fn or reward.fn is "hub": the hub library and env.hub's module can be
+    found (nothing is imported: the environment is made where it runs). Its spec, or ''."""
+    if "hub" not in (cfg.data.task, cfg.reward.fn, cfg.env.fn if cfg.multi_turn else None):
+        return ""
+    from workers.agent.hub import hub_module, hub_spec
+
+    library, module = hub_module(cfg.env.hub)
+    for name, what in ((library, f"the {library} package"), (module, f"module {module!r}")):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package that is missing or not a package
+            found = False
+        if not found:
+            raise ConfigError("env.hub", f"{cfg.env.hub}: {what} is not installed in this Python "
+                              "environment (docs/agents.md \"Environments from a hub\")")
+    return hub_spec(cfg.env.hub)
+
+
 def _check_env(fn: str) -> None:
     """env.fn names a built-in or an importable class (not made here: a user's environment is
     only ever made in the child process that isolates it); the python tool needs a sandbox that
@@ -218,7 +239,7 @@ def _check_env(fn: str) -> None:
             raise ConfigError("env.fn", f"'python' needs the sandbox, which does not work here: "
                               f"{reason}".replace("\n", " "))
         return
-    if fn in BUILTIN_ENVIRONMENTS:
+    if fn in BUILTIN_ENVIRONMENTS or fn == "hub":  # (env.hub: _check_hub)
         return
     module_name, _, attr = fn.partition(":")
     if not attr:

@@ -317,7 +317,7 @@ def test_worker_subcommand_serves_its_role_against_a_store_node(tmp_path, store_
                                 table="samples", seed=0, threads=1, claim_timeout_s=0.2,
                                 trace_rows=False),
             model_path=str(tok_dir), fn="exact_match", rows_per_claim=2, model_device="cpu",
-            model_dtype="float32",
+            model_dtype="float32", hub=None,
         )))
         worker = subprocess.Popen(
             [sys.executable, "-m", "streamflow", "worker", "--role", "reward",
