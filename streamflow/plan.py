@@ -247,7 +247,7 @@ def build_plan(cfg: RunConfig, run_dir: Path,
 def _problems(cfg: RunConfig) -> tuple[list[Problem] | None, ArithmeticTask | None, list[Problem]]:
     """(training problems of a file, the arithmetic task, held-out problems)."""
     d = cfg.data
-    if d.task == HUB:  # the hub environment's dataset, rendered for the model
+    if d.task == HUB:  # the hub taskset's tasks, rendered for the model
         from workers.agent.hub import hub_problems
 
         tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path is not None else None
@@ -367,7 +367,7 @@ def agent_settings(cfg: RunConfig) -> AgentSettings | None:
 
 
 def reward_fn(cfg: RunConfig) -> str:
-    """reward.fn as ``resolve_reward`` reads it: "hub" is env.hub's rubric (its spec)."""
+    """reward.fn as ``resolve_reward`` reads it: "hub" is env.hub's rewards (its spec)."""
     if cfg.reward.fn != HUB:
         return cfg.reward.fn
     from workers.agent.hub import hub_spec

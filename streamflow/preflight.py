@@ -211,15 +211,23 @@ def _check_hub(cfg: RunConfig) -> str:
     found (nothing is imported: the environment is made where it runs). Its spec, or ''."""
     if "hub" not in (cfg.data.task, cfg.reward.fn, cfg.env.fn if cfg.multi_turn else None):
         return ""
-    from workers.agent.hub import hub_module, hub_spec
+    from workers.agent.hub import hub_modules, hub_spec
 
-    library, module = hub_module(cfg.env.hub)
-    for name, what in ((library, f"the {library} package"), (module, f"module {module!r}")):
+    def found(name: str) -> bool:  # a submodule is looked for in its package's directories
+        top, _, rest = name.partition(".")
         try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # a parent package that is missing or not a package
-            found = False
-        if not found:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            return False
+        if spec is None or not rest:
+            return spec is not None
+        path = rest.replace(".", "/")
+        return any(Path(root, path).is_dir() or Path(root, f"{path}.py").is_file()
+                   for root in spec.submodule_search_locations or ())
+
+    library, modules = hub_modules(cfg.env.hub)
+    for names, what in (((library,), f"the {library} package"), (modules, f"module {modules[0]!r}")):
+        if not any(found(name) for name in names):
             raise ConfigError("env.hub", f"{cfg.env.hub}: {what} is not installed in this Python "
                               "environment (docs/agents.md \"Environments from a hub\")")
     return hub_spec(cfg.env.hub)

@@ -181,7 +181,7 @@ _REWARD_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 class RewardSettings(Checked):
     """The verifier of the reward workers (``reward.*``; ``workers.roles.reward``)."""
 
-    # registry name, "package.module:function" for a user verifier, or "hub" (env.hub's rubric)
+    # registry name, "package.module:function" for a user verifier, or "hub" (env.hub's rewards)
     fn: str = "exact_match"
     timeout_s: float = bounded(2.0, gt=0)  # per-sample scoring timeout; a timeout scores as failed
     # a failed sample: "retry" = a failed delivery, "zero" = scored 0.0 and trained on
@@ -284,7 +284,7 @@ class PackingSettings(Checked):
 
 
 _ENV_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
-HUB = "hub"  # data.task, env.fn and reward.fn: env.hub's dataset, tools, rubric (workers.agent.hub)
+HUB = "hub"  # data.task, env.fn and reward.fn: env.hub's tasks, tools, rewards (workers.agent.hub)
 HUB_PREFIX = f"{HUB}:"  # + env.hub: the spec the environment and reward loaders read
 _HUB = re.compile(r"^verifiers:(([\w.-]+/)?[A-Za-z_][\w.-]*|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
 
@@ -345,9 +345,9 @@ class SandboxSettings(Checked):
 class EnvSettings(Checked):
     """The environment that answers a turn's tool call (``env.*``; workers.roles.environment)."""
 
-    # built-in ("calculator", "python"), "package.module:Class", or "hub" (env.hub's environment)
+    # built-in ("calculator", "python"), "package.module:Class", or "hub" (env.hub's tools)
     fn: str = "calculator"
-    # a hub library's environment, run unmodified (docs/agents.md): "verifiers:ENV_ID" or
+    # a hub library's taskset, run unmodified (docs/agents.md): "verifiers:TASKSET_ID" or
     # "verifiers:module.path:attr"; the prompts with data.task=hub, the tools with env.fn=hub,
     # the reward with reward.fn=hub (null: none)
     hub: str | None = None
@@ -366,9 +366,9 @@ class EnvSettings(Checked):
         require(bool(_ENV_FN.match(self.fn)), "fn",
                 f"must be a built-in name or 'module.path:Class', got {self.fn!r}")
         require(self.hub is None or bool(_HUB.match(self.hub)), "hub",
-                f"must be 'verifiers:ENV_ID' or 'verifiers:module.path:attr', got {self.hub!r}")
+                f"must be 'verifiers:TASKSET_ID' or 'verifiers:module.path:attr', got {self.hub!r}")
         require(self.fn != HUB or self.hub is not None, "fn",
-                "'hub' needs env.hub: the hub environment whose tools answer the calls")
+                "'hub' needs env.hub: the hub taskset whose tools answer the calls")
         require(all(self.tools) and len(set(self.tools)) == len(self.tools), "tools",
                 f"must be distinct non-empty tool names, got {list(self.tools)}")
 

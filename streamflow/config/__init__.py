@@ -209,7 +209,7 @@ def _check_hub(cfg: RunConfig) -> None:
     checked with env.hub itself, in workers.settings.EnvSettings)."""
     for key, used in (("data.task", cfg.data.task == "hub"), ("reward.fn", cfg.reward.fn == "hub")):
         require(not used or cfg.env.hub is not None, key, "'hub' needs env.hub: the hub "
-                "environment (docs/agents.md \"Environments from a hub\")")
+                "taskset (docs/agents.md \"Environments from a hub\")")
 
 
 @dataclass(frozen=True)

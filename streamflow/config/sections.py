@@ -152,7 +152,7 @@ class ModelSection(Checked):
 
 @dataclass(frozen=True)
 class DataSection(Checked):
-    # procedural arithmetic, a prompt file, or "hub": the dataset of env.hub's environment
+    # procedural arithmetic, a prompt file, or "hub": the tasks of env.hub's taskset
     task: Literal["arithmetic", "file", "hub"] = "arithmetic"
     digits: int = bounded(2, ge=1, le=18)  # arithmetic: max digits per operand
     operations: tuple[Operation, ...] = ("+",)  # arithmetic: operators to draw from

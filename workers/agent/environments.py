@@ -275,7 +275,7 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
 
 def load_environment(spec: str) -> Environment:
     """A built-in by name, ``"package.module:ClassOrFactory"`` called with no arguments, or a
-    hub environment's spec (``workers.agent.hub.hub_spec``). ConfigValueError (a ValueError)
+    hub taskset's spec (``workers.agent.hub.hub_spec``). ConfigValueError (a ValueError)
     naming ``env.fn`` when it cannot be had."""
     if spec in BUILTIN_ENVIRONMENTS:
         return BUILTIN_ENVIRONMENTS[spec]()

@@ -141,7 +141,7 @@ def build_reward(cfg: RewardWorkerConfig) -> Any:
 
         scorer = load_reward_model(cfg.scorer, device=cfg.model_device, dtype=cfg.model_dtype)
     fn = r.fn
-    if fn == HUB:  # env.hub's rubric, run in the reward child like a user's function
+    if fn == HUB:  # env.hub's rewards, run in the reward child like a user's function
         from workers.agent.hub import hub_spec
 
         fn = hub_spec(cfg.hub)

@@ -183,7 +183,7 @@ def make_environment(agent: AgentSettings) -> Environment:
         return PythonEnvironment(limits=limits)
     if agent.fn in BUILTIN_ENVIRONMENTS:  # pure and bounded: in-process
         return load_environment(agent.fn)
-    if agent.fn == HUB:  # env.hub's environment, in the child like any user code
+    if agent.fn == HUB:  # env.hub's tools, in the child like any user code
         from workers.agent.hub import hub_spec
 
         return IsolatedEnvironment(hub_spec(agent.env.hub), agent.timeout_s)

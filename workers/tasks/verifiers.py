@@ -81,7 +81,7 @@ def _import_path(path: str) -> RewardFn:
 
 def resolve_reward(name_or_import_path: str) -> RewardFn:
     """A registered name (see ``available_rewards``), ``"package.module:function"``, or a hub
-    environment's spec (its rubric: ``workers.agent.hub.hub_spec``)."""
+    taskset's spec (its tasks' rewards: ``workers.agent.hub.hub_spec``)."""
     if name_or_import_path in _REGISTRY:
         return _REGISTRY[name_or_import_path]
     if name_or_import_path.startswith(HUB_PREFIX):  # loads the environment at its first score
@@ -89,7 +89,7 @@ def resolve_reward(name_or_import_path: str) -> RewardFn:
 
         return HubReward(name_or_import_path.removeprefix(HUB_PREFIX))
     if name_or_import_path == HUB:
-        raise RewardError("reward 'hub' needs env.hub: the hub environment whose rubric scores")
+        raise RewardError("reward 'hub' needs env.hub: the hub taskset whose rewards score")
     if ":" in name_or_import_path:
         return _import_path(name_or_import_path)
     raise RewardError(f"unknown reward {name_or_import_path!r}; registered: {available_rewards()} "
@@ -226,6 +226,9 @@ def _child_main(import_path: str, conn: Connection) -> None:
 
 
 def _import_path_of(fn: RewardFn) -> str | None:
+    spec = getattr(fn, "reward_spec", None)  # an object resolve_reward made from this spec
+    if isinstance(spec, str):
+        return spec
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or module == "__main__" or "<" in qualname:
         return None

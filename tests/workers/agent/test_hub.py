@@ -1,8 +1,8 @@
 """Environments from a hub (workers.agent.hub) with the real verifiers package and a real local
-environment, tests/fixtures/hub_arith_env.py, written as the library's documentation shows a user
-writing one: its dataset becomes the run's prompts and answers, its tools answer a model's call
+taskset, tests/fixtures/hub_arith, written as the library's documentation and scaffold show a user
+writing one: its tasks become the run's prompts and answers, its toolset answers a model's call
 through a real EnvironmentStage (in the child process that isolates user environments), and its
-rubric scores completed trajectories through the reward role."""
+rewards score completed trajectories through the reward role."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from workers.settings import AgentSettings
 from workers.tasks.problem import Problem
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
-HUB = "verifiers:hub_arith_env"
+HUB = "verifiers:hub_arith"
 # ChatML (SmolLM2's template): every message, a tool one too, is its own turn under its role
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
           "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
@@ -59,16 +59,16 @@ def call(name: str, **arguments: str) -> str:
 
 def agent(**kw) -> AgentSettings:
     return AgentSettings(max_turns=3, max_total_tokens=1000, fn="hub", hub=HUB, format="hermes",
-                         **kw)
+                         max_observation_tokens=200, **kw)
 
 
-def test_the_dataset_becomes_the_runs_prompts_and_answers():
-    import hub_arith_env
+def test_the_tasks_become_the_runs_prompts_and_answers():
+    from hub_arith.taskset import PAIRS
 
-    want = [Problem(q["question"], q["answer"]) for q in hub_arith_env.questions()]
-    assert hub_problems(HUB) == want  # no chat template: the message text itself
-    # the module:attr form, here a single-turn environment of the same rows
-    assert hub_problems("verifiers:hub_arith_env:load_single_turn") == want
+    want = [Problem(f"{a}+{b}=", str(a + b)) for a, b in PAIRS]
+    assert hub_problems(HUB) == want  # no chat template: the prompt text itself
+    # the module:attr form, a Taskset class made with its config's defaults
+    assert hub_problems("verifiers:hub_arith.taskset:ArithTaskset") == want
     # a chat model: each prompt rendered in its template, ending at the assistant's turn
     rendered = hub_problems(HUB, chat_tokenizer())
     assert [p.answer for p in rendered] == [p.answer for p in want]
@@ -76,9 +76,9 @@ def test_the_dataset_becomes_the_runs_prompts_and_answers():
         f"<|im_start|>user\n{want[0].prompt}<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_an_environment_that_cannot_be_had_is_one_line_naming_env_hub():
-    for hub, why in (("verifiers:no_such_env_module", "cannot load the environment"),
-                     ("verifiers:hub_arith_env:questions", "not a verifiers Environment")):
+def test_a_taskset_that_cannot_be_had_is_one_line_naming_env_hub():
+    for hub, why in (("verifiers:no_such_taskset", "cannot load the taskset"),
+                     ("verifiers:hub_arith.taskset:PAIRS", "not a verifiers Taskset")):
         with pytest.raises(ConfigValueError, match=f"^env.hub: .*{why}") as err:
             hub_problems(hub)
         assert "\n" not in str(err.value)
@@ -112,11 +112,12 @@ def test_a_tool_call_is_answered_by_the_hub_environment_through_the_stage():
         said = [tok.decode(out[i]["obs0_ids"], skip_special_tokens=False) for i in range(3)]
         # the tool's answer, in the template's tool-message turn
         assert said[0] == TOOL_TURN[0] + "42" + TOOL_TURN[1] and out[0]["obs0_error"] is None
-        # the tool raised: ToolEnv's own error message is the observation
+        # the tool raised: the error, and the tool's own message, is the observation
         assert "only integers with + - * are supported" in said[1]
+        assert out[1]["obs0_error"] == "tool_error"
         # a tool the environment does not serve never reaches it
         assert out[2]["obs0_error"] == "unknown_tool" and "calculator" in said[2]
-        assert all(out[i]["finish_reason"] is None for i in range(3))  # the trajectories go on
+        assert all(out[i].get("finish_reason") is None for i in range(3))  # they go on
     finally:
         env.close()
 
@@ -147,14 +148,14 @@ def reward_lease(tok, trajectories: list[tuple[list[str], list[str]]]) -> Lease:
     return Lease(1, "s", "reward", 0, 0.0, pa.RecordBatch.from_pydict(arrays))
 
 
-def test_the_rubric_scores_a_completed_trajectory_as_its_reward():
+def test_the_tasks_rewards_score_a_completed_trajectory():
     tok = chat_tokenizer()
     asked = call("calculator", expression="10+11")
     trajectories = [([asked, "21"], ["21"]),  # called, then answered right
                     ([asked, "20"], ["21"]),  # called, then answered wrong
                     (["21"], []),  # answered right without a call
                     ([asked, asked, "the sum is 21"], ["21", "21"])]  # right, not alone
-    # the fixture's rubric: 1.0 x correct_answer + 0.1 x brevity, of the last message
+    # the fixture's rewards: 1.0 x correct + 0.1 x brevity, of the last reply
     want = [1 + 0.1 / 3, 0.1 / 3, 1 + 0.1 / 3, 0.1 / 14]
     stage = RewardStage(tok, hub_spec(HUB), timeout_s=10.0, max_rows=8, on_error="retry",
                         env_reward="replace", agent=agent())
@@ -166,18 +167,58 @@ def test_the_rubric_scores_a_completed_trajectory_as_its_reward():
     assert [r["reward"] for r in out] == pytest.approx(want, rel=1e-6)
 
 
-def test_a_trajectory_becomes_the_chat_the_rubric_reads():
+def test_a_trajectory_becomes_the_messages_a_trace_holds():
     asked = ToolCall("calculator", {"expression": "10+11"})
-    assert trajectory_messages([f"let me see {render_tool_call(asked)}", "21"], ["21"]) == [
+    got = [m.model_dump(exclude_none=True) for m in trajectory_messages(
+        [f"let me see {render_tool_call(asked)}", "21"], ["21"])]
+    assert got == [
         {"role": "assistant", "content": "let me see ", "tool_calls": [
-            {"id": "call_0", "type": "function",
-             "function": {"name": "calculator", "arguments": '{"expression": "10+11"}'}}]},
+            {"id": "call_0", "type": "function", "name": "calculator",
+             "arguments": '{"expression": "10+11"}'}]},
         {"role": "tool", "content": "21", "tool_call_id": "call_0"},
         {"role": "assistant", "content": "21"}]
     # the built-in model's plain form: (=expr=) is calculator(expression)
     plain = trajectory_messages(["(=10+11=)", "21"], ["21"])
-    assert plain[0]["tool_calls"][0]["function"]["arguments"] == '{"expression": "10+11"}'
-    assert [m["role"] for m in plain] == ["assistant", "tool", "assistant"]
+    assert plain[0].tool_calls[0].arguments == '{"expression": "10+11"}'
+    assert [m.role for m in plain] == ["assistant", "tool", "assistant"]
     # a call cut before its observation (the budget ended the trajectory): no tool message
-    assert [m["role"] for m in trajectory_messages([render_tool_call(asked)], [])] == [
-        "assistant"]
+    assert [m.role for m in trajectory_messages([render_tool_call(asked)], [])] == ["assistant"]
+
+
+class CallingEngine:
+    """The built-in model's plain form, scripted: turn 0 calls the calculator on its prompt,
+    turn 1 answers with what the tool said (the prompts in ``right``) or with a wrong number."""
+
+    def __init__(self, tok, right: set[str]) -> None:
+        self.tok, self.right = tok, right
+
+    def generate(self, prompts, n, params):
+        from workers.engines.base import FINISH_STOP, Generation
+
+        out = []
+        for context in prompts:
+            text = self.tok.decode(context, skip_special_tokens=True)
+            if "=)" not in text:
+                reply = ids(self.tok, f"(={text.rstrip('=')}=)")
+            else:
+                prompt, said = text.partition("(=")[0], text.rpartition("=)")[2]
+                answer = said.strip() if prompt in self.right else "1"
+                reply = ids(self.tok, answer) + [self.tok.eos_token_id]
+            out.append([Generation(reply, [0.0] * len(reply), FINISH_STOP)] * n)
+        return out
+
+
+def test_held_out_accuracy_scores_each_greedy_trajectory_with_the_tasks_rewards():
+    """The evaluator hands the reward the trajectory, turn by turn: the last reply is the
+    answer after the tool's, which the task's ``trace.last_reply`` reads (the whole text as one
+    turn would end in the call, and no problem would count as solved)."""
+    from workers.tasks.evaluate import greedy_accuracy, reward_scorer
+
+    tok = build_char_tokenizer()  # the built-in model's alphabet: digits, + - * = ( ) and space
+    plain = AgentSettings(max_turns=2, max_total_tokens=32, max_observation_tokens=16, fn="hub",
+                          hub=HUB, format="plain")
+    problems = hub_problems(HUB)[:4]
+    engine = CallingEngine(tok, right={p.prompt for p in problems[:3]})
+    score = reward_scorer(hub_spec(HUB), success_threshold=1.0, timeout_s=10.0)
+    assert greedy_accuracy(engine, tok, problems, max_new_tokens=12, agent=plain,
+                           score=score) == 0.75
