@@ -46,7 +46,7 @@ def test_a_hub_key_without_its_hub_is_a_one_line_error_naming_it(overrides, key)
     assert err.value.key == key and "\n" not in str(err.value), err.value
 
 
-def test_dry_run_finds_the_hub_library_and_the_environments_module(fixtures_on_path, capsys):
+def test_dry_run_finds_the_hub_library_and_the_tasksets_package(fixtures_on_path, capsys):
     assert main(["run", TINY, *HUB_KEYS, "--dry-run"]) == 0
     capsys.readouterr()
     assert main(["run", TINY, *HUB_KEYS, "env.hub=verifiers:no_such_env", "--dry-run"]) == 2
@@ -55,7 +55,7 @@ def test_dry_run_finds_the_hub_library_and_the_environments_module(fixtures_on_p
                    "in this Python environment (docs/agents.md \"Environments from a hub\")"], err
 
 
-def test_the_plan_takes_the_environments_dataset_and_holds_out_its_eval_prompts(
+def test_the_plan_takes_the_tasksets_tasks_and_holds_out_its_eval_prompts(
         fixtures_on_path):
     from hub_arith.taskset import PAIRS
 

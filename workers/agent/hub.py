@@ -203,6 +203,9 @@ class _Tools:
             _wait(toolset.setup())
             for tool in _wait(server.list_tools()):
                 name = f"{toolset.server_name}_{tool.name}" if toolset.server_name else tool.name
+                if name in self.dispatch:  # (the library refuses this too)
+                    raise ConfigValueError(KEY, f"{hub}: two toolsets serve a tool {name!r}; "
+                                           "give one a distinct TOOL_PREFIX")
                 self.dispatch[name] = (server, toolset, tool.name, task_scoped)
                 self.schemas.append({"type": "function", "function": {
                     "name": name, "description": tool.description or "",
@@ -251,7 +254,9 @@ def hub_problems(hub: str | None, tokenizer: Any = None) -> list[Problem]:
     tasks = _tasks(_named(hub)).tasks
     if not tasks:
         raise ConfigValueError(KEY, f"{hub}: the taskset has no tasks")
-    schemas = _tools(_named(hub)).schemas or None
+    # the tools' schemas go into a chat template (the toolsets are set up here only for them)
+    chat = tokenizer is not None and getattr(tokenizer, "chat_template", None)
+    schemas = (_tools(_named(hub)).schemas or None) if chat else None
     return [Problem(render_prompt(_prompt_messages(t), tokenizer, schemas), task_answer(t))
             for t in tasks]
 

@@ -40,12 +40,12 @@ def fixtures_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))
 
 
-def chat_tokenizer():
+def chat_tokenizer(template: str = CHATML):
     alphabet = "".join(dict.fromkeys(string.ascii_letters + string.digits + string.punctuation
                                      + " \n"))
     tok = build_char_tokenizer(alphabet)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHATML
+    tok.chat_template = template
     return tok
 
 
@@ -69,11 +69,15 @@ def test_the_tasks_become_the_runs_prompts_and_answers():
     assert hub_problems(HUB) == want  # no chat template: the prompt text itself
     # the module:attr form, a Taskset class made with its config's defaults
     assert hub_problems("verifiers:hub_arith.taskset:ArithTaskset") == want
-    # a chat model: each prompt rendered in its template, ending at the assistant's turn
-    rendered = hub_problems(HUB, chat_tokenizer())
+    # a chat model: each prompt rendered in its template with the tools' schemas, ending at
+    # the assistant's turn
+    rendered = hub_problems(HUB, chat_tokenizer(
+        "{% for t in tools or [] %}{{ t.function.name }}: {{ t.function.description }}\n"
+        "{% endfor %}" + CHATML))
     assert [p.answer for p in rendered] == [p.answer for p in want]
-    assert rendered[0].prompt.endswith(
-        f"<|im_start|>user\n{want[0].prompt}<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered[0].prompt == (
+        'calculator: Evaluate an arithmetic expression of integers with +, - and *, e.g. "12*34".'
+        f"\n<|im_start|>user\n{want[0].prompt}<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_a_taskset_that_cannot_be_had_is_one_line_naming_env_hub():
