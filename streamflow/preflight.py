@@ -74,7 +74,8 @@ def check_inputs(cfg: RunConfig) -> None:
         _check_problem_file(cfg)
     elif cfg.data.task == "arithmetic":
         _check_arithmetic(cfg)
-    _check_reward(cfg.reward.fn)
+    hub = _check_hub(cfg)
+    _check_reward(hub if cfg.reward.fn == "hub" else cfg.reward.fn)
     if cfg.reward.model is not None:
         _check_reward_model(cfg)
     if cfg.gateway:
@@ -84,7 +85,7 @@ def check_inputs(cfg: RunConfig) -> None:
             _check_mcp(cfg.env.mcp_command)
         else:
             _check_env(cfg.env.fn)
-        _check_tools(cfg.env.settings)
+        _check_tools(cfg.env.settings, hub if cfg.env.fn == "hub" else cfg.env.fn)
         _check_context(cfg)
     reward_engine = cfg.reward.engine if cfg.reward.model is not None else "torch"
     for key, engine, package in (("rollout.engine", cfg.rollout.engine, "vllm"),
@@ -159,9 +160,10 @@ def notes(cfg: RunConfig) -> list[str]:
     """What a valid config does that its user may not expect (the CLI prints them at start and
     with ``--dry-run``)."""
     out = []
-    if cfg.data.task == "file" and cfg.model.path is None:
+    if cfg.data.task != "arithmetic" and cfg.model.path is None:
+        source = cfg.data.file if cfg.data.task == "file" else f"env.hub={cfg.env.hub}"
         out.append("model.path is unset: the built-in model is warm-started on its arithmetic "
-                   f"task, not on {cfg.data.file}; set model.path to train your own model")
+                   f"task, not on {source}; set model.path to train your own model")
     r = cfg.reward
     if r.model is None:
         return out
@@ -212,6 +214,33 @@ def _check_reward_model(cfg: RunConfig) -> None:
                           "(or reward.min_accuracy=0)")
 
 
+def _check_hub(cfg: RunConfig) -> str:
+    """Where data.task, env.fn or reward.fn is "hub": the hub library and env.hub's module can be
+    found (nothing is imported: the environment is made where it runs). Its spec, or ''."""
+    if "hub" not in (cfg.data.task, cfg.reward.fn, cfg.env.fn if cfg.multi_turn else None):
+        return ""
+    from workers.agent.hub import hub_modules, hub_spec
+
+    def found(name: str) -> bool:  # a submodule is looked for in its package's directories
+        top, _, rest = name.partition(".")
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            return False
+        if spec is None or not rest:
+            return spec is not None
+        path = rest.replace(".", "/")
+        return any(Path(root, path).is_dir() or Path(root, f"{path}.py").is_file()
+                   for root in spec.submodule_search_locations or ())
+
+    library, modules = hub_modules(cfg.env.hub)
+    for names, what in (((library,), f"the {library} package"), (modules, f"module {modules[0]!r}")):
+        if not any(found(name) for name in names):
+            raise ConfigError("env.hub", f"{cfg.env.hub}: {what} is not installed in this Python "
+                              "environment (docs/agents.md \"Environments from a hub\")")
+    return hub_spec(cfg.env.hub)
+
+
 def _check_env(fn: str) -> None:
     """env.fn names a built-in or an importable class (not made here: a user's environment is
     only ever made in the child process that isolates it); the python tool needs a sandbox that
@@ -226,7 +255,7 @@ def _check_env(fn: str) -> None:
             raise ConfigError("env.fn", f"'python' needs the sandbox, which does not work here: "
                               f"{reason}".replace("\n", " "))
         return
-    if fn in BUILTIN_ENVIRONMENTS:
+    if fn in BUILTIN_ENVIRONMENTS or fn == "hub":  # (env.hub: _check_hub)
         return
     module_name, _, attr = fn.partition(":")
     if not attr:
@@ -274,11 +303,12 @@ def _check_mcp(command: tuple[str, ...]) -> None:
                           "command on PATH")
 
 
-def _check_tools(env: EnvSettings) -> None:
+def _check_tools(env: EnvSettings, fn: str) -> None:
     """Each name of env.tools is served by the environment (its ``tools()``): a built-in is made
-    here, a user's only in a child process (``workers.agent.isolated``), an MCP server is started
-    and asked, and only when env.tools names any."""
-    fn, tools = env.fn, env.tools
+    here, a user's (or a hub's: ``fn`` is then its spec) only in a child process
+    (``workers.agent.isolated``), an MCP server is started and asked, and only when env.tools
+    names any."""
+    tools = env.tools
     if not tools:
         return
     from workers.agent.environments import BUILTIN_ENVIRONMENTS

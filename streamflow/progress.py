@@ -64,7 +64,8 @@ def describe_run(cfg: RunConfig) -> str:
         model = (f"built-in model ({b.num_layers} layers × {b.hidden_size}, warm start "
                  f"{cfg.model.warmstart_steps} steps, cached under "
                  f"{Path(r.output_dir).parent}/.cache)")
-    task = "arithmetic" if d.task == "arithmetic" else f"prompts from {d.file}"
+    task = {"arithmetic": "arithmetic", "file": f"prompts from {d.file}",
+            "hub": f"prompts from {cfg.env.hub}"}[d.task]
     mode = r.mode + (f" (max_staleness {r.max_staleness})" if r.mode == "async" else "")
     return (f"streamflow: run '{r.name}' -> {r.output_dir} (resolved config: "
             f"{r.output_dir}/config.yaml)\n"

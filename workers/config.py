@@ -128,6 +128,7 @@ class RewardWorkerConfig:
     # (streamflow/devices.py; "cpu" and the dtype resolved there without reward.model)
     model_device: str
     model_dtype: str
+    hub: str | None  # env.hub: the taskset whose rewards score with reward.fn "hub"
     verifier: RewardSettings = embed(RewardSettings)  # fn, timeout_s, on_error, env_reward
     agent: AgentSettings | None = None  # multi-turn: the trajectory columns it reads
     # reward.model and how its score is read and combined (model None: the verifier alone)

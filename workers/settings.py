@@ -181,7 +181,8 @@ _REWARD_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 class RewardSettings(Checked):
     """The verifier of the reward workers (``reward.*``; ``workers.roles.reward``)."""
 
-    fn: str = "exact_match"  # registry name, or "package.module:function" for a user verifier
+    # registry name, "package.module:function" for a user verifier, or "hub" (env.hub's rewards)
+    fn: str = "exact_match"
     timeout_s: float = bounded(2.0, gt=0)  # per-sample scoring timeout; a timeout scores as failed
     # a failed sample: "retry" = a failed delivery, "zero" = scored 0.0 and trained on
     on_error: Literal["retry", "zero"] = "retry"
@@ -283,6 +284,9 @@ class PackingSettings(Checked):
 
 
 _ENV_FN = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
+HUB = "hub"  # data.task, env.fn and reward.fn: env.hub's tasks, tools, rewards (workers.agent.hub)
+HUB_PREFIX = f"{HUB}:"  # + env.hub: the spec the environment and reward loaders read
+_HUB = re.compile(r"^verifiers:(([\w.-]+/)?[A-Za-z_][\w.-]*|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
 
 
 @dataclass(frozen=True)
@@ -341,8 +345,13 @@ class SandboxSettings(Checked):
 class EnvSettings(Checked):
     """The environment that answers a turn's tool call (``env.*``; workers.roles.environment)."""
 
-    # built-in ("calculator", "python"), "mcp" (an MCP server's tools) or "package.module:Class"
+    # built-in ("calculator", "python"), "mcp" (an MCP server's tools), "hub" (env.hub's tools)
+    # or "package.module:Class"
     fn: str = "calculator"
+    # a hub library's taskset, run unmodified (docs/agents.md): "verifiers:TASKSET_ID" or
+    # "verifiers:module.path:attr"; the prompts with data.task=hub, the tools with env.fn=hub,
+    # the reward with reward.fn=hub (null: none)
+    hub: str | None = None
     # the tools the model may call, each served by the environment (its tools()); a call to any
     # other is an "unknown_tool" observation. Empty: every tool the environment serves
     tools: tuple[str, ...] = ()
@@ -362,6 +371,10 @@ class EnvSettings(Checked):
     def check(self) -> None:
         require(bool(_ENV_FN.match(self.fn)), "fn",
                 f"must be a built-in name or 'module.path:Class', got {self.fn!r}")
+        require(self.hub is None or bool(_HUB.match(self.hub)), "hub",
+                f"must be 'verifiers:TASKSET_ID' or 'verifiers:module.path:attr', got {self.hub!r}")
+        require(self.fn != HUB or self.hub is not None, "fn",
+                "'hub' needs env.hub: the hub taskset whose tools answer the calls")
         require(all(self.tools) and len(set(self.tools)) == len(self.tools), "tools",
                 f"must be distinct non-empty tool names, got {list(self.tools)}")
         object.__setattr__(self, "mcp_command", tuple(self.mcp_command))

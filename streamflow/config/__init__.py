@@ -9,7 +9,7 @@ key. Invariants: docs/controller.md "Configuration".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +219,14 @@ def _check_agent(cfg: RunConfig) -> None:
     require(cfg.rollout.engine != "simulated", "agent.fn", "needs a real rollout engine")
 
 
+def _check_hub(cfg: RunConfig) -> None:
+    """data.task and reward.fn "hub" take their part of env.hub's environment (env.fn "hub" is
+    checked with env.hub itself, in workers.settings.EnvSettings)."""
+    for key, used in (("data.task", cfg.data.task == "hub"), ("reward.fn", cfg.reward.fn == "hub")):
+        require(not used or cfg.env.hub is not None, key, "'hub' needs env.hub: the hub "
+                "taskset (docs/agents.md \"Environments from a hub\")")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)  # the loop: mode, iterations, outputs
@@ -263,6 +271,7 @@ class RunConfig:
         _check_dynamic(self)
         _check_reward_model(self)
         _check_agent(self)
+        _check_hub(self)
 
     @property
     def multi_turn(self) -> bool:
@@ -330,7 +339,9 @@ def config_warnings(cfg: RunConfig) -> list[str]:
                      "model.path")
     if cfg.data.task != "arithmetic" and cfg.data.digits != DataSection.digits:
         notes.append("data.digits applies to task 'arithmetic' only")
-    if not cfg.multi_turn and cfg.env != EnvSection():
+    # (env.hub also serves data.task and reward.fn "hub", single-turn too)
+    if not cfg.multi_turn and replace(cfg.env, settings=replace(cfg.env.settings, hub=None)) \
+            != EnvSection():
         notes.append("env.* has no effect with rollout.max_turns 1 (no tool calls to answer)")
     if cfg.multi_turn and cfg.run.mode == "sync" and cfg.env.num_workers != EnvSection.num_workers:
         notes.append("env.num_workers is ignored in mode 'sync' (the controller's process "

@@ -152,7 +152,8 @@ class ModelSection(Checked):
 
 @dataclass(frozen=True)
 class DataSection(Checked):
-    task: Literal["arithmetic", "file"] = "arithmetic"  # procedural arithmetic, or a prompt file
+    # procedural arithmetic, a prompt file, or "hub": the tasks of env.hub's taskset
+    task: Literal["arithmetic", "file", "hub"] = "arithmetic"
     digits: int = bounded(2, ge=1, le=18)  # arithmetic: max digits per operand
     operations: tuple[Operation, ...] = ("+",)  # arithmetic: operators to draw from
     file: str | None = None  # task=file: a .jsonl or .parquet file (read with pyarrow)

@@ -200,7 +200,8 @@ def test_targets_file_and_worker_configs(tmp_path: Path) -> None:
     ]
     w = RewardWorkerConfig(WorkerCommon("reward-0", "reward", [], "t", seed=0, threads=1,
                                         trace_rows=False), "m", rows_per_claim=32,
-                           model_device="cpu", model_dtype="float32", fn="exact_match")
+                           model_device="cpu", model_dtype="float32", fn="exact_match",
+                           hub=None)
     assert with_metrics(w, MetricsSection(host="0.0.0.0")).common.metrics_host == "0.0.0.0"
     assert with_metrics(w, MetricsSection(enabled=False)).common.metrics_host is None
 

@@ -102,7 +102,7 @@ def test_worker_config_carries_the_share_through_json(tmp_path):
                           table="t", seed=0, threads=1, trace_rows=False,
                           cores=CoreShareConfig(str(tmp_path / "c"), 3, 2))
     cfg = RewardWorkerConfig(common=common, model_path="m", rows_per_claim=32, fn="exact_match",
-                             model_device="cpu", model_dtype="float32")
+                             model_device="cpu", model_dtype="float32", hub=None)
     back = from_json("reward", to_json(cfg))
     assert back.common.cores == CoreShareConfig(str(tmp_path / "c"), 3, 2)
 

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from workers.agent.toolcall import ToolCall, ToolCallError, parse_tool_call
 from workers.checked import ConfigValueError
+from workers.settings import HUB_PREFIX
 
 if TYPE_CHECKING:
     from workers.agent.sandbox import SandboxLimits, SandboxResult
@@ -273,10 +274,15 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
 
 
 def load_environment(spec: str) -> Environment:
-    """A built-in by name, or ``"package.module:ClassOrFactory"`` called with no arguments.
-    ConfigValueError (a ValueError) naming ``env.fn`` when it cannot be had."""
+    """A built-in by name, ``"package.module:ClassOrFactory"`` called with no arguments, or a
+    hub taskset's spec (``workers.agent.hub.hub_spec``). ConfigValueError (a ValueError)
+    naming ``env.fn`` when it cannot be had."""
     if spec in BUILTIN_ENVIRONMENTS:
         return BUILTIN_ENVIRONMENTS[spec]()
+    if spec.startswith(HUB_PREFIX):
+        from workers.agent.hub import load_hub_environment
+
+        return _checked(spec, load_hub_environment(spec.removeprefix(HUB_PREFIX)))
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise _error(f"unknown environment {spec!r}; built-in: {', '.join(BUILTIN_ENVIRONMENTS)}"
@@ -298,6 +304,11 @@ def load_environment(spec: str) -> Environment:
     except Exception as exc:
         raise _error(f"environment {spec!r} raised when made with no arguments: "
                      f"{_describe(exc)}") from None
+    return _checked(spec, env)
+
+
+def _checked(spec: str, env: Any) -> Environment:
+    """``env`` if it serves a non-empty tuple of tool names."""
     if not isinstance(env, Environment):
         raise _error(f"environment {spec!r} made a {type(env).__name__}, which lacks tools() "
                      "and step(call, context)")

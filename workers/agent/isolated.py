@@ -36,7 +36,10 @@ def _child_main(spec: str, conn: Connection) -> None:
         conn.send(("error", str(exc)))
         return
     while True:
-        request = conn.recv()
+        try:
+            request = conn.recv()
+        except EOFError:  # the parent is gone (its worker stopped without closing)
+            return
         if request is None:
             return
         call, context = request

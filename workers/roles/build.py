@@ -36,7 +36,7 @@ from workers.runtime import cores
 from workers.runtime.devices import DTYPES, dtype_of, pin_visible_gpu, torch_device
 from workers.runtime.events import EventSender, WeightSyncReport
 from workers.runtime.metrics import WorkerMetrics
-from workers.settings import PackingSettings
+from workers.settings import HUB, PackingSettings
 from workers.weights.file_sync import WeightPublisher, WeightSubscriber
 from workers.weights.watch import VersionWatch
 
@@ -142,7 +142,12 @@ def build_reward(cfg: RewardWorkerConfig) -> Any:
         from workers.engines.reward_model import load_reward_model
 
         scorer = load_reward_model(cfg.scorer, device=cfg.model_device, dtype=cfg.model_dtype)
-    stage = RewardStage(load_tokenizer(cfg.model_path), r.fn, timeout_s=r.timeout_s,
+    fn = r.fn
+    if fn == HUB:  # env.hub's rewards, run in the reward child like a user's function
+        from workers.agent.hub import hub_spec
+
+        fn = hub_spec(cfg.hub)
+    stage = RewardStage(load_tokenizer(cfg.model_path), fn, timeout_s=r.timeout_s,
                         max_rows=cfg.rows_per_claim, on_error=r.on_error, agent=cfg.agent,
                         env_reward=r.env_reward, scorer=scorer, scoring=cfg.scorer)
     if cfg.common.simulated is not None:  # the real verifier, plus the cost model's time

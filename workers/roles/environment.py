@@ -63,7 +63,7 @@ from workers.agent.trajectory import history as read_history
 from workers.config import EnvironmentWorkerConfig
 from workers.models.tokenizer import decode_response, encode_text
 from workers.roles.loop import Parts
-from workers.settings import AgentSettings
+from workers.settings import HUB, AgentSettings
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,10 @@ def make_environment(agent: AgentSettings) -> Environment:
         return PythonEnvironment(limits=limits)
     if agent.fn in BUILTIN_ENVIRONMENTS:  # pure and bounded: in-process
         return load_environment(agent.fn)
+    if agent.fn == HUB:  # env.hub's tools, in the child like any user code
+        from workers.agent.hub import hub_spec
+
+        return IsolatedEnvironment(hub_spec(agent.env.hub), agent.timeout_s)
     return IsolatedEnvironment(agent.fn, agent.timeout_s)  # user code may hang
 
 

@@ -4,8 +4,9 @@ and of the controller's held-out evaluation (docs/controller.md "The plan").
 A problem counts as solved when its greedy response (temperature 0) passes ``score``. With an
 ``agent`` of more than one turn the response is a whole trajectory made by the rollout's and the
 environment role's own turn code (``TurnPolicy``, ``close_turn``, ``observe``), the environment
-in this process: held-out accuracy then measures the model with its tools. Otherwise it is one
-generation, as it always was. Scorers:
+in this process: held-out accuracy then measures the model with its tools, and the scorer also gets
+each problem's ``Trajectory`` (as the reward role reads it). Otherwise it is one generation, as it
+always was. Scorers:
 ``exact_match_scorer`` for the warm start, ``reward_scorer`` (the run's ``reward.fn`` against
 ``reward.success_threshold``, run as the reward workers run it) for the controller. Imports torch
 through the rollout engine: not part of the light ``workers.tasks`` the ``--dry-run`` loads.
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from workers.agent.toolcall import chat_wrapping
+from workers.agent.toolcall import chat_wrapping, observation_text
 from workers.agent.trajectory import History, assemble, close_turn, context_ids, turn_end
 from workers.engines.base import RolloutEngine, SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
@@ -27,14 +28,16 @@ from workers.roles.environment import make_environment, observe
 from workers.roles.turns import TurnPolicy, marker_ids
 from workers.settings import AgentSettings
 from workers.tasks.problem import Problem
-from workers.tasks.verifiers import RewardRunner, exact_match
+from workers.tasks.verifiers import RewardRunner, Trajectory, exact_match
 
-# (completions, answers) -> one "solved" per problem, in order; a batch, so that a reward run in
-# a child process is started once per evaluation.
-Scorer = Callable[[Sequence[str], Sequence[str]], list[bool]]
+# (completions, answers[, trajectories]) -> one "solved" per problem, in order; a batch, so that
+# a reward run in a child process is started once per evaluation. The trajectories are passed
+# for multi-turn problems only.
+Scorer = Callable[..., list[bool]]
 
 
-def exact_match_scorer(completions: Sequence[str], answers: Sequence[str]) -> list[bool]:
+def exact_match_scorer(completions: Sequence[str], answers: Sequence[str],
+                       trajectories: Sequence[Trajectory] | None = None) -> list[bool]:
     """Solved: the response equals the answer after stripping whitespace."""
     return [exact_match(c, a) == 1.0 for c, a in zip(completions, answers, strict=True)]
 
@@ -44,9 +47,11 @@ def reward_scorer(reward_fn: str, *, success_threshold: float, timeout_s: float)
     workers run it (built-ins in process, others in a child with the per-sample timeout); a
     failed score counts as unsolved."""
 
-    def score(completions: Sequence[str], answers: Sequence[str]) -> list[bool]:
+    def score(completions: Sequence[str], answers: Sequence[str],
+              trajectories: Sequence[Trajectory] | None = None) -> list[bool]:
         with RewardRunner(reward_fn, timeout_s=timeout_s) as runner:
-            results = runner.score(list(completions), list(answers))
+            results = runner.score(list(completions), list(answers),
+                                   None if trajectories is None else list(trajectories))
         return [r.ok and r.score >= success_threshold for r in results]
 
     return score
@@ -69,9 +74,11 @@ def greedy_accuracy(
         engine: RolloutEngine = TorchRolloutEngine(engine_or_model, tokenizer, max_batch_size=256)
     else:
         engine = engine_or_model
-    completions = greedy_completions(engine, tokenizer, problems, max_new_tokens=max_new_tokens,
-                                     agent=agent)
-    solved = score(completions, [p.answer for p in problems])
+    completions, trajectories = greedy_trajectories(
+        engine, tokenizer, problems, max_new_tokens=max_new_tokens, agent=agent)
+    answers = [p.answer for p in problems]
+    solved = (score(completions, answers) if trajectories is None
+              else score(completions, answers, trajectories))
     if len(solved) != len(problems):
         raise ValueError(f"greedy_accuracy: the scorer returned {len(solved)} results for "
                          f"{len(problems)} problems")
@@ -83,17 +90,29 @@ def greedy_completions(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase
                        agent: AgentSettings | None = None) -> list[str]:
     """The greedy response text of each problem: one generation, or (``agent`` with
     ``max_turns`` > 1) the trajectory, observations included, as the reward sees it."""
+    return greedy_trajectories(engine, tokenizer, problems, max_new_tokens=max_new_tokens,
+                               agent=agent)[0]
+
+
+def greedy_trajectories(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase,
+                        problems: Sequence[Problem], *, max_new_tokens: int,
+                        agent: AgentSettings | None = None
+                        ) -> tuple[list[str], list[Trajectory] | None]:
+    """``greedy_completions``' texts and, multi-turn, each problem's ``Trajectory`` (None for
+    one generation)."""
     prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     if agent is None or agent.max_turns <= 1:
         gens = engine.generate(prompts, 1, greedy)
-        return [decode_response(tokenizer, g[0].token_ids) for g in gens]
+        return [decode_response(tokenizer, g[0].token_ids) for g in gens], None
     policy = TurnPolicy(agent.max_turns, agent.max_total_tokens, max_new_tokens,
                         marker_ids(tokenizer, agent.format))
     env = make_environment(agent)
     wrapping = None if agent.env.plain else chat_wrapping(tokenizer)  # as the environment role's
     hists = [History() for _ in problems]
     ends: list[str | None] = [None] * len(problems)
+    errors: list[list[str | None]] = [[] for _ in problems]  # per executed call
+    rewards: list[float | None] = [None] * len(problems)  # the environment's, when it ended one
     try:
         for t in range(agent.max_turns):
             live = [i for i, end in enumerate(ends) if end is None]
@@ -108,15 +127,26 @@ def greedy_completions(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase
                 hists[i] = hists[i].with_turn(turn)
                 ends[i] = turn_end(turn, t, agent.max_turns)
                 if ends[i] is None:  # a tool call: the environment answers it
-                    _, ids, ends[i] = observe(
+                    obs, ids, ends[i] = observe(
                         env, tokenizer, problems[i].prompt, problems[i].answer, hists[i],
                         plain=agent.env.plain, max_observation_tokens=agent.max_observation_tokens,
                         max_total_tokens=agent.max_total_tokens, allowed=agent.env.tools,
                         wrapping=wrapping)
+                    errors[i].append(obs.error)
+                    rewards[i] = obs.reward if obs.done else None
                     if ends[i] is None:
                         hists[i] = hists[i].with_observation(ids)
     finally:
         close = getattr(env, "close", None)
         if close is not None:
             close()
-    return [decode_response(tokenizer, assemble(h, "").response_ids) for h in hists]
+    def trajectory(i: int) -> Trajectory:  # as workers.roles.reward.RewardStage reads a row
+        h = hists[i]
+        return Trajectory(
+            tuple(decode_response(tokenizer, t.ids) for t in h.turns),
+            tuple(observation_text(tokenizer.decode(list(o), skip_special_tokens=False),
+                                   agent.env.plain, wrapping) for o in h.observations),
+            tuple(errors[i]), len(errors[i]), rewards[i], ends[i] or "")
+
+    return ([decode_response(tokenizer, assemble(h, "").response_ids) for h in hists],
+            [trajectory(i) for i in range(len(problems))])

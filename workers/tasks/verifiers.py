@@ -5,8 +5,9 @@ A reward function is ``fn(completion, answer) -> float`` or ``fn(completion, ans
 ``trajectory`` is a ``Trajectory`` (the model's turns, the observations, their errors, the tool
 calls, the environment's reward; a single-turn sample is a trajectory of one turn). Built-ins
 run in-process; any other ``"package.module:function"`` runs in a spawned child that a
-per-sample timeout kills and restarts; a failure scores 0.0 with ``ok=False`` and the reason
-(docs/training.md "The reward role"). Stays light to import (no torch): the child imports it.
+per-sample timeout kills and restarts (a reward object's ``prepare()``, where it has one, runs
+there before the first sample, outside that timeout); a failure scores 0.0 with ``ok=False`` and
+the reason (docs/training.md "The reward role"). Stays light to import (no torch): the child imports it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from workers.agent.toolcall import PLAIN_CALL_END, TOOL_RESPONSE_END
 from workers.runtime.child import ChildDied, ChildLink, ChildStartError, ChildTimeout
+from workers.settings import HUB, HUB_PREFIX
 
 RewardFn = Callable[..., float]  # (completion, answer) or (completion, answer, trajectory)
 
@@ -78,9 +80,16 @@ def _import_path(path: str) -> RewardFn:
 
 
 def resolve_reward(name_or_import_path: str) -> RewardFn:
-    """A registered name (see ``available_rewards``) or ``"package.module:function"``."""
+    """A registered name (see ``available_rewards``), ``"package.module:function"``, or a hub
+    taskset's spec (its tasks' rewards: ``workers.agent.hub.hub_spec``)."""
     if name_or_import_path in _REGISTRY:
         return _REGISTRY[name_or_import_path]
+    if name_or_import_path.startswith(HUB_PREFIX):  # loads the environment at its first score
+        from workers.agent.hub import HubReward
+
+        return HubReward(name_or_import_path.removeprefix(HUB_PREFIX))
+    if name_or_import_path == HUB:
+        raise RewardError("reward 'hub' needs env.hub: the hub taskset whose rewards score")
     if ":" in name_or_import_path:
         return _import_path(name_or_import_path)
     raise RewardError(f"unknown reward {name_or_import_path!r}; registered: {available_rewards()} "
@@ -203,6 +212,9 @@ def _child_main(import_path: str, conn: Connection) -> None:
     """Child loop: receive (completion, answer, trajectory or None), send (score, ok, error)."""
     try:
         fn = resolve_reward(import_path)
+        prepare = getattr(fn, "prepare", None)  # loading is not scored against the timeout
+        if callable(prepare):
+            prepare()
     except Exception as exc:
         conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
         return
@@ -214,6 +226,9 @@ def _child_main(import_path: str, conn: Connection) -> None:
 
 
 def _import_path_of(fn: RewardFn) -> str | None:
+    spec = getattr(fn, "reward_spec", None)  # an object resolve_reward made from this spec
+    if isinstance(spec, str):
+        return spec
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or module == "__main__" or "<" in qualname:
         return None
