@@ -233,7 +233,11 @@ _STORAGE_SHARDS = ("storage's own node: one shard, as ServerConfig.num_shards (s
 _OVERWRITE = "a store write's overwrite flag (the verb's), not run.overwrite"
 _WORKLOAD = ("bench simulate's modelled cluster workload (set by bench/simulate.py's flags), not "
              "a run's data.* / run.*")
+_CUTS = ("the cuts a trajectory may have, 0 with partial rollout off (PartialSettings.max_cuts "
+         "resolves the two knobs), not rollout.partial_max_cuts")
 NOT_THE_KNOB: dict[str, str] = {
+    "workers/agent/pieces.py:Rules.max_cuts": _CUTS,
+    "workers/roles/reward.py:RewardStage.__init__.max_cuts": _CUTS,
     "storage/__init__.py:EmbeddedStore.__init__.num_shards": _STORAGE_SHARDS,
     "storage/__init__.py:embedded.num_shards": _STORAGE_SHARDS,
     "storage/node.py:StoreNode.__init__.num_shards": _STORAGE_SHARDS,

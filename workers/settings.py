@@ -301,7 +301,7 @@ class TurnSettings(Checked):
 class PartialSettings(Checked):
     """Partial rollout (``rollout.*``; docs/partial.md): a generation still running when a newer
     policy version is published is cut at a token boundary and continued with the newer weights
-    by whichever rollout worker claims it next. run.mode async and single-turn only."""
+    by whichever rollout worker claims it next. run.mode async only."""
 
     partial: bool = False  # cut running generations at each newer policy version (async only)
     # most cuts of one trajectory: its segment after the last cut runs to the end, uncut
@@ -312,10 +312,15 @@ class PartialSettings(Checked):
     # adds a re-prefill and a resume pass per row. 1: every cut is honoured
     partial_cut_live_fraction: float = bounded(0.25, gt=0, le=1)
     # also cut a torch generate call at its tail (its unfinished rows at most the fraction above)
-    # with no newer version out: the cut rows ride the next rollout call (workers.roles.riders),
+    # with no newer version out: the cut rows ride the next rollout call (workers.roles.riding),
     # so a tail decodes in another batch's steps instead of alone. Engines without the fraction
     # gate (vLLM, simulated) are cut at newer versions only
     partial_tail_cut: bool = True
+
+    @property
+    def max_cuts(self) -> int:
+        """Most cuts of one trajectory: ``partial_max_cuts`` with partial rollout on, else 0."""
+        return self.partial_max_cuts if self.partial else 0
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from typing import Any
 
 from workers.config import TrainerWorkerConfig
 from workers.engines.simulated import Device, SimulatedTrainingEngine, SimulatedTriModel
-from workers.roles.loop import LeaseKeeper
 from workers.roles.trainer import Trainer
+from workers.runtime.leases import LeaseKeeper
 from workers.weights.file_sync import WeightPublisher
 
 

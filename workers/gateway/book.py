@@ -6,13 +6,13 @@ The gateway is the only consumer of two kinds of tasks, one row per lease, held 
 
 * ``open``: the episode has not called yet. Its first call writes ``prompt_ids`` (its rendered
   messages) and ``call0_messages`` and acks, which makes the row ready for ``rollout``.
-* ``env.{t}``: model turn t is written. The next call either repeats an earlier one (the same
-  canonical messages: an agent's retry, or an agent re-run after its worker died) and is answered
-  from the row, or extends call t by the messages after the assistant message it was given:
-  those are rendered once (``ChatFormat.piece_ids``) and written as ``obs{t}_ids`` with
-  ``call{t+1}_messages``, acked, which makes the row ready for ``rollout.{t+1}``; the answer is
-  turn t+1, once the gateway holds ``env.{t+1}``. The agent's end writes the assembled
-  trajectory (``workers.agent.trajectory.episode_end_writes``) under the held lease.
+* ``env.{k}``: model turn t, piece k-1, is written. The next call either repeats an earlier one
+  (the same canonical messages: an agent's retry, or an agent re-run after its worker died) and
+  is answered from the row, or extends call t by the messages after the assistant message it was
+  given: those are rendered once (``ChatFormat.piece_ids``) and written as the observation piece
+  k with ``call{t+1}_messages``, acked, which makes the row ready for ``rollout.{k+1}``; the
+  answer is turn t+1, once the gateway holds ``env.{k+2}``. The agent's end writes the assembled
+  trajectory (``workers.agent.piece_rows.piece_writes``, no piece) under the held lease.
 
 Crash safety comes from the store: every answer is read from a written turn, so a rollout worker
 killed mid-call leaves its lease to expire and another worker generates the turn once; a gateway
@@ -40,7 +40,8 @@ import pyarrow as pa
 
 from storage.errors import StoreError
 from storage.schema import ROW_ID, Lease
-from workers.agent.trajectory import History, episode_end_writes, history, turn_reads
+from workers.agent.piece_rows import Step, piece_reads, piece_writes, read_history
+from workers.agent.pieces import TO_MODEL, History, Turn, observation
 from workers.gateway.chat import (
     ChatFormat,
     RequestError,
@@ -51,6 +52,7 @@ from workers.gateway.chat import (
     same_assistant,
 )
 from workers.runtime.faults import failure_reason
+from workers.schema import call_columns, piece_bound
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +81,25 @@ def key_row(secret: bytes, key: str) -> int:
 
 @dataclass
 class Held:
-    """A row whose lease this gateway holds: ``turn`` -1 (``open``) or t (``env.{t}``)."""
+    """A row whose lease this gateway holds: ``piece`` -1 (``open``) or k (``env.{k}``: pieces
+    0..k-1 written, the last one turn ``turn``)."""
 
     lease: Lease
-    turn: int
+    piece: int
     row: dict[str, Any]
 
     def hist(self) -> History:
-        got = history(self.row, self.turn + 1, self.turn)
-        assert got is not None  # env.{t} is never delivered for an ended row (skip_null)
+        got = read_history(self.row, self.piece)
+        assert got is not None  # env.{k} is never delivered for an ended row (skip_null)
         return got
+
+    @property
+    def turn(self) -> int:
+        """The last model turn written; -1 before the first."""
+        return (self.piece - 1) // 2 if self.piece > 0 else -1
+
+    def turns(self) -> list[Turn]:
+        return self.hist().turns()
 
     def calls(self) -> list[str]:
         return [self.row[f"call{j}_messages"] for j in range(self.turn + 1)]
@@ -128,7 +139,8 @@ class EpisodeBook:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._claim_loop, name="gateway-claims",
                                         daemon=True)
-        self.tasks = (OPEN, *(f"env.{t}" for t in range(max_turns)))
+        self.bound = piece_bound(max_turns, 0)  # a gateway run is not cut: turn t is piece 2t
+        self.tasks = (OPEN, *(f"env.{k}" for k in range(1, self.bound + 1, 2)))
 
     def start(self) -> None:
         self._thread.start()
@@ -152,9 +164,9 @@ class EpisodeBook:
     def _columns(self, task: str) -> tuple[str, ...]:
         if task == OPEN:
             return OPEN_READS
-        t = int(task.split(".")[1])
-        return ("group_id", "prompt_ids", *turn_reads(t + 1, t),
-                *(f"call{j}_messages" for j in range(t + 1)))
+        k = int(task.split(".")[1])
+        return ("group_id", "prompt_ids", *piece_reads(k),
+                *(f.name for f in call_columns((k + 1) // 2)))
 
     def _claim_loop(self) -> None:
         client = self._connect()
@@ -181,10 +193,10 @@ class EpisodeBook:
         if not lease.num_rows:
             return False
         row = lease.batch.to_pylist()[0]
-        turn = -1 if task == OPEN else int(task.split(".")[1])
+        piece = -1 if task == OPEN else int(task.split(".")[1])
         self.keeper.hold(lease)
         with self._cond:
-            self._held[int(row[ROW_ID])] = Held(lease, turn, row)
+            self._held[int(row[ROW_ID])] = Held(lease, piece, row)
             self._cond.notify_all()
         return True
 
@@ -242,7 +254,7 @@ class EpisodeBook:
             if held is None:
                 raise RequestError(504, "timeout", "the episode's row did not come back in "
                                    f"{self.wait_s:.0f} s", "timeout_error")
-            if held.turn < 0:  # the first call
+            if held.piece < 0:  # the first call
                 fed = self.fmt.prompt_ids(messages, tools)
                 if len(fed) >= self.max_total_tokens * 64:
                     raise RequestError(400, "context_length_exceeded",
@@ -254,28 +266,28 @@ class EpisodeBook:
             calls = held.calls()
             if call in calls:  # a repeat: answered from the row, nothing generated
                 return self._respond(held, calls.index(call), body)
-            t = held.turn
-            hist = held.hist()
+            t, hist = held.turn, held.hist()
             new = self._extension(json.loads(calls[t]), messages, tools, held)
             if t + 1 >= self.max_turns:
                 raise RequestError(400, "turn_budget", f"the episode has had its {self.max_turns}"
                                    " model turns (rollout.max_turns)")
-            fed = self.fmt.piece_ids(new, hist.turns[-1].ids, tools)
+            fed = self.fmt.piece_ids(new, hist.turns()[-1].ids, tools)
             if hist.length() + len(fed) >= self.max_total_tokens:
                 raise RequestError(400, "context_length_exceeded",
                                    f"the episode would pass rollout.max_total_tokens "
                                    f"({self.max_total_tokens}) with this call")
-            self._write(row_id, held, [_cells(row_id, {
-                f"obs{t}_ids": (fed, pa.list_(pa.int32())), f"obs{t}_error": (None, pa.string()),
-                f"call{t + 1}_messages": (call, pa.string())})])
+            (piece,) = piece_writes(held.piece, self.bound, [
+                Step(row_id, hist, observation(fed), TO_MODEL)])
+            self._write(row_id, held, [piece.append_column(
+                f"call{t + 1}_messages", pa.array([call], pa.string()))])
             return self._answer(row_id, t + 1, body, fed)
 
     def _extension(self, prev: dict[str, Any], messages: list[dict[str, Any]],
                    tools: list[dict[str, Any]], held: Held) -> list[dict[str, Any]]:
         """The messages a call adds after call t's and the turn it was answered with."""
         n = len(prev["messages"])
-        given = assistant_message(self.fmt.tokenizer, held.hist().turns[-1].ids,
-                                  held.row[f"turn{held.turn}_finish"], plain=self.fmt.plain)
+        last = held.turns()[-1]
+        given = assistant_message(self.fmt.tokenizer, last.ids, last.end, plain=self.fmt.plain)
         if (prev["tools"] != tools or messages[:n] != prev["messages"] or len(messages) <= n + 1
                 or not same_assistant(messages[n], given)):
             raise RequestError(400, "context_rewritten", "the messages do not extend the "
@@ -288,17 +300,16 @@ class EpisodeBook:
         if held is None:
             raise RequestError(504, "timeout", f"turn {turn} was not generated in "
                                f"{self.wait_s:.0f} s", "timeout_error")
-        self.on_served(Served(row_id, turn, fed, list(held.hist().turns[turn].ids)))
+        self.on_served(Served(row_id, turn, fed, list(held.turns()[turn].ids)))
         return self._respond(held, turn, body)
 
     def _respond(self, held: Held, turn: int, body: dict[str, Any]) -> dict[str, Any]:
-        hist = held.hist()
-        ids = hist.turns[turn].ids
-        given = assistant_message(self.fmt.tokenizer, ids, hist.turns[turn].finish,
+        pieces = held.hist().pieces  # (not cut: model turn t is piece 2t)
+        ids = list(pieces[2 * turn].ids)
+        given = assistant_message(self.fmt.tokenizer, ids, pieces[2 * turn].end,
                                   plain=self.fmt.plain)
         row_id = int(held.row[ROW_ID])
-        before = len(held.row["prompt_ids"]) + sum(
-            len(x.ids) for x in hist.turns[:turn]) + sum(len(o) for o in hist.observations[:turn])
+        before = len(held.row["prompt_ids"]) + sum(len(p.ids) for p in pieces[:2 * turn])
         return {
             "id": f"chatcmpl-{row_id:x}-{turn}", "object": "chat.completion",
             "created": int(time.time()), "model": str(body.get("model") or "streamflow"),
@@ -319,7 +330,7 @@ class EpisodeBook:
             held = self._wait_held(row_id, -1, self.lease_seconds + 5.0)
             if held is None:
                 return "gone"
-            if held.turn < 0:
+            if held.piece < 0:
                 with self._cond:
                     self._held.pop(row_id, None)
                 self.keeper.drop(held.lease.lease_id)
@@ -327,8 +338,9 @@ class EpisodeBook:
                     self._writer.release(held.lease, error=failure_reason(
                         held.lease.batch, "the agent made no call"))
                 return "no_call"
-            self._write(row_id, held, episode_end_writes(
-                row_id, held.turn, self.max_turns, held.hist(), reward))
+            hist = held.hist()  # its finish_reason: the last turn's
+            self._write(row_id, held, piece_writes(held.piece, self.bound, [
+                Step(row_id, hist, None, hist.turns()[-1].end, reward)]))
             with self._cond:
                 self._ended[row_id] = None
                 while len(self._ended) > MAX_ENDED:
