@@ -131,16 +131,15 @@ def summary(table: pa.Table) -> dict[str, Any]:
 
 def _resumes(writes: list[int], rows: list[int], ends: list[str | None],
              tasks: list[str]) -> int:
-    """Writes (in time order) of a rollout task that continue a row whose previous write ended
-    its piece "cut"."""
-    last: dict[int, str | None] = {}
-    count = 0
-    for i in writes:
-        if tasks[i].startswith("rollout") and last.get(rows[i]) == "cut":
-            count += 1
-        if ends[i] is not None:
-            last[rows[i]] = ends[i]
-    return count
+    """Writes of ``rollout.{k}`` continuing a piece k-1 that a write of the row's task for
+    piece k-1 ended "cut" (by task, not by time: a write is stamped when it is traced)."""
+    def piece(task: str) -> int | None:
+        if task == "rollout":
+            return 0
+        return int(task.split(".")[1]) if task.startswith("rollout.") else None
+
+    cut = {(rows[i], piece(tasks[i])) for i in writes if ends[i] == "cut"}
+    return sum(1 for i in writes if (k := piece(tasks[i])) and (rows[i], k - 1) in cut)
 
 
 def slowest(table: pa.Table, n: int) -> list[dict[str, Any]]:

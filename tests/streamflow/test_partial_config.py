@@ -42,3 +42,18 @@ def test_the_plan_adds_the_continuation_tasks_and_carries_the_cuts(tmp_path) -> 
     off = worker_plan(load_config(TINY, ["run.mode=async", f"run.output_dir={tmp_path}"]),
                       tmp_path / "off")
     assert [t.name for t in off.table_spec.tasks if t.name.startswith("rollout.")] == []
+
+
+def test_partial_rollout_of_multi_turn_trajectories_plans_both_sides_of_each_piece(tmp_path):
+    # Breaks if the combination is refused again, or a worker record loses the cuts (the
+    # environment and reward workers would read a table of the wrong number of pieces).
+    cfg = load_config(TINY, ["run.mode=async", "rollout.partial=true", "rollout.max_turns=2",
+                             "rollout.partial_max_cuts=1", "env.fn=calculator",
+                             f"run.output_dir={tmp_path}"])
+    plan = worker_plan(cfg, tmp_path)
+    tasks = [t.name for t in plan.table_spec.tasks]
+    assert tasks[:6] == ["rollout", "rollout.1", "env.1", "rollout.2", "env.2", "rollout.3"]
+    assert plan.environment is not None and plan.environment.cuts.max_cuts == 1
+    assert plan.reward.cuts.max_cuts == 1 and plan.rollout.cuts.max_cuts == 1
+    assert main(["run", TINY, "run.mode=async", "rollout.partial=true", "rollout.max_turns=2",
+                 "env.fn=calculator", f"run.output_dir={tmp_path / 'dry'}", "--dry-run"]) == 0
