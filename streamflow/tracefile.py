@@ -40,10 +40,10 @@ TRACE_SCHEMA = pa.schema([
     # write / kept: the columns written (plain strings: pandas cannot convert a list of
     # dictionary values; Parquet dictionary-encodes them on disk all the same)
     pa.field("columns", pa.list_(pa.string())),
-    # write: the policy version of what was written (the newest segment's); consume: the version
+    # write: the policy version of what was written (the newest piece's); consume: the version
     # trained into
     pa.field("policy_version", pa.int64()),
-    pa.field("tokens", pa.int32()),  # write: response length after it (or the segment's length)
+    pa.field("tokens", pa.int32()),  # write: response length after it (or the piece's length)
     # write: per-token versions of the response, run-length (run i: tokens [start_i, start_i+1))
     pa.field("version_runs", pa.list_(RUN_TYPE)),
     # write: how the newest piece written ended (cut, tool, observation, stop, ...)

@@ -143,7 +143,7 @@ class EnvironmentWorkerConfig:
     common: WorkerCommon
     model_path: str  # for the tokenizer (turns are decoded, observations encoded)
     rows_per_claim: int
-    agent: AgentSettings  # max_turns > 1: the turn tasks it serves, its environment and budgets
+    agent: AgentSettings  # max_turns > 1: the env.{k} tasks it serves, its environment, budgets
     # partial rollout: a cut adds a piece, so the env.{k} tasks it serves depend on the cuts too
     cuts: PartialSettings = embed(PartialSettings)
 

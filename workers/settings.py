@@ -304,7 +304,7 @@ class PartialSettings(Checked):
     by whichever rollout worker claims it next. run.mode async only."""
 
     partial: bool = False  # cut running generations at each newer policy version (async only)
-    # most cuts of one trajectory: its segment after the last cut runs to the end, uncut
+    # most cuts of one trajectory: its piece after the last cut runs to the end, uncut
     partial_max_cuts: int = bounded(4, ge=1)
     # a newer version cuts a torch generate call only once its unfinished rows are at most this
     # fraction of the rows it decodes: the engine decodes every row of its batch each step, so a

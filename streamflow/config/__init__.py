@@ -264,7 +264,7 @@ class RunConfig:
     @property
     def multi_turn(self) -> bool:
         """Trajectories of several model turns with tool calls between them: the env.* workers
-        run and the table has the turn tasks (workers.schema.samples_table_spec)."""
+        run and the table has the env.{k} tasks (workers.schema.samples_table_spec)."""
         return self.rollout.max_turns > 1
 
     @property

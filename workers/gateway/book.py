@@ -117,7 +117,7 @@ class Served:
 
 class EpisodeBook:
     """See the module docstring. ``connect()`` gives a store client (one per thread that needs
-    one); ``keeper``: a ``workers.roles.loop.LeaseKeeper``; ``wait_s``: how long a call waits for
+    one); ``keeper``: a ``workers.runtime.leases.LeaseKeeper``; ``wait_s``: how long a call waits for
     its row (the model's turn being generated) before a 504."""
 
     def __init__(self, connect: Callable[[], Any], table: str, fmt: ChatFormat, *,

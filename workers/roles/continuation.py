@@ -10,7 +10,7 @@ engine, weights, lock and version rules every ``ContinueStage`` shares. It claim
 
 A row whose trajectory ended earlier is never delivered (the store skips it on its NULL gate;
 one that comes anyway is acked untouched). A piece's write + ack is the unit of progress: a
-redelivered lease whose cells a predecessor wrote keeps them (``workers.roles.loop.Parts``).
+redelivered lease whose cells a predecessor wrote keeps them (``workers.runtime.leases.Parts``).
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ class RowTrace:
     columns: list[str] = field(default_factory=list)  # write / kept: the columns written
     # per row: write: the policy version of what it wrote; consume: the version trained into
     versions: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)  # per row: response (or segment) length
+    tokens: list[int] = field(default_factory=list)  # per row: response (or piece) length
     runs: list[list[int]] = field(default_factory=list)  # per row: start, version, start, ...
     # per row: how the newest piece written ended (cut, tool, observation, stop, ...; "" none)
     ends: list[str] = field(default_factory=list)
