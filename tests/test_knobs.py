@@ -207,7 +207,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DECLARING_FILES = {"streamflow/config/sections.py", "workers/settings.py"}
 DECLARING_CLASSES = {
     "storage/schema.py:TableSpec",  # store.lease_seconds, max_deliveries, capacity_rows
-    "workers/agent/sandbox.py:SandboxLimits",  # env.sandbox.*
     "workers/models/spec.py:TinyModelSpec",  # model.builtin.*
     # the store node's own config: `streamflow store serve` flags (store.num_shards is the run's
     # own nodes' count, always passed to the nodes a run starts)

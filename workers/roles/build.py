@@ -139,7 +139,7 @@ def build_reward(cfg: RewardWorkerConfig) -> Any:
     r = cfg.verifier
     scorer = None
     if cfg.scorer.model is not None:  # reward.model: scored in batched forwards on its device
-        from workers.engines.reward_model import load_reward_model
+        from workers.models.reward_model import load_reward_model
 
         scorer = load_reward_model(cfg.scorer, device=cfg.model_device, dtype=cfg.model_dtype)
     stage = RewardStage(load_tokenizer(cfg.model_path), r.fn, timeout_s=r.timeout_s,
@@ -258,7 +258,7 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
 
 def build_simulated_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
                             keeper: LeaseKeeper) -> Any:
-    from workers.engines.simulated_trainer import SimulatedTrainer
+    from workers.roles.simulated_trainer import SimulatedTrainer
 
     if cfg.resume_from:
         raise ValueError("a simulated trainer writes no checkpoints: it cannot resume")

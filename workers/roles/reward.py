@@ -7,7 +7,7 @@ errors and ``env_reward``: a verifier of the form ``fn(completion, answer, traje
 as a ``Trajectory``, and ``env_reward`` (``reward.env_reward``) replaces the verifier's score,
 adds to it, or is ignored. Details: docs/training.md "The reward role".
 
-With a reward model (``reward.model``, ``workers.engines.reward_model``) it also reads the
+With a reward model (``reward.model``, ``workers.models.reward_model``) it also reads the
 prompt: the model scores each claimed micro-batch in batched forwards, its score is normalised
 (``reward.normalize``: none, within each group, or by running statistics) and combined with the
 verifier's (``reward.combine``: the model alone, a weighted sum, or the verifier as a gate).
@@ -65,7 +65,7 @@ class RewardStage:
                                        else ())
         self._isolating = 0  # single-row claims left after a failure in a multi-row lease
         self.last_tokens = 0
-        # a reward model (workers.engines.reward_model.RewardModel) and how it is used
+        # a reward model (workers.models.reward_text.RewardModel) and how it is used
         self.scorer, self.scoring = scorer, scoring or RewardModelSettings()
         if scorer is not None:
             self.columns = (*self.columns, "prompt_ids")

@@ -1,6 +1,6 @@
-"""The ``simulated`` trainer: the real ``Trainer`` lifecycle over the simulated training engine of
-``workers.engines.simulated`` (kept apart: the trainer imports torch, the other simulated roles do
-not). See docs/engines.md, "The simulated trainer".
+"""The ``simulated`` trainer role: the real ``Trainer`` lifecycle over the simulated training
+engine of ``workers.engines.simulated`` (a role, so above the engines; kept apart: the trainer
+imports torch, the other simulated roles do not). See docs/engines.md, "The simulated trainer".
 """
 
 from __future__ import annotations
