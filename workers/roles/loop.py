@@ -4,7 +4,10 @@ Each claim carries the previous turn's write+ack (one round trip per micro-batch
 raises hands its rows back as a failed delivery, ``HandBack`` hands them back and goes on; a store
 node down is waited out. A stage whose rows write different column sets returns ``Parts``: written
 under the lease at once (a predecessor's cells kept), acked with the next claim. ``serve_stages``
-runs one worker over several tasks. Each turn leaves its trace (``workers.runtime.trace``: claim,
+runs one worker over several tasks. A stage maps a lease to its writes and nothing more; a
+batching one (``process_all``: several leases in one call, rows reported as they finish) gets
+the loop's ``workers.roles.riding.Riding``, which claims the rows that ride along and writes rows
+early. Each turn leaves its trace (``workers.runtime.trace``: claim,
 writes, kept, ack, release/fail, fenced) when the run traces rows. Lease lifecycle and shutdown:
 docs/training.md "The stage loop"; ``Parts``: "Trajectories".
 """
@@ -45,6 +48,19 @@ class Stage(Protocol):
 
     def process(self, lease: Lease) -> pa.RecordBatch | Parts:
         """The columns to write for the lease's rows: ``row_id`` plus this stage's columns."""
+        ...
+
+
+class Batching(Stage, Protocol):
+    """A stage that can generate for several leases in one call (``workers.roles.riding``)."""
+
+    along: tuple[str, ...]  # tasks whose ready rows may ride along its calls (first stage only)
+    early_s: float | None  # the longest a finished row waits for its write; None: no early writes
+
+    def process_all(self, leases: Sequence[Lease], early: Any = None
+                    ) -> list[pa.RecordBatch | Parts]:
+        """One result per lease, in order; ``early(i, parts)``: rows of lease i as they finish
+        (the result holds them too: the loop leaves out what it wrote early)."""
         ...
 
 
