@@ -40,6 +40,8 @@ import torch
 import storage
 from bench._store_node import spawn_store
 from storage.schema import ROW_ID
+from workers.agent.pieces import Rules
+from workers.agent.toolcall import marker_ids
 from workers.engines.base import SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.gateway.app import GatewayServer
@@ -49,10 +51,11 @@ from workers.gateway.worker import SWITCH_INTERVAL_S
 from workers.models.local import build_tiny_model
 from workers.models.spec import TinyModelSpec
 from workers.models.tokenizer import build_char_tokenizer
-from workers.roles.loop import LeaseKeeper, serve_stages
+from workers.roles.continuation import rollout_stages
+from workers.roles.loop import serve_stages
 from workers.roles.rollout import RolloutStage
-from workers.roles.turns import TurnPolicy, marker_ids, turn_stages
 from workers.runtime.events import EventSender
+from workers.runtime.leases import LeaseKeeper
 from workers.schema import agent_prompt_rows, samples_table_spec
 
 TABLE, SECRET, TURNS, MAX_NEW, BUDGET = "samples", b"bench-gateway", 2, 12, 40
@@ -95,11 +98,11 @@ def _rollout_main(addresses: list[str], stop: Any, threads: int, kind: str) -> N
     """A rollout worker's turn stages in a process of their own, as in a run."""
     torch.set_num_threads(threads)
     tok, engine, params = _engine(kind)
-    policy = TurnPolicy(TURNS, BUDGET, MAX_NEW, marker_ids(tok, "plain"), agent_driven=True)
+    rules = Rules(TURNS, MAX_NEW, BUDGET, marker_ids(tok, "plain"), agent_driven=True)
     first = RolloutStage(engine, NoWeights(), params, worker="r", group_size=1,
-                         groups_per_claim=64, seed=0, weight_wait_s=1.0, agent=policy,
-                         max_cuts=0, tail_cut=False)
-    serve_stages(storage.connect(addresses), TABLE, turn_stages(first, policy, max_rows=64),
+                         groups_per_claim=64, seed=0, weight_wait_s=1.0, rules=rules,
+                         tail_cut=False)
+    serve_stages(storage.connect(addresses), TABLE, rollout_stages(first),
                  stop, worker="r", role="rollout", timeout_s=0.2,
                  events=EventSender(None, trace=False))
 

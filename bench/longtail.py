@@ -28,7 +28,7 @@ engines in the same invocation:
 
 Without partial, a batch holding one tail keeps its device decoding one or two sequences alone
 (and holds back that batch's finished rows); with partial, each publication cuts the tails, the
-finished rows go on, and the cut rows of many devices are resumed together (one ``resume.j``
+finished rows go on, and the cut rows of many devices are resumed together (one ``rollout.k``
 claim), at a small marginal cost per sequence. ``partial_speedup = async_partial / async`` per
 engine; the real engine's is the median over ``--repeats`` paired runs (this machine is noisy).
 

@@ -20,13 +20,13 @@ What each loop consumes, produces, waits on, and what unblocks it:
     loop        consumes                 produces                 waits on              unblocked by
     controller  trainer step reports     prompt rows of k         version ≥ k - s       trainer publish
     rollout     prompt_ids (groups)      response, logprobs, v    rows ready; weights   controller put; publish
-    environment turn{t}_ids (max_turns>1) obs{t}_ids             rows ready            rollout.{t} write
+    environment tool-call piece (T>1)    observation piece        rows ready            rollout.{k} write
     reward      response_ids             reward                   rows ready            rollout write
     reference   response_ids             ref_logprobs             rows ready            rollout write
     trainer     all columns (groups)     weights v+1, advantages  all rows of k in      reward/ref writes
 
 Multi-turn (``rollout.max_turns`` > 1), rollout and environment pass each row back and forth,
-rollout.{t} taking obs{t-1}_ids, until a turn ends it with its response_ids (docs/training.md).
+each continuing it with a piece, until one ends it with its response_ids (docs/training.md).
 Modes: ``sync`` runs every role in this process, stages taking turns (``ColocatedLoop``);
 ``periodic`` (s = 0) and ``async`` (s = ``max_staleness``) stream between one process per worker
 (``_run_streaming``), started and restarted by a ``Cluster`` (``LocalCluster`` or
@@ -62,12 +62,11 @@ from streamflow.runstate import RunState
 from workers.roles.build import (
     build_reference,
     build_reward,
-    build_rollout,
+    build_rollout_stages,
     build_trainer,
-    rollout_stages,
 )
 from workers.roles.environment import build_environment
-from workers.roles.loop import LeaseKeeper, StageLoop
+from workers.roles.loop import StageLoop
 from workers.runtime import cores, heap
 from workers.runtime.cores import CoreShareConfig
 from workers.runtime.events import (
@@ -80,6 +79,7 @@ from workers.runtime.events import (
     WorkerStatus,
 )
 from workers.runtime.faults import dead_groups
+from workers.runtime.leases import LeaseKeeper
 from workers.runtime.metrics import MeteredEvents, WorkerMetrics
 from workers.runtime.trace import put_trace
 
@@ -361,7 +361,7 @@ class StageSeconds:
     reference: float  # 0.0 without a reference worker
     trainer: float  # from the end of the last stage to the trainer's step report
     total: float  # from before the put to the step report
-    # multi-turn: the env.{t} drains (the rollout.{t} drains count as rollout); 0.0 single-turn
+    # multi-turn: the env.{k} drains (the rollout.{k} drains count as rollout); 0.0 single-turn
     environment: float = 0.0
 
 
@@ -398,7 +398,7 @@ class ColocatedLoop:
         self.keeper = LeaseKeeper(store.client)
         envs = build_environment(plan.environment, _tool_tap(events)) if plan.environment else []
         self._stack.callback(lambda: [s.close() for s in envs])  # an MCP server, a user's child
-        stages = _turn_order(rollout_stages(build_rollout(plan.rollout, events)), envs)
+        stages = _piece_order(build_rollout_stages(plan.rollout, events), envs)
         stages.append(("reward", reward := build_reward(plan.reward)))
         if plan.reference:
             stages.append(("reference", build_reference(plan.reference)))
@@ -473,13 +473,11 @@ def _tool_tap(events: Any) -> Callable[[float, str | None], None] | None:
     return metrics.tool_call if metrics is not None else None
 
 
-def _turn_order(rollouts: list[Any], environments: list[Any]) -> list[tuple[str, Any]]:
-    """sync's drain order of a trajectory's tasks: rollout, env.0, rollout.1, env.1, ...,
-    rollout.{T-1} (each task's rows are ready only once the one before it wrote them)."""
-    order: list[tuple[str, Any]] = [("rollout", rollouts[0])]
-    for env, turn in zip(environments, rollouts[1:], strict=True):
-        order += [("environment", env), ("rollout", turn)]
-    return order
+def _piece_order(rollouts: list[Any], environments: list[Any]) -> list[tuple[str, Any]]:
+    """sync's drain order of a trajectory's tasks, by the piece each writes: rollout, env.1,
+    rollout.2, env.3, ... (each task's rows are ready only once the one before it wrote them)."""
+    staged = [("rollout", s) for s in rollouts] + [("environment", s) for s in environments]
+    return sorted(staged, key=lambda rs: rs[1].piece)
 
 
 def run(cfg: RunConfig, cluster: ClusterFactory = LocalCluster) -> RunSummary:

@@ -133,7 +133,7 @@ class RunPlan:
             reference_in_rollout=self.cfg.reference_in_rollout, capacity_rows=s.capacity_rows,
             lease_seconds=s.lease_seconds, max_deliveries=s.max_deliveries,
             fsync="always" if s.fsync else "never", max_turns=self.cfg.rollout.max_turns,
-            partial_cuts=self.cfg.rollout.partial_max_cuts if self.cfg.partial else 0,
+            partial_cuts=self.cfg.rollout.cuts.max_cuts,
             gateway=self.cfg.gateway,
             reward_whole_groups=self.cfg.reward.model is not None
             and self.cfg.reward.normalize == "group")
@@ -326,7 +326,7 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
         agent_driven=cfg.gateway, cuts=r.cuts)
     plan.environment = EnvironmentWorkerConfig(
         common=_named(blank, "environment", 1), model_path=model,
-        rows_per_claim=cfg.env.rows_per_claim, agent=agent) if agent is not None and (
+        rows_per_claim=cfg.env.rows_per_claim, agent=agent, cuts=r.cuts) if agent is not None and (
             not cfg.gateway) else None
     plan.gateway = plan.agent = None
     if cfg.gateway and agent is not None:
@@ -345,7 +345,7 @@ def _worker_records(plan: RunPlan, announce: str | None, group: WeightGroupConfi
     plan.reward = RewardWorkerConfig(common=_named(blank, "reward", 1), model_path=model,
                                      verifier=cfg.reward.verifier, hub=cfg.env.hub,
                                      rows_per_claim=cfg.reward.rows_per_claim, agent=agent,
-                                     scorer=cfg.reward.scorer,
+                                     scorer=cfg.reward.scorer, cuts=r.cuts,
                                      model_device=devices.reward[0] if devices.reward else "cpu",
                                      model_dtype=devices.reward_dtype)
     plan.reference = ReferenceWorkerConfig(

@@ -196,8 +196,8 @@ def _check_reward_model(cfg: RunConfig) -> None:
     """reward.model is a classifier or a judge with a template (no torch: its config.json), and
     not below reward.min_accuracy where its manifest records an accuracy."""
     from workers.checked import ConfigValueError
-    from workers.engines.reward_model import model_kind
     from workers.models.reward_manifest import MANIFEST, recorded_accuracy
+    from workers.models.reward_text import model_kind
 
     try:
         model_kind(cfg.reward.scorer)

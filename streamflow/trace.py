@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,6 @@ from streamflow.tracefile import read_trace
 
 PREFIX = "streamflow trace"
 SUMMARY_SLOWEST = 5  # rows the summary lists
-_PART = re.compile(r"^part\d+_ids$")
 
 
 class TraceError(Exception):
@@ -111,7 +109,7 @@ def versions_text(versions: list[dict[str, Any]]) -> str:
 def summary(table: pa.Table) -> dict[str, Any]:
     """Counts over the whole trace, and the slowest rows."""
     cols = {name: table.column(name).to_pylist() for name in (
-        "event", "task", "delivery", "tool", "error", "columns")}
+        "event", "task", "delivery", "tool", "error", "end", "row_id")}
     events, tasks = cols["event"], cols["task"]
     writes = [i for i, e in enumerate(events) if e == "write"]
     return {
@@ -123,13 +121,25 @@ def summary(table: pa.Table) -> dict[str, Any]:
         "failed_deliveries": events.count("fail"),
         "fenced": events.count("fenced"),
         "kept": events.count("kept"),
-        "cuts": sum(1 for i in writes if "response_ids" not in (cols["columns"][i] or ())
-                    and any(_PART.match(c) for c in cols["columns"][i] or ())),
-        "resumes": sum(1 for i in writes if tasks[i].startswith("resume.")),
+        "cuts": sum(1 for i in writes if cols["end"][i] == "cut"),
+        "resumes": _resumes(writes, cols["row_id"], cols["end"], tasks),
         "tool_calls": sum(1 for i in writes if cols["tool"][i]),
         "tool_errors": sum(1 for i in writes if cols["tool"][i] and cols["error"][i]),
         "slowest": slowest(table, SUMMARY_SLOWEST),
     }
+
+
+def _resumes(writes: list[int], rows: list[int], ends: list[str | None],
+             tasks: list[str]) -> int:
+    """Writes of ``rollout.{k}`` continuing a piece k-1 that a write of the row's task for
+    piece k-1 ended "cut" (by task, not by time: a write is stamped when it is traced)."""
+    def piece(task: str) -> int | None:
+        if task == "rollout":
+            return 0
+        return int(task.split(".")[1]) if task.startswith("rollout.") else None
+
+    cut = {(rows[i], piece(tasks[i])) for i in writes if ends[i] == "cut"}
+    return sum(1 for i in writes if (k := piece(tasks[i])) and (rows[i], k - 1) in cut)
 
 
 def slowest(table: pa.Table, n: int) -> list[dict[str, Any]]:

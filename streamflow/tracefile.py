@@ -40,12 +40,14 @@ TRACE_SCHEMA = pa.schema([
     # write / kept: the columns written (plain strings: pandas cannot convert a list of
     # dictionary values; Parquet dictionary-encodes them on disk all the same)
     pa.field("columns", pa.list_(pa.string())),
-    # write: the policy version of what was written (the newest segment's); consume: the version
+    # write: the policy version of what was written (the newest piece's); consume: the version
     # trained into
     pa.field("policy_version", pa.int64()),
-    pa.field("tokens", pa.int32()),  # write: response length after it (or the segment's length)
+    pa.field("tokens", pa.int32()),  # write: response length after it (or the piece's length)
     # write: per-token versions of the response, run-length (run i: tokens [start_i, start_i+1))
     pa.field("version_runs", pa.list_(RUN_TYPE)),
+    # write: how the newest piece written ended (cut, tool, observation, stop, ...)
+    pa.field("end", _NAME),
     pa.field("tool", _NAME),  # write of an environment stage: the tool called
     pa.field("tool_seconds", pa.float32()),  # its latency
     pa.field("error", pa.string()),  # the tool's error kind, a failed delivery's reason, a fence
@@ -69,6 +71,7 @@ def _columns(records: Iterable[RowTrace]) -> dict[str, list[Any]]:
         per_row("policy_version", rec.versions, n)
         per_row("tokens", rec.tokens, n)
         per_row("tool", rec.tools, n, "")
+        per_row("end", rec.ends, n, "")
         for name, value in (("task", rec.task), ("event", rec.event), ("worker", rec.worker),
                             ("lease_id", rec.lease_id or None), ("t", rec.t),
                             ("seconds", rec.seconds if rec.event == "write" else None),

@@ -207,7 +207,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DECLARING_FILES = {"streamflow/config/sections.py", "workers/settings.py"}
 DECLARING_CLASSES = {
     "storage/schema.py:TableSpec",  # store.lease_seconds, max_deliveries, capacity_rows
-    "workers/agent/sandbox.py:SandboxLimits",  # env.sandbox.*
     "workers/models/spec.py:TinyModelSpec",  # model.builtin.*
     # the store node's own config: `streamflow store serve` flags (store.num_shards is the run's
     # own nodes' count, always passed to the nodes a run starts)
@@ -233,7 +232,11 @@ _STORAGE_SHARDS = ("storage's own node: one shard, as ServerConfig.num_shards (s
 _OVERWRITE = "a store write's overwrite flag (the verb's), not run.overwrite"
 _WORKLOAD = ("bench simulate's modelled cluster workload (set by bench/simulate.py's flags), not "
              "a run's data.* / run.*")
+_CUTS = ("the cuts a trajectory may have, 0 with partial rollout off (PartialSettings.max_cuts "
+         "resolves the two knobs), not rollout.partial_max_cuts")
 NOT_THE_KNOB: dict[str, str] = {
+    "workers/agent/pieces.py:Rules.max_cuts": _CUTS,
+    "workers/roles/reward.py:RewardStage.__init__.max_cuts": _CUTS,
     "storage/__init__.py:EmbeddedStore.__init__.num_shards": _STORAGE_SHARDS,
     "storage/__init__.py:embedded.num_shards": _STORAGE_SHARDS,
     "storage/node.py:StoreNode.__init__.num_shards": _STORAGE_SHARDS,

@@ -98,8 +98,8 @@ class RolloutWorkerConfig:
     device: str  # cpu | cuda:N (resolved by the controller, streamflow/devices.py)
     dtype: str  # torch engine's parameter dtype
     reference_dtype: str  # the reference copy's (used with reference_path only)
-    # the turns are an agent's calls through the gateway (agent.fn set): turn 0 row by row, and
-    # only the agent ends a trajectory (workers.roles.turns.TurnPolicy.agent_driven)
+    # the turns are an agent's calls through the gateway (agent.fn set): piece 0 row by row, and
+    # only the agent ends a trajectory (workers.agent.pieces.Rules.agent_driven)
     agent_driven: bool
     sampling: SamplingSettings = embed(SamplingSettings)
     weight_wait_s: float = 600.0  # longest wait for a required policy version
@@ -112,9 +112,9 @@ class RolloutWorkerConfig:
     # on its own device (None: another role writes ref_logprobs, or the KL term is off)
     reference_path: str | None = None
     reference_pack: PackingSettings = field(default_factory=PackingSettings)  # trainer.pack
-    # multi-turn tool use (workers.roles.turns): None = single-turn, today's table exactly
+    # multi-turn tool use (workers.agent.pieces): None = single-turn
     agent: AgentSettings | None = None
-    # partial rollout (workers.roles.resume): partial, partial_max_cuts
+    # partial rollout (docs/partial.md): partial, partial_max_cuts
     cuts: PartialSettings = embed(PartialSettings)
 
 
@@ -133,6 +133,8 @@ class RewardWorkerConfig:
     agent: AgentSettings | None = None  # multi-turn: the trajectory columns it reads
     # reward.model and how its score is read and combined (model None: the verifier alone)
     scorer: RewardModelSettings = embed(RewardModelSettings)
+    # partial rollout: with ``agent``, how many pieces a trajectory's row may hold
+    cuts: PartialSettings = embed(PartialSettings)
 
 
 @dataclass
@@ -142,7 +144,9 @@ class EnvironmentWorkerConfig:
     common: WorkerCommon
     model_path: str  # for the tokenizer (turns are decoded, observations encoded)
     rows_per_claim: int
-    agent: AgentSettings  # max_turns > 1: the turn tasks it serves, its environment and budgets
+    agent: AgentSettings  # max_turns > 1: the env.{k} tasks it serves, its environment, budgets
+    # partial rollout: a cut adds a piece, so the env.{k} tasks it serves depend on the cuts too
+    cuts: PartialSettings = embed(PartialSettings)
 
 
 @flat

@@ -34,18 +34,15 @@ from workers.config import (
 from workers.roles.build import (
     build_reference,
     build_reward,
-    build_rollout,
+    build_rollout_stages,
     build_trainer,
-    rollout_stages,
 )
-from workers.roles.early import EarlyWrites
 from workers.roles.environment import build_environment
-from workers.roles.loop import LeaseKeeper, serve_stage, serve_stages
-from workers.roles.riders import Riders, riding_tasks
+from workers.roles.loop import serve_stage, serve_stages
 from workers.runtime import cores, heap
 from workers.runtime.events import EventSender, WorkerStatus
+from workers.runtime.leases import LeaseKeeper
 from workers.runtime.metrics import MeteredClient, MeteredEvents, WorkerMetrics
-from workers.runtime.trace import Tracer
 
 
 def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
@@ -89,16 +86,9 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
             trainer.stop_followers()
         else:
             if isinstance(cfg, RolloutWorkerConfig):
-                stages = rollout_stages(build_rollout(cfg, events))
-                first = stages[0]
-                if first.max_cuts:  # partial rollout: rows written as they finish, counters
-                    first.early = EarlyWrites(client, common.table,
-                                              tracer=Tracer.of(events, common.name))
-                    first.riders = Riders(client, common.table, stages[1:], keeper=keeper,
-                                          max_rows=first.max_rows,
-                                          tracer=Tracer.of(events, common.name))
-                    if metrics is not None:
-                        metrics.follow_partial(first)
+                stages = build_rollout_stages(cfg, events)
+                if cfg.cuts.partial and metrics is not None:  # the cut and resume counters
+                    metrics.follow_partial(stages[0])
             elif isinstance(cfg, EnvironmentWorkerConfig):
                 stages = build_environment(cfg, metrics.tool_call if metrics else None)
             elif isinstance(cfg, AgentWorkerConfig):
@@ -112,11 +102,10 @@ def run_worker(cfg: WorkerConfig, stop: threading.Event) -> int:
             else:
                 stages = [build_reference(cfg)]
             events.send(ready())
-            if len(stages) > 1:  # turn or resume tasks beside rollout (no balancer session yet)
+            if len(stages) > 1:  # the tasks that continue rows (no balancer session yet)
                 serve_stages(client, common.table, stages, stop, worker=common.name,
                              role=common.role, events=events, timeout_s=common.claim_timeout_s,
-                             keeper=keeper,
-                             taken_along=riding_tasks(stages[0]))
+                             keeper=keeper)
             else:
                 if common.coordinator_address:  # the balancer: claim from the shards we own
                     from storage.coordinator_session import ConsumerSession

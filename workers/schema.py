@@ -44,67 +44,48 @@ SAMPLES_SCHEMA = pa.schema([  # who writes each column, and when: docs/training.
 
 
 
-def turn_columns(max_turns: int) -> list[pa.Field]:
-    """The per-turn columns of a multi-turn table (``max_turns`` > 1), in the order a trajectory
-    writes them: turn0, obs0, turn1, obs1, ..., turn{T-1}. Invariant: the written columns of a row
-    are always a prefix of that order, since whoever ends a trajectory writes every later one as
-    NULL in the same write (docs/training.md "Multi-turn trajectories")."""
-    fields: list[pa.Field] = []
-    for t in range(max_turns):
-        fields += [
-            # model tokens of turn t (tool-call end marker or stop token included); NULL: the
-            # trajectory ended before turn t [L_t]
-            pa.field(f"turn{t}_ids", pa.list_(pa.int32())),
-            pa.field(f"turn{t}_logprobs", pa.list_(pa.float32())),  # behaviour log-probs [L_t]
-            pa.field(f"turn{t}_version", pa.int64()),  # policy version that generated turn t
-            # "tool" (ended in a tool call), "stop", "length" (max_new_tokens) or "budget"
-            # (cut by max_total_tokens); NULL: the trajectory ended before turn t
-            pa.field(f"turn{t}_finish", pa.string()),
-        ]
-        if t < max_turns - 1:
-            fields += [
-                # the formatted, tokenised, truncated observation that answers turn t's call;
-                # NULL: the trajectory ended at or before turn t [O_t]
-                pa.field(f"obs{t}_ids", pa.list_(pa.int32())),
-                # NULL or the observation's error kind (workers.agent.environments.ERROR_KINDS)
-                pa.field(f"obs{t}_error", pa.string()),
-            ]
-    return fields
+def piece_bound(max_turns: int, max_cuts: int) -> int:
+    """K: the most pieces of a trajectory, its T model turns, the T-1 observations between them
+    and one more model piece per cut (``max_cuts``, 0: no partial rollout)."""
+    return 2 * max_turns - 1 + max_cuts
 
 
-def part_columns(max_cuts: int) -> list[pa.Field]:
-    """The columns of partial rollout (``rollout.partial``; docs/partial.md), in the order a
-    trajectory writes them: ``part_seed`` with part0, then part1, ..., part{R-1}, then the
-    assembled response with ``response_version_runs``. Invariant (the turn chain's): the written
-    part cells of a row are a prefix, since whoever ends a trajectory writes every later part
-    cell as NULL in the same write as the assembled columns."""
-    fields = [
-        # the cut row's own sampling seed (the group's seed + the sample's index in the group),
-        # written with part0: every resume of the row draws on from the same random stream;
-        # NULL: never cut
-        pa.field("part_seed", pa.int64()),
-    ]
-    for j in range(max_cuts):
-        fields += [
-            # tokens of segment j of a cut trajectory (the generation before cut j+1); NULL:
-            # the trajectory ended before this segment was cut [L_j]
-            pa.field(f"part{j}_ids", pa.list_(pa.int32())),
-            pa.field(f"part{j}_logprobs", pa.list_(pa.float32())),  # behaviour log-probs [L_j]
-            pa.field(f"part{j}_version", pa.int64()),  # policy version that generated segment j
-        ]
-    return fields
+# the cells of one piece, in order: (name, type, what)
+PIECE_FIELDS = (
+    ("ids", pa.list_(pa.int32())),  # the piece's tokens [L_k]; NULL: the row ended before it
+    ("logprobs", pa.list_(pa.float32())),  # model: behaviour log-probs [L_k]; observation: NULL
+    ("version", pa.int64()),  # model: the policy version that generated it; observation: NULL
+    ("seed", pa.int64()),  # model: the seed of its turn's random stream; observation: NULL
+    # model: stop | length | tool | budget | cut; observation: "observation", or the finish
+    # (done | budget) of one that ended the row unappended (its ids NULL)
+    ("end", pa.string()),
+    ("error", pa.string()),  # observation: NULL or its error kind
+    # who continues the row after the piece: the model (``rollout.{k+1}`` needs it) or the
+    # environment (``env.{k+1}``), True for one of them and NULL for the other; both NULL once
+    # the row ended
+    ("to_model", pa.bool_()),
+    ("to_env", pa.bool_()),
+)
+
+
+def piece_columns(bound: int) -> list[pa.Field]:
+    """The piece columns of a table whose trajectories have at most ``bound`` pieces, in the
+    order a trajectory writes them: piece0, piece1, ... Invariant: the written piece cells of a
+    row are a prefix, since whoever ends a trajectory writes every later one as NULL in the same
+    write (docs/training.md "Trajectories")."""
+    return [pa.field(f"piece{k}_{name}", typ) for k in range(bound) for name, typ in PIECE_FIELDS]
 
 
 # per-token policy versions of response_ids, run-length: run i covers tokens [start_i,
-# start_{i+1}) (the last one to the end), sampled by ``version``; versions grow along the
-# response, so the first run's is ``policy_version`` (the oldest token's). Partial runs only,
-# written with the assembled response columns
+# start_{i+1}) (the last one to the end), sampled by ``version`` (an observation's tokens belong
+# to the run before them); versions grow along the response, so the first run's is
+# ``policy_version`` (the oldest token's). Written with the assembled response columns
 VERSION_RUNS_FIELD = pa.field("response_version_runs", pa.list_(pa.struct([
     pa.field("start", pa.int32()), pa.field("version", pa.int64())])))
 
 
-# multi-turn only: the environment's reward of the trajectory (Observation.reward of the
-# observation that ended it), written with the assembled columns by whoever ends it; NULL: none
+# the environment's reward of the trajectory (Observation.reward of the observation that ended
+# it, or the gateway agent's), written with the assembled columns by whoever ends it; NULL: none
 # (the reward role reads it, reward.env_reward)
 ENV_REWARD_FIELD = pa.field("env_reward", pa.float32())
 
@@ -118,7 +99,7 @@ AGENT_PROMPT_FIELD = pa.field("agent_prompt", pa.string())
 def call_columns(max_turns: int) -> list[pa.Field]:
     """Gateway runs: per model turn t, the canonical JSON of the messages and tools of the call
     that turn t answers, written with what that call fed the model (``prompt_ids`` for t = 0,
-    ``obs{t-1}_ids`` after). A later call is known to extend the episode, or to repeat call t
+    the observation piece before turn t after). A later call is known to extend the episode, or to repeat call t
     (an agent's retry or a redelivered agent), by comparing against these."""
     # canonical JSON {"messages": [...], "tools": [...]} of the call turn t answers; NULL: none
     return [pa.field(f"call{t}_messages", pa.string()) for t in range(max_turns)]
@@ -180,28 +161,23 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool, fs
     """The table of one run. ``reference_worker`` adds the reference task and makes the trainer
     wait for ``ref_logprobs`` (off when the KL term is off or the reference is fused into the
     trainer); ``reference_in_rollout``: the rollout writes them with its responses, so the trainer
-    waits for them without a reference task. ``max_turns`` > 1 adds the ``turn_columns``,
-    ``env_reward`` and the turn tasks: ``env.{t}`` (needs ``turn{t}_ids``, t < T-1) and ``rollout.{t}`` (needs
-    ``obs{t-1}_ids``, t >= 1); 1 is the single-turn table exactly. ``partial_cuts`` = R > 0
-    (partial rollout, single-turn only) adds the ``part_columns``, ``response_version_runs`` and
-    the resume tasks ``resume.{j}`` (needs ``part{j-1}_ids``, j = 1..R); 0: no partial rollout.
-    A turn or resume task skips (``TaskSpec.skip_null``) a row whose needed cell its trajectory's
-    end wrote NULL: the store consumes it for that task, and no worker claims it.
+    waits for them without a reference task. A trajectory of ``max_turns`` = T turns and
+    ``partial_cuts`` = R cuts (partial rollout; 0: none) has up to K = ``piece_bound(T, R)``
+    pieces: K > 1 adds the ``piece_columns``, ``response_version_runs``, ``env_reward`` and the
+    ``piece_tasks``; K = 1 (single-turn, uncut) is the single-turn table exactly.
     ``gateway``: the turns are an agent's calls (workers.gateway, docs/agents.md): rows are put
     with ``agent_prompt`` instead of ``prompt_ids``; task ``agent`` runs the user's agent, task
     ``open`` is the gateway's wait for an episode's first call (it writes ``prompt_ids``), rollout
-    takes rows one by one (the episodes of a group open at different times), and ``env.{t}`` is
-    the gateway's wait for the next call after turn t for every t, the last turn's too: only the
-    agent ends an episode.
+    takes rows one by one (the episodes of a group open at different times), and ``env.{k}`` is
+    the gateway's wait for the next call after every turn, the last one's too: only the agent
+    ends an episode.
     ``reward_whole_groups``: the reward task is claimed by whole groups (a reward model's scores
     normalised within each group, ``reward.normalize=group``). ``fsync``: the table's log policy,
     the run's store.fsync ("always" | "never"; the store's own default differs); the other limits
     default to the store's, which the run's store.* keys take too."""
-    if max_turns < 1:
-        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-    if partial_cuts < 0 or (partial_cuts and max_turns > 1):
-        raise ValueError(f"partial_cuts must be >= 0 and single-turn, got {partial_cuts} "
-                         f"with max_turns={max_turns}")
+    if max_turns < 1 or partial_cuts < 0:
+        raise ValueError(f"max_turns must be >= 1 and partial_cuts >= 0, got {max_turns} and "
+                         f"{partial_cuts}")
     if gateway and (max_turns < 2 or partial_cuts):
         raise ValueError(f"a gateway run is multi-turn and not partial, got max_turns="
                          f"{max_turns}, partial_cuts={partial_cuts}")
@@ -209,15 +185,7 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool, fs
     if gateway:
         tasks = [TaskSpec("agent", ("agent_prompt",)), TaskSpec("open", ("agent_prompt",)),
                  *tasks]
-    for t in range(max_turns - 1):
-        tasks.append(TaskSpec(f"env.{t}", (f"turn{t}_ids",), skip_null=f"turn{t}_ids"))
-        tasks.append(TaskSpec(f"rollout.{t + 1}", (f"obs{t}_ids",), skip_null=f"obs{t}_ids"))
-    if gateway:  # the last turn waits for the agent's end too
-        last = f"turn{max_turns - 1}_ids"
-        tasks.append(TaskSpec(f"env.{max_turns - 1}", (last,), skip_null=last))
-    # a cut row goes on in resume.1, .., resume.R (rows one by one: a group's rows are cut apart)
-    tasks += [TaskSpec(f"resume.{j}", (f"part{j - 1}_ids",), skip_null=f"part{j - 1}_ids")
-              for j in range(1, partial_cuts + 1)]
+    tasks += piece_tasks(max_turns, partial_cuts, gateway=gateway)
     tasks.append(TaskSpec("reward", ("response_ids",), whole_groups=reward_whole_groups))
     trainer_needs: tuple[str, ...] = ("response_ids", "reward")
     if reference_worker:
@@ -225,13 +193,13 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool, fs
     if reference_worker or reference_in_rollout:
         trainer_needs += REFERENCE_COLUMNS
     tasks.append(TaskSpec("trainer", trainer_needs, whole_groups=True))
+    bound = piece_bound(max_turns, partial_cuts)
     schema = SAMPLES_SCHEMA
-    if max_turns > 1:
-        schema = pa.schema([*SAMPLES_SCHEMA, *turn_columns(max_turns), ENV_REWARD_FIELD])
+    if bound > 1:
+        schema = pa.schema([*SAMPLES_SCHEMA, VERSION_RUNS_FIELD, ENV_REWARD_FIELD,
+                            *piece_columns(bound)])
     if gateway:
         schema = pa.schema([*schema, AGENT_PROMPT_FIELD, *call_columns(max_turns)])
-    elif partial_cuts:
-        schema = partial_schema(partial_cuts)
     return TableSpec(
         name=name, tasks=tuple(tasks), schema=schema, group_column="group_id",
         group_size=group_size, capacity_rows=capacity_rows, lease_seconds=lease_seconds,
@@ -239,13 +207,36 @@ def samples_table_spec(name: str, *, group_size: int, reference_worker: bool, fs
     )
 
 
-def partial_schema(max_cuts: int) -> pa.Schema:
-    """The table schema of a partial run with ``max_cuts`` = R."""
-    return pa.schema([*SAMPLES_SCHEMA, VERSION_RUNS_FIELD, *part_columns(max_cuts)])
+def piece_tasks(max_turns: int, max_cuts: int, *, gateway: bool = False) -> list[TaskSpec]:
+    """The tasks that continue a row with piece k >= 1, in piece order: ``rollout.{k}`` (a model
+    piece: needs ``piece{k-1}_to_model``) where one can be piece k (after a cut, or an
+    observation), ``env.{k}`` (an observation: needs ``piece{k-1}_to_env``) where one can (after a
+    tool call; a gateway run: after every turn, the last one's too, K = ``piece_bound``). Each
+    skips (``TaskSpec.skip_null``) a row whose needed cell was written NULL: the row goes to the
+    other side, or ended; the store consumes it for the task and no worker claims it. Rows one
+    by one: the rows of a group go on differently."""
+    bound = piece_bound(max_turns, max_cuts)
+    last_observation = bound if gateway else 2 * max_turns - 3 + max_cuts
+    tasks = []
+    for k in range(1, bound + 1):
+        if k < bound and (max_cuts or k % 2 == 0):
+            need = f"piece{k - 1}_to_model"
+            tasks.append(TaskSpec(f"rollout.{k}", (need,), skip_null=need))
+        if max_turns > 1 and (max_cuts or k % 2 == 1) and k <= last_observation:
+            need = f"piece{k - 1}_to_env"
+            tasks.append(TaskSpec(f"env.{k}", (need,), skip_null=need))
+    return tasks
+
+
+def piece_of(task: str) -> int:
+    """The piece a rollout or environment task writes: 0 for ``rollout``, k for ``rollout.{k}``
+    and ``env.{k}``."""
+    return int(task.split(".")[1]) if "." in task else 0
 
 
 def trainer_columns(reference_in_store: bool, partial: bool) -> tuple[str, ...]:
     """What the trainer claims: ``ref_logprobs`` too when another role (the reference worker or
-    the rollout) writes them to the store; ``response_version_runs`` in a partial run."""
+    the rollout) writes them to the store; ``response_version_runs`` in a partial run (its
+    per-token staleness; a multi-turn table has the column too, unclaimed)."""
     return (TRAINER_READS + (REFERENCE_COLUMNS if reference_in_store else ())
             + ((VERSION_RUNS_FIELD.name,) if partial else ()))

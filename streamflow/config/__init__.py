@@ -143,15 +143,12 @@ def _check_turns(cfg: RunConfig) -> None:
 
 def _check_partial(cfg: RunConfig) -> None:
     """Partial rollout continues a cut generation with newer weights: only async admits a
-    version newer than the rows' own, and a cut is not a turn (multi-turn is not cut)."""
+    version newer than the rows' own."""
     if not cfg.rollout.partial:
         return
     require(cfg.run.mode == "async", "rollout.partial",
             f"needs run.mode async (got {cfg.run.mode!r}): a cut generation is continued with "
             "newer weights, which only async admits")
-    require(not cfg.multi_turn, "rollout.partial",
-            f"cannot cut multi-turn trajectories (rollout.max_turns={cfg.rollout.max_turns}): "
-            "use rollout.max_turns=1 or rollout.partial=false")
 
 
 def _check_dynamic(cfg: RunConfig) -> None:
@@ -276,7 +273,7 @@ class RunConfig:
     @property
     def multi_turn(self) -> bool:
         """Trajectories of several model turns with tool calls between them: the env.* workers
-        run and the table has the turn tasks (workers.schema.samples_table_spec)."""
+        run and the table has the env.{k} tasks (workers.schema.samples_table_spec)."""
         return self.rollout.max_turns > 1
 
     @property

@@ -342,6 +342,12 @@ class SimulatedSection(Checked):
 
     device: SimulatedDevice = embed(SimulatedDevice)  # cost, time_scale, median tokens, skew
 
+    def check(self) -> None:
+        from workers.engines.sim_cost import PRESETS  # (standard library only)
+
+        require(self.device.cost in PRESETS, "cost",
+                f"must be one of {sorted(PRESETS)}, got {self.device.cost!r}")
+
 
 @dataclass(frozen=True)
 class StoreSection(Checked):

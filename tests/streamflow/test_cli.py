@@ -64,8 +64,6 @@ def test_dry_run_does_not_import_the_engine():
     # is standard-library only as well, and so are workers.settings (the knobs the config embeds)
     # and workers.checked (their checks).
     # The task checks build the arithmetic task and its held-out split (pyarrow only for files).
-    # workers.settings takes env.sandbox.*'s defaults from workers.agent.sandbox and its cgroup
-    # module (stdlib only);
     # the verifiers read tool-call markers (workers.agent.toolcall) and run user functions in a
     # child (workers.runtime.child): both standard-library only.
     light = ("workers", "workers.engines", "workers.engines.sim_cost", "workers.tasks",

@@ -15,7 +15,7 @@ from testkit import worker_plan
 from streamflow import preflight
 from streamflow.cli import main
 from streamflow.config import ConfigError, EnvSection, RolloutSection, config_warnings, load_config
-from streamflow.controller import _turn_order
+from streamflow.controller import _piece_order
 from streamflow.launch import worker_nodes
 from streamflow.metrics import ControllerMetrics
 from streamflow.rundir import IterationRecord
@@ -185,7 +185,7 @@ def test_the_plan_builds_the_turn_table_and_the_environment_workers(tmp_path) ->
     assert plan.environment.agent == want and plan.environment.rows_per_claim == 5
     assert plan.reward.agent == want  # it reads the trajectory's columns
     assert [t.name for t in plan.table_spec.tasks] == [
-        "rollout", "env.0", "rollout.1", "env.1", "rollout.2", "reward", "reference", "trainer"]
+        "rollout", "env.1", "rollout.2", "env.3", "rollout.4", "reward", "reference", "trainer"]
     workers = plan.workers(["tcp://127.0.0.1:1"], None)
     envs = [(name, role, w) for name, role, w, _ in workers if role == "environment"]
     assert [name for name, _, _ in envs] == ["environment-0", "environment-1"]
@@ -215,11 +215,16 @@ def test_launch_places_the_environment_workers() -> None:
         _cfg(nodes)  # single-turn: no environment worker to place
 
 
-def test_sync_drains_the_turn_tasks_in_order() -> None:
-    order = _turn_order(["r0", "r1", "r2"], ["e0", "e1"])
-    assert order == [("rollout", "r0"), ("environment", "e0"), ("rollout", "r1"),
-                     ("environment", "e1"), ("rollout", "r2")]
-    assert _turn_order(["r0"], []) == [("rollout", "r0")]
+def test_sync_drains_the_piece_tasks_in_order() -> None:
+    class Stage:
+        def __init__(self, piece: int) -> None:
+            self.piece = piece
+
+    r0, r2, r4, e1, e3 = (Stage(k) for k in (0, 2, 4, 1, 3))
+    order = _piece_order([r0, r2, r4], [e1, e3])
+    assert order == [("rollout", r0), ("environment", e1), ("rollout", r2),
+                     ("environment", e3), ("rollout", r4)]
+    assert _piece_order([r0], []) == [("rollout", r0)]
 
 
 def test_turns_and_tool_calls_are_read_from_the_loss_mask() -> None:

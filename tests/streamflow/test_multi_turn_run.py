@@ -1,6 +1,6 @@
 """End to end: `streamflow run` of multi-turn trajectories (rollout.max_turns=2, the calculator)
 through real processes in each mode: periodic gives sync's parameters, async finishes, and every
-row goes through the environment's task (env.0) on its way to the reward.
+row whose first turn called a tool, and only those, goes through the environment's task (env.1).
 
 The built-in character model seldom writes a plain-form call (its end marker ``=)``) by itself: a
 hot sampling temperature, longer turns and more rows make a few calls per iteration (seeded: the
@@ -35,8 +35,9 @@ def _lines(path: Path) -> list[dict]:
 
 def _check_turn_run(cfg, iterations: int) -> dict:
     """The run finished, recorded the turn metrics, and each iteration's rows all went through
-    env.0 (the environment's spans) and rollout turn 0; turn 1 generated exactly the rows that
-    went on (the rest the store skips: ``TaskSpec.skip_null``), as many as ``turns_mean`` says."""
+    rollout piece 0; env.1 (the environment's spans) and rollout.2 took exactly the rows that
+    went on (the rest the store skips: ``TaskSpec.skip_null``), as many as ``turns_mean`` says
+    (the calculator never ends a trajectory, and the budget leaves room)."""
     out = Path(cfg.run.output_dir)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["iterations"] == iterations, summary
@@ -49,7 +50,7 @@ def _check_turn_run(cfg, iterations: int) -> dict:
         env = sum(s["rows"] for s in spans if s["stage"] == "environment" and s["iteration"] == k)
         rollout = sum(s["rows"] for s in spans if s["stage"] == "rollout" and s["iteration"] == k)
         went_on = round((records[k]["turns_mean"] - 1.0) * rows)
-        assert env == rows and rollout == rows + went_on, (k, env, rollout, went_on)
+        assert env == went_on and rollout == rows + went_on, (k, env, rollout, went_on)
     return summary
 
 

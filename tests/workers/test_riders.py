@@ -1,4 +1,5 @@
-"""workers.roles.riders: cut rows resumed inside the next rollout call, through a real store."""
+"""workers.roles.riding: cut rows continued inside the next rollout call, claimed by the loop,
+through a real store."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 from testkit import CutAfter
 
 import storage
+from workers.agent.pieces import Rules
 from workers.engines.base import SamplingParams
-from workers.roles.loop import write_parts
+from workers.runtime.leases import write_parts
 from workers.schema import prompt_rows, samples_table_spec
 
 R = 3
@@ -39,15 +41,15 @@ class _Watch:
 
 def test_cut_rows_ride_the_next_rollout_call_and_end_as_if_never_cut():
     """Group 0 is cut after 3 tokens; the next rollout call (group 1) takes its rows along
-    (``resume.1`` claimed and acked by the riders, never by a resume stage). Every response,
-    the riders' and the new group's, equals what an uncut stage generates. Breaks if a rider
-    loses its seed or used draws, if the merged call changes the new rows' seeds, or if a rider
-    lease is not written and acked."""
+    (``rollout.1`` claimed and acked by the loop's ``Riding``, never by its own stage). Every
+    response, the riders' and the new group's, equals what an uncut stage generates. Breaks if
+    a rider loses its seed or used draws, if the merged call changes the new rows' seeds, or if
+    a rider lease is not written and acked."""
     from workers.engines.torch_rollout import TorchRolloutEngine
     from workers.models.local import TinyModelSpec, build_tiny_model
     from workers.models.tokenizer import build_char_tokenizer, encode_prompt
-    from workers.roles.resume import resume_stages
-    from workers.roles.riders import Riders
+    from workers.roles.continuation import rollout_stages
+    from workers.roles.riding import Riding
     from workers.roles.rollout import RolloutStage
 
     torch.set_num_threads(1)
@@ -59,9 +61,10 @@ def test_cut_rows_ride_the_next_rollout_call_and_end_as_if_never_cut():
 
     def stage(max_cuts: int, watch=None) -> RolloutStage:
         engine = TorchRolloutEngine(model, [], cut_live_fraction=1.0)  # every cut honoured
+        rules = Rules(1, 12, 12, max_cuts=max_cuts) if max_cuts else None
         return RolloutStage(engine, _Files(), params, worker="r",
                             group_size=2, groups_per_claim=1, seed=1, weight_wait_s=1.0,
-                            max_cuts=max_cuts, watch=watch, tail_cut=False)
+                            rules=rules, watch=watch, tail_cut=False)
 
     with storage.embedded() as store:
         client = store.client()
@@ -78,14 +81,16 @@ def test_cut_rows_ride_the_next_rollout_call_and_end_as_if_never_cut():
         write_parts(client, "t", first, partial.process(first))  # cut: segment 0 only
         client.ack(first)
         assert partial.cuts_total == 2
-        partial.riders = Riders(client, "t", resume_stages(partial, max_rows=2), max_rows=4)
-        parts = partial.process(second)  # group 0's rows ride along
+        stages = rollout_stages(partial)
+        riding = Riding(client, "t", {s.task: s.columns for s in stages[1:]}, max_rows=4,
+                        early_s=None)
+        parts = riding.process(partial, second)  # group 0's rows ride along
         write_parts(client, "t", second, parts)
         client.ack(second)
-        assert partial.riders.rows_total == 2
+        assert riding.rows_total == 2
         stats = client.stats("t")
-        assert stats.task_total("resume.1").consumed == 4  # 2 rode, 2 skipped (ended uncut)
-        assert stats.task_total("resume.1").in_flight == 0
+        assert stats.task_total("rollout.1").consumed == 4  # 2 rode, 2 skipped (ended uncut)
+        assert stats.task_total("rollout.1").in_flight == 0
         lease = client.claim("t", "reward", ["group_id", "response_ids", "response_logprobs"], 8)
     got: dict[int, list] = {}
     for row in lease.batch.to_pylist():

@@ -204,7 +204,7 @@ def test_a_hold_begun_by_the_forward_covers_the_trainers_math_until_backward(
 
 
 def test_the_simulated_trainer_holds_the_send_of_each_version_before_publishing():
-    from workers.engines.simulated_trainer import SendingPublisher
+    from workers.roles.simulated_trainer import SendingPublisher
 
     calls = []
 

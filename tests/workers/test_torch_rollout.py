@@ -271,7 +271,7 @@ def test_rollout_stage_seeds_each_group_by_its_own_id(model, tok, tmp_path):
         stage = RolloutStage(
             TorchRolloutEngine(model, tok), WeightSubscriber(tmp_path),
             SamplingParams(temperature=1.5, max_new_tokens=6), worker="r", group_size=group_size,
-            groups_per_claim=len(group_ids), seed=3, weight_wait_s=1.0, max_cuts=0, tail_cut=False)
+            groups_per_claim=len(group_ids), seed=3, weight_wait_s=1.0, tail_cut=False)
         out = stage.process(Lease(1, "t", "rollout", 0, 0.0, batch)).to_pydict()
         by_group: dict[int, list] = {}
         for g, ids, lp in zip(gids, out["response_ids"], out["response_logprobs"], strict=True):

@@ -11,8 +11,9 @@ import pytest
 
 import storage
 from storage.schema import ROW_ID, Lease, TableSpec, TaskSpec
-from workers.roles.loop import HandBack, Parts, StageLoop, with_row_ids, write_parts
+from workers.roles.loop import StageLoop
 from workers.runtime.events import EventSender, RowTrace, decode, encode
+from workers.runtime.leases import HandBack, Parts, with_row_ids, write_parts
 from workers.runtime.trace import Tracer, put_trace, write_facts
 from workers.schema import VERSION_RUNS_FIELD
 
@@ -29,7 +30,8 @@ def _lease(task: str = "rollout", **columns: pa.Array) -> Lease:
 def test_a_row_trace_round_trips_and_a_malformed_one_is_refused():
     rec = RowTrace("write", "rollout", "rollout-0", 12.5, [1, 2], lease_id=3, deliveries=[1, 2],
                    columns=["response_ids"], versions=[4, 4], tokens=[9, -1],
-                   runs=[[0, 3, 5, 4], []], tools=["calculator", ""], tool_seconds=[0.25, 0.0],
+                   runs=[[0, 3, 5, 4], []], ends=["cut", ""], tools=["calculator", ""],
+                   tool_seconds=[0.25, 0.0],
                    tool_errors=["", ""])
     assert decode(encode(rec)) == rec
     # what breaks it: a per-row list off by one, a wrong type, an unknown field (each dropped by
@@ -46,41 +48,42 @@ def test_write_facts_read_versions_tokens_and_runs_from_whatever_the_batch_carri
     single = pa.RecordBatch.from_pydict({
         "response_ids": pa.array([[1, 2, 3], [4]], pa.list_(pa.int32())),
         "policy_version": pa.array([3, 3], pa.int64())})
-    assert write_facts(single) == ([3, 3], [3, 1], [[0, 3], [0, 3]])
-    # a cut segment (part1 written, later parts NULL): the segment's version and length
+    assert write_facts(single) == ([3, 3], [3, 1], [[0, 3], [0, 3]], [])
+    # a cut piece (piece1 written, later pieces NULL): the piece's version, length and end
     cut = pa.RecordBatch.from_pydict({
-        "part1_ids": pa.array([[5, 6], [7]], pa.list_(pa.int32())),
-        "part1_version": pa.array([4, 5], pa.int64()),
-        "part2_ids": pa.array([None, None], pa.list_(pa.int32())),
-        "part2_version": pa.array([None, None], pa.int64())})
-    assert write_facts(cut) == ([4, 5], [2, 1], [])
-    # the end of a cut trajectory: the assembled response with its runs; version = newest run's
+        "piece1_ids": pa.array([[5, 6], [7]], pa.list_(pa.int32())),
+        "piece1_version": pa.array([4, 5], pa.int64()),
+        "piece1_end": pa.array(["cut", "cut"], pa.string()),
+        "piece2_ids": pa.array([None, None], pa.list_(pa.int32())),
+        "piece2_version": pa.array([None, None], pa.int64())})
+    assert write_facts(cut) == ([4, 5], [2, 1], [], ["cut", "cut"])
+    # the end of a trajectory: the assembled response with its runs; version = newest piece's
     done = pa.RecordBatch.from_pydict({
         "response_ids": pa.array([list(range(7))], pa.list_(pa.int32())),
         "policy_version": pa.array([3], pa.int64()),
         "response_version_runs": pa.array([[{"start": 0, "version": 3},
                                             {"start": 5, "version": 4}]], RUNS),
-        "part2_ids": pa.array([None], pa.list_(pa.int32()))})
-    assert write_facts(done) == ([4], [7], [[0, 3, 5, 4]])
-    # multi-turn: the newest turn or observation written; no runs guessed
-    turns = pa.RecordBatch.from_pydict({
-        "turn1_ids": pa.array([[1, 2]], pa.list_(pa.int32())),
-        "turn1_version": pa.array([6], pa.int64()),
-        "obs0_ids": pa.array([[9, 9, 9]], pa.list_(pa.int32()))})
-    assert write_facts(turns) == ([6], [2], [])
+        "piece2_ids": pa.array([None], pa.list_(pa.int32()))})
+    assert write_facts(done) == ([4], [7], [[0, 3, 5, 4]], [])
+    # an observation: its length and end, no version of its own
+    obs = pa.RecordBatch.from_pydict({
+        "piece1_ids": pa.array([[9, 9, 9]], pa.list_(pa.int32())),
+        "piece1_version": pa.array([None], pa.int64()),
+        "piece1_end": pa.array(["observation"], pa.string())})
+    assert write_facts(obs) == ([], [3], [], ["observation"])
     # a reward write: nothing known, nothing sent
     reward = pa.RecordBatch.from_pydict({"reward": pa.array([1.0], pa.float32())})
-    assert write_facts(reward) == ([], [], [])
+    assert write_facts(reward) == ([], [], [], [])
 
 
 def test_the_tracer_splits_kept_rows_and_carries_tool_calls():
     sent: list[RowTrace] = []
-    lease = _lease("env.0", group_id=pa.array([0, 0, 1], pa.int64()),
+    lease = _lease("env.1", group_id=pa.array([0, 0, 1], pa.int64()),
                    iteration=pa.array([2, 2, 2], pa.int64()))
     tracer = Tracer(sent.append, "environment-0", enabled=True)
     batch = pa.RecordBatch.from_pydict({
         ROW_ID: pa.array([10, 12], pa.uint64()),
-        "obs0_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32()))})
+        "piece1_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32()))})
     tracer.claim(lease)
     tracer.write(lease, batch, seconds=0.5, kept=[0], calls={12: ("calculator", 0.01, None)})
     claim, kept, write = sent
@@ -89,7 +92,7 @@ def test_the_tracer_splits_kept_rows_and_carries_tool_calls():
     assert (kept.event, kept.row_ids, kept.deliveries, kept.groups) == ("kept", [10], [1], [0])
     assert (write.row_ids, write.deliveries, write.groups, write.tokens) == ([12], [2], [1], [1])
     assert (write.tools, write.tool_seconds, write.tool_errors) == (["calculator"], [0.01], [""])
-    assert write.columns == ["obs0_ids"] and write.seconds == 0.5
+    assert write.columns == ["piece1_ids"] and write.seconds == 0.5
     for rec in sent:
         rec.check()
     put = put_trace([5, 6], pa.RecordBatch.from_pydict({"group_id": [0, 0], "iteration": [1, 1]}))
@@ -159,9 +162,9 @@ def test_write_parts_reports_the_rows_a_predecessor_had_written():
 
 
 def test_early_writes_are_traced_as_writes():
-    """Partial rollout's early writes (workers.roles.early) bypass the loop's result: they are
-    traced by the tracer they are given. What breaks it: an early write left out of the trace."""
-    from workers.roles.early import EarlyWrites
+    """The loop's early writes (workers.roles.riding) bypass the stage's result: they are traced
+    by the tracer they are given. What breaks it: an early write left out of the trace."""
+    from workers.roles.riding import Riding
 
     spec = TableSpec("t", pa.schema([("x", pa.int64()), ("y", pa.int64())]),
                      (TaskSpec("double", ("x",)), TaskSpec("check", ("y",))), lease_seconds=30)
@@ -172,13 +175,18 @@ def test_early_writes_are_traced_as_writes():
         lease = client.claim("t", "double", ["x"], 2)
         sent: list[RowTrace] = []
         tracer = Tracer(sent.append, "rollout-0", enabled=True)
-        early = EarlyWrites(client, "t", every_s=0.0, tracer=tracer)
 
-        def rows(got: list) -> Parts:
-            picked = [p for p, _ in got]
+        def rows(picked: list[int]) -> Parts:
             return Parts((pa.RecordBatch.from_pydict({
                 ROW_ID: pa.array([ids[p] for p in picked], pa.uint64()),
                 "y": pa.array([2 * (p + 1) for p in picked], pa.int64())}),))
 
-        early.call(lease, rows).on_done(1, None)
+        class Doubling:
+            def process_all(self, leases, early):  # noqa: ANN001, ANN202
+                early(0, rows([1]))  # row 1 finished first
+                return [rows([0, 1])]
+
+        rest = Riding(client, "t", {}, max_rows=2, early_s=0.0, tracer=tracer).process(
+            Doubling(), lease)
         assert [(r.event, r.row_ids, r.columns) for r in sent] == [("write", [ids[1]], ["y"])]
+        assert [b.column(ROW_ID).to_pylist() for b in rest.batches] == [[ids[0]]]

@@ -30,8 +30,9 @@ from workers.rl.advantages import group_advantages
 from workers.rl.objectives import LossSums, loss_sums
 from workers.rl.tokens import build_token_batch, response_logprobs
 from workers.roles.build import build_rollout, build_trainer
-from workers.roles.loop import LeaseKeeper, StageLoop
+from workers.roles.loop import StageLoop
 from workers.runtime.events import EventSender, StepReport
+from workers.runtime.leases import LeaseKeeper
 from workers.schema import prompt_rows, samples_table_spec
 
 _RUNS = itertools.count()  # one weights directory per training run of a test

@@ -184,7 +184,7 @@ def test_weight_update_changes_logprobs_and_reload_restores_them(setup, tmp_path
         groups_per_claim=1,
         seed=0,
         weight_wait_s=5.0,
-        on_sync=reports.append, max_cuts=0, tail_cut=False)
+        on_sync=reports.append, tail_cut=False)
     stage.ensure_version(8)
     assert engine.policy_version == 8
     assert reports and reports[0].bytes == published.bytes and reports[0].policy_version == 8
@@ -259,7 +259,7 @@ def test_the_reference_in_the_rollout_scores_vllm_responses_with_the_frozen_mode
             engine, WeightSubscriber(tmp_path), SamplingParams(temperature=0.7, max_new_tokens=8),
             worker="rollout-test", group_size=2, groups_per_claim=2, seed=0, weight_wait_s=1.0,
             reference=ReferenceScorer(copy.deepcopy(model), temperature=0.7,
-                                      pack=PackingSettings()), max_cuts=0, tail_cut=False)
+                                      pack=PackingSettings()), tail_cut=False)
         out = stage.process(Lease(1, "samples", "rollout", 0, 0.0, batch)).to_pydict()
         assert out["policy_version"] == [3] * 4
         for gid, response, ref, behaviour in zip(gids, out["response_ids"], out["ref_logprobs"],
@@ -281,11 +281,13 @@ def test_vllm_runs_a_multi_turn_trajectory_from_token_ids(setup):
     import storage
     from storage.schema import ROW_ID
     from workers.agent.environments import CalculatorEnvironment
-    from workers.agent.trajectory import History, Turn, close_turn
+    from workers.agent.pieces import History, Rules, model_piece, observation
+    from workers.agent.toolcall import marker_ids
     from workers.engines.base import Generation
+    from workers.roles.continuation import rollout_stages
     from workers.roles.environment import environment_stages
     from workers.roles.loop import StageLoop
-    from workers.roles.turns import TurnPolicy, marker_ids, turn_seed, turn_stages
+    from workers.roles.rollout import turn_seed
     from workers.runtime.events import EventSender
     from workers.schema import prompt_rows, samples_table_spec
     from workers.settings import AgentSettings
@@ -320,12 +322,12 @@ def test_vllm_runs_a_multi_turn_trajectory_from_token_ids(setup):
                           fn="calculator", format="plain")
     params = SamplingParams(temperature=1.0, max_new_tokens=12,
                             stop_token_ids=(tok.eos_token_id,))
-    policy = TurnPolicy(2, agent.max_total_tokens, 12, marker_ids(tok, "plain"))
+    policy = Rules(2, 12, agent.max_total_tokens, marker_ids(tok, "plain"))
     r0 = RolloutStage(FirstTurnScripted(), NoWeights(), params, worker="r", group_size=group,
-                      groups_per_claim=1, seed=seed, weight_wait_s=1.0, agent=policy,
-                      max_cuts=0, tail_cut=False)
-    (r1,) = turn_stages(r0, policy, max_rows=8)
-    (e0,) = environment_stages(CalculatorEnvironment(), tok, agent, max_rows=8)
+                      groups_per_claim=1, seed=seed, weight_wait_s=1.0, rules=policy,
+                      tail_cut=False)
+    (_, r1) = rollout_stages(r0)
+    (e0,) = environment_stages(CalculatorEnvironment(), tok, agent, max_cuts=0, max_rows=8)
     prompt = encode_prompt(tok, "7*8=")
     version = engine.policy_version  # an earlier test of the module may leave it at 8
     with storage.embedded(1) as store:
@@ -341,40 +343,38 @@ def test_vllm_runs_a_multi_turn_trajectory_from_token_ids(setup):
             assert lp.turn(0.0) == group
             lp.flush()
         cols = ["response_ids", "response_logprobs", "response_loss_mask", "policy_version",
-                "finish_reason", "turn0_version", "turn1_version", "group_id", "turn1_ids",
-                "turn1_logprobs"]
+                "finish_reason", "piece0_version", "piece2_version", "group_id", "piece2_ids",
+                "piece2_logprobs"]
         rows = client.claim(table, "reward", cols, 8, timeout=0.0).batch.to_pylist()
     assert len(rows) == group
-    hist = History((Turn(turn0, turn0_lps, version, "tool"),), (tuple(obs),))
+    hist = History((model_piece(turn0, turn0_lps, version, "tool"), observation(obs)))
     context = prompt + turn0 + obs
     seeds, turns = set(), []
     for row in rows:
         n0 = len(turn0) + len(obs)
         assert row["response_ids"][:n0] == turn0 + obs
         turn1 = row["response_ids"][n0:]
-        assert turn1 == row["turn1_ids"] and len(turn1) >= 1
+        assert turn1 == row["piece2_ids"] and len(turn1) >= 1
         assert row["response_loss_mask"] == [1] * len(turn0) + [0] * len(obs) + [1] * len(turn1)
         lps = row["response_logprobs"]
         assert lps[:len(turn0)] == turn0_lps
         assert lps[len(turn0):n0] == [0.0] * len(obs)  # the observation's tokens
-        assert lps[n0:] == row["turn1_logprobs"] and all(x < 0.0 for x in lps[n0:])
-        assert (row["turn0_version"], row["turn1_version"]) == (version, version)
+        assert lps[n0:] == row["piece2_logprobs"] and all(x < 0.0 for x in lps[n0:])
+        assert (row["piece0_version"], row["piece2_version"]) == (version, version)
         assert row["policy_version"] == version
         # vLLM asked directly, with the row's context ids and seed, says the same tokens
         s = turn_seed(seed, row["group_id"], 1, version, row[ROW_ID])
         seeds.add(s)
-        direct = engine.generate([context], 1, replace(policy.params(params, hist), seed=s,
+        direct = engine.generate([context], 1, replace(policy.params(params, [hist]), seed=s,
                                                        prompt_seeds=(s,)))[0][0]
-        limit, bound = policy.limit(hist)
-        want = close_turn(direct, version=version, marker=policy.marker, limit=limit,
-                          budget_bound=bound)
-        assert turn1 == want.ids
+        want = policy.close(direct, hist, version=version, seed=s)
+        assert turn1 == list(want.ids)
         # The log-probs are what tie turn 1 to its context: on the near-uniform random model a
         # seed draws the same ids from prompt + turn0 alone; their log-probs differ (checked).
-        assert row["turn1_logprobs"] == pytest.approx(want.logprobs, abs=LOGPROB_TOL)
-        assert row["finish_reason"] == want.finish
-        no_obs = engine.generate([prompt + turn0], 1, replace(policy.params(params, hist), seed=s,
-                                                              prompt_seeds=(s,)))[0][0]
+        assert row["piece2_logprobs"] == pytest.approx(want.logprobs, abs=LOGPROB_TOL)
+        assert row["finish_reason"] == want.end
+        no_obs = engine.generate([prompt + turn0], 1, replace(policy.params(params, [hist]),
+                                                              seed=s, prompt_seeds=(s,)))[0][0]
         assert no_obs.logprobs[:len(turn1)] != pytest.approx(want.logprobs, abs=LOGPROB_TOL)
         turns.append(turn1)
     assert len(seeds) == group  # each row draws its own tokens

@@ -1,1 +1,3 @@
-"""Multi-turn tool use: the tool-call format, the environments that answer calls, the sandbox."""
+"""Trajectories and tool use: the one trajectory model (``pieces``, its row: ``piece_rows``), the
+tool-call format, the environments that answer calls and how an answer is made (``observe``),
+the sandbox."""

@@ -60,21 +60,12 @@ import time
 from dataclasses import dataclass
 
 from workers.agent import cgroup
+from workers.settings import SandboxLimits  # (the limits a call runs under, declared there)
 
 log = logging.getLogger(__name__)
 _EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_exec.py")
 _KILL_GRACE_S = 5.0  # after a kill: how long to wait for the tree to go and the pipes to close
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    wall_s: float = 5.0  # wall-clock timeout
-    cpu_s: float = 2.0  # RLIMIT_CPU (rounded up to whole seconds)
-    # the call's memory, its tmpfs's included (cgroup); also RLIMIT_AS, the /sandbox tmpfs's size
-    # and RLIMIT_FSIZE (the per-process fallback lowers those three: `memory_plan`)
-    memory_mb: int = 256
-    max_output_bytes: int = 4096  # stdout and stderr each; past it -> "output_limit", killed
-    max_processes: int = 16  # RLIMIT_NPROC and the cgroup's pids.max: fork bombs end here
+DEFAULTS = SandboxLimits()  # env.sandbox.*'s defaults
 
 
 @dataclass(frozen=True)
@@ -129,7 +120,7 @@ def _probe() -> str | None:
     return f"sandbox probe failed: {detail}"
 
 
-def memory_plan(limits: SandboxLimits = SandboxLimits()) -> cgroup.MemoryPlan:
+def memory_plan(limits: SandboxLimits = DEFAULTS) -> cgroup.MemoryPlan:
     """What caps the sum of a call's memory on this host, and the limits a call runs under."""
     return cgroup.plan(limits.memory_mb, limits.max_processes, cgroup.host())
 
@@ -147,7 +138,7 @@ def _call_cgroup(limits: SandboxLimits) -> tuple[cgroup.MemoryPlan, cgroup.CallC
     return cgroup.plan(limits.memory_mb, limits.max_processes, host), None
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+def run_python(code: str, limits: SandboxLimits = DEFAULTS) -> SandboxResult:
     """Runs ``code`` isolated under ``limits``. Never raises: every failure is an error result."""
     start = time.monotonic()
     try:

@@ -59,6 +59,16 @@ ERROR_KINDS = ("unterminated", "bad_tags", "too_large", "too_deep", "bad_json", 
                "not_object", "missing_name", "bad_name", "bad_arguments", "unexpected_key")
 
 
+def marker_ids(tokenizer: Any, tool_format: str) -> tuple[int, ...]:
+    """The token ids of the tool-call end marker of ``tool_format`` ("plain" | "hermes"): a
+    model piece that holds it ends there (``workers.agent.pieces.Rules.close``)."""
+    text = PLAIN_CALL_END if tool_format == "plain" else TOOL_CALL_END
+    ids = tuple(int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise ValueError(f"the tokenizer encodes the tool-call end marker {text!r} as nothing")
+    return ids
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """A parsed call: the tool's name and its JSON arguments."""

@@ -32,7 +32,7 @@ from workers.engines.base import (
     prompt_seeds_of,
 )
 from workers.engines.sim_cost import CostModel, drawn_lengths, preset
-from workers.roles.loop import with_row_ids
+from workers.runtime.leases import with_row_ids
 from workers.schema import REFERENCE_READS
 
 if TYPE_CHECKING:

@@ -6,13 +6,14 @@ The gateway is the only consumer of two kinds of tasks, one row per lease, held 
 
 * ``open``: the episode has not called yet. Its first call writes ``prompt_ids`` (its rendered
   messages) and ``call0_messages`` and acks, which makes the row ready for ``rollout``.
-* ``env.{t}``: model turn t is written. The next call either repeats an earlier one (the same
-  canonical messages: an agent's retry, or an agent re-run after its worker died) and is answered
-  from the row, or extends call t by the messages after the assistant message it was given:
-  those are rendered once (``ChatFormat.piece_ids``) and written as ``obs{t}_ids`` with
-  ``call{t+1}_messages``, acked, which makes the row ready for ``rollout.{t+1}``; the answer is
-  turn t+1, once the gateway holds ``env.{t+1}``. The agent's end writes the assembled
-  trajectory (``workers.agent.trajectory.episode_end_writes``) under the held lease.
+* ``env.{k}``: model turn t, piece k-1, is written. The next call either repeats an earlier one
+  (the same canonical messages: an agent's retry, or an agent re-run after its worker died) and
+  is answered from the row, or extends call t by the messages after the assistant message it was
+  given: those are rendered once (``ChatFormat.piece_ids``) and written as the observation piece
+  k with ``call{t+1}_messages``, acked, which makes the row ready for ``rollout.{k+1}``; the
+  answer is turn t+1, once the gateway holds ``env.{k+2}``. The agent's end writes the assembled
+  trajectory (``workers.agent.piece_rows.piece_writes``, no piece) under the held lease. A
+  gateway run is not cut: model turn t is piece 2t.
 
 Crash safety comes from the store: every answer is read from a written turn, so a rollout worker
 killed mid-call leaves its lease to expire and another worker generates the turn once; a gateway
@@ -40,7 +41,8 @@ import pyarrow as pa
 
 from storage.errors import StoreError
 from storage.schema import ROW_ID, Lease
-from workers.agent.trajectory import History, episode_end_writes, history, turn_reads
+from workers.agent.piece_rows import Step, piece_reads, piece_writes, read_history
+from workers.agent.pieces import TO_MODEL, History, Turn, observation
 from workers.gateway.chat import (
     Assistant,
     ChatFormat,
@@ -55,6 +57,7 @@ from workers.gateway.chat import (
 from workers.models.tokenizer import decode_response
 from workers.runtime.faults import failure_reason
 from workers.runtime.trace import Tracer
+from workers.schema import call_columns, piece_bound
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +86,26 @@ def key_row(secret: bytes, key: str) -> int:
 
 @dataclass
 class Held:
-    """A row whose lease this gateway holds: ``turn`` -1 (``open``) or t (``env.{t}``)."""
+    """A row whose lease this gateway holds: ``piece`` -1 (``open``) or k (``env.{k}``: pieces
+    0..k-1 written, the last one turn ``turn``)."""
 
     lease: Lease
-    turn: int
+    piece: int
     row: dict[str, Any]
     since: float = 0.0  # monotonic time of the claim: the agent's time until its next call
 
     def hist(self) -> History:
-        got = history(self.row, self.turn + 1, self.turn)
-        assert got is not None  # env.{t} is never delivered for an ended row (skip_null)
+        got = read_history(self.row, self.piece)
+        assert got is not None  # env.{k} is never delivered for an ended row (skip_null)
         return got
+
+    @property
+    def turn(self) -> int:
+        """The last model turn written; -1 before the first."""
+        return (self.piece - 1) // 2 if self.piece > 0 else -1
+
+    def turns(self) -> list[Turn]:
+        return self.hist().turns()
 
     def calls(self) -> list[str]:
         return [self.row[f"call{j}_messages"] for j in range(self.turn + 1)]
@@ -111,7 +123,7 @@ class Served:
 
 class EpisodeBook:
     """See the module docstring. ``connect()`` gives a store client (one per thread that needs
-    one); ``keeper``: a ``workers.roles.loop.LeaseKeeper``; ``wait_s``: how long a call waits for
+    one); ``keeper``: a ``workers.runtime.leases.LeaseKeeper``; ``wait_s``: how long a call waits for
     its row (the model's turn being generated) before a 504."""
 
     def __init__(self, connect: Callable[[], Any], table: str, fmt: ChatFormat, *,
@@ -140,7 +152,8 @@ class EpisodeBook:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._claim_loop, name="gateway-claims",
                                         daemon=True)
-        self.tasks = (OPEN, *(f"env.{t}" for t in range(max_turns)))
+        self.bound = piece_bound(max_turns, 0)  # a gateway run is not cut: turn t is piece 2t
+        self.tasks = (OPEN, *(f"env.{k}" for k in range(1, self.bound + 1, 2)))
 
     def start(self) -> None:
         self._thread.start()
@@ -164,9 +177,9 @@ class EpisodeBook:
     def _columns(self, task: str) -> tuple[str, ...]:
         if task == OPEN:
             return OPEN_READS
-        t = int(task.split(".")[1])
-        return ("group_id", "prompt_ids", *turn_reads(t + 1, t),
-                *(f"call{j}_messages" for j in range(t + 1)))
+        k = int(task.split(".")[1])
+        return ("group_id", "prompt_ids", *piece_reads(k),
+                *(f.name for f in call_columns((k + 1) // 2)))
 
     def _claim_loop(self) -> None:
         client = self._connect()
@@ -195,11 +208,11 @@ class EpisodeBook:
         if not lease.num_rows:
             return False
         row = lease.batch.to_pylist()[0]
-        turn = -1 if task == OPEN else int(task.split(".")[1])
+        piece = -1 if task == OPEN else int(task.split(".")[1])
         self.keeper.hold(lease)
         self.tracer.claim(lease)
         with self._cond:
-            self._held[int(row[ROW_ID])] = Held(lease, turn, row, time.monotonic())
+            self._held[int(row[ROW_ID])] = Held(lease, piece, row, time.monotonic())
             self._cond.notify_all()
         return True
 
@@ -224,7 +237,7 @@ class EpisodeBook:
         """The row's held lease once its turn is ``at_least`` (-1: any), or None after
         ``wait_s``."""
         deadline = time.monotonic() + wait_s
-        task = OPEN if at_least < 0 else f"env.{at_least}"
+        task = OPEN if at_least < 0 else f"env.{2 * at_least + 1}"
         with self._cond:
             self._wanted[task] += 1
             try:
@@ -265,7 +278,7 @@ class EpisodeBook:
                     or len(messages) <= n + 1 or not same_assistant(messages[n], given)):
                 raise RequestError(400, "context_rewritten", "the messages do not extend the "
                                    "episode's last call and the answer it was given")
-            return self.fmt.piece_ids(messages[n + 1:], held.hist().turns[-1].ids, tools)
+            return self.fmt.piece_ids(messages[n + 1:], held.turns()[-1].ids, tools)
 
         return self._serve(key, body, Call(
             dumps({"messages": messages, "tools": tools}),
@@ -298,7 +311,7 @@ class EpisodeBook:
             if held is None:
                 raise RequestError(504, "timeout", "the episode's row did not come back in "
                                    f"{self.wait_s:.0f} s", "timeout_error")
-            if held.turn < 0:  # the first call
+            if held.piece < 0:  # the first call
                 fed = call.first()
                 self._write(row_id, held, [_cells(row_id, {
                     "prompt_ids": (fed, pa.list_(pa.int32())),
@@ -316,9 +329,10 @@ class EpisodeBook:
                 raise RequestError(400, "context_length_exceeded",
                                    f"the episode would pass rollout.max_total_tokens "
                                    f"({self.max_total_tokens}) with this call")
-            self._write(row_id, held, [_cells(row_id, {
-                f"obs{t}_ids": (fed, pa.list_(pa.int32())), f"obs{t}_error": (None, pa.string()),
-                f"call{t + 1}_messages": (call.record, pa.string())})])
+            (piece,) = piece_writes(held.piece, self.bound, [
+                Step(row_id, hist, observation(fed), TO_MODEL)])
+            self._write(row_id, held, [piece.append_column(
+                f"call{t + 1}_messages", pa.array([call.record], pa.string()))])
             return self._answer(row_id, t + 1, body, fed, call)
 
     def _answer(self, row_id: int, turn: int, body: dict[str, Any], fed: list[int],
@@ -327,15 +341,15 @@ class EpisodeBook:
         if held is None:
             raise RequestError(504, "timeout", f"turn {turn} was not generated in "
                                f"{self.wait_s:.0f} s", "timeout_error")
-        self.on_served(Served(row_id, turn, fed, list(held.hist().turns[turn].ids)))
+        self.on_served(Served(row_id, turn, fed, list(held.turns()[turn].ids)))
         return call.respond(held, turn, body)
 
     def _assistant(self, held: Held, turn: int) -> Assistant:
-        t = held.hist().turns[turn]
-        return assistant_message(self.fmt.tokenizer, t.ids, t.finish, plain=self.fmt.plain)
+        t = held.turns()[turn]
+        return assistant_message(self.fmt.tokenizer, t.ids, t.end, plain=self.fmt.plain)
 
     def _text(self, held: Held, turn: int) -> str:
-        return decode_response(self.fmt.tokenizer, held.hist().turns[turn].ids)
+        return decode_response(self.fmt.tokenizer, held.turns()[turn].ids)
 
     def _chat_answer(self, held: Held, turn: int, body: dict[str, Any]) -> dict[str, Any]:
         given, row_id = self._assistant(held, turn), int(held.row[ROW_ID])
@@ -344,7 +358,7 @@ class EpisodeBook:
             "finish_reason": given.finish_reason, "logprobs": None}]}
 
     def _text_answer(self, held: Held, turn: int, body: dict[str, Any]) -> dict[str, Any]:
-        finish = "stop" if held.hist().turns[turn].finish in ("stop", "tool") else "length"
+        finish = "stop" if held.turns()[turn].end in ("stop", "tool") else "length"
         return {**_envelope(held, turn, body, "text_completion"), "choices": [{
             "index": 0, "text": self._text(held, turn), "finish_reason": finish,
             "logprobs": None}]}
@@ -360,7 +374,7 @@ class EpisodeBook:
             held = self._wait_held(row_id, -1, self.lease_seconds + 5.0)
             if held is None:
                 return "gone"
-            if held.turn < 0:
+            if held.piece < 0:
                 with self._cond:
                     self._held.pop(row_id, None)
                 self.keeper.drop(held.lease.lease_id)
@@ -369,8 +383,9 @@ class EpisodeBook:
                     self._writer.release(held.lease, error=reason)
                 self.tracer.lease_event("fail", held.lease, error=reason)
                 return "no_call"
-            self._write(row_id, held, episode_end_writes(
-                row_id, held.turn, self.max_turns, held.hist(), reward))
+            hist = held.hist()  # its finish_reason: the last turn's
+            self._write(row_id, held, piece_writes(held.piece, self.bound, [
+                Step(row_id, hist, None, hist.turns()[-1].end, reward)]))
             with self._cond:
                 self._ended[row_id] = None
                 while len(self._ended) > MAX_ENDED:
@@ -392,10 +407,9 @@ class Call:
 
 def _envelope(held: Held, turn: int, body: dict[str, Any], kind: str) -> dict[str, Any]:
     """What both APIs' responses share: ids, the model's name as asked, token usage."""
-    hist, row_id = held.hist(), int(held.row[ROW_ID])
-    before = len(held.row["prompt_ids"]) + sum(len(x.ids) for x in hist.turns[:turn]) + sum(
-        len(o) for o in hist.observations[:turn])
-    done = len(hist.turns[turn].ids)
+    pieces, row_id = held.hist().pieces, int(held.row[ROW_ID])  # (not cut: turn t is piece 2t)
+    before = len(held.row["prompt_ids"]) + sum(len(p.ids) for p in pieces[:2 * turn])
+    done = len(pieces[2 * turn].ids)
     return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{row_id:x}-{turn}",
             "object": kind, "created": int(time.time()),
             "model": str(body.get("model") or "streamflow"),

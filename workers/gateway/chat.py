@@ -156,7 +156,7 @@ class Assistant:
 
 def assistant_message(tokenizer: Any, ids: Sequence[int], finish: str, *,
                       plain: bool) -> Assistant:
-    """The assistant message of a model turn (its ids, its ``turn{t}_finish``)."""
+    """The assistant message of a model turn (its ids, its last piece's end)."""
     text = decode_response(tokenizer, ids)
     call = parse_tool_call(text, plain=plain)
     if isinstance(call, ToolCall):

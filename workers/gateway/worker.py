@@ -15,7 +15,7 @@ from workers.config import GatewayWorkerConfig
 from workers.gateway.app import GatewayServer
 from workers.gateway.book import EpisodeBook, Served
 from workers.gateway.chat import ChatFormat
-from workers.roles.loop import LeaseKeeper
+from workers.runtime.leases import LeaseKeeper
 from workers.runtime.trace import Tracer
 
 SWITCH_INTERVAL_S = 0.0005

@@ -7,7 +7,7 @@ verifier (``reward.fn`` against ``reward.success_threshold``) labels each one co
 sequence classifier is the policy's own backbone with a one-logit head
 (``AutoModelForSequenceClassification`` over the policy's directory: the head is new), trained
 with a class-balanced logistic loss on exactly the text the reward role gives it
-(``workers.engines.reward_model.render``).
+(``workers.models.reward_text.render``).
 
 Three sets of responses, on three sets of prompts: training (with edits of the answers), the
 **validation** responses to further training-split prompts the classifier does not train on,
@@ -39,9 +39,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from workers.engines.base import SamplingParams
-from workers.engines.reward_model import render
 from workers.models.local import load_model, load_tokenizer, save_model
 from workers.models.reward_manifest import MANIFEST, read_manifest
+from workers.models.reward_text import render
 from workers.models.tokenizer import encode_prompt
 from workers.settings import RewardModelSettings
 from workers.tasks.problem import Problem

@@ -39,8 +39,8 @@ import httpx
 
 from storage.schema import ROW_ID, Lease
 from workers.gateway.book import episode_key
-from workers.roles.loop import Parts
 from workers.runtime.child import START_TIMEOUT_S
+from workers.runtime.leases import Parts
 
 log = logging.getLogger(__name__)
 

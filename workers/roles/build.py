@@ -2,6 +2,8 @@
 
 ``build_rollout`` / ``build_reward`` / ``build_reference`` / ``build_trainer`` are what a worker
 process (``workers.main``) and the colocated loop (``sync``) run; nothing here loops or signals.
+A rollout worker's stages are built here only (``build_rollout_stages``: piece 0 and every
+``rollout.{k}``, with what the loop needs to let rows ride along and write them early).
 """
 
 
@@ -13,6 +15,8 @@ from typing import Any
 
 import torch
 
+from workers.agent.pieces import Rules
+from workers.agent.toolcall import marker_ids
 from workers.config import (
     ReferenceWorkerConfig,
     RewardWorkerConfig,
@@ -25,16 +29,15 @@ from workers.models.checkpoint import read_state, restore_rng, save_checkpoint
 from workers.models.local import load_model, load_tokenizer
 from workers.rl.reference import ReferenceScorer
 from workers.rl.trimodel import TriModel
-from workers.roles.loop import LeaseKeeper
+from workers.roles.continuation import ContinueStage, rollout_stages
 from workers.roles.reference import ReferenceStage
-from workers.roles.resume import resume_stages
 from workers.roles.reward import RewardStage
 from workers.roles.rollout import RolloutStage
 from workers.roles.trainer import Trainer
-from workers.roles.turns import TurnPolicy, marker_ids, turn_stages
 from workers.runtime import cores
 from workers.runtime.devices import DTYPES, dtype_of, pin_visible_gpu, torch_device
 from workers.runtime.events import EventSender, WeightSyncReport
+from workers.runtime.leases import LeaseKeeper
 from workers.runtime.metrics import WorkerMetrics
 from workers.settings import HUB, PackingSettings
 from workers.weights.file_sync import WeightPublisher, WeightSubscriber
@@ -71,7 +74,14 @@ def load_reference(path: str, *, dtype: str, device: str, temperature: float,
     return ReferenceScorer(model.to(torch_device(device)), temperature=temperature, pack=pack)
 
 
+def build_rollout_stages(cfg: RolloutWorkerConfig, events: EventSender
+                         ) -> list[RolloutStage | ContinueStage]:
+    """Every stage a rollout worker serves (``workers.roles.continuation.rollout_stages``)."""
+    return rollout_stages(build_rollout(cfg, events))
+
+
 def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage:
+    """The rollout stage (piece 0) with its engine, weights and rules."""
     tokenizer = load_tokenizer(cfg.model_path)
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     sampling = cfg.sampling
@@ -110,36 +120,26 @@ def build_rollout(cfg: RolloutWorkerConfig, events: EventSender) -> RolloutStage
         reference = load_reference(cfg.reference_path, dtype=cfg.reference_dtype,
                                    device=device, temperature=sampling.temperature,
                                    pack=cfg.reference_pack)
-    agent = None  # multi-turn: turn 0 here, turns 1..T-1 by ``rollout_stages``
-    if cfg.agent is not None and cfg.agent.max_turns > 1:
-        agent = TurnPolicy(cfg.agent.max_turns, cfg.agent.max_total_tokens,
-                           sampling.max_new_tokens, marker_ids(tokenizer, cfg.agent.format),
-                           agent_driven=cfg.agent_driven)
+    rules = None  # single-turn and uncut: one piece per row
+    agent, cuts = cfg.agent, cfg.cuts.max_cuts
+    if agent is not None and agent.max_turns > 1:
+        rules = Rules(agent.max_turns, sampling.max_new_tokens, agent.max_total_tokens,
+                      marker_ids(tokenizer, agent.format), max_cuts=cuts,
+                      agent_driven=cfg.agent_driven)
+    elif cuts:
+        rules = Rules(1, sampling.max_new_tokens, sampling.max_new_tokens, max_cuts=cuts)
     return RolloutStage(engine, weights, params, worker=cfg.common.name,
                         group_size=cfg.group_size, groups_per_claim=cfg.groups_per_claim,
                         seed=cfg.common.seed, weight_wait_s=cfg.weight_wait_s, on_sync=on_sync,
-                        reference=reference, agent=agent,
-                        max_cuts=cfg.cuts.partial_max_cuts if cfg.cuts.partial else 0,
-                        watch=watch, tail_cut=cfg.cuts.partial and cfg.cuts.partial_tail_cut)
-
-
-def rollout_stages(stage: RolloutStage) -> list[Any]:
-    """The stages a rollout worker serves: ``stage`` (turn 0 / segment 0) and, multi-turn,
-    turns 1..T-1, or, partial rollout, the resumes 1..R (one continuation per row, so a claim
-    takes as many rows as a turn-0 claim generates)."""
-    if stage.max_cuts:
-        return [stage, *resume_stages(stage, max_rows=stage.max_rows)]
-    if stage.agent is None:
-        return [stage]
-    turns = turn_stages(stage, stage.agent, max_rows=stage.max_rows)
-    return turns if stage.agent.agent_driven else [stage, *turns]
+                        reference=reference, rules=rules, watch=watch,
+                        tail_cut=cfg.cuts.partial and cfg.cuts.partial_tail_cut)
 
 
 def build_reward(cfg: RewardWorkerConfig) -> Any:
     r = cfg.verifier
     scorer = None
     if cfg.scorer.model is not None:  # reward.model: scored in batched forwards on its device
-        from workers.engines.reward_model import load_reward_model
+        from workers.models.reward_model import load_reward_model
 
         scorer = load_reward_model(cfg.scorer, device=cfg.model_device, dtype=cfg.model_dtype)
     fn = r.fn
@@ -149,6 +149,7 @@ def build_reward(cfg: RewardWorkerConfig) -> Any:
         fn = hub_spec(cfg.hub)
     stage = RewardStage(load_tokenizer(cfg.model_path), fn, timeout_s=r.timeout_s,
                         max_rows=cfg.rows_per_claim, on_error=r.on_error, agent=cfg.agent,
+                        max_cuts=cfg.cuts.max_cuts,
                         env_reward=r.env_reward, scorer=scorer, scoring=cfg.scorer)
     if cfg.common.simulated is not None:  # the real verifier, plus the cost model's time
         from workers.engines.simulated import SimulatedRewardStage
@@ -262,7 +263,7 @@ def build_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
 
 def build_simulated_trainer(cfg: TrainerWorkerConfig, client: Any, events: EventSender,
                             keeper: LeaseKeeper) -> Any:
-    from workers.engines.simulated_trainer import SimulatedTrainer
+    from workers.roles.simulated_trainer import SimulatedTrainer
 
     if cfg.resume_from:
         raise ValueError("a simulated trainer writes no checkpoints: it cannot resume")

@@ -4,9 +4,12 @@ Each claim carries the previous turn's write+ack (one round trip per micro-batch
 raises hands its rows back as a failed delivery, ``HandBack`` hands them back and goes on; a store
 node down is waited out. A stage whose rows write different column sets returns ``Parts``: written
 under the lease at once (a predecessor's cells kept), acked with the next claim. ``serve_stages``
-runs one worker over several tasks. Each turn leaves its trace (``workers.runtime.trace``: claim,
+runs one worker over several tasks. A stage maps a lease to its writes and nothing more; a
+batching one (``process_all``: several leases in one call, rows reported as they finish) gets
+the loop's ``workers.roles.riding.Riding``, which claims the rows that ride along and writes rows
+early. Each turn leaves its trace (``workers.runtime.trace``: claim,
 writes, kept, ack, release/fail, fenced) when the run traces rows. Lease lifecycle and shutdown:
-docs/training.md "The stage loop"; ``Parts``: "Multi-turn trajectories".
+docs/training.md "The stage loop"; ``Parts``: "Trajectories".
 """
 
 from __future__ import annotations
@@ -15,98 +18,26 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import pyarrow as pa
 
 from storage.errors import (
-    CellAlreadyWritten,
     LeaseExpired,
     Unavailable,
     UnknownLease,
     UnknownTable,
 )
-from storage.schema import ROW_ID, Lease
+from storage.schema import Lease
+from workers.roles.riding import Riding
 from workers.runtime import cores
 from workers.runtime.events import EventSender, Span
 from workers.runtime.faults import failure_reason
+from workers.runtime.leases import HandBack, LeaseKeeper, Parts, write_parts
 from workers.runtime.trace import Tracer
 
 log = logging.getLogger(__name__)
-
-
-class LeaseKeeper:
-    """Extends held leases at half their lifetime from a background thread (a heartbeat: a frozen
-    process stops it too). ``client_factory`` gives the thread its own client (docs/training.md)."""
-
-    def __init__(self, client_factory: Callable[[], Any], *, tick_s: float = 0.25) -> None:
-        self._factory = client_factory
-        self._tick_s = tick_s
-        self._leases: dict[int, list] = {}  # lease_id -> [lease, lifetime, deadline]
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
-        self._thread.start()
-
-    def hold(self, lease: Lease) -> None:
-        """Keep renewing ``lease`` until ``drop``."""
-        lifetime = max(lease.deadline - time.time(), 0.5)
-        with self._lock:
-            self._leases[lease.lease_id] = [lease, lifetime, lease.deadline]
-
-    def drop(self, lease_id: int) -> None:
-        with self._lock:
-            self._leases.pop(lease_id, None)
-
-    @contextlib.contextmanager
-    def keep(self, lease: Lease) -> Iterator[None]:
-        self.hold(lease)
-        try:
-            yield
-        finally:
-            self.drop(lease.lease_id)
-
-    def _run(self) -> None:
-        client = self._factory()
-        try:
-            while not self._stop.wait(self._tick_s):
-                now = time.time()
-                with self._lock:
-                    due = [e for e in self._leases.values() if e[2] - now < e[1] / 2]
-                for entry in due:
-                    try:
-                        entry[2] = client.extend(entry[0])
-                    except Exception as exc:  # expired already: the write will be fenced anyway
-                        log.warning("could not extend lease %s: %s", entry[0].lease_id, exc)
-                        entry[2] = float("inf")
-        finally:
-            client.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
-class HandBack(Exception):  # noqa: N818 - a control-flow signal, not an error of the worker
-    """Raised by ``Stage.process``: hand the rows back and go on; ``error=None``: cleanly (not a
-    delivery), a text: as a failed delivery with that reason."""
-
-    def __init__(self, error: str | None = None) -> None:
-        super().__init__(error or "hand back")
-        self.error = error
-
-
-@dataclass(frozen=True)
-class Parts:
-    """What a stage returns when its rows write different column sets (a multi-turn turn: rows
-    that end their trajectory write more than rows that go on): one batch (``row_id`` + columns)
-    per set, none or several. The loop writes them under the lease, then acks it with the next
-    claim. A cell a predecessor already wrote (a redelivered lease whose holder wrote and died
-    before its ack) keeps the predecessor's value: that row's write is skipped, never repeated."""
-
-    batches: tuple[pa.RecordBatch, ...] = ()
 
 
 class Stage(Protocol):
@@ -120,30 +51,17 @@ class Stage(Protocol):
         ...
 
 
-def write_parts(client: Any, table: str, lease: Lease, parts: Parts,
-                on_write: Callable[[pa.RecordBatch, list[int]], None] | None = None) -> int:
-    """Write each batch under ``lease`` (no ack); returns the rows whose cells a predecessor had
-    written already (kept). A batch refused with CellAlreadyWritten (all or nothing) is written
-    again one row at a time, skipping exactly the rows already written. ``on_write(batch,
-    kept)`` after each batch: the indexes of its rows kept (the trace)."""
-    kept = 0
-    for batch in parts.batches:
-        skipped: list[int] = []
-        try:
-            client.write(table, lease, batch)
-        except CellAlreadyWritten:
-            for i in range(batch.num_rows):
-                try:
-                    client.write(table, lease, batch.slice(i, 1))
-                except CellAlreadyWritten:
-                    skipped.append(i)
-        kept += len(skipped)
-        if on_write is not None:
-            on_write(batch, skipped)
-    if kept:
-        log.warning("lease %s: %d rows were written by a predecessor; kept its cells",
-                    lease.lease_id, kept)
-    return kept
+class Batching(Stage, Protocol):
+    """A stage that can generate for several leases in one call (``workers.roles.riding``)."""
+
+    along: tuple[str, ...]  # tasks whose ready rows may ride along its calls (first stage only)
+    early_s: float | None  # the longest a finished row waits for its write; None: no early writes
+
+    def process_all(self, leases: Sequence[Lease], early: Any = None
+                    ) -> list[pa.RecordBatch | Parts]:
+        """One result per lease, in order; ``early(i, parts)``: rows of lease i as they finish
+        (the result holds them too: the loop leaves out what it wrote early)."""
+        ...
 
 
 def iteration_of(batch: pa.RecordBatch) -> int:
@@ -154,19 +72,16 @@ def iteration_of(batch: pa.RecordBatch) -> int:
     return values.pop() if len(values) == 1 else -1
 
 
-def with_row_ids(lease: Lease, columns: dict[str, pa.Array]) -> pa.RecordBatch:
-    arrays = {ROW_ID: lease.batch.column(ROW_ID), **columns}
-    return pa.RecordBatch.from_pydict(arrays)
-
-
 class StageLoop:
     """The streaming turn: each claim also carries the previous turn's write+ack (a fenced one is
     dropped and the worker goes on); ``flush`` writes the last result on a clean stop."""
 
     def __init__(self, client: Any, table: str, stage: Stage, *, worker: str, role: str,
                  events: EventSender, keeper: LeaseKeeper | None = None,
-                 session: Any = None) -> None:
+                 session: Any = None, riding: Riding | None = None) -> None:
         self.client, self.table, self.stage = client, table, stage
+        # a batching stage's riders and early writes (workers.roles.riding); None: plain
+        self.riding = riding
         self.worker, self.role, self.events, self.keeper = worker, role, events, keeper
         # storage.coordinator_session.ConsumerSession: claim from owned shards (+ steal), and
         # report throughput for the balancer; None: claim from any shard.
@@ -217,7 +132,8 @@ class StageLoop:
         try:
             keep = self.keeper.keep(lease) if self.keeper is not None else contextlib.nullcontext()
             with keep, cores.busy():  # this host's thread budget, shared by phase
-                out = self.stage.process(lease)
+                out = (self.stage.process(lease) if self.riding is None
+                       else self.riding.process(self.stage, lease))
         except HandBack as back:
             reason = failure_reason(lease.batch, back.error) if back.error else None
             self.client.release(lease, error=reason[:500] if reason else None)
@@ -287,25 +203,37 @@ def serve_stage(client: Any, table: str, stage: Stage, stop: threading.Event, *,
 
 def serve_stages(client: Any, table: str, stages: Sequence[Stage], stop: threading.Event, *,
                  worker: str, role: str, events: EventSender, timeout_s: float,
-                 keeper: LeaseKeeper | None = None, taken_along: Sequence[str] = ()) -> int:
-    """One worker serving several tasks (the turn tasks of a multi-turn run, the resume tasks of
-    partial rollout): one ``StageLoop`` per stage, taken in turn. A round looks at every stage
-    without waiting. After a round that found nothing, the next one starts with a claim that
-    waits up to ``timeout_s`` for its stage's rows OR any other stage's (the claim's ``wake``),
-    so an idle worker neither spins nor sits on one task's wait while another has rows.
-    ``taken_along``: tasks whose rows the first stage takes along when it found rows of its own
-    (partial rollout's riders): in such a round they are not claimed, so a cut row waits for the
-    next rollout call rather than being resumed alone, unless no rollout rows are waiting. The
-    other stages are served every round. Stops and flushes like ``serve_stage``."""
-    loops = [StageLoop(client, table, s, worker=worker, role=role, events=events, keeper=keeper)
-             for s in stages]
+                 keeper: LeaseKeeper | None = None) -> int:
+    """One worker serving several tasks (the tasks that continue a row with a piece): one
+    ``StageLoop`` per stage, taken in turn. A round looks at every stage without waiting. After a
+    round that found nothing, the next one starts with a claim that waits up to ``timeout_s`` for
+    its stage's rows OR any other stage's (the claim's ``wake``), so an idle worker neither spins
+    nor sits on one task's wait while another has rows. A batching stage (``process_all``; a
+    partial run's rollout stages) gets the loop's ``Riding``: the first stage's ``along`` tasks
+    ride its calls, and in a round where it found rows of its own those tasks are not claimed
+    by their own loops, so a cut row waits for the next call rather than going on alone, unless
+    no rows of the first stage are waiting. Stops and flushes like ``serve_stage``."""
+    columns = {s.task: tuple(s.columns) for s in stages}
+    along = tuple(getattr(stages[0], "along", ()))
+    tracer = Tracer.of(events, worker)
+
+    def riding(stage: Stage, ride: tuple[str, ...]) -> Riding | None:
+        early = getattr(stage, "early_s", None)
+        if not hasattr(stage, "process_all") or (not ride and early is None):
+            return None
+        return Riding(client, table, {t: columns[t] for t in ride}, max_rows=stage.max_rows,
+                      early_s=early, keeper=keeper, tracer=tracer)
+
+    loops = [StageLoop(client, table, s, worker=worker, role=role, events=events, keeper=keeper,
+                       riding=riding(s, along if i == 0 else ()))
+             for i, s in enumerate(stages)]
     others = [[o.task for o in stages if o is not s] for s in stages]
     total, wait = 0, 0.0
     while not stop.is_set():
         got = first = 0
         for i, loop in enumerate(loops):
             # only a round's first claim waits: a later one would hold up rows found before it
-            if i > 0 and first and loop.stage.task in taken_along:
+            if i > 0 and first and loop.stage.task in along:
                 continue
             n = max(loop.turn(wait, others[i]) if i == 0 and wait else loop.turn(0.0), 0)
             got += n

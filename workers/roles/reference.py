@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from storage.schema import Lease
 from workers.rl.reference import ReferenceScorer, rows_to_groups
-from workers.roles.loop import with_row_ids
+from workers.runtime.leases import with_row_ids
 from workers.schema import REFERENCE_READS
 
 # the scorer is workers.rl.reference's (shared with the trainer's fused reference); importable here

@@ -7,7 +7,7 @@ errors and ``env_reward``: a verifier of the form ``fn(completion, answer, traje
 as a ``Trajectory``, and ``env_reward`` (``reward.env_reward``) replaces the verifier's score,
 adds to it, or is ignored. Details: docs/training.md "The reward role".
 
-With a reward model (``reward.model``, ``workers.engines.reward_model``) it also reads the
+With a reward model (``reward.model``, ``workers.models.reward_model``) it also reads the
 prompt: the model scores each claimed micro-batch in batched forwards, its score is normalised
 (``reward.normalize``: none, within each group, or by running statistics) and combined with the
 verifier's (``reward.combine``: the model alone, a weighted sum, or the verifier as a gate).
@@ -23,25 +23,21 @@ from typing import Any
 import pyarrow as pa
 
 from storage.schema import Lease
+from workers.agent.piece_rows import piece_reads, read_trajectory
 from workers.agent.toolcall import chat_wrapping, observation_text
-from workers.agent.trajectory import FINISH_TOOL
-from workers.roles.loop import HandBack, with_row_ids
-from workers.schema import ENV_REWARD_FIELD, REWARD_READS
+from workers.runtime.leases import HandBack, with_row_ids
+from workers.schema import ENV_REWARD_FIELD, REWARD_READS, piece_bound
 from workers.settings import AgentSettings, RewardModelSettings
 from workers.tasks.verifiers import RewardResult, RewardRunner, Trajectory, resolve_reward
 
 ENV_REWARD_RULES = ("replace", "add", "ignore")
 
 
-def trajectory_reads(max_turns: int) -> tuple[str, ...]:
-    """The columns a multi-turn reward claim adds to ``REWARD_READS`` (all written on an ended
-    row: its later cells as NULL)."""
-    names = ["finish_reason", ENV_REWARD_FIELD.name]
-    for t in range(max_turns):
-        names += [f"turn{t}_ids", f"turn{t}_finish"]
-        if t < max_turns - 1:
-            names += [f"obs{t}_ids", f"obs{t}_error"]
-    return tuple(names)
+def trajectory_reads(bound: int) -> tuple[str, ...]:
+    """The columns a multi-turn reward claim adds to ``REWARD_READS``: the pieces of a row of
+    ``bound`` (all written on an ended row: its later cells as NULL)."""
+    return ("finish_reason", ENV_REWARD_FIELD.name,
+            *piece_reads(bound, ("ids", "version", "end", "error")))
 
 
 class RewardStage:
@@ -50,7 +46,8 @@ class RewardStage:
 
     def __init__(self, tokenizer: Any, reward_fn: str, *, timeout_s: float, max_rows: int,
                  on_error: str, env_reward: str, agent: AgentSettings | None = None,
-                 scorer: Any = None, scoring: RewardModelSettings | None = None) -> None:
+                 max_cuts: int = 0, scorer: Any = None,
+                 scoring: RewardModelSettings | None = None) -> None:
         if on_error not in ("retry", "zero"):
             raise ValueError(f"reward on_error must be 'retry' or 'zero', got {on_error!r}")
         if env_reward not in ENV_REWARD_RULES:
@@ -63,11 +60,12 @@ class RewardStage:
         self.max_turns = agent.max_turns if agent is not None else 1
         self.plain = agent is not None and agent.env.plain
         self.wrapping = None if self.plain or self.max_turns == 1 else chat_wrapping(tokenizer)
-        self.columns = REWARD_READS + (trajectory_reads(self.max_turns) if self.max_turns > 1
+        self.bound = piece_bound(self.max_turns, max_cuts)
+        self.columns = REWARD_READS + (trajectory_reads(self.bound) if self.max_turns > 1
                                        else ())
         self._isolating = 0  # single-row claims left after a failure in a multi-row lease
         self.last_tokens = 0
-        # a reward model (workers.engines.reward_model.RewardModel) and how it is used
+        # a reward model (workers.models.reward_text.RewardModel) and how it is used
         self.scorer, self.scoring = scorer, scoring or RewardModelSettings()
         if scorer is not None:
             self.columns = (*self.columns, "prompt_ids")
@@ -147,17 +145,12 @@ class RewardStage:
         def decode(ids: list[int], special: bool) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=not special)
 
-        turns, observations, errors = [], [], []
-        for t in range(self.max_turns):
-            ids = row[f"turn{t}_ids"]
-            if ids is None:
-                break
-            turns.append(decode(ids, False))
-            if t < self.max_turns - 1 and row[f"turn{t}_finish"] == FINISH_TOOL:
-                errors.append(row[f"obs{t}_error"])  # the environment answered this call
-                if row[f"obs{t}_ids"] is not None:
-                    observations.append(observation_text(decode(row[f"obs{t}_ids"], True),
-                                                         self.plain, self.wrapping))
+        hist, tail = read_trajectory(row, self.bound)
+        turns = [decode(t.ids, False) for t in hist.turns()]
+        answered = hist.observations() + ([tail] if tail is not None else [])
+        errors = [p.error for p in answered]  # each call the environment answered
+        observations = [observation_text(decode(list(p.ids), True), self.plain, self.wrapping)
+                        for p in hist.observations()]
         env_reward = row[ENV_REWARD_FIELD.name]
         return Trajectory(tuple(turns), tuple(observations), tuple(errors), len(errors),
                           None if env_reward is None else float(env_reward),

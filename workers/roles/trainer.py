@@ -36,11 +36,11 @@ from workers.rl.reference import rows_to_groups
 from workers.rl.staleness import TokenStaleness
 from workers.rl.tokens import apply_loss_masks
 from workers.rl.trimodel import TriModel
-from workers.roles.loop import LeaseKeeper
 from workers.runtime import cores
 from workers.runtime.distributed import Op, RankGroup, first_group
 from workers.runtime.events import Span, StepReport, WorkerStatus
 from workers.runtime.faults import dead_iteration
+from workers.runtime.leases import LeaseKeeper
 from workers.runtime.trace import Tracer
 from workers.schema import trainer_columns
 from workers.weights.file_sync import WeightPublisher

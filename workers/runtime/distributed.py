@@ -5,20 +5,22 @@ share of whole groups. Protocol and invariants: docs/engines.md, "Multi-rank tra
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 import socket
 from dataclasses import dataclass, fields
 from enum import IntEnum
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from workers.rl.objectives import LossSums
-
 _CONTROL_LEN = 3  # [op, iteration, payload bytes]
+_PEAKS = ("_max", "_min")  # suffixes of the fields all_reduce_sums reduces by max / min
+Sums = TypeVar("Sums")
 log = logging.getLogger(__name__)
 
 
@@ -203,19 +205,21 @@ class RankGroup:
         return Command(kind, iteration, rows)
 
     # ---------------------------------------------------------------- collectives
-    def all_reduce_sums(self, sums: LossSums) -> LossSums:
-        """Sum the per-rank loss sums (max for ``ratio_max``, min for ``ratio_min``): every rank
-        gets the global ones."""
-        summed = [f for f in fields(LossSums) if f.name not in ("ratio_max", "ratio_min")]
-        total = torch.tensor([getattr(sums, f.name) for f in summed], dtype=torch.float64)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._group)
-        peak = torch.tensor([sums.ratio_max], dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self._group)
-        low = torch.tensor([sums.ratio_min], dtype=torch.float64)  # inf on a rank without tokens
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._group)
-        out = {f.name: round(v) if f.type == "int" else v
-               for f, v in zip(summed, total.tolist(), strict=True)}
-        return LossSums(**out, ratio_max=float(peak[0]), ratio_min=float(low[0]))
+    def all_reduce_sums(self, sums: Sums) -> Sums:
+        """Per-rank sums (a dataclass of numbers: the trainer's ``workers.rl.objectives.LossSums``)
+        reduced over the ranks: a field named ``*_max`` by max, ``*_min`` by min (inf on a rank
+        without tokens), every other one summed, ints kept ints; every rank gets the global ones."""
+        out: dict[str, Any] = {}
+        for suffix, op in (("", dist.ReduceOp.SUM), ("_max", dist.ReduceOp.MAX),
+                           ("_min", dist.ReduceOp.MIN)):
+            group = [f for f in fields(sums)  # type: ignore[arg-type]
+                     if f.name[-4:] == suffix or (not suffix and f.name[-4:] not in _PEAKS)]
+            values = torch.tensor([float(getattr(sums, f.name)) for f in group],
+                                  dtype=torch.float64)
+            dist.all_reduce(values, op=op, group=self._group)
+            out.update({f.name: round(v) if f.type == "int" else v
+                        for f, v in zip(group, values.tolist(), strict=True)})
+        return dataclasses.replace(sums, **out)  # type: ignore[type-var]
 
     def broadcast_text(self, text: str) -> str:
         """Rank 0's ``text`` on every rank (e.g. the checkpoint directory every rank writes to)."""

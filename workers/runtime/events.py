@@ -138,8 +138,10 @@ class RowTrace:
     columns: list[str] = field(default_factory=list)  # write / kept: the columns written
     # per row: write: the policy version of what it wrote; consume: the version trained into
     versions: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)  # per row: response (or segment) length
+    tokens: list[int] = field(default_factory=list)  # per row: response (or piece) length
     runs: list[list[int]] = field(default_factory=list)  # per row: start, version, start, ...
+    # per row: how the newest piece written ended (cut, tool, observation, stop, ...; "" none)
+    ends: list[str] = field(default_factory=list)
     tools: list[str] = field(default_factory=list)  # per row: the tool called ("" none)
     tool_seconds: list[float] = field(default_factory=list)  # per row: the call's latency
     tool_errors: list[str] = field(default_factory=list)  # per row: its error kind ("" none)
@@ -155,7 +157,7 @@ class RowTrace:
         if not isinstance(self.t, (int, float)) or not isinstance(self.seconds, (int, float)):
             raise ValueError("RowTrace.t / seconds: expected numbers")
         per_row = {"row_ids": int, "deliveries": int, "groups": int, "iterations": int,
-                   "versions": int, "tokens": int, "runs": list, "tools": str,
+                   "versions": int, "tokens": int, "runs": list, "ends": str, "tools": str,
                    "tool_seconds": (int, float), "tool_errors": str}
         for name, tp in per_row.items():
             value = getattr(self, name)

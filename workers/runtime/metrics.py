@@ -96,7 +96,7 @@ class _PartialRollout:
                                   "Generations cut by a newer policy version (partial rollout).",
                                   value=cuts)
         yield CounterMetricFamily("streamflow_rollout_resumed_tokens",
-                                  "Tokens generated continuing cut generations (resume.{j}).",
+                                  "Tokens generated continuing cut generations.",
                                   value=resumed)
 
 

@@ -22,57 +22,55 @@ from storage.schema import ROW_ID, Lease
 from workers.runtime.events import RowTrace
 
 log = logging.getLogger(__name__)
-# the segment chains a trajectory is written in: turn0 < obs0 < turn1 < ... and part0 < part1 < ...
-_SEGMENT = re.compile(r"^(turn|obs|part)(\d+)_(ids|version)$")
+# the pieces a trajectory is written in: piece0 < piece1 < ... (workers.agent.piece_rows)
+_PIECE = re.compile(r"^piece(\d+)_(ids|version|end)$")
 RUNS_COLUMN = "response_version_runs"
 # (tool, seconds, error kind or None) of the call a stage executed for a row
 ToolCallFacts = tuple[str, float, str | None]
-
-
-def _order(kind: str, index: int) -> int:
-    """A segment's place in its chain: turn t -> 2t, obs t -> 2t + 1, part j -> j."""
-    return {"turn": 2 * index, "obs": 2 * index + 1}.get(kind, index)
 
 
 def _ints(column: pa.Array | None, n: int) -> list[int | None]:
     return column.to_pylist() if column is not None else [None] * n
 
 
-def write_facts(batch: pa.RecordBatch) -> tuple[list[int], list[int], list[list[int]]]:
-    """Per row of a written batch: (policy version of what it wrote, tokens, version runs).
+def write_facts(batch: pa.RecordBatch
+                ) -> tuple[list[int], list[int], list[list[int]], list[str]]:
+    """Per row of a written batch: (policy version of what it wrote, tokens, version runs, end).
 
-    * version: the newest segment's (``part{j}_version`` / ``turn{t}_version``) written non-NULL
-      for the row, else ``policy_version``; -1 when the batch has none;
-    * tokens: ``len(response_ids)`` when written non-NULL, else the newest segment's ``*_ids``
-      length (``part{j}`` / ``turn{t}`` / ``obs{t}``); -1 when none;
+    * version: the newest piece's ``piece{k}_version`` written non-NULL for the row, else
+      ``policy_version``; -1 when the batch has none;
+    * tokens: ``len(response_ids)`` when written non-NULL, else the newest ``piece{k}_ids``
+      length; -1 when none;
     * runs: ``response_version_runs`` flattened (start, version, start, ...), or ``[0,
-      policy_version]`` for a response written without any segment column (single-turn, uncut);
-      [] when not known. A row with runs and no segment written: version = its newest run's.
+      policy_version]`` for a response written without any piece column (single-turn, uncut);
+      [] when not known. A row with runs and no piece version written: version = its newest run's;
+    * end: the newest ``piece{k}_end`` written non-NULL (how the piece ended: "cut", "tool",
+      "observation", ...), "" when none.
 
     Each list is [] when no row has the fact (nothing to send)."""
     n, names = batch.num_rows, batch.schema.names
     col = {name: batch.column(name) for name in names}
-    ids: list[tuple[int, pa.Array]] = []
-    versions: list[tuple[int, pa.Array]] = []
+    chains: dict[str, list[tuple[int, pa.Array]]] = {"ids": [], "version": [], "end": []}
     for name in names:
-        m = _SEGMENT.match(name)
+        m = _PIECE.match(name)
         if m:
-            key = _order(m.group(1), int(m.group(2)))
-            (ids if m.group(3) == "ids" else versions).append((key, col[name]))
-    ids.sort(key=lambda kv: kv[0])
-    versions.sort(key=lambda kv: kv[0])
+            chains[m.group(2)].append((int(m.group(1)), col[name]))
+    for chain in chains.values():
+        chain.sort(key=lambda kv: kv[0])
+
+    def newest(chain: list[tuple[int, pa.Array]], value: Any = None) -> list[Any]:
+        out: list[Any] = [None] * n
+        for _, column in chain:  # later pieces overwrite earlier ones
+            values = (pc.list_value_length(column) if value == "length" else column).to_pylist()
+            for i, v in enumerate(values):
+                if v is not None:
+                    out[i] = v
+        return out
+
     policy = _ints(col.get("policy_version"), n)
-    newest_version = [None] * n
-    for _, column in versions:  # later chains overwrite earlier ones
-        for i, v in enumerate(column.to_pylist()):
-            if v is not None:
-                newest_version[i] = v
+    newest_version = newest(chains["version"])
     version = [v if v is not None else p for v, p in zip(newest_version, policy, strict=True)]
-    lengths: list[int | None] = [None] * n
-    for _, column in ids:
-        for i, length in enumerate(pc.list_value_length(column).to_pylist()):
-            if length is not None:
-                lengths[i] = length
+    lengths = newest(chains["ids"], "length")
     if "response_ids" in col:
         for i, length in enumerate(pc.list_value_length(col["response_ids"]).to_pylist()):
             if length is not None:
@@ -81,14 +79,16 @@ def write_facts(batch: pa.RecordBatch) -> tuple[list[int], list[int], list[list[
     if RUNS_COLUMN in col:
         for i, row_runs in enumerate(col[RUNS_COLUMN].to_pylist()):
             runs[i] = [x for r in row_runs or () for x in (r["start"], r["version"])]
-    elif "response_ids" in col and not ids and not versions:
+    elif "response_ids" in col and not chains["ids"] and not chains["version"]:
         for i, (length, p) in enumerate(zip(lengths, policy, strict=True)):
             if length is not None and p is not None:
                 runs[i] = [0, p]
-    for i, row_runs in enumerate(runs):  # a finished partial trajectory: its newest run's
+    for i, row_runs in enumerate(runs):  # an ended trajectory: its newest run's
         if row_runs and newest_version[i] is None:
             version[i] = row_runs[-1]
-    return (_known(version), _known(lengths), runs if any(runs) else [])
+    ends = [e or "" for e in newest(chains["end"])]
+    return (_known(version), _known(lengths), runs if any(runs) else [],
+            ends if any(ends) else [])
 
 
 def _known(values: list[int | None]) -> list[int]:
@@ -176,8 +176,9 @@ class Tracer:
             batch = batch.filter(pc.invert(mask))
             if batch.num_rows == 0:
                 return
-        versions, tokens, runs = write_facts(batch)
-        fields: dict[str, Any] = {"versions": versions, "tokens": tokens, "runs": runs}
+        versions, tokens, runs, ends = write_facts(batch)
+        fields: dict[str, Any] = {"versions": versions, "tokens": tokens, "runs": runs,
+                                  "ends": ends}
         if calls:
             found = [calls.get(int(r)) for r in batch.column(ROW_ID).to_pylist()]
             fields["tools"] = [c[0] if c else "" for c in found]

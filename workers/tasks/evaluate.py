@@ -3,10 +3,10 @@ and of the controller's held-out evaluation (docs/controller.md "The plan").
 
 A problem counts as solved when its greedy response (temperature 0) passes ``score``. With an
 ``agent`` of more than one turn the response is a whole trajectory made by the rollout's and the
-environment role's own turn code (``TurnPolicy``, ``close_turn``, ``observe``), the environment
-in this process: held-out accuracy then measures the model with its tools, and the scorer also gets
-each problem's ``Trajectory`` (as the reward role reads it). Otherwise it is one generation, as it
-always was. Scorers:
+environment role's own piece code (``Rules``, ``observe``), the environment in this process:
+held-out accuracy then measures the model with its tools, and the scorer also gets each problem's
+``Trajectory`` (as the reward role reads it). Otherwise it is one generation, as it always was.
+Scorers:
 ``exact_match_scorer`` for the warm start, ``reward_scorer`` (the run's ``reward.fn`` against
 ``reward.success_threshold``, run as the reward workers run it) for the controller. Imports torch
 through the rollout engine: not part of the light ``workers.tasks`` the ``--dry-run`` loads.
@@ -19,13 +19,12 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from workers.agent.toolcall import chat_wrapping, observation_text
-from workers.agent.trajectory import History, assemble, close_turn, context_ids, turn_end
+from workers.agent.observe import make_environment, observe
+from workers.agent.pieces import TO_ENV, History, Rules, assemble, context_ids, observation
+from workers.agent.toolcall import chat_wrapping, marker_ids, observation_text
 from workers.engines.base import RolloutEngine, SamplingParams
 from workers.engines.torch_rollout import TorchRolloutEngine
 from workers.models.tokenizer import decode_response, encode_prompt
-from workers.roles.environment import make_environment, observe
-from workers.roles.turns import TurnPolicy, marker_ids
 from workers.settings import AgentSettings
 from workers.tasks.problem import Problem
 from workers.tasks.verifiers import RewardRunner, Trajectory, exact_match
@@ -105,8 +104,8 @@ def greedy_trajectories(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBas
     if agent is None or agent.max_turns <= 1:
         gens = engine.generate(prompts, 1, greedy)
         return [decode_response(tokenizer, g[0].token_ids) for g in gens], None
-    policy = TurnPolicy(agent.max_turns, agent.max_total_tokens, max_new_tokens,
-                        marker_ids(tokenizer, agent.format))
+    rules = Rules(agent.max_turns, max_new_tokens, agent.max_total_tokens,
+                  marker_ids(tokenizer, agent.format))
     env = make_environment(agent)
     wrapping = None if agent.env.plain else chat_wrapping(tokenizer)  # as the environment role's
     hists = [History() for _ in problems]
@@ -114,19 +113,18 @@ def greedy_trajectories(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBas
     errors: list[list[str | None]] = [[] for _ in problems]  # per executed call
     rewards: list[float | None] = [None] * len(problems)  # the environment's, when it ended one
     try:
-        for t in range(agent.max_turns):
+        for _ in range(agent.max_turns):
             live = [i for i, end in enumerate(ends) if end is None]
             if not live:
                 break
             gens = engine.generate([context_ids(prompts[i], hists[i]) for i in live], 1,
-                                   policy.params(greedy, [hists[i] for i in live]))
+                                   rules.params(greedy, [hists[i] for i in live]))
             for i, gen in zip(live, gens, strict=True):
-                limit, budget_bound = policy.limit(hists[i])
-                turn = close_turn(gen[0], version=0, marker=policy.marker, limit=limit,
-                                  budget_bound=budget_bound)
-                hists[i] = hists[i].with_turn(turn)
-                ends[i] = turn_end(turn, t, agent.max_turns)
-                if ends[i] is None:  # a tool call: the environment answers it
+                piece = rules.close(gen[0], hists[i], version=0, seed=None)
+                then = rules.then(piece, hists[i])
+                hists[i] = hists[i].then(piece)
+                ends[i] = None if then == TO_ENV else then
+                if then == TO_ENV:  # a tool call: the environment answers it
                     obs, ids, ends[i] = observe(
                         env, tokenizer, problems[i].prompt, problems[i].answer, hists[i],
                         plain=agent.env.plain, max_observation_tokens=agent.max_observation_tokens,
@@ -135,17 +133,18 @@ def greedy_trajectories(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBas
                     errors[i].append(obs.error)
                     rewards[i] = obs.reward if obs.done else None
                     if ends[i] is None:
-                        hists[i] = hists[i].with_observation(ids)
+                        hists[i] = hists[i].then(observation(ids, obs.error))
     finally:
         close = getattr(env, "close", None)
         if close is not None:
             close()
+
     def trajectory(i: int) -> Trajectory:  # as workers.roles.reward.RewardStage reads a row
         h = hists[i]
         return Trajectory(
-            tuple(decode_response(tokenizer, t.ids) for t in h.turns),
-            tuple(observation_text(tokenizer.decode(list(o), skip_special_tokens=False),
-                                   agent.env.plain, wrapping) for o in h.observations),
+            tuple(decode_response(tokenizer, t.ids) for t in h.turns()),
+            tuple(observation_text(tokenizer.decode(list(o.ids), skip_special_tokens=False),
+                                   agent.env.plain, wrapping) for o in h.observations()),
             tuple(errors[i]), len(errors[i]), rewards[i], ends[i] or "")
 
     return ([decode_response(tokenizer, assemble(h, "").response_ids) for h in hists],

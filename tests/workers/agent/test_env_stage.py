@@ -12,6 +12,8 @@ import pytest
 
 from storage.schema import ROW_ID, Lease
 from workers.agent.environments import CalculatorEnvironment, Observation, StepContext
+from workers.agent.piece_rows import Step, piece_reads, piece_writes
+from workers.agent.pieces import TO_ENV, TO_MODEL, History, model_piece, observation
 from workers.agent.toolcall import (
     ToolCall,
     chat_wrapping,
@@ -19,10 +21,9 @@ from workers.agent.toolcall import (
     observation_text,
     render_tool_call,
 )
-from workers.agent.trajectory import turn_reads
 from workers.models.tokenizer import build_char_tokenizer
 from workers.roles.environment import ENV_READS, environment_stages
-from workers.schema import samples_table_spec
+from workers.schema import piece_bound, samples_table_spec
 from workers.settings import AgentSettings
 
 # The tool-message part of Qwen2.5's chat template (its tools and tool_calls branches left out).
@@ -92,20 +93,36 @@ class Shouter:
         return Observation(str(call.arguments.get("text", "")).upper())
 
 
+BOUND = piece_bound(3, 0)
+SPEC = samples_table_spec("s", group_size=1, reference_worker=False, fsync="never", max_turns=3)
+
+
+def row_of(row_id: int, pieces: list, end: str | None = None, reward: float | None = None,
+           **cells) -> dict:  # noqa: ANN003
+    """The cells a trajectory's tasks write for ``pieces`` (each going on; the last ends the
+    row with ``end`` when given)."""
+    out, hist = {**cells, ROW_ID: row_id}, History()
+    for k, piece in enumerate(pieces):
+        last = end is not None and k == len(pieces) - 1
+        then = end if last else (TO_ENV if piece.model else TO_MODEL)
+        for batch in piece_writes(k, BOUND, [Step(row_id, hist, piece, then, reward)]):
+            out.update({c: v for c, v in batch.to_pylist()[0].items() if c != ROW_ID})
+        hist = hist.then(piece)
+    return out
+
+
+def batch_of(rows: list[dict], names: tuple[str, ...]) -> pa.RecordBatch:
+    arrays = {ROW_ID: pa.array([r[ROW_ID] for r in rows], pa.uint64())}
+    arrays.update({k: pa.array([r[k] for r in rows], SPEC.schema.field(k).type) for k in names})
+    return pa.RecordBatch.from_pydict(arrays)
+
+
 def lease(tok, turns: list[str]) -> Lease:  # noqa: ANN001
     """Rows of the 3-turn table whose turn 0 said ``turns[i]`` and ended in a tool call."""
-    spec = samples_table_spec("s", group_size=1, reference_worker=False, fsync="never", max_turns=3)
-    names = (*ENV_READS, *turn_reads(1, 0))
-    n = len(turns)
-    values = {"group_id": list(range(n)), "iteration": [0] * n,
-              "prompt_ids": [tok("q", add_special_tokens=False)["input_ids"]] * n,
-              "answer": ["7"] * n,
-              "turn0_ids": [tok(t, add_special_tokens=False)["input_ids"] for t in turns],
-              "turn0_logprobs": [[-0.5] * len(tok(t)["input_ids"]) for t in turns],
-              "turn0_version": [0] * n, "turn0_finish": ["tool"] * n}
-    arrays = {ROW_ID: pa.array(range(n), pa.uint64())}
-    arrays.update({k: pa.array(values[k], spec.schema.field(k).type) for k in names})
-    return Lease(1, "s", "env.0", 0, 0.0, pa.RecordBatch.from_pydict(arrays))
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows_ = [row_of(i, [model_piece(enc(t), [-0.5] * len(enc(t)), 0, "tool")], group_id=i,
+                    iteration=0, prompt_ids=enc("q"), answer="7") for i, t in enumerate(turns)]
+    return Lease(1, "s", "env.1", 0, 0.0, batch_of(rows_, (*ENV_READS, *piece_reads(1))))
 
 
 def call(name: str, **arguments: str) -> str:
@@ -115,7 +132,7 @@ def call(name: str, **arguments: str) -> str:
 def stage(tok, *, max_observation_tokens: int = 200, tools: tuple[str, ...] = ()):  # noqa: ANN001, ANN201
     agent = AgentSettings(max_turns=3, max_total_tokens=1000, fn="pkg:Shouter", format="hermes",
                           max_observation_tokens=max_observation_tokens, tools=tools)
-    return environment_stages(Shouter(), tok, agent, max_rows=8)[0]
+    return environment_stages(Shouter(), tok, agent, max_cuts=0, max_rows=8)[0]
 
 
 def rows(parts) -> dict[int, dict]:  # noqa: ANN001
@@ -125,30 +142,30 @@ def rows(parts) -> dict[int, dict]:  # noqa: ANN001
 def test_a_chat_models_observation_is_the_templates_tool_turn_and_only_its_text_is_cut():
     tok = chat_tokenizer(QWEN)
     full = rows(stage(tok).process(lease(tok, [call("calculator", expression="6*7")])))
-    said = tok.decode(full[0]["obs0_ids"], skip_special_tokens=False)
+    said = tok.decode(full[0]["piece1_ids"], skip_special_tokens=False)
     assert said == QWEN_TURN[0] + "42" + QWEN_TURN[1]  # the model goes on as the assistant
     wrap = sum(len(tok(w, add_special_tokens=False)["input_ids"]) for w in QWEN_TURN)
     cut = rows(stage(tok, max_observation_tokens=wrap + 3).process(
         lease(tok, [call("shout", text="abcdefgh")])))
-    ids = cut[0]["obs0_ids"]
+    ids = cut[0]["piece1_ids"]
     assert tok.decode(ids, skip_special_tokens=False) == QWEN_TURN[0] + "ABC" + QWEN_TURN[1]
     assert len(ids) == wrap + 3
     # without a template: the bare block, cut at the limit
     bare = chat_tokenizer(None)
     plain = rows(stage(bare, max_observation_tokens=20).process(
         lease(bare, [call("shout", text="abcdefgh")])))
-    assert bare.decode(plain[0]["obs0_ids"]) == "<tool_response>\nABCD"
+    assert bare.decode(plain[0]["piece1_ids"]) == "<tool_response>\nABCD"
 
 
 def test_env_tools_narrow_what_the_model_may_call():
     tok = chat_tokenizer(None)
     turns = [call("shout", text="hi"), call("calculator", expression="1+2")]
     narrowed = rows(stage(tok, tools=("calculator",)).process(lease(tok, turns)))
-    assert narrowed[0]["obs0_error"] == "unknown_tool"
-    assert "unknown tool 'shout'; the tools are calculator" in tok.decode(narrowed[0]["obs0_ids"])
-    assert narrowed[1]["obs0_error"] is None and "3" in tok.decode(narrowed[1]["obs0_ids"])
+    assert narrowed[0]["piece1_error"] == "unknown_tool"
+    assert "unknown tool 'shout'; the tools are calculator" in tok.decode(narrowed[0]["piece1_ids"])
+    assert narrowed[1]["piece1_error"] is None and "3" in tok.decode(narrowed[1]["piece1_ids"])
     every = rows(stage(tok).process(lease(tok, turns)))  # empty: all the environment serves
-    assert every[0]["obs0_error"] is None and "HI" in tok.decode(every[0]["obs0_ids"])
+    assert every[0]["piece1_error"] is None and "HI" in tok.decode(every[0]["piece1_ids"])
 
 
 def test_each_calls_tool_latency_and_error_are_kept_for_the_trace():
@@ -167,8 +184,8 @@ def test_the_environments_final_reward_is_written_when_it_ends_the_trajectory():
     got = rows(stage(tok).process(lease(tok, [call("shout", text="done"),
                                               call("shout", text="go on")])))
     assert got[0]["finish_reason"] == "done" and got[0]["env_reward"] == pytest.approx(0.5)
-    assert got[0]["obs0_ids"] is None and got[0]["turn1_ids"] is None
-    assert "env_reward" not in got[1] and got[1]["obs0_ids"] is not None
+    assert got[0]["piece1_ids"] is None and got[0]["piece2_ids"] is None
+    assert "env_reward" not in got[1] and got[1]["piece1_ids"] is not None
 
 
 REWARDS = '''
@@ -178,33 +195,31 @@ def last_turn(completion, answer, trajectory):
 
 
 def reward_lease(tok) -> Lease:  # noqa: ANN001
-    """Three ended 3-turn trajectories, as the turn tasks leave them for the reward role: the
+    """Three ended 3-turn trajectories, as the piece tasks leave them for the reward role: the
     environment ended 0 with a reward; 1 called once, then answered; 2 called an unknown tool,
     called again, then answered."""
     enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     obs = [enc(format_observation(t, wrapping=QWEN_TURN)) for t in ("42", "no such tool", "3")]
     eos = [tok.eos_token_id]
-    turns = [[enc(call("shout", text="done"))],
-             [enc(call("calculator", expression="6*7")), enc("7") + eos],
-             [enc(call("nope")), enc(call("calculator", expression="1+2")), enc("7") + eos]]
-    observations = [[], [obs[0]], [obs[1], obs[2]]]
-    values: dict[str, list] = {"answer": ["7"] * 3, "iteration": [0] * 3, "group_id": [0] * 3,
-                               "finish_reason": ["done", "stop", "stop"],
-                               "env_reward": [0.5, None, None], "response_ids": []}
-    for t in range(3):
-        values[f"turn{t}_ids"] = [ts[t] if t < len(ts) else None for ts in turns]
-        values[f"turn{t}_finish"] = [("tool" if t < len(ts) - 1 or r == 0 else "stop")
-                                     if t < len(ts) else None for r, ts in enumerate(turns)]
-        if t < 2:
-            values[f"obs{t}_ids"] = [os[t] if t < len(os) else None for os in observations]
-            values[f"obs{t}_error"] = [None, None, "unknown_tool" if t == 0 else None]
-    for ts, os in zip(turns, observations, strict=True):
-        values["response_ids"].append([i for k, t in enumerate(ts)
-                                       for i in t + (os[k] if k < len(os) else [])])
-    spec = samples_table_spec("s", group_size=1, reference_worker=False, fsync="never", max_turns=3)
-    arrays = {ROW_ID: pa.array(range(3), pa.uint64())}
-    arrays.update({k: pa.array(v, spec.schema.field(k).type) for k, v in values.items()})
-    return Lease(1, "s", "reward", 0, 0.0, pa.RecordBatch.from_pydict(arrays))
+
+    def said(text: str, end: str = "tool", extra: list[int] = ()) -> object:  # noqa: B006
+        ids = enc(text) + list(extra)
+        return model_piece(ids, [-0.5] * len(ids), 0, end)
+
+    trajectories = [
+        ([said(call("shout", text="done")), observation([], None, "done")], "done", 0.5),
+        ([said(call("calculator", expression="6*7")), observation(obs[0]),
+          said("7", "stop", eos)], "stop", None),
+        ([said(call("nope")), observation(obs[1], "unknown_tool"),
+          said(call("calculator", expression="1+2")), observation(obs[2]),
+          said("7", "stop", eos)], "stop", None)]
+    rows_ = [row_of(i, pieces, end, reward, answer="7", iteration=0, group_id=0)
+             for i, (pieces, end, reward) in enumerate(trajectories)]
+    from workers.roles.reward import trajectory_reads
+    from workers.schema import REWARD_READS
+
+    return Lease(1, "s", "reward", 0, 0.0, batch_of(rows_, tuple(dict.fromkeys(
+        (*REWARD_READS, *trajectory_reads(BOUND))))))
 
 
 @pytest.fixture
@@ -222,13 +237,13 @@ def test_the_reward_role_reads_the_whole_trajectory_and_the_environments_reward(
     tok = chat_tokenizer(QWEN)
     agent = AgentSettings(max_turns=3, format="hermes")
     lease_ = reward_lease(tok)
-    assert set(lease_.batch.schema.names) == {ROW_ID, *REWARD_READS, *trajectory_reads(3)}
+    assert set(lease_.batch.schema.names) == {ROW_ID, *REWARD_READS, *trajectory_reads(BOUND)}
     scores = {}
     for rule in ("replace", "add", "ignore"):
         stage = RewardStage(tok, f"{rewards_module}:last_turn", timeout_s=5.0, max_rows=8,
                             on_error="retry", agent=agent, env_reward=rule)
         try:
-            assert stage.columns == (*REWARD_READS, *trajectory_reads(3))
+            assert stage.columns == (*REWARD_READS, *trajectory_reads(BOUND))
             out = stage.process(lease_).to_pylist()
             assert all(r["reward_ok"] for r in out)
             scores[rule] = [r["reward"] for r in out]

@@ -9,18 +9,19 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 
 from storage.schema import ROW_ID, Lease
+from tests.workers.agent.test_env_stage import BOUND, batch_of, row_of
 from workers.agent.hub import hub_problems, hub_spec, trajectory_messages
+from workers.agent.piece_rows import piece_reads
+from workers.agent.pieces import model_piece, observation
 from workers.agent.toolcall import ToolCall, format_observation, render_tool_call
-from workers.agent.trajectory import turn_reads
 from workers.checked import ConfigValueError
 from workers.models.tokenizer import build_char_tokenizer
 from workers.roles.environment import ENV_READS, environment_stages, make_environment
-from workers.roles.reward import RewardStage
-from workers.schema import samples_table_spec
+from workers.roles.reward import RewardStage, trajectory_reads
+from workers.schema import REWARD_READS
 from workers.settings import AgentSettings
 from workers.tasks.problem import Problem
 
@@ -90,17 +91,10 @@ def test_a_taskset_that_cannot_be_had_is_one_line_naming_env_hub():
 
 def lease(tok, turns: list[str], answer: str) -> Lease:
     """Rows of the 3-turn table whose turn 0 said ``turns[i]`` and ended in a tool call."""
-    spec = samples_table_spec("s", group_size=1, reference_worker=False, fsync="never", max_turns=3)
-    n = len(turns)
-    values = {"group_id": list(range(n)), "iteration": [0] * n,
-              "prompt_ids": [ids(tok, "10+11=")] * n, "answer": [answer] * n,
-              "turn0_ids": [ids(tok, t) for t in turns],
-              "turn0_logprobs": [[-0.5] * len(ids(tok, t)) for t in turns],
-              "turn0_version": [0] * n, "turn0_finish": ["tool"] * n}
-    arrays = {ROW_ID: pa.array(range(n), pa.uint64())}
-    arrays.update({k: pa.array(values[k], spec.schema.field(k).type)
-                   for k in (*ENV_READS, *turn_reads(1, 0))})
-    return Lease(1, "s", "env.0", 0, 0.0, pa.RecordBatch.from_pydict(arrays))
+    rows_ = [row_of(i, [model_piece(ids(tok, t), [-0.5] * len(ids(tok, t)), 0, "tool")],
+                    group_id=i, iteration=0, prompt_ids=ids(tok, "10+11="), answer=answer)
+             for i, t in enumerate(turns)]
+    return Lease(1, "s", "env.1", 0, 0.0, batch_of(rows_, (*ENV_READS, *piece_reads(1))))
 
 
 def test_a_tool_call_is_answered_by_the_hub_environment_through_the_stage():
@@ -108,48 +102,41 @@ def test_a_tool_call_is_answered_by_the_hub_environment_through_the_stage():
     env = make_environment(agent())  # the child process of workers.agent.isolated
     try:
         assert env.tools() == ("calculator",)
-        stage = environment_stages(env, tok, agent(), max_rows=8)[0]
+        stage = environment_stages(env, tok, agent(), max_cuts=0, max_rows=8)[0]
         parts = stage.process(lease(tok, [call("calculator", expression="6*7"),
                                           call("calculator", expression="2**99"),
                                           call("search", query="x")], "21"))
         out = {r[ROW_ID]: r for b in parts.batches for r in b.to_pylist()}
-        said = [tok.decode(out[i]["obs0_ids"], skip_special_tokens=False) for i in range(3)]
+        said = [tok.decode(out[i]["piece1_ids"], skip_special_tokens=False) for i in range(3)]
         # the tool's answer, in the template's tool-message turn
-        assert said[0] == TOOL_TURN[0] + "42" + TOOL_TURN[1] and out[0]["obs0_error"] is None
+        assert said[0] == TOOL_TURN[0] + "42" + TOOL_TURN[1] and out[0]["piece1_error"] is None
         # the tool raised: the error, and the tool's own message, is the observation
         assert "only integers with + - * are supported" in said[1]
-        assert out[1]["obs0_error"] == "tool_error"
+        assert out[1]["piece1_error"] == "tool_error"
         # a tool the environment does not serve never reaches it
-        assert out[2]["obs0_error"] == "unknown_tool" and "calculator" in said[2]
+        assert out[2]["piece1_error"] == "unknown_tool" and "calculator" in said[2]
         assert all(out[i].get("finish_reason") is None for i in range(3))  # they go on
     finally:
         env.close()
 
 
 def reward_lease(tok, trajectories: list[tuple[list[str], list[str]]]) -> Lease:
-    """Ended 3-turn trajectories (turns, observations) of the prompt 10+11=, as the turn tasks
+    """Ended 3-turn trajectories (turns, observations) of the prompt 10+11=, as the piece tasks
     leave them for the reward role."""
-    spec = samples_table_spec("s", group_size=1, reference_worker=False, fsync="never", max_turns=3)
-    n, eos = len(trajectories), [tok.eos_token_id]
-    values: dict[str, list] = {"answer": ["21"] * n, "iteration": [0] * n, "group_id": [0] * n,
-                               "finish_reason": ["stop"] * n, "env_reward": [None] * n,
-                               "response_ids": []}
-    for t in range(3):
-        values[f"turn{t}_ids"] = [ids(tok, ts[t]) + (eos if t == len(ts) - 1 else [])
-                                  if t < len(ts) else None for ts, _ in trajectories]
-        values[f"turn{t}_finish"] = [("tool" if t < len(ts) - 1 else "stop")
-                                     if t < len(ts) else None for ts, _ in trajectories]
-        if t < 2:
-            values[f"obs{t}_ids"] = [ids(tok, format_observation(os[t], wrapping=TOOL_TURN))
-                                     if t < len(os) else None for _, os in trajectories]
-            values[f"obs{t}_error"] = [None] * n
-    for ts, os in trajectories:
-        text = "".join(t + (format_observation(os[k], wrapping=TOOL_TURN) if k < len(os) else "")
-                       for k, t in enumerate(ts))
-        values["response_ids"].append(ids(tok, text) + eos)
-    arrays = {ROW_ID: pa.array(range(n), pa.uint64())}
-    arrays.update({k: pa.array(v, spec.schema.field(k).type) for k, v in values.items()})
-    return Lease(1, "s", "reward", 0, 0.0, pa.RecordBatch.from_pydict(arrays))
+    eos = [tok.eos_token_id]
+    rows_ = []
+    for i, (ts, os) in enumerate(trajectories):
+        pieces = []
+        for t, text in enumerate(ts):
+            last = t == len(ts) - 1
+            said = ids(tok, text) + (eos if last else [])
+            pieces.append(model_piece(said, [-0.5] * len(said), 0, "stop" if last else "tool"))
+            if t < len(os):
+                pieces.append(observation(ids(tok, format_observation(os[t],
+                                                                      wrapping=TOOL_TURN))))
+        rows_.append(row_of(i, pieces, "stop", None, answer="21", iteration=0, group_id=0))
+    return Lease(1, "s", "reward", 0, 0.0, batch_of(rows_, tuple(dict.fromkeys(
+        (*REWARD_READS, *trajectory_reads(BOUND))))))
 
 
 def test_the_tasks_rewards_score_a_completed_trajectory():

@@ -9,8 +9,8 @@ import pytest
 
 from workers.agent.environments import StepContext, execute
 from workers.agent.isolated import IsolatedEnvironment
+from workers.agent.observe import make_environment
 from workers.agent.toolcall import ToolCall, render_tool_call
-from workers.roles.environment import make_environment
 from workers.settings import AgentSettings
 
 CTX = StepContext(prompt="p", answer="a", turn=2, calls=(ToolCall("say", {"text": "x"}),))

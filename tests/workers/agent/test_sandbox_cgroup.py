@@ -14,8 +14,8 @@ import pytest
 
 from tests.workers.agent.test_sandbox import pids_running, wait_for
 from workers.agent import cgroup
+from workers.agent.observe import make_environment
 from workers.agent.sandbox import SandboxLimits, SandboxResult, memory_plan, run_python
-from workers.roles.environment import make_environment
 from workers.settings import AgentSettings
 
 pytestmark = pytest.mark.slow  # every case starts real, isolated processes
@@ -196,7 +196,7 @@ def test_without_a_cgroup_the_fallback_bounds_the_sum(monkeypatch, tmp_path, cap
     res = run_python("import json, re, collections, fractions, decimal\nprint('ok')", limits)
     assert res.stdout == "ok\n" and res.error is None, res
     # the environment worker says which mode holds when it makes the python tool
-    with caplog.at_level(logging.INFO, logger="workers.roles.environment"):
+    with caplog.at_level(logging.INFO, logger="workers.agent.observe"):
         make_environment(AgentSettings(max_turns=2, fn="python"))
     assert any(cgroup.FALLBACK in r.getMessage() and "no-cgroups" in r.getMessage()
                for r in caplog.records), caplog.text
@@ -214,8 +214,8 @@ def test_v2_without_the_pids_controller_falls_back(monkeypatch, tmp_path):
 
 
 def test_the_mode_is_logged_when_the_python_environment_is_made(caplog):
-    with caplog.at_level(logging.INFO, logger="workers.roles.environment"):
+    with caplog.at_level(logging.INFO, logger="workers.agent.observe"):
         make_environment(AgentSettings(max_turns=2, fn="python"))
     expected = memory_plan(AgentSettings(max_turns=2, fn="python").sandbox.limits()).describe()
-    assert [r.getMessage() for r in caplog.records if r.name == "workers.roles.environment"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "workers.agent.observe"] == [
         f"python tool sandbox: {expected}"]

@@ -17,15 +17,17 @@ from testkit import wait_until
 import storage
 from storage.schema import ROW_ID
 from workers.agent.environments import CalculatorEnvironment
-from workers.agent.trajectory import History, Turn, close_turn
+from workers.agent.pieces import History, Rules, model_piece, observation
+from workers.agent.toolcall import marker_ids
 from workers.engines.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from workers.models.local import TinyModelSpec, build_tiny_model
 from workers.models.tokenizer import build_char_tokenizer, encode_prompt
+from workers.roles.continuation import rollout_stages as stages_of
 from workers.roles.environment import environment_stages
-from workers.roles.loop import StageLoop, serve_stages, write_parts
-from workers.roles.rollout import RolloutStage
-from workers.roles.turns import TurnPolicy, marker_ids, turn_seed, turn_stages
+from workers.roles.loop import StageLoop, serve_stages
+from workers.roles.rollout import RolloutStage, turn_seed
 from workers.runtime.events import EventSender
+from workers.runtime.leases import write_parts
 from workers.schema import prompt_rows, samples_table_spec
 from workers.settings import AgentSettings
 
@@ -87,16 +89,16 @@ class NoWeights:
 
 def rollout_stages(engine, *, max_new_tokens: int = 40):  # noqa: ANN001, ANN201
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(EOS,))
-    policy = TurnPolicy(AGENT.max_turns, AGENT.max_total_tokens, max_new_tokens,
-                        marker_ids(TOK, "plain"))
+    rules = Rules(AGENT.max_turns, max_new_tokens, AGENT.max_total_tokens,
+                  marker_ids(TOK, "plain"))
     first = RolloutStage(engine, NoWeights(), params, worker="r", group_size=G,
-                         groups_per_claim=4, seed=3, weight_wait_s=1.0, agent=policy,
-                         max_cuts=0, tail_cut=False)
-    return [first, *turn_stages(first, policy, max_rows=8)]
+                         groups_per_claim=4, seed=3, weight_wait_s=1.0, rules=rules,
+                         tail_cut=False)
+    return stages_of(first)
 
 
 def env_stages():  # noqa: ANN201
-    return environment_stages(CalculatorEnvironment(), TOK, AGENT, max_rows=8)
+    return environment_stages(CalculatorEnvironment(), TOK, AGENT, max_cuts=0, max_rows=8)
 
 
 def put(client, prompts: list[str]) -> None:  # noqa: ANN001
@@ -118,7 +120,8 @@ def run(loops: list[StageLoop]) -> int:
 
 
 RESULT = ["prompt_ids", "response_ids", "response_logprobs", "response_loss_mask",
-          "policy_version", "finish_reason", "turn0_version", "turn1_version", "turn2_version"]
+          "policy_version", "finish_reason", "piece0_version", "piece2_version", "piece4_version",
+          "response_version_runs"]
 
 
 def results(client) -> list[dict]:  # noqa: ANN001
@@ -162,7 +165,9 @@ def test_three_calculator_turns_assemble_exactly() -> None:
         want = expected_three_turns((0, 1, 2))
         for row in rows:
             assert {k: row[k] for k in want} == want
-            assert (row["turn0_version"], row["turn1_version"], row["turn2_version"]) == (0, 1, 2)
+            assert (row["piece0_version"], row["piece2_version"], row["piece4_version"]) == (
+                0, 1, 2)
+            assert [r["version"] for r in row["response_version_runs"]] == [0, 1, 2]
 
 
 def test_a_turn_written_but_never_acked_is_kept_once() -> None:
@@ -223,7 +228,7 @@ def test_ended_trajectories_pass_through_and_every_row_is_freed() -> None:
         try:
             # An ended row is ready for ``reward`` before the later turn tasks ack its NULL
             # cells, so wait for both: every trajectory ended, every turn task drained.
-            chain = ("rollout", "env.0", "rollout.1", "env.1", "rollout.2")
+            chain = ("rollout", "env.1", "rollout.2", "env.3", "rollout.4")
 
             def drained() -> bool:
                 stats = client.stats(TABLE)
@@ -249,12 +254,12 @@ def test_ended_trajectories_pass_through_and_every_row_is_freed() -> None:
         assert by_prompt == {
             "12*34+5=": ("stop", "(=12*34=)408 (=408+5=)413 413", [1] * 9 + [0] * 4 + [1] * 9
                          + [0] * 4 + [1] * 4),
-            "1+1=": ("stop", "2", [1, 1]),  # ended at turn 0 (its eos is not shown)
+            "1+1=": ("stop", "2", None),  # ended at turn 0 (its eos is not shown): all model
             "7*8=": ("tool", "(=7*8=)56 (=56=)56 (=56=)", [1] * 7 + [0] * 3 + [1] * 6 + [0] * 3
                      + [1] * 6),  # out of turns
             "9-9=": ("budget", budget, [1] * 27 + [0] * 3 + [1] * 10),
             # 39 tokens + "18 " would pass 40: the environment ends it, nothing appended
-            "8-8=": ("budget", "(=" + "1+" * 17 + "1=)", [1] * 39),
+            "8-8=": ("budget", "(=" + "1+" * 17 + "1=)", None),
         }
         reward = pa.RecordBatch.from_pydict({
             "reward": pa.array([1.0] * lease.num_rows, pa.float32()),
@@ -295,12 +300,12 @@ def test_the_torch_engine_generates_turn_one_from_the_context(char_model) -> Non
     real = TorchRolloutEngine(char_model, TOK)
     agent = replace(AGENT, max_turns=2)
     params = SamplingParams(max_new_tokens=12, stop_token_ids=(EOS,))
-    policy = TurnPolicy(2, agent.max_total_tokens, 12, marker_ids(TOK, "plain"))
+    rules = Rules(2, 12, agent.max_total_tokens, marker_ids(TOK, "plain"))
     r0 = RolloutStage(FirstTurnScripted(real), NoWeights(), params, worker="r", group_size=G,
-                      groups_per_claim=1, seed=3, weight_wait_s=1.0, agent=policy,
-                      max_cuts=0, tail_cut=False)
-    (r1,) = turn_stages(r0, policy, max_rows=8)
-    (e0,) = environment_stages(CalculatorEnvironment(), TOK, agent, max_rows=8)
+                      groups_per_claim=1, seed=3, weight_wait_s=1.0, rules=rules,
+                      tail_cut=False)
+    (_, r1) = stages_of(r0)
+    (e0,) = environment_stages(CalculatorEnvironment(), TOK, agent, max_cuts=0, max_rows=8)
     with storage.embedded(1) as store:
         client = store.client()
         client.create_table(samples_table_spec(TABLE, group_size=G, reference_worker=False,
@@ -309,27 +314,25 @@ def test_the_torch_engine_generates_turn_one_from_the_context(char_model) -> Non
         put(client, ["7*8="])
         for stage in (r0, e0, r1):
             assert run([loop(client, stage)]) == G
-        lease = client.claim(TABLE, "reward", [*RESULT[:6], "group_id", "turn1_ids"], 8,
+        lease = client.claim(TABLE, "reward", [*RESULT[:6], "group_id", "piece2_ids"], 8,
                              timeout=0.0)
         turn0, obs = ids("(=7*8=)"), ids("56 ")
-        hist = History((Turn(turn0, logprobs(7, 0), 0, "tool"),), (tuple(obs),))
+        hist = History((model_piece(turn0, logprobs(7, 0), 0, "tool"), observation(obs)))
         seeds = set()
         for row in lease.batch.to_pylist():
             assert row["response_ids"][:10] == turn0 + obs
             turn1 = row["response_ids"][10:]
-            assert turn1 == row["turn1_ids"] and len(turn1) >= 1
+            assert turn1 == row["piece2_ids"] and len(turn1) >= 1
             assert row["response_loss_mask"] == [1] * 7 + [0] * 3 + [1] * len(turn1)
             # the real engine, asked directly with the row's context and seed, says the same
             seed = turn_seed(3, row["group_id"], 1, 0, row[ROW_ID])
             seeds.add(seed)
             direct = real.generate([encode_prompt(TOK, "7*8=") + turn0 + obs], 1, replace(
-                policy.params(params, hist), seed=seed, prompt_seeds=(seed,)))[0][0]
-            limit, bound = policy.limit(hist)
-            want = close_turn(direct, version=0, marker=policy.marker, limit=limit,
-                              budget_bound=bound)
-            assert turn1 == want.ids  # (log-probs to float rounding: a batch of two pads one)
+                rules.params(params, [hist]), seed=seed, prompt_seeds=(seed,)))[0][0]
+            want = rules.close(direct, hist, version=0, seed=seed)
+            assert turn1 == list(want.ids)  # (log-probs to float rounding: a batch of two pads)
             assert row["response_logprobs"][10:] == pytest.approx(want.logprobs, abs=1e-5)
-            assert row["finish_reason"] == want.finish
+            assert row["finish_reason"] == want.end
         assert len(seeds) == G  # each row of the group draws its own tokens
 
 
@@ -344,6 +347,6 @@ def test_the_environment_record_round_trips_and_builds_a_stage_per_turn(tmp_path
                                   agent=AGENT)
     back = from_json("environment", to_json(cfg))
     assert back == cfg and isinstance(back.agent, AgentSettings)
-    assert [s.task for s in build_environment(back)] == ["env.0", "env.1"]
+    assert [s.task for s in build_environment(back)] == ["env.1", "env.3"]
     with pytest.raises(ValueError, match="max_turns >= 2"):
         build_environment(replace(cfg, agent=replace(AGENT, max_turns=1)))

@@ -10,15 +10,18 @@ from dataclasses import dataclass, field
 
 import storage
 from storage.schema import ROW_ID
+from workers.agent.pieces import Rules
+from workers.agent.toolcall import marker_ids
 from workers.engines.base import FINISH_STOP, Generation, SamplingParams
 from workers.gateway.app import GatewayServer
 from workers.gateway.book import EpisodeBook, Served
 from workers.gateway.chat import ChatFormat
 from workers.models.tokenizer import build_char_tokenizer
-from workers.roles.loop import LeaseKeeper, serve_stages
+from workers.roles.continuation import rollout_stages
+from workers.roles.loop import serve_stages
 from workers.roles.rollout import RolloutStage
-from workers.roles.turns import TurnPolicy, marker_ids, turn_stages
 from workers.runtime.events import EventSender
+from workers.runtime.leases import LeaseKeeper
 from workers.schema import agent_prompt_rows, samples_table_spec
 
 TOK = build_char_tokenizer()
@@ -94,12 +97,12 @@ def make_rig() -> Iterator[Rig]:
         client.put(TABLE, agent_prompt_rows(0, ["12*34=", "7*8="], ["408", "56"],
                                             group_size=G, min_policy_version=0))
         engine = CalcEngine()
-        policy = TurnPolicy(T, 64, 16, marker_ids(TOK, "plain"), agent_driven=True)
+        rules = Rules(T, 16, 64, marker_ids(TOK, "plain"), agent_driven=True)
         first = RolloutStage(engine, NoWeights(), SamplingParams(max_new_tokens=16,
                              stop_token_ids=(EOS,)), worker="r", group_size=G,
-                             groups_per_claim=4, seed=3, weight_wait_s=1.0, agent=policy,
-                             max_cuts=0, tail_cut=False)
-        stages = turn_stages(first, policy, max_rows=8)
+                             groups_per_claim=4, seed=3, weight_wait_s=1.0, rules=rules,
+                             tail_cut=False)
+        stages = rollout_stages(first)
         stop = threading.Event()
         keeper = LeaseKeeper(store.client)
         rollout = threading.Thread(target=serve_stages, args=(store.client(), TABLE, stages, stop),

@@ -19,7 +19,7 @@ from tests.workers.gateway.gateway_rig import CALCULATOR, SECRET, TABLE, TOK, G,
 from workers.gateway.app import GatewayServer
 from workers.gateway.book import EpisodeBook, Served, episode_key
 from workers.gateway.chat import ChatFormat
-from workers.roles.loop import LeaseKeeper
+from workers.runtime.leases import LeaseKeeper
 from workers.schema import samples_table_spec
 
 

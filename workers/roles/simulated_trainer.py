@@ -1,6 +1,6 @@
-"""The ``simulated`` trainer: the real ``Trainer`` lifecycle over the simulated training engine of
-``workers.engines.simulated`` (kept apart: the trainer imports torch, the other simulated roles do
-not). See docs/engines.md, "The simulated trainer".
+"""The ``simulated`` trainer role: the real ``Trainer`` lifecycle over the simulated training
+engine of ``workers.engines.simulated`` (a role, so above the engines; kept apart: the trainer
+imports torch, the other simulated roles do not). See docs/engines.md, "The simulated trainer".
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 from workers.config import TrainerWorkerConfig
 from workers.engines.simulated import Device, SimulatedTrainingEngine, SimulatedTriModel
-from workers.roles.loop import LeaseKeeper
 from workers.roles.trainer import Trainer
+from workers.runtime.leases import LeaseKeeper
 from workers.weights.file_sync import WeightPublisher
 
 

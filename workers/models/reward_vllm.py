@@ -1,5 +1,5 @@
 """A judge served by vLLM (``reward.engine=vllm``): the ``RewardModel`` contract of
-``workers.engines.reward_model`` over vLLM's offline ``LLM`` API (GPU or CPU build).
+``workers.models.reward_text`` over vLLM's offline ``LLM`` API (GPU or CPU build).
 
 It reads the same text as the torch judge (``render``, the same tokenizer and special tokens:
 the prompts go to vLLM as token ids, so both engines score the same tokens) and scores it the
@@ -20,8 +20,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from workers.engines.reward_model import judge_token_ids, model_kind, parse_score, render
 from workers.engines.vllm_rollout import import_vllm
+from workers.models.reward_text import judge_token_ids, model_kind, parse_score, render
 from workers.settings import RewardModelSettings
 from workers.tasks.verifiers import RewardResult
 
