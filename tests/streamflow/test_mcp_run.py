@@ -45,7 +45,7 @@ def test_a_periodic_run_calls_the_mcp_servers_tools(tiny_config, tmp_path) -> No
     out = Path(cfg.run.output_dir)
     assert summary.status == "ok" and summary.iterations == 1
     events = pq.read_table(out / "trace").to_pylist()
-    calls = [(e["tool"], e["error"]) for e in events if e["task"] == "env.0" and e["tool"]]
+    calls = [(e["tool"], e["error"]) for e in events if e["task"] == "env.1" and e["tool"]]
     assert calls and set(calls) == {("calculator", None)}, calls  # every one answered
     answered = [line.split(" ", 1) for line in log.read_text().splitlines()]
     assert len(answered) >= len(calls)  # by the server (a redelivered row may ask again)

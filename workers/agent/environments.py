@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from workers.agent.toolcall import ToolCall, ToolCallError, parse_tool_call
 from workers.checked import ConfigValueError
-from workers.settings import HUB_PREFIX
 
 if TYPE_CHECKING:
     from workers.agent.sandbox import SandboxLimits, SandboxResult
@@ -274,15 +273,11 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
 
 
 def load_environment(spec: str) -> Environment:
-    """A built-in by name, ``"package.module:ClassOrFactory"`` called with no arguments, or a
-    hub taskset's spec (``workers.agent.hub.hub_spec``). ConfigValueError (a ValueError)
-    naming ``env.fn`` when it cannot be had."""
+    """A built-in by name, or ``"package.module:ClassOrFactory"`` called with no arguments (a hub
+    taskset's spec is ``workers.agent.isolated``'s: the hub adapter builds on this module).
+    ConfigValueError (a ValueError) naming ``env.fn`` when it cannot be had."""
     if spec in BUILTIN_ENVIRONMENTS:
         return BUILTIN_ENVIRONMENTS[spec]()
-    if spec.startswith(HUB_PREFIX):
-        from workers.agent.hub import load_hub_environment
-
-        return _checked(spec, load_hub_environment(spec.removeprefix(HUB_PREFIX)))
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise _error(f"unknown environment {spec!r}; built-in: {', '.join(BUILTIN_ENVIRONMENTS)}"

@@ -18,10 +18,22 @@ the sandbox (``workers.agent.sandbox``).
 from __future__ import annotations
 
 from multiprocessing.connection import Connection
+from typing import Any
 
 from workers.agent.environments import Observation, StepContext, load_environment
 from workers.agent.toolcall import ToolCall
 from workers.runtime.child import ChildDied, ChildLink, ChildStartError, ChildTimeout
+from workers.settings import HUB_PREFIX
+
+
+def _load(spec: str) -> Any:
+    """``load_environment``, or a hub taskset's environment for a hub spec
+    (``workers.agent.hub.hub_spec``: ``env.fn: hub`` runs here, like any user code)."""
+    if spec.startswith(HUB_PREFIX):
+        from workers.agent.hub import load_hub_environment
+
+        return load_hub_environment(spec.removeprefix(HUB_PREFIX))
+    return load_environment(spec)
 
 
 class EnvironmentRaised(Exception):  # noqa: N818 - the user's exception, as text
@@ -30,7 +42,7 @@ class EnvironmentRaised(Exception):  # noqa: N818 - the user's exception, as tex
 
 def _child_main(spec: str, conn: Connection) -> None:
     try:
-        env = load_environment(spec)
+        env = _load(spec)
         conn.send(("ready", tuple(env.tools())))
     except Exception as exc:
         conn.send(("error", str(exc)))

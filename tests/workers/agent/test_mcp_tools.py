@@ -83,7 +83,7 @@ def test_calls_through_the_environment_role_are_answered_by_the_server():
     assert isinstance(env, McpEnvironment)
     tok = chat_tokenizer(None)
     with closing(env):
-        stage = environment_stages(env, tok, agent, max_rows=8)[0]
+        stage = environment_stages(env, tok, agent, max_cuts=0, max_rows=8)[0]
         got = rows(stage.process(lease(tok, [
             call("calculator", expression="6*7"), call("fail", reason="x"), call("nope"),
             render_tool_call(ToolCall("calculator", {"expression": 7}))])))
