@@ -89,14 +89,16 @@ def test_a_run_takes_its_prompts_tools_and_rewards_from_the_hub_environment(
     assert [r["iteration"] for r in records] == [0, 1]
     rows = cfg.data.prompts_per_iteration * cfg.data.group_size
     spans = [json.loads(x) for x in (out / "timeline.jsonl").read_text().splitlines()]
+    answered = 0
     for k, record in enumerate(records):
-        # every row went through the hub environment's task on its way to the reward
+        # the rows that called a tool went through the hub environment's task
         env_rows = sum(s["rows"] for s in spans
                        if s["stage"] == "environment" and s["iteration"] == k)
-        assert env_rows == rows, (k, env_rows)
+        assert env_rows <= rows, (k, env_rows)
+        answered += env_rows
         # the task's rewards (1 x correct + 0.1 x brevity) scored each row: in (0, 1.1]
         assert 0.0 < record["reward_mean"] <= 1.1 and math.isfinite(record["reward_std"])
     # the hub environment's tool answered calls (seeded: the same ones every run)
-    assert sum(r["tool_calls_mean"] for r in records) > 0, records
+    assert answered > 0 and sum(r["tool_calls_mean"] for r in records) > 0, records
     logs = "".join(p.read_text() for p in (out / "logs").glob("*.log"))
     assert "Traceback" not in logs, logs[-3000:]

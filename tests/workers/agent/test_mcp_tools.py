@@ -89,12 +89,12 @@ def test_calls_through_the_environment_role_are_answered_by_the_server():
             render_tool_call(ToolCall("calculator", {"expression": 7}))])))
         pid = env.pid
         assert pid is not None and not gone(pid)
-    text = {r: tok.decode(got[r]["obs0_ids"]) for r in got}
-    assert text[0] == "<tool_response>\n42\n</tool_response>" and got[0]["obs0_error"] is None
-    assert got[1]["obs0_error"] == "tool_error" and "fail" in text[1]
-    assert got[2]["obs0_error"] == "unknown_tool"
+    text = {r: tok.decode(got[r]["piece1_ids"]) for r in got}
+    assert text[0] == "<tool_response>\n42\n</tool_response>" and got[0]["piece1_error"] is None
+    assert got[1]["piece1_error"] == "tool_error" and "fail" in text[1]
+    assert got[2]["piece1_error"] == "unknown_tool"
     assert "unknown tool 'nope'; the tools are calculator, fail, hang" in text[2]
-    assert got[3]["obs0_error"] == "bad_call" and "bad arguments for calculator" in text[3]
+    assert got[3]["piece1_error"] == "bad_call" and "bad arguments for calculator" in text[3]
     assert {r: (tool, error) for r, (tool, _, error) in stage.last_calls.items()} == {
         0: ("calculator", None), 1: ("fail", "tool_error"), 2: ("nope", "unknown_tool"),
         3: ("calculator", "bad_call")}
