@@ -17,7 +17,8 @@ from typing import TypeVar
 
 from storage.ports import free_port
 
-__all__ = ["free_port", "no_children_left", "wait_until", "worker_plan"]
+__all__ = ["NoNewerFiles", "ScriptedWatch", "free_port", "no_children_left", "wait_until",
+           "worker_plan"]
 
 T = TypeVar("T")
 
@@ -101,3 +102,26 @@ class CutAfter(threading.Event):
     def is_set(self) -> bool:
         self.looks += 1
         return self.looks >= self.k
+
+
+class NoNewerFiles:
+    """A ``WeightSubscriber`` with no newer version ever (partial rollout's tests)."""
+
+    directory = "/nonexistent"
+
+    def newest(self) -> None:
+        return None
+
+
+class ScriptedWatch:
+    """A ``VersionWatch`` whose next ``arm`` hands out ``events.pop(0)`` (then a clear one): a
+    test decides which generate call is cut, and when."""
+
+    def __init__(self, *events: threading.Event) -> None:
+        self.events = list(events)
+
+    def arm(self, version: int) -> threading.Event:
+        return self.events.pop(0) if self.events else threading.Event()
+
+    def close(self) -> None:
+        pass

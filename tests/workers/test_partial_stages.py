@@ -10,6 +10,7 @@ import threading
 import pyarrow as pa
 import pytest
 import torch
+from testkit import NoNewerFiles, ScriptedWatch
 
 from storage.schema import ROW_ID, Lease
 from workers.agent.piece_rows import piece_reads
@@ -50,28 +51,6 @@ def test_token_staleness_weights_each_run_by_its_tokens():
     assert stats.tokens_per_version_span == pytest.approx(3.0)
 
 
-class _Files:
-    """A WeightSubscriber with no newer version ever."""
-
-    directory = "/nonexistent"
-
-    def newest(self):
-        return None
-
-
-class _Watch:
-    """A VersionWatch whose ``arm`` hands out ``events.pop(0)`` (then a clear one)."""
-
-    def __init__(self, *events: threading.Event) -> None:
-        self.events = list(events)
-
-    def arm(self, version: int) -> threading.Event:
-        return self.events.pop(0) if self.events else threading.Event()
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def tiny():
     from workers.models.local import TinyModelSpec, build_tiny_model
@@ -97,7 +76,7 @@ def _stage(model, max_cuts: int, watch=None, max_new_tokens: int = 10):
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
     engine = TorchRolloutEngine(model, [], cut_live_fraction=1.0)  # every cut honoured
     rules = Rules(1, max_new_tokens, max_new_tokens, max_cuts=max_cuts) if max_cuts else None
-    return RolloutStage(engine, _Files(), params, worker="r", group_size=2, groups_per_claim=1,
+    return RolloutStage(engine, NoNewerFiles(), params, worker="r", group_size=2, groups_per_claim=1,
                         seed=1, weight_wait_s=1.0, rules=rules, watch=watch, tail_cut=False)
 
 
@@ -116,7 +95,7 @@ def test_a_cut_piece_and_its_continuation_assemble_the_uncut_response(tiny):
 
     model, lease = tiny
     plain = _stage(model, 0).process(lease).to_pydict()
-    partial = _stage(model, R, _Watch(_cut_at(3)))
+    partial = _stage(model, R, ScriptedWatch(_cut_at(3)))
     metrics = WorkerMetrics()  # what a rollout worker serves: read from its stage per scrape
     metrics.follow_partial(partial)
     served = metrics.registry.get_sample_value
@@ -156,7 +135,7 @@ def test_a_row_cut_past_its_bound_goes_on_at_once_uncut(tiny):
     model, lease = tiny
     plain = _stage(model, 0).process(lease).to_pydict()
     again = _cut_at(2)
-    partial = _stage(model, 1, _Watch(_cut_at(3), again))
+    partial = _stage(model, 1, ScriptedWatch(_cut_at(3), again))
     cells = _cells(partial.process(lease).batches)
     _, one = rollout_stages(partial)
     uncut = []
@@ -217,9 +196,9 @@ LEASE = Lease(1, "t", "rollout", 0, 0.0, pa.RecordBatch.from_pydict({
 def _scripted(engine, reference=None):
     from workers.roles.rollout import RolloutStage
 
-    return RolloutStage(engine, _Files(), SamplingParams(max_new_tokens=4), worker="r",
+    return RolloutStage(engine, NoNewerFiles(), SamplingParams(max_new_tokens=4), worker="r",
                         group_size=2, groups_per_claim=1, seed=1, weight_wait_s=1.0,
-                        rules=Rules(1, 4, 4, max_cuts=R), watch=_Watch(),
+                        rules=Rules(1, 4, 4, max_cuts=R), watch=ScriptedWatch(),
                         reference=reference, tail_cut=False)
 
 

@@ -3,10 +3,8 @@ through a real store."""
 
 from __future__ import annotations
 
-import threading
-
 import torch
-from testkit import CutAfter
+from testkit import CutAfter, NoNewerFiles, ScriptedWatch
 
 import storage
 from workers.agent.pieces import Rules
@@ -15,28 +13,6 @@ from workers.runtime.leases import write_parts
 from workers.schema import prompt_rows, samples_table_spec
 
 R = 3
-
-
-class _Files:
-    """A WeightSubscriber with no newer version ever."""
-
-    directory = "/nonexistent"
-
-    def newest(self):
-        return None
-
-
-class _Watch:
-    """A VersionWatch whose next ``arm`` hands out ``events.pop(0)`` (then a clear one)."""
-
-    def __init__(self, *events: threading.Event) -> None:
-        self.events = list(events)
-
-    def arm(self, version: int) -> threading.Event:
-        return self.events.pop(0) if self.events else threading.Event()
-
-    def close(self) -> None:
-        pass
 
 
 def test_cut_rows_ride_the_next_rollout_call_and_end_as_if_never_cut():
@@ -62,7 +38,7 @@ def test_cut_rows_ride_the_next_rollout_call_and_end_as_if_never_cut():
     def stage(max_cuts: int, watch=None) -> RolloutStage:
         engine = TorchRolloutEngine(model, [], cut_live_fraction=1.0)  # every cut honoured
         rules = Rules(1, 12, 12, max_cuts=max_cuts) if max_cuts else None
-        return RolloutStage(engine, _Files(), params, worker="r",
+        return RolloutStage(engine, NoNewerFiles(), params, worker="r",
                             group_size=2, groups_per_claim=1, seed=1, weight_wait_s=1.0,
                             rules=rules, watch=watch, tail_cut=False)
 
@@ -77,7 +53,7 @@ def test_cut_rows_ride_the_next_rollout_call_and_end_as_if_never_cut():
                          for _ in range(2))
         plain = {lease.batch.column("group_id")[0].as_py(): stage(0).process(lease).to_pylist()
                  for lease in (first, second)}
-        partial = stage(R, _Watch(CutAfter(3)))
+        partial = stage(R, ScriptedWatch(CutAfter(3)))
         write_parts(client, "t", first, partial.process(first))  # cut: segment 0 only
         client.ack(first)
         assert partial.cuts_total == 2

@@ -12,7 +12,7 @@ from contextlib import closing
 
 import pyarrow as pa
 from test_turns import AGENT, EOS, SCRIPTS, TABLE, TOK, G, ids, put, run
-from testkit import CutAfter, wait_until
+from testkit import CutAfter, ScriptedWatch, wait_until
 
 import storage
 from workers.agent.environments import CalculatorEnvironment
@@ -107,19 +107,6 @@ class Published:
         return {}, 0
 
 
-class Cuts:
-    """A VersionWatch handing each call the next of ``events`` (then a clear one)."""
-
-    def __init__(self, *events: threading.Event) -> None:
-        self.events = list(events)
-
-    def arm(self, version: int) -> threading.Event:
-        return self.events.pop(0) if self.events else threading.Event()
-
-    def close(self) -> None:
-        pass
-
-
 def stages(engine, weights, watch):  # noqa: ANN001, ANN201
     rules = Rules(AGENT.max_turns, 40, AGENT.max_total_tokens, marker_ids(TOK, "plain"),
                   max_cuts=R)
@@ -143,7 +130,7 @@ def test_a_turn_cut_mid_marker_resumes_with_newer_weights_and_assembles_exactly(
     attributed to the wrong version, a continuation redraws used tokens, the marker split by a
     cut is missed, or the runs do not say which version sampled which token."""
     engine, weights = CuttableScript(), Published()
-    by_task = stages(engine, weights, Cuts(CutAfter(8), threading.Event(), CutAfter(4),
+    by_task = stages(engine, weights, ScriptedWatch(CutAfter(8), threading.Event(), CutAfter(4),
                                           threading.Event(), CutAfter(2)))
     with storage.embedded(1) as store:
         client = store.client()
