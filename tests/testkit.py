@@ -13,11 +13,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from storage.ports import free_port
 
-__all__ = ["NoNewerFiles", "ScriptedWatch", "free_port", "no_children_left", "wait_until",
+__all__ = ["NoNewerFiles", "ScriptedWatch", "free_port", "written_cells", "no_children_left", "wait_until",
            "worker_plan"]
 
 T = TypeVar("T")
@@ -125,3 +125,15 @@ class ScriptedWatch:
 
     def close(self) -> None:
         pass
+
+
+def written_cells(batches: Any) -> dict[int, dict]:
+    """row id -> {column: value} over a stage's write batches (a cell written twice is an
+    error)."""
+    out: dict[int, dict] = {}
+    for b in batches:
+        for row in b.to_pylist():
+            cells = out.setdefault(row.pop("row_id"), {})
+            assert not set(cells) & set(row), "a cell written twice"
+            cells.update(row)
+    return out

@@ -10,7 +10,7 @@ import threading
 import pyarrow as pa
 import pytest
 import torch
-from testkit import NoNewerFiles, ScriptedWatch
+from testkit import NoNewerFiles, ScriptedWatch, written_cells
 
 from storage.schema import ROW_ID, Lease
 from workers.agent.piece_rows import piece_reads
@@ -23,16 +23,6 @@ R = 3
 SPEC = samples_table_spec("t", group_size=2, reference_worker=False, fsync="never",
                           partial_cuts=R)
 
-
-def _cells(batches):
-    """row id -> {column: value} over the write batches (a cell written twice is an error)."""
-    out: dict[int, dict] = {}
-    for b in batches:
-        for row in b.to_pylist():
-            cells = out.setdefault(row.pop(ROW_ID), {})
-            assert not set(cells) & set(row), "a cell written twice"
-            cells.update(row)
-    return out
 
 
 def _rows(task: str, rows: list[dict], names: tuple[str, ...]) -> Lease:
@@ -100,7 +90,7 @@ def test_a_cut_piece_and_its_continuation_assemble_the_uncut_response(tiny):
     metrics.follow_partial(partial)
     served = metrics.registry.get_sample_value
     assert served("streamflow_rollout_cuts_total") == 0
-    cells = _cells(partial.process(lease).batches)
+    cells = written_cells(partial.process(lease).batches)
     assert partial.cuts_total == 2 and served("streamflow_rollout_cuts_total") == 2
     for r in (0, 1):
         assert cells[r]["piece0_end"] == FINISH_CUT and cells[r]["piece0_to_model"]
@@ -112,7 +102,7 @@ def test_a_cut_piece_and_its_continuation_assemble_the_uncut_response(tiny):
             "prompt_ids": lease.batch.column("prompt_ids")[0].as_py()}
     rows = _rows("rollout.1", [{**base, **cells[r], ROW_ID: r} for r in (0, 1)],
                  (*ROLLOUT_READS, *piece_reads(1)))
-    out = _cells(one.process(rows).batches)
+    out = written_cells(one.process(rows).batches)
     resumed_tokens = sum(len(plain["response_ids"][r]) - 3 for r in (0, 1))
     assert served("streamflow_rollout_resumed_tokens_total") == resumed_tokens > 0
     assert served("streamflow_rollout_cuts_total") == 2  # the continuation ended both
@@ -136,7 +126,7 @@ def test_a_row_cut_past_its_bound_goes_on_at_once_uncut(tiny):
     plain = _stage(model, 0).process(lease).to_pydict()
     again = _cut_at(2)
     partial = _stage(model, 1, ScriptedWatch(_cut_at(3), again))
-    cells = _cells(partial.process(lease).batches)
+    cells = written_cells(partial.process(lease).batches)
     _, one = rollout_stages(partial)
     uncut = []
     generate = partial.engine.generate
@@ -145,7 +135,7 @@ def test_a_row_cut_past_its_bound_goes_on_at_once_uncut(tiny):
             "prompt_ids": lease.batch.column("prompt_ids")[0].as_py()}
     rows = _rows("rollout.1", [{**base, **cells[r], ROW_ID: r} for r in (0, 1)],
                  (*ROLLOUT_READS, *piece_reads(1)))
-    out = _cells(one.process(rows).batches)
+    out = written_cells(one.process(rows).batches)
     assert again.looks >= 2 and len(uncut) == 1  # cut again, then continued in one more call
     assert partial.cuts_total == 2  # the two piece-0 cuts; the second cut never stands
     for r in (0, 1):
@@ -206,7 +196,7 @@ def test_with_the_reference_in_rollout_only_ended_rows_carry_ref_logprobs_in_the
     # Breaks if a cut row is scored (it has no response yet) or an ended row's ref_logprobs go
     # in a separate write (the trainer could claim the row before them).
     stage = _scripted(_Scripted(GENS), _Reference())
-    cells = _cells(stage.process(LEASE).batches)
+    cells = written_cells(stage.process(LEASE).batches)
     assert "ref_logprobs" not in cells[10] and cells[10]["piece0_ids"] == [1, 2]
     assert cells[11]["ref_logprobs"] == [-1.0] and cells[11]["response_ids"] == [3]
     assert cells[11]["policy_version"] == 7 and stage.cuts_total == 1
@@ -227,11 +217,11 @@ def test_the_loops_early_writes_end_finished_rows_and_leave_the_rest_to_its_writ
     # rows), or lost from both, or the early write differs from the loop's write of it.
     from workers.roles.riding import Riding
 
-    alone = _cells(_scripted(_Scripted(GENS)).process(LEASE).batches)
+    alone = written_cells(_scripted(_Scripted(GENS)).process(LEASE).batches)
     client = _Client()
     riding = Riding(client, "t", {}, max_rows=2, early_s=0.0)
-    rest = _cells(riding.process(_scripted(_Finishing(GENS)), LEASE).batches)
-    assert set(rest) == {10} and _cells(client.writes) == {11: alone[11]}
+    rest = written_cells(riding.process(_scripted(_Finishing(GENS)), LEASE).batches)
+    assert set(rest) == {10} and written_cells(client.writes) == {11: alone[11]}
     assert rest[10] == alone[10] and riding.early_rows_total == 1
 
 

@@ -6,13 +6,13 @@ rewards score completed trajectories through the reward role."""
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 import pytest
 
 from storage.schema import ROW_ID, Lease
 from tests.workers.agent.test_env_stage import BOUND, batch_of, row_of
+from tests.workers.agent.test_env_stage import chat_tokenizer as chat_tokenizer_of
 from workers.agent.hub import hub_problems, hub_spec, trajectory_messages
 from workers.agent.piece_rows import piece_reads
 from workers.agent.pieces import model_piece, observation
@@ -41,13 +41,8 @@ def fixtures_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))
 
 
-def chat_tokenizer(template: str = CHATML):
-    alphabet = "".join(dict.fromkeys(string.ascii_letters + string.digits + string.punctuation
-                                     + " \n"))
-    tok = build_char_tokenizer(alphabet)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = template
-    return tok
+def chat_tokenizer(template: str = CHATML):  # noqa: ANN201
+    return chat_tokenizer_of(template)  # test_env_stage's, with ChatML by default
 
 
 def ids(tok, text: str) -> list[int]:

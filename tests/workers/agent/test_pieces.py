@@ -4,8 +4,8 @@ assembled response, the reader, the writer with its NULL fill, and the piece tas
 
 from __future__ import annotations
 
-import pyarrow as pa
 import pytest
+from testkit import written_cells
 
 from storage.schema import ROW_ID
 from workers.agent.piece_rows import (
@@ -34,16 +34,6 @@ OBS0 = observation([8, 9])
 T1 = model_piece([4, 5], [-1.25, -1.5], 7, "stop", seed=71)
 RULES = Rules(max_turns=3, max_new_tokens=8, max_total_tokens=40, marker=(17, 19), max_cuts=2)
 
-
-def _cells(batches: list[pa.RecordBatch]) -> dict[int, dict]:
-    """row id -> {column: value} over the write batches (a cell written twice is an error)."""
-    out: dict[int, dict] = {}
-    for b in batches:
-        for row in b.to_pylist():
-            cells = out.setdefault(row.pop(ROW_ID), {})
-            assert not set(cells) & set(row), "a cell written twice"
-            cells.update(row)
-    return out
 
 
 def test_single_turn_uncut_table_is_unchanged_and_the_others_add_pieces_and_tasks():
@@ -140,8 +130,8 @@ def test_params_stop_on_a_one_token_marker_and_take_the_roomiest_row(marker, sto
 
 
 def test_the_reader_reads_pieces_back_and_sees_a_null_as_ended():
-    row = _cells(piece_writes(0, 5, [Step(1, History(), T0, TO_ENV)]))[1]
-    row.update(_cells(piece_writes(1, 5, [Step(1, History((T0,)), OBS0, TO_MODEL)]))[1])
+    row = written_cells(piece_writes(0, 5, [Step(1, History(), T0, TO_ENV)]))[1]
+    row.update(written_cells(piece_writes(1, 5, [Step(1, History((T0,)), OBS0, TO_MODEL)]))[1])
     assert set(piece_reads(2)) <= set(row)
     assert read_history(row, 2) == History((T0, OBS0))
     assert read_history({**row, "piece1_ids": None}, 2) is None
@@ -156,7 +146,7 @@ def test_going_rows_write_their_piece_and_both_gates_ending_rows_the_response_an
     assert on.column(ROW_ID).to_pylist() == [10]
     cells = on.to_pylist()[0]
     assert (cells["piece0_to_env"], cells["piece0_to_model"]) == (True, None)
-    row = _cells([done])[11]
+    row = written_cells([done])[11]
     assert row["response_ids"] == [1, 2] and row["response_loss_mask"] is None
     assert (row["policy_version"], row["finish_reason"], row["env_reward"]) == (3, "stop", None)
     assert row["response_version_runs"] == [{"start": 0, "version": 3}]
@@ -177,12 +167,12 @@ def test_an_ending_observation_is_not_appended_but_its_error_and_reward_are_kept
         Step(7, hist, observation([9], None, "done"), "done", 0.75)])
     assert "env_reward" not in on.schema.names
     assert on.to_pylist()[0]["piece1_to_model"] is True
-    rows = _cells([done])
+    rows = written_cells([done])
     assert rows[6]["piece1_ids"] is None and rows[6]["piece1_error"] == "tool_error"
     assert rows[6]["response_ids"] == [1, 2, 3] and rows[6]["finish_reason"] == "budget"
     assert rows[6]["response_loss_mask"] is None
     assert (rows[7]["env_reward"], rows[7]["finish_reason"]) == (0.75, "done")
-    full = {**rows[6], **_cells(piece_writes(0, 5, [Step(6, History(), T0, TO_ENV)]))[6]}
+    full = {**rows[6], **written_cells(piece_writes(0, 5, [Step(6, History(), T0, TO_ENV)]))[6]}
     got, tail = read_trajectory(full, 5)
     assert got == hist and tail is not None and tail.error == "tool_error"
 
